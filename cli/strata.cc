@@ -1,0 +1,100 @@
+// The strata command-line program: one binary, one subcommand per job.
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "args.h"
+#include "io_bench.h"
+#include "strata/engine/build_info.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(strata: train and fine-tune models larger than GPU memory
+
+usage: strata <command> [options]
+
+commands:
+  bench io     bandwidth of the NVMe I/O engine beside fio (same file system, block size,
+               queue depth), sequential and random, read and write
+  version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
+  help         this text
+
+`strata <command> --help` shows the options of a command.
+)";
+
+constexpr const char* kBenchIoUsage = R"(usage: strata bench io [options]
+
+Measures the I/O engine (O_DIRECT, pinned buffers) and fio side by side on one directory and
+prints one JSON line per pattern and a final summary JSON line.
+
+options:
+  --dir PATH         directory to test (default: strata-bench-io, created if missing)
+  --size BYTES       file size per side (default 1G; suffixes K, M, G, T)
+  --block BYTES      block size (default 1M)
+  --qd N             queue depth (default 32)
+  --backend NAME     auto | io_uring | threads (default auto)
+  --patterns LIST    comma-separated: write,read,randwrite,randread (default: all four)
+  --repeat N         runs per pattern and side, best reported (default 1)
+  --fio PATH         fio executable, or "none" to skip the baseline (default fio)
+  --keep             keep the test files
+)";
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, sep)) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+int bench_io(const std::vector<std::string>& argv) {
+  for (const auto& a : argv) {
+    if (a == "--help" || a == "-h") {
+      std::cout << kBenchIoUsage;
+      return 0;
+    }
+  }
+  strata::cli::Args args(argv, {"dir", "size", "block", "qd", "backend", "patterns", "repeat", "fio"},
+                         {"keep"});
+  strata::bench::IoBenchOptions o;
+  o.dir = args.get("dir", o.dir.string());
+  o.file_bytes = args.size("size", o.file_bytes);
+  o.block_bytes = args.size("block", o.block_bytes);
+  o.queue_depth = args.count("qd", o.queue_depth);
+  o.backend = strata::offload::parse_io_backend(args.get("backend", "auto"));
+  if (args.has("patterns")) o.patterns = split(args.get("patterns", ""), ',');
+  o.repeat = std::max(1u, args.count("repeat", o.repeat));
+  o.fio = args.get("fio", o.fio);
+  o.keep_files = args.has("keep");
+  strata::bench::run_io_bench(o);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
+      std::cout << kUsage;
+      return args.empty() ? 2 : 0;
+    }
+    if (args[0] == "version" || args[0] == "--version") {
+      std::cout << strata::engine::build_info();
+      return 0;
+    }
+    if (args[0] == "bench") {
+      if (args.size() >= 2 && args[1] == "io") return bench_io({args.begin() + 2, args.end()});
+      std::cerr << "strata bench: expected a benchmark name (io)\n";
+      return 2;
+    }
+    std::cerr << "strata: unknown command '" << args[0] << "'\n\n" << kUsage;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "strata: error: " << e.what() << "\n";
+    return 1;
+  }
+}

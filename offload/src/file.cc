@@ -1,0 +1,120 @@
+#include "strata/offload/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <utility>
+
+#include "strata/offload/io_status.h"
+
+namespace strata::offload {
+
+namespace {
+
+int open_flags(OpenMode mode) {
+  switch (mode) {
+    case OpenMode::kRead: return O_RDONLY;
+    case OpenMode::kReadWrite: return O_RDWR;
+    case OpenMode::kCreate: return O_RDWR | O_CREAT;
+    case OpenMode::kTruncate: return O_RDWR | O_CREAT | O_TRUNC;
+  }
+  return O_RDONLY;
+}
+
+// Direct-I/O alignment of the file's device: statx(STATX_DIOALIGN) where the kernel reports it
+// (Linux >= 6.1), else 4096, which satisfies every device with logical blocks <= 4 KiB.
+void dio_alignment(int fd, uint32_t* offset_align, uint32_t* memory_align) {
+  *offset_align = 4096;
+  *memory_align = 4096;
+#if defined(STATX_DIOALIGN)
+  struct statx stx {};
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 && (stx.stx_mask & STATX_DIOALIGN) &&
+      stx.stx_dio_offset_align != 0 && stx.stx_dio_mem_align != 0) {
+    *offset_align = stx.stx_dio_offset_align;
+    *memory_align = stx.stx_dio_mem_align;
+  }
+#else
+  (void)fd;
+#endif
+}
+
+}  // namespace
+
+File File::open(const std::filesystem::path& path, OpenMode mode, bool try_direct) {
+  File f;
+  f.path_ = path.string();
+  const int flags = open_flags(mode) | O_CLOEXEC;
+  f.buffered_fd_ = ::open(f.path_.c_str(), flags, 0644);
+  if (f.buffered_fd_ < 0) {
+    const int err = errno;
+    throw_errno(err, "open", f.path_ + (err == ENOENT ? " (missing file or directory)" : ""));
+  }
+  if (try_direct) {
+    // O_TRUNC was already applied by the first open; never truncate twice.
+    const int dflags = (open_flags(mode) & ~(O_CREAT | O_TRUNC)) | O_CLOEXEC | O_DIRECT;
+    f.direct_fd_ = ::open(f.path_.c_str(), dflags);
+    if (f.direct_fd_ < 0 && errno != EINVAL) {
+      const int err = errno;
+      throw_errno(err, "open (O_DIRECT)", f.path_);
+    }
+    // EINVAL: the file system refuses O_DIRECT; stay buffered.
+    if (f.direct_fd_ >= 0) dio_alignment(f.direct_fd_, &f.offset_align_, &f.memory_align_);
+  }
+  return f;
+}
+
+File::File(File&& other) noexcept { *this = std::move(other); }
+
+File& File::operator=(File&& other) noexcept {
+  if (this != &other) {
+    close();
+    path_ = std::move(other.path_);
+    direct_fd_ = std::exchange(other.direct_fd_, -1);
+    buffered_fd_ = std::exchange(other.buffered_fd_, -1);
+    offset_align_ = other.offset_align_;
+    memory_align_ = other.memory_align_;
+  }
+  return *this;
+}
+
+File::~File() { close(); }
+
+void File::close() noexcept {
+  if (direct_fd_ >= 0) ::close(direct_fd_);
+  if (buffered_fd_ >= 0) ::close(buffered_fd_);
+  direct_fd_ = buffered_fd_ = -1;
+}
+
+uint64_t File::size() const {
+  struct stat st {};
+  if (fstat(buffered_fd_, &st) != 0) throw_errno(errno, "fstat", path_);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+void File::truncate(uint64_t size) const {
+  if (ftruncate(buffered_fd_, static_cast<off_t>(size)) != 0) {
+    throw_errno(errno, "ftruncate to " + std::to_string(size) + " bytes", path_);
+  }
+}
+
+void File::reserve(uint64_t offset, uint64_t length) const {
+  if (length == 0) return;
+  if (fallocate(buffered_fd_, 0, static_cast<off_t>(offset), static_cast<off_t>(length)) == 0) {
+    return;
+  }
+  const int err = errno;
+  if (err == EOPNOTSUPP || err == ENOSYS) {
+    if (size() < offset + length) truncate(offset + length);
+    return;
+  }
+  throw_errno(err, "fallocate offset " + std::to_string(offset) + " length " +
+                       std::to_string(length), path_);
+}
+
+void File::sync() const {
+  if (fsync(buffered_fd_) != 0) throw_errno(errno, "fsync", path_);
+}
+
+}  // namespace strata::offload

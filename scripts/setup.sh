@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Installs everything Strata needs on a Debian 12 machine, then configures and builds it.
+# Idempotent: packages already present are not reinstalled, the Python environment is cached
+# under $STRATA_CACHE (default ~/.cache/strata) and rebuilt only when requirements change,
+# and the build directory is reused (ccache makes rebuilds cheap).
+#
+# Usage: scripts/setup.sh [--no-build]
+# Environment: STRATA_CACHE, STRATA_BUILD_DIR (default build), STRATA_JOBS (default nproc).
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache=${STRATA_CACHE:-$HOME/.cache/strata}
+build_dir=${STRATA_BUILD_DIR:-$repo/build}
+jobs=${STRATA_JOBS:-$(nproc)}
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# --- Debian packages -------------------------------------------------------------------------
+debs=(build-essential cmake ninja-build ccache pkg-config git
+      liburing-dev nlohmann-json3-dev libboost-dev libgtest-dev libgmock-dev
+      fio python3 python3-venv python3-dev)
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "installing Debian packages: ${missing[*]}"
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- Python environment: libtorch (from the torch wheel) and test oracles ---------------------
+# The torch version is pinned to the GPU machine's (2.11.0) so one C++ API serves both.
+venv=$cache/venv
+req=$repo/scripts/requirements.txt
+stamp=$venv/.strata-requirements.sha256
+want=$(sha256sum "$req" | cut -d' ' -f1)
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  log "creating Python environment in $venv (torch wheel is large: first run takes minutes)"
+  mkdir -p "$cache"
+  # Debian's interpreter, so the venv does not depend on whatever python3 is first on PATH.
+  py=/usr/bin/python3; [ -x "$py" ] || py=python3
+  [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check -r "$req"
+  echo "$want" >"$stamp"
+fi
+
+[ "${1:-}" = "--no-build" ] && exit 0
+
+# --- Configure and build ---------------------------------------------------------------------
+torch_prefix=$("$venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+if [ ! -f "$build_dir/build.ninja" ]; then
+  log "configuring $build_dir"
+  cmake -S "$repo" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_PREFIX_PATH="$torch_prefix" -DSTRATA_PYTHON="$venv/bin/python" >/dev/null
+fi
+log "building with $jobs jobs"
+cmake --build "$build_dir" -j "$jobs"

@@ -1,0 +1,27 @@
+# Runs `strata bench io` on a small file and checks its final JSON line: every pattern measured
+# on both sides with positive bandwidth, and ratio == value / baseline_value.
+execute_process(COMMAND ${STRATA} bench io --dir ${DIR} --size 32M --block 1M --qd 8
+                OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "strata bench io failed (${rc}):\n${err}\n${out}")
+endif()
+string(STRIP "${out}" out)
+string(REGEX REPLACE ".*\n" "" last "${out}")
+string(JSON metric GET "${last}" metric)
+if(NOT metric STREQUAL "io_bandwidth_GBps")
+  message(FATAL_ERROR "unexpected final line: ${last}")
+endif()
+foreach(p write read randwrite randread)
+  string(JSON v GET "${last}" value ${p})
+  string(JSON b GET "${last}" baseline_value ${p})
+  string(JSON r GET "${last}" ratio ${p})
+  if(NOT v GREATER 0 OR NOT b GREATER 0)
+    message(FATAL_ERROR "${p}: value ${v} baseline ${b}: ${last}")
+  endif()
+  execute_process(COMMAND awk "BEGIN { exit !((${r} * ${b} - ${v}) ^ 2 < 1e-9 * ${v} * ${v}) }"
+                  RESULT_VARIABLE bad)
+  if(NOT bad EQUAL 0)
+    message(FATAL_ERROR "${p}: ratio ${r} != ${v} / ${b}")
+  endif()
+endforeach()
+message(STATUS "bench io: ${last}")

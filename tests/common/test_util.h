@@ -1,0 +1,50 @@
+// Helpers shared by the test suites.
+#pragma once
+
+#include <stdlib.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace strata::test {
+
+// A fresh directory removed with its contents at the end of the test. $STRATA_TEST_DIR chooses
+// the parent (default: the system temp directory).
+class TempDir {
+ public:
+  TempDir() {
+    const char* parent = std::getenv("STRATA_TEST_DIR");
+    std::string tmpl = (parent ? std::filesystem::path(parent)
+                               : std::filesystem::temp_directory_path()) /
+                       "strata-test-XXXXXX";
+    if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp " + tmpl);
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+inline std::vector<std::byte> random_bytes(size_t n, uint64_t seed) {
+  std::vector<std::byte> v(n);
+  std::mt19937_64 rng(seed);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  return v;
+}
+
+inline void fill_random(std::byte* p, size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i < n; ++i) p[i] = static_cast<std::byte>(rng());
+}
+
+}  // namespace strata::test
