@@ -9,7 +9,7 @@ bool IoFuture::ready() const {
   return state_->done;
 }
 
-const IoStatus& IoFuture::wait() const {
+IoStatus IoFuture::wait() const {
   std::unique_lock lock(state_->mu);
   state_->cv.wait(lock, [&] { return state_->done; });
   return state_->status;  // immutable once done

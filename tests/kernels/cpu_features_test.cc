@@ -43,7 +43,9 @@ TEST(CpuFeatures, BestPathIsRunnableAndNamesRoundTrip) {
   EXPECT_EQ(checked_isa(Isa::kScalar), Isa::kScalar);
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) EXPECT_EQ(parse_isa(to_string(isa)), isa);
   EXPECT_THROW(parse_isa("sse9"), std::invalid_argument);
-  if (!cpu_features().avx512f) EXPECT_THROW(checked_isa(Isa::kAvx512), std::invalid_argument);
+  if (!cpu_features().avx512f) {
+    EXPECT_THROW(checked_isa(Isa::kAvx512), std::invalid_argument);
+  }
 }
 
 }  // namespace

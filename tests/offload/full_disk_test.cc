@@ -45,7 +45,7 @@ TEST_P(FullDisk, WritePastCapacityFailsWithEnospcAndEarlierDataSurvives) {
 
   File big = File::open(dir_ / "big.bin", OpenMode::kTruncate);
   PinnedBuffer b = pool_.allocate(8 << 20);
-  const IoStatus& s = io_->write(big, 0, b.span()).wait();
+  const IoStatus s = io_->write(big, 0, b.span()).wait();
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(s.is_no_space()) << s.message();
   EXPECT_NE(s.message().find((dir_ / "big.bin").string()), std::string::npos) << s.message();

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <random>
 
@@ -92,7 +93,9 @@ TEST_P(IoConformance, AwkwardSizesOffsetsAndBuffersRoundTrip) {
   }
   auto s = io->stats();
   EXPECT_GT(s.buffered_ops, 0u);  // the unaligned tails went buffered ...
-  if (f.direct()) EXPECT_GT(s.blocks, s.buffered_ops);  // ... the aligned bodies direct
+  if (f.direct()) {
+    EXPECT_GT(s.blocks, s.buffered_ops);  // ... the aligned bodies direct
+  }
 }
 
 TEST_P(IoConformance, HundredsInFlightInterleavedReadsAndWritesVerifyByChecksum) {
@@ -181,7 +184,7 @@ TEST_P(IoConformance, ReadPastEndOfFileFailsNamingFileAndOffset) {
   File f = File::open(dir_ / "e.bin", OpenMode::kTruncate);
   PinnedBuffer a = pool_.allocate(8192);
   io->write(f, 0, {a.data(), 5000}).get();
-  const IoStatus& s = io->read(f, 0, {a.data(), 8192}).wait();
+  const IoStatus s = io->read(f, 0, {a.data(), 8192}).wait();
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.error(), ENODATA);
   EXPECT_NE(s.message().find((dir_ / "e.bin").string()), std::string::npos) << s.message();
@@ -198,7 +201,7 @@ TEST_P(IoConformance, FileThatShrankIsReportedNotZeroFilled) {
   test::fill_random(a.data(), a.size(), 6);
   io->write(f, 0, a.span()).get();
   ASSERT_EQ(truncate((dir_ / "s.bin").c_str(), 100000), 0);  // someone else shrinks it
-  const IoStatus& s = io->read(f, 0, a.span()).wait();
+  const IoStatus s = io->read(f, 0, a.span()).wait();
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("shrank"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("file is 100000 bytes"), std::string::npos) << s.message();
@@ -238,7 +241,7 @@ TEST_P(IoConformance, TransientErrorsAreRetriedABoundedNumberOfTimes) {
 
   // A condition that never clears is not retried forever.
   faults->add({.kind = IoRequest::Kind::kWrite, .error = EAGAIN, .uses = -1});
-  const IoStatus& s = io->write(f, 0, a.span()).wait();
+  const IoStatus s = io->write(f, 0, a.span()).wait();
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.error(), EAGAIN);
   EXPECT_NE(s.message().find("gave up after 5 retries"), std::string::npos) << s.message();
@@ -263,7 +266,7 @@ TEST_P(IoConformance, InjectedEnospcAndEioFailOnlyTheirRequestsAndCorruptNothing
     reqs.push_back({IoRequest::Kind::kWrite, &f, r * kRegion, c.data() + r * kRegion, kRegion});
   auto futures = io->submit(reqs);
   for (uint64_t r = 0; r < 8; ++r) {
-    const IoStatus& s = futures[r].wait();
+    const IoStatus s = futures[r].wait();
     if (r == 5) {
       ASSERT_FALSE(s.ok());
       EXPECT_TRUE(s.is_no_space());
@@ -277,7 +280,7 @@ TEST_P(IoConformance, InjectedEnospcAndEioFailOnlyTheirRequestsAndCorruptNothing
   // Reads of region 2 fail with EIO; everything else reads back what the rewrite put there.
   faults->add({.kind = IoRequest::Kind::kRead, .offset_begin = 2 * kRegion,
                .offset_end = 2 * kRegion + 1, .error = EIO, .uses = 1});
-  const IoStatus& s = io->read(f, 2 * kRegion, {b.data(), kRegion}).wait();
+  const IoStatus s = io->read(f, 2 * kRegion, {b.data(), kRegion}).wait();
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("Input/output error"), std::string::npos) << s.message();
   for (uint64_t r = 0; r < 8; ++r) {
@@ -292,7 +295,7 @@ TEST_P(IoConformance, WriteToReadOnlyFileFailsWithEbadf) {
   { File w = File::open(dir_ / "ro.bin", OpenMode::kTruncate); }
   File f = File::open(dir_ / "ro.bin", OpenMode::kRead);
   PinnedBuffer a = pool_.allocate(4096);
-  const IoStatus& s = io->write(f, 0, a.span()).wait();
+  const IoStatus s = io->write(f, 0, a.span()).wait();
   EXPECT_EQ(s.error(), EBADF) << s.message();
 }
 

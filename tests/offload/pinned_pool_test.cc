@@ -117,20 +117,26 @@ TEST(PinnedPool, ConcurrentAllocateAndReleaseKeepTheBooksStraight) {
   EXPECT_EQ(pool.usage().reserved_bytes, 0u);
 }
 
+uint64_t locked_kb() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmLck:", 0) == 0) return std::stoull(line.substr(6));
+  }
+  return 0;
+}
+
 TEST(PinnedPool, ReportsWhetherMemoryIsPageLocked) {
-  PinnedPool pool(1 << 20);
+  const uint64_t before = locked_kb();
+  PinnedPool pool(2 << 20, nullptr, 2 << 20);
   PinnedBuffer a = pool.allocate(4096);
   // Root (CI) may always lock; otherwise RLIMIT_MEMLOCK decides. Either way the report must
   // match what the kernel did: VmLck in /proc/self/status counts locked memory.
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  uint64_t locked_kb = 0;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmLck:", 0) == 0) locked_kb = std::stoull(line.substr(6));
-  }
+  const uint64_t grew = locked_kb() - before;
   const std::string name = pool.allocator_name();
   if (name == "mlock") {
-    EXPECT_EQ(pool.usage().pinned, locked_kb >= 1024) << "VmLck " << locked_kb << " kB";
+    EXPECT_EQ(pool.usage().reserved_bytes, 2u << 20);
+    EXPECT_EQ(pool.usage().pinned, grew == 2048) << "VmLck grew by " << grew << " kB";
   } else {
     EXPECT_EQ(name, "cudaHostAlloc");  // a GPU is visible: the driver pins
     EXPECT_TRUE(pool.usage().pinned);

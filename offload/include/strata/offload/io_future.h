@@ -34,8 +34,8 @@ class IoFuture {
 
   bool valid() const { return state_ != nullptr; }
   bool ready() const;
-  // Blocks until complete; returns the final status (never throws).
-  const IoStatus& wait() const;
+  // Blocks until complete; returns (a copy of) the final status, never throws.
+  IoStatus wait() const;
   // Blocks until complete; throws IoError on failure.
   void get() const { wait().throw_if_error(); }
   // Registers a continuation (see the thread-safety note above).
