@@ -159,6 +159,7 @@ std::vector<IoBenchResult> run_io_bench(const IoBenchOptions& o) {
                             {"queue_depth", o.queue_depth}};
   double min_ratio = 1e300;
   for (const auto& pattern : o.patterns) {
+    std::cerr << "bench io: " << pattern << " (" << o.repeat << " run(s) per side)" << std::endl;
     IoBenchResult r{pattern};
     offload::File f = offload::File::open(strata_path, offload::OpenMode::kReadWrite);
     for (unsigned rep = 0; rep < o.repeat; ++rep) {

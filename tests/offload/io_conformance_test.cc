@@ -99,7 +99,7 @@ TEST_P(IoConformance, AwkwardSizesOffsetsAndBuffersRoundTrip) {
 }
 
 TEST_P(IoConformance, HundredsInFlightInterleavedReadsAndWritesVerifyByChecksum) {
-  auto io = make(32, 1 << 20);
+  auto io = make(256, 1 << 20);  // hundreds of blocks in the kernel at once
   File f = File::open(dir_ / "b.bin", OpenMode::kTruncate);
   constexpr int kSlots = 400;
   constexpr uint64_t kSlot = 96 << 10;  // each request owns one slot region of the file
