@@ -79,13 +79,21 @@ std::string shell_quote(const std::string& s) {
   return out + "'";
 }
 
-double fio_run(const IoBenchOptions& o, const std::filesystem::path& file,
+// fio runs with the same kind of I/O as the engine: io_uring or, where the engine fell back to
+// its thread pool, libaio; O_DIRECT whenever the engine had it.
+struct FioMode {
+  std::string ioengine = "io_uring";
+  bool direct = true;
+};
+
+double fio_run(const IoBenchOptions& o, const FioMode& mode, const std::filesystem::path& file,
                const std::string& pattern) {
   const std::string cmd =
       shell_quote(o.fio) + " --name=strata-baseline --filename=" + shell_quote(file.string()) +
       " --size=" + std::to_string(o.file_bytes) + " --bs=" + std::to_string(o.block_bytes) +
       " --iodepth=" + std::to_string(o.queue_depth) + " --rw=" + pattern +
-      " --direct=1 --ioengine=io_uring --numjobs=1 --randrepeat=1 --output-format=json 2>&1";
+      " --direct=" + (mode.direct ? "1" : "0") + " --ioengine=" + mode.ioengine +
+      " --numjobs=1 --randrepeat=1 --output-format=json 2>&1";
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) throw std::runtime_error("bench io: cannot run fio: " + cmd);
   std::string out;
@@ -137,6 +145,8 @@ std::vector<IoBenchResult> run_io_bench(const IoBenchOptions& o) {
     for (size_t w = 0; w < o.block_bytes / 8; ++w) words[w] = rng();
   }
 
+  FioMode fio_mode;
+  if (io->backend() != offload::IoBackend::kIoUring) fio_mode.ioengine = "libaio";
   // Both files are fully written once before measuring, so that every pattern of both sides
   // runs on allocated, written blocks.
   {
@@ -145,13 +155,15 @@ std::vector<IoBenchResult> run_io_bench(const IoBenchOptions& o) {
               << o.dir.string() << " (" << to_string(io->backend()) << ", "
               << (f.direct() ? "O_DIRECT" : "buffered: no O_DIRECT on this file system")
               << ")\n";
+    fio_mode.direct = f.direct();
     strata_run(*io, f, o, "write", slots);
-    if (with_fio) fio_run(o, fio_path, "write");
+    if (with_fio) fio_run(o, fio_mode, fio_path, "write");
   }
 
   std::vector<IoBenchResult> results;
+  const std::string fio_desc = "fio (" + fio_mode.ioengine + (fio_mode.direct ? ", O_DIRECT)" : ", buffered)");
   nlohmann::json summary = {{"metric", "io_bandwidth_GBps"},
-                            {"baseline", with_fio ? "fio (io_uring, O_DIRECT)" : "none"},
+                            {"baseline", with_fio ? fio_desc : "none"},
                             {"backend", to_string(io->backend())},
                             {"dir", std::filesystem::absolute(o.dir).string()},
                             {"file_bytes", o.file_bytes},
@@ -164,7 +176,7 @@ std::vector<IoBenchResult> run_io_bench(const IoBenchOptions& o) {
     offload::File f = offload::File::open(strata_path, offload::OpenMode::kReadWrite);
     for (unsigned rep = 0; rep < o.repeat; ++rep) {
       r.strata_gbps = std::max(r.strata_gbps, strata_run(*io, f, o, pattern, slots));
-      if (with_fio) r.fio_gbps = std::max(r.fio_gbps, fio_run(o, fio_path, pattern));
+      if (with_fio) r.fio_gbps = std::max(r.fio_gbps, fio_run(o, fio_mode, fio_path, pattern));
     }
     const double ratio = r.fio_gbps > 0 ? r.strata_gbps / r.fio_gbps : 0;
     nlohmann::json line = {{"metric", "io_" + pattern + "_GBps"},

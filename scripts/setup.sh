@@ -49,8 +49,16 @@ fi
 [ "${1:-}" = "--no-build" ] && exit 0
 
 # --- Configure and build ---------------------------------------------------------------------
+# The torch wheel is a CUDA 13 build whose CMake package needs the CUDA toolkit to configure
+# (every Strata machine has it at /usr/local/cuda; it compiles there even without a GPU).
+if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  log "error: no CUDA toolkit (nvcc) found on PATH or in /usr/local/cuda; libtorch's CMake needs it"
+  exit 1
+fi
 torch_prefix=$("$venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
-if [ ! -f "$build_dir/build.ninja" ]; then
+# Configure on first use, and again if the Python environment moved (another STRATA_CACHE).
+if [ ! -f "$build_dir/build.ninja" ] ||
+   ! grep -qF "CMAKE_PREFIX_PATH:UNINITIALIZED=$torch_prefix" "$build_dir/CMakeCache.txt" 2>/dev/null; then
   log "configuring $build_dir"
   cmake -S "$repo" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_PREFIX_PATH="$torch_prefix" -DSTRATA_PYTHON="$venv/bin/python" >/dev/null

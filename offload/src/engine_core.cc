@@ -22,6 +22,7 @@ IoEngineStats EngineCore::stats() const {
   s.retries = retries_;
   s.buffered_ops = buffered_ops_;
   s.failures = failures_;
+  s.peak_in_flight = peak_in_flight_;
   return s;
 }
 
@@ -52,14 +53,16 @@ void EngineCore::plan(const IoRequest& r, const std::shared_ptr<Request>& req,
 std::vector<IoFuture> EngineCore::submit(std::span<const IoRequest> requests) {
   std::vector<IoFuture> futures;
   futures.reserve(requests.size());
-  std::vector<Op*> ops;
-  for (const IoRequest& r : requests) {
+  for (const IoRequest& r : requests) {  // all checked before anything is planned or queued
     if (r.file == nullptr || !r.file->is_open()) {
       throw std::invalid_argument("I/O request on a file that is not open");
     }
     if (r.data == nullptr && r.length > 0) {
       throw std::invalid_argument("I/O request with a null buffer on " + r.file->path());
     }
+  }
+  std::vector<Op*> ops;
+  for (const IoRequest& r : requests) {
     ++requests_;
     auto req = std::make_shared<Request>();
     req->bytes = r.length;
@@ -89,6 +92,13 @@ void EngineCore::complete_op(Op* op, int64_t result) {
   }
   if (result < 0) {
     const int err = static_cast<int>(-result);
+    if (err == EINVAL && op->direct) {
+      // The file system refused this direct transfer after all: same bytes, buffered.
+      op->direct = false;
+      ++buffered_ops_;
+      std::vector<Op*> again{op};
+      return enqueue(again);
+    }
     if (IoStatus::is_transient(err) && op->retries < config_.max_retries) {
       ++op->retries;
       ++retries_;

@@ -55,6 +55,12 @@ class EngineCore : public IoEngine {
   void complete_op(Op* op, int64_t result);
   // Blocks until every submitted operation has completed (destructors call it first).
   void wait_idle();
+  // Backends report how many operations they have in the kernel after each change.
+  void note_in_flight(uint64_t n) {
+    uint64_t peak = peak_in_flight_.load(std::memory_order_relaxed);
+    while (n > peak && !peak_in_flight_.compare_exchange_weak(peak, n)) {
+    }
+  }
 
   IoEngineConfig config_;
 
@@ -63,7 +69,7 @@ class EngineCore : public IoEngine {
   void plan(const IoRequest& r, const std::shared_ptr<Request>& req, std::vector<Op*>& ops);
 
   std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0}, requests_{0}, blocks_{0},
-      resubmits_{0}, retries_{0}, buffered_ops_{0}, failures_{0};
+      resubmits_{0}, retries_{0}, buffered_ops_{0}, failures_{0}, peak_in_flight_{0};
   std::mutex idle_mu_;
   std::condition_variable idle_cv_;
   uint64_t outstanding_ = 0;  // operations not yet finished (guarded by idle_mu_)

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <utility>
 
@@ -23,21 +24,27 @@ int open_flags(OpenMode mode) {
   return O_RDONLY;
 }
 
-// Direct-I/O alignment of the file's device: statx(STATX_DIOALIGN) where the kernel reports it
-// (Linux >= 6.1), else 4096, which satisfies every device with logical blocks <= 4 KiB.
-void dio_alignment(int fd, uint32_t* offset_align, uint32_t* memory_align) {
-  *offset_align = 4096;
+// Direct-I/O alignment: statx(STATX_DIOALIGN) where the kernel reports it (Linux >= 6.1), else
+// 4096, which satisfies every device with logical blocks <= 4 KiB. Offsets are never aligned to
+// less than a page: a buffered write of part of a page and a concurrent direct write of the rest
+// of the same page can lose the direct data when the page cache writes the page back, so direct
+// transfers only ever cover whole pages. Returns false if the file system reports that this file
+// cannot do direct I/O at all.
+bool dio_alignment(int fd, uint32_t* offset_align, uint32_t* memory_align) {
+  const uint32_t page = static_cast<uint32_t>(sysconf(_SC_PAGESIZE));
+  *offset_align = std::max<uint32_t>(4096, page);
   *memory_align = 4096;
 #if defined(STATX_DIOALIGN)
   struct statx stx {};
-  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 && (stx.stx_mask & STATX_DIOALIGN) &&
-      stx.stx_dio_offset_align != 0 && stx.stx_dio_mem_align != 0) {
-    *offset_align = stx.stx_dio_offset_align;
-    *memory_align = stx.stx_dio_mem_align;
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 && (stx.stx_mask & STATX_DIOALIGN)) {
+    if (stx.stx_dio_offset_align == 0 || stx.stx_dio_mem_align == 0) return false;
+    *offset_align = std::max(*offset_align, stx.stx_dio_offset_align);
+    *memory_align = std::max<uint32_t>(stx.stx_dio_mem_align, 64);
   }
 #else
   (void)fd;
 #endif
+  return true;
 }
 
 }  // namespace
@@ -60,7 +67,10 @@ File File::open(const std::filesystem::path& path, OpenMode mode, bool try_direc
       throw_errno(err, "open (O_DIRECT)", f.path_);
     }
     // EINVAL: the file system refuses O_DIRECT; stay buffered.
-    if (f.direct_fd_ >= 0) dio_alignment(f.direct_fd_, &f.offset_align_, &f.memory_align_);
+    if (f.direct_fd_ >= 0 && !dio_alignment(f.direct_fd_, &f.offset_align_, &f.memory_align_)) {
+      ::close(f.direct_fd_);
+      f.direct_fd_ = -1;
+    }
   }
   return f;
 }

@@ -1,8 +1,25 @@
 #include "strata/offload/io_future.h"
 
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
 
 namespace strata::offload {
+
+namespace detail {
+void run_continuation(const std::function<void(const IoStatus&)>& fn, const IoStatus& status) {
+  try {
+    fn(status);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "strata: exception escaped an I/O continuation: %s\n", e.what());
+    std::abort();
+  } catch (...) {
+    std::fprintf(stderr, "strata: exception escaped an I/O continuation\n");
+    std::abort();
+  }
+}
+}  // namespace detail
 
 bool IoFuture::ready() const {
   std::lock_guard lock(state_->mu);
@@ -23,7 +40,7 @@ void IoFuture::then(std::function<void(const IoStatus&)> fn) const {
       return;
     }
   }
-  fn(state_->status);
+  detail::run_continuation(fn, state_->status);
 }
 
 IoFuture IoFuture::completed(IoStatus status) {
@@ -33,15 +50,17 @@ IoFuture IoFuture::completed(IoStatus status) {
 }
 
 void IoPromise::complete(IoStatus status) const {
+  // A waiter may destroy the promise as soon as `done` is visible: keep the state alive here.
+  const std::shared_ptr<detail::IoState> state = state_;
   std::vector<std::function<void(const IoStatus&)>> continuations;
   {
-    std::lock_guard lock(state_->mu);
-    state_->status = std::move(status);
-    state_->done = true;
-    continuations.swap(state_->continuations);
+    std::lock_guard lock(state->mu);
+    state->status = std::move(status);
+    state->done = true;
+    continuations.swap(state->continuations);
   }
-  state_->cv.notify_all();
-  for (auto& fn : continuations) fn(state_->status);
+  state->cv.notify_all();
+  for (auto& fn : continuations) detail::run_continuation(fn, state->status);
 }
 
 IoFuture when_all(std::span<const IoFuture> futures) {

@@ -17,8 +17,8 @@ uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 SwapSpace::SwapSpace(IoEngine& io, SwapConfig config) : io_(io), config_(std::move(config)) {
   if (config_.dirs.empty()) throw std::invalid_argument("swap: no directories configured");
-  if (config_.alignment == 0 || config_.alignment % 512 != 0) {
-    throw std::invalid_argument("swap: alignment must be a positive multiple of 512, got " +
+  if (config_.alignment == 0 || config_.alignment % 4096 != 0) {
+    throw std::invalid_argument("swap: alignment must be a positive multiple of 4096, got " +
                                 std::to_string(config_.alignment));
   }
   if (config_.stripe_bytes == 0 || config_.stripe_bytes % config_.alignment != 0) {
@@ -97,7 +97,6 @@ void SwapSpace::allocate(const std::string& name, uint64_t bytes) {
   p.name = name;
   p.bytes = bytes;
   p.first_dir = next_first_dir_;
-  next_first_dir_ = static_cast<uint32_t>((next_first_dir_ + 1) % D);
   const uint64_t n = (bytes + S - 1) / S;  // stripes
   try {
     for (uint64_t r = 0; r < std::min(n, D); ++r) {
@@ -114,6 +113,7 @@ void SwapSpace::allocate(const std::string& name, uint64_t bytes) {
     throw IoError(e.error(), "swap: cannot allocate partition '" + name + "' of " +
                                  std::to_string(bytes) + " bytes: " + e.what());
   }
+  next_first_dir_ = static_cast<uint32_t>((next_first_dir_ + 1) % D);
   std::sort(p.extents.begin(), p.extents.end(),
             [](const SwapExtent& a, const SwapExtent& b) { return a.dir < b.dir; });
   parts_.emplace(name, std::move(p));

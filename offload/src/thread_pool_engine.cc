@@ -53,13 +53,19 @@ class ThreadPoolEngine final : public EngineCore {
         if (pending_.empty()) return;  // stopping
         op = pending_.front();
         pending_.pop_front();
+        note_in_flight(++running_);
       }
       const ssize_t n = op->kind == IoRequest::Kind::kRead
                             ? ::pread(op->fd(), op->data, op->remaining,
                                       static_cast<off_t>(op->offset))
                             : ::pwrite(op->fd(), op->data, op->remaining,
                                        static_cast<off_t>(op->offset));
-      complete_op(op, n < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(n));
+      const int64_t result = n < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(n);
+      {
+        std::lock_guard lock(mu_);
+        --running_;
+      }
+      complete_op(op, result);
     }
   }
 
@@ -67,6 +73,7 @@ class ThreadPoolEngine final : public EngineCore {
   std::condition_variable cv_;
   std::deque<Op*> pending_;
   bool stopping_ = false;
+  uint64_t running_ = 0;  // operations inside pread/pwrite (guarded by mu_)
   std::vector<std::thread> workers_;
 };
 

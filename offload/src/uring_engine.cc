@@ -4,6 +4,7 @@
 #include <liburing.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <thread>
@@ -13,6 +14,10 @@
 namespace strata::offload {
 
 bool io_uring_available(std::string* why_not) {
+  if (const char* off = std::getenv("STRATA_DISABLE_IO_URING"); off && *off && std::string(off) != "0") {
+    if (why_not) *why_not = "disabled by STRATA_DISABLE_IO_URING";
+    return false;
+  }
   io_uring ring;
   const int rc = io_uring_queue_init(2, &ring, 0);
   if (rc < 0) {
@@ -81,13 +86,17 @@ class UringEngine final : public EngineCore {
       ++inflight_;
       ++prepared;
     }
-    if (prepared > 0) submit_locked();
+    if (prepared > 0) {
+      note_in_flight(inflight_);
+      submit_locked();
+    }
   }
 
   void submit_locked() {
     for (int attempt = 0;; ++attempt) {
       const int rc = io_uring_submit(&ring_);
-      if (rc >= 0) return;
+      if (rc >= 0 && io_uring_sq_ready(&ring_) == 0) return;  // everything taken by the kernel
+      if (rc >= 0) continue;                                   // partial: submit the rest
       if ((rc == -EINTR || rc == -EAGAIN || rc == -EBUSY) && attempt < 1000) {
         std::this_thread::yield();
         continue;
@@ -145,6 +154,11 @@ class UringEngine final : public EngineCore {
 }  // namespace
 
 std::unique_ptr<IoEngine> make_uring_engine(const IoEngineConfig& config) {
+  std::string why;
+  if (!io_uring_available(&why)) {
+    throw IoError(ENOSYS, "io_uring backend requested but unavailable: " + why +
+                              " (use the thread-pool backend: io.backend = \"threads\")");
+  }
   return std::make_unique<UringEngine>(config);
 }
 

@@ -43,7 +43,8 @@ class File {
   // Descriptor for aligned direct transfers (== buffered_fd() when !direct()).
   int direct_fd() const { return direct() ? direct_fd_ : buffered_fd_; }
   int buffered_fd() const { return buffered_fd_; }
-  // Alignment O_DIRECT needs for offsets and lengths, and for memory addresses (bytes).
+  // Alignment of offsets and lengths sent through O_DIRECT (the device's, at least a page), and
+  // of memory addresses (bytes).
   uint32_t offset_align() const { return offset_align_; }
   uint32_t memory_align() const { return memory_align_; }
 

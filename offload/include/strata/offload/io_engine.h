@@ -15,7 +15,8 @@
 // Contract: buffers and Files must stay alive and untouched until the request's future
 // completes. Overlapping concurrent requests on the same bytes have no defined order.
 // Thread safety: all members may be called concurrently from any thread. The destructor waits
-// for every submitted request to complete.
+// for every submitted request to complete; it must not run on the engine's own completion thread
+// (from a continuation).
 #pragma once
 
 #include <cstddef>
@@ -55,6 +56,7 @@ struct IoEngineStats {
   uint64_t retries = 0;       // EINTR/EAGAIN retried
   uint64_t buffered_ops = 0;  // operations that could not use O_DIRECT (unaligned)
   uint64_t failures = 0;      // requests completed with an error
+  uint64_t peak_in_flight = 0;  // most operations in the kernel (or in pread/pwrite) at once
 };
 
 struct IoRequest {
@@ -84,7 +86,8 @@ class IoEngine {
   virtual IoEngineStats stats() const = 0;
 };
 
-// True if this process can create an io_uring (kernel support, seccomp, sysctl).
+// True if this process can create an io_uring (kernel support, seccomp, sysctl) and
+// STRATA_DISABLE_IO_URING is unset (or "0"). kAuto and `strata version` use it.
 bool io_uring_available(std::string* why_not = nullptr);
 
 }  // namespace strata::offload

@@ -2,8 +2,9 @@
 //
 // Thread safety: every member is safe to call from any thread. Continuations registered with
 // then() run exactly once, either immediately on the calling thread (already complete) or on the
-// thread that completes the future (an I/O engine's completion thread): they must be short and
-// must not block waiting for I/O of the same engine.
+// thread that completes the future (an I/O engine's completion thread): they must be short, must
+// not block waiting for I/O of the same engine, must not destroy that engine, and must not throw
+// (an escaping exception is reported on stderr and aborts: there is no caller to receive it).
 #pragma once
 
 #include <condition_variable>
@@ -25,6 +26,7 @@ struct IoState {
   IoStatus status;
   std::vector<std::function<void(const IoStatus&)>> continuations;
 };
+void run_continuation(const std::function<void(const IoStatus&)>& fn, const IoStatus& status);
 }  // namespace detail
 
 class IoFuture {

@@ -36,7 +36,7 @@ struct SwapConfig {
   std::vector<std::filesystem::path> dirs;  // at least one
   int rank = 0;
   uint64_t stripe_bytes = 1ull << 20;  // multiple of `alignment`
-  uint64_t alignment = 4096;           // extent alignment (O_DIRECT needs >= the device block)
+  uint64_t alignment = 4096;           // extent alignment, a multiple of 4096 (whole pages)
   bool remove_files_on_close = true;   // swap is scratch; checkpoints snapshot it elsewhere
 };
 
