@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "args.h"
+#include "adam_bench.h"
 #include "io_bench.h"
 #include "strata/engine/build_info.h"
 
@@ -17,6 +18,8 @@ usage: strata <command> [options]
 commands:
   bench io     bandwidth of the NVMe I/O engine beside fio (same file system, block size,
                queue depth), sequential and random, read and write
+  bench adam   CPU Adam kernel beside PyTorch's fused AdamW, torch::optim::AdamW and the
+               memory-bandwidth bound, same threads
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
   help         this text
 
@@ -38,6 +41,19 @@ options:
   --repeat N         runs per pattern and side, best reported (default 1)
   --fio PATH         fio executable, or "none" to skip the baseline (default fio)
   --keep             keep the test files
+)";
+
+constexpr const char* kBenchAdamUsage = R"(usage: strata bench adam [options]
+
+Parameters per second of one AdamW step on a single partition, in one run and at one thread
+count, for Strata's CPU kernel, ATen's fused AdamW and torch::optim::AdamW, with the bound set by
+the bandwidth of a multi-threaded in-place streaming update over as many
+bytes. Cases: fp32 everywhere; bf16 gradients in and a bf16 parameter copy out. Prints one JSON line per case and a final summary JSON line.
+
+options:
+  --params N     parameters in the partition (default 100000000)
+  --threads N    threads for every side (default: all hardware threads)
+  --steps N      timed steps per method, interleaved, median reported (default 9)
 )";
 
 std::vector<std::string> split(const std::string& s, char sep) {
@@ -73,6 +89,23 @@ int bench_io(const std::vector<std::string>& argv) {
   return 0;
 }
 
+int bench_adam(const std::vector<std::string>& argv) {
+  for (const auto& a : argv) {
+    if (a == "--help" || a == "-h") {
+      std::cout << kBenchAdamUsage;
+      return 0;
+    }
+  }
+  strata::cli::Args args(argv, {"params", "threads", "steps"}, {});
+  strata::bench::AdamBenchOptions o;
+  o.params = args.size("params", o.params);
+  o.threads = args.count("threads", o.threads);
+  o.steps = std::max(1u, args.count("steps", o.steps));
+  if (o.params == 0) throw std::invalid_argument("--params must be positive");
+  strata::bench::run_adam_bench(o);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -88,7 +121,8 @@ int main(int argc, char** argv) {
     }
     if (args[0] == "bench") {
       if (args.size() >= 2 && args[1] == "io") return bench_io({args.begin() + 2, args.end()});
-      std::cerr << "strata bench: expected a benchmark name (io)\n";
+      if (args.size() >= 2 && args[1] == "adam") return bench_adam({args.begin() + 2, args.end()});
+      std::cerr << "strata bench: expected a benchmark name (io, adam)\n";
       return 2;
     }
     std::cerr << "strata: unknown command '" << args[0] << "'\n\n" << kUsage;

@@ -1,0 +1,163 @@
+#include "adam_bench.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <vector>
+
+#include "strata/kernels/cpu_optim.h"
+
+namespace strata::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr double kLr = 1e-3, kBeta1 = 0.9, kBeta2 = 0.999, kEps = 1e-8, kWd = 0.01;
+
+// Median seconds per call of each function, timed round-robin (a, b, c, a, b, c, ...) after one
+// warm-up call each, so that drift in the machine's speed hits every side alike.
+std::vector<double> median_seconds(unsigned steps, const std::vector<std::function<void()>>& fns) {
+  for (auto& fn : fns) fn();
+  std::vector<std::vector<double>> t(fns.size());
+  for (unsigned s = 0; s < steps; ++s) {
+    for (size_t i = 0; i < fns.size(); ++i) {
+      const auto t0 = Clock::now();
+      fns[i]();
+      t[i].push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+  }
+  std::vector<double> out;
+  for (auto& ti : t) {
+    std::sort(ti.begin(), ti.end());
+    out.push_back(ti[ti.size() / 2]);
+  }
+  return out;
+}
+
+// Memory bandwidth of an in-place streaming update (read + write of every byte, like the
+// optimizer's in-place state), multi-threaded; best of 5. An in-place update avoids the extra
+// read-for-ownership a copy into a second buffer costs, so it is the step's true ceiling.
+double stream_bandwidth(size_t bytes, unsigned threads) {
+  const size_t n = bytes / sizeof(float);
+  // Same allocator as the optimizer state (ATen's: large, huge-page friendly allocations), so
+  // page-table effects are the same on both sides.
+  at::Tensor buf = at::ones({static_cast<int64_t>(n)}, at::kFloat);
+  float* data = buf.data_ptr<float>();
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = Clock::now();
+    std::vector<std::thread> ts;
+    const size_t part = n / threads;
+    for (unsigned i = 0; i < threads; ++i) {
+      ts.emplace_back([&, i] {
+        float* x = data + i * part;
+        const size_t len = i + 1 == threads ? n - i * part : part;
+        for (size_t k = 0; k < len; ++k) x[k] = x[k] * 0.999f + 1e-6f;
+      });
+    }
+    for (auto& t : ts) t.join();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    best = std::max(best, 2.0 * static_cast<double>(n * sizeof(float)) / s);
+  }
+  return best;
+}
+
+}  // namespace
+
+void run_adam_bench(const AdamBenchOptions& o) {
+  const unsigned threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
+  const int64_t n = static_cast<int64_t>(o.params);
+  at::set_num_threads(static_cast<int>(threads));
+  kernels::CpuExec exec{threads, kernels::cpu_features().best()};
+  std::cerr << "bench adam: " << n << " parameters, " << threads << " threads, kernels "
+            << kernels::to_string(exec.isa) << ", libtorch " << at::get_num_threads()
+            << " threads" << std::endl;
+
+  // Stream as much memory as the step touches (capped at 2 GiB), so caches flatter neither side.
+  const double copy_bps = stream_bandwidth(std::min<size_t>(2ull << 30, n * 16ull), threads);
+  at::manual_seed(0);
+  auto randn = [&] { return at::randn({n}, at::kFloat); };
+  at::Tensor p = randn(), m = at::zeros({n}), v = at::zeros({n}), g = randn();
+  at::Tensor g_bf16 = g.to(at::kBFloat16), out_bf16 = at::empty({n}, at::kBFloat16);
+  int64_t step = 0;
+
+  // Strata's kernel.
+  auto strata_fp32 = [&] {
+    kernels::AdamConfig c{kLr, kBeta1, kBeta2, kEps, kWd, true, ++step};
+    kernels::adam_step(c, p.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                       g.data_ptr<float>(), kernels::DType::kF32, nullptr, kernels::DType::kF32,
+                       n, exec);
+  };
+  auto strata_bf16 = [&] {
+    kernels::AdamConfig c{kLr, kBeta1, kBeta2, kEps, kWd, true, ++step};
+    kernels::adam_step(c, p.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                       g_bf16.data_ptr(), kernels::DType::kBF16, out_bf16.data_ptr(),
+                       kernels::DType::kBF16, n, exec);
+  };
+  // ATen's fused AdamW, the kernel behind torch.optim.AdamW(fused=True) on CPU.
+  at::Tensor step_t = at::zeros({}, at::kFloat);
+  auto fused_fp32 = [&] {
+    step_t.add_(1);
+    at::_fused_adamw_({p}, {g}, {m}, {v}, {}, {step_t}, kLr, kBeta1, kBeta2, kWd, kEps, false,
+                      false, std::nullopt, std::nullopt);
+  };
+  // What PyTorch needs for the engine's case: upcast the bf16 gradient, fused step, downcast.
+  at::Tensor g_up = at::empty({n}, at::kFloat);
+  auto fused_bf16 = [&] {
+    g_up.copy_(g_bf16);
+    step_t.add_(1);
+    at::_fused_adamw_({p}, {g_up}, {m}, {v}, {}, {step_t}, kLr, kBeta1, kBeta2, kWd, kEps, false,
+                      false, std::nullopt, std::nullopt);
+    out_bf16.copy_(p);
+  };
+  // libtorch's C++ optimizer (torch::optim::AdamW).
+  at::Tensor p_opt = p.clone().set_requires_grad(true);
+  p_opt.mutable_grad() = g.clone();
+  torch::optim::AdamW opt({p_opt}, torch::optim::AdamWOptions(kLr).betas({kBeta1, kBeta2}).eps(kEps).weight_decay(kWd));
+  auto optim_fp32 = [&] { opt.step(); };
+
+  const double bytes_per_param = 28;  // both cases: read p,m,v,grad + write p,m,v (+ bf16 copy)
+  const double bound_pps = copy_bps / bytes_per_param;
+  nlohmann::json summary = {{"metric", "adam_params_per_s"}, {"params", n}, {"threads", threads},
+                            {"isa", kernels::to_string(exec.isa)},
+                            {"stream_bandwidth_GBps", copy_bps / 1e9},
+                            {"bandwidth_bound_params_per_s", bound_pps}};
+  struct Case {
+    const char* name;
+    std::function<void()> ours, fused, optim;
+  };
+  for (const Case& c : {Case{"fp32", strata_fp32, fused_fp32, optim_fp32},
+                        Case{"bf16_grad_bf16_out", strata_bf16, fused_bf16, nullptr}}) {
+    std::cerr << "bench adam: " << c.name << std::endl;
+    std::vector<std::function<void()>> fns{c.ours, c.fused};
+    if (c.optim) fns.push_back(c.optim);
+    const std::vector<double> sec = median_seconds(o.steps, fns);
+    const double ours = n / sec[0], fused = n / sec[1], optim = c.optim ? n / sec[2] : 0;
+    nlohmann::json line = {{"metric", std::string("adam_") + c.name + "_params_per_s"},
+                           {"value", ours},
+                           {"baseline", c.optim ? "at::_fused_adamw_" : "upcast + at::_fused_adamw_ + downcast"},
+                           {"baseline_value", fused},
+                           {"ratio", ours / fused},
+                           {"torch_optim_adamw", optim},
+                           {"ratio_vs_torch_optim", optim > 0 ? ours / optim : 0},
+                           {"bandwidth_bound", bound_pps},
+                           {"fraction_of_bound", ours / bound_pps}};
+    std::cout << line.dump() << std::endl;
+    summary["value"][c.name] = ours;
+    summary["baseline_value"][c.name] = fused;
+    summary["ratio"][c.name] = ours / fused;
+    summary["fraction_of_bound"][c.name] = ours / bound_pps;
+  }
+  summary["baseline"] = "at::_fused_adamw_ (PyTorch fused=True), same threads";
+  std::cout << summary.dump() << std::endl;
+}
+
+}  // namespace strata::bench

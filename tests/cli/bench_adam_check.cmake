@@ -1,0 +1,27 @@
+# Runs `strata bench adam` on a small partition and checks its final JSON line: both cases
+# measured on both sides with positive rates, and ratio == value / baseline_value.
+execute_process(COMMAND ${STRATA} bench adam --params 300007 --steps 3 --threads 2
+                OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "strata bench adam failed (${rc}):\n${err}\n${out}")
+endif()
+string(STRIP "${out}" out)
+string(REGEX REPLACE ".*\n" "" last "${out}")
+string(JSON metric GET "${last}" metric)
+if(NOT metric STREQUAL "adam_params_per_s")
+  message(FATAL_ERROR "unexpected final line: ${last}")
+endif()
+foreach(c fp32 bf16_grad_bf16_out)
+  string(JSON v GET "${last}" value ${c})
+  string(JSON b GET "${last}" baseline_value ${c})
+  string(JSON r GET "${last}" ratio ${c})
+  if(NOT v GREATER 0 OR NOT b GREATER 0)
+    message(FATAL_ERROR "${c}: value ${v} baseline ${b}: ${last}")
+  endif()
+  execute_process(COMMAND awk "BEGIN { exit !((${r} * ${b} - ${v}) ^ 2 < 1e-9 * ${v} * ${v}) }"
+                  RESULT_VARIABLE bad)
+  if(NOT bad EQUAL 0)
+    message(FATAL_ERROR "${c}: ratio ${r} != ${v} / ${b}")
+  endif()
+endforeach()
+message(STATUS "bench adam: ${last}")
