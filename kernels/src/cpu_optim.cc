@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "float_bits.h"
 #include "parallel.h"
 
 namespace strata::kernels {
@@ -55,49 +56,10 @@ const char* to_string(DType dtype) {
 
 size_t dtype_bytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
 
-uint16_t float_to_bf16(float f) {
-  const uint32_t x = std::bit_cast<uint32_t>(f);
-  if (std::isnan(f)) return 0x7FC0;  // libtorch's canonical bf16 NaN
-  return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
-}
-
-float bf16_to_float(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
-
-uint16_t float_to_fp16(float f) {
-  const uint32_t x = std::bit_cast<uint32_t>(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  const uint32_t ax = x & 0x7FFFFFFFu;
-  if (ax > 0x7F800000u) return sign | 0x7E00u;   // NaN, as libtorch writes it
-  if (ax >= 0x477FF000u) return sign | 0x7C00u;  // >= 65520 rounds to infinity
-  if (ax < 0x38800000u) {                        // below 2^-14: subnormal half or zero
-    if (ax <= 0x33000000u) return sign;          // <= 2^-25 rounds to zero (ties to even)
-    const uint32_t e = ax >> 23, m = (ax & 0x7FFFFFu) | 0x800000u, shift = 126 - e;
-    uint32_t r = m >> shift;
-    const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (r & 1u))) ++r;
-    return sign | static_cast<uint16_t>(r);
-  }
-  uint32_t h = (ax - (112u << 23)) >> 13;  // rebias exponent 127 -> 15, drop 13 mantissa bits
-  const uint32_t rem = ax & 0x1FFFu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-  return sign | static_cast<uint16_t>(h);
-}
-
-float fp16_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  uint32_t bits;
-  if (e == 0x1F) {
-    bits = sign | 0x7F800000u | (m << 13) | (m ? 0x400000u : 0);  // inf; NaN quieted (as F16C)
-  } else if (e == 0) {
-    if (m == 0) return std::bit_cast<float>(sign);
-    const float v = std::ldexp(static_cast<float>(m), -24);  // subnormal: m * 2^-24, exact
-    return sign ? -v : v;
-  } else {
-    bits = sign | ((e + 112) << 23) | (m << 13);
-  }
-  return std::bit_cast<float>(bits);
-}
+uint16_t float_to_bf16(float f) { return bits::float_to_bf16(f); }
+float bf16_to_float(uint16_t h) { return bits::bf16_to_float(h); }
+uint16_t float_to_fp16(float f) { return bits::float_to_fp16(f); }
+float fp16_to_float(uint16_t h) { return bits::fp16_to_float(h); }
 
 namespace detail {
 
