@@ -1,0 +1,67 @@
+// Decoder-only transformers (GPT-2, Llama family) as a sequence of independently runnable stages:
+// an embedding stage, `layers` transformer blocks and a head (final norm + LM head), so that the
+// engine can fetch, run, recompute and release one unit at a time.
+//
+// Each stage is a torch::nn::Module whose forward is a pure function of its input and its own
+// parameters (no dropout, no state): running a block again on its saved input (activation
+// recompute) gives bitwise the same output. Parameters are named as in Hugging Face checkpoints
+// (hf_name()), with Strata's layout: every linear weight is [out, in] (GPT-2's Conv1D weights are
+// transposed on load and export, see hf_io.h).
+//
+// Tied embeddings: the head reuses the embedding stage's token-embedding tensor (the same
+// at::Tensor, one parameter).
+// Thread safety: a Decoder may be used by one thread at a time.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "strata/models/model_config.h"
+
+namespace strata::models {
+
+class Stage : public torch::nn::Module {
+ public:
+  virtual at::Tensor forward(const at::Tensor& input) = 0;
+  // Parameters with their Hugging Face names (including tied ones only where this stage owns
+  // them).
+  std::vector<std::pair<std::string, at::Tensor>> hf_parameters() const;
+
+ protected:
+  at::Tensor add(const std::string& hf_name, std::vector<int64_t> shape);
+  std::vector<std::pair<std::string, at::Tensor>> params_;
+};
+
+class Decoder {
+ public:
+  // Random initialization like the reference implementations (normal(0, 0.02), norms at 1,
+  // biases at 0), from `seed`, in fp32 on the CPU.
+  explicit Decoder(const ModelConfig& config, uint64_t seed = 0);
+
+  const ModelConfig& config() const { return config_; }
+  Stage& embedding() { return *embed_; }
+  Stage& block(size_t i) { return *blocks_.at(i); }
+  size_t num_blocks() const { return blocks_.size(); }
+  Stage& head() { return *head_; }
+  // All stages in schedule order: embedding, blocks..., head.
+  std::vector<Stage*> stages();
+
+  // token ids [batch, seq] (int64) -> logits [batch, seq, vocab].
+  at::Tensor forward(const at::Tensor& ids);
+  // Every parameter once, with its Hugging Face name, in schedule order.
+  std::vector<std::pair<std::string, at::Tensor>> hf_parameters();
+  void to(at::ScalarType dtype);
+
+ private:
+  ModelConfig config_;
+  std::shared_ptr<Stage> embed_;
+  std::vector<std::shared_ptr<Stage>> blocks_;
+  std::shared_ptr<Stage> head_;
+};
+
+}  // namespace strata::models

@@ -1,0 +1,113 @@
+#include "strata/models/hf_io.h"
+
+#include <fstream>
+#include <set>
+#include <stdexcept>
+
+namespace strata::models {
+
+namespace {
+
+bool is_conv1d(const ModelConfig& c, const std::string& name) {
+  if (c.arch != Arch::kGpt2 || !name.ends_with(".weight")) return false;
+  for (const char* s : {".attn.c_attn.", ".attn.c_proj.", ".mlp.c_fc.", ".mlp.c_proj."}) {
+    if (name.find(s) != std::string::npos) return true;
+  }
+  return false;
+}
+
+at::ScalarType to_aten(StDType t, const std::string& where) {
+  switch (t) {
+    case StDType::kF32: return at::kFloat;
+    case StDType::kF16: return at::kHalf;
+    case StDType::kBF16: return at::kBFloat16;
+    case StDType::kF64: return at::kDouble;
+    default: throw std::runtime_error(where + ": dtype " + to_string(t) + " is not floating point");
+  }
+}
+
+StDType to_st(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return StDType::kF32;
+    case at::kHalf: return StDType::kF16;
+    case at::kBFloat16: return StDType::kBF16;
+    case at::kDouble: return StDType::kF64;
+    default: throw std::runtime_error("export: unsupported parameter dtype");
+  }
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt) {
+  const ModelConfig& c = model.config();
+  std::set<std::string> used;
+  at::NoGradGuard no_grad;
+  for (auto& [name, param] : model.hf_parameters()) {
+    std::string key = name;
+    if (!ckpt.contains(key) && c.arch == Arch::kGpt2 && name.starts_with("transformer.")) {
+      key = name.substr(std::string("transformer.").size());
+    }
+    if (!ckpt.contains(key)) throw std::runtime_error("checkpoint has no tensor '" + name + "'");
+    used.insert(key);
+    const TensorView v = ckpt.get(key);
+    const bool transpose = is_conv1d(c, name);
+    std::vector<int64_t> want(param.sizes().begin(), param.sizes().end());
+    if (transpose) std::swap(want[0], want[1]);
+    if (v.info->shape != want) {
+      throw std::runtime_error("tensor '" + key + "' has shape " + shape_str(v.info->shape) +
+                               ", the model (" + c.name + ") expects " + shape_str(want));
+    }
+    at::Tensor src = at::from_blob(const_cast<std::byte*>(v.data.data()), want,
+                                   at::TensorOptions().dtype(to_aten(v.info->dtype, key)));
+    param.copy_(transpose ? src.t() : src);
+  }
+  std::vector<std::string> unexpected;
+  for (const std::string& n : ckpt.names()) {
+    if (used.count(n)) continue;
+    if (n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias")) continue;  // GPT-2 masks
+    if (n == "lm_head.weight" && c.tie_embeddings) continue;
+    unexpected.push_back(n);
+  }
+  if (!unexpected.empty()) {
+    std::string list;
+    for (size_t i = 0; i < unexpected.size() && i < 5; ++i) list += (i ? ", " : "") + unexpected[i];
+    throw std::runtime_error("checkpoint has " + std::to_string(unexpected.size()) +
+                             " unexpected tensors for a " + c.name + " model: " + list);
+  }
+}
+
+std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir) {
+  const ModelConfig c = load_hf_config(dir / "config.json");
+  auto model = std::make_unique<Decoder>(c);
+  load_hf_weights(*model, SafetensorsCheckpoint(dir));
+  return model;
+}
+
+void export_hf_model(Decoder& model, const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  const ModelConfig& c = model.config();
+  auto params = model.hf_parameters();
+  std::vector<SafetensorsWriter::Spec> specs;
+  for (auto& [name, p] : params) {
+    std::vector<int64_t> shape(p.sizes().begin(), p.sizes().end());
+    if (is_conv1d(c, name)) std::swap(shape[0], shape[1]);
+    specs.push_back({name, to_st(p.scalar_type()), shape});
+  }
+  SafetensorsWriter w(dir / "model.safetensors", specs, {{"format", "pt"}});
+  for (auto& [name, p] : params) {
+    const at::Tensor t = (is_conv1d(c, name) ? p.detach().t() : p.detach()).contiguous();
+    w.write(name, {static_cast<const std::byte*>(t.data_ptr()), t.nbytes()});
+  }
+  w.finish();
+  std::ofstream cfg(dir / "config.json");
+  cfg << c.to_hf_json() << "\n";
+  if (!cfg.flush()) throw std::runtime_error("cannot write " + (dir / "config.json").string());
+}
+
+}  // namespace strata::models

@@ -1,0 +1,237 @@
+#include "strata/models/model_config.h"
+
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+namespace strata::models {
+
+namespace {
+
+using nlohmann::json;
+
+std::invalid_argument bad(const std::string& source, const std::string& what) {
+  return std::invalid_argument(source + ": " + what);
+}
+
+template <class T>
+T need(const json& j, const char* key, const std::string& source) {
+  if (!j.contains(key) || j[key].is_null()) throw bad(source, std::string("missing \"") + key + "\"");
+  try {
+    return j[key].get<T>();
+  } catch (const json::exception&) {
+    throw bad(source, std::string("\"") + key + "\" has the wrong type");
+  }
+}
+
+template <class T>
+T get_or(const json& j, const char* key, T fallback) {
+  return j.contains(key) && !j[key].is_null() ? j[key].get<T>() : fallback;
+}
+
+ModelConfig gpt(const std::string& name, int64_t layers, int64_t hidden, int64_t heads,
+                int64_t vocab = 50257, int64_t positions = 2048) {
+  ModelConfig c;
+  c.arch = Arch::kGpt2;
+  c.name = name;
+  c.vocab_size = vocab;
+  c.hidden = hidden;
+  c.layers = layers;
+  c.heads = c.kv_heads = heads;
+  c.head_dim = hidden / heads;
+  c.intermediate = 4 * hidden;
+  c.max_positions = positions;
+  c.tie_embeddings = true;
+  return c;
+}
+
+ModelConfig llama(const std::string& name, int64_t layers, int64_t hidden, int64_t heads,
+                  int64_t kv_heads, int64_t intermediate, int64_t vocab, bool tied) {
+  ModelConfig c;
+  c.arch = Arch::kLlama;
+  c.name = name;
+  c.vocab_size = vocab;
+  c.hidden = hidden;
+  c.layers = layers;
+  c.heads = heads;
+  c.kv_heads = kv_heads;
+  c.head_dim = hidden / heads;
+  c.intermediate = intermediate;
+  c.max_positions = 8192;
+  c.norm_eps = 1e-5;
+  c.rope_theta = 500000.0;
+  c.tie_embeddings = tied;
+  return c;
+}
+
+const std::map<std::string, ModelConfig>& presets() {
+  static const std::map<std::string, ModelConfig> p = [] {
+    std::map<std::string, ModelConfig> m;
+    auto add = [&](ModelConfig c) { m.emplace(c.name, c); };
+    add(gpt("gpt2", 12, 768, 12, 50257, 1024));
+    add(gpt("gpt2-medium", 24, 1024, 16, 50257, 1024));
+    add(gpt("gpt2-large", 36, 1280, 20, 50257, 1024));
+    add(gpt("gpt2-xl", 48, 1600, 25, 50257, 1024));
+    add(gpt("gpt3-1.3b", 24, 2048, 16));
+    add(gpt("gpt3-2.7b", 32, 2560, 32));
+    add(gpt("gpt3-6.7b", 32, 4096, 32));
+    add(gpt("gpt3-13b", 40, 5120, 40));  // the paper lists 5140 x 40 heads of 128; 5120 divides
+    add(gpt("gpt3-175b", 96, 12288, 96));
+    add(gpt("gpt-1t", 128, 25600, 160));
+    add(gpt("gpt-1.4b", 24, 2048, 16));  // the brief's benchmark shapes
+    add(gpt("gpt-2.8b", 32, 2560, 20));
+    add(llama("llama-1b", 16, 2048, 32, 8, 8192, 128256, true));
+    add(llama("llama-8b", 32, 4096, 32, 8, 14336, 128256, false));
+    add(llama("llama-70b", 80, 8192, 64, 8, 28672, 128256, false));
+    return m;
+  }();
+  return p;
+}
+
+}  // namespace
+
+int64_t ModelConfig::block_parameters() const {
+  const int64_t d = hidden, q = heads * head_dim, kv = kv_heads * head_dim, f = intermediate;
+  if (arch == Arch::kGpt2) {
+    return 2 * 2 * d                    // ln_1, ln_2
+           + d * 3 * q + 3 * q          // c_attn
+           + q * d + d                  // attn c_proj
+           + d * f + f + f * d + d;     // mlp
+  }
+  return 2 * d                                                    // two RMSNorms
+         + d * (q + 2 * kv) + (attention_bias ? q + 2 * kv : 0)  // q, k, v
+         + q * d + (attention_bias ? d : 0)                       // o
+         + 3 * d * f + (mlp_bias ? 2 * f + d : 0);                // gate, up, down
+}
+
+int64_t ModelConfig::parameters() const {
+  int64_t n = vocab_size * hidden + layers * block_parameters();
+  n += arch == Arch::kGpt2 ? max_positions * hidden + 2 * hidden : hidden;  // wpe + ln_f / norm
+  if (!tie_embeddings) n += vocab_size * hidden;
+  return n;
+}
+
+void ModelConfig::validate() const {
+  auto req = [&](bool ok, const std::string& what) {
+    if (!ok) throw std::invalid_argument("model config '" + name + "': " + what);
+  };
+  req(vocab_size > 0, "vocab_size must be positive");
+  req(hidden > 0 && layers > 0 && heads > 0, "hidden, layers and heads must be positive");
+  req(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  req(head_dim > 0 && head_dim % 2 == 0, "head_dim must be positive and even");
+  req(arch == Arch::kLlama || head_dim * heads == hidden, "GPT-2 needs heads * head_dim == hidden");
+  req(intermediate > 0 && max_positions > 0, "intermediate and max_positions must be positive");
+}
+
+ModelConfig parse_hf_config(const std::string& text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw bad(source, std::string("not valid JSON: ") + e.what());
+  }
+  const std::string type = need<std::string>(j, "model_type", source);
+  ModelConfig c;
+  c.name = type;
+  if (type == "gpt2") {
+    c.arch = Arch::kGpt2;
+    c.vocab_size = need<int64_t>(j, "vocab_size", source);
+    c.hidden = need<int64_t>(j, "n_embd", source);
+    c.layers = need<int64_t>(j, "n_layer", source);
+    c.heads = c.kv_heads = need<int64_t>(j, "n_head", source);
+    c.head_dim = c.hidden / c.heads;
+    c.intermediate = get_or<int64_t>(j, "n_inner", 4 * c.hidden);
+    c.max_positions = need<int64_t>(j, "n_positions", source);
+    c.norm_eps = get_or<double>(j, "layer_norm_epsilon", 1e-5);
+    c.tie_embeddings = get_or<bool>(j, "tie_word_embeddings", true);
+    const std::string act = get_or<std::string>(j, "activation_function", "gelu_new");
+    if (act != "gelu_new") throw bad(source, "activation_function '" + act + "' is not supported (gelu_new only)");
+    if (get_or<bool>(j, "scale_attn_by_inverse_layer_idx", false) ||
+        get_or<bool>(j, "reorder_and_upcast_attn", false)) {
+      throw bad(source, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported");
+    }
+  } else if (type == "llama" || type == "mistral") {
+    c.arch = Arch::kLlama;
+    c.vocab_size = need<int64_t>(j, "vocab_size", source);
+    c.hidden = need<int64_t>(j, "hidden_size", source);
+    c.layers = need<int64_t>(j, "num_hidden_layers", source);
+    c.heads = need<int64_t>(j, "num_attention_heads", source);
+    c.kv_heads = get_or<int64_t>(j, "num_key_value_heads", c.heads);
+    c.head_dim = get_or<int64_t>(j, "head_dim", c.hidden / c.heads);
+    c.intermediate = need<int64_t>(j, "intermediate_size", source);
+    c.max_positions = get_or<int64_t>(j, "max_position_embeddings", 2048);
+    c.norm_eps = get_or<double>(j, "rms_norm_eps", 1e-6);
+    c.rope_theta = get_or<double>(j, "rope_theta", 10000.0);
+    if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {  // transformers >= 5
+      const json& rp = j["rope_parameters"];
+      c.rope_theta = get_or<double>(rp, "rope_theta", c.rope_theta);
+      const std::string rt = get_or<std::string>(rp, "rope_type", "default");
+      if (rt != "default") throw bad(source, "rope_type '" + rt + "' is not supported yet");
+    }
+    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+      throw bad(source, "rope_scaling is not supported yet");
+    }
+    c.tie_embeddings = get_or<bool>(j, "tie_word_embeddings", false);
+    c.attention_bias = get_or<bool>(j, "attention_bias", false);
+    c.mlp_bias = get_or<bool>(j, "mlp_bias", false);
+    const std::string act = get_or<std::string>(j, "hidden_act", "silu");
+    if (act != "silu") throw bad(source, "hidden_act '" + act + "' is not supported (silu only)");
+    if (type == "mistral" && j.contains("sliding_window") && !j["sliding_window"].is_null()) {
+      throw bad(source, "sliding-window attention is not supported");
+    }
+  } else {
+    throw bad(source, "model_type '" + type + "' is not supported (gpt2, llama, mistral)");
+  }
+  c.validate();
+  return c;
+}
+
+ModelConfig load_hf_config(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument(path.string() + ": cannot open");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_hf_config(ss.str(), path.string());
+}
+
+std::string ModelConfig::to_hf_json() const {
+  json j;
+  if (arch == Arch::kGpt2) {
+    j = {{"model_type", "gpt2"}, {"architectures", {"GPT2LMHeadModel"}},
+         {"vocab_size", vocab_size}, {"n_embd", hidden}, {"n_layer", layers}, {"n_head", heads},
+         {"n_inner", intermediate}, {"n_positions", max_positions},
+         {"layer_norm_epsilon", norm_eps}, {"activation_function", "gelu_new"},
+         {"tie_word_embeddings", tie_embeddings}, {"resid_pdrop", 0.0}, {"embd_pdrop", 0.0},
+         {"attn_pdrop", 0.0}};
+  } else {
+    j = {{"model_type", "llama"}, {"architectures", {"LlamaForCausalLM"}},
+         {"vocab_size", vocab_size}, {"hidden_size", hidden}, {"num_hidden_layers", layers},
+         {"num_attention_heads", heads}, {"num_key_value_heads", kv_heads},
+         {"head_dim", head_dim}, {"intermediate_size", intermediate},
+         {"max_position_embeddings", max_positions}, {"rms_norm_eps", norm_eps},
+         {"rope_theta", rope_theta}, {"tie_word_embeddings", tie_embeddings},
+         {"attention_bias", attention_bias}, {"mlp_bias", mlp_bias}, {"hidden_act", "silu"}};
+  }
+  j["dtype"] = "float32";
+  return j.dump(2);
+}
+
+ModelConfig preset(const std::string& name) {
+  auto it = presets().find(name);
+  if (it == presets().end()) {
+    std::string all;
+    for (auto& n : preset_names()) all += (all.empty() ? "" : ", ") + n;
+    throw std::invalid_argument("unknown model preset '" + name + "' (known: " + all + ")");
+  }
+  return it->second;
+}
+
+std::vector<std::string> preset_names() {
+  std::vector<std::string> out;
+  for (auto& [n, c] : presets()) out.push_back(n);
+  return out;
+}
+
+}  // namespace strata::models

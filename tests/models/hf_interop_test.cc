@@ -1,0 +1,159 @@
+// Models against Hugging Face transformers (the oracle): tiny random GPT-2 and Llama models saved
+// by transformers load in Strata with the same logits, Strata's export loads back in transformers
+// with the same logits, and block-by-block forward + recompute + backward gives the gradients of
+// whole-model autograd.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "strata/models/hf_io.h"
+#include "test_util.h"
+
+namespace strata::models {
+namespace {
+
+const std::string kPython = STRATA_PYTHON;
+const std::string kOracle = std::string(STRATA_TEST_PY_DIR) + "/hf_oracle.py";
+
+int run(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()); }
+
+class HfInterop : public ::testing::TestWithParam<std::string> {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new test::TempDir();
+    made_ = !kPython.empty() && run(kPython + " " + kOracle + " make " + dir_->path().string()) == 0;
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  void SetUp() override {
+    if (kPython.empty()) GTEST_SKIP() << "no Python with transformers configured (STRATA_PYTHON)";
+    ASSERT_TRUE(made_) << "the transformers oracle failed to make its models";
+  }
+  std::filesystem::path model_dir() const { return dir_->path() / GetParam(); }
+
+  static test::TempDir* dir_;
+  static bool made_;
+};
+test::TempDir* HfInterop::dir_ = nullptr;
+bool HfInterop::made_ = false;
+
+double relative_error(const at::Tensor& got, const at::Tensor& want) {
+  return ((got - want).abs().max() / want.abs().max()).item<double>();
+}
+
+at::Tensor expected(const std::filesystem::path& dir, const std::string& name) {
+  SafetensorsFile f(dir / "expected.safetensors");
+  const TensorView v = f.get(name);
+  const auto dtype = v.info->dtype == StDType::kI64 ? at::kLong : at::kFloat;
+  return at::from_blob(const_cast<std::byte*>(v.data.data()), v.info->shape, dtype).clone();
+}
+
+TEST_P(HfInterop, TransformersCheckpointLoadsWithTheSameLogitsAndExportRoundTrips) {
+  auto model = load_hf_model(model_dir());
+  const at::Tensor ids = expected(model_dir(), "ids");
+  const at::Tensor want = expected(model_dir(), "logits");
+  at::NoGradGuard no_grad;
+  const at::Tensor logits = model->forward(ids);
+  ASSERT_EQ(logits.sizes(), want.sizes());
+  EXPECT_LE(relative_error(logits, want), 1e-5) << GetParam();
+
+  test::TempDir out;
+  export_hf_model(*model, out.path() / "export");
+  EXPECT_EQ(run(kPython + " " + kOracle + " check " + (out.path() / "export").string() + " " +
+                (model_dir() / "expected.safetensors").string()),
+            0)
+      << "transformers did not reproduce the logits from Strata's export of " << GetParam();
+  // And Strata reads its own export back exactly.
+  auto again = load_hf_model(out.path() / "export");
+  EXPECT_TRUE(at::equal(again->forward(ids), logits));
+}
+
+TEST_P(HfInterop, BlockByBlockRecomputeGivesTheGradientsOfWholeModelAutograd) {
+  auto model = load_hf_model(model_dir());
+  const at::Tensor ids = expected(model_dir(), "ids");
+  const at::Tensor targets = ids.roll(-1, 1);
+  auto loss_of = [&](const at::Tensor& logits) {
+    return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+  };
+  auto params = model->hf_parameters();
+
+  // Oracle: autograd over the whole model.
+  const at::Tensor loss_ref = loss_of(model->forward(ids));
+  loss_ref.backward();
+  std::vector<at::Tensor> ref;
+  for (auto& [n, p] : params) {
+    ref.push_back(p.grad().clone());
+    p.mutable_grad().reset();
+  }
+
+  // The engine's schedule: forward without a graph, keeping only each block's input.
+  std::vector<at::Tensor> block_inputs;
+  at::Tensor h;
+  {
+    at::NoGradGuard no_grad;
+    h = model->embedding().forward(ids);
+    for (size_t b = 0; b < model->num_blocks(); ++b) {
+      block_inputs.push_back(h);
+      h = model->block(b).forward(h);
+    }
+  }
+  // Head: forward + backward, giving the gradient of the last block's output.
+  at::Tensor x = h.detach().requires_grad_(true);
+  const at::Tensor loss = loss_of(model->head().forward(x));
+  loss.backward();
+  at::Tensor grad = x.grad();
+  // Blocks in reverse: recompute from the saved input, backward, pass the input's gradient on.
+  for (size_t b = model->num_blocks(); b-- > 0;) {
+    at::Tensor xin = block_inputs[b].detach().requires_grad_(true);
+    at::Tensor out = model->block(b).forward(xin);
+    out.backward(grad);
+    grad = xin.grad();
+  }
+  model->embedding().forward(ids).backward(grad);
+
+  EXPECT_EQ(loss.item<float>(), loss_ref.item<float>());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& g = params[i].second.grad();
+    ASSERT_TRUE(g.defined()) << params[i].first;
+    const double err = ((g - ref[i]).norm() / ref[i].norm().clamp_min(1e-30)).item<double>();
+    EXPECT_LE(err, 1e-6) << params[i].first;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, HfInterop, ::testing::Values("gpt2", "llama", "llama_tied"));
+
+TEST(ModelConfig, PresetsHaveThePublishedParameterCounts) {
+  // Published sizes: GPT-2 124M / 1558M (tied), Llama 3.2 1B (tied), Llama 3.1 8B and 70B.
+  EXPECT_EQ(preset("gpt2").parameters(), 124439808);
+  EXPECT_EQ(preset("gpt2-xl").parameters(), 1557611200);
+  EXPECT_EQ(preset("llama-1b").parameters(), 1235814400);
+  EXPECT_EQ(preset("llama-8b").parameters(), 8030261248);
+  EXPECT_EQ(preset("llama-70b").parameters(), 70553706496);
+  // And a Strata model built from a preset has exactly that many parameters.
+  ModelConfig small = preset("gpt2");
+  Decoder d(small);
+  int64_t n = 0;
+  for (auto& [name, p] : d.hf_parameters()) n += p.numel();
+  EXPECT_EQ(n, small.parameters());
+  EXPECT_THROW(preset("gpt5"), std::invalid_argument);
+}
+
+TEST(ModelConfig, UnsupportedSettingsAreClearErrors) {
+  try {
+    parse_hf_config(R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})", "cfg.json");
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("cfg.json: rope_scaling"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(parse_hf_config(R"({"model_type": "bert"})", "x"), std::invalid_argument);
+  EXPECT_THROW(parse_hf_config(R"({"model_type": "gpt2", "n_embd": 8})", "x"), std::invalid_argument);
+  EXPECT_THROW(parse_hf_config("{not json", "x"), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace strata::models
