@@ -13,7 +13,7 @@ std::string module_name(std::string hf) {
   return hf;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {}) {
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b = {}) {
   return at::linear(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
 }
 
@@ -62,15 +62,15 @@ class Gpt2Block final : public Stage {
   at::Tensor forward(const at::Tensor& x) override {
     const int64_t d = c_.hidden;
     at::Tensor h = at::layer_norm(x, {d}, ln1_w, ln1_b, c_.norm_eps);
-    auto qkv = linear(h, attn_w, attn_b).split(d, -1);
+    auto qkv = dense(h, attn_w, attn_b).split(d, -1);
     at::Tensor q = split_heads(qkv[0], c_.heads, c_.head_dim);
     at::Tensor k = split_heads(qkv[1], c_.heads, c_.head_dim);
     at::Tensor v = split_heads(qkv[2], c_.heads, c_.head_dim);
     at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
-    at::Tensor r = x + linear(merge_heads(a), proj_w, proj_b);
+    at::Tensor r = x + dense(merge_heads(a), proj_w, proj_b);
     h = at::layer_norm(r, {d}, ln2_w, ln2_b, c_.norm_eps);
-    h = at::gelu(linear(h, fc_w, fc_b), "tanh");  // gelu_new
-    return r + linear(h, mproj_w, mproj_b);
+    h = at::gelu(dense(h, fc_w, fc_b), "tanh");  // gelu_new
+    return r + dense(h, mproj_w, mproj_b);
   }
 
  private:
@@ -87,7 +87,7 @@ class Gpt2Head final : public Stage {
     if (!c.tie_embeddings) wte_ = add("lm_head.weight", {c.vocab_size, c.hidden});
   }
   at::Tensor forward(const at::Tensor& x) override {
-    return linear(at::layer_norm(x, {c_.hidden}, lnf_w, lnf_b, c_.norm_eps), wte_);
+    return dense(at::layer_norm(x, {c_.hidden}, lnf_w, lnf_b, c_.norm_eps), wte_);
   }
 
  private:
@@ -145,9 +145,9 @@ class LlamaBlock final : public Stage {
   at::Tensor forward(const at::Tensor& x) override {
     const int64_t t = x.size(1);
     at::Tensor h = rms_norm(x, in_norm, c_.norm_eps);
-    at::Tensor q = split_heads(linear(h, wq, bq), c_.heads, c_.head_dim);
-    at::Tensor k = split_heads(linear(h, wk, bk), c_.kv_heads, c_.head_dim);
-    at::Tensor v = split_heads(linear(h, wv, bv), c_.kv_heads, c_.head_dim);
+    at::Tensor q = split_heads(dense(h, wq, bq), c_.heads, c_.head_dim);
+    at::Tensor k = split_heads(dense(h, wk, bk), c_.kv_heads, c_.head_dim);
+    at::Tensor v = split_heads(dense(h, wv, bv), c_.kv_heads, c_.head_dim);
     // Rotary embeddings as transformers computes them (fp32 angles, cat(freqs, freqs)).
     const int64_t hd = c_.head_dim;
     const at::Tensor inv_freq =
@@ -164,9 +164,9 @@ class LlamaBlock final : public Stage {
       v = v.repeat_interleave(rep, 1);
     }
     at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
-    at::Tensor r = x + linear(merge_heads(a), wo, bo);
+    at::Tensor r = x + dense(merge_heads(a), wo, bo);
     h = rms_norm(r, post_norm, c_.norm_eps);
-    return r + linear(at::silu(linear(h, wg, bg)) * linear(h, wu, bu), wd, bd);
+    return r + dense(at::silu(dense(h, wg, bg)) * dense(h, wu, bu), wd, bd);
   }
 
  private:
@@ -180,7 +180,7 @@ class LlamaHead final : public Stage {
     norm = add("model.norm.weight", {c.hidden});
     if (!c.tie_embeddings) w_ = add("lm_head.weight", {c.vocab_size, c.hidden});
   }
-  at::Tensor forward(const at::Tensor& x) override { return linear(rms_norm(x, norm, c_.norm_eps), w_); }
+  at::Tensor forward(const at::Tensor& x) override { return dense(rms_norm(x, norm, c_.norm_eps), w_); }
 
  private:
   ModelConfig c_;

@@ -1,7 +1,10 @@
 // Helpers shared by the test suites.
 #pragma once
 
+#include <ftw.h>
 #include <stdlib.h>
+
+#include <cstdio>
 
 #include <cstddef>
 #include <cstdint>
@@ -24,9 +27,11 @@ class TempDir {
     if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp " + tmpl);
     path_ = tmpl;
   }
+  // Removed with nftw, not std::filesystem::remove_all: libtorch.so exports its own copy of
+  // libstdc++'s filesystem library and its remove_all crashes when it interposes ours.
   ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
+    nftw(path_.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); },
+         16, FTW_DEPTH | FTW_PHYS);
   }
   const std::filesystem::path& path() const { return path_; }
   std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
