@@ -105,8 +105,10 @@ void export_hf_model(Decoder& model, const std::filesystem::path& dir) {
     w.write(name, {static_cast<const std::byte*>(t.data_ptr()), t.nbytes()});
   }
   w.finish();
+  const at::ScalarType t = params.front().second.scalar_type();
+  const char* dtype = t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : "float32";
   std::ofstream cfg(dir / "config.json");
-  cfg << c.to_hf_json() << "\n";
+  cfg << c.to_hf_json(dtype) << "\n";
   if (!cfg.flush()) throw std::runtime_error("cannot write " + (dir / "config.json").string());
 }
 

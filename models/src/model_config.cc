@@ -196,7 +196,7 @@ ModelConfig load_hf_config(const std::filesystem::path& path) {
   return parse_hf_config(ss.str(), path.string());
 }
 
-std::string ModelConfig::to_hf_json() const {
+std::string ModelConfig::to_hf_json(const std::string& dtype) const {
   json j;
   if (arch == Arch::kGpt2) {
     j = {{"model_type", "gpt2"}, {"architectures", {"GPT2LMHeadModel"}},
@@ -214,7 +214,7 @@ std::string ModelConfig::to_hf_json() const {
          {"rope_theta", rope_theta}, {"tie_word_embeddings", tie_embeddings},
          {"attention_bias", attention_bias}, {"mlp_bias", mlp_bias}, {"hidden_act", "silu"}};
   }
-  j["dtype"] = "float32";
+  j["dtype"] = dtype;
   return j.dump(2);
 }
 

@@ -109,6 +109,9 @@ TEST_P(HfInterop, BlockByBlockRecomputeGivesTheGradientsOfWholeModelAutograd) {
   for (size_t b = model->num_blocks(); b-- > 0;) {
     at::Tensor xin = block_inputs[b].detach().requires_grad_(true);
     at::Tensor out = model->block(b).forward(xin);
+    // Recompute reproduces the forward pass's output bit for bit.
+    const at::Tensor& forward_out = b + 1 < model->num_blocks() ? block_inputs[b + 1] : h;
+    ASSERT_TRUE(at::equal(out.detach(), forward_out)) << "block " << b;
     out.backward(grad);
     grad = xin.grad();
   }

@@ -33,8 +33,9 @@ struct ModelConfig {
   int64_t block_parameters() const;
   // Throws std::invalid_argument with the offending field if inconsistent.
   void validate() const;
-  // The config.json that transformers reads back for this model.
-  std::string to_hf_json() const;
+  // The config.json that transformers reads back for this model; `dtype` is the weights' dtype
+  // as transformers names it ("float32", "bfloat16", "float16").
+  std::string to_hf_json(const std::string& dtype = "float32") const;
 };
 
 // Throws std::invalid_argument naming the file and key for unsupported or missing settings
