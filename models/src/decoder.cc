@@ -107,6 +107,23 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
 }
 
+// Inverse frequencies as transformers computes them in fp32, with Llama 3's scaling when set.
+at::Tensor rope_inv_freq(const ModelConfig& c) {
+  const int64_t hd = c.head_dim;
+  at::Tensor inv_freq =
+      1.0 / at::pow(c.rope_theta, at::arange(0, hd, 2, at::kLong).to(at::kFloat) / static_cast<double>(hd));
+  const auto& r = c.llama3_rope;
+  if (r.factor == 0) return inv_freq;
+  const double old_len = static_cast<double>(r.original_max_positions);
+  const double low_wavelen = old_len / r.low_freq_factor, high_wavelen = old_len / r.high_freq_factor;
+  const at::Tensor wavelen = 2 * M_PI / inv_freq;
+  at::Tensor scaled = at::where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq);
+  const at::Tensor smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+  const at::Tensor smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+  const at::Tensor medium = (wavelen < high_wavelen).logical_not() * (wavelen > low_wavelen).logical_not();
+  return at::where(medium, smoothed, scaled);
+}
+
 class LlamaEmbedding final : public Stage {
  public:
   explicit LlamaEmbedding(const ModelConfig& c) { wte = add("model.embed_tokens.weight", {c.vocab_size, c.hidden}); }
@@ -149,9 +166,7 @@ class LlamaBlock final : public Stage {
     at::Tensor k = split_heads(dense(h, wk, bk), c_.kv_heads, c_.head_dim);
     at::Tensor v = split_heads(dense(h, wv, bv), c_.kv_heads, c_.head_dim);
     // Rotary embeddings as transformers computes them (fp32 angles, cat(freqs, freqs)).
-    const int64_t hd = c_.head_dim;
-    const at::Tensor inv_freq =
-        1.0 / at::pow(c_.rope_theta, at::arange(0, hd, 2, at::kLong).to(at::kFloat) / static_cast<double>(hd));
+    const at::Tensor inv_freq = rope_inv_freq(c_);
     const at::Tensor pos = at::arange(t, at::kLong).to(at::kFloat);
     const at::Tensor freqs = at::outer(pos, inv_freq);
     const at::Tensor emb = at::cat({freqs, freqs}, -1);

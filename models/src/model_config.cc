@@ -164,14 +164,21 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
     c.max_positions = get_or<int64_t>(j, "max_position_embeddings", 2048);
     c.norm_eps = get_or<double>(j, "rms_norm_eps", 1e-6);
     c.rope_theta = get_or<double>(j, "rope_theta", 10000.0);
-    if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {  // transformers >= 5
-      const json& rp = j["rope_parameters"];
+    // transformers < 5 writes "rope_scaling" (null when unused), >= 5 "rope_parameters".
+    for (const char* key : {"rope_scaling", "rope_parameters"}) {
+      if (!j.contains(key) || !j[key].is_object()) continue;
+      const json& rp = j[key];
       c.rope_theta = get_or<double>(rp, "rope_theta", c.rope_theta);
-      const std::string rt = get_or<std::string>(rp, "rope_type", "default");
-      if (rt != "default") throw bad(source, "rope_type '" + rt + "' is not supported yet");
-    }
-    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-      throw bad(source, "rope_scaling is not supported yet");
+      const std::string rt = get_or<std::string>(rp, "rope_type", get_or<std::string>(rp, "type", "default"));
+      if (rt == "llama3") {
+        c.llama3_rope.factor = need<double>(rp, "factor", source + " " + key);
+        c.llama3_rope.low_freq_factor = need<double>(rp, "low_freq_factor", source + " " + key);
+        c.llama3_rope.high_freq_factor = need<double>(rp, "high_freq_factor", source + " " + key);
+        c.llama3_rope.original_max_positions =
+            need<int64_t>(rp, "original_max_position_embeddings", source + " " + key);
+      } else if (rt != "default") {
+        throw bad(source, std::string(key) + ": rope_type '" + rt + "' is not supported (default, llama3)");
+      }
     }
     c.tie_embeddings = get_or<bool>(j, "tie_word_embeddings", false);
     c.attention_bias = get_or<bool>(j, "attention_bias", false);
@@ -213,6 +220,13 @@ std::string ModelConfig::to_hf_json(const std::string& dtype) const {
          {"max_position_embeddings", max_positions}, {"rms_norm_eps", norm_eps},
          {"rope_theta", rope_theta}, {"tie_word_embeddings", tie_embeddings},
          {"attention_bias", attention_bias}, {"mlp_bias", mlp_bias}, {"hidden_act", "silu"}};
+    if (llama3_rope.factor != 0) {
+      j["rope_scaling"] = {{"rope_type", "llama3"}, {"rope_theta", rope_theta},
+                           {"factor", llama3_rope.factor},
+                           {"low_freq_factor", llama3_rope.low_freq_factor},
+                           {"high_freq_factor", llama3_rope.high_freq_factor},
+                           {"original_max_position_embeddings", llama3_rope.original_max_positions}};
+    }
   }
   j["dtype"] = dtype;
   return j.dump(2);

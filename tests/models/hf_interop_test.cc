@@ -126,7 +126,8 @@ TEST_P(HfInterop, BlockByBlockRecomputeGivesTheGradientsOfWholeModelAutograd) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, HfInterop, ::testing::Values("gpt2", "llama", "llama_tied"));
+INSTANTIATE_TEST_SUITE_P(Models, HfInterop,
+                         ::testing::Values("gpt2", "llama", "llama_tied", "llama3_rope"));
 
 TEST(ModelConfig, PresetsHaveThePublishedParameterCounts) {
   // Published sizes: GPT-2 124M / 1558M (tied), Llama 3.2 1B (tied), Llama 3.1 8B and 70B.
@@ -148,10 +149,10 @@ TEST(ModelConfig, UnsupportedSettingsAreClearErrors) {
   try {
     parse_hf_config(R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
       "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16,
-      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})", "cfg.json");
+      "rope_scaling": {"rope_type": "yarn", "factor": 8.0}})", "cfg.json");
     FAIL();
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("cfg.json: rope_scaling"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cfg.json: rope_scaling: rope_type 'yarn'"), std::string::npos) << e.what();
   }
   EXPECT_THROW(parse_hf_config(R"({"model_type": "bert"})", "x"), std::invalid_argument);
   EXPECT_THROW(parse_hf_config(R"({"model_type": "gpt2", "n_embd": 8})", "x"), std::invalid_argument);

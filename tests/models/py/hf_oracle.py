@@ -3,7 +3,8 @@
   hf_oracle.py make DIR
       Saves tiny randomly initialised models with transformers (save_pretrained, safetensors) in
       DIR/gpt2, DIR/llama (grouped-query attention, untied) and DIR/llama_tied (tied embeddings,
-      attention and MLP biases), each with expected.safetensors holding input ids and the logits
+      attention and MLP biases) and DIR/llama3_rope (Llama 3 RoPE scaling, head_dim != hidden /
+      heads), each with expected.safetensors holding input ids and the logits
       transformers computes for them (fp32).
   hf_oracle.py check MODEL_DIR EXPECTED
       Loads MODEL_DIR with transformers, computes logits for EXPECTED's ids and compares them with
@@ -43,6 +44,16 @@ def make(out):
                                                    num_key_value_heads=1, max_position_embeddings=64,
                                                    initializer_range=0.2, tie_word_embeddings=True,
                                                    attention_bias=True, mlp_bias=True)),
+        # Llama 3 RoPE scaling, with a short original context so every frequency band occurs,
+        # and head_dim != hidden / heads.
+        "llama3_rope": LlamaForCausalLM(LlamaConfig(vocab_size=89, hidden_size=48, intermediate_size=96,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=2, head_dim=16,
+                                                    max_position_embeddings=64, initializer_range=0.2,
+                                                    rope_scaling={"rope_type": "llama3", "rope_theta": 500000.0,
+                                                                  "factor": 8.0, "low_freq_factor": 1.0,
+                                                                  "high_freq_factor": 4.0,
+                                                                  "original_max_position_embeddings": 16})),
     }
     for i, (name, model) in enumerate(models.items()):
         perturb(model, 100 + i)

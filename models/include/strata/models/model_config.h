@@ -27,6 +27,11 @@ struct ModelConfig {
   bool tie_embeddings = true;
   bool attention_bias = false;  // Llama q/k/v/o biases (Qwen2-style configs set it)
   bool mlp_bias = false;
+  // Llama 3 frequency-dependent RoPE scaling (rope_type "llama3"); off when factor == 0.
+  struct Llama3Rope {
+    double factor = 0, low_freq_factor = 1, high_freq_factor = 4;
+    int64_t original_max_positions = 8192;
+  } llama3_rope;
 
   // Parameter count (embeddings, blocks, head; tied weights counted once).
   int64_t parameters() const;
@@ -39,7 +44,8 @@ struct ModelConfig {
 };
 
 // Throws std::invalid_argument naming the file and key for unsupported or missing settings
-// (e.g. rope_scaling, which is not implemented yet).
+// (RoPE scaling other than Llama 3's, activations other than GPT-2's gelu_new and Llama's silu,
+// sliding-window attention).
 ModelConfig load_hf_config(const std::filesystem::path& config_json);
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source);
 
