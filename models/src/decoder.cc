@@ -84,7 +84,11 @@ class Gpt2Head final : public Stage {
   Gpt2Head(const ModelConfig& c, const at::Tensor& tied_wte) : c_(c), wte_(tied_wte) {
     lnf_w = add("transformer.ln_f.weight", {c.hidden});
     lnf_b = add("transformer.ln_f.bias", {c.hidden});
-    if (!c.tie_embeddings) wte_ = add("lm_head.weight", {c.vocab_size, c.hidden});
+    if (!c.tie_embeddings) {
+      wte_ = add("lm_head.weight", {c.vocab_size, c.hidden});
+    } else {
+      register_parameter("tied_embedding", wte_);  // visible to parameters()/to(), not to hf_parameters()
+    }
   }
   at::Tensor forward(const at::Tensor& x) override {
     return dense(at::layer_norm(x, {c_.hidden}, lnf_w, lnf_b, c_.norm_eps), wte_);
@@ -193,7 +197,11 @@ class LlamaHead final : public Stage {
  public:
   LlamaHead(const ModelConfig& c, const at::Tensor& tied) : c_(c), w_(tied) {
     norm = add("model.norm.weight", {c.hidden});
-    if (!c.tie_embeddings) w_ = add("lm_head.weight", {c.vocab_size, c.hidden});
+    if (!c.tie_embeddings) {
+      w_ = add("lm_head.weight", {c.vocab_size, c.hidden});
+    } else {
+      register_parameter("tied_embedding", w_);  // visible to parameters()/to(), not to hf_parameters()
+    }
   }
   at::Tensor forward(const at::Tensor& x) override { return dense(rms_norm(x, norm, c_.norm_eps), w_); }
 

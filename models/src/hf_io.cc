@@ -44,7 +44,7 @@ std::string shape_str(at::IntArrayRef s) {
 
 }  // namespace
 
-void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt) {
+void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt, const std::string& source) {
   const ModelConfig& c = model.config();
   std::set<std::string> used;
   at::NoGradGuard no_grad;
@@ -53,18 +53,18 @@ void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt) {
     if (!ckpt.contains(key) && c.arch == Arch::kGpt2 && name.starts_with("transformer.")) {
       key = name.substr(std::string("transformer.").size());
     }
-    if (!ckpt.contains(key)) throw std::runtime_error("checkpoint has no tensor '" + name + "'");
+    if (!ckpt.contains(key)) throw std::runtime_error(source + ": no tensor '" + name + "'");
     used.insert(key);
     const TensorView v = ckpt.get(key);
     const bool transpose = is_conv1d(c, name);
     std::vector<int64_t> want(param.sizes().begin(), param.sizes().end());
     if (transpose) std::swap(want[0], want[1]);
     if (v.info->shape != want) {
-      throw std::runtime_error("tensor '" + key + "' has shape " + shape_str(v.info->shape) +
+      throw std::runtime_error(source + ": tensor '" + key + "' has shape " + shape_str(v.info->shape) +
                                ", the model (" + c.name + ") expects " + shape_str(want));
     }
     at::Tensor src = at::from_blob(const_cast<std::byte*>(v.data.data()), want,
-                                   at::TensorOptions().dtype(to_aten(v.info->dtype, key)));
+                                   at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
     param.copy_(transpose ? src.t() : src);
   }
   std::vector<std::string> unexpected;
@@ -77,7 +77,7 @@ void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt) {
   if (!unexpected.empty()) {
     std::string list;
     for (size_t i = 0; i < unexpected.size() && i < 5; ++i) list += (i ? ", " : "") + unexpected[i];
-    throw std::runtime_error("checkpoint has " + std::to_string(unexpected.size()) +
+    throw std::runtime_error(source + ": " + std::to_string(unexpected.size()) +
                              " unexpected tensors for a " + c.name + " model: " + list);
   }
 }
@@ -85,7 +85,7 @@ void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt) {
 std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir) {
   const ModelConfig c = load_hf_config(dir / "config.json");
   auto model = std::make_unique<Decoder>(c);
-  load_hf_weights(*model, SafetensorsCheckpoint(dir));
+  load_hf_weights(*model, SafetensorsCheckpoint(dir), dir.string());
   return model;
 }
 
@@ -101,12 +101,15 @@ void export_hf_model(Decoder& model, const std::filesystem::path& dir) {
   }
   SafetensorsWriter w(dir / "model.safetensors", specs, {{"format", "pt"}});
   for (auto& [name, p] : params) {
-    const at::Tensor t = (is_conv1d(c, name) ? p.detach().t() : p.detach()).contiguous();
+    const at::Tensor t = (is_conv1d(c, name) ? p.detach().t() : p.detach()).contiguous().cpu();
     w.write(name, {static_cast<const std::byte*>(t.data_ptr()), t.nbytes()});
   }
   w.finish();
   const at::ScalarType t = params.front().second.scalar_type();
-  const char* dtype = t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : "float32";
+  const char* dtype = t == at::kBFloat16 ? "bfloat16"
+                      : t == at::kHalf     ? "float16"
+                      : t == at::kDouble   ? "float64"
+                                           : "float32";
   std::ofstream cfg(dir / "config.json");
   cfg << c.to_hf_json(dtype) << "\n";
   if (!cfg.flush()) throw std::runtime_error("cannot write " + (dir / "config.json").string());

@@ -28,7 +28,12 @@ T need(const json& j, const char* key, const std::string& source) {
 
 template <class T>
 T get_or(const json& j, const char* key, T fallback) {
-  return j.contains(key) && !j[key].is_null() ? j[key].get<T>() : fallback;
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  try {
+    return j[key].get<T>();
+  } catch (const json::exception&) {
+    throw std::invalid_argument(std::string("config: \"") + key + "\" has the wrong type");
+  }
 }
 
 ModelConfig gpt(const std::string& name, int64_t layers, int64_t hidden, int64_t heads,
@@ -120,7 +125,8 @@ void ModelConfig::validate() const {
   req(vocab_size > 0, "vocab_size must be positive");
   req(hidden > 0 && layers > 0 && heads > 0, "hidden, layers and heads must be positive");
   req(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
-  req(head_dim > 0 && head_dim % 2 == 0, "head_dim must be positive and even");
+  req(head_dim > 0, "head_dim must be positive");
+  req(arch != Arch::kLlama || head_dim % 2 == 0, "head_dim must be even for rotary embeddings");
   req(arch == Arch::kLlama || head_dim * heads == hidden, "GPT-2 needs heads * head_dim == hidden");
   req(intermediate > 0 && max_positions > 0, "intermediate and max_positions must be positive");
 }
@@ -141,6 +147,7 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
     c.hidden = need<int64_t>(j, "n_embd", source);
     c.layers = need<int64_t>(j, "n_layer", source);
     c.heads = c.kv_heads = need<int64_t>(j, "n_head", source);
+    if (c.heads <= 0) throw bad(source, "n_head must be positive");
     c.head_dim = c.hidden / c.heads;
     c.intermediate = get_or<int64_t>(j, "n_inner", 4 * c.hidden);
     c.max_positions = need<int64_t>(j, "n_positions", source);
@@ -158,6 +165,7 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
     c.hidden = need<int64_t>(j, "hidden_size", source);
     c.layers = need<int64_t>(j, "num_hidden_layers", source);
     c.heads = need<int64_t>(j, "num_attention_heads", source);
+    if (c.heads <= 0) throw bad(source, "num_attention_heads must be positive");
     c.kv_heads = get_or<int64_t>(j, "num_key_value_heads", c.heads);
     c.head_dim = get_or<int64_t>(j, "head_dim", c.hidden / c.heads);
     c.intermediate = need<int64_t>(j, "intermediate_size", source);

@@ -37,6 +37,7 @@ TokenCorpus::TokenCorpus(const std::filesystem::path& path, TokenFormat format, 
     std::sort(files.begin(), files.end());
     for (auto& f : files) {
       std::ifstream in(f, std::ios::binary);
+      if (!in) throw err("token data " + f.string() + ": cannot read");
       owned_.insert(owned_.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
     }
     description_ += " (" + std::to_string(files.size()) + " files)";
@@ -46,7 +47,11 @@ TokenCorpus::TokenCorpus(const std::filesystem::path& path, TokenFormat format, 
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw err("token data " + path.string() + ": " + std::strerror(errno));
     struct stat st {};
-    fstat(fd, &st);
+    if (fstat(fd, &st) != 0) {
+      const int e = errno;
+      ::close(fd);
+      throw err("token data " + path.string() + ": fstat: " + std::strerror(e));
+    }
     map_bytes_ = static_cast<size_t>(st.st_size);
     const size_t width = format == TokenFormat::kUint16 ? 2 : format == TokenFormat::kUint32 ? 4 : 1;
     if (map_bytes_ % width != 0) {
@@ -69,9 +74,11 @@ TokenCorpus::TokenCorpus(const std::filesystem::path& path, TokenFormat format, 
   if (tokens_ == 0) throw err("token data " + description_ + " is empty");
   if (vocab > 0 && format != TokenFormat::kBytes) {
     for (uint64_t i = 0; i < tokens_; ++i) {
-      if (token(i) >= vocab) {
+      const uint32_t id = token(i);
+      if (id >= vocab) {
+        if (map_bytes_ > 0) munmap(const_cast<unsigned char*>(data_), map_bytes_);  // no destructor
         throw err("token data " + description_ + ": token " + std::to_string(i) + " is " +
-                  std::to_string(token(i)) + ", outside the vocabulary of " + std::to_string(vocab));
+                  std::to_string(id) + ", outside the vocabulary of " + std::to_string(vocab));
       }
     }
   }

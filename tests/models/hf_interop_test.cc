@@ -129,6 +129,72 @@ TEST_P(HfInterop, BlockByBlockRecomputeGivesTheGradientsOfWholeModelAutograd) {
 INSTANTIATE_TEST_SUITE_P(Models, HfInterop,
                          ::testing::Values("gpt2", "llama", "llama_tied", "llama3_rope"));
 
+ModelConfig tiny_llama(int64_t hidden) {
+  ModelConfig c = preset("llama-1b");
+  c.vocab_size = 50;
+  c.hidden = hidden;
+  c.layers = 2;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.head_dim = hidden / 4;
+  c.intermediate = 2 * hidden;
+  return c;
+}
+
+TEST(HfIo, MismatchedCheckpointsAreErrorsNamingTheCheckpointAndTensor) {
+  test::TempDir dir;
+  Decoder saved(tiny_llama(32), 1);
+  export_hf_model(saved, dir / "m");
+  // Same architecture, other width: a shape error naming the checkpoint and tensor.
+  Decoder wider(tiny_llama(48));
+  try {
+    load_hf_weights(wider, SafetensorsCheckpoint(dir / "m"), (dir / "m").string());
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find((dir / "m").string() + ": tensor 'model.embed_tokens.weight' has shape [50, 32]"),
+              std::string::npos) << m;
+  }
+  // Another architecture: the first missing tensor is named.
+  ModelConfig g = preset("gpt2");
+  g.vocab_size = 50;
+  g.layers = 1;
+  g.hidden = 32;
+  g.heads = g.kv_heads = 4;
+  g.head_dim = 8;
+  g.intermediate = 64;
+  g.max_positions = 16;
+  Decoder gpt(g);
+  try {
+    load_hf_weights(gpt, SafetensorsCheckpoint(dir / "m"), "ckpt");
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt: no tensor 'transformer.wte.weight'"), std::string::npos) << e.what();
+  }
+  // Fewer layers than the checkpoint: the extra tensors are reported as unexpected.
+  ModelConfig one = tiny_llama(32);
+  one.layers = 1;
+  Decoder shallow(one);
+  try {
+    load_hf_weights(shallow, SafetensorsCheckpoint(dir / "m"), "ckpt");
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt: 9 unexpected tensors"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("model.layers.1."), std::string::npos) << e.what();
+  }
+  // A bf16 copy exports as bf16 and loads back to the same (rounded) weights.
+  Decoder half(tiny_llama(32), 1);
+  half.to(at::kBFloat16);
+  export_hf_model(half, dir / "bf16");
+  Decoder back(tiny_llama(32), 2);
+  load_hf_weights(back, SafetensorsCheckpoint(dir / "bf16"), "bf16");
+  auto a = half.hf_parameters(), b = back.hf_parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_TRUE(at::equal(a[i].second.to(at::kFloat), b[i].second)) << a[i].first;
+  }
+  EXPECT_EQ(load_hf_config(dir / "bf16" / "config.json").vocab_size, 50);
+}
+
 TEST(ModelConfig, PresetsHaveThePublishedParameterCounts) {
   // Published sizes: GPT-2 124M / 1558M (tied), Llama 3.2 1B (tied), Llama 3.1 8B and 70B.
   EXPECT_EQ(preset("gpt2").parameters(), 124439808);
@@ -136,12 +202,16 @@ TEST(ModelConfig, PresetsHaveThePublishedParameterCounts) {
   EXPECT_EQ(preset("llama-1b").parameters(), 1235814400);
   EXPECT_EQ(preset("llama-8b").parameters(), 8030261248);
   EXPECT_EQ(preset("llama-70b").parameters(), 70553706496);
-  // And a Strata model built from a preset has exactly that many parameters.
-  ModelConfig small = preset("gpt2");
-  Decoder d(small);
-  int64_t n = 0;
-  for (auto& [name, p] : d.hf_parameters()) n += p.numel();
-  EXPECT_EQ(n, small.parameters());
+  // And a Strata model built from a config has exactly that many parameters, biases included.
+  ModelConfig biased = tiny_llama(32);
+  biased.attention_bias = biased.mlp_bias = true;
+  biased.head_dim = 16;  // != hidden / heads
+  for (const ModelConfig& c : {preset("gpt2"), tiny_llama(32), biased}) {
+    Decoder d(c);
+    int64_t n = 0;
+    for (auto& [name, p] : d.hf_parameters()) n += p.numel();
+    EXPECT_EQ(n, c.parameters()) << c.name;
+  }
   EXPECT_THROW(preset("gpt5"), std::invalid_argument);
 }
 

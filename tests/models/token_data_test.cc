@@ -2,6 +2,7 @@
 
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <set>
 
 #include "strata/models/token_data.h"
@@ -71,10 +72,14 @@ TEST(TokenData, RanksSplitEachGlobalBatchAndPositionsReshard) {
     std::vector<BatchLoader> ranks;
     for (int r = 0; r < world; ++r) ranks.emplace_back(corpus, T, B, r, world, 3);
     for (int step = 0; step < 5; ++step) {
-      // Steps 0-1 run at this world size; then every rank restores the position saved by the
-      // one-rank run after step 2 (a resume at a different world size).
+      // Steps 0-1 run at this world size; then fresh loaders (a new job at this world size)
+      // restore the position the one-rank run had after two steps.
       if (step == 2) {
-        for (auto& l : ranks) l.set_position(2 * B);
+        ranks.clear();
+        for (int r = 0; r < world; ++r) {
+          ranks.emplace_back(corpus, T, B, r, world, 3);
+          ranks.back().set_position(2 * B);
+        }
       }
       std::vector<int64_t> global;
       for (auto& l : ranks) {
@@ -87,6 +92,29 @@ TEST(TokenData, RanksSplitEachGlobalBatchAndPositionsReshard) {
   }
   EXPECT_THROW(one.set_position(3), std::invalid_argument);
   EXPECT_THROW(BatchLoader(corpus, T, 6, 0, 4, 3), std::invalid_argument);
+}
+
+TEST(TokenData, OrderIsAShuffleThatDependsOnTheSeedAndTheEpoch) {
+  test::TempDir dir;
+  std::vector<uint32_t> ids(4001);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint32_t>(i);
+  auto corpus = std::make_shared<TokenCorpus>(write_tokens(dir, "t.bin", ids, true), TokenFormat::kUint32);
+  auto order = [&](uint64_t seed, uint64_t epoch) {
+    BatchLoader l(corpus, 8, 1, 0, 1, seed);
+    std::vector<int64_t> firsts, w(9);
+    for (uint64_t s = epoch * l.windows_per_epoch(); s < (epoch + 1) * l.windows_per_epoch(); ++s) {
+      l.sample(s, w.data());
+      firsts.push_back(w[0] / 8);  // window index
+    }
+    return firsts;
+  };
+  const auto a = order(1, 0);
+  std::vector<int64_t> identity(a.size());
+  std::iota(identity.begin(), identity.end(), 0);
+  EXPECT_NE(a, identity);
+  EXPECT_NE(a, order(2, 0));
+  EXPECT_NE(a, order(1, 1));
+  EXPECT_EQ(a, order(1, 0));  // and deterministic
 }
 
 TEST(TokenData, BadInputsAreClearErrors) {

@@ -44,8 +44,9 @@ def make(out):
                                                    num_key_value_heads=1, max_position_embeddings=64,
                                                    initializer_range=0.2, tie_word_embeddings=True,
                                                    attention_bias=True, mlp_bias=True)),
-        # Llama 3 RoPE scaling, with a short original context so every frequency band occurs,
-        # and head_dim != hidden / heads.
+        # Llama 3 RoPE scaling with an original context of 64: wavelengths run from 2*pi up, so
+        # the high (< 16), medium (16..64) and low (> 64) frequency bands all occur; and
+        # head_dim != hidden / heads.
         "llama3_rope": LlamaForCausalLM(LlamaConfig(vocab_size=89, hidden_size=48, intermediate_size=96,
                                                     num_hidden_layers=2, num_attention_heads=4,
                                                     num_key_value_heads=2, head_dim=16,
@@ -53,7 +54,7 @@ def make(out):
                                                     rope_scaling={"rope_type": "llama3", "rope_theta": 500000.0,
                                                                   "factor": 8.0, "low_freq_factor": 1.0,
                                                                   "high_freq_factor": 4.0,
-                                                                  "original_max_position_embeddings": 16})),
+                                                                  "original_max_position_embeddings": 64})),
     }
     for i, (name, model) in enumerate(models.items()):
         perturb(model, 100 + i)

@@ -9,7 +9,8 @@
 // transposed on load and export, see hf_io.h).
 //
 // Tied embeddings: the head reuses the embedding stage's token-embedding tensor (the same
-// at::Tensor, one parameter).
+// at::Tensor). It is a registered parameter of both modules (so each stage's parameters() is
+// complete on its own) but appears once in hf_parameters(), under the embedding's name.
 // Thread safety: a Decoder may be used by one thread at a time.
 #pragma once
 
@@ -39,8 +40,8 @@ class Stage : public torch::nn::Module {
 
 class Decoder {
  public:
-  // Random initialization like the reference implementations (normal(0, 0.02), norms at 1,
-  // biases at 0), from `seed`, in fp32 on the CPU.
+  // Random initialization from `seed`, in fp32 on the CPU: weights normal(0, 0.02), norm weights
+  // 1, biases 0 (GPT-2's scaled residual-projection init is not applied).
   explicit Decoder(const ModelConfig& config, uint64_t seed = 0);
 
   const ModelConfig& config() const { return config_; }

@@ -19,11 +19,14 @@
 
 namespace strata::models {
 
-void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& checkpoint);
+// `source` (the checkpoint's path) is named in every error.
+void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& checkpoint,
+                     const std::string& source);
 // config.json + weights from `dir`.
 std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir);
 // Writes dir/config.json and dir/model.safetensors, streaming one tensor at a time (each in the
-// model's dtype). `dir` is created if missing.
+// model's dtype, copied to the CPU one at a time if the model is on a GPU). `dir` is created if
+// missing.
 void export_hf_model(Decoder& model, const std::filesystem::path& dir);
 
 }  // namespace strata::models
