@@ -7,7 +7,17 @@
 #include <cstring>
 #include <utility>
 
+#include "extent_list.h"
+
 namespace strata::offload {
+
+struct PinnedPool::Slab {
+  std::byte* base;
+  size_t bytes;
+  bool pinned;
+  detail::ExtentList free;
+  size_t used = 0;
+};
 
 namespace {
 
@@ -77,20 +87,6 @@ PinnedPool::~PinnedPool() {
   for (auto& s : slabs_) allocator_->deallocate(s->base, s->bytes);
 }
 
-bool PinnedPool::carve(Slab& slab, size_t bytes, size_t* offset) {
-  for (auto it = slab.free.begin(); it != slab.free.end(); ++it) {
-    if (it->second < bytes) continue;  // first fit
-    *offset = it->first;
-    const size_t rest = it->second - bytes;
-    const size_t rest_at = it->first + bytes;
-    slab.free.erase(it);
-    if (rest > 0) slab.free.emplace(rest_at, rest);
-    slab.used += bytes;
-    return true;
-  }
-  return false;
-}
-
 PinnedBuffer PinnedPool::allocate(size_t bytes) {
   const size_t capacity = std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment *
                                                            kAlignment);
@@ -98,7 +94,8 @@ PinnedBuffer PinnedPool::allocate(size_t bytes) {
   Slab* home = nullptr;
   size_t offset = 0;
   for (auto& s : slabs_) {
-    if (carve(*s, capacity, &offset)) {
+    if (auto o = s->free.take(capacity)) {
+      offset = *o;
       home = s.get();
       break;
     }
@@ -110,8 +107,7 @@ PinnedBuffer PinnedPool::allocate(size_t bytes) {
     if (usage_.reserved_bytes + grow > budget_) grow = capacity;
     if (usage_.reserved_bytes + grow > budget_) {
       size_t largest = 0;
-      for (auto& s : slabs_)
-        for (auto& [o, l] : s->free) largest = std::max(largest, l);
+      for (auto& s : slabs_) largest = std::max<size_t>(largest, s->free.largest());
       throw PinnedPoolExhausted(
           "pinned pool: cannot allocate " + mib(capacity) + ": budget " + mib(budget_) +
           ", reserved " + mib(usage_.reserved_bytes) + ", in use " + mib(usage_.in_use_bytes) +
@@ -121,14 +117,15 @@ PinnedBuffer PinnedPool::allocate(size_t bytes) {
     auto s = std::make_unique<Slab>();
     s->base = static_cast<std::byte*>(allocator_->allocate(grow, &s->pinned));
     s->bytes = grow;
-    s->free.emplace(0, grow);
+    s->free.give(0, grow);
     usage_.reserved_bytes += grow;
     usage_.slabs += 1;
     if (!s->pinned) usage_.pinned = false;
     slabs_.push_back(std::move(s));
     home = slabs_.back().get();
-    carve(*home, capacity, &offset);
+    offset = *home->free.take(capacity);
   }
+  home->used += capacity;
   usage_.in_use_bytes += capacity;
   usage_.peak_in_use_bytes = std::max(usage_.peak_in_use_bytes, usage_.in_use_bytes);
   usage_.live_buffers += 1;
@@ -145,22 +142,7 @@ void PinnedPool::give_back(std::byte* data, size_t capacity) noexcept {
   std::lock_guard lock(mu_);
   for (auto& s : slabs_) {
     if (data < s->base || data >= s->base + s->bytes) continue;
-    size_t off = static_cast<size_t>(data - s->base);
-    size_t len = capacity;
-    auto next = s->free.lower_bound(off);
-    if (next != s->free.end() && off + len == next->first) {  // merge with the following block
-      len += next->second;
-      next = s->free.erase(next);
-    }
-    if (next != s->free.begin()) {  // merge with the preceding block
-      auto prev = std::prev(next);
-      if (prev->first + prev->second == off) {
-        off = prev->first;
-        len += prev->second;
-        s->free.erase(prev);
-      }
-    }
-    s->free.emplace(off, len);
+    s->free.give(static_cast<size_t>(data - s->base), capacity);
     s->used -= capacity;
     usage_.in_use_bytes -= capacity;
     usage_.live_buffers -= 1;

@@ -9,7 +9,15 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "extent_list.h"
+
 namespace strata::offload {
+
+struct SwapSpace::DirState {
+  File file;
+  detail::ExtentList free;  // freed extents below `end`
+  uint64_t end = 0;         // high-water mark
+};
 
 namespace {
 uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
@@ -27,21 +35,21 @@ SwapSpace::SwapSpace(IoEngine& io, SwapConfig config) : io_(io), config_(std::mo
                                 std::to_string(config_.alignment) + ")");
   }
   if (config_.rank < 0) throw std::invalid_argument("swap: negative rank");
-  dirs_.resize(config_.dirs.size());
-  for (uint32_t d = 0; d < dirs_.size(); ++d) {
+  for (uint32_t d = 0; d < config_.dirs.size(); ++d) {
     std::error_code ec;
     if (!std::filesystem::is_directory(config_.dirs[d], ec)) {
       throw IoError(ENOENT, "swap: directory " + config_.dirs[d].string() +
                                 " does not exist or is not a directory");
     }
-    dirs_[d].file = File::open(file_path(d), OpenMode::kTruncate);
+    dirs_.push_back(std::make_unique<DirState>());
+    dirs_[d]->file = File::open(file_path(d), OpenMode::kTruncate);
   }
 }
 
 SwapSpace::~SwapSpace() {
   if (!config_.remove_files_on_close) return;
   for (uint32_t d = 0; d < dirs_.size(); ++d) {
-    dirs_[d].file = File();
+    dirs_[d]->file = File();
     ::unlink(file_path(d).c_str());  // best effort: scratch files
   }
 }
@@ -53,14 +61,8 @@ std::filesystem::path SwapSpace::file_path(uint32_t dir) const {
 }
 
 uint64_t SwapSpace::reserve_in(uint32_t d, uint64_t length) {
-  DirState& ds = dirs_[d];
-  for (auto it = ds.free.begin(); it != ds.free.end(); ++it) {  // first fit
-    if (it->second < length) continue;
-    const uint64_t off = it->first, rest = it->second - length;
-    ds.free.erase(it);
-    if (rest > 0) ds.free.emplace(off + length, rest);
-    return off;
-  }
+  DirState& ds = *dirs_[d];
+  if (auto offset = ds.free.take(length)) return *offset;
   const uint64_t off = ds.end;
   ds.file.reserve(off, length);  // ENOSPC surfaces here, with the file and range in the message
   ds.end += length;
@@ -68,24 +70,11 @@ uint64_t SwapSpace::reserve_in(uint32_t d, uint64_t length) {
 }
 
 void SwapSpace::release_in(uint32_t d, uint64_t off, uint64_t len) {
-  DirState& ds = dirs_[d];
-  auto next = ds.free.lower_bound(off);
-  if (next != ds.free.end() && off + len == next->first) {
-    len += next->second;
-    next = ds.free.erase(next);
-  }
-  if (next != ds.free.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == off) {
-      off = prev->first;
-      len += prev->second;
-      ds.free.erase(prev);
-    }
-  }
-  if (off + len == ds.end) {
-    ds.end = off;  // the tail is free again; the file keeps its size for reuse
-  } else {
-    ds.free.emplace(off, len);
+  DirState& ds = *dirs_[d];
+  const auto [merged_off, merged_len] = ds.free.give(off, len);
+  if (merged_off + merged_len == ds.end) {
+    ds.free.erase(merged_off);  // the tail is free again; the file keeps its size for reuse
+    ds.end = merged_off;
   }
 }
 
@@ -164,7 +153,7 @@ IoFuture SwapSpace::transfer(IoRequest::Kind kind, const std::string& name, uint
       // extents are sorted by directory and there is at most one per directory
       auto e = std::lower_bound(p.extents.begin(), p.extents.end(), d,
                                 [](const SwapExtent& x, uint32_t dir) { return x.dir < dir; });
-      reqs.push_back({kind, &dirs_[d].file, e->offset + (j / D) * S + in_stripe, data + done, len});
+      reqs.push_back({kind, &dirs_[d]->file, e->offset + (j / D) * S + in_stripe, data + done, len});
       done += len;
     }
   }
@@ -183,7 +172,7 @@ IoFuture SwapSpace::read(const std::string& name, uint64_t offset, std::span<std
 }
 
 void SwapSpace::sync() {
-  for (auto& d : dirs_) d.file.sync();
+  for (auto& d : dirs_) d->file.sync();
 }
 
 std::vector<SwapPartition> SwapSpace::partitions() const {
@@ -221,7 +210,7 @@ SwapUsage SwapSpace::usage() const {
     u.bytes += p.bytes;
     for (auto& e : p.extents) u.reserved_bytes += e.length;
   }
-  for (auto& d : dirs_) u.file_bytes.push_back(d.end);
+  for (auto& d : dirs_) u.file_bytes.push_back(d->end);
   return u;
 }
 

@@ -14,7 +14,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -107,15 +106,8 @@ class PinnedPool {
 
  private:
   friend class PinnedBuffer;
-  struct Slab {
-    std::byte* base;
-    size_t bytes;
-    bool pinned;
-    std::map<size_t, size_t> free;  // offset -> length, coalesced
-    size_t used = 0;
-  };
+  struct Slab;
   void give_back(std::byte* data, size_t capacity) noexcept;
-  bool carve(Slab& slab, size_t bytes, size_t* offset);
 
   mutable std::mutex mu_;
   uint64_t budget_;

@@ -89,11 +89,7 @@ class SwapSpace {
   SwapUsage usage() const;
 
  private:
-  struct DirState {
-    File file;
-    std::map<uint64_t, uint64_t> free;  // offset -> length, coalesced
-    uint64_t end = 0;                   // high-water mark
-  };
+  struct DirState;
   uint64_t reserve_in(uint32_t dir, uint64_t length);
   void release_in(uint32_t dir, uint64_t offset, uint64_t length);
   IoFuture transfer(IoRequest::Kind kind, const std::string& name, uint64_t offset,
@@ -102,7 +98,7 @@ class SwapSpace {
   IoEngine& io_;
   SwapConfig config_;
   mutable std::mutex mu_;
-  std::vector<DirState> dirs_;
+  std::vector<std::unique_ptr<DirState>> dirs_;
   std::map<std::string, SwapPartition> parts_;
   uint32_t next_first_dir_ = 0;
 };

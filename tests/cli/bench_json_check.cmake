@@ -1,0 +1,27 @@
+# Runs `strata <ARGS>` (a benchmark) and checks its final JSON line: metric == METRIC, and for each
+# key in KEYS a positive value and baseline_value with ratio == value / baseline_value.
+# Numbers, not speed: speed targets live in the benchmarks and docs/PERFORMANCE.md.
+execute_process(COMMAND ${STRATA} ${ARGS} OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "strata ${ARGS} failed (${rc}):\n${err}\n${out}")
+endif()
+string(STRIP "${out}" out)
+string(REGEX REPLACE ".*\n" "" last "${out}")
+string(JSON metric GET "${last}" metric)
+if(NOT metric STREQUAL METRIC)
+  message(FATAL_ERROR "expected metric ${METRIC}, final line: ${last}")
+endif()
+foreach(k ${KEYS})
+  string(JSON v GET "${last}" value ${k})
+  string(JSON b GET "${last}" baseline_value ${k})
+  string(JSON r GET "${last}" ratio ${k})
+  if(NOT v GREATER 0 OR NOT b GREATER 0)
+    message(FATAL_ERROR "${k}: value ${v} baseline ${b}: ${last}")
+  endif()
+  execute_process(COMMAND awk "BEGIN { exit !((${r} * ${b} - ${v}) ^ 2 < 1e-9 * ${v} * ${v}) }"
+                  RESULT_VARIABLE bad)
+  if(NOT bad EQUAL 0)
+    message(FATAL_ERROR "${k}: ratio ${r} != ${v} / ${b}")
+  endif()
+endforeach()
+message(STATUS "${last}")
