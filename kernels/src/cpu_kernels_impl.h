@@ -1,7 +1,7 @@
 // The kernel algorithms, written once over a vector type V (private header; included by exactly
 // one translation unit per ISA, compiled with that ISA's flags and -ffp-contract=off).
 //
-// V provides: W (lanes), F (vector of W floats), set1, load/store, add/sub/mul/div/sqrt,
+// V provides: W (lanes), F (vector of W floats), set1, load/store, add/mul/div/sqrt,
 // load_as_f32 (fp32/bf16/fp16 -> F), store_from_f32 (F -> fp32/bf16/fp16, NaN as the scalar
 // reference writes it), any_nonfinite, and square_accumulate into 16 fp64 lanes. Elements past the
 // last full vector go through ScalarV, whose operations round identically.
@@ -22,7 +22,6 @@ struct ScalarV {
   static F load(const float* p) { return *p; }
   static void store(float* p, F x) { *p = x; }
   static F add(F a, F b) { return a + b; }
-  static F sub(F a, F b) { return a - b; }
   static F mul(F a, F b) { return a * b; }
   static F div(F a, F b) { return a / b; }
   static F sqrt(F a) { return std::sqrt(a); }

@@ -84,11 +84,7 @@ class Gpt2Head final : public Stage {
   Gpt2Head(const ModelConfig& c, const at::Tensor& tied_wte) : c_(c), wte_(tied_wte) {
     lnf_w = add("transformer.ln_f.weight", {c.hidden});
     lnf_b = add("transformer.ln_f.bias", {c.hidden});
-    if (!c.tie_embeddings) {
-      wte_ = add("lm_head.weight", {c.vocab_size, c.hidden});
-    } else {
-      register_parameter("tied_embedding", wte_);  // visible to parameters()/to(), not to hf_parameters()
-    }
+    wte_ = lm_head_weight(c, tied_wte);
   }
   at::Tensor forward(const at::Tensor& x) override {
     return dense(at::layer_norm(x, {c_.hidden}, lnf_w, lnf_b, c_.norm_eps), wte_);
@@ -197,11 +193,7 @@ class LlamaHead final : public Stage {
  public:
   LlamaHead(const ModelConfig& c, const at::Tensor& tied) : c_(c), w_(tied) {
     norm = add("model.norm.weight", {c.hidden});
-    if (!c.tie_embeddings) {
-      w_ = add("lm_head.weight", {c.vocab_size, c.hidden});
-    } else {
-      register_parameter("tied_embedding", w_);  // visible to parameters()/to(), not to hf_parameters()
-    }
+    w_ = lm_head_weight(c, tied);
   }
   at::Tensor forward(const at::Tensor& x) override { return dense(rms_norm(x, norm, c_.norm_eps), w_); }
 
@@ -220,6 +212,11 @@ at::Tensor Stage::add(const std::string& hf_name, std::vector<int64_t> shape) {
   at::Tensor t = register_parameter(module_name(hf_name), at::empty(shape, at::kFloat));
   params_.emplace_back(hf_name, t);
   return t;
+}
+
+at::Tensor Stage::lm_head_weight(const ModelConfig& c, const at::Tensor& tied_embedding) {
+  if (!c.tie_embeddings) return add("lm_head.weight", {c.vocab_size, c.hidden});
+  return register_parameter("tied_embedding", tied_embedding);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Stage::hf_parameters() const { return params_; }

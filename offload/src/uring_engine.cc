@@ -47,8 +47,8 @@ class UringEngine final : public EngineCore {
   ~UringEngine() override {
     wait_idle();
     {
+      // A NOP with no Op tells the reaper to stop (everything else has completed).
       std::lock_guard lock(sq_mu_);
-      stopping_ = true;
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
       io_uring_prep_nop(sqe);
       io_uring_sqe_set_data(sqe, nullptr);
@@ -147,7 +147,6 @@ class UringEngine final : public EngineCore {
   std::mutex sq_mu_;
   std::deque<Op*> pending_;
   unsigned inflight_ = 0;
-  bool stopping_ = false;
   std::thread reaper_;
 };
 

@@ -35,6 +35,9 @@ class Stage : public torch::nn::Module {
 
  protected:
   at::Tensor add(const std::string& hf_name, std::vector<int64_t> shape);
+  // The LM head's weight: its own "lm_head.weight", or the tied embedding registered as a
+  // parameter of this module too (visible to parameters()/to(), not to hf_parameters()).
+  at::Tensor lm_head_weight(const ModelConfig& c, const at::Tensor& tied_embedding);
   std::vector<std::pair<std::string, at::Tensor>> params_;
 };
 

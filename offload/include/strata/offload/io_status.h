@@ -18,7 +18,6 @@ class IoStatus {
   // `error` is a positive errno value (0 means ok); `message` is the full human-readable text.
   IoStatus(int error, std::string message) : error_(error), message_(std::move(message)) {}
 
-  static IoStatus ok_status() { return {}; }
   // "<op> <path> offset <offset> length <length>: <strerror(error)>[ (<detail>)]"
   static IoStatus from_errno(int error, const char* op, const std::string& path, uint64_t offset,
                              uint64_t length, const std::string& detail = {});
