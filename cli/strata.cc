@@ -7,6 +7,7 @@
 #include "args.h"
 #include "adam_bench.h"
 #include "io_bench.h"
+#include "train.h"
 #include "strata/engine/build_info.h"
 
 namespace {
@@ -16,6 +17,8 @@ constexpr const char* kUsage = R"(strata: train and fine-tune models larger than
 usage: strata <command> [options]
 
 commands:
+  train        train or fine-tune a model (JSON configuration, docs/CONFIG.md)
+  launch       run N ranks of a command on this node (torchrun environment)
   bench io     bandwidth of the NVMe I/O engine beside fio (same file system, block size,
                queue depth), sequential and random, read and write
   bench adam   CPU Adam kernel beside PyTorch's fused AdamW, torch::optim::AdamW and the
@@ -119,6 +122,8 @@ int main(int argc, char** argv) {
       std::cout << strata::engine::build_info();
       return 0;
     }
+    if (args[0] == "train") return strata::cli::train_main({args.begin() + 1, args.end()});
+    if (args[0] == "launch") return strata::cli::launch_main({args.begin() + 1, args.end()});
     if (args[0] == "bench") {
       if (args.size() >= 2 && args[1] == "io") return bench_io({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "adam") return bench_adam({args.begin() + 2, args.end()});

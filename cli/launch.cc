@@ -1,0 +1,139 @@
+// `strata launch -n N [--port P] -- command ...`: runs N copies of a command on this node with
+// the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT). When one rank fails, the others are terminated (SIGTERM, then SIGKILL after 10
+// s) and the launcher exits with the failing rank's status.
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "args.h"
+#include "train.h"
+
+namespace strata::cli {
+namespace {
+
+constexpr const char* kLaunchUsage = R"(usage: strata launch -n N [--port P] -- command [args...]
+
+Runs N processes of `command` on this node as data-parallel ranks 0..N-1, with RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT set as
+torchrun sets them. If a rank fails, the others are stopped and the launcher exits non-zero.
+
+  -n, --nproc N   number of ranks (processes)
+  --port P    rendezvous port (default: a free port)
+)";
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error("socket: " + std::string(strerror(errno)));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    close(fd);
+    throw std::runtime_error("cannot find a free port: " + std::string(strerror(errno)));
+  }
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string describe(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("killed by signal ") + strsignal(WTERMSIG(status));
+  return "stopped";
+}
+
+}  // namespace
+
+int launch_main(const std::vector<std::string>& argv) {
+  auto sep = std::find(argv.begin(), argv.end(), "--");
+  std::vector<std::string> own(argv.begin(), sep);
+  for (auto& a : own)
+    if (a == "-n") a = "--nproc";
+  for (const auto& a : own)
+    if (a == "--help" || a == "-h") {
+      std::cout << kLaunchUsage;
+      return 0;
+    }
+  if (sep == argv.end() || sep + 1 == argv.end())
+    throw std::invalid_argument("strata launch: expected `-- command [args...]`\n\n" +
+                                std::string(kLaunchUsage));
+  std::vector<std::string> cmd(sep + 1, argv.end());
+  Args args(own, {"nproc", "port"}, {});
+  const unsigned n = args.count("nproc", 0);
+  if (n < 1) throw std::invalid_argument("strata launch: -n must be >= 1");
+  const int port = args.has("port") ? int(args.count("port", 0)) : free_port();
+
+  std::vector<pid_t> pids(n, -1);
+  for (unsigned r = 0; r < n; ++r) {
+    pid_t pid = fork();
+    if (pid < 0) throw std::runtime_error("fork: " + std::string(strerror(errno)));
+    if (pid == 0) {
+      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      std::vector<char*> cargv;
+      for (auto& s : cmd) cargv.push_back(const_cast<char*>(s.c_str()));
+      cargv.push_back(nullptr);
+      execvp(cargv[0], cargv.data());
+      std::cerr << "strata launch: cannot run " << cmd[0] << ": " << strerror(errno) << "\n";
+      _exit(127);
+    }
+    pids[r] = pid;
+  }
+
+  int result = 0;
+  unsigned running = n;
+  bool stopping = false;
+  auto stop_deadline = std::chrono::steady_clock::time_point::max();
+  while (running > 0) {
+    int status = 0;
+    pid_t pid = waitpid(-1, &status, stopping ? WNOHANG : 0);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (pid == 0) {  // stopping: poll until the deadline, then kill
+      if (std::chrono::steady_clock::now() > stop_deadline) {
+        for (pid_t p : pids)
+          if (p > 0) kill(p, SIGKILL);
+        stop_deadline = std::chrono::steady_clock::time_point::max();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    auto it = std::find(pids.begin(), pids.end(), pid);
+    if (it == pids.end()) continue;
+    const unsigned rank = unsigned(it - pids.begin());
+    *it = -1;
+    --running;
+    const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    if (failed && !stopping) {
+      std::cerr << "strata launch: rank " << rank << " " << describe(status)
+                << "; stopping the other ranks\n";
+      result = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      stopping = true;
+      stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      for (pid_t p : pids)
+        if (p > 0) kill(p, SIGTERM);
+    }
+  }
+  return result;
+}
+
+}  // namespace strata::cli

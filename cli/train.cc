@@ -1,0 +1,181 @@
+#include "train.h"
+
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <unistd.h>
+
+#include "args.h"
+#include "strata/engine/comm.h"
+#include "strata/engine/config.h"
+#include "strata/engine/device.h"
+#include "strata/engine/engine.h"
+#include "strata/models/hf_io.h"
+#include "strata/models/token_data.h"
+
+namespace strata::cli {
+namespace {
+
+constexpr const char* kTrainUsage = R"(usage: strata train [options]
+
+Trains a decoder model with Strata's engine (docs/CONFIG.md lists every configuration key).
+Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
+(torchrun or `strata launch -n N -- strata train ...`).
+
+  --config FILE      JSON configuration (default: the built-in defaults: a GPT-2-shaped model
+                     on /usr/share/common-licenses)
+  --steps N          override run.steps
+  --log PATH         override run.log (JSON lines, one per step; written by rank 0)
+  --export DIR       override run.export (Hugging Face safetensors + config.json at the end)
+  --no-progress      no progress line
+)";
+
+using engine::format_bytes;
+
+std::string bar(double frac, int width) {
+  const int full = int(std::round(std::clamp(frac, 0.0, 1.0) * width));
+  return std::string(size_t(full), '#') + std::string(size_t(width - full), '.');
+}
+
+}  // namespace
+
+int train_main(const std::vector<std::string>& argv) {
+  for (const auto& a : argv)
+    if (a == "--help" || a == "-h") {
+      std::cout << kTrainUsage;
+      return 0;
+    }
+  Args args(argv, {"config", "steps", "log", "export"}, {"no-progress"});
+  engine::TrainConfig tc = args.has("config") ? engine::load_train_config(args.get("config", ""))
+                                                : engine::parse_train_config("{}", "(defaults)");
+  if (args.has("steps")) tc.steps = args.count("steps", 0);
+  if (args.has("log")) tc.log_path = args.get("log", "");
+  if (args.has("export")) tc.export_dir = args.get("export", "");
+  if (args.has("no-progress")) tc.progress = false;
+  const engine::EngineConfig& ec = tc.engine;
+
+  const engine::DistEnv env = engine::DistEnv::from_env();
+  auto comm = engine::Communicator::create(
+      env, std::chrono::milliseconds(int64_t(ec.timeout_s * 1000)));
+  const bool lead = comm->rank() == 0;
+  auto device = engine::Device::create_host(ec.device_budget);
+
+  std::unique_ptr<models::Decoder> model =
+      tc.init_from.empty() ? std::make_unique<models::Decoder>(tc.model, tc.init_seed)
+                           : models::load_hf_model(tc.init_from);
+  const models::ModelConfig mc = model->config();
+  auto corpus = std::make_shared<models::TokenCorpus>(
+      tc.data_path, models::parse_token_format(tc.data_format), uint64_t(mc.vocab_size));
+  const uint64_t global_batch =
+      uint64_t(ec.micro_batch * ec.grad_accum) * uint64_t(comm->world_size());
+  models::BatchLoader loader(corpus, uint64_t(ec.seq_len), global_batch, comm->rank(),
+                             comm->world_size(), tc.data_seed);
+
+  engine::Engine eng(std::move(model), ec, *comm, *device);
+  const engine::MemoryReport m0 = eng.memory();
+
+  std::ofstream log;
+  if (lead && !tc.log_path.empty()) {
+    log.open(tc.log_path, std::ios::trunc);
+    if (!log) throw std::runtime_error("cannot write the log " + tc.log_path);
+    nlohmann::json start = {
+        {"event", "start"},
+        {"model", mc.name},
+        {"parameters", mc.parameters()},
+        {"world_size", comm->world_size()},
+        {"global_batch", global_batch},
+        {"seq_len", ec.seq_len},
+        {"compute", to_string(ec.compute)},
+        {"reduce", to_string(ec.reduce)},
+        {"placement",
+         {{"params", to_string(ec.params)}, {"grads", to_string(ec.grads)},
+          {"master", to_string(ec.master)}, {"moments", to_string(ec.moments)}}},
+        {"device", device->description()},
+        {"device_budget", ec.device_budget},
+        {"data", corpus->description()}};
+    log << start.dump() << "\n" << std::flush;
+  }
+  if (lead) {
+    std::cerr << "strata train: " << mc.name << " (" << mc.parameters() / 1e6 << "M parameters, "
+              << mc.layers << " layers), world " << comm->world_size() << ", global batch "
+              << global_batch << " x " << ec.seq_len << " tokens, " << to_string(ec.compute)
+              << " compute\n  placement: params " << to_string(ec.params) << ", grads "
+              << to_string(ec.grads) << ", master " << to_string(ec.master) << ", moments "
+              << to_string(ec.moments) << "; device " << device->description() << " budget "
+              << (ec.device_budget == UINT64_MAX ? "unlimited" : format_bytes(ec.device_budget))
+              << ", " << format_bytes(m0.device_used) << " of state on it; host state "
+              << format_bytes(m0.host_state) << " per rank\n  data: " << corpus->description()
+              << "\n";
+  }
+
+  const bool tty = isatty(STDERR_FILENO);
+  at::Tensor ids = at::empty({int64_t(loader.local_batch()), ec.seq_len + 1}, at::kLong);
+  double tokens_total = 0, seconds_total = 0;
+  for (int64_t s = 0; s < tc.steps; ++s) {
+    loader.next(ids.data_ptr<int64_t>());
+    const engine::StepResult r = eng.train_step(ids);
+    const engine::MemoryReport mem = eng.memory();
+    tokens_total += double(r.tokens);
+    seconds_total += r.seconds;
+    if (!lead) continue;
+    if (log.is_open()) {
+      nlohmann::json j = {{"step", s + 1},
+                          {"optimizer_step", r.step},
+                          {"loss", r.loss},
+                          {"grad_norm", r.grad_norm},
+                          {"skipped", r.skipped},
+                          {"loss_scale", r.loss_scale},
+                          {"seconds", r.seconds},
+                          {"tokens", r.tokens},
+                          {"tokens_per_s", double(r.tokens) / r.seconds},
+                          {"model_tflops", r.model_tflops},
+                          {"device_used", mem.device_used},
+                          {"device_peak", mem.device_peak},
+                          {"host_state", mem.host_state},
+                          {"host_activations", mem.host_activations},
+                          {"samples_consumed", loader.position()}};
+      log << j.dump() << "\n" << std::flush;
+    }
+    if (tc.progress) {
+      char line[512];
+      snprintf(line, sizeof line,
+               "step %lld/%lld [%s] loss %.4f%s | %.0f tok/s | %.3f TFLOPS | device %s peak / %s"
+               " | host %s state + %s act",
+               (long long)(s + 1), (long long)tc.steps, bar(double(s + 1) / double(tc.steps), 20).c_str(),
+               r.loss, r.skipped ? " (skipped)" : "", double(r.tokens) / r.seconds, r.model_tflops,
+               format_bytes(mem.device_peak).c_str(),
+               mem.device_budget == UINT64_MAX ? "unlimited" : format_bytes(mem.device_budget).c_str(),
+               format_bytes(mem.host_state).c_str(), format_bytes(mem.host_activations).c_str());
+      std::cerr << (tty ? "\r\033[K" : "") << line << (tty ? "" : "\n") << std::flush;
+    }
+  }
+  if (lead && tc.progress && tty) std::cerr << "\n";
+  if (lead && tc.steps > 0)
+    std::cerr << "strata train: " << tc.steps << " steps, "
+              << (seconds_total > 0 ? tokens_total / seconds_total : 0) << " tokens/s\n";
+
+  if (!tc.export_dir.empty()) {
+    auto params = eng.gather_parameters();  // collective: every rank
+    if (lead) {
+      models::Decoder out(mc, 0);
+      at::NoGradGuard no_grad;
+      std::map<std::string, at::Tensor> by_name(params.begin(), params.end());
+      for (auto& [name, t] : out.hf_parameters()) t.copy_(by_name.at(name));
+      models::export_hf_model(out, tc.export_dir);
+      std::cerr << "strata train: exported " << tc.export_dir << "\n";
+    }
+  }
+  comm->barrier();
+  return 0;
+}
+
+}  // namespace strata::cli

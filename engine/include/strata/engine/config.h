@@ -1,0 +1,61 @@
+// The training configuration: what `strata train --config FILE` reads (docs/CONFIG.md is the
+// reference for every key). Unknown keys and invalid values are rejected with a message naming
+// the key and the file.
+// Thread safety: plain values.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "strata/models/model_config.h"
+
+namespace strata::engine {
+
+enum class Precision { kFp32, kBf16, kFp16 };
+enum class Placement { kDevice, kHost };
+const char* to_string(Precision p);
+const char* to_string(Placement p);
+
+// What the Engine needs.
+struct EngineConfig {
+  // Optimizer (AdamW when decoupled_weight_decay, else Adam with L2), as torch::optim names them.
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  bool decoupled_weight_decay = true;
+  double clip_grad_norm = 0.0;  // 0: off
+  int64_t micro_batch = 1;      // sequences per micro-batch per rank
+  int64_t grad_accum = 1;       // micro-batches per step
+  int64_t seq_len = 64;
+  Precision compute = Precision::kFp32;  // compute copies of the parameters
+  Precision reduce = Precision::kFp32;   // gradient reduce-scatter (fp32 or bf16)
+  double initial_loss_scale = 65536.0;   // fp16 only
+  int64_t loss_scale_window = 1000;      // good steps before the fp16 loss scale doubles
+  Placement params = Placement::kHost;   // compute-copy shards between uses
+  Placement grads = Placement::kHost;    // fp32 gradient accumulation shards
+  Placement master = Placement::kHost;   // fp32 master parameters
+  Placement moments = Placement::kHost;  // Adam moments
+  std::string device = "cpu";
+  uint64_t device_budget = UINT64_MAX;   // bytes the engine may hold on the device
+  int prefetch = 1;                      // units gathered ahead of the running one
+  unsigned cpu_threads = 0;              // optimizer kernel threads; 0: all cores
+  double timeout_s = 300;                // collectives and rendezvous
+  void validate() const;                 // throws std::invalid_argument
+};
+
+struct TrainConfig {
+  models::ModelConfig model;
+  std::string init_from;  // Hugging Face model directory, or empty for random init
+  uint64_t init_seed = 0;
+  std::string data_path = "/usr/share/common-licenses";
+  std::string data_format = "bytes";
+  uint64_t data_seed = 0;
+  int64_t steps = 20;
+  std::string log_path = "strata-train.jsonl";
+  bool progress = true;
+  std::string export_dir;  // Hugging Face safetensors + config.json after the last step
+  EngineConfig engine;
+};
+
+TrainConfig parse_train_config(const std::string& json_text, const std::string& source);
+TrainConfig load_train_config(const std::string& path);
+
+}  // namespace strata::engine

@@ -1,0 +1,125 @@
+// The compute device as the engine sees it: a memory budget it accounts for, and streams on
+// which copies and host functions run asynchronously, ordered by events.
+//
+// Two implementations: the host device (compute on the CPU; the copy stream is a worker thread,
+// so ordering and overlap bugs show up on machines without a GPU) and, later, CUDA. Stream model,
+// the same on both: work enqueued on one stream runs in order; different streams run
+// concurrently; `wait(stream, event)` orders a stream after an event recorded on another. The
+// compute stream is the calling thread's: torch ops issued by the engine run on it (on the host
+// device they run synchronously, so waiting on the compute stream blocks the caller).
+//
+// Memory: every tensor the engine places on the device comes from `empty()`, which counts its
+// bytes against the budget until the tensor's storage is freed, and throws BudgetExceeded
+// instead of going over. The budget covers what the engine holds (gathered parameters, gradient
+// buffers, live boundary activations, device-placed optimizer state), not the autograd
+// temporaries inside one running block.
+//
+// Lifetime: the Device must outlive every tensor and reservation it handed out.
+// Thread safety: all members may be called from any thread. Host memory handed to copy_async
+// must stay valid until the copy has run (record an event and wait on it).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+namespace strata::engine {
+
+class BudgetExceeded : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  virtual const char* name() const = 0;
+};
+
+// A point in a stream's work; done() once everything enqueued before it has run.
+class Event {
+ public:
+  virtual ~Event() = default;
+  virtual bool done() const = 0;
+};
+
+class Device {
+ public:
+  // The host device. `budget_bytes` bounds what the engine allocates through empty().
+  static std::unique_ptr<Device> create_host(uint64_t budget_bytes);
+
+  virtual ~Device() = default;
+  virtual c10::Device torch_device() const = 0;
+  virtual std::string description() const = 0;
+
+  // An uninitialized contiguous tensor on the device, counted against the budget until its
+  // storage is freed. Throws BudgetExceeded naming `what`, the request and the current use.
+  at::Tensor empty(at::IntArrayRef shape, at::ScalarType dtype, const std::string& what);
+  // Counts `bytes` of device memory that something else allocates (a torch op's output whose
+  // size the engine knows) until the reservation is destroyed. Throws BudgetExceeded.
+  class Reservation {
+   public:
+    Reservation() = default;
+    Reservation(Reservation&& o) noexcept : device_(o.device_), bytes_(o.bytes_) { o.device_ = nullptr; }
+    Reservation& operator=(Reservation&& o) noexcept {
+      if (this != &o) {
+        reset();
+        device_ = o.device_;
+        bytes_ = o.bytes_;
+        o.device_ = nullptr;
+      }
+      return *this;
+    }
+    ~Reservation() { reset(); }
+    void reset();
+
+   private:
+    friend class Device;
+    Reservation(Device* d, uint64_t b) : device_(d), bytes_(b) {}
+    Device* device_ = nullptr;
+    uint64_t bytes_ = 0;
+  };
+  Reservation reserve(uint64_t bytes, const std::string& what);
+  bool fits(uint64_t bytes) const { return used() + bytes <= budget_; }
+  uint64_t budget() const { return budget_; }
+  uint64_t used() const { return used_.load(); }
+  uint64_t peak() const { return peak_.load(); }
+  void reset_peak() { peak_.store(used_.load()); }
+
+  virtual Stream& compute_stream() = 0;
+  virtual Stream& copy_stream() = 0;
+  // dst.copy_(src) on `stream`; same numel and dtype, contiguous, either side host or device.
+  // The stream keeps both tensors alive until the copy has run.
+  virtual void copy_async(const at::Tensor& dst, const at::Tensor& src, Stream& stream) = 0;
+  // Runs `fn` on the host once the stream reaches this point (it must not throw or block on
+  // the same stream). Errors from fn are reported by the next synchronize() of that stream.
+  virtual void launch_host(Stream& stream, std::function<void()> fn) = 0;
+  virtual std::shared_ptr<Event> record(Stream& stream) = 0;
+  // Work enqueued on `stream` after this call starts after `event`.
+  virtual void wait(Stream& stream, const std::shared_ptr<Event>& event) = 0;
+  // Blocks until everything enqueued on `stream` has run; rethrows the first error of its work.
+  virtual void synchronize(Stream& stream) = 0;
+
+ protected:
+  explicit Device(uint64_t budget_bytes) : budget_(budget_bytes) {}
+  virtual void* raw_allocate(size_t bytes) = 0;
+  virtual void raw_free(void* ptr) = 0;
+
+ private:
+  void acquire(uint64_t bytes, const std::string& what);
+  void release(uint64_t bytes) { used_.fetch_sub(bytes); }
+  uint64_t budget_;
+  std::atomic<uint64_t> used_{0};
+  std::atomic<uint64_t> peak_{0};
+};
+
+std::string format_bytes(uint64_t bytes);
+// "512MiB", "2GB", "1.5GiB", "4096" -> bytes. Throws std::invalid_argument on junk.
+uint64_t parse_bytes(const std::string& text);
+
+}  // namespace strata::engine

@@ -1,0 +1,92 @@
+// strata::Engine: ZeRO-3 data-parallel training of a models::Decoder with partitioned state.
+//
+// Every rank owns a slice (partition.h) of each unit's fp32 master parameters, Adam moments,
+// fp32 gradient accumulator and compute copy (fp32/bf16/fp16). A unit's full parameters exist on
+// the device only while the schedule needs them. One train_step, for each micro-batch:
+//   forward  embedding, blocks: all-gather the unit (the next `prefetch` units' gathers already
+//            in flight within the device budget), run it without autograd, keep its input in
+//            host memory as an activation checkpoint, release the unit;
+//   head     forward and backward with autograd (loss = token-mean cross entropy, times the fp16
+//            loss scale);
+//   backward blocks in reverse, then the embedding: gather, recompute from the checkpoint,
+//            backward, and reduce-scatter the unit's gradient (fp32 or bf16) into the owners'
+//            fp32 accumulators right away, release.
+// then the step: global gradient norm (sum of squares all-reduced), fp16 overflow check (skip
+// the step and halve the scale), clipping folded into the gradient scale, the CPU Adam kernel
+// on this rank's slices writing the next compute copies in the same pass.
+// Tied embeddings: the head uses the embedding unit's tensor; both units are gathered for the
+// head, and the head's contribution to the tied gradient is reduce-scattered with the head.
+//
+// Numerics: with fp32 compute the result equals plain libtorch (full model, autograd, AdamW,
+// clip_grad_norm_) up to the order of floating-point sums; gradients are averaged over the
+// global batch (micro_batch * grad_accum * world_size sequences).
+//
+// Errors: BudgetExceeded if the device budget cannot hold the running unit's working set;
+// CommError when a peer rank dies or times out; std::invalid_argument for bad input shapes.
+// Thread safety: one thread drives an Engine; every rank calls the same methods in the same
+// order (they contain collectives).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "strata/engine/comm.h"
+#include "strata/engine/config.h"
+#include "strata/engine/device.h"
+#include "strata/engine/partition.h"
+#include "strata/models/decoder.h"
+
+namespace strata::engine {
+
+struct StepResult {
+  int64_t step = 0;          // optimizer steps taken so far (skipped steps not counted)
+  double loss = 0;           // mean over the global batch
+  double grad_norm = 0;      // global 2-norm of the averaged gradient, before clipping
+  bool skipped = false;      // overflow (fp16) or non-finite gradient: no update
+  double loss_scale = 1;     // fp16 loss scale used for this step (1 otherwise)
+  double seconds = 0;
+  uint64_t tokens = 0;       // global tokens in the step
+  double model_tflops = 0;   // 6 * parameters * tokens (+ attention) per second, all ranks
+};
+
+struct MemoryReport {
+  uint64_t device_used = 0, device_peak = 0, device_budget = 0;
+  uint64_t host_state = 0;        // this rank's host-placed shards
+  uint64_t host_activations = 0;  // activation checkpoints, peak of the last step
+};
+
+class Engine {
+ public:
+  // Takes the model (fp32, on the CPU, identical on every rank: same seed or same checkpoint);
+  // its weights move into this rank's shards and its modules keep only views of gathered units.
+  Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& config, Communicator& comm,
+         Device& device);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // One optimizer step on this rank's share of the global batch: `ids` is int64
+  // [grad_accum * micro_batch, seq_len + 1] (inputs and next-token targets), micro-batch m being
+  // rows [m * micro_batch, (m + 1) * micro_batch).
+  StepResult train_step(const at::Tensor& ids);
+
+  // Every parameter in fp32 with its Hugging Face name, gathered from all ranks' master slices
+  // (a collective). Holds one full copy of the model in host memory.
+  std::vector<std::pair<std::string, at::Tensor>> gather_parameters();
+
+  const Partition& partition() const;
+  const models::ModelConfig& model_config() const;
+  MemoryReport memory() const;
+  // 6N + attention FLOPs per token of one forward+backward (the "model FLOPs" convention).
+  double flops_per_token() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata::engine

@@ -1,0 +1,75 @@
+// ZeRO-3 partitioning: how each fetch unit's parameters are flattened and split across the
+// data-parallel ranks.
+//
+// A unit (the embedding stage, one block, the head; later a tile of a huge layer) lists its
+// tensors in a fixed order. They are laid out back to back in one flat buffer per dtype, the
+// buffer is padded with zeros to world_size * shard_numel, and rank r owns the contiguous slice
+// [r * shard_numel, (r + 1) * shard_numel). shard_numel is a multiple of `align_numel` (default
+// 1024 elements: 4 KiB of fp32), so every rank's slice of fp32 state is direct-I/O aligned.
+// The map from tensor name to (unit, offset, shape) depends only on the units' tensor lists,
+// the world size and the alignment: every rank computes the same map.
+//
+// Errors: std::invalid_argument for duplicate names, empty units, world_size < 1.
+// Thread safety: immutable after construction.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace strata::engine {
+
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint64_t numel() const;
+};
+
+struct TensorSlot {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;  // elements from the start of the unit's flat buffer
+  uint64_t numel = 0;
+};
+
+struct UnitLayout {
+  std::string name;
+  std::vector<TensorSlot> tensors;
+  uint64_t numel = 0;         // sum of the tensors' elements
+  uint64_t shard_numel = 0;   // each rank's slice
+  uint64_t padded_numel() const { return shard_numel * world_size; }
+  uint64_t world_size = 1;
+  // Rank r's slice [begin, end) of the flat buffer, and the part of it holding real elements.
+  uint64_t shard_begin(int rank) const { return uint64_t(rank) * shard_numel; }
+  uint64_t shard_valid_numel(int rank) const;
+};
+
+struct TensorLocation {
+  size_t unit = 0;
+  const TensorSlot* slot = nullptr;
+};
+
+class Partition {
+ public:
+  static constexpr uint64_t kDefaultAlignNumel = 1024;
+  Partition(const std::vector<std::pair<std::string, std::vector<TensorSpec>>>& units,
+            int world_size, uint64_t align_numel = kDefaultAlignNumel);
+
+  int world_size() const { return world_size_; }
+  size_t num_units() const { return units_.size(); }
+  const UnitLayout& unit(size_t i) const { return units_.at(i); }
+  const std::vector<UnitLayout>& units() const { return units_; }
+  // Throws std::out_of_range naming the tensor if unknown.
+  TensorLocation locate(const std::string& name) const;
+  uint64_t total_numel() const;         // real elements over all units
+  uint64_t total_shard_numel() const;   // one rank's elements over all units (with padding)
+
+ private:
+  int world_size_;
+  std::vector<UnitLayout> units_;
+  std::map<std::string, std::pair<size_t, size_t>> index_;  // name -> (unit, tensor)
+};
+
+}  // namespace strata::engine

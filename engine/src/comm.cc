@@ -1,0 +1,167 @@
+#include "strata/engine/comm.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdlib>
+#include <exception>
+
+namespace strata::engine {
+namespace {
+
+int env_int(const char* name, int fallback, bool* present = nullptr) {
+  const char* v = std::getenv(name);
+  if (present) *present = v != nullptr;
+  if (!v) return fallback;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  if (*v == '\0' || *end != '\0' || x < 0 || x > 1 << 30)
+    throw std::invalid_argument(std::string("environment variable ") + name + "=\"" + v +
+                                "\" is not a non-negative integer");
+  return int(x);
+}
+
+class LocalComm final : public Communicator {
+ public:
+  LocalComm() : Communicator(0, 1) {}
+  struct Done : Work {
+    void wait() override {}
+  };
+  std::unique_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in) override {
+    TORCH_CHECK(out.numel() == in.numel(), "all_gather: out must hold world_size * in");
+    out.copy_(in.view_as(out));
+    return std::make_unique<Done>();
+  }
+  std::unique_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in) override {
+    TORCH_CHECK(out.numel() == in.numel(), "reduce_scatter: in must hold world_size * out");
+    out.copy_(in.view_as(out));
+    return std::make_unique<Done>();
+  }
+  void all_reduce(const at::Tensor&, ReduceOp) override {}
+  void broadcast(const at::Tensor&, int) override {}
+  void barrier() override {}
+};
+
+class GlooComm final : public Communicator {
+ public:
+  GlooComm(const DistEnv& env, std::chrono::milliseconds timeout)
+      : Communicator(env.rank, env.world_size) {
+    try {
+      c10d::TCPStoreOptions opts;
+      opts.port = uint16_t(env.master_port);
+      opts.isServer = env.rank == 0;
+      opts.numWorkers = env.world_size;
+      opts.waitWorkers = true;
+      opts.timeout = timeout;
+      store_ = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+      auto pg_opts = c10d::ProcessGroupGloo::Options::create(timeout);
+      pg_opts->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForHostname(local_hostname(env)));
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, env.rank, env.world_size,
+                                                         pg_opts);
+    } catch (const std::exception& e) {
+      throw CommError("rendezvous of rank " + std::to_string(env.rank) + " of " +
+                      std::to_string(env.world_size) + " at " + env.master_addr + ":" +
+                      std::to_string(env.master_port) + " failed: " + first_line(e.what()));
+    }
+  }
+
+  struct GlooWork : Work {
+    GlooWork(c10::intrusive_ptr<c10d::Work> w, std::string what) : w(std::move(w)), what(std::move(what)) {}
+    void wait() override {
+      try {
+        w->wait();
+      } catch (const std::exception& e) {
+        throw CommError(what + " failed: " + first_line(e.what()) +
+                        " (a peer rank died or timed out)");
+      }
+    }
+    c10::intrusive_ptr<c10d::Work> w;
+    std::string what;
+  };
+
+  std::unique_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in) override {
+    return guarded("all_gather", [&] {
+      at::Tensor o = out, i = in;
+      return pg_->_allgather_base(o, i);
+    });
+  }
+  std::unique_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in) override {
+    return guarded("reduce_scatter", [&] {
+      at::Tensor o = out, i = in;
+      return pg_->_reduce_scatter_base(o, i);
+    });
+  }
+  void all_reduce(const at::Tensor& t, ReduceOp op) override {
+    c10d::AllreduceOptions o;
+    o.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+    guarded("all_reduce", [&] {
+      std::vector<at::Tensor> v{t};
+      return pg_->allreduce(v, o);
+    })->wait();
+  }
+  void broadcast(const at::Tensor& t, int root) override {
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    guarded("broadcast", [&] {
+      std::vector<at::Tensor> v{t};
+      return pg_->broadcast(v, o);
+    })->wait();
+  }
+  void barrier() override {
+    guarded("barrier", [&] { return pg_->barrier(); })->wait();
+  }
+
+ private:
+  static std::string first_line(const std::string& s) {
+    auto n = s.find('\n');
+    return n == std::string::npos ? s : s.substr(0, n);
+  }
+  static std::string local_hostname(const DistEnv& env) {
+    // Single node: the loopback address reaches every rank; otherwise bind where the master is
+    // reachable from.
+    return env.master_addr == "localhost" ? "127.0.0.1" : env.master_addr;
+  }
+  template <typename F>
+  std::unique_ptr<Work> guarded(const char* op, F&& issue) {
+    const std::string what = std::string(op) + " on rank " + std::to_string(rank()) + " of " +
+                             std::to_string(world_size());
+    try {
+      return std::make_unique<GlooWork>(issue(), what);
+    } catch (const std::exception& e) {
+      throw CommError(what + " failed: " + first_line(e.what()));
+    }
+  }
+
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+};
+
+}  // namespace
+
+DistEnv DistEnv::from_env() {
+  DistEnv e;
+  bool has_rank = false, has_world = false;
+  e.rank = env_int("RANK", 0, &has_rank);
+  e.world_size = env_int("WORLD_SIZE", 1, &has_world);
+  e.local_rank = env_int("LOCAL_RANK", e.rank);
+  e.master_port = env_int("MASTER_PORT", 29500);
+  if (const char* a = std::getenv("MASTER_ADDR")) e.master_addr = a;
+  if (has_rank != has_world)
+    throw std::invalid_argument("set both RANK and WORLD_SIZE (as torchrun does), or neither");
+  if (e.world_size < 1) throw std::invalid_argument("WORLD_SIZE must be >= 1");
+  if (e.rank >= e.world_size)
+    throw std::invalid_argument("RANK=" + std::to_string(e.rank) + " is not below WORLD_SIZE=" +
+                                std::to_string(e.world_size));
+  if (e.master_port < 1 || e.master_port > 65535)
+    throw std::invalid_argument("MASTER_PORT must be in 1..65535");
+  return e;
+}
+
+std::unique_ptr<Communicator> Communicator::create(const DistEnv& env,
+                                                   std::chrono::milliseconds timeout) {
+  if (env.world_size == 1) return std::make_unique<LocalComm>();
+  return std::make_unique<GlooComm>(env, timeout);
+}
+
+}  // namespace strata::engine

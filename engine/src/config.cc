@@ -1,0 +1,263 @@
+#include "strata/engine/config.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "strata/engine/device.h"
+
+namespace strata::engine {
+
+const char* to_string(Precision p) {
+  switch (p) {
+    case Precision::kFp32: return "fp32";
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp16: return "fp16";
+  }
+  return "?";
+}
+const char* to_string(Placement p) { return p == Placement::kDevice ? "device" : "host"; }
+
+void EngineConfig::validate() const {
+  auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
+  if (!(lr >= 0)) bad("optimizer.lr must be >= 0");
+  if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1))
+    bad("optimizer.betas must be in [0, 1)");
+  if (!(eps > 0)) bad("optimizer.eps must be > 0");
+  if (!(weight_decay >= 0)) bad("optimizer.weight_decay must be >= 0");
+  if (!(clip_grad_norm >= 0)) bad("optimizer.clip_grad_norm must be >= 0 (0: off)");
+  if (micro_batch < 1) bad("batch.micro_batch must be >= 1");
+  if (grad_accum < 1) bad("batch.grad_accum must be >= 1");
+  if (seq_len < 1) bad("data.seq_len must be >= 1");
+  if (reduce == Precision::kFp16) bad("precision.reduce must be fp32 or bf16");
+  if (!(initial_loss_scale > 0)) bad("precision.initial_loss_scale must be > 0");
+  if (loss_scale_window < 1) bad("precision.loss_scale_window must be >= 1");
+  if (device != "cpu") bad("device.type \"" + device + "\": this build supports \"cpu\" only");
+  if (device_budget == 0) bad("device.budget must be > 0");
+  if (prefetch < 0) bad("device.prefetch must be >= 0");
+  if (!(timeout_s > 0)) bad("distributed.timeout_s must be > 0");
+}
+
+namespace {
+
+using nlohmann::json;
+
+// Reads one object section, rejecting keys it does not know.
+class Section {
+ public:
+  Section(const json& j, std::string path, const std::string& source)
+      : j_(j), path_(std::move(path)), source_(source) {
+    if (!j_.is_object()) fail("", "must be an object");
+  }
+  ~Section() noexcept(false) {
+    if (std::uncaught_exceptions()) return;
+    for (auto it = j_.begin(); it != j_.end(); ++it)
+      if (!seen_.count(it.key())) fail(it.key(), "is not a known key (see docs/CONFIG.md)");
+  }
+  const json* get(const std::string& key) {
+    seen_.insert(key);
+    auto it = j_.find(key);
+    return it == j_.end() ? nullptr : &*it;
+  }
+  template <typename T>
+  void read(const std::string& key, T& out) {
+    const json* v = get(key);
+    if (!v) return;
+    try {
+      if constexpr (std::is_same_v<T, bool>) {
+        if (!v->is_boolean()) throw std::invalid_argument("");
+      } else if constexpr (std::is_same_v<T, std::string>) {
+        if (!v->is_string()) throw std::invalid_argument("");
+      } else if constexpr (std::is_integral_v<T>) {
+        if (!v->is_number_integer()) throw std::invalid_argument("");
+        if (std::is_unsigned_v<T> && v->get<int64_t>() < 0) throw std::invalid_argument("");
+      } else {
+        if (!v->is_number()) throw std::invalid_argument("");
+      }
+      out = v->get<T>();
+    } catch (const std::exception&) {
+      fail(key, "has the wrong type: " + v->dump());
+    }
+  }
+  void read_bytes(const std::string& key, uint64_t& out) {
+    const json* v = get(key);
+    if (!v) return;
+    try {
+      if (v->is_number_unsigned()) out = v->get<uint64_t>();
+      else if (v->is_string()) out = parse_bytes(v->get<std::string>());
+      else throw std::invalid_argument("a byte count or a string like \"512MiB\"");
+    } catch (const std::exception& e) {
+      fail(key, std::string("is not a byte size: ") + v->dump());
+    }
+  }
+  template <typename E>
+  void read_enum(const std::string& key, E& out, std::initializer_list<std::pair<const char*, E>> names) {
+    const json* v = get(key);
+    if (!v) return;
+    std::string all;
+    for (auto& [n, e] : names) {
+      if (v->is_string() && v->get<std::string>() == n) {
+        out = e;
+        return;
+      }
+      all += std::string(all.empty() ? "" : ", ") + n;
+    }
+    fail(key, "must be one of " + all + ", not " + v->dump());
+  }
+  [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
+    throw std::invalid_argument(source_ + ": " + path_ + (key.empty() ? "" : "." + key) + " " + msg);
+  }
+
+ private:
+  const json& j_;
+  std::string path_;
+  const std::string& source_;
+  std::set<std::string> seen_;
+};
+
+}  // namespace
+
+TrainConfig parse_train_config(const std::string& text, const std::string& source) {
+  json root;
+  try {
+    root = json::parse(text);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(source + ": not valid JSON: " + e.what());
+  }
+  TrainConfig c;
+  EngineConfig& e = c.engine;
+  Section top(root, "(top)", source);
+  {
+    const json* m = top.get("model");
+    json empty = json::object();
+    Section s(m ? *m : empty, "model", source);
+    std::string preset_name = "gpt2", hf_config;
+    s.read("preset", preset_name);
+    s.read("hf_config", hf_config);
+    s.read("init_from", c.init_from);
+    s.read("seed", c.init_seed);
+    if (!c.init_from.empty()) hf_config = c.init_from + "/config.json";
+    try {
+      c.model = hf_config.empty() ? models::preset(preset_name) : models::load_hf_config(hf_config);
+    } catch (const std::exception& ex) {
+      s.fail("preset", ex.what());
+    }
+    models::ModelConfig& mc = c.model;
+    int64_t layers = mc.layers, hidden = mc.hidden, heads = mc.heads, kv = -1, inter = -1,
+            vocab = mc.vocab_size, maxpos = mc.max_positions;
+    s.read("layers", layers);
+    s.read("hidden", hidden);
+    s.read("heads", heads);
+    s.read("kv_heads", kv);
+    s.read("intermediate", inter);
+    s.read("vocab_size", vocab);
+    s.read("max_positions", maxpos);
+    s.read("tie_embeddings", mc.tie_embeddings);
+    const bool reshaped = hidden != mc.hidden || heads != mc.heads;
+    mc.layers = layers;
+    mc.vocab_size = vocab;
+    mc.max_positions = maxpos;
+    if (reshaped) {
+      mc.hidden = hidden;
+      mc.heads = heads;
+      mc.head_dim = heads > 0 ? hidden / heads : 0;
+      if (kv < 0) mc.kv_heads = mc.arch == models::Arch::kGpt2 ? heads : std::min(mc.kv_heads, heads);
+      if (inter < 0) mc.intermediate = 4 * hidden;
+    }
+    if (kv >= 0) mc.kv_heads = kv;
+    if (inter >= 0) mc.intermediate = inter;
+    if (!c.init_from.empty() && (reshaped || layers != c.model.layers))
+      s.fail("init_from", "cannot be combined with shape overrides");
+    try {
+      mc.validate();
+    } catch (const std::exception& ex) {
+      s.fail("", ex.what());
+    }
+  }
+  if (const json* d = top.get("data")) {
+    Section s(*d, "data", source);
+    s.read("path", c.data_path);
+    s.read("format", c.data_format);
+    s.read("seq_len", e.seq_len);
+    s.read("seed", c.data_seed);
+  }
+  if (const json* b = top.get("batch")) {
+    Section s(*b, "batch", source);
+    s.read("micro_batch", e.micro_batch);
+    s.read("grad_accum", e.grad_accum);
+  }
+  if (const json* o = top.get("optimizer")) {
+    Section s(*o, "optimizer", source);
+    s.read_enum("type", e.decoupled_weight_decay, {{"adamw", true}, {"adam", false}});
+    s.read("lr", e.lr);
+    if (const json* betas = s.get("betas")) {
+      if (!betas->is_array() || betas->size() != 2 || !(*betas)[0].is_number() ||
+          !(*betas)[1].is_number())
+        s.fail("betas", "must be an array of two numbers");
+      e.beta1 = (*betas)[0].get<double>();
+      e.beta2 = (*betas)[1].get<double>();
+    }
+    s.read("eps", e.eps);
+    s.read("weight_decay", e.weight_decay);
+    s.read("clip_grad_norm", e.clip_grad_norm);
+  }
+  if (const json* p = top.get("precision")) {
+    Section s(*p, "precision", source);
+    s.read_enum("compute", e.compute,
+                {{"fp32", Precision::kFp32}, {"bf16", Precision::kBf16}, {"fp16", Precision::kFp16}});
+    s.read_enum("reduce", e.reduce, {{"fp32", Precision::kFp32}, {"bf16", Precision::kBf16}});
+    s.read("initial_loss_scale", e.initial_loss_scale);
+    s.read("loss_scale_window", e.loss_scale_window);
+  }
+  if (const json* p = top.get("placement")) {
+    Section s(*p, "placement", source);
+    std::initializer_list<std::pair<const char*, Placement>> names = {
+        {"device", Placement::kDevice}, {"host", Placement::kHost}};
+    s.read_enum("params", e.params, names);
+    s.read_enum("grads", e.grads, names);
+    s.read_enum("master", e.master, names);
+    s.read_enum("moments", e.moments, names);
+  }
+  if (const json* d = top.get("device")) {
+    Section s(*d, "device", source);
+    s.read("type", e.device);
+    s.read_bytes("budget", e.device_budget);
+    s.read("prefetch", e.prefetch);
+    s.read("cpu_threads", e.cpu_threads);
+  }
+  if (const json* d = top.get("distributed")) {
+    Section s(*d, "distributed", source);
+    s.read("timeout_s", e.timeout_s);
+  }
+  if (const json* r = top.get("run")) {
+    Section s(*r, "run", source);
+    s.read("steps", c.steps);
+    s.read("log", c.log_path);
+    s.read("progress", c.progress);
+    s.read("export", c.export_dir);
+  }
+  if (c.steps < 0) throw std::invalid_argument(source + ": run.steps must be >= 0");
+  if (e.seq_len > c.model.max_positions && c.model.arch == models::Arch::kGpt2)
+    throw std::invalid_argument(source + ": data.seq_len " + std::to_string(e.seq_len) +
+                                " exceeds model.max_positions " +
+                                std::to_string(c.model.max_positions));
+  try {
+    e.validate();
+  } catch (const std::exception& ex) {
+    throw std::invalid_argument(source + ": " + ex.what());
+  }
+  return c;
+}
+
+TrainConfig load_train_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument("cannot open configuration " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_train_config(ss.str(), path);
+}
+
+}  // namespace strata::engine

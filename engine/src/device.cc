@@ -1,0 +1,247 @@
+#include "strata/engine/device.h"
+
+#include <ATen/ops/from_blob.h>
+
+#include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+namespace strata::engine {
+
+std::string format_bytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = double(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  char buf[64];
+  snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
+  return buf;
+}
+
+uint64_t parse_bytes(const std::string& text) {
+  size_t pos = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &pos);
+  } catch (const std::exception&) {
+    throw std::invalid_argument("not a byte size: \"" + text + "\" (e.g. 512MiB, 2GB, 4096)");
+  }
+  std::string unit = text.substr(pos);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
+  double mult = 0;
+  if (unit.empty() || unit == "B") mult = 1;
+  else if (unit == "KiB") mult = 1024.0;
+  else if (unit == "MiB") mult = 1024.0 * 1024;
+  else if (unit == "GiB") mult = 1024.0 * 1024 * 1024;
+  else if (unit == "TiB") mult = 1024.0 * 1024 * 1024 * 1024;
+  else if (unit == "KB" || unit == "kB") mult = 1e3;
+  else if (unit == "MB") mult = 1e6;
+  else if (unit == "GB") mult = 1e9;
+  else if (unit == "TB") mult = 1e12;
+  if (mult == 0 || !(v >= 0) || !std::isfinite(v))
+    throw std::invalid_argument("not a byte size: \"" + text + "\" (e.g. 512MiB, 2GB, 4096)");
+  return uint64_t(std::llround(v * mult));
+}
+
+at::Tensor Device::empty(at::IntArrayRef shape, at::ScalarType dtype, const std::string& what) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const uint64_t bytes = uint64_t(numel) * c10::elementSize(dtype);
+  acquire(bytes, what);
+  void* ptr = nullptr;
+  try {
+    ptr = raw_allocate(bytes == 0 ? 1 : bytes);
+  } catch (...) {
+    release(bytes);
+    throw;
+  }
+  return at::from_blob(
+      ptr, shape,
+      [this, bytes](void* q) {
+        raw_free(q);
+        release(bytes);
+      },
+      at::TensorOptions().dtype(dtype).device(torch_device()));
+}
+
+void Device::acquire(uint64_t bytes, const std::string& what) {
+  uint64_t cur = used_.load();
+  do {
+    if (cur + bytes > budget_)
+      throw BudgetExceeded("device budget exceeded: " + what + " needs " + format_bytes(bytes) +
+                           ", " + format_bytes(cur) + " of " + format_bytes(budget_) +
+                           " in use on " + description());
+  } while (!used_.compare_exchange_weak(cur, cur + bytes));
+  uint64_t p = peak_.load();
+  while (cur + bytes > p && !peak_.compare_exchange_weak(p, cur + bytes)) {
+  }
+}
+
+Device::Reservation Device::reserve(uint64_t bytes, const std::string& what) {
+  acquire(bytes, what);
+  return Reservation(this, bytes);
+}
+
+void Device::Reservation::reset() {
+  if (device_) device_->release(bytes_);
+  device_ = nullptr;
+  bytes_ = 0;
+}
+
+namespace {
+
+// One worker thread running its queue in order.
+class HostStream final : public Stream {
+ public:
+  explicit HostStream(const char* name) : name_(name), worker_([this] { run(); }) {}
+  ~HostStream() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+  const char* name() const override { return name_; }
+
+  void enqueue(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(fn));
+      ++enqueued_;
+    }
+    cv_.notify_all();
+  }
+  // Blocks until all work enqueued so far has run; rethrows the first error.
+  void drain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t target = enqueued_;
+    cv_.wait(lock, [&] { return completed_ >= target; });
+    if (error_) {
+      auto e = error_;
+      error_ = nullptr;
+      std::rethrow_exception(e);
+    }
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      auto fn = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      std::exception_ptr err;
+      try {
+        fn();
+      } catch (...) {
+        err = std::current_exception();
+      }
+      lock.lock();
+      if (err && !error_) error_ = err;
+      ++completed_;
+      cv_.notify_all();
+    }
+  }
+
+  const char* name_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  uint64_t enqueued_ = 0, completed_ = 0;
+  std::exception_ptr error_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+// The caller's thread: work runs at once.
+class CallerStream final : public Stream {
+ public:
+  const char* name() const override { return "compute"; }
+};
+
+class HostEvent final : public Event {
+ public:
+  bool done() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+  void set() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+  }
+  void wait() const {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done_; });
+  }
+
+ private:
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  bool done_ = false;
+};
+
+class HostDevice final : public Device {
+ public:
+  explicit HostDevice(uint64_t budget) : Device(budget), copy_("copy") {}
+  c10::Device torch_device() const override { return c10::Device(c10::kCPU); }
+  std::string description() const override { return "host device (CPU)"; }
+  Stream& compute_stream() override { return compute_; }
+  Stream& copy_stream() override { return copy_; }
+
+  void copy_async(const at::Tensor& dst, const at::Tensor& src, Stream& stream) override {
+    TORCH_CHECK(dst.numel() == src.numel() && dst.scalar_type() == src.scalar_type() &&
+                    dst.is_contiguous() && src.is_contiguous(),
+                "copy_async: mismatched or non-contiguous tensors");
+    // The lambda holds both tensors, so their memory outlives the copy.
+    launch_host(stream, [dst, src] {
+      std::memcpy(dst.data_ptr(), src.data_ptr(), size_t(src.numel()) * src.element_size());
+    });
+  }
+  void launch_host(Stream& stream, std::function<void()> fn) override {
+    if (auto* hs = dynamic_cast<HostStream*>(&stream)) hs->enqueue(std::move(fn));
+    else fn();
+  }
+  std::shared_ptr<Event> record(Stream& stream) override {
+    auto ev = std::make_shared<HostEvent>();
+    launch_host(stream, [ev] { ev->set(); });
+    return ev;
+  }
+  void wait(Stream& stream, const std::shared_ptr<Event>& event) override {
+    auto ev = std::static_pointer_cast<HostEvent>(event);
+    launch_host(stream, [ev] { ev->wait(); });
+  }
+  void synchronize(Stream& stream) override {
+    if (auto* hs = dynamic_cast<HostStream*>(&stream)) hs->drain();
+  }
+
+ protected:
+  void* raw_allocate(size_t bytes) override {
+    void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  void raw_free(void* p) override { std::free(p); }
+
+ private:
+  CallerStream compute_;
+  HostStream copy_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> Device::create_host(uint64_t budget_bytes) {
+  return std::make_unique<HostDevice>(budget_bytes);
+}
+
+}  // namespace strata::engine

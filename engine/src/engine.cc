@@ -1,0 +1,498 @@
+#include "strata/engine/engine.h"
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <stdexcept>
+#include <thread>
+#include <unordered_map>
+
+#include "strata/kernels/cpu_optim.h"
+
+namespace strata::engine {
+namespace {
+
+at::ScalarType scalar_type(Precision p) {
+  switch (p) {
+    case Precision::kFp32: return at::kFloat;
+    case Precision::kBf16: return at::kBFloat16;
+    case Precision::kFp16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+kernels::DType kernel_dtype(Precision p) {
+  switch (p) {
+    case Precision::kFp32: return kernels::DType::kF32;
+    case Precision::kBf16: return kernels::DType::kBF16;
+    case Precision::kFp16: return kernels::DType::kF16;
+  }
+  return kernels::DType::kF32;
+}
+
+// A stage's parameter tensor and where it lives in the partition.
+struct ParamRef {
+  at::Tensor tensor;
+  size_t unit = 0;
+  size_t slot = 0;
+};
+
+struct UnitState {
+  at::Tensor master, exp_avg, exp_avg_sq;  // fp32 [shard]
+  at::Tensor grad;                         // fp32 [shard], accumulated over micro-batches
+  at::Tensor compute;                      // compute dtype [shard]
+  std::vector<at::Tensor> tensors;         // the module tensors, in slot order
+};
+
+struct Gathered {
+  at::Tensor flat;                              // compute dtype [padded], on the device
+  at::Tensor staging;                           // host-placed shard copied to the device
+  std::unique_ptr<Communicator::Work> work;     // the all-gather in flight
+  bool bound = false;
+};
+
+// One use of a stage by the schedule.
+struct Use {
+  size_t stage;
+  enum Kind { kForward, kHead, kBackward } kind;
+};
+
+}  // namespace
+
+struct Engine::Impl {
+  EngineConfig cfg;
+  Communicator& comm;
+  Device& dev;
+  std::unique_ptr<models::Decoder> model;
+  std::vector<models::Stage*> stages;
+  std::unique_ptr<Partition> partition;
+  std::vector<UnitState> units;
+  std::vector<std::vector<ParamRef>> stage_params;  // all tensors a stage's module uses
+  std::vector<std::vector<size_t>> stage_units;     // units a stage needs gathered
+  at::ScalarType cdt;
+  std::map<size_t, Gathered> live;
+  std::vector<Use> uses;  // one micro-batch's schedule
+  uint64_t reserve_bytes = 0;
+  uint64_t host_state = 0, host_act_peak = 0;
+  int64_t step = 0;
+  double loss_scale = 1.0;
+  int64_t good_steps = 0;
+  kernels::CpuExec exec;
+
+  at::Tensor alloc_state(Placement where, uint64_t numel, at::ScalarType t, const std::string& what) {
+    if (where == Placement::kDevice) return dev.empty({int64_t(numel)}, t, what);
+    host_state += numel * c10::elementSize(t);
+    return at::empty({int64_t(numel)}, at::TensorOptions().dtype(t));
+  }
+  uint64_t unit_param_bytes(size_t u) const {
+    return partition->unit(u).padded_numel() * c10::elementSize(cdt);
+  }
+  uint64_t use_param_bytes(const Use& use) const {
+    uint64_t b = 0;
+    for (size_t u : stage_units[use.stage]) b += unit_param_bytes(u);
+    return b;
+  }
+
+  Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Communicator& cm, Device& d)
+      : cfg(c), comm(cm), dev(d), model(std::move(m)) {
+    cfg.validate();
+    cdt = scalar_type(cfg.compute);
+    loss_scale = cfg.compute == Precision::kFp16 ? cfg.initial_loss_scale : 1.0;
+    exec.threads = cfg.cpu_threads ? cfg.cpu_threads : std::max(1u, std::thread::hardware_concurrency());
+    stages = model->stages();
+
+    // Units = stages; each unit's tensors are the ones its stage owns (tied weights once).
+    std::vector<std::pair<std::string, std::vector<TensorSpec>>> specs;
+    std::unordered_map<const void*, std::pair<size_t, size_t>> owner;  // impl -> (unit, slot)
+    std::vector<std::vector<at::Tensor>> owned(stages.size());
+    for (size_t s = 0; s < stages.size(); ++s) {
+      std::vector<TensorSpec> ts;
+      for (auto& [name, t] : stages[s]->hf_parameters()) {
+        if (t.scalar_type() != at::kFloat || !t.device().is_cpu())
+          throw std::invalid_argument("Engine: parameter " + name + " must be fp32 on the CPU");
+        owner[t.unsafeGetTensorImpl()] = {s, ts.size()};
+        ts.push_back({name, t.sizes().vec()});
+        owned[s].push_back(t);
+      }
+      std::string uname = s == 0 ? "embedding" : s + 1 == stages.size() ? "head" : "block." + std::to_string(s - 1);
+      specs.emplace_back(uname, std::move(ts));
+    }
+    partition = std::make_unique<Partition>(specs, comm.world_size());
+    stage_params.resize(stages.size());
+    stage_units.resize(stages.size());
+    for (size_t s = 0; s < stages.size(); ++s) {
+      stage_units[s].push_back(s);
+      for (const at::Tensor& p : stages[s]->parameters()) {
+        auto it = owner.find(p.unsafeGetTensorImpl());
+        if (it == owner.end())
+          throw std::invalid_argument("Engine: stage " + partition->unit(s).name +
+                                      " uses a parameter no stage owns");
+        stage_params[s].push_back({p, it->second.first, it->second.second});
+        if (std::find(stage_units[s].begin(), stage_units[s].end(), it->second.first) ==
+            stage_units[s].end())
+          stage_units[s].push_back(it->second.first);
+      }
+    }
+
+    // Schedule of one micro-batch: forward over embedding and blocks, the head, backward.
+    const size_t n = stages.size();
+    for (size_t s = 0; s + 1 < n; ++s) uses.push_back({s, Use::kForward});
+    uses.push_back({n - 1, Use::kHead});
+    for (size_t s = n - 1; s-- > 0;) uses.push_back({s, Use::kBackward});
+
+    // Working set beside the gathered parameters: boundary activations (input, output and
+    // their gradients), the head's fp32 logits and their gradient, and the full-unit fp32
+    // gradient buffers (plus a bf16 copy when reducing in bf16) of the units a use touches.
+    const models::ModelConfig& mc = model->config();
+    const uint64_t tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
+    const uint64_t act = tokens * uint64_t(mc.hidden) * c10::elementSize(cdt);
+    const uint64_t logits = tokens * uint64_t(mc.vocab_size) * (4 + 4 + c10::elementSize(cdt));
+    for (const Use& use : uses) {
+      uint64_t grads = 0;
+      if (use.kind != Use::kForward)
+        for (size_t u : stage_units[use.stage])
+          grads += partition->unit(u).padded_numel() * (4 + (cfg.reduce == Precision::kBf16 ? 2 : 0)) +
+                   partition->unit(u).shard_numel * 4;
+      reserve_bytes = std::max(reserve_bytes, 4 * act + grads + (use.kind == Use::kHead ? logits : 0));
+    }
+
+    // This rank's slices of the initial weights.
+    const int rank = comm.rank();
+    for (size_t u = 0; u < stages.size(); ++u) {
+      const UnitLayout& L = partition->unit(u);
+      std::vector<at::Tensor> parts;
+      for (const at::Tensor& t : owned[u]) parts.push_back(t.detach().reshape(-1));
+      if (L.padded_numel() > L.numel) parts.push_back(at::zeros({int64_t(L.padded_numel() - L.numel)}));
+      at::Tensor flat = at::cat(parts);
+      UnitState st;
+      const std::string un = " of unit " + L.name;
+      st.master = alloc_state(cfg.master, L.shard_numel, at::kFloat, "fp32 master" + un);
+      st.master.copy_(flat.narrow(0, int64_t(L.shard_begin(rank)), int64_t(L.shard_numel)));
+      st.exp_avg = alloc_state(cfg.moments, L.shard_numel, at::kFloat, "exp_avg" + un).zero_();
+      st.exp_avg_sq = alloc_state(cfg.moments, L.shard_numel, at::kFloat, "exp_avg_sq" + un).zero_();
+      st.grad = alloc_state(cfg.grads, L.shard_numel, at::kFloat, "gradient" + un).zero_();
+      st.compute = alloc_state(cfg.params, L.shard_numel, cdt, "compute copy" + un);
+      st.compute.copy_(st.master);
+      st.tensors = owned[u];
+      units.push_back(std::move(st));
+    }
+    // Modules hold no weights until a unit is gathered.
+    for (size_t u = 0; u < units.size(); ++u) release(u);
+
+    for (const Use& use : uses) {
+      const uint64_t need = use_param_bytes(use) + reserve_bytes;
+      if (dev.used() + need > dev.budget())
+        throw BudgetExceeded(
+            "device budget " + format_bytes(dev.budget()) + " cannot run unit " +
+            partition->unit(use.stage).name + ": it needs " + format_bytes(need) +
+            " (parameters " + format_bytes(use_param_bytes(use)) + ", activations and gradient "
+            "buffers " + format_bytes(reserve_bytes) + ") beside " + format_bytes(dev.used()) +
+            " of device-placed state; raise device.budget or place state on the host");
+    }
+  }
+
+  // --- gathering -----------------------------------------------------------------------------
+
+  void start_gather(size_t u) {
+    const UnitLayout& L = partition->unit(u);
+    Gathered g;
+    g.flat = dev.empty({int64_t(L.padded_numel())}, cdt, "parameters of unit " + L.name);
+    at::Tensor src = units[u].compute;
+    if (cfg.params == Placement::kHost) {
+      g.staging = dev.empty({int64_t(L.shard_numel)}, cdt, "staged shard of unit " + L.name);
+      dev.copy_async(g.staging, src, dev.copy_stream());
+      dev.wait(dev.compute_stream(), dev.record(dev.copy_stream()));
+      src = g.staging;
+    }
+    g.work = comm.all_gather(g.flat, src);
+    live.emplace(u, std::move(g));
+  }
+
+  void bind(size_t u) {
+    Gathered& g = live.at(u);
+    if (g.bound) return;
+    g.work->wait();
+    g.staging = at::Tensor();
+    const UnitLayout& L = partition->unit(u);
+    for (size_t i = 0; i < L.tensors.size(); ++i) {
+      const TensorSlot& s = L.tensors[i];
+      units[u].tensors[i].set_data(g.flat.narrow(0, int64_t(s.offset), int64_t(s.numel)).view(s.shape));
+    }
+    g.bound = true;
+  }
+
+  void release(size_t u) {
+    auto it = live.find(u);
+    if (it != live.end() && !it->second.bound && it->second.work) it->second.work->wait();
+    for (at::Tensor& t : units[u].tensors)
+      t.set_data(at::empty({0}, at::TensorOptions().dtype(cdt).device(dev.torch_device())));
+    if (it != live.end()) live.erase(it);
+  }
+
+  // Uses are numbered over the whole step: index k is micro-batch k / uses.size().
+  const Use& use_at(size_t k) const { return uses[k % uses.size()]; }
+
+  void ensure(size_t k) {
+    for (size_t u : stage_units[use_at(k).stage])
+      if (!live.count(u)) start_gather(u);
+    for (size_t u : stage_units[use_at(k).stage]) bind(u);
+  }
+
+  void prefetch(size_t k, size_t total) {
+    for (size_t j = k + 1; j <= k + size_t(cfg.prefetch) && j < total; ++j)
+      for (size_t u : stage_units[use_at(j).stage]) {
+        if (live.count(u)) continue;
+        if (dev.used() + unit_param_bytes(u) + reserve_bytes > dev.budget()) return;
+        start_gather(u);
+      }
+  }
+
+  void release_unneeded(size_t k, size_t total) {
+    std::vector<size_t> drop;
+    for (auto& [u, g] : live) {
+      bool needed = false;
+      for (size_t j = k + 1; j <= k + 1 + size_t(cfg.prefetch) && j < total && !needed; ++j)
+        for (size_t v : stage_units[use_at(j).stage]) needed |= v == u;
+      if (!needed) drop.push_back(u);
+    }
+    for (size_t u : drop) release(u);
+  }
+
+  // --- gradients -----------------------------------------------------------------------------
+
+  // Reduce-scatters the gradients a stage's backward produced into the owners' accumulators.
+  void reduce_gradients(size_t stage) {
+    std::map<size_t, at::Tensor> flats;
+    for (ParamRef& p : stage_params[stage]) {
+      at::Tensor g = p.tensor.grad();
+      if (!g.defined()) continue;
+      auto it = flats.find(p.unit);
+      if (it == flats.end()) {
+        const UnitLayout& L = partition->unit(p.unit);
+        at::Tensor f = dev.empty({int64_t(L.padded_numel())}, at::kFloat, "gradient of unit " + L.name);
+        f.zero_();
+        it = flats.emplace(p.unit, f).first;
+      }
+      const TensorSlot& s = partition->unit(p.unit).tensors[p.slot];
+      it->second.narrow(0, int64_t(s.offset), int64_t(s.numel)).copy_(g.reshape(-1));
+      p.tensor.mutable_grad() = at::Tensor();
+    }
+    for (auto& [u, flat] : flats) {
+      const UnitLayout& L = partition->unit(u);
+      at::Tensor send = flat;
+      if (cfg.reduce == Precision::kBf16) {
+        send = dev.empty({int64_t(L.padded_numel())}, at::kBFloat16, "bf16 gradient of unit " + L.name);
+        send.copy_(flat);
+        flat = at::Tensor();
+      }
+      at::Tensor shard = dev.empty({int64_t(L.shard_numel)}, send.scalar_type(), "reduced gradient of unit " + L.name);
+      comm.reduce_scatter(shard, send)->wait();
+      send = at::Tensor();
+      flat = at::Tensor();
+      at::Tensor acc = units[u].grad;
+      if (cfg.grads == Placement::kDevice) {
+        acc.add_(shard);
+      } else {
+        // Device -> host on the copy stream, then accumulated there in fp32.
+        at::Tensor host = at::empty({int64_t(L.shard_numel)}, at::TensorOptions().dtype(shard.scalar_type()));
+        dev.copy_async(host, shard, dev.copy_stream());
+        dev.launch_host(dev.copy_stream(), [acc, host]() mutable { acc.add_(host); });
+      }
+    }
+  }
+
+  // --- the step ------------------------------------------------------------------------------
+
+  StepResult train_step(const at::Tensor& ids) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t b = cfg.micro_batch, T = cfg.seq_len, A = cfg.grad_accum;
+    if (ids.dim() != 2 || ids.size(0) != A * b || ids.size(1) != T + 1 || ids.scalar_type() != at::kLong)
+      throw std::invalid_argument("train_step: ids must be int64 [grad_accum * micro_batch = " +
+                                  std::to_string(A * b) + ", seq_len + 1 = " + std::to_string(T + 1) + "]");
+    const size_t n = stages.size();
+    const size_t total = uses.size() * size_t(A);
+    const c10::TensorOptions host_opts = at::TensorOptions().dtype(cdt);
+    double loss_sum = 0;
+    size_t k = 0;
+    for (int64_t m = 0; m < A; ++m) {
+      at::Tensor rows = ids.narrow(0, m * b, b);
+      at::Tensor inputs = rows.narrow(1, 0, T).contiguous().to(dev.torch_device());
+      at::Tensor targets = rows.narrow(1, 1, T).reshape(-1).to(dev.torch_device());
+      std::vector<at::Tensor> acts(n - 1);  // host activation checkpoints: inputs of stages 0..n-2
+      uint64_t act_bytes = 0;
+      at::Tensor x = inputs;
+      Device::Reservation x_res;
+      // Forward through the embedding and the blocks, without autograd.
+      for (size_t s = 0; s + 1 < n; ++s, ++k) {
+        ensure(k);
+        prefetch(k, total);
+        at::Tensor y;
+        {
+          at::NoGradGuard no_grad;
+          y = stages[s]->forward(x);
+        }
+        Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + partition->unit(s).name);
+        if (s == 0) {
+          acts[0] = rows.narrow(1, 0, T).contiguous();
+        } else {
+          acts[s] = at::empty(x.sizes(), host_opts);
+          dev.copy_async(acts[s], x, dev.copy_stream());
+          act_bytes += acts[s].nbytes();
+        }
+        x = y;
+        x_res = std::move(y_res);
+        release_unneeded(k, total);
+      }
+      // The head: forward and backward.
+      at::Tensor dy;
+      {
+        ensure(k);
+        prefetch(k, total);
+        at::Tensor xh = x.detach().requires_grad_(true);
+        at::Tensor logits = stages[n - 1]->forward(xh);
+        at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets);
+        torch::autograd::backward({loss * loss_scale});
+        loss_sum += loss.item<double>();
+        dy = xh.grad();
+        x = at::Tensor();
+        reduce_gradients(n - 1);
+        release_unneeded(k, total);
+        ++k;
+      }
+      host_act_peak = std::max(host_act_peak, act_bytes);
+      dev.synchronize(dev.copy_stream());  // activation checkpoints are on the host
+      // Backward through the blocks and the embedding, recomputing each from its checkpoint.
+      for (size_t s = n - 1; s-- > 0; ++k) {
+        ensure(k);
+        prefetch(k, total);
+        at::Tensor xin;
+        Device::Reservation in_res;
+        if (s == 0) {
+          xin = inputs;
+        } else {
+          xin = dev.empty(acts[s].sizes(), cdt, "recompute input of unit " + partition->unit(s).name);
+          dev.copy_async(xin, acts[s], dev.copy_stream());
+          dev.synchronize(dev.copy_stream());
+          acts[s] = at::Tensor();
+          xin.requires_grad_(true);
+        }
+        at::Tensor y = stages[s]->forward(xin);
+        torch::autograd::backward({y}, {dy});
+        y = at::Tensor();
+        dy = s > 0 ? xin.grad() : at::Tensor();
+        reduce_gradients(s);
+        release_unneeded(k, total);
+      }
+    }
+    dev.synchronize(dev.copy_stream());  // host gradient accumulation done
+
+    // Global norm and overflow in one all-reduce: [local sum of squares, local loss sum].
+    double sumsq = 0;
+    for (UnitState& u : units)
+      sumsq += kernels::sum_squares(u.grad.data_ptr<float>(), kernels::DType::kF32,
+                                    size_t(u.grad.numel()), exec);
+    at::Tensor red = at::tensor({sumsq, loss_sum}, at::TensorOptions().dtype(at::kDouble));
+    comm.all_reduce(red, ReduceOp::kSum);
+    const double W = comm.world_size();
+    const double denom = loss_scale * double(A) * W;
+    StepResult r;
+    r.loss = red[1].item<double>() / (double(A) * W);
+    r.grad_norm = std::sqrt(red[0].item<double>()) / denom;
+    r.loss_scale = loss_scale;
+    r.skipped = !std::isfinite(r.grad_norm);
+    if (!r.skipped) {
+      double coef = 1.0;
+      if (cfg.clip_grad_norm > 0) coef = std::min(1.0, cfg.clip_grad_norm / (r.grad_norm + 1e-6));
+      kernels::AdamConfig ac;
+      ac.lr = cfg.lr;
+      ac.beta1 = cfg.beta1;
+      ac.beta2 = cfg.beta2;
+      ac.eps = cfg.eps;
+      ac.weight_decay = cfg.weight_decay;
+      ac.decoupled_weight_decay = cfg.decoupled_weight_decay;
+      ac.step = step + 1;
+      ac.grad_scale = coef / denom;
+      for (UnitState& u : units)
+        kernels::adam_step(ac, u.master.data_ptr<float>(), u.exp_avg.data_ptr<float>(),
+                           u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(),
+                           kernels::DType::kF32, u.compute.data_ptr(), kernel_dtype(cfg.compute),
+                           size_t(u.master.numel()), exec);
+      ++step;
+    }
+    for (UnitState& u : units) u.grad.zero_();
+    if (cfg.compute == Precision::kFp16) {
+      if (r.skipped) {
+        loss_scale = std::max(1.0, loss_scale / 2);
+        good_steps = 0;
+      } else if (++good_steps >= cfg.loss_scale_window) {
+        loss_scale *= 2;
+        good_steps = 0;
+      }
+    }
+    r.step = step;
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.tokens = uint64_t(A * b * T) * uint64_t(comm.world_size());
+    r.model_tflops = flops_per_token() * double(r.tokens) / r.seconds / 1e12;
+    return r;
+  }
+
+  double flops_per_token() const {
+    const models::ModelConfig& c = model->config();
+    return 6.0 * double(c.parameters()) + 12.0 * double(c.layers) * double(c.hidden) * double(cfg.seq_len);
+  }
+};
+
+Engine::Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& config,
+               Communicator& comm, Device& device)
+    : impl_(std::make_unique<Impl>(std::move(model), config, comm, device)) {}
+
+Engine::~Engine() {
+  if (!impl_) return;
+  // Gathers in flight must finish before their buffers go.
+  for (auto& [u, g] : impl_->live)
+    if (!g.bound && g.work) try {
+        g.work->wait();
+      } catch (...) {
+      }
+}
+
+StepResult Engine::train_step(const at::Tensor& ids) { return impl_->train_step(ids); }
+
+std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  Impl& I = *impl_;
+  for (size_t u = 0; u < I.units.size(); ++u) {
+    const UnitLayout& L = I.partition->unit(u);
+    at::Tensor full = at::empty({int64_t(L.padded_numel())}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor master = I.units[u].master.to(at::kCPU);
+    I.comm.all_gather(full, master)->wait();
+    for (const TensorSlot& s : L.tensors)
+      out.emplace_back(s.name, full.narrow(0, int64_t(s.offset), int64_t(s.numel)).view(s.shape).clone());
+  }
+  return out;
+}
+
+const Partition& Engine::partition() const { return *impl_->partition; }
+const models::ModelConfig& Engine::model_config() const { return impl_->model->config(); }
+double Engine::flops_per_token() const { return impl_->flops_per_token(); }
+
+MemoryReport Engine::memory() const {
+  MemoryReport r;
+  r.device_used = impl_->dev.used();
+  r.device_peak = impl_->dev.peak();
+  r.device_budget = impl_->dev.budget();
+  r.host_state = impl_->host_state;
+  r.host_activations = impl_->host_act_peak;
+  return r;
+}
+
+}  // namespace strata::engine

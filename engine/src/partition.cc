@@ -1,0 +1,65 @@
+#include "strata/engine/partition.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace strata::engine {
+
+uint64_t TensorSpec::numel() const {
+  uint64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw std::invalid_argument("tensor " + name + " has a negative dimension");
+    n *= uint64_t(d);
+  }
+  return n;
+}
+
+uint64_t UnitLayout::shard_valid_numel(int rank) const {
+  const uint64_t b = shard_begin(rank);
+  if (b >= numel) return 0;
+  return std::min(shard_numel, numel - b);
+}
+
+Partition::Partition(
+    const std::vector<std::pair<std::string, std::vector<TensorSpec>>>& units, int world_size,
+    uint64_t align_numel)
+    : world_size_(world_size) {
+  if (world_size < 1) throw std::invalid_argument("world size must be >= 1");
+  if (align_numel == 0) throw std::invalid_argument("alignment must be >= 1 element");
+  for (const auto& [uname, specs] : units) {
+    if (specs.empty()) throw std::invalid_argument("unit " + uname + " has no tensors");
+    UnitLayout u;
+    u.name = uname;
+    u.world_size = uint64_t(world_size);
+    for (const auto& s : specs) {
+      TensorSlot slot{s.name, s.shape, u.numel, s.numel()};
+      u.numel += slot.numel;
+      if (!index_.emplace(s.name, std::make_pair(units_.size(), u.tensors.size())).second)
+        throw std::invalid_argument("tensor " + s.name + " appears twice in the partition");
+      u.tensors.push_back(std::move(slot));
+    }
+    const uint64_t per_rank = (u.numel + uint64_t(world_size) - 1) / uint64_t(world_size);
+    u.shard_numel = std::max<uint64_t>(1, (per_rank + align_numel - 1) / align_numel) * align_numel;
+    units_.push_back(std::move(u));
+  }
+}
+
+TensorLocation Partition::locate(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) throw std::out_of_range("no tensor named " + name + " in the partition");
+  return {it->second.first, &units_[it->second.first].tensors[it->second.second]};
+}
+
+uint64_t Partition::total_numel() const {
+  uint64_t n = 0;
+  for (const auto& u : units_) n += u.numel;
+  return n;
+}
+
+uint64_t Partition::total_shard_numel() const {
+  uint64_t n = 0;
+  for (const auto& u : units_) n += u.shard_numel;
+  return n;
+}
+
+}  // namespace strata::engine
