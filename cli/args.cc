@@ -67,7 +67,7 @@ unsigned Args::count(const std::string& key, unsigned fallback) const {
   } catch (const std::exception&) {
     pos = 0;
   }
-  if (pos != v.size() || v.empty()) {
+  if (pos != v.size() || v.empty() || v[0] == '-' || v[0] == '+' || n > 0xFFFFFFFFul) {
     throw std::invalid_argument("--" + key + " expects a whole number, got '" + v + "'");
   }
   return static_cast<unsigned>(n);

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -73,7 +74,12 @@ class Section {
         if (!v->is_string()) throw std::invalid_argument("");
       } else if constexpr (std::is_integral_v<T>) {
         if (!v->is_number_integer()) throw std::invalid_argument("");
-        if (std::is_unsigned_v<T> && v->get<int64_t>() < 0) throw std::invalid_argument("");
+        if (std::is_unsigned_v<T> ? !v->is_number_unsigned() : !v->is_number_integer())
+          throw std::invalid_argument("");
+        if (std::is_unsigned_v<T> ? v->get<uint64_t>() > uint64_t(std::numeric_limits<T>::max())
+                                  : (v->get<int64_t>() > int64_t(std::numeric_limits<T>::max()) ||
+                                     v->get<int64_t>() < int64_t(std::numeric_limits<T>::min())))
+          throw std::invalid_argument("");
       } else {
         if (!v->is_number()) throw std::invalid_argument("");
       }
@@ -139,13 +145,25 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("hf_config", hf_config);
     s.read("init_from", c.init_from);
     s.read("seed", c.init_seed);
-    if (!c.init_from.empty()) hf_config = c.init_from + "/config.json";
+    const char* source_key = "preset";
+    if (!c.init_from.empty()) {
+      if (!hf_config.empty()) s.fail("hf_config", "cannot be combined with init_from");
+      hf_config = c.init_from + "/config.json";
+      source_key = "init_from";
+    } else if (!hf_config.empty()) {
+      source_key = "hf_config";
+    }
     try {
       c.model = hf_config.empty() ? models::preset(preset_name) : models::load_hf_config(hf_config);
     } catch (const std::exception& ex) {
-      s.fail("preset", ex.what());
+      s.fail(source_key, ex.what());
     }
     models::ModelConfig& mc = c.model;
+    static const char* kShapeKeys[] = {"layers", "hidden", "heads", "kv_heads", "intermediate",
+                                       "vocab_size", "max_positions", "tie_embeddings"};
+    if (!c.init_from.empty())
+      for (const char* k : kShapeKeys)
+        if (s.get(k)) s.fail(k, "cannot be combined with model.init_from (the checkpoint fixes the shape)");
     int64_t layers = mc.layers, hidden = mc.hidden, heads = mc.heads, kv = -1, inter = -1,
             vocab = mc.vocab_size, maxpos = mc.max_positions;
     s.read("layers", layers);
@@ -161,16 +179,16 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     mc.vocab_size = vocab;
     mc.max_positions = maxpos;
     if (reshaped) {
+      if (heads <= 0 || hidden % heads != 0)
+        s.fail("hidden", "must be a multiple of model.heads (head_dim = hidden / heads)");
       mc.hidden = hidden;
       mc.heads = heads;
-      mc.head_dim = heads > 0 ? hidden / heads : 0;
+      mc.head_dim = hidden / heads;
       if (kv < 0) mc.kv_heads = mc.arch == models::Arch::kGpt2 ? heads : std::min(mc.kv_heads, heads);
       if (inter < 0) mc.intermediate = 4 * hidden;
     }
     if (kv >= 0) mc.kv_heads = kv;
     if (inter >= 0) mc.intermediate = inter;
-    if (!c.init_from.empty() && (reshaped || layers != c.model.layers))
-      s.fail("init_from", "cannot be combined with shape overrides");
     try {
       mc.validate();
     } catch (const std::exception& ex) {
@@ -181,6 +199,8 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     Section s(*d, "data", source);
     s.read("path", c.data_path);
     s.read("format", c.data_format);
+    if (c.data_format != "bytes" && c.data_format != "uint16" && c.data_format != "uint32")
+      s.fail("format", "must be one of bytes, uint16, uint32, not \"" + c.data_format + "\"");
     s.read("seq_len", e.seq_len);
     s.read("seed", c.data_seed);
   }

@@ -43,7 +43,7 @@ uint64_t parse_bytes(const std::string& text) {
   else if (unit == "MB") mult = 1e6;
   else if (unit == "GB") mult = 1e9;
   else if (unit == "TB") mult = 1e12;
-  if (mult == 0 || !(v >= 0) || !std::isfinite(v))
+  if (mult == 0 || !(v >= 0) || !std::isfinite(v) || v * mult >= 9.2e18)
     throw std::invalid_argument("not a byte size: \"" + text + "\" (e.g. 512MiB, 2GB, 4096)");
   return uint64_t(std::llround(v * mult));
 }

@@ -96,8 +96,9 @@ class Device {
   // dst.copy_(src) on `stream`; same numel and dtype, contiguous, either side host or device.
   // The stream keeps both tensors alive until the copy has run.
   virtual void copy_async(const at::Tensor& dst, const at::Tensor& src, Stream& stream) = 0;
-  // Runs `fn` on the host once the stream reaches this point (it must not throw or block on
-  // the same stream). Errors from fn are reported by the next synchronize() of that stream.
+  // Runs `fn` on the host once the stream reaches this point (it must not wait on work of the
+  // same stream). An exception from fn is kept and rethrown, once, by the next synchronize() of
+  // that stream; later work on the stream still runs.
   virtual void launch_host(Stream& stream, std::function<void()> fn) = 0;
   virtual std::shared_ptr<Event> record(Stream& stream) = 0;
   // Work enqueued on `stream` after this call starts after `event`.

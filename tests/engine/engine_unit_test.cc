@@ -1,0 +1,816 @@
+// The engine's building blocks on their own: the ZeRO-3 partition map, byte sizes, the host
+// device (budget accounting, stream ordering, events, errors) and the training configuration.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "strata/engine/config.h"
+#include "strata/engine/device.h"
+#include "strata/engine/partition.h"
+#include "strata/models/model_config.h"
+#include "test_util.h"
+
+namespace strata::engine {
+namespace {
+
+using UnitSpecs = std::vector<std::pair<std::string, std::vector<TensorSpec>>>;
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// The message of the E that `fn` throws; records a failure and returns "" if it throws nothing.
+// Exceptions of other types propagate (gtest reports them).
+template <typename E, typename Fn>
+std::string thrown_message(Fn&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an exception, none was thrown";
+  return "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Partition
+
+uint64_t product(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= uint64_t(d);
+  return n;
+}
+
+// Units whose tensors have awkward element counts, including a prime above one million.
+UnitSpecs awkward_units() {
+  return {
+      {"embed", {{"wte", {7}}, {"wpe", {1}}}},
+      {"block.0", {{"block.0.w", {1000003}}, {"block.0.b", {1}}, {"block.0.x", {3, 5, 7}}}},
+      {"one", {{"one.scalar", {1}}}},
+      {"seven", {{"seven.v", {7}}}},
+      {"prime", {{"prime.v", {1000003}}}},
+  };
+}
+
+// Every property the header promises, checked against the tensor lists the partition was built
+// from.
+void expect_valid_layout(const Partition& p, const UnitSpecs& units, int world, uint64_t align) {
+  ASSERT_EQ(p.world_size(), world);
+  ASSERT_EQ(p.num_units(), units.size());
+  uint64_t total = 0, total_shard = 0;
+  for (size_t u = 0; u < units.size(); ++u) {
+    SCOPED_TRACE("unit " + units[u].first + ", world " + std::to_string(world) + ", align " +
+                 std::to_string(align));
+    const UnitLayout& layout = p.unit(u);
+    EXPECT_EQ(layout.name, units[u].first);
+    EXPECT_EQ(layout.world_size, uint64_t(world));
+    ASSERT_EQ(layout.tensors.size(), units[u].second.size());
+    uint64_t next_offset = 0;
+    for (size_t t = 0; t < layout.tensors.size(); ++t) {
+      const TensorSpec& spec = units[u].second[t];
+      const TensorSlot& slot = layout.tensors[t];
+      EXPECT_EQ(slot.name, spec.name);
+      EXPECT_EQ(slot.shape, spec.shape);
+      EXPECT_EQ(slot.numel, product(spec.shape));
+      EXPECT_EQ(slot.offset, next_offset) << spec.name << " is not right after its predecessor";
+      next_offset += slot.numel;
+      const TensorLocation loc = p.locate(spec.name);
+      EXPECT_EQ(loc.unit, u);
+      EXPECT_EQ(loc.slot, &layout.tensors[t]);
+    }
+    EXPECT_EQ(layout.numel, next_offset);
+    EXPECT_GT(layout.shard_numel, 0u);
+    EXPECT_EQ(layout.shard_numel % align, 0u);
+    EXPECT_EQ(layout.padded_numel(), layout.shard_numel * uint64_t(world));
+    EXPECT_GE(layout.padded_numel(), layout.numel);
+    // No more padding than alignment requires: under one alignment block per rank.
+    EXPECT_LT(layout.padded_numel() - layout.numel, uint64_t(world) * align);
+    uint64_t valid_sum = 0;
+    for (int r = 0; r < world; ++r) {
+      const uint64_t begin = layout.shard_begin(r);
+      EXPECT_EQ(begin, uint64_t(r) * layout.shard_numel);
+      const uint64_t expected_valid =
+          begin >= layout.numel ? 0 : std::min(layout.shard_numel, layout.numel - begin);
+      EXPECT_EQ(layout.shard_valid_numel(r), expected_valid) << "rank " << r;
+      valid_sum += layout.shard_valid_numel(r);
+    }
+    EXPECT_EQ(valid_sum, layout.numel);
+    total += layout.numel;
+    total_shard += layout.shard_numel;
+  }
+  EXPECT_EQ(p.total_numel(), total);
+  EXPECT_EQ(p.total_shard_numel(), total_shard);
+}
+
+TEST(Partition, LayoutHoldsForAwkwardSizesAtWorldSizesOneToFour) {
+  const UnitSpecs units = awkward_units();
+  for (uint64_t align : {Partition::kDefaultAlignNumel, uint64_t(1), uint64_t(3)}) {
+    for (int world = 1; world <= 4; ++world) {
+      const Partition p(units, world, align);
+      expect_valid_layout(p, units, world, align);
+    }
+  }
+  // The default alignment is 1024 elements (4 KiB of fp32).
+  const Partition p(units, 2);
+  expect_valid_layout(p, units, 2, 1024);
+}
+
+TEST(Partition, ShardSizesMatchHandComputedValues) {
+  // 1000003 elements over 3 ranks: ceil(1000003 / 3) = 333335, rounded up to 1024s = 333824.
+  const Partition p({{"u", {{"w", {1000003}}}}}, 3);
+  const UnitLayout& u = p.unit(0);
+  EXPECT_EQ(u.shard_numel, 333824u);
+  EXPECT_EQ(u.padded_numel(), 1001472u);
+  EXPECT_EQ(u.shard_valid_numel(0), 333824u);
+  EXPECT_EQ(u.shard_valid_numel(1), 333824u);
+  EXPECT_EQ(u.shard_valid_numel(2), 1000003u - 2 * 333824u);
+
+  // One element over four ranks: one aligned block each, only rank 0 holds real data.
+  const Partition q({{"u", {{"x", {1}}}}}, 4);
+  EXPECT_EQ(q.unit(0).shard_numel, 1024u);
+  EXPECT_EQ(q.unit(0).shard_valid_numel(0), 1u);
+  for (int r = 1; r < 4; ++r) EXPECT_EQ(q.unit(0).shard_valid_numel(r), 0u);
+}
+
+TEST(Partition, SameTensorListsGiveTheSameMap) {
+  const UnitSpecs units = awkward_units();
+  const Partition a(units, 3), b(units, 3);
+  for (const auto& [unit_name, specs] : units) {
+    for (const TensorSpec& spec : specs) {
+      const TensorLocation la = a.locate(spec.name), lb = b.locate(spec.name);
+      EXPECT_EQ(la.unit, lb.unit);
+      EXPECT_EQ(la.slot->offset, lb.slot->offset);
+      EXPECT_EQ(a.unit(la.unit).shard_numel, b.unit(lb.unit).shard_numel);
+    }
+  }
+}
+
+TEST(Partition, UnknownNameThrowsOutOfRangeNamingIt) {
+  const Partition p(awkward_units(), 2);
+  const std::string msg =
+      thrown_message<std::out_of_range>([&] { p.locate("block.0.missing_weight"); });
+  EXPECT_TRUE(contains(msg, "block.0.missing_weight")) << msg;
+  EXPECT_THROW(p.locate(""), std::out_of_range);
+}
+
+TEST(Partition, InvalidUnitListsAreRejected) {
+  // The same name twice in one unit, and in two units.
+  EXPECT_THROW(Partition({{"u", {{"w", {4}}, {"w", {4}}}}}, 1), std::invalid_argument);
+  const std::string msg = thrown_message<std::invalid_argument>(
+      [] { Partition({{"a", {{"shared", {4}}}}, {"b", {{"shared", {4}}}}}, 2); });
+  EXPECT_TRUE(contains(msg, "shared")) << msg;
+  // A unit without tensors.
+  EXPECT_THROW(Partition({{"a", {{"w", {4}}}}, {"empty", {}}}, 2), std::invalid_argument);
+  // World size and alignment below one; a negative dimension.
+  EXPECT_THROW(Partition({{"a", {{"w", {4}}}}}, 0), std::invalid_argument);
+  EXPECT_THROW(Partition({{"a", {{"w", {4}}}}}, 1, 0), std::invalid_argument);
+  EXPECT_THROW(Partition({{"a", {{"w", {4, -1}}}}}, 1), std::invalid_argument);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Byte sizes
+
+TEST(ByteSizes, ParseUnitsAndSpaces) {
+  EXPECT_EQ(parse_bytes("512MiB"), 512ull << 20);
+  EXPECT_EQ(parse_bytes("2GB"), 2000000000ull);
+  EXPECT_EQ(parse_bytes("1.5GiB"), 3ull << 29);
+  EXPECT_EQ(parse_bytes("4096"), 4096ull);
+  EXPECT_EQ(parse_bytes("64 KiB"), 65536ull);
+  EXPECT_EQ(parse_bytes("7B"), 7ull);
+  EXPECT_EQ(parse_bytes("3kB"), 3000ull);
+  EXPECT_EQ(parse_bytes("3KB"), 3000ull);
+  EXPECT_EQ(parse_bytes("1TiB"), 1ull << 40);
+  EXPECT_EQ(parse_bytes("0"), 0ull);
+}
+
+TEST(ByteSizes, JunkIsRejected) {
+  for (const char* junk : {"12Q", "", "-1MiB", "abc", "MiB", "1.5.5GiB", "12 MiB extra", "nan",
+                           "inf"}) {
+    EXPECT_THROW(parse_bytes(junk), std::invalid_argument) << '"' << junk << '"';
+  }
+  const std::string msg = thrown_message<std::invalid_argument>([] { parse_bytes("12Q"); });
+  EXPECT_TRUE(contains(msg, "12Q")) << msg;
+}
+
+TEST(ByteSizes, FormatUsesBinaryUnitsAndParsesBack) {
+  EXPECT_EQ(format_bytes(0), "0 B");
+  EXPECT_EQ(format_bytes(1023), "1023 B");
+  EXPECT_EQ(format_bytes(1024), "1.00 KiB");
+  EXPECT_EQ(format_bytes(1536), "1.50 KiB");
+  EXPECT_EQ(format_bytes(512ull << 20), "512.00 MiB");
+  EXPECT_EQ(format_bytes(3ull << 29), "1.50 GiB");
+  for (uint64_t v : {0ull, 1023ull, 4096ull, 1536ull, 512ull << 20, 3ull << 29, 5ull << 40})
+    EXPECT_EQ(parse_bytes(format_bytes(v)), v) << format_bytes(v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host device
+
+// Holds a stream's worker inside a host function until released, so a test decides what has
+// run when it looks. Released at the latest when destroyed (declare it after the Device), and
+// the blocked function gives up after 10 s, so a failing test never hangs.
+class StreamGate {
+ public:
+  StreamGate() : released_future_(released_.get_future().share()) {}
+  ~StreamGate() { release(); }
+  std::function<void()> blocker() const {
+    return [f = released_future_] { (void)f.wait_for(std::chrono::seconds(10)); };
+  }
+  void release() {
+    if (!released_flag_) {
+      released_flag_ = true;
+      released_.set_value();
+    }
+  }
+
+ private:
+  std::promise<void> released_;
+  std::shared_future<void> released_future_;
+  bool released_flag_ = false;
+};
+
+TEST(HostDevice, EmptyCountsBytesUntilTheStorageIsFreed) {
+  auto dev = Device::create_host(1 << 20);
+  EXPECT_EQ(dev->budget(), uint64_t(1) << 20);
+  EXPECT_EQ(dev->used(), 0u);
+  {
+    at::Tensor a = dev->empty({16, 64}, at::kFloat, "a");  // 4096 bytes
+    EXPECT_EQ(a.sizes().vec(), (std::vector<int64_t>{16, 64}));
+    EXPECT_EQ(a.scalar_type(), at::kFloat);
+    EXPECT_EQ(a.device(), dev->torch_device());
+    EXPECT_TRUE(a.is_contiguous());
+    EXPECT_EQ(dev->used(), 4096u);
+    at::Tensor b = dev->empty({1000}, at::kBFloat16, "b");  // 2000 bytes
+    EXPECT_EQ(dev->used(), 6096u);
+    a.fill_(1.5);
+    EXPECT_EQ(a.sum().item<float>(), 1.5f * 1024);
+    at::Tensor view = a.narrow(0, 0, 2);
+    a.reset();
+    EXPECT_EQ(dev->used(), 6096u) << "a view keeps the storage alive";
+    view.reset();
+    EXPECT_EQ(dev->used(), 2000u);
+    EXPECT_EQ(dev->peak(), 6096u);
+  }
+  EXPECT_EQ(dev->used(), 0u);
+  EXPECT_EQ(dev->peak(), 6096u);
+  dev->reset_peak();
+  EXPECT_EQ(dev->peak(), 0u);
+}
+
+TEST(HostDevice, AllocationOverBudgetThrowsNamingItAndChangesNothing) {
+  auto dev = Device::create_host(1 << 20);
+  at::Tensor held = dev->empty({512 * 1024}, at::kByte, "held");
+  const std::string msg = thrown_message<BudgetExceeded>(
+      [&] { dev->empty({600 * 1024}, at::kByte, "block.3 gathered parameters"); });
+  EXPECT_TRUE(contains(msg, "block.3 gathered parameters")) << msg;
+  EXPECT_EQ(dev->used(), 512u * 1024);
+  EXPECT_EQ(dev->peak(), 512u * 1024);
+  EXPECT_TRUE(dev->fits(512 * 1024));
+  EXPECT_FALSE(dev->fits(512 * 1024 + 1));
+  // Filling the budget exactly is allowed; one byte more is not.
+  at::Tensor rest = dev->empty({512 * 1024}, at::kByte, "rest");
+  EXPECT_EQ(dev->used(), uint64_t(1) << 20);
+  EXPECT_THROW(dev->empty({1}, at::kByte, "one byte"), BudgetExceeded);
+  EXPECT_EQ(dev->used(), uint64_t(1) << 20);
+  held.reset();
+  rest.reset();
+  EXPECT_EQ(dev->used(), 0u);
+}
+
+TEST(HostDevice, ReservationsCountUntilResetDestroyedOrReplaced) {
+  auto dev = Device::create_host(10000);
+  {
+    Device::Reservation a = dev->reserve(3000, "a");
+    EXPECT_EQ(dev->used(), 3000u);
+    Device::Reservation b = dev->reserve(4000, "b");
+    EXPECT_EQ(dev->used(), 7000u);
+    a = std::move(b);  // a's 3000 bytes go back; a now holds b's 4000
+    EXPECT_EQ(dev->used(), 4000u);
+    Device::Reservation c(std::move(a));
+    EXPECT_EQ(dev->used(), 4000u);
+    a.reset();  // moved from: holds nothing
+    b.reset();
+    EXPECT_EQ(dev->used(), 4000u);
+    const std::string msg =
+        thrown_message<BudgetExceeded>([&] { dev->reserve(6001, "activations of block 7"); });
+    EXPECT_TRUE(contains(msg, "activations of block 7")) << msg;
+    EXPECT_EQ(dev->used(), 4000u);
+    c.reset();
+    EXPECT_EQ(dev->used(), 0u);
+    Device::Reservation all = dev->reserve(10000, "all");
+    EXPECT_EQ(dev->used(), 10000u);
+    Device::Reservation target;
+    target = std::move(all);  // into a default-constructed one
+    EXPECT_EQ(dev->used(), 10000u);
+  }
+  EXPECT_EQ(dev->used(), 0u);
+  EXPECT_EQ(dev->peak(), 10000u);
+}
+
+TEST(HostDevice, ConcurrentAllocationsNeverExceedTheBudget) {
+  const uint64_t budget = 64 * 1024;
+  auto dev = Device::create_host(budget);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 500; ++i) {
+        try {
+          at::Tensor x = dev->empty({int64_t(4096 + 512 * ((i + t) % 8))}, at::kFloat, "x");
+          x.fill_(float(i));
+        } catch (const BudgetExceeded&) {
+          // Refused: the others hold too much right now.
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(dev->used(), 0u);
+  EXPECT_LE(dev->peak(), budget);
+  EXPECT_GT(dev->peak(), 0u);
+}
+
+TEST(HostDevice, CopyStreamRunsCopiesAndHostFunctionsInOrder) {
+  auto dev = Device::create_host(UINT64_MAX);
+  Stream& copy = dev->copy_stream();
+  constexpr int kCopies = 200;
+  std::vector<int> ran;  // appended only on the stream's thread, read after synchronize
+  std::vector<at::Tensor> sources, targets;
+  for (int i = 0; i < kCopies; ++i) {
+    sources.push_back(at::full({257}, float(i), at::kFloat));
+    targets.push_back(dev->empty({257}, at::kFloat, "target"));
+    dev->copy_async(targets.back(), sources.back(), copy);
+    dev->launch_host(copy, [&ran, i] { ran.push_back(i); });
+    // Overwriting the source after the copy was enqueued must not reach the target.
+    dev->launch_host(copy, [src = sources.back()]() mutable { src.fill_(-1.0); });
+  }
+  // A chain through buffers: each copy reads what the previous one wrote.
+  std::vector<at::Tensor> chain;
+  chain.push_back(at::arange(1000, at::kFloat));
+  for (int k = 0; k < 20; ++k) chain.push_back(at::zeros({1000}, at::kFloat));
+  for (int k = 0; k < 20; ++k) dev->copy_async(chain[k + 1], chain[k], copy);
+  dev->synchronize(copy);
+
+  ASSERT_EQ(ran.size(), size_t(kCopies));
+  for (int i = 0; i < kCopies; ++i) {
+    EXPECT_EQ(ran[i], i);
+    EXPECT_TRUE(at::equal(targets[i], at::full({257}, float(i), at::kFloat))) << "copy " << i;
+    EXPECT_TRUE(at::equal(sources[i], at::full({257}, -1.0f, at::kFloat)));
+  }
+  EXPECT_TRUE(at::equal(chain.back(), chain.front()));
+}
+
+TEST(HostDevice, CopyStreamKeepsItsTensorsAliveUntilTheCopyHasRun) {
+  auto dev = Device::create_host(UINT64_MAX);
+  StreamGate gate;
+  Stream& copy = dev->copy_stream();
+  dev->launch_host(copy, gate.blocker());
+  at::Tensor src = at::arange(4096, at::kFloat);
+  at::Tensor dst = dev->empty({4096}, at::kFloat, "dst");
+  at::Tensor check = at::zeros({4096}, at::kFloat);
+  dev->copy_async(dst, src, copy);
+  dev->copy_async(check, dst, copy);
+  dst.reset();
+  src.reset();
+  EXPECT_EQ(dev->used(), 4096u * 4) << "the queued copy holds the device tensor";
+  gate.release();
+  dev->synchronize(copy);
+  EXPECT_EQ(dev->used(), 0u);
+  EXPECT_TRUE(at::equal(check, at::arange(4096, at::kFloat)));
+}
+
+TEST(HostDevice, CopyAsyncRejectsMismatchedTensors) {
+  auto dev = Device::create_host(UINT64_MAX);
+  Stream& copy = dev->copy_stream();
+  at::Tensor dst = at::zeros({4, 4}, at::kFloat);
+  EXPECT_THROW(dev->copy_async(dst, at::ones({15}, at::kFloat), copy), c10::Error);
+  EXPECT_THROW(dev->copy_async(dst, at::ones({16}, at::kDouble), copy), c10::Error);
+  EXPECT_THROW(dev->copy_async(dst, at::ones({4, 4}, at::kFloat).t(), copy), c10::Error);
+  dev->synchronize(copy);
+  EXPECT_TRUE(at::equal(dst, at::zeros({4, 4}, at::kFloat))) << "nothing was enqueued";
+}
+
+TEST(HostDevice, EventIsDoneOnlyAfterTheWorkBeforeItHasRun) {
+  auto dev = Device::create_host(UINT64_MAX);
+  StreamGate gate;
+  Stream& copy = dev->copy_stream();
+  std::atomic<bool> slept{false};
+  dev->launch_host(copy, gate.blocker());
+  dev->launch_host(copy, [&slept] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    slept = true;
+  });
+  const std::shared_ptr<Event> event = dev->record(copy);
+  EXPECT_FALSE(event->done());
+  gate.release();
+  dev->synchronize(copy);
+  EXPECT_TRUE(slept.load());
+  EXPECT_TRUE(event->done());
+
+  // The compute stream is the caller's: work on it has run when the call returns.
+  EXPECT_TRUE(dev->record(dev->compute_stream())->done());
+}
+
+TEST(HostDevice, WaitOrdersTheComputeStreamAfterAnEventOnTheCopyStream) {
+  auto dev = Device::create_host(UINT64_MAX);
+  Stream& copy = dev->copy_stream();
+  at::Tensor src = at::arange(10000, at::kFloat);
+  at::Tensor dst = at::zeros({10000}, at::kFloat);
+  dev->launch_host(copy, [] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); });
+  dev->copy_async(dst, src, copy);
+  const std::shared_ptr<Event> copied = dev->record(copy);
+  dev->wait(dev->compute_stream(), copied);  // blocks this thread until the copy has run
+  EXPECT_TRUE(copied->done());
+  EXPECT_TRUE(at::equal(dst, src));
+  dev->synchronize(copy);
+}
+
+TEST(HostDevice, WaitHoldsAWorkerStreamBackUntilTheEvent) {
+  // Two host devices: two copy streams on two worker threads, ordered by an event.
+  auto producer = Device::create_host(UINT64_MAX);
+  auto consumer = Device::create_host(UINT64_MAX);
+  StreamGate gate;
+  std::vector<std::string> order;  // each append is ordered by the event between the streams
+  std::atomic<int> consumer_ran{0};
+  producer->launch_host(producer->copy_stream(), gate.blocker());
+  producer->launch_host(producer->copy_stream(), [&order] { order.push_back("produced"); });
+  const std::shared_ptr<Event> produced = producer->record(producer->copy_stream());
+  consumer->wait(consumer->copy_stream(), produced);
+  consumer->launch_host(consumer->copy_stream(), [&order, &consumer_ran] {
+    order.push_back("consumed");
+    ++consumer_ran;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(consumer_ran.load(), 0) << "ran before the event it waits for";
+  EXPECT_FALSE(produced->done());
+  gate.release();
+  consumer->synchronize(consumer->copy_stream());
+  EXPECT_TRUE(produced->done());
+  EXPECT_EQ(consumer_ran.load(), 1);
+  EXPECT_EQ(order, (std::vector<std::string>{"produced", "consumed"}));
+  producer->synchronize(producer->copy_stream());
+}
+
+TEST(HostDevice, ErrorInAHostFunctionIsRethrownBySynchronizeAndTheStreamGoesOn) {
+  auto dev = Device::create_host(UINT64_MAX);
+  Stream& copy = dev->copy_stream();
+  std::vector<int> ran;
+  dev->launch_host(copy, [&ran] { ran.push_back(1); });
+  dev->launch_host(copy, [] { throw std::runtime_error("host fn failed: disk full"); });
+  dev->launch_host(copy, [&ran] { ran.push_back(2); });
+  const std::string msg = thrown_message<std::runtime_error>([&] { dev->synchronize(copy); });
+  EXPECT_TRUE(contains(msg, "disk full")) << msg;
+  EXPECT_EQ(ran, (std::vector<int>{1, 2}));
+  EXPECT_NO_THROW(dev->synchronize(copy)) << "an error is reported once";
+
+  // Of two failures, the first is reported.
+  dev->launch_host(copy, [] { throw std::runtime_error("first failure"); });
+  dev->launch_host(copy, [] { throw std::runtime_error("second failure"); });
+  const std::string first = thrown_message<std::runtime_error>([&] { dev->synchronize(copy); });
+  EXPECT_TRUE(contains(first, "first failure")) << first;
+  EXPECT_NO_THROW(dev->synchronize(copy));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training configuration
+
+// The example of docs/CONFIG.md.
+constexpr const char* kTinyGpt2Config = R"({
+  "model": {"preset": "gpt2", "layers": 6, "hidden": 64, "heads": 4,
+            "vocab_size": 256, "max_positions": 64, "seed": 0},
+  "data": {"path": "/usr/share/common-licenses", "format": "bytes", "seq_len": 32, "seed": 0},
+  "batch": {"micro_batch": 2, "grad_accum": 2},
+  "optimizer": {"type": "adamw", "lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8,
+                "weight_decay": 0.0, "clip_grad_norm": 1.0},
+  "precision": {"compute": "fp32", "reduce": "fp32"},
+  "placement": {"params": "host", "grads": "host", "master": "host", "moments": "host"},
+  "device": {"type": "cpu", "budget": "1MiB", "prefetch": 1, "cpu_threads": 0},
+  "distributed": {"timeout_s": 300},
+  "run": {"steps": 20, "log": "tiny.jsonl", "progress": true, "export": ""}
+})";
+
+// The message of the std::invalid_argument that parsing `json` as "test.json" throws.
+std::string config_error(const std::string& json) {
+  return thrown_message<std::invalid_argument>([&] { parse_train_config(json, "test.json"); });
+}
+
+// `text` as a JSON string literal.
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (char ch : text) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  return out + "\"";
+}
+
+// A Hugging Face model directory holding only config.json, for model.init_from.
+void write_hf_config(const std::filesystem::path& dir, const models::ModelConfig& mc) {
+  std::ofstream out(dir / "config.json");
+  out << mc.to_hf_json();
+}
+
+TEST(TrainConfig, EmptyObjectGivesTheDocumentedDefaults) {
+  const TrainConfig c = parse_train_config("{}", "test.json");
+  EXPECT_EQ(c.model.name, "gpt2");
+  EXPECT_EQ(c.model.arch, models::Arch::kGpt2);
+  EXPECT_EQ(c.model.layers, 12);
+  EXPECT_EQ(c.model.hidden, 768);
+  EXPECT_EQ(c.model.heads, 12);
+  EXPECT_EQ(c.model.kv_heads, 12);
+  EXPECT_EQ(c.model.head_dim, 64);
+  EXPECT_EQ(c.model.intermediate, 3072);
+  EXPECT_EQ(c.model.vocab_size, 50257);
+  EXPECT_EQ(c.model.max_positions, 1024);
+  EXPECT_TRUE(c.model.tie_embeddings);
+  EXPECT_EQ(c.init_from, "");
+  EXPECT_EQ(c.init_seed, 0u);
+  EXPECT_EQ(c.data_path, "/usr/share/common-licenses");
+  EXPECT_EQ(c.data_format, "bytes");
+  EXPECT_EQ(c.data_seed, 0u);
+  EXPECT_EQ(c.steps, 20);
+  EXPECT_EQ(c.log_path, "strata-train.jsonl");
+  EXPECT_TRUE(c.progress);
+  EXPECT_EQ(c.export_dir, "");
+
+  const EngineConfig& e = c.engine;
+  EXPECT_DOUBLE_EQ(e.lr, 1e-3);
+  EXPECT_DOUBLE_EQ(e.beta1, 0.9);
+  EXPECT_DOUBLE_EQ(e.beta2, 0.999);
+  EXPECT_DOUBLE_EQ(e.eps, 1e-8);
+  EXPECT_DOUBLE_EQ(e.weight_decay, 0.0);
+  EXPECT_TRUE(e.decoupled_weight_decay);
+  EXPECT_DOUBLE_EQ(e.clip_grad_norm, 0.0);
+  EXPECT_EQ(e.micro_batch, 1);
+  EXPECT_EQ(e.grad_accum, 1);
+  EXPECT_EQ(e.seq_len, 64);
+  EXPECT_EQ(e.compute, Precision::kFp32);
+  EXPECT_EQ(e.reduce, Precision::kFp32);
+  EXPECT_DOUBLE_EQ(e.initial_loss_scale, 65536.0);
+  EXPECT_EQ(e.loss_scale_window, 1000);
+  EXPECT_EQ(e.params, Placement::kHost);
+  EXPECT_EQ(e.grads, Placement::kHost);
+  EXPECT_EQ(e.master, Placement::kHost);
+  EXPECT_EQ(e.moments, Placement::kHost);
+  EXPECT_EQ(e.device, "cpu");
+  EXPECT_EQ(e.device_budget, UINT64_MAX);
+  EXPECT_EQ(e.prefetch, 1);
+  EXPECT_EQ(e.cpu_threads, 0u);
+  EXPECT_DOUBLE_EQ(e.timeout_s, 300.0);
+
+  // Empty sections change nothing.
+  const TrainConfig s = parse_train_config(
+      R"({"model": {}, "data": {}, "batch": {}, "optimizer": {}, "precision": {},
+          "placement": {}, "device": {}, "distributed": {}, "run": {}})",
+      "test.json");
+  EXPECT_EQ(s.model.hidden, 768);
+  EXPECT_EQ(s.steps, 20);
+  EXPECT_EQ(s.engine.device_budget, UINT64_MAX);
+}
+
+TEST(TrainConfig, TinyGpt2ExampleParsesWithItsOverrides) {
+  const TrainConfig c = parse_train_config(kTinyGpt2Config, "test.json");
+  EXPECT_EQ(c.model.name, "gpt2");
+  EXPECT_EQ(c.model.arch, models::Arch::kGpt2);
+  EXPECT_EQ(c.model.layers, 6);
+  EXPECT_EQ(c.model.hidden, 64);
+  EXPECT_EQ(c.model.heads, 4);
+  EXPECT_EQ(c.model.kv_heads, 4);
+  EXPECT_EQ(c.model.head_dim, 16);
+  EXPECT_EQ(c.model.intermediate, 256);
+  EXPECT_EQ(c.model.vocab_size, 256);
+  EXPECT_EQ(c.model.max_positions, 64);
+  EXPECT_EQ(c.engine.seq_len, 32);
+  EXPECT_EQ(c.engine.micro_batch, 2);
+  EXPECT_EQ(c.engine.grad_accum, 2);
+  EXPECT_DOUBLE_EQ(c.engine.clip_grad_norm, 1.0);
+  EXPECT_EQ(c.engine.device_budget, uint64_t(1) << 20);
+  EXPECT_EQ(c.log_path, "tiny.jsonl");
+  EXPECT_EQ(c.steps, 20);
+}
+
+TEST(TrainConfig, EveryKeyReachesItsField) {
+  const TrainConfig c = parse_train_config(R"({
+    "model": {"preset": "gpt2", "seed": 7, "tie_embeddings": false},
+    "data": {"path": "/data/tokens.bin", "format": "uint16", "seq_len": 128, "seed": 9},
+    "batch": {"micro_batch": 3, "grad_accum": 5},
+    "optimizer": {"type": "adam", "lr": 0.25, "betas": [0.5, 0.75], "eps": 1e-6,
+                  "weight_decay": 0.125, "clip_grad_norm": 2},
+    "precision": {"compute": "fp16", "reduce": "bf16", "initial_loss_scale": 1024,
+                  "loss_scale_window": 50},
+    "placement": {"params": "device", "grads": "device", "master": "host", "moments": "device"},
+    "device": {"budget": 1048576, "prefetch": 0, "cpu_threads": 6},
+    "distributed": {"timeout_s": 12.5},
+    "run": {"steps": 0, "log": "", "progress": false, "export": "out"}
+  })", "test.json");
+  EXPECT_EQ(c.init_seed, 7u);
+  EXPECT_FALSE(c.model.tie_embeddings);
+  EXPECT_EQ(c.data_path, "/data/tokens.bin");
+  EXPECT_EQ(c.data_format, "uint16");
+  EXPECT_EQ(c.engine.seq_len, 128);
+  EXPECT_EQ(c.data_seed, 9u);
+  EXPECT_EQ(c.engine.micro_batch, 3);
+  EXPECT_EQ(c.engine.grad_accum, 5);
+  EXPECT_FALSE(c.engine.decoupled_weight_decay);
+  EXPECT_DOUBLE_EQ(c.engine.lr, 0.25);
+  EXPECT_DOUBLE_EQ(c.engine.beta1, 0.5);
+  EXPECT_DOUBLE_EQ(c.engine.beta2, 0.75);
+  EXPECT_DOUBLE_EQ(c.engine.eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c.engine.weight_decay, 0.125);
+  EXPECT_DOUBLE_EQ(c.engine.clip_grad_norm, 2.0);
+  EXPECT_EQ(c.engine.compute, Precision::kFp16);
+  EXPECT_EQ(c.engine.reduce, Precision::kBf16);
+  EXPECT_DOUBLE_EQ(c.engine.initial_loss_scale, 1024.0);
+  EXPECT_EQ(c.engine.loss_scale_window, 50);
+  EXPECT_EQ(c.engine.params, Placement::kDevice);
+  EXPECT_EQ(c.engine.grads, Placement::kDevice);
+  EXPECT_EQ(c.engine.master, Placement::kHost);
+  EXPECT_EQ(c.engine.moments, Placement::kDevice);
+  EXPECT_EQ(c.engine.device_budget, 1048576u);
+  EXPECT_EQ(c.engine.prefetch, 0);
+  EXPECT_EQ(c.engine.cpu_threads, 6u);
+  EXPECT_DOUBLE_EQ(c.engine.timeout_s, 12.5);
+  EXPECT_EQ(c.steps, 0);
+  EXPECT_EQ(c.log_path, "");
+  EXPECT_FALSE(c.progress);
+  EXPECT_EQ(c.export_dir, "out");
+}
+
+TEST(TrainConfig, DeviceBudgetTakesASizeStringOrAByteCount) {
+  auto budget_of = [](const std::string& value) {
+    return parse_train_config(R"({"device": {"budget": )" + value + "}}", "test.json")
+        .engine.device_budget;
+  };
+  EXPECT_EQ(budget_of(R"("1MiB")"), 1048576u);
+  EXPECT_EQ(budget_of("1048576"), 1048576u);
+  EXPECT_EQ(budget_of(R"("1.5GiB")"), 3ull << 29);
+  for (const char* bad : {R"("12Q")", "0", "-1", "1.5", R"("")", "true"}) {
+    const std::string msg = config_error(std::string(R"({"device": {"budget": )") + bad + "}}");
+    EXPECT_TRUE(contains(msg, "device.budget")) << bad << ": " << msg;
+  }
+}
+
+TEST(TrainConfig, ReshapingDerivesHeadDimKvHeadsAndIntermediate) {
+  // Llama: kv_heads is capped at the new head count, intermediate becomes 4 * hidden.
+  const TrainConfig llama = parse_train_config(
+      R"({"model": {"preset": "llama-1b", "hidden": 512, "heads": 4}})", "test.json");
+  EXPECT_EQ(llama.model.arch, models::Arch::kLlama);
+  EXPECT_EQ(llama.model.head_dim, 128);
+  EXPECT_EQ(llama.model.kv_heads, 4);
+  EXPECT_EQ(llama.model.intermediate, 2048);
+  // Explicit values win.
+  const TrainConfig gqa = parse_train_config(
+      R"({"model": {"preset": "llama-1b", "hidden": 512, "heads": 8, "kv_heads": 2,
+                    "intermediate": 1000}})",
+      "test.json");
+  EXPECT_EQ(gqa.model.head_dim, 64);
+  EXPECT_EQ(gqa.model.kv_heads, 2);
+  EXPECT_EQ(gqa.model.intermediate, 1000);
+  // Only layers changed: head_dim, kv_heads and intermediate stay the preset's.
+  const TrainConfig deeper = parse_train_config(R"({"model": {"layers": 2}})", "test.json");
+  EXPECT_EQ(deeper.model.layers, 2);
+  EXPECT_EQ(deeper.model.head_dim, 64);
+  EXPECT_EQ(deeper.model.intermediate, 3072);
+  // seq_len above max_positions is a GPT-2 limit only (Llama uses rotary embeddings).
+  EXPECT_NO_THROW(parse_train_config(
+      R"({"model": {"preset": "llama-1b"}, "data": {"seq_len": 100000}})", "test.json"));
+}
+
+TEST(TrainConfig, InvalidConfigurationsNameTheFileAndKey) {
+  struct Bad {
+    const char* json;
+    const char* names;
+  };
+  const Bad cases[] = {
+      {R"({"optimiser": {}})", "optimiser"},
+      {R"({"optimizer": {"momentum": 0.9}})", "optimizer.momentum"},
+      {R"({"model": {"layer": 6}})", "model.layer"},
+      {R"({"batch": {"micro_batch": "2"}})", "batch.micro_batch"},
+      {R"({"batch": {"micro_batch": 2.0}})", "batch.micro_batch"},
+      {R"({"batch": {"micro_batch": 0}})", "batch.micro_batch"},
+      {R"({"batch": {"grad_accum": -1}})", "batch.grad_accum"},
+      {R"({"batch": 2})", "batch"},
+      {R"({"precision": {"compute": "fp8"}})", "precision.compute"},
+      {R"({"precision": {"reduce": "fp16"}})", "precision.reduce"},
+      {R"({"precision": {"initial_loss_scale": 0}})", "precision.initial_loss_scale"},
+      {R"({"precision": {"loss_scale_window": 0}})", "precision.loss_scale_window"},
+      {R"({"optimizer": {"type": "sgd"}})", "optimizer.type"},
+      {R"({"optimizer": {"betas": [0.9]}})", "optimizer.betas"},
+      {R"({"optimizer": {"betas": [0.9, 0.99, 0.999]}})", "optimizer.betas"},
+      {R"({"optimizer": {"betas": [0.9, "0.999"]}})", "optimizer.betas"},
+      {R"({"optimizer": {"betas": 0.9}})", "optimizer.betas"},
+      {R"({"optimizer": {"betas": [0.9, 1.0]}})", "optimizer.betas"},
+      {R"({"optimizer": {"lr": "0.1"}})", "optimizer.lr"},
+      {R"({"optimizer": {"lr": -0.1}})", "optimizer.lr"},
+      {R"({"optimizer": {"eps": 0}})", "optimizer.eps"},
+      {R"({"optimizer": {"weight_decay": -1}})", "optimizer.weight_decay"},
+      {R"({"optimizer": {"clip_grad_norm": -1}})", "optimizer.clip_grad_norm"},
+      {R"({"placement": {"params": "gpu"}})", "placement.params"},
+      {R"({"device": {"type": "tpu"}})", "device.type"},
+      {R"({"device": {"prefetch": -1}})", "device.prefetch"},
+      {R"({"device": {"cpu_threads": -1}})", "device.cpu_threads"},
+      {R"({"distributed": {"timeout_s": 0}})", "distributed.timeout_s"},
+      {R"({"data": {"seq_len": 0}})", "data.seq_len"},
+      {R"({"data": {"seq_len": 2048}})", "data.seq_len"},
+      {R"({"data": {"seed": -1}})", "data.seed"},
+      {R"({"run": {"steps": -1}})", "run.steps"},
+      {R"({"run": {"progress": 1}})", "run.progress"},
+      {R"({"run": {"log": null}})", "run.log"},
+      {R"({"model": {"preset": "gpt5"}})", "model.preset"},
+      {R"({"model": {"hidden": 64}})", "head_dim"},  // 64 is not a multiple of gpt2's 12 heads
+      {R"({"model": {"hf_config": "/nonexistent/config.json"}})", "/nonexistent/config.json"},
+      {R"([1, 2])", "test.json"},
+      {R"({"model": )", "not valid JSON"},
+  };
+  for (const Bad& bad : cases) {
+    SCOPED_TRACE(bad.json);
+    const std::string msg = config_error(bad.json);
+    EXPECT_TRUE(contains(msg, bad.names)) << msg;
+    EXPECT_EQ(msg.rfind("test.json", 0), 0u) << msg;
+  }
+}
+
+TEST(TrainConfig, InitFromReadsTheDirectoryAndRejectsReshaping) {
+  test::TempDir dir;
+  models::ModelConfig mc = models::preset("gpt2");
+  mc.layers = 3;
+  mc.hidden = 96;
+  mc.heads = mc.kv_heads = 6;
+  mc.head_dim = 16;
+  mc.intermediate = 384;
+  mc.vocab_size = 300;
+  mc.max_positions = 128;
+  write_hf_config(dir.path(), mc);
+  const std::string init = R"({"model": {"init_from": )" + json_string(dir.path().string());
+
+  const TrainConfig c = parse_train_config(init + "}}", "test.json");
+  EXPECT_EQ(c.init_from, dir.path().string());
+  EXPECT_EQ(c.model.layers, 3);
+  EXPECT_EQ(c.model.hidden, 96);
+  EXPECT_EQ(c.model.heads, 6);
+  EXPECT_EQ(c.model.vocab_size, 300);
+
+  const std::string msg = config_error(init + R"(, "hidden": 192, "heads": 12}})");
+  EXPECT_TRUE(contains(msg, "model.init_from")) << msg;
+  EXPECT_TRUE(contains(config_error(init + R"(, "heads": 3}})"), "model.init_from"));
+  // A directory without config.json.
+  test::TempDir empty;
+  const std::string missing = config_error(R"({"model": {"init_from": )" +
+                                           json_string(empty.path().string()) + "}}");
+  EXPECT_TRUE(contains(missing, "config.json")) << missing;
+}
+
+TEST(TrainConfig, InitFromRejectsALayersOverride) {
+  test::TempDir dir;
+  write_hf_config(dir.path(), models::preset("gpt2"));
+  const std::string msg = config_error(R"({"model": {"init_from": )" +
+                                       json_string(dir.path().string()) + R"(, "layers": 2}})");
+  EXPECT_TRUE(contains(msg, "model.init_from")) << msg;
+}
+
+TEST(TrainConfig, LoadNamesTheFileInItsErrors) {
+  test::TempDir dir;
+  const std::string path = (dir / "typo.json").string();
+  {
+    std::ofstream out(path);
+    out << R"({"batch": {"micro_batch": 2, "grad_acum": 4}})";
+  }
+  const std::string msg = thrown_message<std::invalid_argument>([&] { load_train_config(path); });
+  EXPECT_EQ(msg.rfind(path + ": ", 0), 0u) << msg;
+  EXPECT_TRUE(contains(msg, "batch.grad_acum")) << msg;
+
+  const std::string good = (dir / "tiny.json").string();
+  {
+    std::ofstream out(good);
+    out << kTinyGpt2Config;
+  }
+  EXPECT_EQ(load_train_config(good).model.hidden, 64);
+
+  const std::string absent = (dir / "absent.json").string();
+  const std::string missing =
+      thrown_message<std::invalid_argument>([&] { load_train_config(absent); });
+  EXPECT_TRUE(contains(missing, absent)) << missing;
+}
+
+TEST(TrainConfig, EnumNamesRoundTrip) {
+  EXPECT_STREQ(to_string(Precision::kFp32), "fp32");
+  EXPECT_STREQ(to_string(Precision::kBf16), "bf16");
+  EXPECT_STREQ(to_string(Precision::kFp16), "fp16");
+  EXPECT_STREQ(to_string(Placement::kDevice), "device");
+  EXPECT_STREQ(to_string(Placement::kHost), "host");
+}
+
+}  // namespace
+}  // namespace strata::engine
