@@ -1,4 +1,5 @@
 #include "adam_bench.h"
+#include "timing.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,26 +22,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr double kLr = 1e-3, kBeta1 = 0.9, kBeta2 = 0.999, kEps = 1e-8, kWd = 0.01;
-
-// Median seconds per call of each function, timed round-robin (a, b, c, a, b, c, ...) after one
-// warm-up call each, so that drift in the machine's speed hits every side alike.
-std::vector<double> median_seconds(unsigned steps, const std::vector<std::function<void()>>& fns) {
-  for (auto& fn : fns) fn();
-  std::vector<std::vector<double>> t(fns.size());
-  for (unsigned s = 0; s < steps; ++s) {
-    for (size_t i = 0; i < fns.size(); ++i) {
-      const auto t0 = Clock::now();
-      fns[i]();
-      t[i].push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    }
-  }
-  std::vector<double> out;
-  for (auto& ti : t) {
-    std::sort(ti.begin(), ti.end());
-    out.push_back(ti[ti.size() / 2]);
-  }
-  return out;
-}
 
 // Memory bandwidth of an in-place streaming update (read + write of every byte, like the
 // optimizer's in-place state), multi-threaded; best of 5. An in-place update avoids the extra

@@ -7,6 +7,7 @@
 #include "args.h"
 #include "adam_bench.h"
 #include "io_bench.h"
+#include "step_bench.h"
 #include "train.h"
 #include "strata/engine/build_info.h"
 
@@ -23,6 +24,7 @@ commands:
                queue depth), sequential and random, read and write
   bench adam   CPU Adam kernel beside PyTorch's fused AdamW, torch::optim::AdamW and the
                memory-bandwidth bound, same threads
+  bench step   the engine's training step beside plain libtorch on a model that fits
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
   help         this text
 
@@ -109,6 +111,42 @@ int bench_adam(const std::vector<std::string>& argv) {
   return 0;
 }
 
+constexpr const char* kBenchStepUsage = R"(usage: strata bench step [options]
+
+The engine's fp32 training step (one rank, ZeRO-3 schedule with recompute, CPU AdamW) beside plain
+libtorch on the same GPT-2-shaped model and data: with the same block recompute (the baseline)
+and without it. Timed round-robin; medians; final JSON line.
+
+  --layers N     transformer blocks (default 4)
+  --hidden N     model width (default 256)
+  --heads N      attention heads (default 4)
+  --vocab N      vocabulary (default 8192)
+  --seq N        tokens per sequence (default 128)
+  --batch N      sequences per step (default 8)
+  --steps N      timed steps per method (default 5)
+  --threads N    threads for libtorch and the kernels (default: all)
+)";
+
+int bench_step(const std::vector<std::string>& argv) {
+  for (const auto& a : argv)
+    if (a == "--help" || a == "-h") {
+      std::cout << kBenchStepUsage;
+      return 0;
+    }
+  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "steps", "threads"}, {});
+  strata::bench::StepBenchOptions o;
+  o.layers = args.count("layers", unsigned(o.layers));
+  o.hidden = args.count("hidden", unsigned(o.hidden));
+  o.heads = args.count("heads", unsigned(o.heads));
+  o.vocab = args.count("vocab", unsigned(o.vocab));
+  o.seq = args.count("seq", unsigned(o.seq));
+  o.batch = args.count("batch", unsigned(o.batch));
+  o.steps = args.count("steps", o.steps);
+  o.threads = args.count("threads", o.threads);
+  strata::bench::run_step_bench(o);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -127,7 +165,8 @@ int main(int argc, char** argv) {
     if (args[0] == "bench") {
       if (args.size() >= 2 && args[1] == "io") return bench_io({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "adam") return bench_adam({args.begin() + 2, args.end()});
-      std::cerr << "strata bench: expected a benchmark name (io, adam)\n";
+      if (args.size() >= 2 && args[1] == "step") return bench_step({args.begin() + 2, args.end()});
+      std::cerr << "strata bench: expected a benchmark name (io, adam, step)\n";
       return 2;
     }
     std::cerr << "strata: unknown command '" << args[0] << "'\n\n" << kUsage;

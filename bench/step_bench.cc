@@ -1,0 +1,124 @@
+#include "step_bench.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/optim/adamw.h>
+
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "strata/engine/comm.h"
+#include "strata/engine/device.h"
+#include "strata/engine/engine.h"
+#include "timing.h"
+
+namespace strata::bench {
+namespace {
+
+// Plain libtorch training of a Decoder: forward, loss, backward, torch::optim::AdamW.
+// With `recompute`, each block runs without autograd in the forward pass and again, from its
+// saved input, in the backward pass: the same recipe the engine follows (and that large-model
+// training uses), so that the comparison isolates the engine's own work.
+class PlainTrainer {
+ public:
+  PlainTrainer(const models::ModelConfig& c, bool recompute, const engine::EngineConfig& e)
+      : model_(c, 1), recompute_(recompute) {
+    for (auto& [n, p] : model_.hf_parameters()) params_.push_back(p);
+    opt_ = std::make_unique<torch::optim::AdamW>(
+        params_, torch::optim::AdamWOptions(e.lr).betas({e.beta1, e.beta2}).eps(e.eps).weight_decay(e.weight_decay));
+  }
+  double step(const at::Tensor& ids) {
+    const int64_t T = ids.size(1) - 1;
+    at::Tensor in = ids.narrow(1, 0, T), targets = ids.narrow(1, 1, T).reshape(-1);
+    opt_->zero_grad();
+    at::Tensor loss;
+    if (!recompute_) {
+      at::Tensor logits = model_.forward(in);
+      loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets);
+      loss.backward();
+    } else {
+      auto stages = model_.stages();
+      std::vector<at::Tensor> inputs;
+      at::Tensor x = in;
+      {
+        at::NoGradGuard ng;
+        for (size_t s = 0; s + 1 < stages.size(); ++s) {
+          inputs.push_back(x);
+          x = stages[s]->forward(x);
+        }
+      }
+      at::Tensor xh = x.detach().requires_grad_(true);
+      at::Tensor logits = stages.back()->forward(xh);
+      loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets);
+      loss.backward();
+      at::Tensor dy = xh.grad();
+      for (size_t s = stages.size() - 1; s-- > 0;) {
+        at::Tensor xin = inputs[s];
+        if (s > 0) xin = xin.detach().requires_grad_(true);
+        at::Tensor y = stages[s]->forward(xin);
+        y.backward(dy);
+        if (s > 0) dy = xin.grad();
+      }
+    }
+    opt_->step();
+    return loss.item<double>();
+  }
+
+ private:
+  models::Decoder model_;
+  bool recompute_;
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<torch::optim::AdamW> opt_;
+};
+
+}  // namespace
+
+void run_step_bench(const StepBenchOptions& o) {
+  const unsigned threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
+  at::set_num_threads(int(threads));
+  models::ModelConfig c = models::preset("gpt2");
+  c.name = "gpt2-bench";
+  c.layers = o.layers;
+  c.hidden = o.hidden;
+  c.heads = c.kv_heads = o.heads;
+  c.head_dim = o.hidden / o.heads;
+  c.intermediate = 4 * o.hidden;
+  c.vocab_size = o.vocab;
+  c.max_positions = std::max<int64_t>(o.seq, 64);
+  c.validate();
+
+  engine::EngineConfig e;
+  e.micro_batch = o.batch;
+  e.seq_len = o.seq;
+  e.lr = 1e-4;
+  e.weight_decay = 0.01;
+  e.cpu_threads = threads;
+  auto comm = engine::Communicator::create(engine::DistEnv{}, std::chrono::seconds(60));
+  auto dev = engine::Device::create_host(UINT64_MAX);
+  engine::Engine eng(std::make_unique<models::Decoder>(c, 1), e, *comm, *dev);
+  PlainTrainer plain(c, false, e), plain_rc(c, true, e);
+
+  at::Tensor ids = at::randint(0, o.vocab, {o.batch, o.seq + 1}, at::kLong);
+  std::cerr << "bench step: " << c.parameters() / 1e6 << "M parameters (" << o.layers << " x "
+            << o.hidden << ", vocab " << o.vocab << "), batch " << o.batch << " x " << o.seq
+            << ", fp32, " << threads << " threads" << std::endl;
+  const std::vector<double> sec = median_seconds(
+      o.steps, {[&] { eng.train_step(ids); }, [&] { plain_rc.step(ids); }, [&] { plain.step(ids); }});
+  const double tokens = double(o.batch * o.seq);
+  nlohmann::json summary = {
+      {"metric", "train_step_seconds"},
+      {"value", sec[0]},
+      {"baseline", "plain libtorch, same block recompute, torch::optim::AdamW"},
+      {"baseline_value", sec[1]},
+      {"ratio", sec[0] / sec[1]},
+      {"overhead", sec[0] / sec[1] - 1},
+      {"plain_no_recompute_seconds", sec[2]},
+      {"ratio_vs_no_recompute", sec[0] / sec[2]},
+      {"tokens_per_s", tokens / sec[0]},
+      {"parameters", c.parameters()},
+      {"threads", threads}};
+  std::cout << summary.dump() << std::endl;
+}
+
+}  // namespace strata::bench
