@@ -35,3 +35,5 @@ log "benchmarks"
 fio_bin=$(command -v fio || echo none)
 "$build_dir/strata" bench io --dir "${STRATA_BENCH_DIR:-$build_dir/bench-io}" --size 4G \
   --repeat 2 --fio "$fio_bin" | tee "$out/bench-io.jsonl"
+"$build_dir/strata" bench adam --params 200000000 --threads 16 | tee "$out/bench-adam.jsonl"
+"$build_dir/strata" bench step --threads 16 --steps 9 | tee "$out/bench-step.jsonl"

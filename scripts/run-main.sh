@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, and runs Strata's main job. Until the fine-tuning demo lands
-# (see docs/ARCHITECTURE.md, "What exists"), that is `strata bench io`: the NVMe tier's engine
-# beside fio on $STRATA_BENCH_DIR (default: build/bench-io on the repository's file system).
+# Installs what is missing, builds, and runs Strata's main job: `strata train` on
+# configs/main.json (a small GPT-2-shaped model on /usr/share/common-licenses, state offloaded to
+# the host under a device budget smaller than the model). Extra arguments go to `strata train`.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${STRATA_BUILD_DIR:-$repo/build}
 "$repo/scripts/setup.sh"
-exec "$build_dir/strata" bench io --dir "${STRATA_BENCH_DIR:-$build_dir/bench-io}" "$@"
+cd "$repo"
+exec "$build_dir/strata" train --config "$repo/configs/main.json" \
+  --log "$build_dir/strata-main.jsonl" --export "$build_dir/strata-main-model" "$@"
