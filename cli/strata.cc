@@ -1,4 +1,5 @@
 // The strata command-line program: one binary, one subcommand per job.
+#include <csignal>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -150,6 +151,9 @@ int bench_step(const std::vector<std::string>& argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A peer rank that dies must surface as an error on the socket (EPIPE), not kill this rank
+  // with SIGPIPE before it can say what happened.
+  signal(SIGPIPE, SIG_IGN);
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
     if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {

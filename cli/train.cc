@@ -65,9 +65,9 @@ int train_main(const std::vector<std::string>& argv) {
 
   const engine::DistEnv env = engine::DistEnv::from_env();
   auto comm = engine::Communicator::create(
-      env, std::chrono::milliseconds(int64_t(ec.timeout_s * 1000)));
+      env, std::chrono::milliseconds(int64_t(ec.timeout_s * 1000)), ec.device == "cuda");
   const bool lead = comm->rank() == 0;
-  auto device = engine::Device::create_host(ec.device_budget);
+  auto device = engine::Device::create(ec.device, env.local_rank, ec.device_budget);
 
   std::unique_ptr<models::Decoder> model =
       tc.init_from.empty() ? std::make_unique<models::Decoder>(tc.model, tc.init_seed)

@@ -1,6 +1,10 @@
 #include "strata/engine/comm.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#ifdef STRATA_HAVE_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cstdlib>
@@ -42,9 +46,11 @@ class LocalComm final : public Communicator {
   void barrier() override {}
 };
 
+// Gloo for CPU tensors and, when asked for, NCCL for CUDA tensors (its unique id travels through
+// the store), each under its own key prefix in the one TCPStore.
 class GlooComm final : public Communicator {
  public:
-  GlooComm(const DistEnv& env, std::chrono::milliseconds timeout)
+  GlooComm(const DistEnv& env, std::chrono::milliseconds timeout, bool with_cuda)
       : Communicator(env.rank, env.world_size) {
     try {
       c10d::TCPStoreOptions opts;
@@ -57,8 +63,19 @@ class GlooComm final : public Communicator {
       auto pg_opts = c10d::ProcessGroupGloo::Options::create(timeout);
       pg_opts->devices.push_back(
           c10d::ProcessGroupGloo::createDeviceForHostname(local_hostname(env)));
-      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, env.rank, env.world_size,
-                                                         pg_opts);
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          c10::make_intrusive<c10d::PrefixStore>("gloo", store_), env.rank, env.world_size, pg_opts);
+      if (with_cuda) {
+#ifdef STRATA_HAVE_CUDA
+        auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
+        nccl_opts->timeout = timeout;
+        nccl_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+            c10::make_intrusive<c10d::PrefixStore>("nccl", store_), env.rank, env.world_size,
+            nccl_opts);
+#else
+        throw std::runtime_error("this build of Strata has no CUDA (NCCL) support");
+#endif
+      }
     } catch (const std::exception& e) {
       throw CommError("rendezvous of rank " + std::to_string(env.rank) + " of " +
                       std::to_string(env.world_size) + " at " + env.master_addr + ":" +
@@ -83,13 +100,13 @@ class GlooComm final : public Communicator {
   std::unique_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in) override {
     return guarded("all_gather", [&] {
       at::Tensor o = out, i = in;
-      return pg_->_allgather_base(o, i);
+      return pg(o)._allgather_base(o, i);
     });
   }
   std::unique_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in) override {
     return guarded("reduce_scatter", [&] {
       at::Tensor o = out, i = in;
-      return pg_->_reduce_scatter_base(o, i);
+      return pg(o)._reduce_scatter_base(o, i);
     });
   }
   void all_reduce(const at::Tensor& t, ReduceOp op) override {
@@ -97,7 +114,7 @@ class GlooComm final : public Communicator {
     o.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
     guarded("all_reduce", [&] {
       std::vector<at::Tensor> v{t};
-      return pg_->allreduce(v, o);
+      return pg(t).allreduce(v, o);
     })->wait();
   }
   void broadcast(const at::Tensor& t, int root) override {
@@ -105,7 +122,7 @@ class GlooComm final : public Communicator {
     o.rootRank = root;
     guarded("broadcast", [&] {
       std::vector<at::Tensor> v{t};
-      return pg_->broadcast(v, o);
+      return pg(t).broadcast(v, o);
     })->wait();
   }
   void barrier() override {
@@ -133,8 +150,15 @@ class GlooComm final : public Communicator {
     }
   }
 
+  c10d::Backend& pg(const at::Tensor& t) {
+    if (!t.is_cuda()) return *pg_;
+    if (!nccl_) throw CommError("collective on a CUDA tensor, but the communicator has no NCCL");
+    return *nccl_;
+  }
+
   c10::intrusive_ptr<c10d::TCPStore> store_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  c10::intrusive_ptr<c10d::Backend> nccl_;
 };
 
 }  // namespace
@@ -159,9 +183,10 @@ DistEnv DistEnv::from_env() {
 }
 
 std::unique_ptr<Communicator> Communicator::create(const DistEnv& env,
-                                                   std::chrono::milliseconds timeout) {
+                                                   std::chrono::milliseconds timeout,
+                                                   bool with_cuda) {
   if (env.world_size == 1) return std::make_unique<LocalComm>();
-  return std::make_unique<GlooComm>(env, timeout);
+  return std::make_unique<GlooComm>(env, timeout, with_cuda);
 }
 
 }  // namespace strata::engine

@@ -36,7 +36,11 @@ void EngineConfig::validate() const {
   if (reduce == Precision::kFp16) bad("precision.reduce must be fp32 or bf16");
   if (!(initial_loss_scale > 0)) bad("precision.initial_loss_scale must be > 0");
   if (loss_scale_window < 1) bad("precision.loss_scale_window must be >= 1");
-  if (device != "cpu") bad("device.type \"" + device + "\": this build supports \"cpu\" only");
+  if (device != "cpu" && device != "cuda")
+    bad("device.type must be \"cpu\" or \"cuda\", not \"" + device + "\"");
+  if (grads != master || moments != master)
+    bad("placement.grads, placement.moments and placement.master must be the same: the optimizer "
+        "runs where the master weights live and reads gradients and moments there");
   if (device_budget == 0) bad("device.budget must be > 0");
   if (prefetch < 0) bad("device.prefetch must be >= 0");
   if (!(timeout_s > 0)) bad("distributed.timeout_s must be > 0");

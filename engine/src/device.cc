@@ -244,4 +244,16 @@ std::unique_ptr<Device> Device::create_host(uint64_t budget_bytes) {
   return std::make_unique<HostDevice>(budget_bytes);
 }
 
+#ifndef STRATA_HAVE_CUDA
+std::unique_ptr<Device> Device::create_cuda(int, uint64_t) {
+  throw std::runtime_error("device.type \"cuda\": this build of Strata has no CUDA support");
+}
+#endif
+
+std::unique_ptr<Device> Device::create(const std::string& type, int local_rank, uint64_t budget) {
+  if (type == "cpu") return create_host(budget);
+  if (type == "cuda") return create_cuda(local_rank, budget);
+  throw std::invalid_argument("device.type must be \"cpu\" or \"cuda\", not \"" + type + "\"");
+}
+
 }  // namespace strata::engine

@@ -17,6 +17,11 @@
 #include <unordered_map>
 
 #include "strata/kernels/cpu_optim.h"
+#ifdef STRATA_HAVE_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "strata/kernels/cuda_optim.h"
+#endif
 
 namespace strata::engine {
 namespace {
@@ -88,10 +93,14 @@ struct Engine::Impl {
   int64_t good_steps = 0;
   kernels::CpuExec exec;
 
+  // Host memory that the device copies from or to: pinned when the device is a GPU.
+  at::TensorOptions host_options(at::ScalarType t) const {
+    return at::TensorOptions().dtype(t).pinned_memory(dev.torch_device().is_cuda());
+  }
   at::Tensor alloc_state(Placement where, uint64_t numel, at::ScalarType t, const std::string& what) {
     if (where == Placement::kDevice) return dev.empty({int64_t(numel)}, t, what);
     host_state += numel * c10::elementSize(t);
-    return at::empty({int64_t(numel)}, at::TensorOptions().dtype(t));
+    return at::empty({int64_t(numel)}, host_options(t));
   }
   uint64_t unit_param_bytes(size_t u) const {
     return partition->unit(u).padded_numel() * c10::elementSize(cdt);
@@ -303,7 +312,7 @@ struct Engine::Impl {
         acc.add_(shard);
       } else {
         // Device -> host on the copy stream, then accumulated there in fp32.
-        at::Tensor host = at::empty({int64_t(L.shard_numel)}, at::TensorOptions().dtype(shard.scalar_type()));
+        at::Tensor host = at::empty({int64_t(L.shard_numel)}, host_options(shard.scalar_type()));
         dev.copy_async(host, shard, dev.copy_stream());
         dev.launch_host(dev.copy_stream(), [acc, host]() mutable { acc.add_(host); });
       }
@@ -320,7 +329,7 @@ struct Engine::Impl {
                                   std::to_string(A * b) + ", seq_len + 1 = " + std::to_string(T + 1) + "]");
     const size_t n = stages.size();
     const size_t total = uses.size() * size_t(A);
-    const c10::TensorOptions host_opts = at::TensorOptions().dtype(cdt);
+    const c10::TensorOptions host_opts = host_options(cdt);
     double loss_sum = 0;
     size_t k = 0;
     for (int64_t m = 0; m < A; ++m) {
@@ -396,10 +405,7 @@ struct Engine::Impl {
     dev.synchronize(dev.copy_stream());  // host gradient accumulation done
 
     // Global norm and overflow in one all-reduce: [local sum of squares, local loss sum].
-    double sumsq = 0;
-    for (UnitState& u : units)
-      sumsq += kernels::sum_squares(u.grad.data_ptr<float>(), kernels::DType::kF32,
-                                    size_t(u.grad.numel()), exec);
+    const double sumsq = local_sum_squares();
     at::Tensor red = at::tensor({sumsq, loss_sum}, at::TensorOptions().dtype(at::kDouble));
     comm.all_reduce(red, ReduceOp::kSum);
     const double W = comm.world_size();
@@ -421,11 +427,7 @@ struct Engine::Impl {
       ac.decoupled_weight_decay = cfg.decoupled_weight_decay;
       ac.step = step + 1;
       ac.grad_scale = coef / denom;
-      for (UnitState& u : units)
-        kernels::adam_step(ac, u.master.data_ptr<float>(), u.exp_avg.data_ptr<float>(),
-                           u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(),
-                           kernels::DType::kF32, u.compute.data_ptr(), kernel_dtype(cfg.compute),
-                           size_t(u.master.numel()), exec);
+      optimizer_step(ac);
       ++step;
     }
     for (UnitState& u : units) u.grad.zero_();
@@ -443,6 +445,61 @@ struct Engine::Impl {
     r.tokens = uint64_t(A * b * T) * uint64_t(comm.world_size());
     r.model_tflops = flops_per_token() * double(r.tokens) / r.seconds / 1e12;
     return r;
+  }
+
+  // This rank's sum of squared gradients, where the gradients live (the CPU kernel, or the CUDA
+  // kernel with the same reduction order).
+  double local_sum_squares() {
+    double sumsq = 0;
+#ifdef STRATA_HAVE_CUDA
+    if (units.front().grad.is_cuda()) {
+      at::Tensor parts = dev.empty({int64_t(units.size())}, at::kDouble, "gradient norm");
+      cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+      for (size_t i = 0; i < units.size(); ++i)
+        kernels::cuda::sum_squares(units[i].grad.data_ptr<float>(), kernels::DType::kF32,
+                                   size_t(units[i].grad.numel()), parts.data_ptr<double>() + i, stream);
+      return parts.sum().item<double>();
+    }
+#endif
+    for (UnitState& u : units)
+      sumsq += kernels::sum_squares(u.grad.data_ptr<float>(), kernels::DType::kF32,
+                                    size_t(u.grad.numel()), exec);
+    return sumsq;
+  }
+
+  // Adam on every local slice where the master weights live, writing the next compute copies.
+  void optimizer_step(const kernels::AdamConfig& ac) {
+#ifdef STRATA_HAVE_CUDA
+    if (units.front().master.is_cuda()) {
+      // One multi-tensor launch; compute copies placed on the host are written to a device
+      // buffer first and copied down.
+      std::vector<kernels::cuda::AdamTensor> ts;
+      std::vector<std::pair<at::Tensor, at::Tensor>> down;  // (device out, host compute copy)
+      for (UnitState& u : units) {
+        at::Tensor out = u.compute;
+        if (!out.is_cuda()) {
+          out = dev.empty({u.compute.numel()}, cdt, "compute copy out");
+          down.emplace_back(out, u.compute);
+        }
+        ts.push_back({u.master.data_ptr<float>(), u.exp_avg.data_ptr<float>(),
+                      u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(), out.data_ptr(),
+                      size_t(u.master.numel())});
+      }
+      kernels::cuda::adam_step(ac, ts.data(), ts.size(), kernels::DType::kF32,
+                               kernel_dtype(cfg.compute), c10::cuda::getCurrentCUDAStream().stream());
+      for (auto& [d, h] : down) h.copy_(d);
+      return;
+    }
+#endif
+    for (UnitState& u : units) {
+      // A compute copy placed on a GPU is written on the host and copied up.
+      at::Tensor out = u.compute.is_cpu() ? u.compute : at::empty({u.compute.numel()}, host_options(cdt));
+      kernels::adam_step(ac, u.master.data_ptr<float>(), u.exp_avg.data_ptr<float>(),
+                         u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(),
+                         kernels::DType::kF32, out.data_ptr(), kernel_dtype(cfg.compute),
+                         size_t(u.master.numel()), exec);
+      if (!out.is_same(u.compute)) u.compute.copy_(out);
+    }
   }
 
   double flops_per_token() const {

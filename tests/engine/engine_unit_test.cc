@@ -610,7 +610,7 @@ TEST(TrainConfig, EveryKeyReachesItsField) {
                   "weight_decay": 0.125, "clip_grad_norm": 2},
     "precision": {"compute": "fp16", "reduce": "bf16", "initial_loss_scale": 1024,
                   "loss_scale_window": 50},
-    "placement": {"params": "device", "grads": "device", "master": "host", "moments": "device"},
+    "placement": {"params": "device", "grads": "host", "master": "host", "moments": "host"},
     "device": {"budget": 1048576, "prefetch": 0, "cpu_threads": 6},
     "distributed": {"timeout_s": 12.5},
     "run": {"steps": 0, "log": "", "progress": false, "export": "out"}
@@ -635,9 +635,9 @@ TEST(TrainConfig, EveryKeyReachesItsField) {
   EXPECT_DOUBLE_EQ(c.engine.initial_loss_scale, 1024.0);
   EXPECT_EQ(c.engine.loss_scale_window, 50);
   EXPECT_EQ(c.engine.params, Placement::kDevice);
-  EXPECT_EQ(c.engine.grads, Placement::kDevice);
+  EXPECT_EQ(c.engine.grads, Placement::kHost);
   EXPECT_EQ(c.engine.master, Placement::kHost);
-  EXPECT_EQ(c.engine.moments, Placement::kDevice);
+  EXPECT_EQ(c.engine.moments, Placement::kHost);
   EXPECT_EQ(c.engine.device_budget, 1048576u);
   EXPECT_EQ(c.engine.prefetch, 0);
   EXPECT_EQ(c.engine.cpu_threads, 6u);
@@ -719,6 +719,7 @@ TEST(TrainConfig, InvalidConfigurationsNameTheFileAndKey) {
       {R"({"optimizer": {"clip_grad_norm": -1}})", "optimizer.clip_grad_norm"},
       {R"({"placement": {"params": "gpu"}})", "placement.params"},
       {R"({"device": {"type": "tpu"}})", "device.type"},
+      {R"({"placement": {"master": "device"}})", "placement.master"},
       {R"({"device": {"prefetch": -1}})", "device.prefetch"},
       {R"({"device": {"cpu_threads": -1}})", "device.cpu_threads"},
       {R"({"distributed": {"timeout_s": 0}})", "distributed.timeout_s"},

@@ -2,7 +2,7 @@
 //
 // Rendezvous: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (as torchrun and
 // `strata launch` set them); rank 0 hosts libtorch's c10d TCPStore. CPU tensors go through
-// libtorch's Gloo process group (NCCL for CUDA tensors comes with the CUDA device). A world of
+// libtorch's Gloo process group, CUDA tensors through its NCCL one (when created with_cuda). A world of
 // one needs no store and copies locally.
 //
 // Failure: every collective and the rendezvous have a timeout. A rank that dies makes the
@@ -50,8 +50,10 @@ class Communicator {
     virtual void wait() = 0;
   };
 
+  // `with_cuda`: also create an NCCL group for CUDA tensors (written, not yet run on a GPU).
   static std::unique_ptr<Communicator> create(const DistEnv& env,
-                                              std::chrono::milliseconds timeout);
+                                              std::chrono::milliseconds timeout,
+                                              bool with_cuda = false);
   virtual ~Communicator() = default;
   int rank() const { return rank_; }
   int world_size() const { return world_; }

@@ -2,7 +2,8 @@
 // which copies and host functions run asynchronously, ordered by events.
 //
 // Two implementations: the host device (compute on the CPU; the copy stream is a worker thread,
-// so ordering and overlap bugs show up on machines without a GPU) and, later, CUDA. Stream model,
+// so ordering and overlap bugs show up on machines without a GPU) and CUDA (cuda_device.cc:
+// compiled, not yet run on a GPU). Stream model,
 // the same on both: work enqueued on one stream runs in order; different streams run
 // concurrently; `wait(stream, event)` orders a stream after an event recorded on another. The
 // compute stream is the calling thread's: torch ops issued by the engine run on it (on the host
@@ -52,6 +53,11 @@ class Device {
  public:
   // The host device. `budget_bytes` bounds what the engine allocates through empty().
   static std::unique_ptr<Device> create_host(uint64_t budget_bytes);
+  // CUDA device `index` (builds with CUDA only; throws std::runtime_error if none is visible).
+  // Written but never run on a GPU yet.
+  static std::unique_ptr<Device> create_cuda(int index, uint64_t budget_bytes);
+  // From the configuration's device.type: "cpu" or "cuda" (LOCAL_RANK picks the GPU).
+  static std::unique_ptr<Device> create(const std::string& type, int local_rank, uint64_t budget_bytes);
 
   virtual ~Device() = default;
   virtual c10::Device torch_device() const = 0;

@@ -1,0 +1,186 @@
+// The CUDA device: cudaStream/cudaEvent streams, budgeted allocations from libtorch's caching
+// allocator, copies with cudaMemcpyAsync, host functions with cudaLaunchHostFunc.
+//
+// Status: compiled, never run on a GPU (no GPU machine in the session that wrote it).
+//
+// The compute stream is libtorch's current stream on this device at construction, so the torch
+// ops the engine issues run on it. The copy stream is a non-blocking stream of our own.
+// Tensors handed to copy_async are kept alive until an event recorded after the copy has
+// completed (retired on later calls), never released from a host function: freeing device
+// memory is a CUDA call, which host functions may not make.
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <deque>
+#include <exception>
+#include <mutex>
+
+#include "strata/engine/device.h"
+
+namespace strata::engine {
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("CUDA ") + what + ": " + cudaGetErrorString(e));
+}
+
+class CudaStream final : public Stream {
+ public:
+  CudaStream(cudaStream_t s, const char* name, bool owned) : s_(s), name_(name), owned_(owned) {}
+  ~CudaStream() override {
+    if (owned_) cudaStreamDestroy(s_);
+  }
+  const char* name() const override { return name_; }
+  cudaStream_t handle() const { return s_; }
+
+  // Errors of host functions, rethrown by synchronize().
+  std::mutex mu;
+  std::exception_ptr error;
+
+ private:
+  cudaStream_t s_;
+  const char* name_;
+  bool owned_;
+};
+
+class CudaEvent final : public Event {
+ public:
+  CudaEvent() { check(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "event create"); }
+  ~CudaEvent() override { cudaEventDestroy(e_); }
+  bool done() const override { return cudaEventQuery(e_) == cudaSuccess; }
+  cudaEvent_t handle() const { return e_; }
+
+ private:
+  cudaEvent_t e_;
+};
+
+struct HostCall {
+  std::function<void()> fn;
+  CudaStream* stream;
+};
+
+void CUDART_CB run_host_call(void* p) {
+  std::unique_ptr<HostCall> call(static_cast<HostCall*>(p));
+  try {
+    call->fn();
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(call->stream->mu);
+    if (!call->stream->error) call->stream->error = std::current_exception();
+  }
+}
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int index, uint64_t budget)
+      : Device(budget),
+        index_(index),
+        compute_(c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(index)).stream(), "compute", false),
+        copy_(make_stream(index), "copy", true) {}
+
+  ~CudaDevice() override {
+    cudaStreamSynchronize(copy_.handle());
+    cudaStreamSynchronize(compute_.handle());
+    std::lock_guard<std::mutex> lock(mu_);
+    in_flight_.clear();
+  }
+
+  c10::Device torch_device() const override { return c10::Device(c10::kCUDA, c10::DeviceIndex(index_)); }
+  std::string description() const override {
+    cudaDeviceProp p{};
+    cudaGetDeviceProperties(&p, index_);
+    return std::string("CUDA device ") + std::to_string(index_) + " (" + p.name + ")";
+  }
+  Stream& compute_stream() override { return compute_; }
+  Stream& copy_stream() override { return copy_; }
+
+  void copy_async(const at::Tensor& dst, const at::Tensor& src, Stream& stream) override {
+    TORCH_CHECK(dst.numel() == src.numel() && dst.scalar_type() == src.scalar_type() &&
+                    dst.is_contiguous() && src.is_contiguous(),
+                "copy_async: mismatched or non-contiguous tensors");
+    auto& s = cuda(stream);
+    check(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), size_t(src.nbytes()), cudaMemcpyDefault,
+                          s.handle()),
+          "copy");
+    auto ev = std::make_shared<CudaEvent>();
+    check(cudaEventRecord(ev->handle(), s.handle()), "event record");
+    std::lock_guard<std::mutex> lock(mu_);
+    in_flight_.push_back({ev, dst, src});
+    retire_locked();
+  }
+  void launch_host(Stream& stream, std::function<void()> fn) override {
+    auto& s = cuda(stream);
+    auto* call = new HostCall{std::move(fn), &s};
+    const cudaError_t e = cudaLaunchHostFunc(s.handle(), run_host_call, call);
+    if (e != cudaSuccess) {
+      delete call;
+      check(e, "launch host function");
+    }
+  }
+  std::shared_ptr<Event> record(Stream& stream) override {
+    auto ev = std::make_shared<CudaEvent>();
+    check(cudaEventRecord(ev->handle(), cuda(stream).handle()), "event record");
+    return ev;
+  }
+  void wait(Stream& stream, const std::shared_ptr<Event>& event) override {
+    check(cudaStreamWaitEvent(cuda(stream).handle(), static_cast<CudaEvent&>(*event).handle(), 0),
+          "stream wait");
+  }
+  void synchronize(Stream& stream) override {
+    auto& s = cuda(stream);
+    check(cudaStreamSynchronize(s.handle()), "stream synchronize");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      retire_locked();
+    }
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.error) {
+      auto e = s.error;
+      s.error = nullptr;
+      std::rethrow_exception(e);
+    }
+  }
+
+ protected:
+  void* raw_allocate(size_t bytes) override {
+    return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, compute_.handle());
+  }
+  void raw_free(void* p) override { c10::cuda::CUDACachingAllocator::raw_delete(p); }
+
+ private:
+  static cudaStream_t make_stream(int index) {
+    check(cudaSetDevice(index), "set device");
+    cudaStream_t s;
+    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream create");
+    return s;
+  }
+  CudaStream& cuda(Stream& s) { return static_cast<CudaStream&>(s); }
+  void retire_locked() {
+    while (!in_flight_.empty() && in_flight_.front().event->done()) in_flight_.pop_front();
+  }
+
+  struct InFlight {
+    std::shared_ptr<CudaEvent> event;
+    at::Tensor dst, src;
+  };
+  int index_;
+  CudaStream compute_;
+  CudaStream copy_;
+  std::mutex mu_;
+  std::deque<InFlight> in_flight_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> Device::create_cuda(int index, uint64_t budget_bytes) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
+    throw std::runtime_error("device.type \"cuda\": no CUDA device is visible");
+  if (index < 0 || index >= count)
+    throw std::runtime_error("CUDA device " + std::to_string(index) + " does not exist (" +
+                             std::to_string(count) + " visible)");
+  return std::make_unique<CudaDevice>(index, budget_bytes);
+}
+
+}  // namespace strata::engine
