@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "args.h"
+#include "strata/engine/checkpoint.h"
 #include "strata/engine/comm.h"
 #include "strata/engine/config.h"
 #include "strata/engine/device.h"
@@ -36,6 +37,9 @@ Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER
   --steps N          override run.steps
   --log PATH         override run.log (JSON lines, one per step; written by rank 0)
   --export DIR       override run.export (Hugging Face safetensors + config.json at the end)
+  --checkpoint-dir D override run.checkpoint_dir (save after the last step, and every
+                     run.save_every steps)
+  --resume           start from <checkpoint dir>/latest if there is one (at any world size)
   --no-progress      no progress line
 )";
 
@@ -54,13 +58,17 @@ int train_main(const std::vector<std::string>& argv) {
       std::cout << kTrainUsage;
       return 0;
     }
-  Args args(argv, {"config", "steps", "log", "export"}, {"no-progress"});
+  Args args(argv, {"config", "steps", "log", "export", "checkpoint-dir"}, {"no-progress", "resume"});
   engine::TrainConfig tc = args.has("config") ? engine::load_train_config(args.get("config", ""))
                                                 : engine::parse_train_config("{}", "(defaults)");
   if (args.has("steps")) tc.steps = args.count("steps", 0);
   if (args.has("log")) tc.log_path = args.get("log", "");
   if (args.has("export")) tc.export_dir = args.get("export", "");
   if (args.has("no-progress")) tc.progress = false;
+  if (args.has("checkpoint-dir")) tc.checkpoint_dir = args.get("checkpoint-dir", "");
+  if (args.has("resume")) tc.resume = true;
+  if (tc.resume && tc.checkpoint_dir.empty())
+    throw std::invalid_argument("--resume needs a checkpoint directory (--checkpoint-dir or run.checkpoint_dir)");
   const engine::EngineConfig& ec = tc.engine;
 
   const engine::DistEnv env = engine::DistEnv::from_env();
@@ -83,9 +91,32 @@ int train_main(const std::vector<std::string>& argv) {
   engine::Engine eng(std::move(model), ec, *comm, *device);
   const engine::MemoryReport m0 = eng.memory();
 
+  int64_t first_step = 0;
+  std::string resumed_from;
+  if (tc.resume) {
+    if (auto latest = engine::latest_checkpoint(tc.checkpoint_dir)) {
+      const engine::CheckpointMeta meta = engine::load_checkpoint(eng, *comm, *latest);
+      loader.set_position(meta.samples_consumed);
+      first_step = meta.train_steps;
+      resumed_from = latest->string();
+    }
+  }
+  auto save = [&](int64_t steps_done) {
+    char name[32];
+    snprintf(name, sizeof name, "step-%08lld", (long long)steps_done);
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto dir = engine::save_checkpoint(eng, *comm, tc.checkpoint_dir, name,
+                                             {steps_done, loader.position()});
+    if (lead)
+      std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\n" : "") << "strata train: saved "
+                << dir.string() << " in "
+                << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
+                << " s\n";
+  };
+
   std::ofstream log;
   if (lead && !tc.log_path.empty()) {
-    log.open(tc.log_path, std::ios::trunc);
+    log.open(tc.log_path, first_step > 0 ? std::ios::app : std::ios::trunc);
     if (!log) throw std::runtime_error("cannot write the log " + tc.log_path);
     nlohmann::json start = {
         {"event", "start"},
@@ -101,7 +132,9 @@ int train_main(const std::vector<std::string>& argv) {
           {"master", to_string(ec.master)}, {"moments", to_string(ec.moments)}}},
         {"device", device->description()},
         {"device_budget", ec.device_budget},
-        {"data", corpus->description()}};
+        {"data", corpus->description()},
+        {"resumed_from", resumed_from},
+        {"first_step", first_step + 1}};
     log << start.dump() << "\n" << std::flush;
   }
   if (lead) {
@@ -115,17 +148,22 @@ int train_main(const std::vector<std::string>& argv) {
               << ", " << format_bytes(m0.device_used) << " of state on it; host state "
               << format_bytes(m0.host_state) << " per rank\n  data: " << corpus->description()
               << "\n";
+    if (!resumed_from.empty())
+      std::cerr << "  resumed from " << resumed_from << " after step " << first_step << "\n";
   }
 
   const bool tty = isatty(STDERR_FILENO);
   at::Tensor ids = at::empty({int64_t(loader.local_batch()), ec.seq_len + 1}, at::kLong);
   double tokens_total = 0, seconds_total = 0;
-  for (int64_t s = 0; s < tc.steps; ++s) {
+  for (int64_t s = first_step; s < tc.steps; ++s) {
     loader.next(ids.data_ptr<int64_t>());
     const engine::StepResult r = eng.train_step(ids);
     const engine::MemoryReport mem = eng.memory();
     tokens_total += double(r.tokens);
     seconds_total += r.seconds;
+    const bool save_now = !tc.checkpoint_dir.empty() &&
+                          (s + 1 == tc.steps || (tc.save_every > 0 && (s + 1) % tc.save_every == 0));
+    if (save_now) save(s + 1);
     if (!lead) continue;
     if (log.is_open()) {
       nlohmann::json j = {{"step", s + 1},
@@ -159,8 +197,8 @@ int train_main(const std::vector<std::string>& argv) {
     }
   }
   if (lead && tc.progress && tty) std::cerr << "\n";
-  if (lead && tc.steps > 0)
-    std::cerr << "strata train: " << tc.steps << " steps, "
+  if (lead && tc.steps > first_step)
+    std::cerr << "strata train: " << tc.steps - first_step << " steps, "
               << (seconds_total > 0 ? tokens_total / seconds_total : 0) << " tokens/s\n";
 
   if (!tc.export_dir.empty()) {

@@ -262,8 +262,14 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("log", c.log_path);
     s.read("progress", c.progress);
     s.read("export", c.export_dir);
+    s.read("checkpoint_dir", c.checkpoint_dir);
+    s.read("save_every", c.save_every);
+    s.read("resume", c.resume);
   }
   if (c.steps < 0) throw std::invalid_argument(source + ": run.steps must be >= 0");
+  if (c.save_every < 0) throw std::invalid_argument(source + ": run.save_every must be >= 0");
+  if (c.resume && c.checkpoint_dir.empty())
+    throw std::invalid_argument(source + ": run.resume needs run.checkpoint_dir");
   if (e.seq_len > c.model.max_positions && c.model.arch == models::Arch::kGpt2)
     throw std::invalid_argument(source + ": data.seq_len " + std::to_string(e.seq_len) +
                                 " exceeds model.max_positions " +

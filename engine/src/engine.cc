@@ -538,6 +538,30 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
   return out;
 }
 
+Engine::Counters Engine::counters() const {
+  return {impl_->step, impl_->loss_scale, impl_->good_steps};
+}
+
+void Engine::set_counters(const Counters& c) {
+  impl_->step = c.step;
+  impl_->loss_scale = c.loss_scale;
+  impl_->good_steps = c.good_steps;
+}
+
+at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
+  UnitState& u = impl_->units.at(unit);
+  switch (kind) {
+    case StateKind::kMaster: return u.master;
+    case StateKind::kExpAvg: return u.exp_avg;
+    case StateKind::kExpAvgSq: return u.exp_avg_sq;
+  }
+  throw std::invalid_argument("unknown state kind");
+}
+
+void Engine::refresh_compute_copies() {
+  for (UnitState& u : impl_->units) u.compute.copy_(u.master);
+}
+
 const Partition& Engine::partition() const { return *impl_->partition; }
 const models::ModelConfig& Engine::model_config() const { return impl_->model->config(); }
 double Engine::flops_per_token() const { return impl_->flops_per_token(); }

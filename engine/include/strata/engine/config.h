@@ -52,6 +52,9 @@ struct TrainConfig {
   std::string log_path = "strata-train.jsonl";
   bool progress = true;
   std::string export_dir;  // Hugging Face safetensors + config.json after the last step
+  std::string checkpoint_dir;  // root of the checkpoints (checkpoint.h); empty: none
+  int64_t save_every = 0;      // save every N steps (and after the last); 0: only after the last
+  bool resume = false;         // start from <checkpoint_dir>/latest when there is one
   EngineConfig engine;
 };
 

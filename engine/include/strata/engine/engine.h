@@ -78,6 +78,24 @@ class Engine {
   // (a collective). Holds one full copy of the model in host memory.
   std::vector<std::pair<std::string, at::Tensor>> gather_parameters();
 
+  // --- checkpoint access (checkpoint.h) ---
+  // The persistent per-rank state besides the slices: optimizer steps taken, fp16 loss scale and
+  // its count of good steps.
+  struct Counters {
+    int64_t step = 0;
+    double loss_scale = 1.0;
+    int64_t good_steps = 0;
+  };
+  Counters counters() const;
+  void set_counters(const Counters& c);
+  enum class StateKind { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2 };
+  static constexpr int kStateKinds = 3;
+  // This rank's fp32 slice (shard_numel elements) of one unit's state, where it is placed. Writing
+  // into it (a checkpoint load) must be followed by refresh_compute_copies().
+  at::Tensor state_slice(size_t unit, StateKind kind);
+  // compute copy = master rounded to the compute dtype, exactly what the optimizer writes.
+  void refresh_compute_copies();
+
   const Partition& partition() const;
   const models::ModelConfig& model_config() const;
   MemoryReport memory() const;

@@ -1,0 +1,48 @@
+// Checkpoints: every rank writes its own slices through the I/O engine; one manifest, written
+// last and atomically, commits the checkpoint; a checkpoint loads at any world size.
+//
+// Layout under a root directory:
+//   <root>/latest                          name of the newest committed checkpoint
+//   <root>/<name>/rank-RRRRR.data          rank R's fp32 master, exp_avg, exp_avg_sq slices
+//                                          (real elements only), chunks of <= 4 MiB at 4 KiB
+//                                          aligned offsets
+//   <root>/<name>/rank-RRRRR.index.json    rank R's chunks with their CRC32C
+//   <root>/<name>/manifest.json            written last: format, model partition, every chunk
+//                                          of every rank with its CRC32C, counters, data position
+// The commit protocol is written at the top of checkpoint.cc and in docs/FORMATS.md.
+//
+// Errors: std::runtime_error naming the checkpoint, the file and the chunk (missing manifest,
+// missing or short file, CRC mismatch, a model that does not match); IoError from the disk
+// (ENOSPC names the file). A failed save leaves earlier checkpoints and `latest` untouched.
+// Thread safety: collectives; every rank calls save/load in the same order.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "strata/engine/comm.h"
+#include "strata/engine/engine.h"
+
+namespace strata::engine {
+
+struct CheckpointMeta {
+  int64_t train_steps = 0;          // steps of the training loop done (skipped ones included)
+  uint64_t samples_consumed = 0;    // global data position (BatchLoader::position())
+};
+
+// Collective: saves `engine`'s state as <root>/<name> and points <root>/latest at it.
+// Returns the checkpoint's directory.
+std::filesystem::path save_checkpoint(Engine& engine, Communicator& comm,
+                                      const std::filesystem::path& root, const std::string& name,
+                                      const CheckpointMeta& meta);
+
+// Collective: loads a committed checkpoint directory (any world size) into `engine`.
+CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm,
+                               const std::filesystem::path& checkpoint_dir);
+
+// The checkpoint <root>/latest names, if there is one with a manifest.
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
+
+}  // namespace strata::engine

@@ -1,0 +1,315 @@
+// Commit protocol (docs/FORMATS.md, "Checkpoints"):
+//  1. Each rank creates <root>/<name>/ itself (mkdir -p: it depends on no directory another
+//     rank made), writes rank-R.data with the I/O engine, and fsyncs it.
+//  2. Each rank writes rank-R.index.json atomically (temporary file, fsync, rename, fsync of
+//     the directory).
+//  3. The index entries travel to rank 0 over the communicator (an all-gather, which is also the
+//     barrier): no rank reads a file another rank wrote.
+//  4. Rank 0 writes manifest.json atomically. This is the commit point: a directory without a
+//     manifest is never loaded, whatever else it holds.
+//  5. Rank 0 replaces <root>/latest atomically; then every rank passes a barrier.
+// A crash before 4 leaves an uncommitted directory that load refuses and `latest` still names
+// the previous checkpoint; a crash between 4 and 5 leaves a committed checkpoint that `latest`
+// does not name yet.
+#include "strata/engine/checkpoint.h"
+
+#include <ATen/ops/empty.h>
+#include <fcntl.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "strata/offload/crc32c.h"
+#include "strata/offload/file.h"
+#include "strata/offload/io_engine.h"
+
+namespace strata::engine {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr int kFormatVersion = 1;
+constexpr uint64_t kChunkElements = 1ull << 20;  // 4 MiB of fp32
+constexpr uint64_t kAlign = 4096;
+const char* kKindNames[] = {"master", "exp_avg", "exp_avg_sq"};
+
+std::string rank_name(int r) {
+  char b[32];
+  snprintf(b, sizeof b, "rank-%05d", r);
+  return b;
+}
+
+[[noreturn]] void fail_errno(const std::string& what, const fs::path& p) {
+  throw std::runtime_error(what + " " + p.string() + ": " + std::strerror(errno));
+}
+
+void fsync_dir(const fs::path& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) fail_errno("cannot open directory", dir);
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    fail_errno("cannot fsync directory", dir);
+  }
+  ::close(fd);
+}
+
+// Temporary file, fsync, rename, fsync of the directory.
+void write_atomically(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) fail_errno("cannot create", tmp);
+  size_t done = 0;
+  while (done < text.size()) {
+    ssize_t w = ::write(fd, text.data() + done, text.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      const int e = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      errno = e;
+      fail_errno("cannot write", tmp);
+    }
+    done += size_t(w);
+  }
+  if (::fsync(fd) != 0) {
+    const int e = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    errno = e;
+    fail_errno("cannot fsync", tmp);
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail_errno("cannot rename to", path);
+  fsync_dir(path.parent_path());
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  if (!in) throw std::runtime_error("cannot read " + p.string());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+json partition_json(const Partition& part) {
+  json units = json::array();
+  for (const UnitLayout& u : part.units()) {
+    json ts = json::array();
+    for (const TensorSlot& t : u.tensors) ts.push_back({{"name", t.name}, {"shape", t.shape}});
+    units.push_back({{"name", u.name}, {"numel", u.numel}, {"tensors", ts}});
+  }
+  return units;
+}
+
+// Every rank's string, in rank order, through the communicator (also a barrier).
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
+  at::Tensor len = at::empty({1}, at::kLong);
+  len[0] = int64_t(mine.size());
+  at::Tensor lens = at::empty({comm.world_size()}, at::kLong);
+  comm.all_gather(lens, len)->wait();
+  int64_t max_len = 1;
+  for (int r = 0; r < comm.world_size(); ++r) max_len = std::max(max_len, lens[r].item<int64_t>());
+  at::Tensor buf = at::zeros({max_len}, at::kInt);
+  for (size_t i = 0; i < mine.size(); ++i) buf.data_ptr<int32_t>()[i] = static_cast<unsigned char>(mine[i]);
+  at::Tensor all = at::empty({comm.world_size() * max_len}, at::kInt);
+  comm.all_gather(all, buf)->wait();
+  std::vector<std::string> out;
+  for (int r = 0; r < comm.world_size(); ++r) {
+    std::string s(size_t(lens[r].item<int64_t>()), '\0');
+    const int32_t* p = all.data_ptr<int32_t>() + r * max_len;
+    for (size_t i = 0; i < s.size(); ++i) s[i] = char(p[i]);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace
+
+fs::path save_checkpoint(Engine& engine, Communicator& comm, const fs::path& root,
+                         const std::string& name, const CheckpointMeta& meta) {
+  const fs::path dir = root / name;
+  fs::create_directories(dir);
+  const int rank = comm.rank();
+  const Partition& part = engine.partition();
+  const fs::path data_path = dir / (rank_name(rank) + ".data");
+
+  // 1. This rank's slices, chunked, through the I/O engine.
+  auto io = offload::IoEngine::create();
+  offload::File file = offload::File::open(data_path, offload::OpenMode::kTruncate);
+  json chunks = json::array();
+  std::vector<at::Tensor> keep;  // host copies of device-placed slices
+  std::vector<offload::IoFuture> writes;
+  uint64_t offset = 0;
+  for (size_t u = 0; u < part.num_units(); ++u) {
+    const UnitLayout& L = part.unit(u);
+    const uint64_t valid = L.shard_valid_numel(rank);
+    for (int k = 0; k < Engine::kStateKinds; ++k) {
+      at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
+      if (!slice.is_cpu()) keep.push_back(slice = slice.cpu());
+      const auto* base = reinterpret_cast<const std::byte*>(slice.data_ptr<float>());
+      for (uint64_t e = 0; e < valid; e += kChunkElements) {
+        const uint64_t n = std::min(kChunkElements, valid - e);
+        std::span<const std::byte> bytes(base + e * 4, n * 4);
+        chunks.push_back({{"unit", u}, {"kind", kKindNames[k]}, {"rank", rank},
+                          {"begin", L.shard_begin(rank) + e}, {"numel", n},
+                          {"file", data_path.filename().string()}, {"offset", offset},
+                          {"crc32c", offload::crc32c(bytes.data(), bytes.size())}});
+        writes.push_back(io->write(file, offset, bytes));
+        offset += (n * 4 + kAlign - 1) / kAlign * kAlign;
+      }
+    }
+  }
+  for (auto& w : writes) w.get();
+  file.sync();
+  file = offload::File();  // closed
+
+  // 2. The per-rank index.
+  const json index = {{"format", kFormatVersion}, {"rank", rank}, {"chunks", chunks}};
+  write_atomically(dir / (rank_name(rank) + ".index.json"), index.dump(1));
+
+  // 3. Every rank's index to rank 0, over the communicator.
+  const std::vector<std::string> indexes = all_gather_strings(comm, index.dump());
+
+  // 4-5. The manifest (commit point), then `latest`.
+  if (rank == 0) {
+    json all_chunks = json::array();
+    for (const std::string& s : indexes) {
+      const json index_of_rank = json::parse(s);
+      for (const json& c : index_of_rank["chunks"]) all_chunks.push_back(c);
+    }
+    const Engine::Counters c = engine.counters();
+    const models::ModelConfig& mc = engine.model_config();
+    json manifest = {{"format", kFormatVersion},
+                     {"kind", "strata-checkpoint"},
+                     {"world_size", comm.world_size()},
+                     {"model", json::parse(mc.to_hf_json("float32"))},
+                     {"units", partition_json(part)},
+                     {"state_kinds", {kKindNames[0], kKindNames[1], kKindNames[2]}},
+                     {"counters", {{"optimizer_step", c.step}, {"loss_scale", c.loss_scale},
+                                   {"good_steps", c.good_steps}}},
+                     {"train_steps", meta.train_steps},
+                     {"samples_consumed", meta.samples_consumed},
+                     {"chunks", all_chunks}};
+    write_atomically(dir / "manifest.json", manifest.dump(1));
+    write_atomically(root / "latest", name + "\n");
+  }
+  comm.barrier();
+  return dir;
+}
+
+std::optional<fs::path> latest_checkpoint(const fs::path& root) {
+  std::ifstream in(root / "latest");
+  if (!in) return std::nullopt;
+  std::string name;
+  std::getline(in, name);
+  if (name.empty() || !fs::exists(root / name / "manifest.json")) return std::nullopt;
+  return root / name;
+}
+
+CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::path& dir) {
+  const fs::path manifest_path = dir / "manifest.json";
+  if (!fs::exists(manifest_path))
+    throw std::runtime_error("checkpoint " + dir.string() +
+                             " has no manifest.json: it was never committed (or is not a checkpoint)");
+  json m;
+  try {
+    m = json::parse(read_text(manifest_path));
+  } catch (const json::exception& e) {
+    throw std::runtime_error("checkpoint " + manifest_path.string() + " is not valid JSON: " + e.what());
+  }
+  if (m.value("format", 0) != kFormatVersion)
+    throw std::runtime_error("checkpoint " + dir.string() + ": unsupported format " +
+                             m.value("format", json(nullptr)).dump());
+  const Partition& part = engine.partition();
+  const json units = partition_json(part);
+  if (m["units"] != units) {
+    std::string why = "different number of units";
+    if (m["units"].size() == units.size())
+      for (size_t u = 0; u < units.size(); ++u)
+        if (m["units"][u] != units[u]) {
+          why = "unit " + units[u]["name"].get<std::string>() + " differs";
+          break;
+        }
+    throw std::runtime_error("checkpoint " + dir.string() + " holds a different model (" + why + ")");
+  }
+
+  // The element range of each (unit, kind) this rank needs, and the chunks that overlap it.
+  const int rank = comm.rank();
+  auto io = offload::IoEngine::create();
+  std::map<std::string, offload::File> files;
+  struct Read {
+    const json* chunk;
+    at::Tensor buf;
+    offload::IoFuture done;
+  };
+  std::vector<Read> reads;
+  std::vector<uint64_t> covered(part.num_units() * Engine::kStateKinds, 0);
+  for (const json& c : m["chunks"]) {
+    const size_t u = c["unit"].get<size_t>();
+    const UnitLayout& L = part.unit(u);
+    const uint64_t want_b = L.shard_begin(rank), want_e = want_b + L.shard_valid_numel(rank);
+    const uint64_t b = c["begin"].get<uint64_t>(), e = b + c["numel"].get<uint64_t>();
+    if (e <= want_b || b >= want_e) continue;
+    const std::string fname = c["file"].get<std::string>();
+    auto it = files.find(fname);
+    if (it == files.end()) {
+      const fs::path p = dir / fname;
+      if (!fs::exists(p))
+        throw std::runtime_error("checkpoint " + dir.string() + ": data file " + fname + " is missing");
+      it = files.emplace(fname, offload::File::open(p, offload::OpenMode::kRead)).first;
+    }
+    at::Tensor buf = at::empty({int64_t(e - b)}, at::kFloat);
+    auto span = std::span<std::byte>(reinterpret_cast<std::byte*>(buf.data_ptr<float>()), (e - b) * 4);
+    reads.push_back({&c, buf, io->read(it->second, c["offset"].get<uint64_t>(), span)});
+  }
+  for (Read& r : reads) {
+    const json& c = *r.chunk;
+    const std::string where = c["file"].get<std::string>() + " at offset " +
+                              std::to_string(c["offset"].get<uint64_t>()) + " (unit " +
+                              part.unit(c["unit"].get<size_t>()).name + ", " +
+                              c["kind"].get<std::string>() + ", elements " +
+                              std::to_string(c["begin"].get<uint64_t>()) + "+" +
+                              std::to_string(c["numel"].get<uint64_t>()) + ")";
+    const offload::IoStatus st = r.done.wait();
+    if (!st.ok())
+      throw std::runtime_error("checkpoint " + dir.string() + ": cannot read chunk " + where + ": " +
+                               st.message());
+    if (offload::crc32c(r.buf.data_ptr<float>(), size_t(r.buf.numel()) * 4) != c["crc32c"].get<uint32_t>())
+      throw std::runtime_error("checkpoint " + dir.string() + ": chunk " + where +
+                               " is corrupt (CRC32C mismatch)");
+    const size_t u = c["unit"].get<size_t>();
+    int k = 0;
+    while (k < Engine::kStateKinds && c["kind"] != kKindNames[k]) ++k;
+    if (k == Engine::kStateKinds)
+      throw std::runtime_error("checkpoint " + dir.string() + ": unknown state kind in chunk " + where);
+    const UnitLayout& L = part.unit(u);
+    const uint64_t want_b = L.shard_begin(rank), want_e = want_b + L.shard_valid_numel(rank);
+    const uint64_t b = c["begin"].get<uint64_t>(), e = b + c["numel"].get<uint64_t>();
+    const uint64_t lo = std::max(b, want_b), hi = std::min(e, want_e);
+    at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
+    slice.narrow(0, int64_t(lo - want_b), int64_t(hi - lo)).copy_(r.buf.narrow(0, int64_t(lo - b), int64_t(hi - lo)));
+    covered[u * Engine::kStateKinds + size_t(k)] += hi - lo;
+  }
+  for (size_t u = 0; u < part.num_units(); ++u)
+    for (int k = 0; k < Engine::kStateKinds; ++k)
+      if (covered[u * Engine::kStateKinds + size_t(k)] != part.unit(u).shard_valid_numel(rank))
+        throw std::runtime_error("checkpoint " + dir.string() + ": the manifest's chunks do not cover " +
+                                 kKindNames[k] + " of unit " + part.unit(u).name + " for rank " +
+                                 std::to_string(rank) + " (" +
+                                 std::to_string(covered[u * Engine::kStateKinds + size_t(k)]) + " of " +
+                                 std::to_string(part.unit(u).shard_valid_numel(rank)) + " elements)");
+  engine.refresh_compute_copies();
+  const json& c = m["counters"];
+  engine.set_counters({c["optimizer_step"].get<int64_t>(), c["loss_scale"].get<double>(),
+                       c["good_steps"].get<int64_t>()});
+  comm.barrier();
+  return {m["train_steps"].get<int64_t>(), m["samples_consumed"].get<uint64_t>()};
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,264 @@
+// Checkpoints: exact resume at the same world size, resharded resume (2 -> 4 and 4 -> 2 ranks)
+// against the uninterrupted run, and detection of corrupt, missing or uncommitted data.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "strata/engine/checkpoint.h"
+#include "strata/engine/comm.h"
+#include "strata/engine/config.h"
+#include "strata/engine/device.h"
+#include "strata/engine/engine.h"
+#include "strata/models/hf_io.h"
+#include "strata/models/token_data.h"
+#include "strata/offload/crc32c.h"
+#include "test_util.h"
+
+namespace se = strata::engine;
+namespace sm = strata::models;
+using nlohmann::json;
+using strata::test::TempDir;
+
+namespace {
+
+json tiny_llama(int64_t steps) {
+  return {{"model", {{"preset", "llama-1b"}, {"layers", 3}, {"hidden", 64}, {"heads", 4},
+                     {"kv_heads", 2}, {"intermediate", 96}, {"vocab_size", 256},
+                     {"tie_embeddings", false}, {"seed", 11}}},
+          {"data", {{"seq_len", 24}, {"seed", 5}}},
+          {"batch", {{"micro_batch", 2}, {"grad_accum", 2}}},
+          {"optimizer", {{"lr", 3e-3}, {"weight_decay", 0.05}, {"clip_grad_norm", 1.0}}},
+          {"run", {{"steps", steps}, {"progress", false}}}};
+}
+
+TEST(Crc32c, KnownValueAndIncremental) {
+  const std::string s = "123456789";
+  EXPECT_EQ(strata::offload::crc32c(s.data(), s.size()), 0xE3069283u);
+  std::vector<unsigned char> big(100003);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = (unsigned char)(i * 2654435761u >> 13);
+  const uint32_t whole = strata::offload::crc32c(big.data(), big.size());
+  uint32_t parts = strata::offload::crc32c(big.data(), 77);
+  parts = strata::offload::crc32c(big.data() + 77, big.size() - 77, parts);
+  EXPECT_EQ(whole, parts);
+  big[5000] ^= 1;
+  EXPECT_NE(strata::offload::crc32c(big.data(), big.size()), whole);
+}
+
+struct Losses {
+  std::vector<double> losses;
+  std::vector<std::pair<std::string, at::Tensor>> params;
+};
+
+// One in-process rank: optionally loads `load_from`, trains steps [from, to), optionally saves.
+class Trainer {
+ public:
+  explicit Trainer(const se::TrainConfig& tc)
+      : tc_(tc),
+        comm_(se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30))),
+        dev_(se::Device::create_host(UINT64_MAX)),
+        corpus_(std::make_shared<sm::TokenCorpus>(tc.data_path, sm::parse_token_format(tc.data_format),
+                                                  uint64_t(tc.model.vocab_size))),
+        loader_(corpus_, uint64_t(tc.engine.seq_len),
+                uint64_t(tc.engine.micro_batch * tc.engine.grad_accum), 0, 1, tc.data_seed),
+        eng_(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm_, *dev_) {}
+
+  void train(int64_t steps, Losses& run) {
+    at::Tensor ids = at::empty({tc_.engine.micro_batch * tc_.engine.grad_accum, tc_.engine.seq_len + 1}, at::kLong);
+    for (int64_t s = 0; s < steps; ++s) {
+      loader_.next(ids.data_ptr<int64_t>());
+      run.losses.push_back(eng_.train_step(ids).loss);
+      ++done_;
+    }
+  }
+  void save(const std::filesystem::path& root, const std::string& name) {
+    se::save_checkpoint(eng_, *comm_, root, name, {done_, loader_.position()});
+  }
+  void load(const std::filesystem::path& dir) {
+    const se::CheckpointMeta m = se::load_checkpoint(eng_, *comm_, dir);
+    loader_.set_position(m.samples_consumed);
+    done_ = m.train_steps;
+  }
+  std::vector<std::pair<std::string, at::Tensor>> params() { return eng_.gather_parameters(); }
+  se::Engine& engine() { return eng_; }
+
+ private:
+  se::TrainConfig tc_;
+  std::unique_ptr<se::Communicator> comm_;
+  std::unique_ptr<se::Device> dev_;
+  std::shared_ptr<sm::TokenCorpus> corpus_;
+  sm::BatchLoader loader_;
+  se::Engine eng_;
+  int64_t done_ = 0;
+};
+
+void expect_bitwise(const std::vector<std::pair<std::string, at::Tensor>>& a,
+                    const std::vector<std::pair<std::string, at::Tensor>>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  }
+}
+
+void exact_resume(const json& cfg) {
+  TempDir dir;
+  const se::TrainConfig tc = se::parse_train_config(cfg.dump(), "test");
+  Losses straight, resumed;
+  Trainer a(tc);
+  a.train(10, straight);
+  a.save(dir.path(), "step-10");
+  const se::Engine::Counters saved = a.engine().counters();
+  a.train(10, straight);
+
+  Trainer b(tc);  // fresh weights from the same seed, then the checkpoint
+  auto latest = se::latest_checkpoint(dir.path());
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->filename(), "step-10");
+  b.load(*latest);
+  EXPECT_EQ(b.engine().counters().step, saved.step);
+  EXPECT_EQ(b.engine().counters().loss_scale, saved.loss_scale);
+  EXPECT_EQ(b.engine().counters().good_steps, saved.good_steps);
+  b.train(10, resumed);
+  for (size_t i = 0; i < 10; ++i)
+    EXPECT_EQ(resumed.losses[i], straight.losses[10 + i]) << "step " << 11 + i;  // bitwise
+  expect_bitwise(b.params(), a.params());
+}
+
+TEST(Checkpoint, ResumeIsBitwiseExactFp32) { exact_resume(tiny_llama(20)); }
+
+TEST(Checkpoint, ResumeIsBitwiseExactFp16WithLossScale) {
+  json j = tiny_llama(20);
+  j["precision"] = {{"compute", "fp16"}, {"initial_loss_scale", 1 << 20}, {"loss_scale_window", 3}};
+  exact_resume(j);
+}
+
+TEST(Checkpoint, CorruptMissingAndUncommittedAreClearErrors) {
+  TempDir dir;
+  const se::TrainConfig tc = se::parse_train_config(tiny_llama(2).dump(), "test");
+  Losses r;
+  Trainer a(tc);
+  a.train(2, r);
+  a.save(dir.path(), "c1");
+  const auto ck = dir.path() / "c1";
+  const auto data = ck / "rank-00000.data";
+  auto message = [&](const std::filesystem::path& d) {
+    Trainer b(tc);
+    try {
+      b.load(d);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("loaded");
+  };
+  ASSERT_EQ(message(ck), "loaded");
+
+  // A flipped byte anywhere in the data is detected, naming the file and chunk.
+  const json manifest = json::parse(std::ifstream(ck / "manifest.json"));
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 5; ++trial) {
+    const json& c = manifest["chunks"][rng() % manifest["chunks"].size()];
+    const uint64_t at = c["offset"].get<uint64_t>() + rng() % (c["numel"].get<uint64_t>() * 4);
+    std::fstream f(data, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(int64_t(at));
+    char byte;
+    f.read(&byte, 1);
+    byte ^= char(1 << (rng() % 8));
+    f.seekp(int64_t(at));
+    f.write(&byte, 1);
+    f.close();
+    const std::string m = message(ck);
+    EXPECT_NE(m.find("corrupt"), std::string::npos) << m;
+    EXPECT_NE(m.find("rank-00000.data at offset " + std::to_string(c["offset"].get<uint64_t>())), std::string::npos) << m;
+    a.save(dir.path(), "c1");  // the same state again: a good copy for the next trial
+  }
+
+  std::filesystem::rename(data, ck / "moved.data");
+  EXPECT_NE(message(ck).find("rank-00000.data is missing"), std::string::npos) << message(ck);
+  std::filesystem::rename(ck / "moved.data", data);
+
+  std::filesystem::rename(ck / "manifest.json", ck / "manifest.json.bak");
+  EXPECT_NE(message(ck).find("never committed"), std::string::npos);
+  EXPECT_FALSE(se::latest_checkpoint(dir.path()).has_value()) << "latest names an uncommitted checkpoint";
+  std::filesystem::rename(ck / "manifest.json.bak", ck / "manifest.json");
+
+  json other = tiny_llama(2);
+  other["model"]["layers"] = 2;
+  Trainer c(se::parse_train_config(other.dump(), "test"));
+  try {
+    c.load(ck);
+    FAIL() << "loaded a checkpoint of another model";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("different model"), std::string::npos) << e.what();
+  }
+}
+
+// --- resharding through the command line -----------------------------------------------------
+
+std::string read_file(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void launch(int ranks, const json& cfg, const TempDir& dir, const std::string& tag, const std::string& extra) {
+  const auto cfg_path = dir / (tag + ".json");
+  std::ofstream(cfg_path) << cfg.dump(2);
+  const std::string cmd = std::string(STRATA_BIN) + " launch -n " + std::to_string(ranks) + " -- " +
+                          STRATA_BIN + " train --config " + cfg_path.string() + " " + extra + " > " +
+                          (dir / (tag + ".out")).string() + " 2>&1";
+  const int st = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << read_file(dir / (tag + ".out"));
+}
+
+std::vector<double> losses(const std::filesystem::path& log) {
+  std::vector<double> out;
+  std::istringstream lines(read_file(log));
+  std::string line;
+  while (std::getline(lines, line)) {
+    json j = json::parse(line);
+    if (!j.contains("event")) out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+void reshard(int before, int after) {
+  TempDir dir;
+  const int64_t global = 8;
+  auto cfg_for = [&](int ranks, int64_t steps) {
+    json j = tiny_llama(steps);
+    j["batch"]["micro_batch"] = global / 2 / ranks;
+    return j;
+  };
+  const auto ck = dir / "ckpt";
+  launch(before, cfg_for(before, 20), dir, "straight",
+         "--log " + (dir / "straight.jsonl").string() + " --export " + (dir / "straight").string());
+  launch(before, cfg_for(before, 10), dir, "first",
+         "--log " + (dir / "resumed.jsonl").string() + " --checkpoint-dir " + ck.string());
+  launch(after, cfg_for(after, 20), dir, "second",
+         "--log " + (dir / "resumed.jsonl").string() + " --checkpoint-dir " + ck.string() +
+             " --resume --export " + (dir / "resumed").string());
+  EXPECT_NE(read_file(dir / "second.out").find("resumed from"), std::string::npos);
+  const std::vector<double> want = losses(dir / "straight.jsonl"), got = losses(dir / "resumed.jsonl");
+  ASSERT_EQ(want.size(), 20u);
+  ASSERT_EQ(got.size(), 20u);
+  for (size_t i = 0; i < 20; ++i)  // only the order of the gradient reduction differs
+    EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << "step " << i + 1;
+  auto a = sm::load_hf_model(dir / "straight"), b = sm::load_hf_model(dir / "resumed");
+  auto pa = a->hf_parameters(), pb = b->hf_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    const double rel = (pb[i].second - pa[i].second).norm().item<double>() / pa[i].second.norm().item<double>();
+    EXPECT_LE(rel, 1e-5) << pa[i].first;
+  }
+}
+
+TEST(Checkpoint, ResumeAtMoreRanks2To4) { reshard(2, 4); }
+TEST(Checkpoint, ResumeAtFewerRanks4To2) { reshard(4, 2); }
+
+}  // namespace
