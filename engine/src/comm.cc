@@ -61,8 +61,14 @@ class GlooComm final : public Communicator {
       opts.timeout = timeout;
       store_ = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
       auto pg_opts = c10d::ProcessGroupGloo::Options::create(timeout);
+      // Single node (loopback master): loopback. Otherwise this host's own address, as
+      // torch.distributed does (GLOO_SOCKET_IFNAME picks the interface).
+      const bool loopback = env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0;
       pg_opts->devices.push_back(
-          c10d::ProcessGroupGloo::createDeviceForHostname(local_hostname(env)));
+          loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+          : std::getenv("GLOO_SOCKET_IFNAME")
+              ? c10d::ProcessGroupGloo::createDeviceForInterface(std::getenv("GLOO_SOCKET_IFNAME"))
+              : c10d::ProcessGroupGloo::createDefaultDevice());
       pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(
           c10::make_intrusive<c10d::PrefixStore>("gloo", store_), env.rank, env.world_size, pg_opts);
       if (with_cuda) {
@@ -133,11 +139,6 @@ class GlooComm final : public Communicator {
   static std::string first_line(const std::string& s) {
     auto n = s.find('\n');
     return n == std::string::npos ? s : s.substr(0, n);
-  }
-  static std::string local_hostname(const DistEnv& env) {
-    // Single node: the loopback address reaches every rank; otherwise bind where the master is
-    // reachable from.
-    return env.master_addr == "localhost" ? "127.0.0.1" : env.master_addr;
   }
   template <typename F>
   std::unique_ptr<Work> guarded(const char* op, F&& issue) {

@@ -87,6 +87,8 @@ struct Engine::Impl {
   std::map<size_t, Gathered> live;
   std::vector<Use> uses;  // one micro-batch's schedule
   uint64_t reserve_bytes = 0;
+  uint64_t base_bytes = 0;  // device-placed state, allocated at construction
+  bool broken = false;      // a step failed half way: the state is undefined
   uint64_t host_state = 0, host_act_peak = 0;
   int64_t step = 0;
   double loss_scale = 1.0;
@@ -102,8 +104,23 @@ struct Engine::Impl {
     host_state += numel * c10::elementSize(t);
     return at::empty({int64_t(numel)}, host_options(t));
   }
+  // Device bytes a gathered unit holds: the full buffer, plus the staged shard while host-placed
+  // compute copies are on their way.
   uint64_t unit_param_bytes(size_t u) const {
-    return partition->unit(u).padded_numel() * c10::elementSize(cdt);
+    const UnitLayout& L = partition->unit(u);
+    return (L.padded_numel() + (cfg.params == Placement::kHost ? L.shard_numel : 0)) *
+           c10::elementSize(cdt);
+  }
+  // Gather decisions use only this bookkeeping (sizes and the schedule, the same on every rank),
+  // never the device's momentary use, so that every rank issues its collectives in the same
+  // order.
+  uint64_t live_bytes() const {
+    uint64_t b = 0;
+    for (auto& [u, g] : live) b += unit_param_bytes(u);
+    return b;
+  }
+  bool plan_fits(uint64_t extra) const {
+    return base_bytes + live_bytes() + extra + reserve_bytes <= dev.budget();
   }
   uint64_t use_param_bytes(const Use& use) const {
     uint64_t b = 0;
@@ -197,9 +214,10 @@ struct Engine::Impl {
     // Modules hold no weights until a unit is gathered.
     for (size_t u = 0; u < units.size(); ++u) release(u);
 
+    base_bytes = dev.used();
     for (const Use& use : uses) {
       const uint64_t need = use_param_bytes(use) + reserve_bytes;
-      if (dev.used() + need > dev.budget())
+      if (base_bytes + need > dev.budget())
         throw BudgetExceeded(
             "device budget " + format_bytes(dev.budget()) + " cannot run unit " +
             partition->unit(use.stage).name + ": it needs " + format_bytes(need) +
@@ -218,6 +236,8 @@ struct Engine::Impl {
     at::Tensor src = units[u].compute;
     if (cfg.params == Placement::kHost) {
       g.staging = dev.empty({int64_t(L.shard_numel)}, cdt, "staged shard of unit " + L.name);
+      // The copy stream must not write memory the compute stream may still be using.
+      dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));
       dev.copy_async(g.staging, src, dev.copy_stream());
       dev.wait(dev.compute_stream(), dev.record(dev.copy_stream()));
       src = g.staging;
@@ -251,16 +271,26 @@ struct Engine::Impl {
   const Use& use_at(size_t k) const { return uses[k % uses.size()]; }
 
   void ensure(size_t k) {
-    for (size_t u : stage_units[use_at(k).stage])
-      if (!live.count(u)) start_gather(u);
-    for (size_t u : stage_units[use_at(k).stage]) bind(u);
+    const std::vector<size_t>& need = stage_units[use_at(k).stage];
+    for (size_t u : need) {
+      if (live.count(u)) continue;
+      if (!plan_fits(unit_param_bytes(u))) {
+        // Units kept for later uses make room for the one needed now.
+        std::vector<size_t> drop;
+        for (auto& [v, g] : live)
+          if (std::find(need.begin(), need.end(), v) == need.end()) drop.push_back(v);
+        for (size_t v : drop) release(v);
+      }
+      start_gather(u);
+    }
+    for (size_t u : need) bind(u);
   }
 
   void prefetch(size_t k, size_t total) {
     for (size_t j = k + 1; j <= k + size_t(cfg.prefetch) && j < total; ++j)
       for (size_t u : stage_units[use_at(j).stage]) {
         if (live.count(u)) continue;
-        if (dev.used() + unit_param_bytes(u) + reserve_bytes > dev.budget()) return;
+        if (!plan_fits(unit_param_bytes(u))) return;
         start_gather(u);
       }
   }
@@ -280,19 +310,18 @@ struct Engine::Impl {
 
   // Reduce-scatters the gradients a stage's backward produced into the owners' accumulators.
   void reduce_gradients(size_t stage) {
+    // Every unit the stage uses is reduced, gradient or not, so that the collectives are the
+    // same on every rank whatever autograd produced locally.
     std::map<size_t, at::Tensor> flats;
+    for (size_t u : stage_units[stage]) {
+      const UnitLayout& L = partition->unit(u);
+      flats[u] = dev.empty({int64_t(L.padded_numel())}, at::kFloat, "gradient of unit " + L.name).zero_();
+    }
     for (ParamRef& p : stage_params[stage]) {
       at::Tensor g = p.tensor.grad();
       if (!g.defined()) continue;
-      auto it = flats.find(p.unit);
-      if (it == flats.end()) {
-        const UnitLayout& L = partition->unit(p.unit);
-        at::Tensor f = dev.empty({int64_t(L.padded_numel())}, at::kFloat, "gradient of unit " + L.name);
-        f.zero_();
-        it = flats.emplace(p.unit, f).first;
-      }
       const TensorSlot& s = partition->unit(p.unit).tensors[p.slot];
-      it->second.narrow(0, int64_t(s.offset), int64_t(s.numel)).copy_(g.reshape(-1));
+      flats.at(p.unit).narrow(0, int64_t(s.offset), int64_t(s.numel)).copy_(g.reshape(-1));
       p.tensor.mutable_grad() = at::Tensor();
     }
     for (auto& [u, flat] : flats) {
@@ -313,6 +342,7 @@ struct Engine::Impl {
       } else {
         // Device -> host on the copy stream, then accumulated there in fp32.
         at::Tensor host = at::empty({int64_t(L.shard_numel)}, host_options(shard.scalar_type()));
+        dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // shard is filled there
         dev.copy_async(host, shard, dev.copy_stream());
         dev.launch_host(dev.copy_stream(), [acc, host]() mutable { acc.add_(host); });
       }
@@ -354,6 +384,7 @@ struct Engine::Impl {
           acts[0] = rows.narrow(1, 0, T).contiguous();
         } else {
           acts[s] = at::empty(x.sizes(), host_opts);
+          dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // x is computed there
           dev.copy_async(acts[s], x, dev.copy_stream());
           act_bytes += acts[s].nbytes();
         }
@@ -389,6 +420,7 @@ struct Engine::Impl {
           xin = inputs;
         } else {
           xin = dev.empty(acts[s].sizes(), cdt, "recompute input of unit " + partition->unit(s).name);
+          dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));
           dev.copy_async(xin, acts[s], dev.copy_stream());
           dev.synchronize(dev.copy_stream());
           acts[s] = at::Tensor();
@@ -522,7 +554,19 @@ Engine::~Engine() {
       }
 }
 
-StepResult Engine::train_step(const at::Tensor& ids) { return impl_->train_step(ids); }
+StepResult Engine::train_step(const at::Tensor& ids) {
+  if (impl_->broken)
+    throw std::runtime_error("Engine: an earlier train_step failed half way; the partitioned state "
+                             "is undefined (restart from a checkpoint)");
+  try {
+    return impl_->train_step(ids);
+  } catch (const std::invalid_argument&) {
+    throw;  // rejected before anything changed
+  } catch (...) {
+    impl_->broken = true;
+    throw;
+  }
+}
 
 std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
   std::vector<std::pair<std::string, at::Tensor>> out;
