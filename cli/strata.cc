@@ -1,5 +1,7 @@
 // The strata command-line program: one binary, one subcommand per job.
+#include <chrono>
 #include <csignal>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -11,6 +13,7 @@
 #include "step_bench.h"
 #include "train.h"
 #include "strata/engine/build_info.h"
+#include "strata/engine/checkpoint.h"
 
 namespace {
 
@@ -21,6 +24,8 @@ usage: strata <command> [options]
 commands:
   train        train or fine-tune a model (JSON configuration, docs/CONFIG.md)
   launch       run N ranks of a command on this node (torchrun environment)
+  ckpt inspect DIR   summary of a checkpoint (DIR: a checkpoint, or a root with `latest`)
+  ckpt verify DIR    read every chunk of a checkpoint and check its CRC32C and coverage
   bench io     bandwidth of the NVMe I/O engine beside fio (same file system, block size,
                queue depth), sequential and random, read and write
   bench adam   CPU Adam kernel beside PyTorch's fused AdamW, torch::optim::AdamW and the
@@ -150,6 +155,32 @@ int bench_step(const std::vector<std::string>& argv) {
 
 }  // namespace
 
+// A checkpoint directory, or the one a checkpoint root's `latest` names.
+std::filesystem::path checkpoint_arg(const std::string& arg) {
+  if (std::filesystem::exists(std::filesystem::path(arg) / "manifest.json")) return arg;
+  if (auto latest = strata::engine::latest_checkpoint(arg)) return *latest;
+  throw std::runtime_error(arg + " is neither a committed checkpoint nor a checkpoint root with a "
+                                 "`latest` that names one");
+}
+
+int ckpt(const std::vector<std::string>& argv) {
+  if (argv.size() != 2 || (argv[0] != "inspect" && argv[0] != "verify")) {
+    std::cerr << "usage: strata ckpt inspect|verify DIR\n";
+    return 2;
+  }
+  const std::filesystem::path dir = checkpoint_arg(argv[1]);
+  if (argv[0] == "inspect") {
+    std::cout << strata::engine::describe_checkpoint(dir);
+    return 0;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t bytes = strata::engine::verify_checkpoint(dir);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::cout << "checkpoint " << dir.string() << ": OK (" << bytes << " bytes verified in " << s
+            << " s)\n";
+  return 0;
+}
+
 int main(int argc, char** argv) {
   // A peer rank that dies must surface as an error on the socket (EPIPE), not kill this rank
   // with SIGPIPE before it can say what happened.
@@ -166,6 +197,7 @@ int main(int argc, char** argv) {
     }
     if (args[0] == "train") return strata::cli::train_main({args.begin() + 1, args.end()});
     if (args[0] == "launch") return strata::cli::launch_main({args.begin() + 1, args.end()});
+    if (args[0] == "ckpt") return ckpt({args.begin() + 1, args.end()});
     if (args[0] == "bench") {
       if (args.size() >= 2 && args[1] == "io") return bench_io({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "adam") return bench_adam({args.begin() + 2, args.end()});

@@ -107,6 +107,8 @@ int train_main(const std::vector<std::string>& argv) {
     const auto t0 = std::chrono::steady_clock::now();
     const auto dir = engine::save_checkpoint(eng, *comm, tc.checkpoint_dir, name,
                                              {steps_done, loader.position()});
+    if (tc.keep_checkpoints > 0)
+      engine::prune_checkpoints(*comm, tc.checkpoint_dir, size_t(tc.keep_checkpoints));
     if (lead)
       std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\n" : "") << "strata train: saved "
                 << dir.string() << " in "

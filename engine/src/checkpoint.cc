@@ -1,4 +1,7 @@
 // Commit protocol (docs/FORMATS.md, "Checkpoints"):
+//  0. Saving over an existing name first un-commits it: rank 0 removes its manifest (and fsyncs
+//     the directory), then a barrier; so a crash while rewriting never leaves a manifest over
+//     half-written data.
 //  1. Each rank creates <root>/<name>/ itself (mkdir -p: it depends on no directory another
 //     rank made), writes rank-R.data with the I/O engine, and fsyncs it.
 //  2. Each rank writes rank-R.index.json atomically (temporary file, fsync, rename, fsync of
@@ -21,6 +24,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <algorithm>
 #include <map>
 #include <sstream>
 
@@ -134,8 +138,21 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 fs::path save_checkpoint(Engine& engine, Communicator& comm, const fs::path& root,
                          const std::string& name, const CheckpointMeta& meta) {
   const fs::path dir = root / name;
-  fs::create_directories(dir);
   const int rank = comm.rank();
+  if (rank == 0 && fs::exists(dir / "manifest.json")) {
+    {
+      std::ifstream in(root / "latest");
+      std::string latest;
+      std::getline(in, latest);
+      if (latest == name)
+        throw std::runtime_error("cannot save over " + dir.string() +
+                                 ": it is the latest checkpoint; save under another name");
+    }
+    fs::remove(dir / "manifest.json");
+    fsync_dir(dir);
+  }
+  comm.barrier();
+  fs::create_directories(dir);
   const Partition& part = engine.partition();
   const fs::path data_path = dir / (rank_name(rank) + ".data");
 
@@ -203,6 +220,42 @@ fs::path save_checkpoint(Engine& engine, Communicator& comm, const fs::path& roo
   return dir;
 }
 
+void prune_checkpoints(Communicator& comm, const fs::path& root, size_t keep) {
+  if (keep == 0) keep = 1;
+  std::string latest;
+  {
+    std::ifstream in(root / "latest");
+    std::getline(in, latest);
+  }
+  std::vector<std::string> names;
+  if (fs::exists(root))
+    for (const auto& e : fs::directory_iterator(root))
+      if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0)
+        names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  // Every rank must agree on the list: rank 0's view is broadcast as a count (names are sorted and
+  // each rank sees its own files; a rank that lacks a directory simply has nothing to remove).
+  std::vector<std::string> doomed;
+  if (names.size() > keep)
+    for (size_t i = 0; i + keep < names.size(); ++i)
+      if (names[i] != latest) doomed.push_back(names[i]);
+  if (comm.rank() == 0) {
+    for (const auto& n : doomed) ::unlink((root / n / "manifest.json").c_str());
+    if (!doomed.empty()) fsync_dir(root);
+  }
+  comm.barrier();
+  const std::string mine = rank_name(comm.rank());
+  for (const auto& n : doomed) {
+    ::unlink((root / n / (mine + ".data")).c_str());
+    ::unlink((root / n / (mine + ".index.json")).c_str());
+    ::unlink((root / n / (mine + ".index.json.tmp")).c_str());
+    ::unlink((root / n / "manifest.json.tmp").c_str());
+  }
+  comm.barrier();
+  if (comm.rank() == 0)
+    for (const auto& n : doomed) ::rmdir((root / n).c_str());  // fails harmlessly if not empty
+}
+
 std::optional<fs::path> latest_checkpoint(const fs::path& root) {
   std::ifstream in(root / "latest");
   if (!in) return std::nullopt;
@@ -212,7 +265,9 @@ std::optional<fs::path> latest_checkpoint(const fs::path& root) {
   return root / name;
 }
 
-CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::path& dir) {
+namespace {
+
+json read_manifest(const fs::path& dir) {
   const fs::path manifest_path = dir / "manifest.json";
   if (!fs::exists(manifest_path))
     throw std::runtime_error("checkpoint " + dir.string() +
@@ -223,9 +278,88 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
   } catch (const json::exception& e) {
     throw std::runtime_error("checkpoint " + manifest_path.string() + " is not valid JSON: " + e.what());
   }
-  if (m.value("format", 0) != kFormatVersion)
-    throw std::runtime_error("checkpoint " + dir.string() + ": unsupported format " +
-                             m.value("format", json(nullptr)).dump());
+  if (m.value("format", 0) != kFormatVersion || m.value("kind", "") != "strata-checkpoint")
+    throw std::runtime_error("checkpoint " + dir.string() + ": not a Strata checkpoint of format " +
+                             std::to_string(kFormatVersion));
+  return m;
+}
+
+std::string chunk_name(const json& c, const json& units) {
+  return c["file"].get<std::string>() + " at offset " + std::to_string(c["offset"].get<uint64_t>()) +
+         " (unit " + units[c["unit"].get<size_t>()]["name"].get<std::string>() + ", " +
+         c["kind"].get<std::string>() + ", elements " + std::to_string(c["begin"].get<uint64_t>()) +
+         "+" + std::to_string(c["numel"].get<uint64_t>()) + ")";
+}
+
+}  // namespace
+
+uint64_t verify_checkpoint(const fs::path& dir) {
+  const json m = read_manifest(dir);
+  const json& units = m["units"];
+  auto io = offload::IoEngine::create();
+  std::map<std::string, offload::File> files;
+  // Coverage: per (unit, kind) the chunks, sorted by begin, must tile [0, numel).
+  std::map<std::pair<size_t, std::string>, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
+  uint64_t bytes = 0;
+  std::vector<unsigned char> buf;
+  for (const json& c : m["chunks"]) {
+    const size_t u = c["unit"].get<size_t>();
+    if (u >= units.size()) throw std::runtime_error("checkpoint " + dir.string() + ": chunk of unknown unit");
+    const std::string fname = c["file"].get<std::string>();
+    auto it = files.find(fname);
+    if (it == files.end()) {
+      if (!fs::exists(dir / fname))
+        throw std::runtime_error("checkpoint " + dir.string() + ": data file " + fname + " is missing");
+      it = files.emplace(fname, offload::File::open(dir / fname, offload::OpenMode::kRead)).first;
+    }
+    const uint64_t n = c["numel"].get<uint64_t>() * 4;
+    buf.resize(n);
+    const offload::IoStatus st =
+        io->read(it->second, c["offset"].get<uint64_t>(), {reinterpret_cast<std::byte*>(buf.data()), n}).wait();
+    if (!st.ok())
+      throw std::runtime_error("checkpoint " + dir.string() + ": cannot read chunk " + chunk_name(c, units) +
+                               ": " + st.message());
+    if (offload::crc32c(buf.data(), n) != c["crc32c"].get<uint32_t>())
+      throw std::runtime_error("checkpoint " + dir.string() + ": chunk " + chunk_name(c, units) +
+                               " is corrupt (CRC32C mismatch)");
+    ranges[{u, c["kind"].get<std::string>()}].push_back({c["begin"].get<uint64_t>(), c["numel"].get<uint64_t>()});
+    bytes += n;
+  }
+  for (size_t u = 0; u < units.size(); ++u)
+    for (const char* kind : kKindNames) {
+      auto& r = ranges[{u, kind}];
+      std::sort(r.begin(), r.end());
+      uint64_t next = 0;
+      for (auto& [b, n] : r) {
+        if (b != next) break;
+        next = b + n;
+      }
+      if (next != units[u]["numel"].get<uint64_t>())
+        throw std::runtime_error("checkpoint " + dir.string() + ": the chunks of " + kind + " of unit " +
+                                 units[u]["name"].get<std::string>() + " do not cover its " +
+                                 std::to_string(units[u]["numel"].get<uint64_t>()) + " elements exactly");
+    }
+  return bytes;
+}
+
+std::string describe_checkpoint(const fs::path& dir) {
+  const json m = read_manifest(dir);
+  uint64_t params = 0;
+  for (const json& u : m["units"]) params += u["numel"].get<uint64_t>();
+  std::ostringstream out;
+  out << "checkpoint " << dir.string() << "\n"
+      << "  format " << m["format"] << ", saved by " << m["world_size"] << " ranks\n"
+      << "  model " << m["model"].value("model_type", "?") << ", " << params << " parameters in "
+      << m["units"].size() << " units\n"
+      << "  train steps " << m["train_steps"] << ", optimizer steps "
+      << m["counters"]["optimizer_step"] << ", loss scale " << m["counters"]["loss_scale"]
+      << ", samples consumed " << m["samples_consumed"] << "\n"
+      << "  " << m["chunks"].size() << " chunks, " << params * 12 << " bytes of fp32 master and moments\n";
+  return out.str();
+}
+
+CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::path& dir) {
+  json m = read_manifest(dir);
   const Partition& part = engine.partition();
   const json units = partition_json(part);
   if (m["units"] != units) {

@@ -265,9 +265,12 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("checkpoint_dir", c.checkpoint_dir);
     s.read("save_every", c.save_every);
     s.read("resume", c.resume);
+    s.read("keep_checkpoints", c.keep_checkpoints);
   }
   if (c.steps < 0) throw std::invalid_argument(source + ": run.steps must be >= 0");
   if (c.save_every < 0) throw std::invalid_argument(source + ": run.save_every must be >= 0");
+  if (c.keep_checkpoints < 0)
+    throw std::invalid_argument(source + ": run.keep_checkpoints must be >= 0 (0: keep all)");
   if (c.resume && c.checkpoint_dir.empty())
     throw std::invalid_argument(source + ": run.resume needs run.checkpoint_dir");
   if (e.seq_len > c.model.max_positions && c.model.arch == models::Arch::kGpt2)

@@ -3,9 +3,15 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <signal.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <fstream>
+#include <thread>
 #include <random>
 #include <sstream>
 
@@ -167,16 +173,23 @@ TEST(Checkpoint, CorruptMissingAndUncommittedAreClearErrors) {
     f.seekg(int64_t(at));
     char byte;
     f.read(&byte, 1);
-    byte ^= char(1 << (rng() % 8));
+    const char flip = char(1 << (rng() % 8));
+    byte ^= flip;
     f.seekp(int64_t(at));
     f.write(&byte, 1);
     f.close();
     const std::string m = message(ck);
     EXPECT_NE(m.find("corrupt"), std::string::npos) << m;
     EXPECT_NE(m.find("rank-00000.data at offset " + std::to_string(c["offset"].get<uint64_t>())), std::string::npos) << m;
-    a.save(dir.path(), "c1");  // the same state again: a good copy for the next trial
+    std::fstream g(data, std::ios::in | std::ios::out | std::ios::binary);  // flip it back
+    g.seekg(int64_t(at));
+    g.read(&byte, 1);
+    byte = char(byte ^ flip);
+    g.seekp(int64_t(at));
+    g.write(&byte, 1);
   }
 
+  ASSERT_EQ(message(ck), "loaded") << "the flipped bytes were not restored";
   std::filesystem::rename(data, ck / "moved.data");
   EXPECT_NE(message(ck).find("rank-00000.data is missing"), std::string::npos) << message(ck);
   std::filesystem::rename(ck / "moved.data", data);
@@ -260,5 +273,81 @@ void reshard(int before, int after) {
 
 TEST(Checkpoint, ResumeAtMoreRanks2To4) { reshard(2, 4); }
 TEST(Checkpoint, ResumeAtFewerRanks4To2) { reshard(4, 2); }
+
+}  // namespace
+
+namespace {
+
+// SIGKILL at seeded random moments of a run that saves after every step: whatever the moment,
+// `latest` names a checkpoint that verifies, every committed checkpoint verifies, and the next
+// run resumes from it.
+TEST(Checkpoint, SigkillAtRandomMomentsNeverLeavesABadCheckpoint) {
+  TempDir dir;
+  const auto root = dir / "ckpt", cfg_path = dir / "cfg.json";
+  json j = tiny_llama(1000000);
+  j["model"]["layers"] = 2;
+  j["run"]["save_every"] = 1;
+  j["run"]["keep_checkpoints"] = 3;
+  j["run"]["log"] = "";
+  std::ofstream(cfg_path) << j.dump(2);
+  std::mt19937 rng(20261123);
+  std::string last_latest;
+  int advanced = 0;
+  for (int trial = 0; trial < 50; ++trial) {
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      freopen((dir / "trial.txt").c_str(), "w", stderr);
+      execl(STRATA_BIN, STRATA_BIN, "train", "--config", cfg_path.c_str(), "--checkpoint-dir",
+            root.c_str(), "--resume", "--no-progress", nullptr);
+      _exit(127);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(700 + rng() % 900));
+    kill(pid, SIGKILL);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    ASSERT_TRUE(WIFSIGNALED(st)) << "trial " << trial << " ended by itself:\n"
+                                 << read_file(dir / "trial.txt");
+    const auto latest = se::latest_checkpoint(root);
+    if (!latest) {
+      ASSERT_EQ(last_latest, "") << "trial " << trial << ": latest vanished";
+      continue;
+    }
+    EXPECT_NO_THROW(se::verify_checkpoint(*latest)) << "trial " << trial;
+    for (const auto& e : std::filesystem::directory_iterator(root))
+      if (std::filesystem::exists(e.path() / "manifest.json"))
+        EXPECT_NO_THROW(se::verify_checkpoint(e.path())) << "trial " << trial << ": " << e.path();
+    if (latest->string() != last_latest) ++advanced;
+    last_latest = latest->string();
+  }
+  EXPECT_GE(advanced, 25) << "training rarely got past start-up: the kills did not hit saves";
+}
+
+TEST(Checkpoint, FullDiskIsAClearErrorAndThePreviousCheckpointSurvives) {
+  TempDir dir;
+  if (mount("tmpfs", dir.path().c_str(), "tmpfs", 0, "size=2500k") != 0)
+    GTEST_SKIP() << "cannot mount a small tmpfs here: " << std::strerror(errno);
+  struct Unmount {
+    const TempDir& d;
+    ~Unmount() { umount2(d.path().c_str(), MNT_DETACH); }
+  } unmount{dir};
+  const se::TrainConfig tc = se::parse_train_config(tiny_llama(2).dump(), "test");
+  Losses r;
+  Trainer a(tc);
+  a.train(1, r);
+  a.save(dir.path(), "step-1");
+  a.train(1, r);
+  try {
+    a.save(dir.path(), "step-2");
+    FAIL() << "a second checkpoint fitted in the small file system; the test needs it not to";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos) << e.what();
+  }
+  const auto latest = se::latest_checkpoint(dir.path());
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->filename(), "step-1");
+  EXPECT_NO_THROW(se::verify_checkpoint(*latest));
+  EXPECT_FALSE(std::filesystem::exists(dir / "step-2" / "manifest.json"));
+}
 
 }  // namespace

@@ -42,6 +42,19 @@ std::filesystem::path save_checkpoint(Engine& engine, Communicator& comm,
 CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm,
                                const std::filesystem::path& checkpoint_dir);
 
+// Reads every chunk of a committed checkpoint and checks its CRC32C and that the chunks cover
+// every unit's state exactly. Throws std::runtime_error naming the first bad chunk; returns the
+// number of bytes checked. Needs no engine: any process can run it (`strata ckpt verify`).
+uint64_t verify_checkpoint(const std::filesystem::path& checkpoint_dir);
+
+// A human-readable summary of a checkpoint's manifest (`strata ckpt inspect`).
+std::string describe_checkpoint(const std::filesystem::path& checkpoint_dir);
+
+// Collective: deletes all but the `keep` newest checkpoints under `root` (by name order; the
+// latest is always kept). Rank 0 un-commits each (removes its manifest) first; each rank then
+// removes its own files.
+void prune_checkpoints(Communicator& comm, const std::filesystem::path& root, size_t keep);
+
 // The checkpoint <root>/latest names, if there is one with a manifest.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
 

@@ -55,6 +55,7 @@ struct TrainConfig {
   std::string checkpoint_dir;  // root of the checkpoints (checkpoint.h); empty: none
   int64_t save_every = 0;      // save every N steps (and after the last); 0: only after the last
   bool resume = false;         // start from <checkpoint_dir>/latest when there is one
+  int64_t keep_checkpoints = 0;  // keep only the N newest checkpoints; 0: keep all
   EngineConfig engine;
 };
 
