@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <unistd.h>
 
 #include "args.h"
@@ -101,19 +102,29 @@ int train_main(const std::vector<std::string>& argv) {
       resumed_from = latest->string();
     }
   }
+  // Saves run in the background (the step blocks only for the snapshot) unless
+  // run.async_checkpoint is false; each is committed at a later step boundary or at the end.
+  engine::AsyncCheckpointer checkpointer(*comm);
+  auto committed = [&](const std::optional<std::filesystem::path>& dir) {
+    if (!dir) return;
+    if (lead)
+      std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\n" : "") << "strata train: committed "
+                << dir->string() << "\n";
+    if (tc.keep_checkpoints > 0)
+      engine::prune_checkpoints(*comm, tc.checkpoint_dir, size_t(tc.keep_checkpoints));
+  };
   auto save = [&](int64_t steps_done) {
     char name[32];
     snprintf(name, sizeof name, "step-%08lld", (long long)steps_done);
-    const auto t0 = std::chrono::steady_clock::now();
-    const auto dir = engine::save_checkpoint(eng, *comm, tc.checkpoint_dir, name,
-                                             {steps_done, loader.position()});
-    if (tc.keep_checkpoints > 0)
-      engine::prune_checkpoints(*comm, tc.checkpoint_dir, size_t(tc.keep_checkpoints));
+    const engine::CheckpointMeta meta{steps_done, loader.position()};
+    if (!tc.async_checkpoint) {
+      committed(engine::save_checkpoint(eng, *comm, tc.checkpoint_dir, name, meta));
+      return;
+    }
+    const double blocked = checkpointer.start(eng, tc.checkpoint_dir, name, meta);
     if (lead)
-      std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\n" : "") << "strata train: saved "
-                << dir.string() << " in "
-                << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
-                << " s\n";
+      std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\n" : "") << "strata train: saving "
+                << name << " in the background (training blocked " << blocked << " s)\n";
   };
 
   std::ofstream log;
@@ -163,6 +174,7 @@ int train_main(const std::vector<std::string>& argv) {
     const engine::MemoryReport mem = eng.memory();
     tokens_total += double(r.tokens);
     seconds_total += r.seconds;
+    committed(checkpointer.poll());
     const bool save_now = !tc.checkpoint_dir.empty() &&
                           (s + 1 == tc.steps || (tc.save_every > 0 && (s + 1) % tc.save_every == 0));
     if (save_now) save(s + 1);
@@ -203,6 +215,7 @@ int train_main(const std::vector<std::string>& argv) {
     std::cerr << "strata train: " << tc.steps - first_step << " steps, "
               << (seconds_total > 0 ? tokens_total / seconds_total : 0) << " tokens/s\n";
 
+  committed(checkpointer.finish());
   if (!tc.export_dir.empty()) {
     auto params = eng.gather_parameters();  // collective: every rank
     if (lead) {

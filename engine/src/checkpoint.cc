@@ -17,6 +17,8 @@
 #include "strata/engine/checkpoint.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <fcntl.h>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
@@ -25,6 +27,10 @@
 #include <cstring>
 #include <fstream>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <tuple>
 #include <map>
 #include <sstream>
 
@@ -135,89 +141,199 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 
 }  // namespace
 
-fs::path save_checkpoint(Engine& engine, Communicator& comm, const fs::path& root,
-                         const std::string& name, const CheckpointMeta& meta) {
+// This rank's part of a save, taken at one instant: copies of its slices (real elements only)
+// and what the manifest will say.
+struct Snapshot {
+  fs::path root, dir;
+  std::string name;
+  int rank = 0;
+  std::vector<std::tuple<size_t, int, uint64_t, at::Tensor>> slices;  // unit, kind, begin, data
+  json manifest;  // everything but the chunks (used by rank 0)
+};
+
+namespace {
+
+// Step 0 (collective): un-commit an existing checkpoint of this name.
+void uncommit_existing(Communicator& comm, const fs::path& root, const std::string& name) {
   const fs::path dir = root / name;
-  const int rank = comm.rank();
-  if (rank == 0 && fs::exists(dir / "manifest.json")) {
-    {
-      std::ifstream in(root / "latest");
-      std::string latest;
-      std::getline(in, latest);
-      if (latest == name)
-        throw std::runtime_error("cannot save over " + dir.string() +
-                                 ": it is the latest checkpoint; save under another name");
-    }
-    fs::remove(dir / "manifest.json");
+  if (comm.rank() == 0 && fs::exists(dir / "manifest.json")) {
+    std::ifstream in(root / "latest");
+    std::string latest;
+    std::getline(in, latest);
+    if (latest == name)
+      throw std::runtime_error("cannot save over " + dir.string() +
+                               ": it is the latest checkpoint; save under another name");
+    ::unlink((dir / "manifest.json").c_str());
     fsync_dir(dir);
   }
   comm.barrier();
-  fs::create_directories(dir);
-  const Partition& part = engine.partition();
-  const fs::path data_path = dir / (rank_name(rank) + ".data");
+}
 
-  // 1. This rank's slices, chunked, through the I/O engine.
+Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
+                       const std::string& name, const CheckpointMeta& meta) {
+  Snapshot snap;
+  snap.root = root;
+  snap.dir = root / name;
+  snap.name = name;
+  snap.rank = comm.rank();
+  const Partition& part = engine.partition();
+  for (size_t u = 0; u < part.num_units(); ++u) {
+    const UnitLayout& L = part.unit(u);
+    const int64_t valid = int64_t(L.shard_valid_numel(snap.rank));
+    for (int k = 0; k < Engine::kStateKinds; ++k)
+      snap.slices.emplace_back(u, k, L.shard_begin(snap.rank),
+                               engine.state_slice(u, Engine::StateKind(k)).narrow(0, 0, valid).to(at::kCPU, false, true));
+  }
+  const Engine::Counters c = engine.counters();
+  snap.manifest = {{"format", kFormatVersion},
+                   {"kind", "strata-checkpoint"},
+                   {"world_size", comm.world_size()},
+                   {"model", json::parse(engine.model_config().to_hf_json("float32"))},
+                   {"units", partition_json(part)},
+                   {"state_kinds", {kKindNames[0], kKindNames[1], kKindNames[2]}},
+                   {"counters", {{"optimizer_step", c.step}, {"loss_scale", c.loss_scale},
+                                 {"good_steps", c.good_steps}}},
+                   {"train_steps", meta.train_steps},
+                   {"samples_consumed", meta.samples_consumed}};
+  return snap;
+}
+
+// Steps 1-2 (this rank alone, any thread): the data file and the index; returns the index.
+std::string write_rank_files(const Snapshot& snap) {
+  fs::create_directories(snap.dir);
+  const fs::path data_path = snap.dir / (rank_name(snap.rank) + ".data");
   auto io = offload::IoEngine::create();
   offload::File file = offload::File::open(data_path, offload::OpenMode::kTruncate);
   json chunks = json::array();
-  std::vector<at::Tensor> keep;  // host copies of device-placed slices
   std::vector<offload::IoFuture> writes;
   uint64_t offset = 0;
-  for (size_t u = 0; u < part.num_units(); ++u) {
-    const UnitLayout& L = part.unit(u);
-    const uint64_t valid = L.shard_valid_numel(rank);
-    for (int k = 0; k < Engine::kStateKinds; ++k) {
-      at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
-      if (!slice.is_cpu()) keep.push_back(slice = slice.cpu());
-      const auto* base = reinterpret_cast<const std::byte*>(slice.data_ptr<float>());
-      for (uint64_t e = 0; e < valid; e += kChunkElements) {
-        const uint64_t n = std::min(kChunkElements, valid - e);
-        std::span<const std::byte> bytes(base + e * 4, n * 4);
-        chunks.push_back({{"unit", u}, {"kind", kKindNames[k]}, {"rank", rank},
-                          {"begin", L.shard_begin(rank) + e}, {"numel", n},
-                          {"file", data_path.filename().string()}, {"offset", offset},
-                          {"crc32c", offload::crc32c(bytes.data(), bytes.size())}});
-        writes.push_back(io->write(file, offset, bytes));
-        offset += (n * 4 + kAlign - 1) / kAlign * kAlign;
-      }
+  for (const auto& [u, k, begin, data] : snap.slices) {
+    const auto* base = reinterpret_cast<const std::byte*>(data.data_ptr<float>());
+    const uint64_t valid = uint64_t(data.numel());
+    for (uint64_t e = 0; e < valid; e += kChunkElements) {
+      const uint64_t n = std::min(kChunkElements, valid - e);
+      std::span<const std::byte> bytes(base + e * 4, n * 4);
+      chunks.push_back({{"unit", u}, {"kind", kKindNames[k]}, {"rank", snap.rank},
+                        {"begin", begin + e}, {"numel", n},
+                        {"file", data_path.filename().string()}, {"offset", offset},
+                        {"crc32c", offload::crc32c(bytes.data(), bytes.size())}});
+      writes.push_back(io->write(file, offset, bytes));
+      offset += (n * 4 + kAlign - 1) / kAlign * kAlign;
     }
   }
-  for (auto& w : writes) w.get();
+  std::exception_ptr first;
+  for (auto& w : writes) {  // every write finishes before the buffers can go
+    const offload::IoStatus st = w.wait();
+    if (!st.ok() && !first) first = std::make_exception_ptr(std::runtime_error(st.message()));
+  }
+  if (first) std::rethrow_exception(first);
   file.sync();
-  file = offload::File();  // closed
+  const json index = {{"format", kFormatVersion}, {"rank", snap.rank}, {"chunks", chunks}};
+  write_atomically(snap.dir / (rank_name(snap.rank) + ".index.json"), index.dump(1));
+  return index.dump();
+}
 
-  // 2. The per-rank index.
-  const json index = {{"format", kFormatVersion}, {"rank", rank}, {"chunks", chunks}};
-  write_atomically(dir / (rank_name(rank) + ".index.json"), index.dump(1));
-
-  // 3. Every rank's index to rank 0, over the communicator.
-  const std::vector<std::string> indexes = all_gather_strings(comm, index.dump());
-
-  // 4-5. The manifest (commit point), then `latest`.
-  if (rank == 0) {
+// Steps 3-5 (collective): indexes to rank 0, manifest, latest, barrier.
+void commit(Communicator& comm, Snapshot& snap, const std::string& index) {
+  const std::vector<std::string> indexes = all_gather_strings(comm, index);
+  if (comm.rank() == 0) {
     json all_chunks = json::array();
     for (const std::string& s : indexes) {
       const json index_of_rank = json::parse(s);
       for (const json& c : index_of_rank["chunks"]) all_chunks.push_back(c);
     }
-    const Engine::Counters c = engine.counters();
-    const models::ModelConfig& mc = engine.model_config();
-    json manifest = {{"format", kFormatVersion},
-                     {"kind", "strata-checkpoint"},
-                     {"world_size", comm.world_size()},
-                     {"model", json::parse(mc.to_hf_json("float32"))},
-                     {"units", partition_json(part)},
-                     {"state_kinds", {kKindNames[0], kKindNames[1], kKindNames[2]}},
-                     {"counters", {{"optimizer_step", c.step}, {"loss_scale", c.loss_scale},
-                                   {"good_steps", c.good_steps}}},
-                     {"train_steps", meta.train_steps},
-                     {"samples_consumed", meta.samples_consumed},
-                     {"chunks", all_chunks}};
-    write_atomically(dir / "manifest.json", manifest.dump(1));
-    write_atomically(root / "latest", name + "\n");
+    snap.manifest["chunks"] = std::move(all_chunks);
+    write_atomically(snap.dir / "manifest.json", snap.manifest.dump(1));
+    write_atomically(snap.root / "latest", snap.name + "\n");
   }
   comm.barrier();
-  return dir;
+}
+
+}  // namespace
+
+fs::path save_checkpoint(Engine& engine, Communicator& comm, const fs::path& root,
+                         const std::string& name, const CheckpointMeta& meta) {
+  uncommit_existing(comm, root, name);
+  Snapshot snap = take_snapshot(engine, comm, root, name, meta);
+  // A rank whose writes failed must still take part in the collectives, then all ranks fail.
+  std::string index, error;
+  try {
+    index = write_rank_files(snap);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  at::Tensor failed = at::full({1}, error.empty() ? 0 : 1, at::kInt);
+  comm.all_reduce(failed, ReduceOp::kMax);
+  if (failed.item<int>() != 0)
+    throw std::runtime_error("checkpoint " + snap.dir.string() + " not saved" +
+                             (error.empty() ? " (another rank failed)" : ": " + error) +
+                             "; the previous checkpoint is intact");
+  commit(comm, snap, index);
+  return snap.dir;
+}
+
+// --- AsyncCheckpointer -------------------------------------------------------------------------
+
+struct AsyncCheckpointer::Pending {
+  Snapshot snap;
+  std::thread writer;
+  std::atomic<bool> done{false};
+  std::string index, error;
+};
+
+AsyncCheckpointer::AsyncCheckpointer(Communicator& comm) : comm_(comm) {}
+
+AsyncCheckpointer::~AsyncCheckpointer() {
+  if (pending_ && pending_->writer.joinable()) pending_->writer.join();  // never committed
+}
+
+double AsyncCheckpointer::start(Engine& engine, const fs::path& root, const std::string& name,
+                                const CheckpointMeta& meta) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (pending_) finish();  // one save at a time: the earlier one completes first
+  uncommit_existing(comm_, root, name);
+  pending_ = std::make_unique<Pending>();
+  pending_->snap = take_snapshot(engine, comm_, root, name, meta);
+  Pending* p = pending_.get();
+  p->writer = std::thread([p] {
+    try {
+      p->index = write_rank_files(p->snap);
+    } catch (const std::exception& e) {
+      p->error = e.what();
+    }
+    p->done.store(true);
+  });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::optional<fs::path> AsyncCheckpointer::poll() {
+  if (!pending_) {
+    // Ranks agree on whether a save is in flight: they started it at the same step.
+    return std::nullopt;
+  }
+  at::Tensor not_done = at::full({1}, pending_->done.load() ? 0 : 1, at::kInt);
+  comm_.all_reduce(not_done, ReduceOp::kMax);
+  if (not_done.item<int>() != 0) return std::nullopt;
+  return complete();
+}
+
+std::optional<fs::path> AsyncCheckpointer::finish() {
+  if (!pending_) return std::nullopt;
+  pending_->writer.join();
+  return complete();
+}
+
+std::optional<fs::path> AsyncCheckpointer::complete() {
+  std::unique_ptr<Pending> p = std::move(pending_);
+  if (p->writer.joinable()) p->writer.join();
+  at::Tensor failed = at::full({1}, p->error.empty() ? 0 : 1, at::kInt);
+  comm_.all_reduce(failed, ReduceOp::kMax);
+  if (failed.item<int>() != 0)
+    throw std::runtime_error("checkpoint " + p->snap.dir.string() + " not saved" +
+                             (p->error.empty() ? " (another rank failed)" : ": " + p->error) +
+                             "; the previous checkpoint is intact");
+  commit(comm_, p->snap, p->index);
+  return p->snap.dir;
 }
 
 void prune_checkpoints(Communicator& comm, const fs::path& root, size_t keep) {

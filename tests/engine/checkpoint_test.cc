@@ -91,6 +91,8 @@ class Trainer {
   }
   std::vector<std::pair<std::string, at::Tensor>> params() { return eng_.gather_parameters(); }
   se::Engine& engine() { return eng_; }
+  se::Communicator& comm() { return *comm_; }
+  se::CheckpointMeta meta() { return {done_, loader_.position()}; }
 
  private:
   se::TrainConfig tc_;
@@ -136,6 +138,34 @@ void exact_resume(const json& cfg) {
 }
 
 TEST(Checkpoint, ResumeIsBitwiseExactFp32) { exact_resume(tiny_llama(20)); }
+
+// The background save holds the state of the moment it started, however far training goes on
+// before it commits.
+TEST(Checkpoint, AsyncSaveSnapshotsTheStateWhileTrainingContinues) {
+  TempDir dir;
+  const se::TrainConfig tc = se::parse_train_config(tiny_llama(20).dump(), "test");
+  Losses straight, resumed;
+  Trainer a(tc);
+  a.train(10, straight);
+  se::AsyncCheckpointer ck(a.comm());
+  ck.start(a.engine(), dir.path(), "step-10", a.meta());
+  EXPECT_TRUE(ck.in_flight());
+  std::optional<std::filesystem::path> committed;
+  for (int s = 0; s < 10; ++s) {
+    a.train(1, straight);  // updates the state the save is writing
+    if (auto c = ck.poll()) committed = c;
+  }
+  if (!committed) committed = ck.finish();
+  ASSERT_TRUE(committed.has_value());
+  EXPECT_FALSE(ck.in_flight());
+  EXPECT_EQ(se::latest_checkpoint(dir.path()), committed);
+  EXPECT_GT(se::verify_checkpoint(*committed), 0u);
+  Trainer b(tc);
+  b.load(*committed);
+  b.train(10, resumed);
+  for (size_t i = 0; i < 10; ++i) EXPECT_EQ(resumed.losses[i], straight.losses[10 + i]) << "step " << 11 + i;
+  expect_bitwise(b.params(), a.params());
+}
 
 TEST(Checkpoint, ResumeIsBitwiseExactFp16WithLossScale) {
   json j = tiny_llama(20);

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -37,6 +38,32 @@ struct CheckpointMeta {
 std::filesystem::path save_checkpoint(Engine& engine, Communicator& comm,
                                       const std::filesystem::path& root, const std::string& name,
                                       const CheckpointMeta& meta);
+
+// Asynchronous saves: start() blocks only for the snapshot (a host copy of this rank's slices);
+// the data and index files are written by a background thread while training goes on; poll(),
+// called by every rank at the same point of every step, commits the save (manifest, latest) once
+// every rank's writes are done. A save started while one is in flight first finishes that one.
+// Destroying the checkpointer with a save in flight leaves it uncommitted (never loaded).
+// Thread safety: the training thread calls everything; collectives inside.
+class AsyncCheckpointer {
+ public:
+  explicit AsyncCheckpointer(Communicator& comm);
+  ~AsyncCheckpointer();
+  // Collective. Returns the seconds the caller was blocked.
+  double start(Engine& engine, const std::filesystem::path& root, const std::string& name,
+               const CheckpointMeta& meta);
+  // Collective: the committed checkpoint's directory if the save in flight completed now.
+  std::optional<std::filesystem::path> poll();
+  // Collective: waits for the save in flight, commits it.
+  std::optional<std::filesystem::path> finish();
+  bool in_flight() const { return pending_ != nullptr; }
+
+ private:
+  struct Pending;
+  std::optional<std::filesystem::path> complete();
+  Communicator& comm_;
+  std::unique_ptr<Pending> pending_;
+};
 
 // Collective: loads a committed checkpoint directory (any world size) into `engine`.
 CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm,

@@ -56,6 +56,7 @@ struct TrainConfig {
   int64_t save_every = 0;      // save every N steps (and after the last); 0: only after the last
   bool resume = false;         // start from <checkpoint_dir>/latest when there is one
   int64_t keep_checkpoints = 0;  // keep only the N newest checkpoints; 0: keep all
+  bool async_checkpoint = true;  // write in the background; the step blocks for the snapshot
   EngineConfig engine;
 };
 
