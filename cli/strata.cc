@@ -11,6 +11,7 @@
 #include "adam_bench.h"
 #include "io_bench.h"
 #include "step_bench.h"
+#include "ckpt_bench.h"
 #include "train.h"
 #include "strata/engine/build_info.h"
 #include "strata/engine/checkpoint.h"
@@ -31,6 +32,7 @@ commands:
   bench adam   CPU Adam kernel beside PyTorch's fused AdamW, torch::optim::AdamW and the
                memory-bandwidth bound, same threads
   bench step   the engine's training step beside plain libtorch on a model that fits
+  bench ckpt   checkpoint save/restore bandwidth beside fio and torch::save/torch::load
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
   help         this text
 
@@ -155,6 +157,25 @@ int bench_step(const std::vector<std::string>& argv) {
 
 }  // namespace
 
+int bench_ckpt(const std::vector<std::string>& argv) {
+  for (const auto& a : argv)
+    if (a == "--help" || a == "-h") {
+      std::cout << "usage: strata bench ckpt [--dir PATH] [--preset NAME] [--layers N] [--fio PATH|none]\n\n"
+                   "Saves and restores the fp32 master and moments of an engine holding the model\n"
+                   "(default gpt2, 124M parameters: 1.5 GB) in PATH (default strata-bench-ckpt),\n"
+                   "beside fio's sequential write/read (1 MiB, QD32) and torch::save/torch::load.\n";
+      return 0;
+    }
+  strata::cli::Args args(argv, {"dir", "preset", "layers", "fio"}, {});
+  strata::bench::CkptBenchOptions o;
+  o.dir = args.get("dir", o.dir.string());
+  o.preset = args.get("preset", o.preset);
+  o.layers = args.count("layers", 0);
+  o.fio = args.get("fio", o.fio);
+  strata::bench::run_ckpt_bench(o);
+  return 0;
+}
+
 // A checkpoint directory, or the one a checkpoint root's `latest` names.
 std::filesystem::path checkpoint_arg(const std::string& arg) {
   if (std::filesystem::exists(std::filesystem::path(arg) / "manifest.json")) return arg;
@@ -202,7 +223,8 @@ int main(int argc, char** argv) {
       if (args.size() >= 2 && args[1] == "io") return bench_io({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "adam") return bench_adam({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "step") return bench_step({args.begin() + 2, args.end()});
-      std::cerr << "strata bench: expected a benchmark name (io, adam, step)\n";
+      if (args.size() >= 2 && args[1] == "ckpt") return bench_ckpt({args.begin() + 2, args.end()});
+      std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt)\n";
       return 2;
     }
     std::cerr << "strata: unknown command '" << args[0] << "'\n\n" << kUsage;

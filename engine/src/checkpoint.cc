@@ -17,6 +17,7 @@
 #include "strata/engine/checkpoint.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <fcntl.h>
@@ -24,6 +25,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <algorithm>
@@ -117,6 +119,14 @@ json partition_json(const Partition& part) {
   return units;
 }
 
+// A page-aligned fp32 host tensor, so that the I/O engine can move it with O_DIRECT.
+at::Tensor aligned_floats(int64_t n) {
+  const size_t bytes = (size_t(std::max<int64_t>(n, 1)) * 4 + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, bytes);
+  if (!p) throw std::bad_alloc();
+  return at::from_blob(p, {n}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kFloat));
+}
+
 // Every rank's string, in rank order, through the communicator (also a barrier).
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
   at::Tensor len = at::empty({1}, at::kLong);
@@ -169,8 +179,10 @@ void uncommit_existing(Communicator& comm, const fs::path& root, const std::stri
   comm.barrier();
 }
 
+// `copy`: host copies of the slices (an asynchronous save, while training changes them); else
+// views of the host-placed slices themselves (a synchronous save writes straight from them).
 Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
-                       const std::string& name, const CheckpointMeta& meta) {
+                       const std::string& name, const CheckpointMeta& meta, bool copy) {
   Snapshot snap;
   snap.root = root;
   snap.dir = root / name;
@@ -180,9 +192,15 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
   for (size_t u = 0; u < part.num_units(); ++u) {
     const UnitLayout& L = part.unit(u);
     const int64_t valid = int64_t(L.shard_valid_numel(snap.rank));
-    for (int k = 0; k < Engine::kStateKinds; ++k)
-      snap.slices.emplace_back(u, k, L.shard_begin(snap.rank),
-                               engine.state_slice(u, Engine::StateKind(k)).narrow(0, 0, valid).to(at::kCPU, false, true));
+    for (int k = 0; k < Engine::kStateKinds; ++k) {
+      at::Tensor slice = engine.state_slice(u, Engine::StateKind(k)).narrow(0, 0, valid);
+      if (copy || !slice.is_cpu()) {
+        at::Tensor c = aligned_floats(valid);
+        c.copy_(slice);
+        slice = c;
+      }
+      snap.slices.emplace_back(u, k, L.shard_begin(snap.rank), slice);
+    }
   }
   const Engine::Counters c = engine.counters();
   snap.manifest = {{"format", kFormatVersion},
@@ -254,7 +272,7 @@ void commit(Communicator& comm, Snapshot& snap, const std::string& index) {
 fs::path save_checkpoint(Engine& engine, Communicator& comm, const fs::path& root,
                          const std::string& name, const CheckpointMeta& meta) {
   uncommit_existing(comm, root, name);
-  Snapshot snap = take_snapshot(engine, comm, root, name, meta);
+  Snapshot snap = take_snapshot(engine, comm, root, name, meta, /*copy=*/false);
   // A rank whose writes failed must still take part in the collectives, then all ranks fail.
   std::string index, error;
   try {
@@ -293,7 +311,7 @@ double AsyncCheckpointer::start(Engine& engine, const fs::path& root, const std:
   if (pending_) finish();  // one save at a time: the earlier one completes first
   uncommit_existing(comm_, root, name);
   pending_ = std::make_unique<Pending>();
-  pending_->snap = take_snapshot(engine, comm_, root, name, meta);
+  pending_->snap = take_snapshot(engine, comm_, root, name, meta, /*copy=*/true);
   Pending* p = pending_.get();
   p->writer = std::thread([p] {
     try {
@@ -514,7 +532,7 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
         throw std::runtime_error("checkpoint " + dir.string() + ": data file " + fname + " is missing");
       it = files.emplace(fname, offload::File::open(p, offload::OpenMode::kRead)).first;
     }
-    at::Tensor buf = at::empty({int64_t(e - b)}, at::kFloat);
+    at::Tensor buf = aligned_floats(int64_t(e - b));
     auto span = std::span<std::byte>(reinterpret_cast<std::byte*>(buf.data_ptr<float>()), (e - b) * 4);
     reads.push_back({&c, buf, io->read(it->second, c["offset"].get<uint64_t>(), span)});
   }

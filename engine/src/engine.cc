@@ -3,6 +3,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <stdexcept>
 #include <thread>
@@ -99,10 +101,17 @@ struct Engine::Impl {
   at::TensorOptions host_options(at::ScalarType t) const {
     return at::TensorOptions().dtype(t).pinned_memory(dev.torch_device().is_cuda());
   }
+  // Host state is page aligned (pinned on GPU machines), so that checkpoints and the NVMe tier
+  // can move it with O_DIRECT straight from where it lives.
   at::Tensor alloc_state(Placement where, uint64_t numel, at::ScalarType t, const std::string& what) {
     if (where == Placement::kDevice) return dev.empty({int64_t(numel)}, t, what);
-    host_state += numel * c10::elementSize(t);
-    return at::empty({int64_t(numel)}, host_options(t));
+    const uint64_t bytes = numel * c10::elementSize(t);
+    host_state += bytes;
+    if (dev.torch_device().is_cuda()) return at::empty({int64_t(numel)}, host_options(t));
+    void* p = std::aligned_alloc(4096, std::max<uint64_t>(4096, (bytes + 4095) / 4096 * 4096));
+    if (!p) throw std::bad_alloc();
+    return at::from_blob(p, {int64_t(numel)}, [](void* q) { std::free(q); },
+                         at::TensorOptions().dtype(t));
   }
   // Device bytes a gathered unit holds: the full buffer, plus the staged shard while host-placed
   // compute copies are on their way.

@@ -1,0 +1,21 @@
+// `strata bench ckpt`: checkpoint save and restore bandwidth of an engine's state, beside fio's
+// sequential write and read (1 MiB, queue depth 32) on the same directory and beside
+// torch::save / torch::load of the same tensors, in one run.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+namespace strata::bench {
+
+struct CkptBenchOptions {
+  std::filesystem::path dir = "strata-bench-ckpt";
+  std::string preset = "gpt2";  // model whose fp32 master and moments are saved
+  int64_t layers = 0;           // 0: the preset's
+  std::string fio = "fio";      // or "none"
+};
+
+void run_ckpt_bench(const CkptBenchOptions& options);
+
+}  // namespace strata::bench
