@@ -224,6 +224,11 @@ std::string write_rank_files(const Snapshot& snap) {
   offload::File file = offload::File::open(data_path, offload::OpenMode::kTruncate);
   json chunks = json::array();
   std::vector<offload::IoFuture> writes;
+  uint64_t total = 0;  // allocate the file's extents up front: no allocating direct writes
+  for (const auto& [u, k, begin, data] : snap.slices)
+    for (uint64_t e = 0; e < uint64_t(data.numel()); e += kChunkElements)
+      total += (std::min(kChunkElements, uint64_t(data.numel()) - e) * 4 + kAlign - 1) / kAlign * kAlign;
+  if (total > 0) file.reserve(0, total);
   uint64_t offset = 0;
   for (const auto& [u, k, begin, data] : snap.slices) {
     const auto* base = reinterpret_cast<const std::byte*>(data.data_ptr<float>());
@@ -515,6 +520,8 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
     const json* chunk;
     at::Tensor buf;
     offload::IoFuture done;
+    int kind;
+    bool direct;  // buf is a view of the slice itself
   };
   std::vector<Read> reads;
   std::vector<uint64_t> covered(part.num_units() * Engine::kStateKinds, 0);
@@ -532,9 +539,18 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
         throw std::runtime_error("checkpoint " + dir.string() + ": data file " + fname + " is missing");
       it = files.emplace(fname, offload::File::open(p, offload::OpenMode::kRead)).first;
     }
-    at::Tensor buf = aligned_floats(int64_t(e - b));
+    // A chunk wholly inside this rank's range is read straight into the (page-aligned) slice;
+    // others go through a buffer and only their overlap is copied.
+    int k = 0;
+    while (k < Engine::kStateKinds && c["kind"] != kKindNames[k]) ++k;
+    if (k == Engine::kStateKinds)
+      throw std::runtime_error("checkpoint " + dir.string() + ": unknown state kind " + c["kind"].dump());
+    at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
+    const bool direct = b >= want_b && e <= want_e && slice.is_cpu();
+    at::Tensor buf = direct ? slice.narrow(0, int64_t(b - want_b), int64_t(e - b))
+                            : aligned_floats(int64_t(e - b));
     auto span = std::span<std::byte>(reinterpret_cast<std::byte*>(buf.data_ptr<float>()), (e - b) * 4);
-    reads.push_back({&c, buf, io->read(it->second, c["offset"].get<uint64_t>(), span)});
+    reads.push_back({&c, buf, io->read(it->second, c["offset"].get<uint64_t>(), span), k, direct});
   }
   for (Read& r : reads) {
     const json& c = *r.chunk;
@@ -552,16 +568,15 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
       throw std::runtime_error("checkpoint " + dir.string() + ": chunk " + where +
                                " is corrupt (CRC32C mismatch)");
     const size_t u = c["unit"].get<size_t>();
-    int k = 0;
-    while (k < Engine::kStateKinds && c["kind"] != kKindNames[k]) ++k;
-    if (k == Engine::kStateKinds)
-      throw std::runtime_error("checkpoint " + dir.string() + ": unknown state kind in chunk " + where);
+    const int k = r.kind;
     const UnitLayout& L = part.unit(u);
     const uint64_t want_b = L.shard_begin(rank), want_e = want_b + L.shard_valid_numel(rank);
     const uint64_t b = c["begin"].get<uint64_t>(), e = b + c["numel"].get<uint64_t>();
     const uint64_t lo = std::max(b, want_b), hi = std::min(e, want_e);
-    at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
-    slice.narrow(0, int64_t(lo - want_b), int64_t(hi - lo)).copy_(r.buf.narrow(0, int64_t(lo - b), int64_t(hi - lo)));
+    if (!r.direct)
+      engine.state_slice(u, Engine::StateKind(k))
+          .narrow(0, int64_t(lo - want_b), int64_t(hi - lo))
+          .copy_(r.buf.narrow(0, int64_t(lo - b), int64_t(hi - lo)));
     covered[u * Engine::kStateKinds + size_t(k)] += hi - lo;
   }
   for (size_t u = 0; u < part.num_units(); ++u)

@@ -190,4 +190,10 @@ std::unique_ptr<Communicator> Communicator::create(const DistEnv& env,
   return std::make_unique<GlooComm>(env, timeout, with_cuda);
 }
 
+std::unique_ptr<Communicator> Communicator::create_process_groups(const DistEnv& env,
+                                                                  std::chrono::milliseconds timeout,
+                                                                  bool with_cuda) {
+  return std::make_unique<GlooComm>(env, timeout, with_cuda);
+}
+
 }  // namespace strata::engine

@@ -72,6 +72,7 @@ at::Tensor Device::empty(at::IntArrayRef shape, at::ScalarType dtype, const std:
 void Device::acquire(uint64_t bytes, const std::string& what) {
   uint64_t cur = used_.load();
   do {
+    while (cur + bytes > budget_ && reclaim()) cur = used_.load();
     if (cur + bytes > budget_)
       throw BudgetExceeded("device budget exceeded: " + what + " needs " + format_bytes(bytes) +
                            ", " + format_bytes(cur) + " of " + format_bytes(budget_) +

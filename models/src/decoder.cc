@@ -166,8 +166,9 @@ class LlamaBlock final : public Stage {
     at::Tensor k = split_heads(dense(h, wk, bk), c_.kv_heads, c_.head_dim);
     at::Tensor v = split_heads(dense(h, wv, bv), c_.kv_heads, c_.head_dim);
     // Rotary embeddings as transformers computes them (fp32 angles, cat(freqs, freqs)).
-    const at::Tensor inv_freq = rope_inv_freq(c_);
-    const at::Tensor pos = at::arange(t, at::kLong).to(at::kFloat);
+    // inv_freq on the CPU as transformers computes it; the angles on the input's device.
+    const at::Tensor inv_freq = rope_inv_freq(c_).to(x.device());
+    const at::Tensor pos = at::arange(t, at::TensorOptions().dtype(at::kLong).device(x.device())).to(at::kFloat);
     const at::Tensor freqs = at::outer(pos, inv_freq);
     const at::Tensor emb = at::cat({freqs, freqs}, -1);
     const at::Tensor cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());

@@ -65,7 +65,8 @@ class AsyncCheckpointer {
   std::unique_ptr<Pending> pending_;
 };
 
-// Collective: loads a committed checkpoint directory (any world size) into `engine`.
+// Collective: loads a committed checkpoint directory (any world size) into `engine`. If it
+// throws (corrupt chunk, missing file), the engine's state is undefined: load again or rebuild.
 CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm,
                                const std::filesystem::path& checkpoint_dir);
 

@@ -50,10 +50,15 @@ class Communicator {
     virtual void wait() = 0;
   };
 
-  // `with_cuda`: also create an NCCL group for CUDA tensors (written, not yet run on a GPU).
+  // `with_cuda`: also create an NCCL group for CUDA tensors.
   static std::unique_ptr<Communicator> create(const DistEnv& env,
                                               std::chrono::milliseconds timeout,
                                               bool with_cuda = false);
+  // Always the process groups (Gloo, and NCCL when with_cuda), even for a world of one: tests
+  // use it to run the real NCCL path on a single GPU.
+  static std::unique_ptr<Communicator> create_process_groups(const DistEnv& env,
+                                                             std::chrono::milliseconds timeout,
+                                                             bool with_cuda);
   virtual ~Communicator() = default;
   int rank() const { return rank_; }
   int world_size() const { return world_; }

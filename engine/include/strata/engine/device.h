@@ -2,8 +2,7 @@
 // which copies and host functions run asynchronously, ordered by events.
 //
 // Two implementations: the host device (compute on the CPU; the copy stream is a worker thread,
-// so ordering and overlap bugs show up on machines without a GPU) and CUDA (cuda_device.cc:
-// compiled, not yet run on a GPU). Stream model,
+// so ordering and overlap bugs show up on machines without a GPU) and CUDA (cuda_device.cc). Stream model,
 // the same on both: work enqueued on one stream runs in order; different streams run
 // concurrently; `wait(stream, event)` orders a stream after an event recorded on another. The
 // compute stream is the calling thread's: torch ops issued by the engine run on it (on the host
@@ -54,7 +53,6 @@ class Device {
   // The host device. `budget_bytes` bounds what the engine allocates through empty().
   static std::unique_ptr<Device> create_host(uint64_t budget_bytes);
   // CUDA device `index` (builds with CUDA only; throws std::runtime_error if none is visible).
-  // Written but never run on a GPU yet.
   static std::unique_ptr<Device> create_cuda(int index, uint64_t budget_bytes);
   // From the configuration's device.type: "cpu" or "cuda" (LOCAL_RANK picks the GPU).
   static std::unique_ptr<Device> create(const std::string& type, int local_rank, uint64_t budget_bytes);
@@ -114,6 +112,10 @@ class Device {
 
  protected:
   explicit Device(uint64_t budget_bytes) : budget_(budget_bytes) {}
+  // Frees device memory that is held only by finished (or, waiting, the oldest unfinished)
+  // asynchronous work; true if anything was freed. Called before a request would exceed the
+  // budget.
+  virtual bool reclaim() { return false; }
   virtual void* raw_allocate(size_t bytes) = 0;
   virtual void raw_free(void* ptr) = 0;
 

@@ -1,0 +1,75 @@
+// The engine on a CUDA device (label gpu; skipped where no GPU is visible): the equivalence with
+// plain libtorch of engine_equivalence_test.cc, here with the reference run on the same GPU, for
+// host-placed state (CPU Adam, pinned staging copies on the copy stream), device-placed state
+// (the CUDA Adam kernel) through a real NCCL process group of one rank, and bf16 compute.
+#include <c10/cuda/CUDAFunctions.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include "equivalence.h"
+
+namespace {
+
+using namespace strata::test;
+
+bool have_gpu() { return c10::cuda::device_count() > 0; }
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible"
+
+const c10::Device kCuda(c10::kCUDA, 0);
+
+TEST(EngineCuda, HostStateUnderBudgetMatchesLibtorchOnTheGpu) {
+  REQUIRE_GPU();
+  se::TrainConfig tc = se::parse_train_config(tiny_config(false, 8).dump(), "test");
+  tc.engine.device = "cuda";
+  const uint64_t budget = 1200 * 1024;
+  ASSERT_LT(budget, param_bytes(tc.model));
+  uint64_t peak = 0;
+  Trajectory got = run_in_process(tc, budget, &peak, "cuda");
+  EXPECT_GT(peak, budget / 2) << "the budget should be what limits the run";
+  EXPECT_LE(peak, budget);
+  expect_close(got, reference(tc, 1, kCuda), 1e-5);
+}
+
+TEST(EngineCuda, DeviceStateThroughNcclMatchesLibtorchOnTheGpu) {
+  REQUIRE_GPU();
+  json j = tiny_config(true, 5);
+  j["optimizer"]["type"] = "adam";
+  j["optimizer"]["clip_grad_norm"] = 0.5;
+  j["device"] = {{"type", "cuda"}, {"prefetch", 2}};
+  j["placement"] = {{"params", "device"}, {"grads", "device"}, {"master", "device"}, {"moments", "device"}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  se::DistEnv env;
+  env.master_port = 20000 + int(getpid() % 20000);
+  auto comm = se::Communicator::create_process_groups(env, std::chrono::seconds(60), /*with_cuda=*/true);
+  uint64_t peak = 0;
+  Trajectory got = run_in_process(tc, UINT64_MAX, &peak, "cuda", comm.get());
+  EXPECT_GE(peak, 5 * param_bytes(tc.model)) << "state is not on the device";
+  expect_close(got, reference(tc, 1, kCuda), 1e-5);
+}
+
+TEST(EngineCuda, Bf16TracksFp32OnTheGpu) {
+  REQUIRE_GPU();
+  json j = tiny_config(true, 3);
+  j["run"]["steps"] = 12;
+  j["device"] = {{"type", "cuda"}};
+  const se::TrainConfig fp32 = se::parse_train_config(j.dump(), "test");
+  j["precision"] = {{"compute", "bf16"}, {"reduce", "bf16"}};
+  const se::TrainConfig bf16 = se::parse_train_config(j.dump(), "test");
+  uint64_t peak = 0;
+  const Trajectory want = run_in_process(fp32, UINT64_MAX, &peak, "cuda");
+  const Trajectory got = run_in_process(bf16, UINT64_MAX, &peak, "cuda");
+  for (size_t i = 0; i < want.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], want.losses[i], 1e-2 * want.losses[i]) << "step " << i + 1;
+  EXPECT_LT(got.losses.back(), got.losses.front() - 0.5);
+  double worst = 0, any = 0;
+  for (auto& [name, w] : want.params) {
+    const double e = relative(got.params.at(name), w);
+    worst = std::max(worst, e);
+    any += e;
+  }
+  EXPECT_LT(worst, 6e-2);  // the CPU suite's bound for the same run
+  EXPECT_GT(any, 0.0) << "bf16 run identical to fp32: bf16 compute was not used";
+}
+
+}  // namespace
