@@ -15,6 +15,11 @@
 #include <vector>
 
 #include "strata/kernels/cpu_optim.h"
+#ifdef STRATA_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "strata/kernels/cuda_optim.h"
+#endif
 
 namespace strata::bench {
 
@@ -50,6 +55,49 @@ double stream_bandwidth(size_t bytes, unsigned threads) {
   }
   return best;
 }
+
+#ifdef STRATA_HAVE_CUDA
+// The CUDA Adam kernel on a GPU-resident partition beside PyTorch's fused CUDA AdamW
+// (at::_fused_adamw_ on CUDA tensors) and the device's copy bandwidth (a large device-to-device
+// copy, bytes read plus written). Returns the JSON fields, or null without a GPU.
+nlohmann::json cuda_adam_bench(int64_t n, unsigned steps) {
+  if (!kernels::cuda::device_available()) return nullptr;
+  std::cerr << "bench adam: CUDA, " << n << " parameters" << std::endl;
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
+  at::Tensor p = at::randn({n}, opts), m = at::zeros({n}, opts), v = at::zeros({n}, opts);
+  at::Tensor g = at::randn({n}, opts);
+  at::Tensor a = at::randn({n * 4}, opts), b = at::empty({n * 4}, opts);
+  auto sync = [] { cudaDeviceSynchronize(); };
+  int64_t step = 0;
+  auto ours = [&] {
+    kernels::AdamConfig c{kLr, kBeta1, kBeta2, kEps, kWd, true, ++step};
+    kernels::cuda::AdamTensor t{p.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                                g.data_ptr<float>(), nullptr, size_t(n)};
+    kernels::cuda::adam_step(c, &t, 1, kernels::DType::kF32, kernels::DType::kF32, nullptr);
+    sync();
+  };
+  at::Tensor step_t = at::zeros({}, opts);
+  auto fused = [&] {
+    step_t.add_(1);
+    at::_fused_adamw_({p}, {g}, {m}, {v}, {}, {step_t}, kLr, kBeta1, kBeta2, kWd, kEps, false,
+                      false, std::nullopt, std::nullopt);
+    sync();
+  };
+  auto copy = [&] {
+    b.copy_(a);
+    sync();
+  };
+  ours();
+  fused();
+  copy();
+  const std::vector<double> sec = median_seconds(steps, {ours, fused, copy});
+  const double copy_bps = 2.0 * double(b.nbytes()) / sec[2];
+  const double pps = double(n) / sec[0], fused_pps = double(n) / sec[1];
+  return {{"value", pps}, {"baseline", "at::_fused_adamw_ on CUDA"}, {"baseline_value", fused_pps},
+          {"ratio", pps / fused_pps}, {"copy_bandwidth_GBps", copy_bps / 1e9},
+          {"achieved_GBps", 28.0 * pps / 1e9}, {"fraction_of_copy_bandwidth", 28.0 * pps / copy_bps}};
+}
+#endif
 
 }  // namespace
 
@@ -138,6 +186,15 @@ void run_adam_bench(const AdamBenchOptions& o) {
     summary["fraction_of_bound"][c.name] = ours / bound_pps;
   }
   summary["baseline"] = "at::_fused_adamw_ (PyTorch fused=True), same threads";
+#ifdef STRATA_HAVE_CUDA
+  // The CUDA kernel, fp32, on the GPU when there is one (target: >= 80% of the copy bandwidth).
+  if (nlohmann::json cuda = cuda_adam_bench(n, o.steps); !cuda.is_null()) {
+    nlohmann::json line = {{"metric", "adam_cuda_fp32_params_per_s"}};
+    line.update(cuda);
+    std::cout << line.dump() << std::endl;
+    summary["cuda_fp32"] = cuda;
+  }
+#endif
   std::cout << summary.dump() << std::endl;
 }
 
