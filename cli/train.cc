@@ -27,6 +27,15 @@
 namespace strata::cli {
 namespace {
 
+// The process's peak resident set (VmHWM), in bytes; 0 where /proc does not say.
+uint64_t peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;  // kB
+  return 0;
+}
+
 constexpr const char* kTrainUsage = R"(usage: strata train [options]
 
 Trains a decoder model with Strata's engine (docs/CONFIG.md lists every configuration key).
@@ -159,7 +168,8 @@ int train_main(const std::vector<std::string>& argv) {
               << to_string(ec.moments) << "; device " << device->description() << " budget "
               << (ec.device_budget == UINT64_MAX ? "unlimited" : format_bytes(ec.device_budget))
               << ", " << format_bytes(m0.device_used) << " of state on it; host state "
-              << format_bytes(m0.host_state) << " per rank\n  data: " << corpus->description()
+              << format_bytes(m0.host_state) << ", NVMe state " << format_bytes(m0.nvme_state)
+              << " per rank\n  data: " << corpus->description()
               << "\n";
     if (!resumed_from.empty())
       std::cerr << "  resumed from " << resumed_from << " after step " << first_step << "\n";
@@ -193,6 +203,8 @@ int train_main(const std::vector<std::string>& argv) {
                           {"device_used", mem.device_used},
                           {"device_peak", mem.device_peak},
                           {"host_state", mem.host_state},
+                          {"nvme_state", mem.nvme_state},
+                          {"peak_rss", peak_rss_bytes()},
                           {"host_activations", mem.host_activations},
                           {"samples_consumed", loader.position()}};
       log << j.dump() << "\n" << std::flush;
@@ -201,12 +213,13 @@ int train_main(const std::vector<std::string>& argv) {
       char line[512];
       snprintf(line, sizeof line,
                "step %lld/%lld [%s] loss %.4f%s | %.0f tok/s | %.3f TFLOPS | device %s peak / %s"
-               " | host %s state + %s act",
+               " | host %s state + %s act | nvme %s",
                (long long)(s + 1), (long long)tc.steps, bar(double(s + 1) / double(tc.steps), 20).c_str(),
                r.loss, r.skipped ? " (skipped)" : "", double(r.tokens) / r.seconds, r.model_tflops,
                format_bytes(mem.device_peak).c_str(),
                mem.device_budget == UINT64_MAX ? "unlimited" : format_bytes(mem.device_budget).c_str(),
-               format_bytes(mem.host_state).c_str(), format_bytes(mem.host_activations).c_str());
+               format_bytes(mem.host_state).c_str(), format_bytes(mem.host_activations).c_str(),
+               format_bytes(mem.nvme_state).c_str());
       std::cerr << (tty ? "\r\033[K" : "") << line << (tty ? "" : "\n") << std::flush;
     }
   }

@@ -70,10 +70,28 @@ for phase in "${phases[@]}"; do
     for f in "$out"/bench-*.jsonl; do echo "== $f"; tail -1 "$f"; done
     ;;
   train)
-    for c in gpu-gpt-1.4b-host gpu-gpt-1.4b-device; do
-      (cd "$out" && timeout 300 "$strata" train --config "$repo/bench/configs/$c.json" --no-progress) >"$out/$c.err" 2>&1 || status=1
-      echo "== $c"; tail -3 "$out/$c.err"; tail -2 "$out/strata-$c.jsonl" 2>/dev/null | cut -c1-400
+    # One log and one error file for all runs (the device tool returns at most 8 files).
+    mkdir -p "$out/strata-swap"
+    for c in ${STRATA_TRAIN_CONFIGS:-gpu-gpt-1.4b-host gpu-gpt-1.4b-device gpu-gpt-1.4b-nvme gpu-gpt-2.8b-host}; do
+      echo "== $c" >>"$out/train.err"
+      (cd "$out" && timeout 300 "$strata" train --config "$repo/bench/configs/$c.json" --no-progress) >>"$out/train.err" 2>&1 || status=1
+      echo "== $c"; tail -2 "$out/train.err"
+      f=$out/strata-${c#gpu-}.jsonl
+      if [ -f "$f" ]; then
+        python3 - "$f" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l]
+if rows:
+    steady = rows[1:] or rows
+    s = sorted(r["seconds"] for r in steady)[len(steady) // 2]
+    losses = " ".join("%.2f" % r["loss"] for r in rows)
+    print("  steps %d, median s/step after the first %.3f, model TFLOPS %.1f, losses %s, peak RSS %.1f GiB"
+          % (len(rows), s, rows[-1]["model_tflops"], losses, rows[-1].get("peak_rss", 0) / 2**30))
+PY
+        cat "$f" >>"$out/train.jsonl"; rm -f "$f"
+      fi
     done
+    rm -rf "$out/strata-swap"
     ;;
   baseline)
     for mode in plain fsdp2; do

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <fstream>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -512,10 +513,19 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
     throw std::runtime_error("checkpoint " + dir.string() + " holds a different model (" + why + ")");
   }
 
-  // The element range of each (unit, kind) this rank needs, and the chunks that overlap it.
+  // Unit by unit (so that NVMe-placed state is held in memory one unit at a time): this rank's
+  // slices, the chunks that overlap their element range read in parallel and checked, then the
+  // slices stored back.
   const int rank = comm.rank();
   auto io = offload::IoEngine::create();
   std::map<std::string, offload::File> files;
+  std::vector<std::vector<const json*>> unit_chunks(part.num_units());
+  for (const json& c : m["chunks"]) {
+    const size_t u = c["unit"].get<size_t>();
+    if (u >= part.num_units())
+      throw std::runtime_error("checkpoint " + dir.string() + ": chunk of unknown unit " + std::to_string(u));
+    unit_chunks[u].push_back(&c);
+  }
   struct Read {
     const json* chunk;
     at::Tensor buf;
@@ -523,61 +533,64 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
     int kind;
     bool direct;  // buf is a view of the slice itself
   };
-  std::vector<Read> reads;
   std::vector<uint64_t> covered(part.num_units() * Engine::kStateKinds, 0);
-  for (const json& c : m["chunks"]) {
-    const size_t u = c["unit"].get<size_t>();
+  for (size_t u = 0; u < part.num_units(); ++u) {
     const UnitLayout& L = part.unit(u);
     const uint64_t want_b = L.shard_begin(rank), want_e = want_b + L.shard_valid_numel(rank);
-    const uint64_t b = c["begin"].get<uint64_t>(), e = b + c["numel"].get<uint64_t>();
-    if (e <= want_b || b >= want_e) continue;
-    const std::string fname = c["file"].get<std::string>();
-    auto it = files.find(fname);
-    if (it == files.end()) {
-      const fs::path p = dir / fname;
-      if (!fs::exists(p))
-        throw std::runtime_error("checkpoint " + dir.string() + ": data file " + fname + " is missing");
-      it = files.emplace(fname, offload::File::open(p, offload::OpenMode::kRead)).first;
+    std::array<at::Tensor, Engine::kStateKinds> slices;
+    for (int k = 0; k < Engine::kStateKinds; ++k) slices[k] = engine.state_slice(u, Engine::StateKind(k));
+    std::vector<Read> reads;
+    try {
+      for (const json* cp : unit_chunks[u]) {
+        const json& c = *cp;
+        const uint64_t b = c["begin"].get<uint64_t>(), e = b + c["numel"].get<uint64_t>();
+        if (e <= want_b || b >= want_e) continue;
+        const std::string fname = c["file"].get<std::string>();
+        auto it = files.find(fname);
+        if (it == files.end()) {
+          const fs::path p = dir / fname;
+          if (!fs::exists(p))
+            throw std::runtime_error("checkpoint " + dir.string() + ": data file " + fname + " is missing");
+          it = files.emplace(fname, offload::File::open(p, offload::OpenMode::kRead)).first;
+        }
+        int k = 0;
+        while (k < Engine::kStateKinds && c["kind"] != kKindNames[k]) ++k;
+        if (k == Engine::kStateKinds)
+          throw std::runtime_error("checkpoint " + dir.string() + ": unknown state kind " + c["kind"].dump());
+        // A chunk wholly inside this rank's range is read straight into the (page-aligned) host
+        // slice; others go through a buffer and only their overlap is copied.
+        const bool direct = b >= want_b && e <= want_e && slices[k].is_cpu();
+        at::Tensor buf = direct ? slices[k].narrow(0, int64_t(b - want_b), int64_t(e - b))
+                                : aligned_floats(int64_t(e - b));
+        auto span = std::span<std::byte>(reinterpret_cast<std::byte*>(buf.data_ptr<float>()), (e - b) * 4);
+        reads.push_back({&c, buf, io->read(it->second, c["offset"].get<uint64_t>(), span), k, direct});
+      }
+      for (Read& r : reads) {
+        const json& c = *r.chunk;
+        const std::string where = c["file"].get<std::string>() + " at offset " +
+                                  std::to_string(c["offset"].get<uint64_t>()) + " (unit " + L.name + ", " +
+                                  c["kind"].get<std::string>() + ", elements " +
+                                  std::to_string(c["begin"].get<uint64_t>()) + "+" +
+                                  std::to_string(c["numel"].get<uint64_t>()) + ")";
+        const offload::IoStatus st = r.done.wait();
+        if (!st.ok())
+          throw std::runtime_error("checkpoint " + dir.string() + ": cannot read chunk " + where + ": " +
+                                   st.message());
+        if (offload::crc32c(r.buf.data_ptr<float>(), size_t(r.buf.numel()) * 4) != c["crc32c"].get<uint32_t>())
+          throw std::runtime_error("checkpoint " + dir.string() + ": chunk " + where +
+                                   " is corrupt (CRC32C mismatch)");
+        const uint64_t b = c["begin"].get<uint64_t>(), e = b + c["numel"].get<uint64_t>();
+        const uint64_t lo = std::max(b, want_b), hi = std::min(e, want_e);
+        if (!r.direct)
+          slices[r.kind].narrow(0, int64_t(lo - want_b), int64_t(hi - lo))
+              .copy_(r.buf.narrow(0, int64_t(lo - b), int64_t(hi - lo)));
+        covered[u * Engine::kStateKinds + size_t(r.kind)] += hi - lo;
+      }
+    } catch (...) {
+      for (Read& r : reads) r.done.wait();  // no read may land in a freed buffer
+      throw;
     }
-    // A chunk wholly inside this rank's range is read straight into the (page-aligned) slice;
-    // others go through a buffer and only their overlap is copied.
-    int k = 0;
-    while (k < Engine::kStateKinds && c["kind"] != kKindNames[k]) ++k;
-    if (k == Engine::kStateKinds)
-      throw std::runtime_error("checkpoint " + dir.string() + ": unknown state kind " + c["kind"].dump());
-    at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
-    const bool direct = b >= want_b && e <= want_e && slice.is_cpu();
-    at::Tensor buf = direct ? slice.narrow(0, int64_t(b - want_b), int64_t(e - b))
-                            : aligned_floats(int64_t(e - b));
-    auto span = std::span<std::byte>(reinterpret_cast<std::byte*>(buf.data_ptr<float>()), (e - b) * 4);
-    reads.push_back({&c, buf, io->read(it->second, c["offset"].get<uint64_t>(), span), k, direct});
-  }
-  for (Read& r : reads) {
-    const json& c = *r.chunk;
-    const std::string where = c["file"].get<std::string>() + " at offset " +
-                              std::to_string(c["offset"].get<uint64_t>()) + " (unit " +
-                              part.unit(c["unit"].get<size_t>()).name + ", " +
-                              c["kind"].get<std::string>() + ", elements " +
-                              std::to_string(c["begin"].get<uint64_t>()) + "+" +
-                              std::to_string(c["numel"].get<uint64_t>()) + ")";
-    const offload::IoStatus st = r.done.wait();
-    if (!st.ok())
-      throw std::runtime_error("checkpoint " + dir.string() + ": cannot read chunk " + where + ": " +
-                               st.message());
-    if (offload::crc32c(r.buf.data_ptr<float>(), size_t(r.buf.numel()) * 4) != c["crc32c"].get<uint32_t>())
-      throw std::runtime_error("checkpoint " + dir.string() + ": chunk " + where +
-                               " is corrupt (CRC32C mismatch)");
-    const size_t u = c["unit"].get<size_t>();
-    const int k = r.kind;
-    const UnitLayout& L = part.unit(u);
-    const uint64_t want_b = L.shard_begin(rank), want_e = want_b + L.shard_valid_numel(rank);
-    const uint64_t b = c["begin"].get<uint64_t>(), e = b + c["numel"].get<uint64_t>();
-    const uint64_t lo = std::max(b, want_b), hi = std::min(e, want_e);
-    if (!r.direct)
-      engine.state_slice(u, Engine::StateKind(k))
-          .narrow(0, int64_t(lo - want_b), int64_t(hi - lo))
-          .copy_(r.buf.narrow(0, int64_t(lo - b), int64_t(hi - lo)));
-    covered[u * Engine::kStateKinds + size_t(k)] += hi - lo;
+    for (int k = 0; k < Engine::kStateKinds; ++k) engine.store_state_slice(u, Engine::StateKind(k), slices[k]);
   }
   for (size_t u = 0; u < part.num_units(); ++u)
     for (int k = 0; k < Engine::kStateKinds; ++k)

@@ -20,7 +20,14 @@ const char* to_string(Precision p) {
   }
   return "?";
 }
-const char* to_string(Placement p) { return p == Placement::kDevice ? "device" : "host"; }
+const char* to_string(Placement p) {
+  switch (p) {
+    case Placement::kDevice: return "device";
+    case Placement::kHost: return "host";
+    case Placement::kNvme: return "nvme";
+  }
+  return "?";
+}
 
 void EngineConfig::validate() const {
   auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
@@ -38,9 +45,17 @@ void EngineConfig::validate() const {
   if (loss_scale_window < 1) bad("precision.loss_scale_window must be >= 1");
   if (device != "cpu" && device != "cuda")
     bad("device.type must be \"cpu\" or \"cuda\", not \"" + device + "\"");
-  if (grads != master || moments != master)
-    bad("placement.grads, placement.moments and placement.master must be the same: the optimizer "
-        "runs where the master weights live and reads gradients and moments there");
+  if (moments != master)
+    bad("placement.moments and placement.master must be the same: the optimizer updates them "
+        "together where they live");
+  if (grads != master && !(master == Placement::kNvme && grads == Placement::kHost))
+    bad("placement.grads must be placement.master's (or \"host\" with master on \"nvme\"): the "
+        "optimizer runs where the master weights live and reads the gradients there");
+  const bool nvme = params == Placement::kNvme || grads == Placement::kNvme || master == Placement::kNvme;
+  if (nvme && nvme_dirs.empty())
+    bad("a placement is \"nvme\" but offload.nvme_dirs is empty: name at least one directory");
+  if (io_queue_depth < 1 || io_queue_depth > 4096) bad("offload.queue_depth must be in 1..4096");
+  if (nvme_chunk_bytes < 4096) bad("offload.optimizer_chunk must be >= 4KiB");
   if (device_budget == 0) bad("device.budget must be > 0");
   if (prefetch < 0) bad("device.prefetch must be >= 0");
   if (!(timeout_s > 0)) bad("distributed.timeout_s must be > 0");
@@ -239,7 +254,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
   if (const json* p = top.get("placement")) {
     Section s(*p, "placement", source);
     std::initializer_list<std::pair<const char*, Placement>> names = {
-        {"device", Placement::kDevice}, {"host", Placement::kHost}};
+        {"device", Placement::kDevice}, {"host", Placement::kHost}, {"nvme", Placement::kNvme}};
     s.read_enum("params", e.params, names);
     s.read_enum("grads", e.grads, names);
     s.read_enum("master", e.master, names);
@@ -251,6 +266,19 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read_bytes("budget", e.device_budget);
     s.read("prefetch", e.prefetch);
     s.read("cpu_threads", e.cpu_threads);
+  }
+  if (const json* o = top.get("offload")) {
+    Section s(*o, "offload", source);
+    if (const json* dirs = s.get("nvme_dirs")) {
+      if (!dirs->is_array()) s.fail("nvme_dirs", "must be an array of directory paths");
+      for (const json& d : *dirs) {
+        if (!d.is_string() || d.get<std::string>().empty())
+          s.fail("nvme_dirs", "must hold non-empty strings, not " + d.dump());
+        e.nvme_dirs.push_back(d.get<std::string>());
+      }
+    }
+    s.read("queue_depth", e.io_queue_depth);
+    s.read_bytes("optimizer_chunk", e.nvme_chunk_bytes);
   }
   if (const json* d = top.get("distributed")) {
     Section s(*d, "distributed", source);

@@ -10,6 +10,8 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <array>
+#include <functional>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -19,6 +21,8 @@
 #include <unordered_map>
 
 #include "strata/kernels/cpu_optim.h"
+#include "strata/offload/io_engine.h"
+#include "strata/offload/swap_space.h"
 #ifdef STRATA_HAVE_CUDA
 #include <c10/cuda/CUDAStream.h>
 
@@ -53,11 +57,26 @@ struct ParamRef {
   size_t slot = 0;
 };
 
+// The state kinds of one unit's shard. A kind placed on NVMe has no tensor here: it lives in the
+// swap partition "<unit>.<kind>" and is streamed through host buffers when used.
+enum Kind { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGrad = 3, kCompute = 4, kKinds = 5 };
+const char* const kKindName[kKinds] = {"master", "exp_avg", "exp_avg_sq", "grad", "compute"};
+
 struct UnitState {
   at::Tensor master, exp_avg, exp_avg_sq;  // fp32 [shard]
   at::Tensor grad;                         // fp32 [shard], accumulated over micro-batches
   at::Tensor compute;                      // compute dtype [shard]
   std::vector<at::Tensor> tensors;         // the module tensors, in slot order
+  bool grad_fresh = true;                  // NVMe gradients: the next reduce writes, not adds
+  at::Tensor& kind(int k) {
+    switch (k) {
+      case kMaster: return master;
+      case kExpAvg: return exp_avg;
+      case kExpAvgSq: return exp_avg_sq;
+      case kGrad: return grad;
+      default: return compute;
+    }
+  }
 };
 
 struct Gathered {
@@ -96,6 +115,32 @@ struct Engine::Impl {
   double loss_scale = 1.0;
   int64_t good_steps = 0;
   kernels::CpuExec exec;
+  // NVMe tier (when any kind is placed there): this rank's swap files through the I/O engine.
+  std::unique_ptr<offload::IoEngine> io;
+  std::unique_ptr<offload::SwapSpace> swap;
+  uint64_t nvme_state = 0;
+
+  Placement placement(int k) const {
+    switch (k) {
+      case kMaster: return cfg.master;
+      case kExpAvg:
+      case kExpAvgSq: return cfg.moments;
+      case kGrad: return cfg.grads;
+      default: return cfg.params;
+    }
+  }
+  at::ScalarType kind_dtype(int k) const { return k == kCompute ? cdt : at::kFloat; }
+  std::string swap_name(size_t u, int k) const { return partition->unit(u).name + "." + kKindName[k]; }
+  static std::span<std::byte> bytes_of(const at::Tensor& t) {
+    return {static_cast<std::byte*>(t.data_ptr()), size_t(t.nbytes())};
+  }
+  // Elements [begin, begin + dst.numel()) of an NVMe-placed kind into dst (host, contiguous).
+  offload::IoFuture swap_read(size_t u, int k, uint64_t begin, const at::Tensor& dst) {
+    return swap->read(swap_name(u, k), begin * c10::elementSize(kind_dtype(k)), bytes_of(dst));
+  }
+  offload::IoFuture swap_write(size_t u, int k, uint64_t begin, const at::Tensor& src) {
+    return swap->write(swap_name(u, k), begin * c10::elementSize(kind_dtype(k)), bytes_of(src));
+  }
 
   // Host memory that the device copies from or to: pinned when the device is a GPU.
   at::TensorOptions host_options(at::ScalarType t) const {
@@ -105,8 +150,12 @@ struct Engine::Impl {
   // can move it with O_DIRECT straight from where it lives.
   at::Tensor alloc_state(Placement where, uint64_t numel, at::ScalarType t, const std::string& what) {
     if (where == Placement::kDevice) return dev.empty({int64_t(numel)}, t, what);
+    host_state += numel * c10::elementSize(t);
+    return host_buffer(numel, t);
+  }
+  // A page-aligned host buffer (pinned on GPU machines): what direct I/O and copies need.
+  at::Tensor host_buffer(uint64_t numel, at::ScalarType t) const {
     const uint64_t bytes = numel * c10::elementSize(t);
-    host_state += bytes;
     if (dev.torch_device().is_cuda()) return at::empty({int64_t(numel)}, host_options(t));
     void* p = std::aligned_alloc(4096, std::max<uint64_t>(4096, (bytes + 4095) / 4096 * 4096));
     if (!p) throw std::bad_alloc();
@@ -117,7 +166,7 @@ struct Engine::Impl {
   // compute copies are on their way.
   uint64_t unit_param_bytes(size_t u) const {
     const UnitLayout& L = partition->unit(u);
-    return (L.padded_numel() + (cfg.params == Placement::kHost ? L.shard_numel : 0)) *
+    return (L.padded_numel() + (cfg.params != Placement::kDevice ? L.shard_numel : 0)) *
            c10::elementSize(cdt);
   }
   // Gather decisions use only this bookkeeping (sizes and the schedule, the same on every rank),
@@ -200,6 +249,16 @@ struct Engine::Impl {
       reserve_bytes = std::max(reserve_bytes, 4 * act + grads + (use.kind == Use::kHead ? logits : 0));
     }
 
+    if (cfg.master == Placement::kNvme || cfg.grads == Placement::kNvme || cfg.params == Placement::kNvme) {
+      offload::IoEngineConfig ic;
+      ic.queue_depth = cfg.io_queue_depth;
+      io = offload::IoEngine::create(ic);
+      offload::SwapConfig sc;
+      for (const std::string& d : cfg.nvme_dirs) sc.dirs.emplace_back(d);
+      sc.rank = comm.rank();
+      swap = std::make_unique<offload::SwapSpace>(*io, sc);
+    }
+
     // This rank's slices of the initial weights.
     const int rank = comm.rank();
     for (size_t u = 0; u < stages.size(); ++u) {
@@ -210,13 +269,28 @@ struct Engine::Impl {
       at::Tensor flat = at::cat(parts);
       UnitState st;
       const std::string un = " of unit " + L.name;
-      st.master = alloc_state(cfg.master, L.shard_numel, at::kFloat, "fp32 master" + un);
-      st.master.copy_(flat.narrow(0, int64_t(L.shard_begin(rank)), int64_t(L.shard_numel)));
-      st.exp_avg = alloc_state(cfg.moments, L.shard_numel, at::kFloat, "exp_avg" + un).zero_();
-      st.exp_avg_sq = alloc_state(cfg.moments, L.shard_numel, at::kFloat, "exp_avg_sq" + un).zero_();
-      st.grad = alloc_state(cfg.grads, L.shard_numel, at::kFloat, "gradient" + un).zero_();
-      st.compute = alloc_state(cfg.params, L.shard_numel, cdt, "compute copy" + un);
-      st.compute.copy_(st.master);
+      const at::Tensor master = flat.narrow(0, int64_t(L.shard_begin(rank)), int64_t(L.shard_numel));
+      std::vector<offload::IoFuture> writes;
+      std::vector<at::Tensor> buffers;  // alive until their writes complete
+      for (int k = 0; k < kKinds; ++k) {
+        const at::ScalarType t = kind_dtype(k);
+        if (placement(k) != Placement::kNvme) {
+          at::Tensor& x = st.kind(k);
+          x = alloc_state(placement(k), L.shard_numel, t, std::string(kKindName[k]) + un);
+          if (k == kMaster || k == kCompute) x.copy_(master);
+          else x.zero_();
+          continue;
+        }
+        swap->allocate(swap_name(u, k), L.shard_numel * c10::elementSize(t));
+        nvme_state += L.shard_numel * c10::elementSize(t);
+        if (k == kGrad) continue;  // written by the first reduce (grad_fresh)
+        at::Tensor init = host_buffer(L.shard_numel, t);
+        if (k == kMaster || k == kCompute) init.copy_(master);
+        else init.zero_();
+        writes.push_back(swap_write(u, k, 0, init));
+        buffers.push_back(init);
+      }
+      for (auto& w : writes) w.get();
       st.tensors = owned[u];
       units.push_back(std::move(st));
     }
@@ -243,10 +317,16 @@ struct Engine::Impl {
     Gathered g;
     g.flat = dev.empty({int64_t(L.padded_numel())}, cdt, "parameters of unit " + L.name);
     at::Tensor src = units[u].compute;
-    if (cfg.params == Placement::kHost) {
+    if (cfg.params != Placement::kDevice) {
       g.staging = dev.empty({int64_t(L.shard_numel)}, cdt, "staged shard of unit " + L.name);
       // The copy stream must not write memory the compute stream may still be using.
       dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));
+      if (cfg.params == Placement::kNvme) {
+        // NVMe -> host buffer now; the copy stream waits for the read before copying it up.
+        src = host_buffer(L.shard_numel, cdt);
+        offload::IoFuture read = swap_read(u, kCompute, 0, src);
+        dev.launch_host(dev.copy_stream(), [read] { read.get(); });
+      }
       dev.copy_async(g.staging, src, dev.copy_stream());
       dev.wait(dev.compute_stream(), dev.record(dev.copy_stream()));
       src = g.staging;
@@ -350,10 +430,29 @@ struct Engine::Impl {
         acc.add_(shard);
       } else {
         // Device -> host on the copy stream, then accumulated there in fp32.
-        at::Tensor host = at::empty({int64_t(L.shard_numel)}, host_options(shard.scalar_type()));
+        at::Tensor host = host_buffer(L.shard_numel, shard.scalar_type());
         dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // shard is filled there
         dev.copy_async(host, shard, dev.copy_stream());
-        dev.launch_host(dev.copy_stream(), [acc, host]() mutable { acc.add_(host); });
+        if (cfg.grads == Placement::kHost) {
+          dev.launch_host(dev.copy_stream(), [acc, host]() mutable { acc.add_(host); });
+        } else {
+          // NVMe: the first micro-batch writes the shard, later ones read, add and write back.
+          dev.launch_host(dev.copy_stream(), [this, u, host]() mutable {
+            at::Tensor h = host.scalar_type() == at::kFloat ? host : host.to(at::kFloat);
+            if (!units[u].grad_fresh) {
+              at::Tensor sum = host_buffer(uint64_t(h.numel()), at::kFloat);
+              swap_read(u, kGrad, 0, sum).get();
+              sum.add_(h);
+              h = sum;
+            } else if (!h.is_same(host)) {
+              at::Tensor aligned = host_buffer(uint64_t(h.numel()), at::kFloat);
+              aligned.copy_(h);
+              h = aligned;
+            }
+            swap_write(u, kGrad, 0, h).get();
+            units[u].grad_fresh = false;
+          });
+        }
       }
     }
   }
@@ -471,7 +570,10 @@ struct Engine::Impl {
       optimizer_step(ac);
       ++step;
     }
-    for (UnitState& u : units) u.grad.zero_();
+    for (UnitState& u : units) {
+      if (cfg.grads == Placement::kNvme) u.grad_fresh = true;
+      else u.grad.zero_();
+    }
     if (cfg.compute == Precision::kFp16) {
       if (r.skipped) {
         loss_scale = std::max(1.0, loss_scale / 2);
@@ -488,12 +590,101 @@ struct Engine::Impl {
     return r;
   }
 
+  // --- streaming through host buffers (NVMe placement) ----------------------------------------
+
+  struct Chunk {
+    size_t unit;
+    uint64_t begin, numel;  // elements of the unit's shard
+  };
+  using ChunkFn = std::function<void(const Chunk&, const std::array<void*, kKinds>&)>;
+
+  // Runs `fn` over this rank's shards, unit by unit in chunks of offload.optimizer_chunk, with a
+  // host pointer to the chunk of every kind in `in` | `out`: resident host state directly,
+  // NVMe-placed kinds through a ring of three host buffers (the kinds in `in` read one chunk
+  // ahead, those in `out` written back behind), device-placed compute copies through a buffer
+  // copied up after `fn`. Device-placed kinds other than the compute copy are not supported
+  // (the optimizer runs where the master weights live).
+  void stream_chunks(unsigned in, unsigned out, const ChunkFn& fn) {
+    const uint64_t chunk = std::max<uint64_t>(4096, cfg.nvme_chunk_bytes / 4 / 4096 * 4096);
+    std::vector<Chunk> items;
+    uint64_t largest = 0;
+    for (size_t u = 0; u < units.size(); ++u) {
+      const uint64_t n = partition->unit(u).shard_numel;
+      for (uint64_t b = 0; b < n; b += chunk) items.push_back({u, b, std::min(chunk, n - b)});
+      largest = std::max(largest, std::min(chunk, n));
+    }
+    unsigned buffered = 0;
+    for (int k = 0; k < kKinds; ++k)
+      if (((in | out) >> k & 1) &&
+          (placement(k) == Placement::kNvme || (k == kCompute && placement(k) == Placement::kDevice)))
+        buffered |= 1u << k;
+    struct Slot {
+      std::array<at::Tensor, kKinds> buf;
+      std::vector<offload::IoFuture> reads, writes;
+    };
+    std::array<Slot, 3> slots;
+    for (Slot& sl : slots)
+      for (int k = 0; k < kKinds; ++k)
+        if (buffered >> k & 1) sl.buf[k] = host_buffer(largest, kind_dtype(k));
+    auto issue_reads = [&](size_t i) {
+      Slot& sl = slots[i % slots.size()];
+      for (auto& w : sl.writes) w.get();
+      sl.writes.clear();
+      const Chunk& c = items[i];
+      for (int k = 0; k < kKinds; ++k)
+        if ((in & buffered) >> k & 1 && placement(k) == Placement::kNvme)
+          sl.reads.push_back(swap_read(c.unit, k, c.begin, sl.buf[k].narrow(0, 0, int64_t(c.numel))));
+    };
+    try {
+      if (!items.empty()) issue_reads(0);
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (i + 1 < items.size()) issue_reads(i + 1);
+        Slot& sl = slots[i % slots.size()];
+        for (auto& r : sl.reads) r.get();
+        sl.reads.clear();
+        const Chunk& c = items[i];
+        UnitState& U = units[c.unit];
+        std::array<void*, kKinds> ptr{};
+        for (int k = 0; k < kKinds; ++k) {
+          if (buffered >> k & 1) ptr[k] = sl.buf[k].data_ptr();
+          else if (((in | out) >> k & 1) && U.kind(k).defined())
+            ptr[k] = static_cast<char*>(U.kind(k).data_ptr()) + c.begin * c10::elementSize(kind_dtype(k));
+        }
+        fn(c, ptr);
+        for (int k = 0; k < kKinds; ++k) {
+          if (!((out & buffered) >> k & 1)) continue;
+          const at::Tensor b = sl.buf[k].narrow(0, 0, int64_t(c.numel));
+          if (placement(k) == Placement::kNvme) sl.writes.push_back(swap_write(c.unit, k, c.begin, b));
+          else U.kind(k).narrow(0, int64_t(c.begin), int64_t(c.numel)).copy_(b);
+        }
+      }
+      for (Slot& sl : slots)
+        for (auto& w : sl.writes) w.get();
+    } catch (...) {
+      // The buffers must outlive every transfer into or out of them.
+      for (Slot& sl : slots) {
+        for (auto& r : sl.reads) r.wait();
+        for (auto& w : sl.writes) w.wait();
+      }
+      throw;
+    }
+  }
+  bool optimizer_streams() const {
+    return cfg.master == Placement::kNvme || cfg.grads == Placement::kNvme || cfg.params == Placement::kNvme;
+  }
+
   // This rank's sum of squared gradients, where the gradients live (the CPU kernel, or the CUDA
   // kernel with the same reduction order).
   double local_sum_squares() {
     double sumsq = 0;
+    if (cfg.grads == Placement::kNvme) {
+      stream_chunks(1u << kGrad, 0, [&](const Chunk& c, const std::array<void*, kKinds>& p) {
+        sumsq += kernels::sum_squares(p[kGrad], kernels::DType::kF32, c.numel, exec);
+      });
+      return sumsq;
+    }
 #ifdef STRATA_HAVE_CUDA
-    if (units.front().grad.is_cuda()) {
+    if (cfg.grads == Placement::kDevice && units.front().grad.is_cuda()) {
       at::Tensor parts = dev.empty({int64_t(units.size())}, at::kDouble, "gradient norm");
       cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
       for (size_t i = 0; i < units.size(); ++i)
@@ -511,7 +702,7 @@ struct Engine::Impl {
   // Adam on every local slice where the master weights live, writing the next compute copies.
   void optimizer_step(const kernels::AdamConfig& ac) {
 #ifdef STRATA_HAVE_CUDA
-    if (units.front().master.is_cuda()) {
+    if (cfg.master == Placement::kDevice && units.front().master.is_cuda()) {
       // One multi-tensor launch; compute copies placed on the host are written to a device
       // buffer first and copied down.
       std::vector<kernels::cuda::AdamTensor> ts;
@@ -532,6 +723,16 @@ struct Engine::Impl {
       return;
     }
 #endif
+    if (optimizer_streams()) {
+      stream_chunks((1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kGrad),
+                    (1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kCompute),
+                    [&](const Chunk& c, const std::array<void*, kKinds>& p) {
+                      kernels::adam_step(ac, static_cast<float*>(p[kMaster]), static_cast<float*>(p[kExpAvg]),
+                                         static_cast<float*>(p[kExpAvgSq]), p[kGrad], kernels::DType::kF32,
+                                         p[kCompute], kernel_dtype(cfg.compute), c.numel, exec);
+                    });
+      return;
+    }
     for (UnitState& u : units) {
       // A compute copy placed on a GPU is written on the host and copied up.
       at::Tensor out = u.compute.is_cpu() ? u.compute : at::empty({u.compute.numel()}, host_options(cdt));
@@ -583,7 +784,7 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
   for (size_t u = 0; u < I.units.size(); ++u) {
     const UnitLayout& L = I.partition->unit(u);
     at::Tensor full = at::empty({int64_t(L.padded_numel())}, at::TensorOptions().dtype(at::kFloat));
-    at::Tensor master = I.units[u].master.to(at::kCPU);
+    at::Tensor master = state_slice(u, StateKind::kMaster).to(at::kCPU);
     I.comm.all_gather(full, master)->wait();
     for (const TensorSlot& s : L.tensors)
       out.emplace_back(s.name, full.narrow(0, int64_t(s.offset), int64_t(s.numel)).view(s.shape).clone());
@@ -602,17 +803,41 @@ void Engine::set_counters(const Counters& c) {
 }
 
 at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
-  UnitState& u = impl_->units.at(unit);
-  switch (kind) {
-    case StateKind::kMaster: return u.master;
-    case StateKind::kExpAvg: return u.exp_avg;
-    case StateKind::kExpAvgSq: return u.exp_avg_sq;
+  Impl& I = *impl_;
+  const int k = int(kind);
+  if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
+  if (I.placement(k) != Placement::kNvme) return I.units.at(unit).kind(k);
+  at::Tensor copy = I.host_buffer(I.partition->unit(unit).shard_numel, at::kFloat);
+  I.swap_read(unit, k, 0, copy).get();
+  return copy;
+}
+
+void Engine::store_state_slice(size_t unit, StateKind kind, const at::Tensor& data) {
+  Impl& I = *impl_;
+  const int k = int(kind);
+  if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
+  if (I.placement(k) == Placement::kNvme) {
+    TORCH_CHECK(data.is_cpu() && data.is_contiguous() && data.scalar_type() == at::kFloat &&
+                    uint64_t(data.numel()) == I.partition->unit(unit).shard_numel,
+                "store_state_slice: expects the fp32 host slice state_slice returned");
+    I.swap_write(unit, k, 0, data).get();
+    return;
   }
-  throw std::invalid_argument("unknown state kind");
+  at::Tensor& slot = I.units.at(unit).kind(k);
+  if (!data.is_same(slot)) slot.copy_(data);
 }
 
 void Engine::refresh_compute_copies() {
-  for (UnitState& u : impl_->units) u.compute.copy_(u.master);
+  Impl& I = *impl_;
+  if (I.cfg.master != Placement::kNvme && I.cfg.params != Placement::kNvme) {
+    for (UnitState& u : I.units) u.compute.copy_(u.master);
+    return;
+  }
+  I.stream_chunks(1u << kMaster, 1u << kCompute, [&](const Impl::Chunk& c, const std::array<void*, kKinds>& p) {
+    const int64_t n = int64_t(c.numel);
+    at::from_blob(p[kCompute], {n}, at::TensorOptions().dtype(I.cdt))
+        .copy_(at::from_blob(p[kMaster], {n}, at::TensorOptions().dtype(at::kFloat)));
+  });
 }
 
 const Partition& Engine::partition() const { return *impl_->partition; }
@@ -625,6 +850,7 @@ MemoryReport Engine::memory() const {
   r.device_peak = impl_->dev.peak();
   r.device_budget = impl_->dev.budget();
   r.host_state = impl_->host_state;
+  r.nvme_state = impl_->nvme_state;
   r.host_activations = impl_->host_act_peak;
   return r;
 }

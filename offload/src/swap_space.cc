@@ -1,5 +1,10 @@
 #include "strata/offload/swap_space.h"
 
+#include <sys/file.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <unistd.h>
 
 #include <cerrno>
@@ -35,14 +40,25 @@ SwapSpace::SwapSpace(IoEngine& io, SwapConfig config) : io_(io), config_(std::mo
                                 std::to_string(config_.alignment) + ")");
   }
   if (config_.rank < 0) throw std::invalid_argument("swap: negative rank");
+  // Every directory is checked before any file is created: a bad one leaves nothing behind.
   for (uint32_t d = 0; d < config_.dirs.size(); ++d) {
     std::error_code ec;
     if (!std::filesystem::is_directory(config_.dirs[d], ec)) {
       throw IoError(ENOENT, "swap: directory " + config_.dirs[d].string() +
                                 " does not exist or is not a directory");
     }
+  }
+  for (uint32_t d = 0; d < config_.dirs.size(); ++d) {
     dirs_.push_back(std::make_unique<DirState>());
-    dirs_[d]->file = File::open(file_path(d), OpenMode::kTruncate);
+    // Locked before it is truncated: a second engine (or job) given the same directory and rank
+    // would otherwise silently overwrite this one's state.
+    File f = File::open(file_path(d), OpenMode::kCreate);
+    if (::flock(f.buffered_fd(), LOCK_EX | LOCK_NB) != 0)
+      throw IoError(errno, "swap: " + file_path(d).string() + " is in use by another engine (same "
+                    "directory and rank): " + std::strerror(errno) +
+                    "; give each job its own offload.nvme_dirs");
+    f.truncate(0);
+    dirs_[d]->file = std::move(f);
   }
 }
 

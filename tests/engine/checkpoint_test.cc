@@ -123,7 +123,10 @@ void exact_resume(const json& cfg) {
   const se::Engine::Counters saved = a.engine().counters();
   a.train(10, straight);
 
-  Trainer b(tc);  // fresh weights from the same seed, then the checkpoint
+  se::TrainConfig tcb = tc;  // swap files are locked per engine: b gets its own directory
+  TempDir b_swap;
+  if (!tcb.engine.nvme_dirs.empty()) tcb.engine.nvme_dirs = {b_swap.path().string()};
+  Trainer b(tcb);  // fresh weights from the same seed, then the checkpoint
   auto latest = se::latest_checkpoint(dir.path());
   ASSERT_TRUE(latest.has_value());
   EXPECT_EQ(latest->filename(), "step-10");
@@ -170,6 +173,15 @@ TEST(Checkpoint, AsyncSaveSnapshotsTheStateWhileTrainingContinues) {
 TEST(Checkpoint, ResumeIsBitwiseExactFp16WithLossScale) {
   json j = tiny_llama(20);
   j["precision"] = {{"compute", "fp16"}, {"initial_loss_scale", 1 << 20}, {"loss_scale_window", 3}};
+  exact_resume(j);
+}
+
+TEST(Checkpoint, ResumeIsBitwiseExactWithStateOnNvme) {
+  // Saved from and loaded into swap files: state_slice reads them, store_state_slice writes back.
+  TempDir swap;
+  json j = tiny_llama(20);
+  j["placement"] = {{"params", "nvme"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
   exact_resume(j);
 }
 

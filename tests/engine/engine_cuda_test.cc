@@ -7,10 +7,12 @@
 #include <unistd.h>
 
 #include "equivalence.h"
+#include "test_util.h"
 
 namespace {
 
 using namespace strata::test;
+using strata::test::TempDir;
 
 bool have_gpu() { return c10::cuda::device_count() > 0; }
 #define REQUIRE_GPU() \
@@ -45,6 +47,19 @@ TEST(EngineCuda, DeviceStateThroughNcclMatchesLibtorchOnTheGpu) {
   uint64_t peak = 0;
   Trajectory got = run_in_process(tc, UINT64_MAX, &peak, "cuda", comm.get());
   EXPECT_GE(peak, 5 * param_bytes(tc.model)) << "state is not on the device";
+  expect_close(got, reference(tc, 1, kCuda), 1e-5);
+}
+
+TEST(EngineCuda, NvmeOptimizerStateMatchesLibtorchOnTheGpu) {
+  REQUIRE_GPU();
+  TempDir swap;
+  json j = tiny_config(false, 4);
+  j["device"] = {{"type", "cuda"}};
+  j["placement"] = {{"params", "nvme"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  uint64_t peak = 0;
+  Trajectory got = run_in_process(tc, UINT64_MAX, &peak, "cuda");
   expect_close(got, reference(tc, 1, kCuda), 1e-5);
 }
 

@@ -76,6 +76,82 @@ TEST(EngineEquivalence, DevicePlacedStateCountsInBudget) {
   expect_close(got, reference(tc, 1), 1e-5);
 }
 
+// --- NVMe placement ---------------------------------------------------------------------------
+
+TEST(EngineNvme, AllStateOnNvmeMatchesLibtorch) {
+  TempDir swap;
+  json j = tiny_config(false, 4);
+  j["placement"] = {{"params", "nvme"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
+  // 16 KiB chunks: every unit streams through the optimizer in several chunks.
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}, {"queue_depth", 8}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  uint64_t peak = 0;
+  Trajectory got = run_in_process(tc, 1200 * 1024, &peak);
+  expect_close(got, reference(tc, 1), 1e-5);
+}
+
+TEST(EngineNvme, MixedPlacementLlamaAdamMatchesLibtorch) {
+  TempDir a, b;
+  json j = tiny_config(true, 3);
+  j["optimizer"]["type"] = "adam";
+  // Master and moments striped over two swap directories; gradients and compute copies on the
+  // host.
+  j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {a.path().string(), b.path().string()}}, {"optimizer_chunk", "64KiB"}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  uint64_t peak = 0;
+  Trajectory got = run_in_process(tc, UINT64_MAX, &peak);
+  expect_close(got, reference(tc, 1), 1e-5);
+}
+
+TEST(EngineNvme, StateReallyLivesInTheSwapFiles) {
+  TempDir swap;
+  json j = tiny_config(false, 2);
+  j["placement"] = {{"params", "nvme"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create_host(UINT64_MAX);
+  se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+  const se::MemoryReport m = eng.memory();
+  EXPECT_EQ(m.host_state, 0u);
+  // fp32 master, two moments, gradient and compute copy of every (padded) parameter
+  EXPECT_GE(m.nvme_state, 5 * param_bytes(tc.model));
+  const auto file = swap.path() / "strata-swap-r00000-d0.bin";
+  ASSERT_TRUE(std::filesystem::exists(file));
+  EXPECT_GE(std::filesystem::file_size(file), m.nvme_state);
+  // The master slice read back from swap is the initial weights.
+  sm::Decoder init(tc.model, tc.init_seed);
+  at::Tensor w = init.hf_parameters().front().second.reshape(-1);
+  at::Tensor slice = eng.state_slice(0, se::Engine::StateKind::kMaster);
+  EXPECT_TRUE(slice.narrow(0, 0, w.numel()).equal(w));
+}
+
+TEST(EngineNvme, NvmePlacementWithoutDirectoriesIsRejected) {
+  json j = tiny_config(false, 2);
+  j["placement"] = {{"master", "nvme"}, {"moments", "nvme"}, {"grads", "nvme"}};
+  try {
+    se::parse_train_config(j.dump(), "cfg.json");
+    FAIL() << "expected a configuration error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("offload.nvme_dirs is empty"), std::string::npos) << e.what();
+  }
+  j["placement"] = {{"master", "nvme"}, {"moments", "host"}, {"grads", "host"}};
+  j["offload"] = {{"nvme_dirs", {"/tmp"}}};
+  EXPECT_THROW(se::parse_train_config(j.dump(), "cfg.json"), std::invalid_argument);
+  j["placement"] = {{"master", "nvme"}, {"moments", "nvme"}, {"grads", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {"/nonexistent/strata-swap"}}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "cfg.json");
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create_host(UINT64_MAX);
+  try {
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+    FAIL() << "expected an error for a missing swap directory";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/strata-swap"), std::string::npos) << e.what();
+  }
+}
+
 TEST(EngineEquivalence, BudgetTooSmallIsAClearError) {
   se::TrainConfig tc = se::parse_train_config(tiny_config(false, 2).dump(), "test");
   auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
@@ -203,6 +279,15 @@ TEST(EngineEquivalence, FourRanksOverGlooMatchOneProcessLlamaUnderBudget) {
   EXPECT_LE(got.device_peak, 400u * 1024);
   EXPECT_GT(got.device_peak, 300u * 1024) << "the budget does not bind";
   expect_close(got, reference(tc, 4), 1e-5);
+}
+
+TEST(EngineNvme, TwoRanksWithStateOnNvmeMatchOneProcess) {
+  TempDir dir, swap;
+  json j = tiny_config(false, 3);
+  j["placement"] = {{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "32KiB"}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  expect_close(run_launched(tc, j, 2, dir), reference(tc, 2), 1e-5);
 }
 
 TEST(EngineEquivalence, KilledRankMakesTheOtherFailWithinTheTimeout) {

@@ -186,6 +186,24 @@ TEST_P(SwapSpaceTest, FilesAreRemovedOnCloseUnlessKept) {
   EXPECT_TRUE(std::filesystem::exists(f));
 }
 
+TEST_P(SwapSpaceTest, ASecondSwapOnTheSameFilesIsRefusedAndTouchesNothing) {
+  SwapSpace first(*io_, config());
+  first.allocate("w", 8192);
+  std::vector<std::byte> data(8192);
+  test::fill_random(data.data(), data.size(), 11);
+  ASSERT_TRUE(first.write("w", 0, data).wait().ok());
+  try {
+    SwapSpace second(*io_, config());  // same directories, same rank
+    FAIL() << "a second swap space on the same files was allowed";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("in use by another engine"), std::string::npos) << e.what();
+  }
+  SwapSpace other_rank(*io_, config(4));  // another rank's files are its own
+  std::vector<std::byte> back(8192);
+  ASSERT_TRUE(first.read("w", 0, back).wait().ok());
+  EXPECT_EQ(back, data) << "the refused swap space truncated the first one's file";
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, SwapSpaceTest,
                          ::testing::Values(IoBackend::kIoUring, IoBackend::kThreadPool),
                          [](const auto& info) {

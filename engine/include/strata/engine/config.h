@@ -6,13 +6,16 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "strata/models/model_config.h"
 
 namespace strata::engine {
 
 enum class Precision { kFp32, kBf16, kFp16 };
-enum class Placement { kDevice, kHost };
+// Where a state kind lives between uses: GPU memory, host RAM (pinned on GPU machines), or NVMe
+// swap files under offload.nvme_dirs (streamed through host buffers when used).
+enum class Placement { kDevice, kHost, kNvme };
 const char* to_string(Precision p);
 const char* to_string(Placement p);
 
@@ -33,6 +36,9 @@ struct EngineConfig {
   Placement grads = Placement::kHost;    // fp32 gradient accumulation shards
   Placement master = Placement::kHost;   // fp32 master parameters
   Placement moments = Placement::kHost;  // Adam moments
+  std::vector<std::string> nvme_dirs;     // swap directories (one per drive) for "nvme" placement
+  unsigned io_queue_depth = 32;           // NVMe requests in flight
+  uint64_t nvme_chunk_bytes = 64ull << 20;  // fp32 bytes per array per streamed optimizer chunk
   std::string device = "cpu";
   uint64_t device_budget = UINT64_MAX;   // bytes the engine may hold on the device
   int prefetch = 1;                      // units gathered ahead of the running one

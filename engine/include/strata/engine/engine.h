@@ -56,6 +56,7 @@ struct StepResult {
 struct MemoryReport {
   uint64_t device_used = 0, device_peak = 0, device_budget = 0;
   uint64_t host_state = 0;        // this rank's host-placed shards
+  uint64_t nvme_state = 0;        // this rank's NVMe-placed shards (swap space)
   uint64_t host_activations = 0;  // activation checkpoints, peak of the last step
 };
 
@@ -90,9 +91,12 @@ class Engine {
   void set_counters(const Counters& c);
   enum class StateKind { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2 };
   static constexpr int kStateKinds = 3;
-  // This rank's fp32 slice (shard_numel elements) of one unit's state, where it is placed. Writing
-  // into it (a checkpoint load) must be followed by refresh_compute_copies().
+  // This rank's fp32 slice (shard_numel elements) of one unit's state: the tensor where it is
+  // placed, or for NVMe-placed state a host copy read from swap. After writing into it (a
+  // checkpoint load), store_state_slice() it (a no-op unless on NVMe), then call
+  // refresh_compute_copies() once.
   at::Tensor state_slice(size_t unit, StateKind kind);
+  void store_state_slice(size_t unit, StateKind kind, const at::Tensor& data);
   // compute copy = master rounded to the compute dtype, exactly what the optimizer writes.
   void refresh_compute_copies();
 

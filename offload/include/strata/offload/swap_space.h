@@ -12,7 +12,8 @@
 //   is what a checkpoint records.
 //
 // Each rank creates and owns its own files; no rank touches another's. The directories must
-// exist (a missing one is a clear error).
+// exist (a missing one is a clear error). Each file is locked (flock) while the SwapSpace lives:
+// a second one on the same directory and rank fails with IoError instead of overwriting it.
 // Thread safety: all members are safe to call concurrently. Freeing a partition while I/O on it
 // is in flight is a caller error. Errors: IoError (I/O, disk full) and std::invalid_argument
 // (unknown or duplicate names, out-of-range offsets) with the partition name in the message.
