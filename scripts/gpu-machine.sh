@@ -94,10 +94,14 @@ PY
     rm -rf "$out/strata-swap"
     ;;
   baseline)
-    for mode in plain fsdp2; do
-      timeout 240 python3 "$repo/bench/train_baseline.py" --mode $mode --layers 24 --hidden 2048 --steps 4 \
-        >"$out/baseline-$mode.jsonl" 2>"$out/baseline-$mode.err" || status=1
-      echo "== $mode"; tail -1 "$out/baseline-$mode.jsonl"; tail -2 "$out/baseline-$mode.err"
+    # Plain PyTorch and FSDP2 + CPUOffloadPolicy (fused CPU AdamW) on the GPT shapes of the brief.
+    for shape in "24 2048" "32 2560"; do
+      set -- $shape
+      for mode in plain fsdp2; do
+        timeout 200 python3 "$repo/bench/train_baseline.py" --mode $mode --layers $1 --hidden $2 --steps 4 \
+          >>"$out/baseline.jsonl" 2>>"$out/baseline.err" || status=1
+        echo "== $mode L=$1 d=$2"; tail -1 "$out/baseline.jsonl"
+      done
     done
     ;;
   *) log "unknown phase $phase"; exit 2 ;;
