@@ -11,6 +11,7 @@
 #   test    ctest, every label; log in $OUT/ctest.log
 #   gputest ctest -L gpu only
 #   bench   strata bench io / adam / step / ckpt (JSON lines in $OUT/bench-*.jsonl)
+#   adam    strata bench adam alone (CPU kernel and, with a GPU, the CUDA kernel)
 #   train   strata train on the GPU: GPT 1.4B, host-placed and device-placed state
 #   baseline  bench/train_baseline.py: plain PyTorch (and FSDP2 with CPU offload)
 # Results are written to $OUT (default: build-gpu/out); each phase prints a short summary last.
@@ -68,6 +69,10 @@ for phase in "${phases[@]}"; do
     "$strata" bench step --threads 16 --steps 7 >"$out/bench-step.jsonl" 2>"$out/bench-step.err" || status=1
     rm -rf "$bdir"
     for f in "$out"/bench-*.jsonl; do echo "== $f"; tail -1 "$f"; done
+    ;;
+  adam)
+    "$strata" bench adam --params 100000000 --threads 16 >"$out/bench-adam.jsonl" 2>"$out/bench-adam.err" || status=1
+    tail -2 "$out/bench-adam.jsonl"
     ;;
   train)
     # One log and one error file for all runs (the device tool returns at most 8 files).

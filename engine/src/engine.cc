@@ -25,6 +25,7 @@
 #include "strata/offload/swap_space.h"
 #ifdef STRATA_HAVE_CUDA
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 
 #include "strata/kernels/cuda_optim.h"
 #endif
@@ -67,7 +68,7 @@ struct UnitState {
   at::Tensor grad;                         // fp32 [shard], accumulated over micro-batches
   at::Tensor compute;                      // compute dtype [shard]
   std::vector<at::Tensor> tensors;         // the module tensors, in slot order
-  bool grad_fresh = true;                  // NVMe gradients: the next reduce writes, not adds
+  bool grad_fresh = true;                  // host/NVMe gradients: the next reduce writes, not adds
   at::Tensor& kind(int k) {
     switch (k) {
       case kMaster: return master;
@@ -151,6 +152,19 @@ struct Engine::Impl {
   at::Tensor alloc_state(Placement where, uint64_t numel, at::ScalarType t, const std::string& what) {
     if (where == Placement::kDevice) return dev.empty({int64_t(numel)}, t, what);
     host_state += numel * c10::elementSize(t);
+#ifdef STRATA_HAVE_CUDA
+    if (dev.torch_device().is_cuda()) {
+      // Pinned at its exact size: libtorch's pinned allocator rounds every block up to a power
+      // of two, which for large shards wastes up to half the host memory the state needs.
+      const uint64_t bytes = std::max<uint64_t>(1, numel * c10::elementSize(t));
+      void* p = nullptr;
+      if (cudaHostAlloc(&p, bytes, cudaHostAllocDefault) != cudaSuccess)
+        throw std::runtime_error("cannot pin " + format_bytes(bytes) + " of host memory for " + what +
+                                 ": " + cudaGetErrorString(cudaGetLastError()));
+      return at::from_blob(p, {int64_t(numel)}, [](void* q) { cudaFreeHost(q); },
+                           at::TensorOptions().dtype(t).pinned_memory(true));
+    }
+#endif
     return host_buffer(numel, t);
   }
   // A page-aligned host buffer (pinned on GPU machines): what direct I/O and copies need.
@@ -428,13 +442,24 @@ struct Engine::Impl {
       at::Tensor acc = units[u].grad;
       if (cfg.grads == Placement::kDevice) {
         acc.add_(shard);
+      } else if (cfg.grads == Placement::kHost && units[u].grad_fresh && shard.scalar_type() == at::kFloat) {
+        // The step's first contribution: copied down straight into the accumulator (no add, and
+        // no zeroing after the step).
+        dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));
+        dev.copy_async(acc, shard, dev.copy_stream());
+        units[u].grad_fresh = false;
       } else {
         // Device -> host on the copy stream, then accumulated there in fp32.
         at::Tensor host = host_buffer(L.shard_numel, shard.scalar_type());
         dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // shard is filled there
         dev.copy_async(host, shard, dev.copy_stream());
         if (cfg.grads == Placement::kHost) {
-          dev.launch_host(dev.copy_stream(), [acc, host]() mutable { acc.add_(host); });
+          const bool fresh = units[u].grad_fresh;
+          units[u].grad_fresh = false;
+          dev.launch_host(dev.copy_stream(), [acc, host, fresh]() mutable {
+            if (fresh) acc.copy_(host);
+            else acc.add_(host);
+          });
         } else {
           // NVMe: the first micro-batch writes the shard, later ones read, add and write back.
           dev.launch_host(dev.copy_stream(), [this, u, host]() mutable {
@@ -529,8 +554,8 @@ struct Engine::Impl {
         } else {
           xin = dev.empty(acts[s].sizes(), cdt, "recompute input of unit " + partition->unit(s).name);
           dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));
-          dev.copy_async(xin, acts[s], dev.copy_stream());
-          dev.synchronize(dev.copy_stream());
+          dev.copy_async(xin, acts[s], dev.copy_stream());  // keeps acts[s] alive until done
+          dev.wait(dev.compute_stream(), dev.record(dev.copy_stream()));
           acts[s] = at::Tensor();
           xin.requires_grad_(true);
         }
@@ -571,8 +596,8 @@ struct Engine::Impl {
       ++step;
     }
     for (UnitState& u : units) {
-      if (cfg.grads == Placement::kNvme) u.grad_fresh = true;
-      else u.grad.zero_();
+      if (cfg.grads == Placement::kDevice) u.grad.zero_();
+      else u.grad_fresh = true;  // the next step's first reduce overwrites
     }
     if (cfg.compute == Precision::kFp16) {
       if (r.skipped) {
