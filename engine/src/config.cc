@@ -242,6 +242,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("eps", e.eps);
     s.read("weight_decay", e.weight_decay);
     s.read("clip_grad_norm", e.clip_grad_norm);
+    s.read("overlap", e.overlap_optimizer);
   }
   if (const json* p = top.get("precision")) {
     Section s(*p, "precision", source);

@@ -13,6 +13,9 @@
 #include <array>
 #include <functional>
 #include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -327,6 +330,7 @@ struct Engine::Impl {
   // --- gathering -----------------------------------------------------------------------------
 
   void start_gather(size_t u) {
+    wait_updated(u);
     const UnitLayout& L = partition->unit(u);
     Gathered g;
     g.flat = dev.empty({int64_t(L.padded_numel())}, cdt, "parameters of unit " + L.name);
@@ -570,6 +574,7 @@ struct Engine::Impl {
     dev.synchronize(dev.copy_stream());  // host gradient accumulation done
 
     // Global norm and overflow in one all-reduce: [local sum of squares, local loss sum].
+    finish_update();  // done long ago (the forward gathered every unit); joins the thread
     const double sumsq = local_sum_squares();
     at::Tensor red = at::tensor({sumsq, loss_sum}, at::TensorOptions().dtype(at::kDouble));
     comm.all_reduce(red, ReduceOp::kSum);
@@ -592,7 +597,8 @@ struct Engine::Impl {
       ac.decoupled_weight_decay = cfg.decoupled_weight_decay;
       ac.step = step + 1;
       ac.grad_scale = coef / denom;
-      optimizer_step(ac);
+      if (overlaps_update()) launch_update(ac);
+      else optimizer_step(ac);
       ++step;
     }
     for (UnitState& u : units) {
@@ -758,14 +764,77 @@ struct Engine::Impl {
                     });
       return;
     }
-    for (UnitState& u : units) {
-      // A compute copy placed on a GPU is written on the host and copied up.
-      at::Tensor out = u.compute.is_cpu() ? u.compute : at::empty({u.compute.numel()}, host_options(cdt));
-      kernels::adam_step(ac, u.master.data_ptr<float>(), u.exp_avg.data_ptr<float>(),
-                         u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(),
-                         kernels::DType::kF32, out.data_ptr(), kernel_dtype(cfg.compute),
-                         size_t(u.master.numel()), exec);
-      if (!out.is_same(u.compute)) u.compute.copy_(out);
+    for (size_t u = 0; u < units.size(); ++u) update_unit(ac, u);
+  }
+
+  // The CPU Adam step of one unit's host-resident slices, writing its next compute copy.
+  void update_unit(const kernels::AdamConfig& ac, size_t i) {
+    UnitState& u = units[i];
+    // A compute copy placed on a GPU is written on the host and copied up.
+    at::Tensor out = u.compute.is_cpu() ? u.compute : at::empty({u.compute.numel()}, host_options(cdt));
+    kernels::adam_step(ac, u.master.data_ptr<float>(), u.exp_avg.data_ptr<float>(),
+                       u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(),
+                       kernels::DType::kF32, out.data_ptr(), kernel_dtype(cfg.compute),
+                       size_t(u.master.numel()), exec);
+    if (!out.is_same(u.compute)) u.compute.copy_(out);
+  }
+
+  // --- the update overlapped with the next step (optimizer.overlap) ---------------------------
+  // Once backward is done the global norm is known, so the step's update is final: it runs on
+  // `updater`, unit by unit in forward order, while train_step returns and the next step's
+  // forward starts. A gather of unit u waits for u's update (wait_updated), so every forward
+  // sees exactly the updated weights: the same numbers as the serial update, earlier.
+  std::thread updater;
+  std::mutex update_mu;
+  std::condition_variable update_cv;
+  size_t units_updated = 0;
+  bool update_running = false;
+  std::exception_ptr update_error;
+
+  bool overlaps_update() const {
+    return cfg.overlap_optimizer && cfg.master == Placement::kHost && cfg.params == Placement::kHost;
+  }
+  void launch_update(const kernels::AdamConfig& ac) {
+    finish_update();
+    {
+      std::lock_guard<std::mutex> lock(update_mu);
+      units_updated = 0;
+      update_running = true;
+    }
+    updater = std::thread([this, ac] {
+      try {
+        for (size_t u = 0; u < units.size(); ++u) {
+          update_unit(ac, u);
+          std::lock_guard<std::mutex> lock(update_mu);
+          units_updated = u + 1;
+          update_cv.notify_all();
+        }
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(update_mu);
+        update_error = std::current_exception();
+        units_updated = units.size();
+        update_cv.notify_all();
+      }
+    });
+  }
+  // Blocks until unit u's update of the last step is done; rethrows the updater's error.
+  void wait_updated(size_t u) {
+    if (!update_running) return;
+    std::unique_lock<std::mutex> lock(update_mu);
+    update_cv.wait(lock, [&] { return units_updated > u; });
+    if (update_error) {
+      lock.unlock();
+      finish_update();
+    }
+  }
+  // Blocks until the whole update is done (accessors of the state, the next norm, destruction).
+  void finish_update() {
+    if (updater.joinable()) updater.join();
+    update_running = false;
+    if (update_error) {
+      std::exception_ptr e = update_error;
+      update_error = nullptr;
+      std::rethrow_exception(e);
     }
   }
 
@@ -781,6 +850,10 @@ Engine::Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& confi
 
 Engine::~Engine() {
   if (!impl_) return;
+  try {
+    impl_->finish_update();
+  } catch (...) {
+  }
   // Gathers in flight must finish before their buffers go.
   for (auto& [u, g] : impl_->live)
     if (!g.bound && g.work) try {
@@ -806,6 +879,7 @@ StepResult Engine::train_step(const at::Tensor& ids) {
 std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
   std::vector<std::pair<std::string, at::Tensor>> out;
   Impl& I = *impl_;
+  I.finish_update();
   for (size_t u = 0; u < I.units.size(); ++u) {
     const UnitLayout& L = I.partition->unit(u);
     at::Tensor full = at::empty({int64_t(L.padded_numel())}, at::TensorOptions().dtype(at::kFloat));
@@ -829,6 +903,7 @@ void Engine::set_counters(const Counters& c) {
 
 at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
   Impl& I = *impl_;
+  I.finish_update();
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
   if (I.placement(k) != Placement::kNvme) return I.units.at(unit).kind(k);
@@ -839,6 +914,7 @@ at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
 
 void Engine::store_state_slice(size_t unit, StateKind kind, const at::Tensor& data) {
   Impl& I = *impl_;
+  I.finish_update();
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
   if (I.placement(k) == Placement::kNvme) {
@@ -854,6 +930,7 @@ void Engine::store_state_slice(size_t unit, StateKind kind, const at::Tensor& da
 
 void Engine::refresh_compute_copies() {
   Impl& I = *impl_;
+  I.finish_update();
   if (I.cfg.master != Placement::kNvme && I.cfg.params != Placement::kNvme) {
     for (UnitState& u : I.units) u.compute.copy_(u.master);
     return;

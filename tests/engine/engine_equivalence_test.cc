@@ -76,6 +76,28 @@ TEST(EngineEquivalence, DevicePlacedStateCountsInBudget) {
   expect_close(got, reference(tc, 1), 1e-5);
 }
 
+// --- the update overlapped with the next step -------------------------------------------------
+
+TEST(EngineOverlap, OverlappedUpdateIsBitwiseTheSerialOne) {
+  json j = tiny_config(false, 4);
+  j["run"]["steps"] = 8;
+  j["optimizer"]["overlap"] = false;
+  const se::TrainConfig serial = se::parse_train_config(j.dump(), "test");
+  j["optimizer"]["overlap"] = true;
+  const se::TrainConfig overlapped = se::parse_train_config(j.dump(), "test");
+  ASSERT_TRUE(overlapped.engine.overlap_optimizer);
+  uint64_t peak = 0;
+  // A budget that holds about one unit: every gather waits for its unit's update.
+  const Trajectory a = run_in_process(serial, 1200 * 1024, &peak);
+  const Trajectory b = run_in_process(overlapped, 1200 * 1024, &peak);
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (size_t i = 0; i < a.losses.size(); ++i) {
+    EXPECT_EQ(a.losses[i], b.losses[i]) << "step " << i + 1;
+    EXPECT_EQ(a.grad_norms[i], b.grad_norms[i]) << "step " << i + 1;
+  }
+  for (auto& [name, w] : a.params) EXPECT_TRUE(b.params.at(name).equal(w)) << name;
+}
+
 // --- NVMe placement ---------------------------------------------------------------------------
 
 TEST(EngineNvme, AllStateOnNvmeMatchesLibtorch) {

@@ -25,6 +25,7 @@ struct EngineConfig {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   bool decoupled_weight_decay = true;
   double clip_grad_norm = 0.0;  // 0: off
+  bool overlap_optimizer = true;  // host-state update runs during the next step's forward
   int64_t micro_batch = 1;      // sequences per micro-batch per rank
   int64_t grad_accum = 1;       // micro-batches per step
   int64_t seq_len = 64;
