@@ -40,6 +40,9 @@
 #include "strata/offload/crc32c.h"
 #include "strata/offload/file.h"
 #include "strata/offload/io_engine.h"
+#include "strata/models/hf_io.h"
+#include "strata/models/model_config.h"
+#include "strata/models/safetensors.h"
 
 namespace strata::engine {
 namespace fs = std::filesystem;
@@ -606,6 +609,154 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
                        c["good_steps"].get<int64_t>()});
   comm.barrier();
   return {m["train_steps"].get<int64_t>(), m["samples_consumed"].get<uint64_t>()};
+}
+
+ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_dir, const std::string& dtype,
+                                  const std::function<void(uint64_t, uint64_t)>& progress) {
+  at::ScalarType out_type;
+  models::StDType st_type;
+  if (dtype == "float32") out_type = at::kFloat, st_type = models::StDType::kF32;
+  else if (dtype == "bfloat16") out_type = at::kBFloat16, st_type = models::StDType::kBF16;
+  else if (dtype == "float16") out_type = at::kHalf, st_type = models::StDType::kF16;
+  else throw std::invalid_argument("export dtype must be float32, bfloat16 or float16, not '" + dtype + "'");
+
+  const json m = read_manifest(dir);
+  const models::ModelConfig mc = models::parse_hf_config(m["model"].dump(), (dir / "manifest.json").string());
+  const json& units = m["units"];
+
+  // The master chunks of each unit, sorted, must tile the unit exactly.
+  std::vector<std::vector<const json*>> unit_chunks(units.size());
+  for (const json& c : m["chunks"]) {
+    if (c["kind"] != kKindNames[0]) continue;
+    const size_t u = c["unit"].get<size_t>();
+    if (u >= units.size()) throw std::runtime_error("checkpoint " + dir.string() + ": chunk of unknown unit");
+    unit_chunks[u].push_back(&c);
+  }
+  for (size_t u = 0; u < units.size(); ++u) {
+    auto& cs = unit_chunks[u];
+    std::sort(cs.begin(), cs.end(), [](const json* a, const json* b) {
+      return (*a)["begin"].get<uint64_t>() < (*b)["begin"].get<uint64_t>();
+    });
+    uint64_t next = 0;
+    for (const json* c : cs) {
+      if ((*c)["begin"].get<uint64_t>() != next) break;
+      next += (*c)["numel"].get<uint64_t>();
+    }
+    if (next != units[u]["numel"].get<uint64_t>())
+      throw std::runtime_error("checkpoint " + dir.string() + ": the master chunks of unit " +
+                               units[u]["name"].get<std::string>() + " do not cover it exactly");
+  }
+
+  // Tensors in unit order, packed in their unit as the partition packs them.
+  struct Item {
+    size_t unit;
+    uint64_t offset, numel;
+    std::string name;
+    std::vector<int64_t> shape;  // Strata's
+    bool transposed;
+  };
+  std::vector<Item> items;
+  std::vector<models::SafetensorsWriter::Spec> specs;
+  uint64_t total = 0;
+  for (size_t u = 0; u < units.size(); ++u) {
+    uint64_t offset = 0;
+    for (const json& t : units[u]["tensors"]) {
+      Item it{u, offset, 1, t["name"].get<std::string>(), t["shape"].get<std::vector<int64_t>>(), false};
+      for (int64_t d : it.shape) it.numel *= uint64_t(d);
+      it.transposed = models::hf_stores_transposed(mc, it.name);
+      std::vector<int64_t> hf_shape = it.shape;
+      if (it.transposed) std::swap(hf_shape[0], hf_shape[1]);
+      specs.push_back({it.name, st_type, hf_shape});
+      total += it.numel * models::st_dtype_bytes(st_type);
+      offset += it.numel;
+      items.push_back(std::move(it));
+    }
+    if (offset != units[u]["numel"].get<uint64_t>())
+      throw std::runtime_error("checkpoint " + dir.string() + ": the tensors of unit " +
+                               units[u]["name"].get<std::string>() + " do not add up to its size");
+  }
+
+  fs::create_directories(out_dir);
+  models::SafetensorsWriter writer(out_dir / "model.safetensors", specs, {{"format", "pt"}});
+  auto io = offload::IoEngine::create();
+  std::map<std::string, offload::File> files;
+  auto file_of = [&](const json& c) -> offload::File& {
+    const std::string fname = c["file"].get<std::string>();
+    auto it = files.find(fname);
+    if (it == files.end()) {
+      if (!fs::exists(dir / fname))
+        throw std::runtime_error("checkpoint " + dir.string() + ": data file " + fname + " is missing");
+      it = files.emplace(fname, offload::File::open(dir / fname, offload::OpenMode::kRead)).first;
+    }
+    return it->second;
+  };
+  // A chunk read and checked; the last one is kept, as it may straddle into the next tensor.
+  struct Loaded {
+    const json* chunk = nullptr;
+    at::Tensor data;
+    offload::IoFuture done;
+  };
+  Loaded kept;
+  constexpr size_t kWindow = 16;  // chunks in flight: 64 MiB
+  ExportResult result;
+  for (const Item& it : items) {
+    at::Tensor full = at::empty({int64_t(it.numel)}, at::TensorOptions().dtype(at::kFloat));
+    const uint64_t lo = it.offset, hi = it.offset + it.numel;
+    std::vector<const json*> need;
+    for (const json* c : unit_chunks[it.unit]) {
+      const uint64_t b = (*c)["begin"].get<uint64_t>(), e = b + (*c)["numel"].get<uint64_t>();
+      if (e > lo && b < hi) need.push_back(c);
+    }
+    auto place = [&](const Loaded& l) {
+      const uint64_t b = (*l.chunk)["begin"].get<uint64_t>(), e = b + (*l.chunk)["numel"].get<uint64_t>();
+      const uint64_t from = std::max(b, lo), to = std::min(e, hi);
+      full.narrow(0, int64_t(from - lo), int64_t(to - from)).copy_(l.data.narrow(0, int64_t(from - b), int64_t(to - from)));
+    };
+    std::vector<Loaded> flight;
+    try {
+      for (size_t i = 0; i < need.size(); i += kWindow) {
+        flight.clear();
+        for (size_t j = i; j < std::min(need.size(), i + kWindow); ++j) {
+          if (kept.chunk == need[j]) {
+            place(kept);
+            continue;
+          }
+          const json& c = *need[j];
+          Loaded l;
+          l.chunk = need[j];
+          l.data = aligned_floats(int64_t(c["numel"].get<uint64_t>()));
+          l.done = io->read(file_of(c), c["offset"].get<uint64_t>(),
+                            {reinterpret_cast<std::byte*>(l.data.data_ptr<float>()), size_t(l.data.numel()) * 4});
+          flight.push_back(std::move(l));
+        }
+        for (Loaded& l : flight) {
+          const offload::IoStatus status = l.done.wait();
+          if (!status.ok())
+            throw std::runtime_error("checkpoint " + dir.string() + ": cannot read chunk " +
+                                     chunk_name(*l.chunk, units) + ": " + status.message());
+          if (offload::crc32c(l.data.data_ptr<float>(), size_t(l.data.numel()) * 4) !=
+              (*l.chunk)["crc32c"].get<uint32_t>())
+            throw std::runtime_error("checkpoint " + dir.string() + ": chunk " + chunk_name(*l.chunk, units) +
+                                     " is corrupt (CRC32C mismatch)");
+          place(l);
+        }
+        if (!flight.empty()) kept = std::move(flight.back());
+      }
+    } catch (...) {
+      for (Loaded& l : flight) l.done.wait();  // no read may land in a freed buffer
+      throw;
+    }
+    at::Tensor t = full.view(it.shape);
+    if (it.transposed) t = t.t();
+    t = t.to(out_type).contiguous();
+    writer.write(it.name, {static_cast<const std::byte*>(t.data_ptr()), t.nbytes()});
+    ++result.tensors;
+    result.bytes += t.nbytes();
+    if (progress) progress(result.bytes, total);
+  }
+  writer.finish();
+  write_atomically(out_dir / "config.json", mc.to_hf_json(dtype) + "\n");
+  return result;
 }
 
 }  // namespace strata::engine

@@ -6,15 +6,17 @@
 
 namespace strata::models {
 
-namespace {
-
-bool is_conv1d(const ModelConfig& c, const std::string& name) {
+bool hf_stores_transposed(const ModelConfig& c, const std::string& name) {
   if (c.arch != Arch::kGpt2 || !name.ends_with(".weight")) return false;
   for (const char* s : {".attn.c_attn.", ".attn.c_proj.", ".mlp.c_fc.", ".mlp.c_proj."}) {
     if (name.find(s) != std::string::npos) return true;
   }
   return false;
 }
+
+namespace {
+
+bool is_conv1d(const ModelConfig& c, const std::string& name) { return hf_stores_transposed(c, name); }
 
 at::ScalarType to_aten(StDType t, const std::string& where) {
   switch (t) {

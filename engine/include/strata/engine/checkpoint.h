@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -77,6 +78,22 @@ uint64_t verify_checkpoint(const std::filesystem::path& checkpoint_dir);
 
 // A human-readable summary of a checkpoint's manifest (`strata ckpt inspect`).
 std::string describe_checkpoint(const std::filesystem::path& checkpoint_dir);
+
+// Streams the fp32 master weights of a committed checkpoint into a Hugging Face model directory:
+// out_dir/config.json and out_dir/model.safetensors (written atomically) with every tensor in
+// `dtype` ("float32", "bfloat16" or "float16"; round to nearest even), in the names and layout
+// transformers loads. Holds one tensor plus a bounded window of 4 MiB chunks in memory, never
+// the model; every chunk read is checked against its CRC32C. Needs no engine and works for a
+// checkpoint of any world size (`strata ckpt export`). `progress`, if set, is called after each
+// tensor with the bytes written so far and the total. Throws std::invalid_argument for a bad
+// dtype, std::runtime_error naming the chunk for corrupt or missing data.
+struct ExportResult {
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;  // tensor bytes written
+};
+ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
+                                  const std::filesystem::path& out_dir, const std::string& dtype,
+                                  const std::function<void(uint64_t, uint64_t)>& progress = {});
 
 // Collective: deletes all but the `keep` newest checkpoints under `root` (by name order; the
 // latest is always kept). Rank 0 un-commits each (removes its manifest) first; each rank then

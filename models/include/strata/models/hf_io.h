@@ -19,6 +19,11 @@
 
 namespace strata::models {
 
+// True for the tensors Hugging Face stores transposed relative to Strata (GPT-2's Conv1D
+// weights), so that exporters that do not hold a Decoder (strata ckpt export) agree with
+// export_hf_model.
+bool hf_stores_transposed(const ModelConfig& config, const std::string& hf_name);
+
 // `source` (the checkpoint's path) is named in every error.
 void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& checkpoint,
                      const std::string& source);
