@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <unistd.h>
@@ -50,10 +51,60 @@ Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER
   --checkpoint-dir D override run.checkpoint_dir (save after the last step, and every
                      run.save_every steps)
   --resume           start from <checkpoint dir>/latest if there is one (at any world size)
+  --profile FILE     override run.profile: print each step's timeline (compute busy, waits by
+                     cause, optimizer time, PCIe and NVMe GB/s each way) and write a Chrome
+                     trace (chrome://tracing, ui.perfetto.dev) to FILE (FILE.rankN for N > 0)
   --no-progress      no progress line
 )";
 
 using engine::format_bytes;
+
+// One step's timeline as one line, its largest stall named.
+std::string timeline_line(int64_t step, const engine::StepResult& r) {
+  const engine::StepTimeline& t = r.timeline;
+  const double sec = std::max(r.seconds, 1e-9);
+  const std::pair<const char*, double> stalls[] = {
+      {"parameters not gathered", t.wait_params}, {"optimizer update", t.wait_update},
+      {"activation offload", t.wait_activations}, {"gradient offload", t.wait_grads},
+      {"optimizer", t.optimizer_exposed - t.wait_update}, {"gradient norm", t.norm}};
+  const auto* top = &stalls[0];
+  for (const auto& st : stalls)
+    if (st.second > top->second) top = &st;
+  char busy[32] = "n/a";
+  if (t.compute_busy >= 0) snprintf(busy, sizeof busy, "%.0f%%", 100 * t.compute_busy / sec);
+  char line[640];
+  snprintf(line, sizeof line,
+           "timeline step %lld: %.3f s | compute busy %s | waits: params %.3f s, update %.3f s, "
+           "activations %.3f s, gradients %.3f s | norm %.3f s | optimizer %.3f s (exposed %.3f s) | "
+           "PCIe up %.2f GB/s, down %.2f GB/s | NVMe read %.2f GB/s, write %.2f GB/s | largest stall: %s (%.3f s)",
+           (long long)step, r.seconds, busy, t.wait_params, t.wait_update, t.wait_activations, t.wait_grads,
+           t.norm, t.optimizer, t.optimizer_exposed, double(t.h2d_bytes) / sec / 1e9,
+           double(t.d2h_bytes) / sec / 1e9, double(t.nvme_read_bytes) / sec / 1e9,
+           double(t.nvme_write_bytes) / sec / 1e9, top->second > 0 ? top->first : "none",
+           std::max(0.0, top->second));
+  return line;
+}
+
+// Chrome trace event format: complete events ("ph": "X", microseconds), one thread per lane.
+void write_trace(const std::string& path, int rank, const std::vector<engine::TraceSpan>& spans) {
+  std::map<std::string, int> lanes;
+  nlohmann::json events = nlohmann::json::array();
+  for (const auto& sp : spans) {
+    auto it = lanes.emplace(sp.lane, int(lanes.size()) + 1).first;
+    events.push_back({{"name", sp.name}, {"cat", sp.lane}, {"ph", "X"}, {"pid", rank}, {"tid", it->second},
+                      {"ts", sp.begin * 1e6}, {"dur", (sp.end - sp.begin) * 1e6}});
+  }
+  for (const auto& [lane, tid] : lanes)
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank}, {"tid", tid}, {"args", {{"name", lane}}}});
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+    if (!out.flush()) throw std::runtime_error("cannot write the trace " + tmp);
+  }
+  std::filesystem::rename(tmp, path);
+}
 
 std::string bar(double frac, int width) {
   const int full = int(std::round(std::clamp(frac, 0.0, 1.0) * width));
@@ -68,7 +119,7 @@ int train_main(const std::vector<std::string>& argv) {
       std::cout << kTrainUsage;
       return 0;
     }
-  Args args(argv, {"config", "steps", "log", "export", "checkpoint-dir"}, {"no-progress", "resume"});
+  Args args(argv, {"config", "steps", "log", "export", "checkpoint-dir", "profile"}, {"no-progress", "resume"});
   engine::TrainConfig tc = args.has("config") ? engine::load_train_config(args.get("config", ""))
                                                 : engine::parse_train_config("{}", "(defaults)");
   if (args.has("steps")) tc.steps = args.count("steps", 0);
@@ -77,6 +128,8 @@ int train_main(const std::vector<std::string>& argv) {
   if (args.has("no-progress")) tc.progress = false;
   if (args.has("checkpoint-dir")) tc.checkpoint_dir = args.get("checkpoint-dir", "");
   if (args.has("resume")) tc.resume = true;
+  if (args.has("profile")) tc.profile_path = args.get("profile", "");
+  tc.engine.profile = !tc.profile_path.empty();
   if (tc.resume && tc.checkpoint_dir.empty())
     throw std::invalid_argument("--resume needs a checkpoint directory (--checkpoint-dir or run.checkpoint_dir)");
   const engine::EngineConfig& ec = tc.engine;
@@ -178,6 +231,7 @@ int train_main(const std::vector<std::string>& argv) {
   const bool tty = isatty(STDERR_FILENO);
   at::Tensor ids = at::empty({int64_t(loader.local_batch()), ec.seq_len + 1}, at::kLong);
   double tokens_total = 0, seconds_total = 0;
+  std::vector<engine::TraceSpan> trace;
   for (int64_t s = first_step; s < tc.steps; ++s) {
     loader.next(ids.data_ptr<int64_t>());
     const engine::StepResult r = eng.train_step(ids);
@@ -188,7 +242,12 @@ int train_main(const std::vector<std::string>& argv) {
     const bool save_now = !tc.checkpoint_dir.empty() &&
                           (s + 1 == tc.steps || (tc.save_every > 0 && (s + 1) % tc.save_every == 0));
     if (save_now) save(s + 1);
+    if (ec.profile) {
+      auto spans = eng.take_trace();
+      trace.insert(trace.end(), std::make_move_iterator(spans.begin()), std::make_move_iterator(spans.end()));
+    }
     if (!lead) continue;
+    if (ec.profile) std::cerr << (tc.progress && tty ? "\r\033[K" : "") << timeline_line(s + 1, r) << "\n";
     if (log.is_open()) {
       nlohmann::json j = {{"step", s + 1},
                           {"optimizer_step", r.step},
@@ -206,7 +265,20 @@ int train_main(const std::vector<std::string>& argv) {
                           {"nvme_state", mem.nvme_state},
                           {"peak_rss", peak_rss_bytes()},
                           {"host_activations", mem.host_activations},
-                          {"samples_consumed", loader.position()}};
+                          {"samples_consumed", loader.position()},
+                          {"timeline",
+                           {{"compute_busy", r.timeline.compute_busy},
+                            {"wait_params", r.timeline.wait_params},
+                            {"wait_update", r.timeline.wait_update},
+                            {"wait_activations", r.timeline.wait_activations},
+                            {"wait_grads", r.timeline.wait_grads},
+                            {"norm", r.timeline.norm},
+                            {"optimizer", r.timeline.optimizer},
+                            {"optimizer_exposed", r.timeline.optimizer_exposed},
+                            {"h2d_bytes", r.timeline.h2d_bytes},
+                            {"d2h_bytes", r.timeline.d2h_bytes},
+                            {"nvme_read_bytes", r.timeline.nvme_read_bytes},
+                            {"nvme_write_bytes", r.timeline.nvme_write_bytes}}}};
       log << j.dump() << "\n" << std::flush;
     }
     if (tc.progress) {
@@ -229,6 +301,12 @@ int train_main(const std::vector<std::string>& argv) {
               << (seconds_total > 0 ? tokens_total / seconds_total : 0) << " tokens/s\n";
 
   committed(checkpointer.finish());
+  if (ec.profile) {
+    const std::string path =
+        comm->rank() == 0 ? tc.profile_path : tc.profile_path + ".rank" + std::to_string(comm->rank());
+    write_trace(path, comm->rank(), trace);
+    if (lead) std::cerr << "strata train: trace of " << trace.size() << " spans written to " << path << "\n";
+  }
   if (!tc.export_dir.empty()) {
     auto params = eng.gather_parameters();  // collective: every rank
     if (lead) {

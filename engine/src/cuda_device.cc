@@ -48,7 +48,9 @@ class CudaStream final : public Stream {
 
 class CudaEvent final : public Event {
  public:
-  CudaEvent() { check(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "event create"); }
+  explicit CudaEvent(bool timed = false) {
+    check(cudaEventCreateWithFlags(&e_, timed ? cudaEventDefault : cudaEventDisableTiming), "event create");
+  }
   ~CudaEvent() override { cudaEventDestroy(e_); }
   bool done() const override { return cudaEventQuery(e_) == cudaSuccess; }
   cudaEvent_t handle() const { return e_; }
@@ -141,6 +143,19 @@ class CudaDevice final : public Device {
     auto ev = std::make_shared<CudaEvent>();
     check(cudaEventRecord(ev->handle(), cuda(stream).handle()), "event record");
     return ev;
+  }
+  std::shared_ptr<Event> record_timed(Stream& stream) override {
+    auto ev = std::make_shared<CudaEvent>(true);
+    check(cudaEventRecord(ev->handle(), cuda(stream).handle()), "event record");
+    return ev;
+  }
+  double seconds_between(const std::shared_ptr<Event>& from, const std::shared_ptr<Event>& to) override {
+    const cudaEvent_t a = static_cast<CudaEvent&>(*from).handle(), b = static_cast<CudaEvent&>(*to).handle();
+    check(cudaEventSynchronize(a), "event synchronize");
+    check(cudaEventSynchronize(b), "event synchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, a, b), "event elapsed time");
+    return double(ms) / 1e3;
   }
   void wait(Stream& stream, const std::shared_ptr<Event>& event) override {
     check(cudaStreamWaitEvent(cuda(stream).handle(), static_cast<CudaEvent&>(*event).handle(), 0),

@@ -3,6 +3,7 @@
 #include <ATen/ops/from_blob.h>
 
 #include <cmath>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -178,6 +179,7 @@ class HostEvent final : public Event {
     {
       std::lock_guard<std::mutex> lock(mu_);
       done_ = true;
+      when_ = std::chrono::steady_clock::now();
     }
     cv_.notify_all();
   }
@@ -185,11 +187,17 @@ class HostEvent final : public Event {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return done_; });
   }
+  std::chrono::steady_clock::time_point when() const {
+    wait();
+    std::lock_guard<std::mutex> lock(mu_);
+    return when_;
+  }
 
  private:
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   bool done_ = false;
+  std::chrono::steady_clock::time_point when_;
 };
 
 class HostDevice final : public Device {
@@ -224,6 +232,11 @@ class HostDevice final : public Device {
   }
   void synchronize(Stream& stream) override {
     if (auto* hs = dynamic_cast<HostStream*>(&stream)) hs->drain();
+  }
+  std::shared_ptr<Event> record_timed(Stream& stream) override { return record(stream); }
+  double seconds_between(const std::shared_ptr<Event>& from, const std::shared_ptr<Event>& to) override {
+    const auto a = static_cast<const HostEvent&>(*from).when(), b = static_cast<const HostEvent&>(*to).when();
+    return std::chrono::duration<double>(b - a).count();
   }
 
  protected:

@@ -16,6 +16,8 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <tuple>
+#include <utility>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -96,6 +98,54 @@ struct Use {
   enum Kind { kForward, kHead, kBackward } kind;
 };
 
+// The per-step timeline (StepTimeline) and, when profiling, the trace spans. The training thread
+// owns `step`; the optimizer thread and I/O completions touch only the atomics and, under `mu`,
+// the spans.
+struct Profiler {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point origin = Clock::now();
+  bool tracing = false;
+  StepTimeline step;  // the step in progress; what runs between steps counts for the next one
+  std::atomic<uint64_t> nvme_read{0}, nvme_write{0};
+  uint64_t nvme_read_seen = 0, nvme_write_seen = 0;
+  std::mutex mu;
+  std::vector<TraceSpan> spans;
+
+  double at(Clock::time_point t) const { return std::chrono::duration<double>(t - origin).count(); }
+  void span(const char* lane, std::string name, Clock::time_point b, Clock::time_point e) {
+    if (!tracing) return;
+    std::lock_guard<std::mutex> lock(mu);
+    spans.push_back({lane, std::move(name), at(b), at(e)});
+  }
+  // Adds the time until destruction to `into` and, tracing, a host span named `what` + `unit`.
+  struct Timer {
+    Profiler& p;
+    double& into;
+    const char* what;
+    const std::string* unit;
+    Clock::time_point begin = Clock::now();
+    ~Timer() {
+      const Clock::time_point end = Clock::now();
+      into += std::chrono::duration<double>(end - begin).count();
+      if (p.tracing) p.span("host", unit ? std::string(what) + " " + *unit : std::string(what), begin, end);
+    }
+  };
+  Timer time(double& into, const char* what, const std::string* unit = nullptr) {
+    return Timer{*this, into, what, unit};
+  }
+  // The finished step's timeline; the next one starts from zero.
+  StepTimeline take_step() {
+    const uint64_t r = nvme_read.load(), w = nvme_write.load();
+    step.nvme_read_bytes = r - nvme_read_seen;
+    step.nvme_write_bytes = w - nvme_write_seen;
+    nvme_read_seen = r;
+    nvme_write_seen = w;
+    StepTimeline out = step;
+    step = StepTimeline{};
+    return out;
+  }
+};
+
 }  // namespace
 
 struct Engine::Impl {
@@ -123,6 +173,12 @@ struct Engine::Impl {
   std::unique_ptr<offload::IoEngine> io;
   std::unique_ptr<offload::SwapSpace> swap;
   uint64_t nvme_state = 0;
+  Profiler prof;
+  // Profiling: device-timed compute spans of the step in progress, against a reference event
+  // recorded at its start.
+  std::shared_ptr<Event> step_ref;
+  Profiler::Clock::time_point step_ref_host;
+  std::vector<std::tuple<std::string, std::shared_ptr<Event>, std::shared_ptr<Event>>> compute_spans;
 
   Placement placement(int k) const {
     switch (k) {
@@ -140,9 +196,11 @@ struct Engine::Impl {
   }
   // Elements [begin, begin + dst.numel()) of an NVMe-placed kind into dst (host, contiguous).
   offload::IoFuture swap_read(size_t u, int k, uint64_t begin, const at::Tensor& dst) {
+    prof.nvme_read += uint64_t(dst.nbytes());
     return swap->read(swap_name(u, k), begin * c10::elementSize(kind_dtype(k)), bytes_of(dst));
   }
   offload::IoFuture swap_write(size_t u, int k, uint64_t begin, const at::Tensor& src) {
+    prof.nvme_write += uint64_t(src.nbytes());
     return swap->write(swap_name(u, k), begin * c10::elementSize(kind_dtype(k)), bytes_of(src));
   }
 
@@ -346,7 +404,11 @@ struct Engine::Impl {
         dev.launch_host(dev.copy_stream(), [read] { read.get(); });
       }
       dev.copy_async(g.staging, src, dev.copy_stream());
-      dev.wait(dev.compute_stream(), dev.record(dev.copy_stream()));
+      prof.step.h2d_bytes += uint64_t(src.nbytes());
+      {
+        auto t = prof.time(prof.step.wait_params, "wait params", &L.name);  // blocks on the host device only
+        dev.wait(dev.compute_stream(), dev.record(dev.copy_stream()));
+      }
       src = g.staging;
     }
     g.work = comm.all_gather(g.flat, src);
@@ -356,7 +418,10 @@ struct Engine::Impl {
   void bind(size_t u) {
     Gathered& g = live.at(u);
     if (g.bound) return;
-    g.work->wait();
+    {
+      auto t = prof.time(prof.step.wait_params, "wait params", &partition->unit(u).name);
+      g.work->wait();
+    }
     g.staging = at::Tensor();
     const UnitLayout& L = partition->unit(u);
     for (size_t i = 0; i < L.tensors.size(); ++i) {
@@ -451,12 +516,14 @@ struct Engine::Impl {
         // no zeroing after the step).
         dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));
         dev.copy_async(acc, shard, dev.copy_stream());
+        prof.step.d2h_bytes += uint64_t(shard.nbytes());
         units[u].grad_fresh = false;
       } else {
         // Device -> host on the copy stream, then accumulated there in fp32.
         at::Tensor host = host_buffer(L.shard_numel, shard.scalar_type());
         dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // shard is filled there
         dev.copy_async(host, shard, dev.copy_stream());
+        prof.step.d2h_bytes += uint64_t(shard.nbytes());
         if (cfg.grads == Placement::kHost) {
           const bool fresh = units[u].grad_fresh;
           units[u].grad_fresh = false;
@@ -488,6 +555,31 @@ struct Engine::Impl {
 
   // --- the step ------------------------------------------------------------------------------
 
+  // Profiling: a stage's compute bracketed by timed events on the compute stream.
+  std::shared_ptr<Event> compute_mark() { return cfg.profile ? dev.record_timed(dev.compute_stream()) : nullptr; }
+  void compute_span(std::string name, const std::shared_ptr<Event>& begin) {
+    if (begin) compute_spans.emplace_back(std::move(name), begin, dev.record_timed(dev.compute_stream()));
+  }
+  // The step's timeline; profiling, also the device compute time and spans (waits for the
+  // compute stream).
+  StepTimeline finish_timeline() {
+    StepTimeline t = prof.take_step();
+    if (overlaps_update()) t.optimizer_exposed = t.wait_update;
+    if (!cfg.profile) return t;
+    dev.synchronize(dev.compute_stream());
+    t.compute_busy = 0;
+    for (auto& [name, b, e] : compute_spans) {
+      const double from = dev.seconds_between(step_ref, b), to = dev.seconds_between(step_ref, e);
+      t.compute_busy += to - from;
+      const auto host = [&](double x) {
+        return step_ref_host + std::chrono::duration_cast<Profiler::Clock::duration>(std::chrono::duration<double>(x));
+      };
+      prof.span("device compute", name, host(from), host(to));
+    }
+    compute_spans.clear();
+    return t;
+  }
+
   StepResult train_step(const at::Tensor& ids) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t b = cfg.micro_batch, T = cfg.seq_len, A = cfg.grad_accum;
@@ -499,6 +591,11 @@ struct Engine::Impl {
     const c10::TensorOptions host_opts = host_options(cdt);
     double loss_sum = 0;
     size_t k = 0;
+    if (cfg.profile) {
+      compute_spans.clear();
+      step_ref = dev.record_timed(dev.compute_stream());
+      step_ref_host = Profiler::Clock::now();
+    }
     for (int64_t m = 0; m < A; ++m) {
       at::Tensor rows = ids.narrow(0, m * b, b);
       at::Tensor inputs = rows.narrow(1, 0, T).contiguous().to(dev.torch_device());
@@ -514,7 +611,9 @@ struct Engine::Impl {
         at::Tensor y;
         {
           at::NoGradGuard no_grad;
+          const auto mark = compute_mark();
           y = stages[s]->forward(x);
+          compute_span("forward " + partition->unit(s).name, mark);
         }
         Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + partition->unit(s).name);
         if (s == 0) {
@@ -524,6 +623,7 @@ struct Engine::Impl {
           dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // x is computed there
           dev.copy_async(acts[s], x, dev.copy_stream());
           act_bytes += acts[s].nbytes();
+          prof.step.d2h_bytes += uint64_t(acts[s].nbytes());
         }
         x = y;
         x_res = std::move(y_res);
@@ -534,10 +634,12 @@ struct Engine::Impl {
       {
         ensure(k);
         prefetch(k, total);
+        const auto mark = compute_mark();
         at::Tensor xh = x.detach().requires_grad_(true);
         at::Tensor logits = stages[n - 1]->forward(xh);
         at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets);
         torch::autograd::backward({loss * loss_scale});
+        compute_span("forward+backward " + partition->unit(n - 1).name, mark);
         loss_sum += loss.item<double>();
         dy = xh.grad();
         x = at::Tensor();
@@ -546,7 +648,10 @@ struct Engine::Impl {
         ++k;
       }
       host_act_peak = std::max(host_act_peak, act_bytes);
-      dev.synchronize(dev.copy_stream());  // activation checkpoints are on the host
+      {
+        auto t = prof.time(prof.step.wait_activations, "wait activations");
+        dev.synchronize(dev.copy_stream());  // activation checkpoints are on the host
+      }
       // Backward through the blocks and the embedding, recomputing each from its checkpoint.
       for (size_t s = n - 1; s-- > 0; ++k) {
         ensure(k);
@@ -559,30 +664,39 @@ struct Engine::Impl {
           xin = dev.empty(acts[s].sizes(), cdt, "recompute input of unit " + partition->unit(s).name);
           dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));
           dev.copy_async(xin, acts[s], dev.copy_stream());  // keeps acts[s] alive until done
+          prof.step.h2d_bytes += uint64_t(acts[s].nbytes());
           dev.wait(dev.compute_stream(), dev.record(dev.copy_stream()));
           acts[s] = at::Tensor();
           xin.requires_grad_(true);
         }
+        const auto mark = compute_mark();
         at::Tensor y = stages[s]->forward(xin);
         torch::autograd::backward({y}, {dy});
+        compute_span("recompute+backward " + partition->unit(s).name, mark);
         y = at::Tensor();
         dy = s > 0 ? xin.grad() : at::Tensor();
         reduce_gradients(s);
         release_unneeded(k, total);
       }
     }
-    dev.synchronize(dev.copy_stream());  // host gradient accumulation done
+    {
+      auto t = prof.time(prof.step.wait_grads, "wait gradients");
+      dev.synchronize(dev.copy_stream());  // host gradient accumulation done
+    }
 
     // Global norm and overflow in one all-reduce: [local sum of squares, local loss sum].
     finish_update();  // done long ago (the forward gathered every unit); joins the thread
-    const double sumsq = local_sum_squares();
-    at::Tensor red = at::tensor({sumsq, loss_sum}, at::TensorOptions().dtype(at::kDouble));
-    comm.all_reduce(red, ReduceOp::kSum);
     const double W = comm.world_size();
     const double denom = loss_scale * double(A) * W;
     StepResult r;
-    r.loss = red[1].item<double>() / (double(A) * W);
-    r.grad_norm = std::sqrt(red[0].item<double>()) / denom;
+    {
+      auto t = prof.time(prof.step.norm, "gradient norm");
+      const double sumsq = local_sum_squares();
+      at::Tensor red = at::tensor({sumsq, loss_sum}, at::TensorOptions().dtype(at::kDouble));
+      comm.all_reduce(red, ReduceOp::kSum);
+      r.loss = red[1].item<double>() / (double(A) * W);
+      r.grad_norm = std::sqrt(red[0].item<double>()) / denom;
+    }
     r.loss_scale = loss_scale;
     r.skipped = !std::isfinite(r.grad_norm);
     if (!r.skipped) {
@@ -597,8 +711,16 @@ struct Engine::Impl {
       ac.decoupled_weight_decay = cfg.decoupled_weight_decay;
       ac.step = step + 1;
       ac.grad_scale = coef / denom;
-      if (overlaps_update()) launch_update(ac);
-      else optimizer_step(ac);
+      if (overlaps_update()) {
+        launch_update(ac);
+      } else {
+        const double before = prof.step.optimizer;
+        {
+          auto t = prof.time(prof.step.optimizer, "optimizer");
+          optimizer_step(ac);
+        }
+        prof.step.optimizer_exposed += prof.step.optimizer - before;
+      }
       ++step;
     }
     for (UnitState& u : units) {
@@ -618,6 +740,7 @@ struct Engine::Impl {
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     r.tokens = uint64_t(A * b * T) * uint64_t(comm.world_size());
     r.model_tflops = flops_per_token() * double(r.tokens) / r.seconds / 1e12;
+    r.timeline = finish_timeline();
     return r;
   }
 
@@ -788,6 +911,7 @@ struct Engine::Impl {
   std::mutex update_mu;
   std::condition_variable update_cv;
   size_t units_updated = 0;
+  double update_seconds = 0;  // the updater's work, counted into the timeline when it is joined
   bool update_running = false;
   std::exception_ptr update_error;
 
@@ -804,7 +928,11 @@ struct Engine::Impl {
     updater = std::thread([this, ac] {
       try {
         for (size_t u = 0; u < units.size(); ++u) {
+          const auto begin = Profiler::Clock::now();
           update_unit(ac, u);
+          const auto end = Profiler::Clock::now();
+          update_seconds += std::chrono::duration<double>(end - begin).count();
+          prof.span("optimizer", "update " + partition->unit(u).name, begin, end);
           std::lock_guard<std::mutex> lock(update_mu);
           units_updated = u + 1;
           update_cv.notify_all();
@@ -820,6 +948,7 @@ struct Engine::Impl {
   // Blocks until unit u's update of the last step is done; rethrows the updater's error.
   void wait_updated(size_t u) {
     if (!update_running) return;
+    auto t = prof.time(prof.step.wait_update, "wait update", &partition->unit(u).name);
     std::unique_lock<std::mutex> lock(update_mu);
     update_cv.wait(lock, [&] { return units_updated > u; });
     if (update_error) {
@@ -829,7 +958,14 @@ struct Engine::Impl {
   }
   // Blocks until the whole update is done (accessors of the state, the next norm, destruction).
   void finish_update() {
-    if (updater.joinable()) updater.join();
+    if (updater.joinable()) {
+      {
+        auto t = prof.time(prof.step.wait_update, "wait update");
+        updater.join();
+      }
+      prof.step.optimizer += update_seconds;
+      update_seconds = 0;
+    }
     update_running = false;
     if (update_error) {
       std::exception_ptr e = update_error;
@@ -846,7 +982,14 @@ struct Engine::Impl {
 
 Engine::Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& config,
                Communicator& comm, Device& device)
-    : impl_(std::make_unique<Impl>(std::move(model), config, comm, device)) {}
+    : impl_(std::make_unique<Impl>(std::move(model), config, comm, device)) {
+  impl_->prof.tracing = config.profile;
+}
+
+std::vector<TraceSpan> Engine::take_trace() {
+  std::lock_guard<std::mutex> lock(impl_->prof.mu);
+  return std::exchange(impl_->prof.spans, {});
+}
 
 Engine::~Engine() {
   if (!impl_) return;

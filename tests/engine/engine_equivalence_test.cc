@@ -96,6 +96,94 @@ TEST(EngineOverlap, OverlappedUpdateIsBitwiseTheSerialOne) {
     EXPECT_EQ(a.grad_norms[i], b.grad_norms[i]) << "step " << i + 1;
   }
   for (auto& [name, w] : a.params) EXPECT_TRUE(b.params.at(name).equal(w)) << name;
+  // And the update really ran behind: the overlapped run's first step has no optimizer work in
+  // it (its update runs during step 2), the serial run's has, and only the overlapped run waits.
+  EXPECT_GT(a.steps[0].timeline.optimizer, 0);
+  EXPECT_EQ(b.steps[0].timeline.optimizer, 0);
+  for (size_t i = 1; i < b.steps.size(); ++i) {
+    EXPECT_GT(b.steps[i].timeline.optimizer, 0) << "step " << i + 1;
+    EXPECT_EQ(a.steps[i].timeline.wait_update, 0) << "step " << i + 1;
+  }
+}
+
+// --- the per-step timeline --------------------------------------------------------------------
+
+struct Profiled {
+  std::vector<se::StepResult> steps;
+  std::vector<se::TraceSpan> spans;
+  uint64_t shard_bytes = 0;  // sum over units of this rank's fp32 shard
+};
+
+Profiled run_profiled(const se::TrainConfig& tc) {
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create_host(UINT64_MAX);
+  const se::EngineConfig& e = tc.engine;
+  auto corpus = std::make_shared<sm::TokenCorpus>(tc.data_path, sm::parse_token_format(tc.data_format),
+                                                  uint64_t(tc.model.vocab_size));
+  sm::BatchLoader loader(corpus, uint64_t(e.seq_len), uint64_t(e.micro_batch * e.grad_accum), 0, 1, tc.data_seed);
+  se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), e, *comm, *dev);
+  Profiled out;
+  for (const se::UnitLayout& u : eng.partition().units()) out.shard_bytes += u.shard_numel * 4;
+  at::Tensor ids = at::empty({e.micro_batch * e.grad_accum, e.seq_len + 1}, at::kLong);
+  for (int64_t s = 0; s < tc.steps; ++s) {
+    loader.next(ids.data_ptr<int64_t>());
+    out.steps.push_back(eng.train_step(ids));
+  }
+  eng.gather_parameters();  // waits for the last step's overlapped update
+  out.spans = eng.take_trace();
+  return out;
+}
+
+// The timeline's byte counts are exactly what the schedule moves, its compute time fits in the
+// step, and the trace holds a device compute span per stage and micro-batch and the updater's.
+TEST(EngineTimeline, CountsWhatTheScheduleMovesOnTheHostDevice) {
+  json j = tiny_config(true, 3);  // untied: each unit's gradient is reduced once per micro-batch
+  j["run"]["steps"] = 3;
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  tc.engine.profile = true;
+  const Profiled p = run_profiled(tc);
+  const se::EngineConfig& e = tc.engine;
+  const int64_t L = tc.model.layers, A = e.grad_accum;
+  // Down: every unit's reduced fp32 gradient shard once per micro-batch, and the input of
+  // every block but the first (the embedding's input is the token ids) as a checkpoint.
+  const uint64_t acts = uint64_t(L * e.micro_batch * e.seq_len * tc.model.hidden) * 4;
+  for (size_t i = 0; i < p.steps.size(); ++i) {
+    const se::StepTimeline& t = p.steps[i].timeline;
+    EXPECT_EQ(t.d2h_bytes, uint64_t(A) * (p.shard_bytes + acts)) << "step " << i + 1;
+    EXPECT_GE(t.h2d_bytes, uint64_t(A) * (p.shard_bytes + acts)) << "every unit is gathered each micro-batch";
+    EXPECT_EQ(t.nvme_read_bytes, 0u);
+    EXPECT_EQ(t.nvme_write_bytes, 0u);
+    EXPECT_GT(t.compute_busy, 0);
+    EXPECT_LE(t.compute_busy, p.steps[i].seconds);
+  }
+  size_t compute = 0, updates = 0;
+  for (const se::TraceSpan& s : p.spans) {
+    EXPECT_LE(s.begin, s.end) << s.name;
+    compute += s.lane == "device compute";
+    updates += s.lane == "optimizer";
+  }
+  const size_t stages = size_t(L) + 2;  // embedding, blocks, head
+  EXPECT_EQ(compute, p.steps.size() * size_t(A) * (2 * stages - 1));  // the head's once
+  EXPECT_EQ(updates, p.steps.size() * stages);
+}
+
+TEST(EngineTimeline, CountsTheSwapTrafficOfTheStreamedOptimizer) {
+  TempDir swap;
+  json j = tiny_config(true, 2);
+  j["run"]["steps"] = 3;
+  j["placement"] = {{"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  const Profiled p = run_profiled(tc);
+  for (size_t i = 1; i < p.steps.size(); ++i) {  // step 1 also counts the initial state written
+    const se::StepTimeline& t = p.steps[i].timeline;
+    EXPECT_EQ(t.nvme_read_bytes, 3 * p.shard_bytes) << "master and moments read once";
+    EXPECT_EQ(t.nvme_write_bytes, 3 * p.shard_bytes) << "master and moments written once";
+    EXPECT_GT(t.optimizer, 0);
+    EXPECT_EQ(t.optimizer_exposed, t.optimizer) << "state on NVMe is updated after backward";
+    EXPECT_EQ(t.compute_busy, -1) << "not profiled";
+  }
+  EXPECT_TRUE(p.spans.empty());
 }
 
 // --- NVMe placement ---------------------------------------------------------------------------

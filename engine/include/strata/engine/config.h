@@ -26,6 +26,7 @@ struct EngineConfig {
   bool decoupled_weight_decay = true;
   double clip_grad_norm = 0.0;  // 0: off
   bool overlap_optimizer = true;  // host-state update runs during the next step's forward
+  bool profile = false;  // device-timed compute spans and a trace (Engine::take_trace)
   int64_t micro_batch = 1;      // sequences per micro-batch per rank
   int64_t grad_accum = 1;       // micro-batches per step
   int64_t seq_len = 64;
@@ -59,6 +60,7 @@ struct TrainConfig {
   std::string log_path = "strata-train.jsonl";
   bool progress = true;
   std::string export_dir;  // Hugging Face safetensors + config.json after the last step
+  std::string profile_path;  // per-step timeline printed, Chrome trace written here; empty: off
   std::string checkpoint_dir;  // root of the checkpoints (checkpoint.h); empty: none
   int64_t save_every = 0;      // save every N steps (and after the last); 0: only after the last
   bool resume = false;         // start from <checkpoint_dir>/latest when there is one

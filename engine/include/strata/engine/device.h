@@ -110,6 +110,12 @@ class Device {
   // Blocks until everything enqueued on `stream` has run; rethrows the first error of its work.
   virtual void synchronize(Stream& stream) = 0;
 
+  // Profiling: an event that also notes when its stream reached it (a CUDA event with timing;
+  // on the host device, the clock when it ran), and the seconds from `from` to `to`, two timed
+  // events of this device (blocks until both are done; negative if `to` came first).
+  virtual std::shared_ptr<Event> record_timed(Stream& stream) = 0;
+  virtual double seconds_between(const std::shared_ptr<Event>& from, const std::shared_ptr<Event>& to) = 0;
+
  protected:
   explicit Device(uint64_t budget_bytes) : budget_(budget_bytes) {}
   // Frees device memory that is held only by finished (or, waiting, the oldest unfinished)

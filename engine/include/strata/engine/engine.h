@@ -42,6 +42,31 @@
 
 namespace strata::engine {
 
+// Where one step's wall time went and what each path moved: the per-step timeline of
+// `strata train --profile`. Waits are host time spent blocked at the engine's synchronization
+// points, each named by its cause (on CUDA the host runs ahead of the GPU, so a host wait stalls
+// the GPU only once its queue has drained). Always measured (a few clock reads per unit), except
+// compute_busy, which needs EngineConfig::profile.
+struct StepTimeline {
+  double compute_busy = -1;      // device seconds in stage compute (-1: not profiled)
+  double wait_params = 0;        // a unit's gather (NVMe read, copy up, all-gather) not done
+  double wait_update = 0;        // a gather waited for the overlapped optimizer's update
+  double wait_activations = 0;   // activation checkpoints still on their way to the host
+  double wait_grads = 0;         // gradients still on their way to the host / NVMe
+  double norm = 0;               // global gradient norm (sum of squares, all-reduce)
+  double optimizer = 0;          // optimizer work that ran during this step (any thread)
+  double optimizer_exposed = 0;  // the part of it the step waited for
+  uint64_t h2d_bytes = 0, d2h_bytes = 0;             // host <-> device copies
+  uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;  // swap files
+};
+
+// One span of a trace (Chrome trace event format, see docs/ARCHITECTURE.md "Profiling").
+struct TraceSpan {
+  std::string lane;  // "host", "device compute", "optimizer"
+  std::string name;
+  double begin = 0, end = 0;  // seconds since the engine was built
+};
+
 struct StepResult {
   int64_t step = 0;          // optimizer steps taken so far (skipped steps not counted)
   double loss = 0;           // mean over the global batch
@@ -51,6 +76,7 @@ struct StepResult {
   double seconds = 0;
   uint64_t tokens = 0;       // global tokens in the step
   double model_tflops = 0;   // 6 * parameters * tokens (+ attention) per second, all ranks
+  StepTimeline timeline;
 };
 
 struct MemoryReport {
@@ -99,6 +125,9 @@ class Engine {
   void store_state_slice(size_t unit, StateKind kind, const at::Tensor& data);
   // compute copy = master rounded to the compute dtype, exactly what the optimizer writes.
   void refresh_compute_copies();
+
+  // The trace spans recorded since the last call (EngineConfig::profile; empty otherwise).
+  std::vector<TraceSpan> take_trace();
 
   const Partition& partition() const;
   const models::ModelConfig& model_config() const;
