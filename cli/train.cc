@@ -132,13 +132,13 @@ int train_main(const std::vector<std::string>& argv) {
   tc.engine.profile = !tc.profile_path.empty();
   if (tc.resume && tc.checkpoint_dir.empty())
     throw std::invalid_argument("--resume needs a checkpoint directory (--checkpoint-dir or run.checkpoint_dir)");
-  const engine::EngineConfig& ec = tc.engine;
+  const engine::EngineConfig* ecp = &tc.engine;  // until the engine resolves "auto" placements
 
   const engine::DistEnv env = engine::DistEnv::from_env();
   auto comm = engine::Communicator::create(
-      env, std::chrono::milliseconds(int64_t(ec.timeout_s * 1000)), ec.device == "cuda");
+      env, std::chrono::milliseconds(int64_t(ecp->timeout_s * 1000)), ecp->device == "cuda");
   const bool lead = comm->rank() == 0;
-  auto device = engine::Device::create(ec.device, env.local_rank, ec.device_budget);
+  auto device = engine::Device::create(ecp->device, env.local_rank, ecp->device_budget);
 
   std::unique_ptr<models::Decoder> model =
       tc.init_from.empty() ? std::make_unique<models::Decoder>(tc.model, tc.init_seed)
@@ -147,11 +147,12 @@ int train_main(const std::vector<std::string>& argv) {
   auto corpus = std::make_shared<models::TokenCorpus>(
       tc.data_path, models::parse_token_format(tc.data_format), uint64_t(mc.vocab_size));
   const uint64_t global_batch =
-      uint64_t(ec.micro_batch * ec.grad_accum) * uint64_t(comm->world_size());
-  models::BatchLoader loader(corpus, uint64_t(ec.seq_len), global_batch, comm->rank(),
+      uint64_t(ecp->micro_batch * ecp->grad_accum) * uint64_t(comm->world_size());
+  models::BatchLoader loader(corpus, uint64_t(ecp->seq_len), global_batch, comm->rank(),
                              comm->world_size(), tc.data_seed);
 
-  engine::Engine eng(std::move(model), ec, *comm, *device);
+  engine::Engine eng(std::move(model), tc.engine, *comm, *device);
+  const engine::EngineConfig& ec = eng.config();
   const engine::MemoryReport m0 = eng.memory();
 
   int64_t first_step = 0;
@@ -216,9 +217,7 @@ int train_main(const std::vector<std::string>& argv) {
     std::cerr << "strata train: " << mc.name << " (" << mc.parameters() / 1e6 << "M parameters, "
               << mc.layers << " layers), world " << comm->world_size() << ", global batch "
               << global_batch << " x " << ec.seq_len << " tokens, " << to_string(ec.compute)
-              << " compute\n  placement: params " << to_string(ec.params) << ", grads "
-              << to_string(ec.grads) << ", master " << to_string(ec.master) << ", moments "
-              << to_string(ec.moments) << "; device " << device->description() << " budget "
+              << " compute\n  " << eng.placement_report() << "\n  device: " << device->description() << ", budget "
               << (ec.device_budget == UINT64_MAX ? "unlimited" : format_bytes(ec.device_budget))
               << ", " << format_bytes(m0.device_used) << " of state on it; host state "
               << format_bytes(m0.host_state) << ", NVMe state " << format_bytes(m0.nvme_state)

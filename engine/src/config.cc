@@ -25,6 +25,7 @@ const char* to_string(Placement p) {
     case Placement::kDevice: return "device";
     case Placement::kHost: return "host";
     case Placement::kNvme: return "nvme";
+    case Placement::kAuto: return "auto";
   }
   return "?";
 }
@@ -45,10 +46,11 @@ void EngineConfig::validate() const {
   if (loss_scale_window < 1) bad("precision.loss_scale_window must be >= 1");
   if (device != "cpu" && device != "cuda")
     bad("device.type must be \"cpu\" or \"cuda\", not \"" + device + "\"");
-  if (moments != master)
+  const auto A = Placement::kAuto;
+  if (moments != master && moments != A && master != A)
     bad("placement.moments and placement.master must be the same: the optimizer updates them "
         "together where they live");
-  if (grads != master && !(master == Placement::kNvme && grads == Placement::kHost))
+  if (grads != A && master != A && grads != master && !(master == Placement::kNvme && grads == Placement::kHost))
     bad("placement.grads must be placement.master's (or \"host\" with master on \"nvme\"): the "
         "optimizer runs where the master weights live and reads the gradients there");
   const bool nvme = params == Placement::kNvme || grads == Placement::kNvme || master == Placement::kNvme;
@@ -255,7 +257,8 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
   if (const json* p = top.get("placement")) {
     Section s(*p, "placement", source);
     std::initializer_list<std::pair<const char*, Placement>> names = {
-        {"device", Placement::kDevice}, {"host", Placement::kHost}, {"nvme", Placement::kNvme}};
+        {"device", Placement::kDevice}, {"host", Placement::kHost}, {"nvme", Placement::kNvme},
+        {"auto", Placement::kAuto}};
     s.read_enum("params", e.params, names);
     s.read_enum("grads", e.grads, names);
     s.read_enum("master", e.master, names);
@@ -280,6 +283,8 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     }
     s.read("queue_depth", e.io_queue_depth);
     s.read_bytes("optimizer_chunk", e.nvme_chunk_bytes);
+    s.read_bytes("host_budget", e.host_budget);
+    s.read_bytes("nvme_budget", e.nvme_budget);
   }
   if (const json* d = top.get("distributed")) {
     Section s(*d, "distributed", source);

@@ -144,6 +144,11 @@ class CudaDevice final : public Device {
     check(cudaEventRecord(ev->handle(), cuda(stream).handle()), "event record");
     return ev;
   }
+  uint64_t physical_free() const override {
+    size_t free = 0, total = 0;
+    check(cudaMemGetInfo(&free, &total), "memory info");
+    return free;
+  }
   std::shared_ptr<Event> record_timed(Stream& stream) override {
     auto ev = std::make_shared<CudaEvent>(true);
     check(cudaEventRecord(ev->handle(), cuda(stream).handle()), "event record");

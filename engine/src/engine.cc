@@ -25,6 +25,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "strata/engine/placement.h"
 #include "strata/kernels/cpu_optim.h"
 #include "strata/offload/io_engine.h"
 #include "strata/offload/swap_space.h"
@@ -324,6 +325,8 @@ struct Engine::Impl {
       reserve_bytes = std::max(reserve_bytes, 4 * act + grads + (use.kind == Use::kHead ? logits : 0));
     }
 
+    resolve_auto_placement();
+
     if (cfg.master == Placement::kNvme || cfg.grads == Placement::kNvme || cfg.params == Placement::kNvme) {
       offload::IoEngineConfig ic;
       ic.queue_depth = cfg.io_queue_depth;
@@ -383,6 +386,53 @@ struct Engine::Impl {
             "buffers " + format_bytes(reserve_bytes) + ") beside " + format_bytes(dev.used()) +
             " of device-placed state; raise device.budget or place state on the host");
     }
+  }
+
+  // --- automatic placement (placement.h) ------------------------------------------------------
+
+  std::string placement_report;
+
+  void resolve_auto_placement() {
+    StateBytes need;
+    uint64_t largest_unit = 0;
+    for (const UnitLayout& L : partition->units()) {
+      need.params += L.shard_numel * c10::elementSize(cdt);
+      need.grads += L.shard_numel * 4;
+      need.master += L.shard_numel * 4;
+      need.moments += L.shard_numel * 8;
+      largest_unit = std::max(largest_unit, L.padded_numel() * c10::elementSize(cdt));
+    }
+    const bool any_auto = cfg.params == Placement::kAuto || cfg.grads == Placement::kAuto ||
+                          cfg.master == Placement::kAuto || cfg.moments == Placement::kAuto;
+    if (!any_auto) {
+      placement_report = "placement: " + describe_plan({cfg.params, cfg.grads, cfg.master, cfg.moments}, need);
+      return;
+    }
+    // The device keeps room for the largest use, its working set and the prefetched units.
+    uint64_t working = 0;
+    for (const Use& use : uses) working = std::max(working, use_param_bytes(use) + reserve_bytes);
+    working += uint64_t(cfg.prefetch) * largest_unit;
+    const uint64_t device = std::min(dev.budget(), dev.physical_free());
+    int local_ranks = comm.world_size();
+    if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local_ranks = std::max(1, std::atoi(l));
+    const uint64_t device_state = device == UINT64_MAX ? device : device > working ? device - working : 0;
+    const TierBudgets budgets = machine_budgets(cfg, device_state, local_ranks);
+    PlacementPlan plan = plan_placement(cfg, need, budgets);
+    // Every rank takes the slowest tier any rank chose for each kind, so that all agree.
+    at::Tensor codes = at::tensor({int64_t(plan.params), int64_t(plan.grads), int64_t(plan.master),
+                                   int64_t(plan.moments)}, at::TensorOptions().dtype(at::kLong));
+    comm.all_reduce(codes, ReduceOp::kMax);
+    plan = {Placement(codes[0].item<int64_t>()), Placement(codes[1].item<int64_t>()),
+            Placement(codes[2].item<int64_t>()), Placement(codes[3].item<int64_t>())};
+    cfg.params = plan.params;
+    cfg.grads = plan.grads;
+    cfg.master = plan.master;
+    cfg.moments = plan.moments;
+    cfg.validate();
+    auto budget = [](uint64_t b) { return b == UINT64_MAX ? std::string("unlimited") : format_bytes(b); };
+    placement_report = "placement (auto): " + describe_plan(plan, need) + "; budgets for state: device " +
+                       budget(budgets.device) + " (after a " + format_bytes(working) +
+                       " working set), host " + budget(budgets.host) + ", NVMe " + budget(budgets.nvme);
   }
 
   // --- gathering -----------------------------------------------------------------------------
@@ -985,6 +1035,9 @@ Engine::Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& confi
     : impl_(std::make_unique<Impl>(std::move(model), config, comm, device)) {
   impl_->prof.tracing = config.profile;
 }
+
+const EngineConfig& Engine::config() const { return impl_->cfg; }
+const std::string& Engine::placement_report() const { return impl_->placement_report; }
 
 std::vector<TraceSpan> Engine::take_trace() {
   std::lock_guard<std::mutex> lock(impl_->prof.mu);

@@ -437,10 +437,11 @@ TEST(Checkpoint, SigkillAtRandomMomentsNeverLeavesABadCheckpoint) {
             root.c_str(), "--resume", "--no-progress", nullptr);
       _exit(127);
     }
-    // Kill at a random moment after start-up (the engine is built and the start banner is out),
-    // whatever the machine's load: a fixed delay from fork misses training on a busy machine.
+    // Kill at a random moment once the run has committed its first save of this trial, whatever
+    // the machine's load: a delay from fork or from the start banner mostly hit start-up (engine
+    // build, checkpoint load) on a busy machine, never a save.
     const auto forked = std::chrono::steady_clock::now();
-    while (read_file(dir / "trial.txt").find("  data: ") == std::string::npos &&
+    while (read_file(dir / "trial.txt").find("committed") == std::string::npos &&
            std::chrono::steady_clock::now() - forked < std::chrono::seconds(60))
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 1000));

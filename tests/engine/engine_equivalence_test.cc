@@ -25,6 +25,7 @@
 
 #include "strata/engine/comm.h"
 #include "strata/engine/config.h"
+#include "strata/engine/placement.h"
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"
 #include "strata/models/hf_io.h"
@@ -184,6 +185,71 @@ TEST(EngineTimeline, CountsTheSwapTrafficOfTheStreamedOptimizer) {
     EXPECT_EQ(t.compute_busy, -1) << "not profiled";
   }
   EXPECT_TRUE(p.spans.empty());
+}
+
+// --- automatic placement --------------------------------------------------------------------
+
+TEST(PlacementPlan, FillsTheDeviceThenHostThenNvme) {
+  using P = se::Placement;
+  se::EngineConfig c;
+  c.params = c.grads = c.master = c.moments = P::kAuto;
+  const se::StateBytes need{200, 400, 400, 800};  // bf16 compute copies, fp32 the rest
+  auto plan = [&](uint64_t device, uint64_t host, uint64_t nvme) {
+    const se::PlacementPlan p = se::plan_placement(c, need, {device, host, nvme});
+    return std::string(se::to_string(p.params)) + " " + se::to_string(p.grads) + " " +
+           se::to_string(p.master) + " " + se::to_string(p.moments);
+  };
+  EXPECT_EQ(plan(1800, 0, 0), "device device device device");  // everything fits
+  EXPECT_EQ(plan(1799, 1600, 0), "device host host host");     // the compute copies first
+  EXPECT_EQ(plan(199, 1800, 0), "host host host host");
+  EXPECT_EQ(plan(200, 1599, 1200), "device host nvme nvme");   // gradients stay on the host
+  EXPECT_EQ(plan(0, 399, 1800), "host nvme nvme nvme");        // ... unless they do not fit
+  EXPECT_EQ(plan(0, 0, 1800), "nvme nvme nvme nvme");
+  try {
+    plan(100, 100, 1199);
+    FAIL() << "placed state that fits nowhere";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("fit in no tier"), std::string::npos) << e.what();
+  }
+  // Explicit kinds keep their tier and use its room; master fixes the moments.
+  c.master = P::kHost;
+  EXPECT_EQ(plan(10000, 1200, 0), "device host host host");
+  c.master = P::kAuto;
+  c.params = P::kNvme;
+  EXPECT_EQ(plan(1600, 0, 200), "nvme device device device");
+}
+
+// "auto" resolved from the budgets in the configuration, reported, and training as exactly as
+// the explicit placement would.
+TEST(EngineAuto, ResolvesFromBudgetsAndMatchesLibtorch) {
+  TempDir swap;
+  json j = tiny_config(true, 3);
+  j["placement"] = {{"params", "auto"}, {"grads", "auto"}, {"master", "auto"}, {"moments", "auto"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  auto resolved = [&](const json& cfg, uint64_t budget) {
+    const se::TrainConfig tc = se::parse_train_config(cfg.dump(), "test");
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(budget);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+    EXPECT_NE(eng.placement_report().find("placement (auto)"), std::string::npos) << eng.placement_report();
+    const se::EngineConfig& e = eng.config();
+    return std::string(se::to_string(e.params)) + " " + se::to_string(e.grads) + " " +
+           se::to_string(e.master) + " " + se::to_string(e.moments);
+  };
+  EXPECT_EQ(resolved(j, UINT64_MAX), "device device device device");
+  j["offload"]["host_budget"] = "1GiB";
+  EXPECT_EQ(resolved(j, 1200 * 1024), "host host host host") << "the device holds only the working set";
+  // Each kind is 504 KiB (moments twice that); 500 KiB of the device budget is left beside the
+  // working set: room on the host for the gradients and the compute copies, not the rest.
+  j["offload"]["host_budget"] = "1100KiB";
+  EXPECT_EQ(resolved(j, 1200 * 1024), "host host nvme nvme");
+
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  uint64_t peak = 0;
+  Trajectory got = run_in_process(tc, 1200 * 1024, &peak);
+  EXPECT_GT(got.steps.back().timeline.nvme_read_bytes, 0u) << "master and moments are in swap";
+  se::TrainConfig want = tc;  // the libtorch reference ignores placement
+  expect_close(got, reference(want, 1), 1e-5);
 }
 
 // --- NVMe placement ---------------------------------------------------------------------------

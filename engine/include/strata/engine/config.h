@@ -15,7 +15,8 @@ namespace strata::engine {
 enum class Precision { kFp32, kBf16, kFp16 };
 // Where a state kind lives between uses: GPU memory, host RAM (pinned on GPU machines), or NVMe
 // swap files under offload.nvme_dirs (streamed through host buffers when used).
-enum class Placement { kDevice, kHost, kNvme };
+// kAuto: chosen by the engine at construction (placement.h), fastest tier first.
+enum class Placement { kDevice, kHost, kNvme, kAuto };
 const char* to_string(Precision p);
 const char* to_string(Placement p);
 
@@ -41,6 +42,10 @@ struct EngineConfig {
   std::vector<std::string> nvme_dirs;     // swap directories (one per drive) for "nvme" placement
   unsigned io_queue_depth = 32;           // NVMe requests in flight
   uint64_t nvme_chunk_bytes = 64ull << 20;  // fp32 bytes per array per streamed optimizer chunk
+  // Automatic placement: state bytes this rank may put in host RAM and in swap; 0: derived from
+  // the machine (80% of MemAvailable, 95% of the free space of nvme_dirs, shared by local ranks).
+  uint64_t host_budget = 0;
+  uint64_t nvme_budget = 0;
   std::string device = "cpu";
   uint64_t device_budget = UINT64_MAX;   // bytes the engine may hold on the device
   int prefetch = 1;                      // units gathered ahead of the running one

@@ -94,6 +94,9 @@ class Device {
   uint64_t used() const { return used_.load(); }
   uint64_t peak() const { return peak_.load(); }
   void reset_peak() { peak_.store(used_.load()); }
+  // Memory the device itself has free now (cudaMemGetInfo); UINT64_MAX on the host device,
+  // whose only limit is the budget. Automatic placement uses min(budget, this).
+  virtual uint64_t physical_free() const { return UINT64_MAX; }
 
   virtual Stream& compute_stream() = 0;
   virtual Stream& copy_stream() = 0;

@@ -129,6 +129,11 @@ class Engine {
   // The trace spans recorded since the last call (EngineConfig::profile; empty otherwise).
   std::vector<TraceSpan> take_trace();
 
+  // The configuration in effect: "auto" placements resolved (placement.h).
+  const EngineConfig& config() const;
+  // One line: each kind's tier and bytes on this rank, and for automatic placement the budgets.
+  const std::string& placement_report() const;
+
   const Partition& partition() const;
   const models::ModelConfig& model_config() const;
   MemoryReport memory() const;

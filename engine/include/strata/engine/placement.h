@@ -1,0 +1,47 @@
+// Automatic placement: for each state kind the configuration leaves at "auto", the tier that
+// holds it, filling the GPU first, then host RAM, then NVMe swap, within byte budgets.
+//
+// Policy (fastest training first): everything on the device if it all fits; otherwise the
+// compute copies on the device (gathers then need no host copies) and the optimizer group
+// (fp32 master, moments and gradient accumulators, which must live together, except that
+// gradients may stay on the host beside NVMe master and moments) in host RAM, else in NVMe swap
+// with the gradients on the host, else with them in swap too; compute copies that do not fit on
+// the device go to the host, else to swap. Kinds the configuration places explicitly keep their
+// tier and their bytes count against it.
+//
+// Pure functions; thread-safe. Errors: std::runtime_error naming the bytes needed and the
+// budgets when the state fits nowhere.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "strata/engine/config.h"
+
+namespace strata::engine {
+
+// This rank's bytes of each kind.
+struct StateBytes {
+  uint64_t params = 0, grads = 0, master = 0, moments = 0;
+};
+
+// Bytes of state each tier may take on this rank (the device's after its working set).
+struct TierBudgets {
+  uint64_t device = 0, host = 0, nvme = 0;
+};
+
+struct PlacementPlan {
+  Placement params, grads, master, moments;
+};
+
+PlacementPlan plan_placement(const EngineConfig& config, const StateBytes& need, const TierBudgets& budgets);
+
+// Host and NVMe budgets from the configuration, or from this machine where it says 0: 80% of
+// MemAvailable and 95% of the free space of offload.nvme_dirs (0 without directories), each
+// divided among `local_ranks` processes. `device` is passed through.
+TierBudgets machine_budgets(const EngineConfig& config, uint64_t device, int local_ranks);
+
+// "params device 2.6 GiB, grads host 10.4 GiB, master nvme ..., moments nvme ...".
+std::string describe_plan(const PlacementPlan& plan, const StateBytes& need);
+
+}  // namespace strata::engine

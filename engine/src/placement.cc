@@ -1,0 +1,114 @@
+#include "strata/engine/placement.h"
+
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <fstream>
+#include <stdexcept>
+
+#include "strata/engine/device.h"
+
+namespace strata::engine {
+namespace {
+
+constexpr Placement kAuto = Placement::kAuto;
+
+// Bytes left in each tier as kinds are placed.
+struct Room {
+  TierBudgets left;
+  uint64_t& of(Placement p) { return p == Placement::kDevice ? left.device : p == Placement::kHost ? left.host : left.nvme; }
+  bool fits(Placement p, uint64_t bytes) { return bytes <= of(p); }
+  void take(Placement p, uint64_t bytes) { of(p) -= std::min(of(p), bytes); }
+};
+
+uint64_t mem_available() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024;
+  return 0;
+}
+
+}  // namespace
+
+PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, const TierBudgets& budgets) {
+  PlacementPlan plan{cfg.params, cfg.grads, cfg.master, cfg.moments};
+  // Master and moments live together: an explicit one fixes the other.
+  if (plan.master == kAuto) plan.master = plan.moments;
+  if (plan.moments == kAuto) plan.moments = plan.master;
+  // Fixed kinds first: their bytes are spoken for.
+  Room room{budgets};
+  if (plan.params != kAuto) room.take(plan.params, need.params);
+  if (plan.grads != kAuto) room.take(plan.grads, need.grads);
+  if (plan.master != kAuto) room.take(plan.master, need.master + need.moments);
+
+  const bool grads_free = plan.grads == kAuto;
+  const uint64_t group = need.master + need.moments + (grads_free ? need.grads : 0);
+
+  if (plan.master == kAuto) {
+    const uint64_t params_on_device = plan.params == kAuto ? need.params : 0;
+    if (room.fits(Placement::kDevice, group + params_on_device) &&
+        (plan.grads == kAuto || plan.grads == Placement::kDevice)) {
+      plan.master = plan.moments = Placement::kDevice;
+    } else if (room.fits(Placement::kHost, group) && (plan.grads == kAuto || plan.grads == Placement::kHost)) {
+      plan.master = plan.moments = Placement::kHost;
+    } else if (room.fits(Placement::kNvme, need.master + need.moments)) {
+      plan.master = plan.moments = Placement::kNvme;
+    } else {
+      throw std::runtime_error(
+          "automatic placement: the fp32 master weights and Adam moments (" +
+          format_bytes(need.master + need.moments) + " on this rank) fit in no tier: device " +
+          format_bytes(room.left.device) + ", host " + format_bytes(room.left.host) + ", NVMe " +
+          format_bytes(room.left.nvme) + " left; raise offload.host_budget or offload.nvme_budget, "
+          "add offload.nvme_dirs, or use more ranks");
+    }
+    room.take(plan.master, need.master + need.moments);
+  }
+  if (grads_free) {
+    if (plan.master != Placement::kNvme) plan.grads = plan.master;
+    else plan.grads = room.fits(Placement::kHost, need.grads) ? Placement::kHost : Placement::kNvme;
+    room.take(plan.grads, need.grads);
+  }
+  if (plan.params == kAuto) {
+    for (Placement p : {Placement::kDevice, Placement::kHost, Placement::kNvme})
+      if (room.fits(p, need.params)) {
+        plan.params = p;
+        break;
+      }
+    if (plan.params == kAuto)
+      throw std::runtime_error("automatic placement: the compute copies (" + format_bytes(need.params) +
+                               " on this rank) fit in no tier after the optimizer state");
+    room.take(plan.params, need.params);
+  }
+  return plan;
+}
+
+TierBudgets machine_budgets(const EngineConfig& cfg, uint64_t device, int local_ranks) {
+  const uint64_t n = uint64_t(std::max(1, local_ranks));
+  TierBudgets b;
+  b.device = device;
+  b.host = cfg.host_budget ? cfg.host_budget : uint64_t(double(mem_available()) * 0.8) / n;
+  if (cfg.nvme_budget) {
+    b.nvme = cfg.nvme_budget;
+  } else {
+    uint64_t free = 0;
+    for (const std::string& d : cfg.nvme_dirs) {
+      struct statvfs st {};
+      if (::statvfs(d.c_str(), &st) == 0) free += uint64_t(st.f_bavail) * st.f_frsize;
+    }
+    b.nvme = uint64_t(double(free) * 0.95) / n;
+  }
+  return b;
+}
+
+std::string describe_plan(const PlacementPlan& p, const StateBytes& need) {
+  auto one = [](const char* what, Placement where, uint64_t bytes) {
+    return std::string(what) + " " + to_string(where) + " " + format_bytes(bytes);
+  };
+  return one("params", p.params, need.params) + ", " + one("grads", p.grads, need.grads) + ", " +
+         one("master", p.master, need.master) + ", " + one("moments", p.moments, need.moments);
+}
+
+}  // namespace strata::engine
