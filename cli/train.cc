@@ -141,7 +141,7 @@ int train_main(const std::vector<std::string>& argv) {
   auto device = engine::Device::create(ecp->device, env.local_rank, ecp->device_budget);
 
   std::unique_ptr<models::Decoder> model =
-      tc.init_from.empty() ? std::make_unique<models::Decoder>(tc.model, tc.init_seed)
+      tc.init_from.empty() ? std::make_unique<models::Decoder>(tc.model, tc.init_seed, models::Decoder::Init::kDeferred)
                            : models::load_hf_model(tc.init_from);
   const models::ModelConfig mc = model->config();
   auto corpus = std::make_shared<models::TokenCorpus>(

@@ -77,9 +77,14 @@ for phase in "${phases[@]}"; do
   train)
     # One log and one error file for all runs (the device tool returns at most 8 files).
     mkdir -p "$out/strata-swap"
-    for c in ${STRATA_TRAIN_CONFIGS:-gpu-gpt-1.4b-host gpu-gpt-1.4b-device gpu-gpt-1.4b-nvme gpu-gpt-2.8b-host}; do
+    # Every run prints its per-step timeline (--profile) into train.err; the trace file of the
+    # 1.4B host-placement run is kept (trace.json, chrome://tracing or ui.perfetto.dev).
+    for c in ${STRATA_TRAIN_CONFIGS:-gpu-gpt-1.4b-host gpu-gpt-1.4b-auto gpu-gpt-1.4b-device gpu-gpt-1.4b-nvme gpu-gpt-2.8b-host gpu-gpt-2.8b-auto}; do
       echo "== $c" >>"$out/train.err"
-      (cd "$out" && timeout 300 "$strata" train --config "$repo/bench/configs/$c.json" --no-progress) >>"$out/train.err" 2>&1 || status=1
+      trace=$out/trace-discard.json
+      [ "$c" = gpu-gpt-1.4b-host ] && trace=$out/trace.json
+      (cd "$out" && timeout 300 "$strata" train --config "$repo/bench/configs/$c.json" --no-progress --profile "$trace") >>"$out/train.err" 2>&1 || status=1
+      rm -f "$out/trace-discard.json"
       echo "== $c"; tail -2 "$out/train.err"
       f=$out/strata-${c#gpu-}.jsonl
       if [ -f "$f" ]; then

@@ -32,6 +32,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <thread>
 #include <tuple>
 #include <map>
@@ -155,13 +156,23 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 
 }  // namespace
 
-// This rank's part of a save, taken at one instant: copies of its slices (real elements only)
-// and what the manifest will say.
+// One (unit, kind) slice of a snapshot: its real elements, either in host memory (`data`) or
+// in the engine's swap (`nvme`), copied file to file by the writer.
+struct SnapshotSlice {
+  size_t unit;
+  int kind;
+  uint64_t begin;  // first element in the unit's flat buffer
+  uint64_t numel;
+  at::Tensor data;
+  Engine::NvmeSlice nvme;
+};
+
+// This rank's part of a save, taken at one instant, and what the manifest will say.
 struct Snapshot {
   fs::path root, dir;
   std::string name;
   int rank = 0;
-  std::vector<std::tuple<size_t, int, uint64_t, at::Tensor>> slices;  // unit, kind, begin, data
+  std::vector<SnapshotSlice> slices;
   json manifest;  // everything but the chunks (used by rank 0)
 };
 
@@ -197,13 +208,17 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
     const UnitLayout& L = part.unit(u);
     const int64_t valid = int64_t(L.shard_valid_numel(snap.rank));
     for (int k = 0; k < Engine::kStateKinds; ++k) {
-      at::Tensor slice = engine.state_slice(u, Engine::StateKind(k)).narrow(0, 0, valid);
-      if (copy || !slice.is_cpu()) {
-        at::Tensor c = aligned_floats(valid);
-        c.copy_(slice);
-        slice = c;
+      SnapshotSlice s{u, k, L.shard_begin(snap.rank), uint64_t(valid), {}, engine.nvme_slice(u, Engine::StateKind(k))};
+      if (!s.nvme.swap) {
+        at::Tensor slice = engine.state_slice(u, Engine::StateKind(k)).narrow(0, 0, valid);
+        if (copy || !slice.is_cpu()) {
+          at::Tensor c = aligned_floats(valid);
+          c.copy_(slice);
+          slice = c;
+        }
+        s.data = slice;
       }
-      snap.slices.emplace_back(u, k, L.shard_begin(snap.rank), slice);
+      snap.slices.push_back(std::move(s));
     }
   }
   const Engine::Counters c = engine.counters();
@@ -220,8 +235,22 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
   return snap;
 }
 
+// Sets the promise when it goes out of scope, if nothing did before (failure paths included).
+struct Release {
+  std::promise<void>* p;
+  void now() {
+    if (p) p->set_value();
+    p = nullptr;
+  }
+  ~Release() { now(); }
+};
+
 // Steps 1-2 (this rank alone, any thread): the data file and the index; returns the index.
-std::string write_rank_files(const Snapshot& snap) {
+// NVMe-resident slices are copied swap file to data file inside the kernel (copy_range), then
+// `copied` is released (training may change the swap again) and their CRCs are computed by
+// reading the data file back a chunk at a time.
+std::string write_rank_files(const Snapshot& snap, std::promise<void>* copied = nullptr) {
+  Release release{copied};
   fs::create_directories(snap.dir);
   const fs::path data_path = snap.dir / (rank_name(snap.rank) + ".data");
   auto io = offload::IoEngine::create();
@@ -229,31 +258,59 @@ std::string write_rank_files(const Snapshot& snap) {
   json chunks = json::array();
   std::vector<offload::IoFuture> writes;
   uint64_t total = 0;  // allocate the file's extents up front: no allocating direct writes
-  for (const auto& [u, k, begin, data] : snap.slices)
-    for (uint64_t e = 0; e < uint64_t(data.numel()); e += kChunkElements)
-      total += (std::min(kChunkElements, uint64_t(data.numel()) - e) * 4 + kAlign - 1) / kAlign * kAlign;
+  for (const SnapshotSlice& s : snap.slices)
+    for (uint64_t e = 0; e < s.numel; e += kChunkElements)
+      total += (std::min(kChunkElements, s.numel - e) * 4 + kAlign - 1) / kAlign * kAlign;
   if (total > 0) file.reserve(0, total);
   uint64_t offset = 0;
-  for (const auto& [u, k, begin, data] : snap.slices) {
-    const auto* base = reinterpret_cast<const std::byte*>(data.data_ptr<float>());
-    const uint64_t valid = uint64_t(data.numel());
-    for (uint64_t e = 0; e < valid; e += kChunkElements) {
-      const uint64_t n = std::min(kChunkElements, valid - e);
-      std::span<const std::byte> bytes(base + e * 4, n * 4);
-      chunks.push_back({{"unit", u}, {"kind", kKindNames[k]}, {"rank", snap.rank},
-                        {"begin", begin + e}, {"numel", n},
-                        {"file", data_path.filename().string()}, {"offset", offset},
-                        {"crc32c", offload::crc32c(bytes.data(), bytes.size())}});
-      writes.push_back(io->write(file, offset, bytes));
-      offset += (n * 4 + kAlign - 1) / kAlign * kAlign;
-    }
-  }
+  std::vector<size_t> copied_chunks;  // their CRC is computed from the file
   std::exception_ptr first;
+  try {
+    for (const SnapshotSlice& s : snap.slices) {
+      for (uint64_t e = 0; e < s.numel; e += kChunkElements) {
+        const uint64_t n = std::min(kChunkElements, s.numel - e);
+        json c = {{"unit", s.unit}, {"kind", kKindNames[s.kind]}, {"rank", snap.rank},
+                  {"begin", s.begin + e}, {"numel", n},
+                  {"file", data_path.filename().string()}, {"offset", offset}};
+        if (s.nvme.swap) {
+          uint64_t at = offset;
+          for (const auto& piece : s.nvme.swap->locate(s.nvme.partition, e * 4, n * 4)) {
+            offload::copy_range(*piece.file, piece.file_offset, file, at, piece.length);
+            at += piece.length;
+          }
+          copied_chunks.push_back(chunks.size());
+        } else {
+          std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(s.data.data_ptr<float>()) + e * 4, n * 4);
+          c["crc32c"] = offload::crc32c(bytes.data(), bytes.size());
+          writes.push_back(io->write(file, offset, bytes));
+        }
+        chunks.push_back(std::move(c));
+        offset += (n * 4 + kAlign - 1) / kAlign * kAlign;
+      }
+    }
+  } catch (...) {
+    first = std::current_exception();
+  }
+  release.now();
   for (auto& w : writes) {  // every write finishes before the buffers can go
     const offload::IoStatus st = w.wait();
     if (!st.ok() && !first) first = std::make_exception_ptr(std::runtime_error(st.message()));
   }
   if (first) std::rethrow_exception(first);
+  std::vector<unsigned char> buf;
+  for (size_t i : copied_chunks) {
+    json& c = chunks[i];
+    const uint64_t n = c["numel"].get<uint64_t>() * 4;
+    buf.resize(n);
+    // Through the page cache the copy went through (buffered descriptor).
+    for (uint64_t got = 0; got < n;) {
+      const ssize_t r = ::pread(file.buffered_fd(), buf.data() + got, n - got, off_t(c["offset"].get<uint64_t>() + got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) fail_errno("cannot read back", data_path);
+      got += uint64_t(r);
+    }
+    c["crc32c"] = offload::crc32c(buf.data(), n);
+  }
   file.sync();
   const json index = {{"format", kFormatVersion}, {"rank", snap.rank}, {"chunks", chunks}};
   write_atomically(snap.dir / (rank_name(snap.rank) + ".index.json"), index.dump(1));
@@ -303,6 +360,7 @@ fs::path save_checkpoint(Engine& engine, Communicator& comm, const fs::path& roo
 
 struct AsyncCheckpointer::Pending {
   Snapshot snap;
+  std::promise<void> copied;  // NVMe-resident slices copied out of swap
   std::thread writer;
   std::atomic<bool> done{false};
   std::string index, error;
@@ -322,9 +380,14 @@ double AsyncCheckpointer::start(Engine& engine, const fs::path& root, const std:
   pending_ = std::make_unique<Pending>();
   pending_->snap = take_snapshot(engine, comm_, root, name, meta, /*copy=*/true);
   Pending* p = pending_.get();
-  p->writer = std::thread([p] {
+  // NVMe-resident state is not copied here: the writer copies it file to file while training
+  // goes on, and the engine's next update of it waits until that copy is done.
+  bool from_swap = false;
+  for (const SnapshotSlice& s : p->snap.slices) from_swap |= s.nvme.swap != nullptr;
+  if (from_swap) engine.hold_nvme_state(p->copied.get_future().share());
+  p->writer = std::thread([p, from_swap] {
     try {
-      p->index = write_rank_files(p->snap);
+      p->index = write_rank_files(p->snap, from_swap ? &p->copied : nullptr);
     } catch (const std::exception& e) {
       p->error = e.what();
     }

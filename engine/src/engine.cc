@@ -175,6 +175,13 @@ struct Engine::Impl {
   std::unique_ptr<offload::SwapSpace> swap;
   uint64_t nvme_state = 0;
   Profiler prof;
+  std::shared_future<void> nvme_hold;  // a snapshot still copying NVMe state out
+  void wait_nvme_hold() {
+    if (!nvme_hold.valid()) return;
+    auto t = prof.time(prof.step.optimizer_exposed, "wait checkpoint snapshot");
+    nvme_hold.wait();
+    nvme_hold = {};
+  }
   // Profiling: device-timed compute spans of the step in progress, against a reference event
   // recorded at its start.
   std::shared_ptr<Event> step_ref;
@@ -341,6 +348,7 @@ struct Engine::Impl {
     const int rank = comm.rank();
     for (size_t u = 0; u < stages.size(); ++u) {
       const UnitLayout& L = partition->unit(u);
+      model->initialize_through(u);  // a deferred-init model materializes one unit at a time
       std::vector<at::Tensor> parts;
       for (const at::Tensor& t : owned[u]) parts.push_back(t.detach().reshape(-1));
       if (L.padded_numel() > L.numel) parts.push_back(at::zeros({int64_t(L.padded_numel() - L.numel)}));
@@ -371,9 +379,8 @@ struct Engine::Impl {
       for (auto& w : writes) w.get();
       st.tensors = owned[u];
       units.push_back(std::move(st));
+      release(u);  // the model's copy of the unit goes now, not after the last unit
     }
-    // Modules hold no weights until a unit is gathered.
-    for (size_t u = 0; u < units.size(); ++u) release(u);
 
     base_bytes = dev.used();
     for (const Use& use : uses) {
@@ -928,6 +935,7 @@ struct Engine::Impl {
     }
 #endif
     if (optimizer_streams()) {
+      wait_nvme_hold();
       stream_chunks((1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kGrad),
                     (1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kCompute),
                     [&](const Chunk& c, const std::array<void*, kKinds>& p) {
@@ -1050,6 +1058,7 @@ Engine::~Engine() {
     impl_->finish_update();
   } catch (...) {
   }
+  impl_->wait_nvme_hold();  // a snapshot still copying from the swap files, which go with us
   // Gathers in flight must finish before their buffers go.
   for (auto& [u, g] : impl_->live)
     if (!g.bound && g.work) try {
@@ -1108,9 +1117,23 @@ at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
   return copy;
 }
 
+Engine::NvmeSlice Engine::nvme_slice(size_t unit, StateKind kind) const {
+  const Impl& I = *impl_;
+  const int k = int(kind);
+  if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
+  if (I.placement(k) != Placement::kNvme) return {};
+  return {I.swap.get(), I.swap_name(unit, k)};
+}
+
+void Engine::hold_nvme_state(std::shared_future<void> until) {
+  impl_->wait_nvme_hold();  // one snapshot at a time
+  impl_->nvme_hold = std::move(until);
+}
+
 void Engine::store_state_slice(size_t unit, StateKind kind, const at::Tensor& data) {
   Impl& I = *impl_;
   I.finish_update();
+  I.wait_nvme_hold();
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
   if (I.placement(k) == Placement::kNvme) {

@@ -222,7 +222,7 @@ at::Tensor Stage::lm_head_weight(const ModelConfig& c, const at::Tensor& tied_em
 
 std::vector<std::pair<std::string, at::Tensor>> Stage::hf_parameters() const { return params_; }
 
-Decoder::Decoder(const ModelConfig& config, uint64_t seed) : config_(config) {
+Decoder::Decoder(const ModelConfig& config, uint64_t seed, Init init) : config_(config) {
   config_.validate();
   if (config_.arch == Arch::kGpt2) {
     auto e = std::make_shared<Gpt2Embedding>(config_);
@@ -235,17 +235,25 @@ Decoder::Decoder(const ModelConfig& config, uint64_t seed) : config_(config) {
     for (int64_t i = 0; i < config_.layers; ++i) blocks_.push_back(std::make_shared<LlamaBlock>(config_, i));
     head_ = std::make_shared<LlamaHead>(config_, e->wte);
   }
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  init_gen_ = at::make_generator<at::CPUGeneratorImpl>(seed);
+  if (init == Init::kNow) initialize_through(blocks_.size() + 1);
+}
+
+void Decoder::initialize_through(size_t stage) {
+  const std::vector<Stage*> all = stages();
+  if (stage >= all.size()) throw std::out_of_range("Decoder::initialize_through: no stage " + std::to_string(stage));
   at::NoGradGuard no_grad;
-  for (auto& [name, t] : hf_parameters()) {
-    if (t.dim() == 1) {
-      if (is_norm_weight(name) && name.ends_with("weight")) {
-        t.fill_(1.0);
+  for (; initialized_ <= stage; ++initialized_) {
+    for (auto& [name, t] : all[initialized_]->hf_parameters()) {
+      if (t.dim() == 1) {
+        if (is_norm_weight(name) && name.ends_with("weight")) {
+          t.fill_(1.0);
+        } else {
+          t.zero_();
+        }
       } else {
-        t.zero_();
+        t.normal_(0.0, 0.02, init_gen_);
       }
-    } else {
-      t.normal_(0.0, 0.02, gen);
     }
   }
 }

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "strata/offload/io_status.h"
 
@@ -125,6 +127,46 @@ void File::reserve(uint64_t offset, uint64_t length) const {
 
 void File::sync() const {
   if (fsync(buffered_fd_) != 0) throw_errno(errno, "fsync", path_);
+}
+
+bool copy_range(const File& src, uint64_t src_offset, const File& dst, uint64_t dst_offset, uint64_t length) {
+  const std::string what = src.path() + " -> " + dst.path();
+  loff_t in = static_cast<loff_t>(src_offset), out = static_cast<loff_t>(dst_offset);
+  uint64_t left = length;
+  bool kernel = true;
+  while (left > 0 && kernel) {
+    const ssize_t n = ::copy_file_range(src.buffered_fd(), &in, dst.buffered_fd(), &out, left, 0);
+    if (n > 0) {
+      left -= uint64_t(n);
+    } else if (n == 0) {
+      throw IoError(EIO, "copy_file_range " + what + ": source ends before the range does");
+    } else if (errno == EINTR) {
+      continue;
+    } else if (errno == EXDEV || errno == EINVAL || errno == EOPNOTSUPP || errno == ENOSYS) {
+      kernel = false;
+    } else {
+      throw_errno(errno, "copy_file_range", what);
+    }
+  }
+  if (left == 0) return kernel;
+  std::vector<char> buf(std::min<uint64_t>(left, 1u << 20));
+  while (left > 0) {
+    const ssize_t r = ::pread(src.buffered_fd(), buf.data(), std::min<uint64_t>(left, buf.size()), in);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw_errno(errno, "pread", src.path());
+    if (r == 0) throw IoError(EIO, "copy " + what + ": source ends before the range does");
+    ssize_t done = 0;
+    while (done < r) {
+      const ssize_t w = ::pwrite(dst.buffered_fd(), buf.data() + done, size_t(r - done), out + done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) throw_errno(errno, "pwrite", dst.path());
+      done += w;
+    }
+    in += r;
+    out += r;
+    left -= uint64_t(r);
+  }
+  return false;
 }
 
 }  // namespace strata::offload

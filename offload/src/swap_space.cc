@@ -144,34 +144,43 @@ uint64_t SwapSpace::size(const std::string& name) const {
   return it->second.bytes;
 }
 
+std::vector<SwapSpace::Piece> SwapSpace::locate(const std::string& name, uint64_t offset,
+                                                uint64_t length) const {
+  std::lock_guard lock(mu_);
+  auto it = parts_.find(name);
+  if (it == parts_.end()) {
+    throw std::invalid_argument("swap: unknown partition '" + name + "'");
+  }
+  const SwapPartition& p = it->second;
+  if (offset > p.bytes || length > p.bytes - offset) {
+    throw std::invalid_argument("swap: range [" + std::to_string(offset) + ", " +
+                                std::to_string(offset + length) + ") outside partition '" +
+                                name + "' of " + std::to_string(p.bytes) + " bytes");
+  }
+  const uint64_t D = dirs_.size(), S = config_.stripe_bytes;
+  std::vector<Piece> out;
+  uint64_t done = 0;
+  while (done < length) {
+    const uint64_t pos = offset + done;
+    const uint64_t j = pos / S, in_stripe = pos % S;
+    const uint64_t len = std::min(length - done, S - in_stripe);
+    const uint32_t d = static_cast<uint32_t>((p.first_dir + j) % D);
+    // extents are sorted by directory and there is at most one per directory
+    auto e = std::lower_bound(p.extents.begin(), p.extents.end(), d,
+                              [](const SwapExtent& x, uint32_t dir) { return x.dir < dir; });
+    out.push_back({&dirs_[d]->file, e->offset + (j / D) * S + in_stripe, len});
+    done += len;
+  }
+  return out;
+}
+
 IoFuture SwapSpace::transfer(IoRequest::Kind kind, const std::string& name, uint64_t offset,
                              std::byte* data, uint64_t length) {
   std::vector<IoRequest> reqs;
-  {
-    std::lock_guard lock(mu_);
-    auto it = parts_.find(name);
-    if (it == parts_.end()) {
-      throw std::invalid_argument("swap: unknown partition '" + name + "'");
-    }
-    const SwapPartition& p = it->second;
-    if (offset > p.bytes || length > p.bytes - offset) {
-      throw std::invalid_argument("swap: range [" + std::to_string(offset) + ", " +
-                                  std::to_string(offset + length) + ") outside partition '" +
-                                  name + "' of " + std::to_string(p.bytes) + " bytes");
-    }
-    const uint64_t D = dirs_.size(), S = config_.stripe_bytes;
-    uint64_t done = 0;
-    while (done < length) {
-      const uint64_t pos = offset + done;
-      const uint64_t j = pos / S, in_stripe = pos % S;
-      const uint64_t len = std::min(length - done, S - in_stripe);
-      const uint32_t d = static_cast<uint32_t>((p.first_dir + j) % D);
-      // extents are sorted by directory and there is at most one per directory
-      auto e = std::lower_bound(p.extents.begin(), p.extents.end(), d,
-                                [](const SwapExtent& x, uint32_t dir) { return x.dir < dir; });
-      reqs.push_back({kind, &dirs_[d]->file, e->offset + (j / D) * S + in_stripe, data + done, len});
-      done += len;
-    }
+  uint64_t done = 0;
+  for (const Piece& piece : locate(name, offset, length)) {
+    reqs.push_back({kind, piece.file, piece.file_offset, data + done, piece.length});
+    done += piece.length;
   }
   std::vector<IoFuture> futures = io_.submit(reqs);
   return when_all(futures);

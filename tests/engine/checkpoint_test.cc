@@ -59,6 +59,7 @@ TEST(Crc32c, KnownValueAndIncremental) {
 
 struct Losses {
   std::vector<double> losses;
+  std::vector<uint64_t> nvme_reads;  // bytes the engine read from swap in each step
   std::vector<std::pair<std::string, at::Tensor>> params;
 };
 
@@ -79,7 +80,9 @@ class Trainer {
     at::Tensor ids = at::empty({tc_.engine.micro_batch * tc_.engine.grad_accum, tc_.engine.seq_len + 1}, at::kLong);
     for (int64_t s = 0; s < steps; ++s) {
       loader_.next(ids.data_ptr<int64_t>());
-      run.losses.push_back(eng_.train_step(ids).loss);
+      const se::StepResult r = eng_.train_step(ids);
+      run.losses.push_back(r.loss);
+      run.nvme_reads.push_back(r.timeline.nvme_read_bytes);
       ++done_;
     }
   }
@@ -185,6 +188,42 @@ TEST(Checkpoint, ResumeIsBitwiseExactWithStateOnNvme) {
   j["placement"] = {{"params", "nvme"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
   exact_resume(j);
+}
+
+// With master and moments in swap (striped over two directories), an asynchronous save copies
+// them swap file to checkpoint file while training goes on: the engine reads nothing from swap
+// for it (the step after the start reads what every step reads), the next update waits for the
+// copy, and the checkpoint resumes bitwise.
+TEST(Checkpoint, AsyncSaveCopiesNvmeStateFileToFile) {
+  TempDir dir, swap_a, swap_b, swap_c;
+  json j = tiny_llama(20);
+  j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap_a.path().string(), swap_b.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  Losses straight, resumed;
+  Trainer a(tc);
+  a.train(10, straight);
+  se::AsyncCheckpointer ck(a.comm());
+  ck.start(a.engine(), dir.path(), "step-10", a.meta());
+  std::optional<std::filesystem::path> committed;
+  for (int s = 0; s < 10; ++s) {
+    a.train(1, straight);
+    if (auto c = ck.poll()) committed = c;
+  }
+  if (!committed) committed = ck.finish();
+  ASSERT_TRUE(committed.has_value());
+  ASSERT_EQ(straight.nvme_reads.size(), 20u);
+  EXPECT_GT(straight.nvme_reads[9], 0u);
+  EXPECT_EQ(straight.nvme_reads[10], straight.nvme_reads[9]) << "the save read the state through the engine";
+  EXPECT_GT(se::verify_checkpoint(*committed), 0u);
+
+  se::TrainConfig tcb = tc;
+  tcb.engine.nvme_dirs = {swap_c.path().string()};  // another stripe layout: one directory
+  Trainer b(tcb);
+  b.load(*committed);
+  b.train(10, resumed);
+  for (size_t i = 0; i < 10; ++i) EXPECT_EQ(resumed.losses[i], straight.losses[10 + i]) << "step " << 11 + i;
+  expect_bitwise(b.params(), a.params());
 }
 
 TEST(Checkpoint, CorruptMissingAndUncommittedAreClearErrors) {

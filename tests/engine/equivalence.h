@@ -149,7 +149,10 @@ inline Trajectory run_in_process(const se::TrainConfig& tc, uint64_t budget, uin
                          tc.data_seed);
   Trajectory t;
   {
-    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), e, *comm, *dev);
+    // Deferred initialization: the engine materializes one unit at a time; the reference builds
+    // the model eagerly, so equivalence also covers that both give the same weights.
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), e,
+                   *comm, *dev);
     at::Tensor ids = at::empty({e.micro_batch * e.grad_accum, e.seq_len + 1}, at::kLong);
     for (int64_t s = 0; s < tc.steps; ++s) {
       loader.next(ids.data_ptr<int64_t>());

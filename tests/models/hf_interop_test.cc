@@ -195,6 +195,25 @@ TEST(HfIo, MismatchedCheckpointsAreErrorsNamingTheCheckpointAndTensor) {
   EXPECT_EQ(load_hf_config(dir / "bf16" / "config.json").vocab_size, 50);
 }
 
+TEST(Decoder, DeferredInitializationGivesTheSameWeightsStageByStage) {
+  ModelConfig c = preset("llama-1b");
+  c.layers = 3;
+  c.hidden = 64;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.intermediate = 96;
+  c.vocab_size = 101;
+  Decoder eager(c, 42), deferred(c, 42, Decoder::Init::kDeferred);
+  auto a = eager.hf_parameters(), b = deferred.hf_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  deferred.initialize_through(1);  // embedding and block 0
+  deferred.initialize_through(1);  // a no-op
+  EXPECT_TRUE(at::equal(a.front().second, b.front().second)) << a.front().first;
+  deferred.initialize_through(4);  // the rest, head included
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  EXPECT_THROW(deferred.initialize_through(5), std::out_of_range);
+}
+
 TEST(ModelConfig, PresetsHaveThePublishedParameterCounts) {
   // Published sizes: GPT-2 124M / 1558M (tied), Llama 3.2 1B (tied), Llama 3.1 8B and 70B.
   EXPECT_EQ(preset("gpt2").parameters(), 124439808);

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 
 #include "strata/offload/pinned_pool.h"
 #include "strata/offload/swap_space.h"
@@ -113,6 +114,39 @@ TEST_P(SwapSpaceTest, StripedPartitionsRoundTripAndFollowTheDocumentedLayout) {
   EXPECT_EQ(j["format"], "strata-swap-index");
   EXPECT_EQ(j["partitions"].size(), sizes.size());
   EXPECT_EQ(j["files"].size(), 3u);
+}
+
+// locate() names the file bytes read() would move, and copy_range moves them file to file:
+// random sub-ranges of a striped partition copied piece by piece into a plain file equal the
+// partition's bytes.
+TEST_P(SwapSpaceTest, LocatedPiecesCopiedFileToFileEqualThePartition) {
+  SwapSpace swap(*io_, config());
+  const uint64_t bytes = 1000003;
+  swap.allocate("x", 13);  // the partition under test does not start in directory 0
+  swap.allocate("block.exp_avg", bytes);
+  const auto data = test::random_bytes(bytes, 7);
+  PinnedBuffer b = pool_.allocate(bytes);
+  std::memcpy(b.data(), data.data(), bytes);
+  swap.write("block.exp_avg", 0, {b.data(), bytes}).get();
+  File out = File::open(root_ / "copy.bin", OpenMode::kTruncate);
+  std::mt19937_64 rng(5);
+  for (int k = 0; k < 20; ++k) {
+    const uint64_t a = k == 0 ? 0 : rng() % bytes, n = k == 0 ? bytes : 1 + rng() % (bytes - a);
+    const auto pieces = swap.locate("block.exp_avg", a, n);
+    uint64_t at = 0;
+    std::set<const File*> files;
+    for (const auto& p : pieces) {
+      copy_range(*p.file, p.file_offset, out, at, p.length);
+      at += p.length;
+      files.insert(p.file);
+    }
+    ASSERT_EQ(at, n);
+    if (n > 3 * (64 << 10)) EXPECT_EQ(files.size(), 3u) << "stripes in every directory";
+    auto got = read_range(root_ / "copy.bin", 0, n);
+    ASSERT_EQ(0, std::memcmp(got.data(), data.data() + a, n)) << "range " << a << "+" << n;
+  }
+  EXPECT_THROW(swap.locate("block.exp_avg", bytes - 1, 2), std::invalid_argument);
+  EXPECT_THROW(swap.locate("nope", 0, 1), std::invalid_argument);
 }
 
 TEST_P(SwapSpaceTest, FreedExtentsAreReusedAndOtherPartitionsUntouched) {

@@ -40,7 +40,9 @@ std::filesystem::path save_checkpoint(Engine& engine, Communicator& comm,
                                       const std::filesystem::path& root, const std::string& name,
                                       const CheckpointMeta& meta);
 
-// Asynchronous saves: start() blocks only for the snapshot (a host copy of this rank's slices);
+// Asynchronous saves: start() blocks only for the snapshot (a host copy of this rank's host- or
+// device-resident slices; NVMe-resident ones are copied file to file by the writer, and the
+// engine's next update of them waits for that copy: Engine::hold_nvme_state);
 // the data and index files are written by a background thread while training goes on; poll(),
 // called by every rank at the same point of every step, commits the save (manifest, latest) once
 // every rank's writes are done. A save started while one is in flight first finishes that one.

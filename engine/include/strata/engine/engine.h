@@ -27,6 +27,8 @@
 // order (they contain collectives).
 #pragma once
 
+#include <future>
+
 #include <ATen/core/Tensor.h>
 
 #include <memory>
@@ -39,6 +41,7 @@
 #include "strata/engine/device.h"
 #include "strata/engine/partition.h"
 #include "strata/models/decoder.h"
+#include "strata/offload/swap_space.h"
 
 namespace strata::engine {
 
@@ -123,6 +126,17 @@ class Engine {
   // refresh_compute_copies() once.
   at::Tensor state_slice(size_t unit, StateKind kind);
   void store_state_slice(size_t unit, StateKind kind, const at::Tensor& data);
+  // NVMe-placed state, for snapshots that copy swap to checkpoint file to file: the swap space
+  // and the partition whose bytes are this rank's fp32 slice of (unit, kind) (shard_numel
+  // elements); {nullptr, ""} if the kind is not on NVMe. The bytes change at the next update.
+  struct NvmeSlice {
+    const offload::SwapSpace* swap = nullptr;
+    std::string partition;
+  };
+  NvmeSlice nvme_slice(size_t unit, StateKind kind) const;
+  // The next change to NVMe-placed master or moments (the optimizer, store_state_slice) first
+  // waits for `until` (a snapshot copying them out); its exception, if any, is not rethrown.
+  void hold_nvme_state(std::shared_future<void> until);
   // compute copy = master rounded to the compute dtype, exactly what the optimizer writes.
   void refresh_compute_copies();
 

@@ -44,8 +44,16 @@ class Stage : public torch::nn::Module {
 class Decoder {
  public:
   // Random initialization from `seed`, in fp32 on the CPU: weights normal(0, 0.02), norm weights
-  // 1, biases 0 (GPT-2's scaled residual-projection init is not applied).
-  explicit Decoder(const ModelConfig& config, uint64_t seed = 0);
+  // 1, biases 0 (GPT-2's scaled residual-projection init is not applied). kDeferred allocates
+  // the weights without touching them (untouched pages take no resident memory) and leaves each
+  // stage to initialize_through(), so that a consumer that moves the weights away stage by
+  // stage (the engine) never holds the whole model; the values are the same either way.
+  enum class Init { kNow, kDeferred };
+  explicit Decoder(const ModelConfig& config, uint64_t seed = 0, Init init = Init::kNow);
+
+  // Initializes every stage up to and including `stage` that is not yet initialized, in
+  // schedule order (the random stream is one sequence over the stages). A no-op for stages done.
+  void initialize_through(size_t stage);
 
   const ModelConfig& config() const { return config_; }
   Stage& embedding() { return *embed_; }
@@ -66,6 +74,8 @@ class Decoder {
   std::shared_ptr<Stage> embed_;
   std::vector<std::shared_ptr<Stage>> blocks_;
   std::shared_ptr<Stage> head_;
+  at::Generator init_gen_;
+  size_t initialized_ = 0;  // stages [0, initialized_) hold their initial values
 };
 
 }  // namespace strata::models

@@ -66,4 +66,11 @@ class File {
   uint32_t memory_align_ = 4096;
 };
 
+// Copies [src_offset, src_offset + length) of `src` to `dst` at `dst_offset` inside the kernel
+// (copy_file_range: a reflink or server-side copy where the file system has one, else a page
+// cache copy), never through this process's memory; where copy_file_range is refused (EXDEV,
+// EINVAL, EOPNOTSUPP, ENOSYS) it falls back to pread/pwrite through a 1 MiB buffer. Throws
+// IoError naming both paths (ENOSPC included). Returns true if the kernel copy was used.
+bool copy_range(const File& src, uint64_t src_offset, const File& dst, uint64_t dst_offset, uint64_t length);
+
 }  // namespace strata::offload

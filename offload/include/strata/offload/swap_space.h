@@ -83,6 +83,16 @@ class SwapSpace {
   // fsync every swap file.
   void sync();
 
+  // Where bytes [offset, offset + length) of a partition live, in order: each piece in one swap
+  // file. For copies that bypass memory (copy_range: checkpoint snapshots). The File stays
+  // valid while this SwapSpace lives. Throws std::invalid_argument like read().
+  struct Piece {
+    const File* file;
+    uint64_t file_offset;
+    uint64_t length;
+  };
+  std::vector<Piece> locate(const std::string& name, uint64_t offset, uint64_t length) const;
+
   const SwapConfig& config() const { return config_; }
   std::filesystem::path file_path(uint32_t dir) const;
   std::vector<SwapPartition> partitions() const;
