@@ -94,6 +94,7 @@ void run_step_bench(const StepBenchOptions& o) {
   e.lr = 1e-4;
   e.weight_decay = 0.01;
   e.cpu_threads = threads;
+  e.overlap_optimizer = o.overlap;
   auto comm = engine::Communicator::create(engine::DistEnv{}, std::chrono::seconds(60));
   auto dev = engine::Device::create_host(UINT64_MAX);
   engine::Engine eng(std::make_unique<models::Decoder>(c, 1), e, *comm, *dev);

@@ -11,6 +11,7 @@ struct StepBenchOptions {
   int64_t seq = 128, batch = 8;
   unsigned steps = 5;     // timed steps per method, round-robin, median reported
   unsigned threads = 0;   // torch intra-op and Strata kernel threads; 0: every hardware thread
+  bool overlap = true;    // optimizer.overlap: the update runs during the next forward
 };
 
 // Prints one JSON line per baseline and a final summary line whose value is the engine's step

@@ -139,6 +139,7 @@ and without it. Timed round-robin; medians; final JSON line.
   --batch N      sequences per step (default 8)
   --steps N      timed steps per method (default 5)
   --threads N    threads for libtorch and the kernels (default: all)
+  --no-overlap   the engine's Adam step after backward (optimizer.overlap false)
 )";
 
 int bench_step(const std::vector<std::string>& argv) {
@@ -147,7 +148,7 @@ int bench_step(const std::vector<std::string>& argv) {
       std::cout << kBenchStepUsage;
       return 0;
     }
-  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "steps", "threads"}, {});
+  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "steps", "threads"}, {"no-overlap"});
   strata::bench::StepBenchOptions o;
   o.layers = args.count("layers", unsigned(o.layers));
   o.hidden = args.count("hidden", unsigned(o.hidden));
@@ -157,6 +158,7 @@ int bench_step(const std::vector<std::string>& argv) {
   o.batch = args.count("batch", unsigned(o.batch));
   o.steps = args.count("steps", o.steps);
   o.threads = args.count("threads", o.threads);
+  o.overlap = !args.has("no-overlap");
   strata::bench::run_step_bench(o);
   return 0;
 }

@@ -771,6 +771,7 @@ struct Engine::Impl {
       if (overlaps_update()) {
         launch_update(ac);
       } else {
+        wait_nvme_hold();  // a checkpoint still copying swap-resident state: counted as exposed
         const double before = prof.step.optimizer;
         {
           auto t = prof.time(prof.step.optimizer, "optimizer");
@@ -935,7 +936,6 @@ struct Engine::Impl {
     }
 #endif
     if (optimizer_streams()) {
-      wait_nvme_hold();
       stream_chunks((1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kGrad),
                     (1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kCompute),
                     [&](const Chunk& c, const std::array<void*, kKinds>& p) {
