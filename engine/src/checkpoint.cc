@@ -281,8 +281,8 @@ std::string write_rank_files(const Snapshot& snap, std::promise<void>* copied = 
           copied_chunks.push_back(chunks.size());
         } else {
           std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(s.data.data_ptr<float>()) + e * 4, n * 4);
+          writes.push_back(io->write(file, offset, bytes));  // first: the CRC overlaps the write
           c["crc32c"] = offload::crc32c(bytes.data(), bytes.size());
-          writes.push_back(io->write(file, offset, bytes));
         }
         chunks.push_back(std::move(c));
         offset += (n * 4 + kAlign - 1) / kAlign * kAlign;
