@@ -768,10 +768,10 @@ struct Engine::Impl {
       ac.decoupled_weight_decay = cfg.decoupled_weight_decay;
       ac.step = step + 1;
       ac.grad_scale = coef / denom;
+      wait_nvme_hold();  // a checkpoint still copying swap-resident state: counted as exposed
       if (overlaps_update()) {
         launch_update(ac);
       } else {
-        wait_nvme_hold();  // a checkpoint still copying swap-resident state: counted as exposed
         const double before = prof.step.optimizer;
         {
           auto t = prof.time(prof.step.optimizer, "optimizer");
@@ -816,7 +816,10 @@ struct Engine::Impl {
   // ahead, those in `out` written back behind), device-placed compute copies through a buffer
   // copied up after `fn`. Device-placed kinds other than the compute copy are not supported
   // (the optimizer runs where the master weights live).
-  void stream_chunks(unsigned in, unsigned out, const ChunkFn& fn) {
+  // `unit_done(u)`, if set, is called once every chunk of unit u has been processed and written
+  // back (units finish in order).
+  void stream_chunks(unsigned in, unsigned out, const ChunkFn& fn,
+                     const std::function<void(size_t)>& unit_done = {}) {
     const uint64_t chunk = std::max<uint64_t>(4096, cfg.nvme_chunk_bytes / 4 / 4096 * 4096);
     std::vector<Chunk> items;
     uint64_t largest = 0;
@@ -847,9 +850,19 @@ struct Engine::Impl {
         if ((in & buffered) >> k & 1 && placement(k) == Placement::kNvme)
           sl.reads.push_back(swap_read(c.unit, k, c.begin, sl.buf[k].narrow(0, 0, int64_t(c.numel))));
     };
+    auto drain_writes = [&] {
+      for (Slot& sl : slots) {
+        for (auto& w : sl.writes) w.get();
+        sl.writes.clear();
+      }
+    };
     try {
       if (!items.empty()) issue_reads(0);
       for (size_t i = 0; i < items.size(); ++i) {
+        if (unit_done && i > 0 && items[i].unit != items[i - 1].unit) {
+          drain_writes();
+          unit_done(items[i - 1].unit);
+        }
         if (i + 1 < items.size()) issue_reads(i + 1);
         Slot& sl = slots[i % slots.size()];
         for (auto& r : sl.reads) r.get();
@@ -870,8 +883,8 @@ struct Engine::Impl {
           else U.kind(k).narrow(0, int64_t(c.begin), int64_t(c.numel)).copy_(b);
         }
       }
-      for (Slot& sl : slots)
-        for (auto& w : sl.writes) w.get();
+      drain_writes();
+      if (unit_done && !items.empty()) unit_done(items.back().unit);
     } catch (...) {
       // The buffers must outlive every transfer into or out of them.
       for (Slot& sl : slots) {
@@ -912,7 +925,8 @@ struct Engine::Impl {
   }
 
   // Adam on every local slice where the master weights live, writing the next compute copies.
-  void optimizer_step(const kernels::AdamConfig& ac) {
+  // `unit_done(u)` (host and NVMe state) is called as each unit's update is complete, in order.
+  void optimizer_step(const kernels::AdamConfig& ac, const std::function<void(size_t)>& unit_done = {}) {
 #ifdef STRATA_HAVE_CUDA
     if (cfg.master == Placement::kDevice && units.front().master.is_cuda()) {
       // One multi-tensor launch; compute copies placed on the host are written to a device
@@ -942,10 +956,14 @@ struct Engine::Impl {
                       kernels::adam_step(ac, static_cast<float*>(p[kMaster]), static_cast<float*>(p[kExpAvg]),
                                          static_cast<float*>(p[kExpAvgSq]), p[kGrad], kernels::DType::kF32,
                                          p[kCompute], kernel_dtype(cfg.compute), c.numel, exec);
-                    });
+                    },
+                    unit_done);
       return;
     }
-    for (size_t u = 0; u < units.size(); ++u) update_unit(ac, u);
+    for (size_t u = 0; u < units.size(); ++u) {
+      update_unit(ac, u);
+      if (unit_done) unit_done(u);
+    }
   }
 
   // The CPU Adam step of one unit's host-resident slices, writing its next compute copy.
@@ -974,7 +992,9 @@ struct Engine::Impl {
   std::exception_ptr update_error;
 
   bool overlaps_update() const {
-    return cfg.overlap_optimizer && cfg.master == Placement::kHost && cfg.params == Placement::kHost;
+    // Not with device-resident master weights (the CUDA step is already asynchronous) nor with
+    // device-resident compute copies (written by torch copies on the training thread's stream).
+    return cfg.overlap_optimizer && cfg.master != Placement::kDevice && cfg.params != Placement::kDevice;
   }
   void launch_update(const kernels::AdamConfig& ac) {
     finish_update();
@@ -984,17 +1004,17 @@ struct Engine::Impl {
       update_running = true;
     }
     updater = std::thread([this, ac] {
+      auto begin = Profiler::Clock::now();
       try {
-        for (size_t u = 0; u < units.size(); ++u) {
-          const auto begin = Profiler::Clock::now();
-          update_unit(ac, u);
+        optimizer_step(ac, [&](size_t u) {  // units complete in order
           const auto end = Profiler::Clock::now();
           update_seconds += std::chrono::duration<double>(end - begin).count();
           prof.span("optimizer", "update " + partition->unit(u).name, begin, end);
+          begin = end;
           std::lock_guard<std::mutex> lock(update_mu);
           units_updated = u + 1;
           update_cv.notify_all();
-        }
+        });
       } catch (...) {
         std::lock_guard<std::mutex> lock(update_mu);
         update_error = std::current_exception();
@@ -1117,8 +1137,9 @@ at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
   return copy;
 }
 
-Engine::NvmeSlice Engine::nvme_slice(size_t unit, StateKind kind) const {
-  const Impl& I = *impl_;
+Engine::NvmeSlice Engine::nvme_slice(size_t unit, StateKind kind) {
+  Impl& I = *impl_;
+  I.finish_update();  // the state of the last step, not half of the next
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
   if (I.placement(k) != Placement::kNvme) return {};

@@ -133,7 +133,7 @@ class Engine {
     const offload::SwapSpace* swap = nullptr;
     std::string partition;
   };
-  NvmeSlice nvme_slice(size_t unit, StateKind kind) const;
+  NvmeSlice nvme_slice(size_t unit, StateKind kind);
   // The next change to NVMe-placed master or moments (the optimizer, store_state_slice) first
   // waits for `until` (a snapshot copying them out); its exception, if any, is not rethrown.
   void hold_nvme_state(std::shared_future<void> until);
