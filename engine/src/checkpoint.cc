@@ -173,6 +173,7 @@ struct Snapshot {
   std::string name;
   int rank = 0;
   std::vector<SnapshotSlice> slices;
+  std::shared_future<void> update_finished;  // before NVMe-resident slices may be copied
   json manifest;  // everything but the chunks (used by rank 0)
 };
 
@@ -204,6 +205,7 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
   snap.name = name;
   snap.rank = comm.rank();
   const Partition& part = engine.partition();
+  snap.update_finished = engine.update_finished();
   for (size_t u = 0; u < part.num_units(); ++u) {
     const UnitLayout& L = part.unit(u);
     const int64_t valid = int64_t(L.shard_valid_numel(snap.rank));
@@ -251,6 +253,7 @@ struct Release {
 // reading the data file back a chunk at a time.
 std::string write_rank_files(const Snapshot& snap, std::promise<void>* copied = nullptr) {
   Release release{copied};
+  if (snap.update_finished.valid()) snap.update_finished.wait();  // swap holds the last step's state
   fs::create_directories(snap.dir);
   const fs::path data_path = snap.dir / (rank_name(snap.rank) + ".data");
   auto io = offload::IoEngine::create();

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <future>
 #include <mutex>
 #include <tuple>
 #include <utility>
@@ -987,6 +988,8 @@ struct Engine::Impl {
   std::mutex update_mu;
   std::condition_variable update_cv;
   size_t units_updated = 0;
+  std::shared_ptr<std::promise<void>> update_promise;  // set when the updater's work is over
+  std::shared_future<void> update_over;
   double update_seconds = 0;  // the updater's work, counted into the timeline when it is joined
   bool update_running = false;
   std::exception_ptr update_error;
@@ -1003,7 +1006,13 @@ struct Engine::Impl {
       units_updated = 0;
       update_running = true;
     }
-    updater = std::thread([this, ac] {
+    update_promise = std::make_shared<std::promise<void>>();
+    update_over = update_promise->get_future().share();
+    updater = std::thread([this, ac, over = update_promise] {
+      struct SetOnExit {
+        std::promise<void>& p;
+        ~SetOnExit() { p.set_value(); }
+      } set_on_exit{*over};
       auto begin = Profiler::Clock::now();
       try {
         optimizer_step(ac, [&](size_t u) {  // units complete in order
@@ -1137,9 +1146,15 @@ at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
   return copy;
 }
 
-Engine::NvmeSlice Engine::nvme_slice(size_t unit, StateKind kind) {
-  Impl& I = *impl_;
-  I.finish_update();  // the state of the last step, not half of the next
+std::shared_future<void> Engine::update_finished() const {
+  if (impl_->update_over.valid()) return impl_->update_over;
+  std::promise<void> done;
+  done.set_value();
+  return done.get_future().share();
+}
+
+Engine::NvmeSlice Engine::nvme_slice(size_t unit, StateKind kind) const {
+  const Impl& I = *impl_;
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
   if (I.placement(k) != Placement::kNvme) return {};
