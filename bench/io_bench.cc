@@ -116,6 +116,14 @@ double fio_run(const IoBenchOptions& o, const FioMode& mode, const std::filesyst
 
 }  // namespace
 
+double fio_seconds(const std::string& fio, const std::filesystem::path& file, uint64_t bytes,
+                   const std::string& pattern) {
+  IoBenchOptions o;
+  o.fio = fio;
+  o.file_bytes = bytes;
+  return double(bytes) / 1e9 / fio_run(o, FioMode{}, file, pattern);
+}
+
 std::vector<IoBenchResult> run_io_bench(const IoBenchOptions& o) {
   if (o.block_bytes == 0 || o.file_bytes < o.block_bytes || o.file_bytes % o.block_bytes != 0) {
     throw std::invalid_argument("bench io: size must be a positive multiple of the block size");

@@ -34,4 +34,10 @@ struct IoBenchResult {
 // summary JSON line to stdout. Throws on I/O errors or if fio fails.
 std::vector<IoBenchResult> run_io_bench(const IoBenchOptions& options);
 
+// One fio run on `file`: `pattern` ("read", "write", "randread", "randwrite") over `bytes` in
+// 1 MiB blocks at queue depth 32, io_uring, O_DIRECT. Returns what fio reports in seconds of
+// its own clock (process start and file layout excluded). Throws if fio fails.
+double fio_seconds(const std::string& fio, const std::filesystem::path& file, uint64_t bytes,
+                   const std::string& pattern);
+
 }  // namespace strata::bench

@@ -168,18 +168,22 @@ int bench_step(const std::vector<std::string>& argv) {
 int bench_ckpt(const std::vector<std::string>& argv) {
   for (const auto& a : argv)
     if (a == "--help" || a == "-h") {
-      std::cout << "usage: strata bench ckpt [--dir PATH] [--preset NAME] [--layers N] [--fio PATH|none]\n\n"
+      std::cout << "usage: strata bench ckpt [--dir PATH] [--preset NAME] [--layers N] [--rounds N]\n"
+                   "                         [--fio PATH|none]\n\n"
                    "Saves and restores the fp32 master and moments of an engine holding the model\n"
                    "(default gpt2, 124M parameters: 1.5 GB) in PATH (default strata-bench-ckpt),\n"
-                   "beside fio's sequential write/read (1 MiB, QD32) and torch::save/torch::load.\n";
+                   "beside fio's sequential write (+ fsync) / read (1 MiB, QD32) and\n"
+                   "torch::save/torch::load, every side once per round (default 3 rounds, medians).\n";
       return 0;
     }
-  strata::cli::Args args(argv, {"dir", "preset", "layers", "fio"}, {});
+  strata::cli::Args args(argv, {"dir", "preset", "layers", "fio", "rounds"}, {});
   strata::bench::CkptBenchOptions o;
   o.dir = args.get("dir", o.dir.string());
   o.preset = args.get("preset", o.preset);
   o.layers = args.count("layers", 0);
   o.fio = args.get("fio", o.fio);
+  o.rounds = unsigned(args.count("rounds", o.rounds));
+  if (o.rounds == 0) throw std::invalid_argument("bench ckpt: --rounds must be at least 1");
   strata::bench::run_ckpt_bench(o);
   return 0;
 }

@@ -1,5 +1,6 @@
 // CRC32C (Castagnoli), as iSCSI, ext4 and object stores use it: the checksum of checkpoint
-// chunks. SSE4.2's crc32 instruction when the CPU has it, else a table; same results.
+// chunks. SSE4.2's crc32 instruction (three interleaved streams) when the CPU has it, else a
+// table; same results.
 // crc32c("123456789") == 0xE3069283. Thread safe.
 #pragma once
 
