@@ -53,7 +53,8 @@ void EngineConfig::validate() const {
   if (grads != A && master != A && grads != master && !(master == Placement::kNvme && grads == Placement::kHost))
     bad("placement.grads must be placement.master's (or \"host\" with master on \"nvme\"): the "
         "optimizer runs where the master weights live and reads the gradients there");
-  const bool nvme = params == Placement::kNvme || grads == Placement::kNvme || master == Placement::kNvme;
+  const bool nvme = params == Placement::kNvme || grads == Placement::kNvme || master == Placement::kNvme ||
+                    activations == Placement::kNvme;
   if (nvme && nvme_dirs.empty())
     bad("a placement is \"nvme\" but offload.nvme_dirs is empty: name at least one directory");
   if (io_queue_depth < 1 || io_queue_depth > 4096) bad("offload.queue_depth must be in 1..4096");
@@ -263,6 +264,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read_enum("grads", e.grads, names);
     s.read_enum("master", e.master, names);
     s.read_enum("moments", e.moments, names);
+    s.read_enum("activations", e.activations, names);
   }
   if (const json* d = top.get("device")) {
     Section s(*d, "device", source);

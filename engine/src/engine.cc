@@ -19,6 +19,7 @@
 #include <mutex>
 #include <tuple>
 #include <utility>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -213,6 +214,94 @@ struct Engine::Impl {
     return swap->write(swap_name(u, k), begin * c10::elementSize(kind_dtype(k)), bytes_of(src));
   }
 
+  // --- activation checkpoints ----------------------------------------------------------------
+  // Slot s holds stage s's input (s >= 1; stage 0's input is the token ids) from its forward to
+  // its recompute, where cfg.activations says. Host and NVMe slots are copied back to the device
+  // one stage ahead of the backward.
+  struct ActSlot {
+    at::Tensor device;             // device placement, or on its way back for the backward
+    Device::Reservation res;       // device placement: the forward's reservation of the input
+    at::Tensor host;               // host placement
+    offload::IoFuture written;     // NVMe placement: the slot's write
+    std::shared_ptr<Event> ready;  // the copy back to the device is done
+  };
+  std::vector<ActSlot> act_slots;
+  uint64_t act_host_bytes = 0;  // host-placed checkpoints of the micro-batch in flight
+  std::string act_swap_name(size_t s) const { return "activation." + partition->unit(s).name; }
+
+  void put_activation(size_t s, const at::Tensor& x, Device::Reservation& res) {
+    ActSlot& a = act_slots.at(s);
+    if (cfg.activations == Placement::kDevice) {
+      a.device = x;
+      a.res = std::move(res);
+      return;
+    }
+    const bool nvme = cfg.activations == Placement::kNvme;
+    at::Tensor host = nvme ? host_buffer(uint64_t(x.numel()), cdt).view(x.sizes()) : at::empty(x.sizes(), host_options(cdt));
+    dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // x is computed there
+    dev.copy_async(host, x, dev.copy_stream());
+    prof.step.d2h_bytes += uint64_t(host.nbytes());
+    if (!nvme) {
+      a.host = host;
+      act_host_bytes += uint64_t(host.nbytes());
+      host_act_peak = std::max(host_act_peak, act_host_bytes);
+      return;
+    }
+    // Written to swap once the copy has run; the staging buffer goes when the write is done.
+    offload::IoPromise written;
+    a.written = written.future();
+    prof.nvme_write += uint64_t(host.nbytes());
+    dev.launch_host(dev.copy_stream(), [this, name = act_swap_name(s), host, written] {
+      try {
+        swap->write(name, 0, bytes_of(host)).then([host, written](const offload::IoStatus& st) { written.complete(st); });
+      } catch (const std::exception& e) {
+        written.complete(offload::IoStatus(EIO, std::string("activation checkpoint write: ") + e.what()));
+        throw;
+      }
+    });
+  }
+
+  // Starts bringing stage s's input back to the device (nothing if it is there or on its way).
+  void fetch_activation(size_t s) {
+    ActSlot& a = act_slots.at(s);
+    if (a.device.defined()) return;
+    const std::string name = partition->unit(s).name;
+    const std::vector<int64_t> shape{cfg.micro_batch, cfg.seq_len, model->config().hidden};
+    a.device = dev.empty(shape, cdt, "activation checkpoint of unit " + name);
+    at::Tensor src = a.host;
+    dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // the buffer may be reused memory
+    if (cfg.activations == Placement::kNvme) {
+      src = host_buffer(uint64_t(a.device.numel()), cdt).view(shape);
+      {
+        auto t = prof.time(prof.step.wait_activations, "wait activation write", &name);
+        a.written.get();  // written during the forward, long before
+      }
+      prof.nvme_read += uint64_t(src.nbytes());
+      offload::IoFuture read = swap->read(act_swap_name(s), 0, bytes_of(src));
+      dev.launch_host(dev.copy_stream(), [read] { read.get(); });
+    } else {
+      act_host_bytes -= uint64_t(src.nbytes());
+    }
+    dev.copy_async(a.device, src, dev.copy_stream());  // keeps src alive until done
+    prof.step.h2d_bytes += uint64_t(src.nbytes());
+    a.host = at::Tensor();
+    a.ready = dev.record(dev.copy_stream());
+  }
+
+  // Stage s's input on the device, the compute stream ordered after its copy back.
+  at::Tensor take_activation(size_t s, Device::Reservation& res) {
+    fetch_activation(s);
+    ActSlot& a = act_slots.at(s);
+    if (a.ready) {
+      auto t = prof.time(prof.step.wait_activations, "wait activations", &partition->unit(s).name);
+      dev.wait(dev.compute_stream(), a.ready);  // blocks on the host device only
+    }
+    at::Tensor x = std::move(a.device);
+    res = std::move(a.res);
+    a = ActSlot{};
+    return x;
+  }
+
   // Host memory that the device copies from or to: pinned when the device is a GPU.
   at::TensorOptions host_options(at::ScalarType t) const {
     return at::TensorOptions().dtype(t).pinned_memory(dev.torch_device().is_cuda());
@@ -262,7 +351,7 @@ struct Engine::Impl {
     return b;
   }
   bool plan_fits(uint64_t extra) const {
-    return base_bytes + live_bytes() + extra + reserve_bytes <= dev.budget();
+    return base_bytes + live_bytes() + extra + reserve_bytes + device_checkpoint_bytes <= dev.budget();
   }
   uint64_t use_param_bytes(const Use& use) const {
     uint64_t b = 0;
@@ -332,18 +421,14 @@ struct Engine::Impl {
                    partition->unit(u).shard_numel * 4;
       reserve_bytes = std::max(reserve_bytes, 4 * act + grads + (use.kind == Use::kHead ? logits : 0));
     }
+    // The backward brings the next stage's checkpoint back while the current stage runs.
+    if (cfg.activations != Placement::kDevice) reserve_bytes += act;
 
     resolve_auto_placement();
 
-    if (cfg.master == Placement::kNvme || cfg.grads == Placement::kNvme || cfg.params == Placement::kNvme) {
-      offload::IoEngineConfig ic;
-      ic.queue_depth = cfg.io_queue_depth;
-      io = offload::IoEngine::create(ic);
-      offload::SwapConfig sc;
-      for (const std::string& d : cfg.nvme_dirs) sc.dirs.emplace_back(d);
-      sc.rank = comm.rank();
-      swap = std::make_unique<offload::SwapSpace>(*io, sc);
-    }
+    if (cfg.master == Placement::kNvme || cfg.grads == Placement::kNvme || cfg.params == Placement::kNvme ||
+        cfg.activations == Placement::kNvme)
+      open_swap();
 
     // This rank's slices of the initial weights.
     const int rank = comm.rank();
@@ -384,16 +469,65 @@ struct Engine::Impl {
     }
 
     base_bytes = dev.used();
+    place_activations(act);
     for (const Use& use : uses) {
-      const uint64_t need = use_param_bytes(use) + reserve_bytes;
+      const uint64_t need = use_param_bytes(use) + reserve_bytes + device_checkpoint_bytes;
       if (base_bytes + need > dev.budget())
         throw BudgetExceeded(
             "device budget " + format_bytes(dev.budget()) + " cannot run unit " +
             partition->unit(use.stage).name + ": it needs " + format_bytes(need) +
             " (parameters " + format_bytes(use_param_bytes(use)) + ", activations and gradient "
-            "buffers " + format_bytes(reserve_bytes) + ") beside " + format_bytes(dev.used()) +
+            "buffers " + format_bytes(reserve_bytes) + ", activation checkpoints on the device " +
+            format_bytes(device_checkpoint_bytes) + ") beside " + format_bytes(dev.used()) +
             " of device-placed state; raise device.budget or place state on the host");
     }
+  }
+
+  // Resolves placement.activations "auto" (device, else host, else swap; see config.h), opens
+  // the swap slots of NVMe-placed checkpoints, and adds the placement to the report.
+  uint64_t device_checkpoint_bytes = 0;  // counted in every use's need (they live across uses)
+  void place_activations(uint64_t act) {
+    const size_t n = stages.size();
+    const uint64_t all = n > 2 ? uint64_t(n - 2) * act : 0;  // inputs of stages 1..n-2
+    act_slots.clear();
+    act_slots.resize(n);
+    if (cfg.activations == Placement::kAuto) {
+      uint64_t largest_use = 0;
+      for (const Use& use : uses) largest_use = std::max(largest_use, use_param_bytes(use));
+      const uint64_t device = std::min(dev.budget(), dev.physical_free());
+      const uint64_t device_need = base_bytes + largest_use + uint64_t(cfg.prefetch) * largest_use + reserve_bytes + all;
+      int local_ranks = comm.world_size();
+      if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local_ranks = std::max(1, std::atoi(l));
+      const TierBudgets b = machine_budgets(cfg, 0, local_ranks);
+      Placement p = Placement::kHost;
+      if (device == UINT64_MAX || device_need <= device) p = Placement::kDevice;
+      // A configured host budget covers the host state too; a derived one is what is free now.
+      else if ((cfg.host_budget ? host_state + all : all) <= b.host || cfg.nvme_dirs.empty()) p = Placement::kHost;
+      else p = Placement::kNvme;
+      // Every rank takes the slowest tier any rank chose.
+      at::Tensor code = at::tensor({int64_t(p)}, at::TensorOptions().dtype(at::kLong));
+      comm.all_reduce(code, ReduceOp::kMax);
+      cfg.activations = Placement(code[0].item<int64_t>());
+      if (cfg.activations == Placement::kDevice) reserve_bytes -= act;  // nothing to bring back
+    }
+    if (cfg.activations == Placement::kDevice) device_checkpoint_bytes = all;
+    if (cfg.activations == Placement::kNvme) {
+      open_swap();
+      for (size_t s = 1; s + 1 < n; ++s) swap->allocate(act_swap_name(s), act);
+    }
+    placement_report += std::string("; activation checkpoints ") + to_string(cfg.activations) + " " +
+                        format_bytes(all) + " a micro-batch";
+  }
+
+  void open_swap() {
+    if (swap) return;
+    offload::IoEngineConfig ic;
+    ic.queue_depth = cfg.io_queue_depth;
+    io = offload::IoEngine::create(ic);
+    offload::SwapConfig sc;
+    for (const std::string& d : cfg.nvme_dirs) sc.dirs.emplace_back(d);
+    sc.rank = comm.rank();
+    swap = std::make_unique<offload::SwapSpace>(*io, sc);
   }
 
   // --- automatic placement (placement.h) ------------------------------------------------------
@@ -646,7 +780,6 @@ struct Engine::Impl {
                                   std::to_string(A * b) + ", seq_len + 1 = " + std::to_string(T + 1) + "]");
     const size_t n = stages.size();
     const size_t total = uses.size() * size_t(A);
-    const c10::TensorOptions host_opts = host_options(cdt);
     double loss_sum = 0;
     size_t k = 0;
     if (cfg.profile) {
@@ -658,8 +791,9 @@ struct Engine::Impl {
       at::Tensor rows = ids.narrow(0, m * b, b);
       at::Tensor inputs = rows.narrow(1, 0, T).contiguous().to(dev.torch_device());
       at::Tensor targets = rows.narrow(1, 1, T).reshape(-1).to(dev.torch_device());
-      std::vector<at::Tensor> acts(n - 1);  // host activation checkpoints: inputs of stages 0..n-2
-      uint64_t act_bytes = 0;
+      act_slots.clear();
+      act_slots.resize(n);
+      act_host_bytes = 0;
       at::Tensor x = inputs;
       Device::Reservation x_res;
       // Forward through the embedding and the blocks, without autograd.
@@ -674,15 +808,7 @@ struct Engine::Impl {
           compute_span("forward " + partition->unit(s).name, mark);
         }
         Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + partition->unit(s).name);
-        if (s == 0) {
-          acts[0] = rows.narrow(1, 0, T).contiguous();
-        } else {
-          acts[s] = at::empty(x.sizes(), host_opts);
-          dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // x is computed there
-          dev.copy_async(acts[s], x, dev.copy_stream());
-          act_bytes += acts[s].nbytes();
-          prof.step.d2h_bytes += uint64_t(acts[s].nbytes());
-        }
+        if (s > 0) put_activation(s, x, x_res);  // stage 0 recomputes from the token ids
         x = y;
         x_res = std::move(y_res);
         release_unneeded(k, total);
@@ -705,10 +831,11 @@ struct Engine::Impl {
         release_unneeded(k, total);
         ++k;
       }
-      host_act_peak = std::max(host_act_peak, act_bytes);
-      {
+      if (cfg.activations != Placement::kDevice) {
+        // The forward's inputs stay alive in the copy queue beyond their reservations until
+        // copied down: that ends here.
         auto t = prof.time(prof.step.wait_activations, "wait activations");
-        dev.synchronize(dev.copy_stream());  // activation checkpoints are on the host
+        dev.synchronize(dev.copy_stream());
       }
       // Backward through the blocks and the embedding, recomputing each from its checkpoint.
       for (size_t s = n - 1; s-- > 0; ++k) {
@@ -719,14 +846,10 @@ struct Engine::Impl {
         if (s == 0) {
           xin = inputs;
         } else {
-          xin = dev.empty(acts[s].sizes(), cdt, "recompute input of unit " + partition->unit(s).name);
-          dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));
-          dev.copy_async(xin, acts[s], dev.copy_stream());  // keeps acts[s] alive until done
-          prof.step.h2d_bytes += uint64_t(acts[s].nbytes());
-          dev.wait(dev.compute_stream(), dev.record(dev.copy_stream()));
-          acts[s] = at::Tensor();
+          xin = take_activation(s, in_res);
           xin.requires_grad_(true);
         }
+        if (s > 1) fetch_activation(s - 1);  // copied back while this stage runs
         const auto mark = compute_mark();
         at::Tensor y = stages[s]->forward(xin);
         torch::autograd::backward({y}, {dy});

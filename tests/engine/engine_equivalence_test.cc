@@ -206,6 +206,95 @@ TEST(EngineTimeline, CountsTheSwapTrafficOfTheStreamedOptimizer) {
   EXPECT_TRUE(p.spans.empty());
 }
 
+// --- activation checkpoints on the device, the host or in swap -------------------------------
+
+// Where the checkpoints live changes no number: host, device and NVMe placement train bitwise
+// alike (and like libtorch), and each moves exactly the checkpoint bytes its tier implies: none
+// for the device; down and up once for the host; down, to swap, back and up once for NVMe.
+TEST(EngineActivations, EveryPlacementTrainsBitwiseAlikeAndMovesItsBytes) {
+  TempDir swap;
+  json j = tiny_config(true, 3);
+  j["run"]["steps"] = 6;
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+  std::map<std::string, Trajectory> runs;
+  const uint64_t budget = 1200 * 1024;  // about one unit: gathers and checkpoints share it
+  for (const char* where : {"host", "device", "nvme"}) {
+    j["placement"] = {{"activations", where}};
+    const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    uint64_t peak = 0;
+    runs[where] = run_in_process(tc, budget, &peak);
+    EXPECT_LE(peak, budget) << where;
+  }
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  const Trajectory& host = runs.at("host");
+  for (const char* where : {"device", "nvme"}) {
+    const Trajectory& t = runs.at(where);
+    for (size_t i = 0; i < host.losses.size(); ++i) EXPECT_EQ(t.losses[i], host.losses[i]) << where << " step " << i + 1;
+    for (auto& [name, w] : host.params) EXPECT_TRUE(t.params.at(name).equal(w)) << where << " " << name;
+  }
+  expect_close(runs.at("nvme"), reference(tc, 1), 1e-5);
+
+  const se::EngineConfig& e = tc.engine;
+  // Inputs of every block (the embedding's input is the token ids), per micro-batch.
+  const uint64_t acts = uint64_t(e.grad_accum * tc.model.layers * e.micro_batch * e.seq_len * tc.model.hidden) * 4;
+  for (size_t i = 1; i < host.steps.size(); ++i) {
+    const se::StepTimeline& h = host.steps[i].timeline;
+    const se::StepTimeline& d = runs.at("device").steps[i].timeline;
+    const se::StepTimeline& n = runs.at("nvme").steps[i].timeline;
+    EXPECT_EQ(h.d2h_bytes - d.d2h_bytes, acts) << "step " << i + 1;
+    EXPECT_EQ(h.h2d_bytes - d.h2d_bytes, acts) << "step " << i + 1;
+    EXPECT_EQ(n.d2h_bytes, h.d2h_bytes);
+    EXPECT_EQ(n.h2d_bytes, h.h2d_bytes);
+    EXPECT_EQ(h.nvme_write_bytes, 0u);
+    EXPECT_EQ(n.nvme_write_bytes, acts) << "step " << i + 1;
+    EXPECT_EQ(n.nvme_read_bytes, acts) << "step " << i + 1;
+  }
+}
+
+// Device-placed checkpoints count against the budget: all of a micro-batch's, beside the
+// working set. "auto" takes the device where they fit, else the host, else swap.
+TEST(EngineActivations, DevicePlacementCountsInTheBudgetAndAutoPicksATier) {
+  TempDir swap;
+  json j = tiny_config(false, 6);
+  j["run"]["steps"] = 2;
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+  auto build = [&](const char* where, uint64_t budget) {
+    j["placement"] = {{"activations", where}};
+    const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(budget);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+    return std::string(se::to_string(eng.config().activations)) + " | " + eng.placement_report();
+  };
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  const uint64_t all = uint64_t(6 * tc.engine.micro_batch * tc.engine.seq_len * tc.model.hidden) * 4;
+  // The smallest budget the host placement runs in: the device placement needs `all` more,
+  // less the one checkpoint the host placement brings back ahead.
+  uint64_t lo = 1 << 16, hi = 64 << 20;
+  while (lo + 1024 < hi) {
+    const uint64_t mid = (lo + hi) / 2;
+    try {
+      build("host", mid);
+      hi = mid;
+    } catch (const se::BudgetExceeded&) {
+      lo = mid;
+    }
+  }
+  try {
+    build("device", hi);
+    ADD_FAILURE() << "device-placed checkpoints fit in the host placement's smallest budget";
+  } catch (const se::BudgetExceeded& e) {
+    EXPECT_NE(std::string(e.what()).find("activation checkpoints on the device"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(build("device", hi + all).substr(0, 6), "device");
+  EXPECT_EQ(build("auto", UINT64_MAX).substr(0, 6), "device");
+  const std::string host = build("auto", hi);
+  EXPECT_EQ(host.substr(0, 4), "host") << host;
+  EXPECT_NE(host.find("activation checkpoints host"), std::string::npos) << host;
+  j["offload"]["host_budget"] = "1KiB";  // no room on the host either: swap
+  EXPECT_EQ(build("auto", hi).substr(0, 4), "nvme");
+}
+
 // --- automatic placement --------------------------------------------------------------------
 
 TEST(PlacementPlan, FillsTheDeviceThenHostThenNvme) {
@@ -331,6 +420,8 @@ TEST(EngineNvme, NvmePlacementWithoutDirectoriesIsRejected) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("offload.nvme_dirs is empty"), std::string::npos) << e.what();
   }
+  j["placement"] = {{"activations", "nvme"}};  // checkpoints in swap need directories too
+  EXPECT_THROW(se::parse_train_config(j.dump(), "cfg.json"), std::invalid_argument);
   j["placement"] = {{"master", "nvme"}, {"moments", "host"}, {"grads", "host"}};
   j["offload"] = {{"nvme_dirs", {"/tmp"}}};
   EXPECT_THROW(se::parse_train_config(j.dump(), "cfg.json"), std::invalid_argument);

@@ -610,7 +610,8 @@ TEST(TrainConfig, EveryKeyReachesItsField) {
                   "weight_decay": 0.125, "clip_grad_norm": 2},
     "precision": {"compute": "fp16", "reduce": "bf16", "initial_loss_scale": 1024,
                   "loss_scale_window": 50},
-    "placement": {"params": "device", "grads": "host", "master": "host", "moments": "host"},
+    "placement": {"params": "device", "grads": "host", "master": "host", "moments": "host",
+                  "activations": "device"},
     "device": {"budget": 1048576, "prefetch": 0, "cpu_threads": 6},
     "distributed": {"timeout_s": 12.5},
     "run": {"steps": 0, "log": "", "progress": false, "export": "out"}
@@ -637,6 +638,7 @@ TEST(TrainConfig, EveryKeyReachesItsField) {
   EXPECT_EQ(c.engine.params, Placement::kDevice);
   EXPECT_EQ(c.engine.grads, Placement::kHost);
   EXPECT_EQ(c.engine.master, Placement::kHost);
+  EXPECT_EQ(c.engine.activations, Placement::kDevice);
   EXPECT_EQ(c.engine.moments, Placement::kHost);
   EXPECT_EQ(c.engine.device_budget, 1048576u);
   EXPECT_EQ(c.engine.prefetch, 0);

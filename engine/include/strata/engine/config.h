@@ -39,6 +39,10 @@ struct EngineConfig {
   Placement grads = Placement::kHost;    // fp32 gradient accumulation shards
   Placement master = Placement::kHost;   // fp32 master parameters
   Placement moments = Placement::kHost;  // Adam moments
+  // Activation checkpoints (each block's input, kept from its forward to its recompute): device
+  // memory (no copies), host RAM, or swap; kAuto: the device if they fit beside everything else,
+  // else the host if they fit its budget, else swap (when nvme_dirs are set), else the host.
+  Placement activations = Placement::kHost;
   std::vector<std::string> nvme_dirs;     // swap directories (one per drive) for "nvme" placement
   unsigned io_queue_depth = 32;           // NVMe requests in flight
   uint64_t nvme_chunk_bytes = 64ull << 20;  // fp32 bytes per array per streamed optimizer chunk
