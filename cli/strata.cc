@@ -15,6 +15,7 @@
 #include "io_bench.h"
 #include "step_bench.h"
 #include "ckpt_bench.h"
+#include "train_bench.h"
 #include "train.h"
 #include "strata/engine/build_info.h"
 #include "strata/engine/checkpoint.h"
@@ -39,6 +40,8 @@ commands:
                memory-bandwidth bound, same threads
   bench step   the engine's training step beside plain libtorch on a model that fits
   bench ckpt   checkpoint save/restore bandwidth beside fio and torch::save/torch::load
+  bench train  step time of `strata train` configurations beside plain PyTorch and FSDP2
+               with CPU offload on the same GPT shape (bench/train_baseline.py)
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
   help         this text
 
@@ -188,6 +191,57 @@ int bench_ckpt(const std::vector<std::string>& argv) {
   return 0;
 }
 
+constexpr const char* kBenchTrainUsage = R"(usage: strata bench train --configs A.json[,B.json...] [options]
+
+Runs each configuration as `strata train` in its own process, then PyTorch's baselines on the
+same GPT-2 shape (bench/train_baseline.py: "plain", everything on the GPU with fused AdamW;
+"fsdp2", FSDP2 + CPUOffloadPolicy with the fused CPU AdamW), and prints one JSON line per run
+and a final JSON line with every median step time and every run/baseline ratio.
+
+options:
+  --configs LIST     comma-separated `strata train` configurations of one model shape
+  --dir PATH         work directory: logs, traces, relative swap directories (default
+                     strata-bench-train)
+  --steps N          steps per run, warm-up included (default 6)
+  --warmup N         first steps left out of the median (default 2)
+  --baselines LIST   plain,fsdp2 (default), a subset, or none
+  --python PATH      interpreter with torch (default $STRATA_PYTHON, else the one the build
+                     was configured with, else python3)
+  --script PATH      the baseline script (default: bench/train_baseline.py of this source tree)
+  --profile          pass --profile to every run (a timeline line per step on stderr, and a
+                     trace file per run in the work directory)
+)";
+
+int bench_train(const std::vector<std::string>& argv) {
+  for (const auto& a : argv)
+    if (a == "--help" || a == "-h") {
+      std::cout << kBenchTrainUsage;
+      return 0;
+    }
+  strata::cli::Args args(argv, {"configs", "dir", "steps", "warmup", "baselines", "python", "script"}, {"profile"});
+  strata::bench::TrainBenchOptions o;
+  auto split = [](const std::string& list) {
+    std::vector<std::string> out;
+    std::stringstream ss(list);
+    for (std::string item; std::getline(ss, item, ',');)
+      if (!item.empty()) out.push_back(item);
+    return out;
+  };
+  for (const std::string& c : split(args.get("configs", ""))) o.configs.emplace_back(c);
+  o.dir = args.get("dir", o.dir.string());
+  o.steps = args.count("steps", unsigned(o.steps));
+  o.warmup = args.count("warmup", unsigned(o.warmup));
+  const std::string baselines = args.get("baselines", "plain,fsdp2");
+  o.baselines = baselines == "none" ? std::vector<std::string>{} : split(baselines);
+  const char* py = std::getenv("STRATA_PYTHON");
+  const std::string built = STRATA_BUILD_PYTHON;
+  o.python = args.get("python", py && *py ? std::string(py) : !built.empty() ? built : "python3");
+  o.script = args.get("script", STRATA_SOURCE_DIR "/bench/train_baseline.py");
+  o.profile = args.has("profile");
+  strata::bench::run_train_bench(o);
+  return 0;
+}
+
 // A checkpoint directory, or the one a checkpoint root's `latest` names.
 std::filesystem::path checkpoint_arg(const std::string& arg) {
   if (std::filesystem::exists(std::filesystem::path(arg) / "manifest.json")) return arg;
@@ -265,7 +319,8 @@ int main(int argc, char** argv) {
       if (args.size() >= 2 && args[1] == "adam") return bench_adam({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "step") return bench_step({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "ckpt") return bench_ckpt({args.begin() + 2, args.end()});
-      std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt)\n";
+      if (args.size() >= 2 && args[1] == "train") return bench_train({args.begin() + 2, args.end()});
+      std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt, train)\n";
       return 2;
     }
     std::cerr << "strata: unknown command '" << args[0] << "'\n\n" << kUsage;

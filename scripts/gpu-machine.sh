@@ -14,6 +14,9 @@
 #   adam    strata bench adam alone (CPU kernel and, with a GPU, the CUDA kernel)
 #   train   strata train on the GPU: GPT 1.4B, host-placed and device-placed state
 #   baseline  bench/train_baseline.py: plain PyTorch (and FSDP2 with CPU offload)
+#   benchtrain  strata bench train: the 1.4B configs (host, auto, nvme) beside plain PyTorch and
+#           FSDP2 + CPUOffloadPolicy in one run, then the 2.8B ones (host, auto); final JSON lines
+#           in $OUT/bench-train-*.jsonl (STRATA_BENCH_SHAPES="1.4b" to run one shape)
 # Results are written to $OUT (default: build-gpu/out); each phase prints a short summary last.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -102,6 +105,20 @@ PY
       fi
     done
     rm -rf "$out/strata-swap"
+    ;;
+  benchtrain)
+    for shape in ${STRATA_BENCH_SHAPES:-1.4b 2.8b}; do
+      case $shape in
+      1.4b) configs="gpu-gpt-1.4b-host gpu-gpt-1.4b-auto gpu-gpt-1.4b-nvme" ;;
+      2.8b) configs="gpu-gpt-2.8b-host gpu-gpt-2.8b-auto" ;;
+      *) log "unknown shape $shape"; status=1; continue ;;
+      esac
+      list=$(for c in $configs; do printf '%s,' "$repo/bench/configs/$c.json"; done)
+      timeout 560 "$strata" bench train --configs "${list%,}" --dir "$build_dir/bench-train" --profile \
+        >"$out/bench-train-$shape.jsonl" 2>>"$out/bench-train.err" || status=1
+      rm -rf "$build_dir/bench-train"
+      echo "== bench train $shape"; tail -1 "$out/bench-train-$shape.jsonl"
+    done
     ;;
   baseline)
     # Plain PyTorch and FSDP2 + CPUOffloadPolicy (fused CPU AdamW) on the GPT shapes of the brief.
