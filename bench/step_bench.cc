@@ -95,6 +95,8 @@ void run_step_bench(const StepBenchOptions& o) {
   e.weight_decay = 0.01;
   e.cpu_threads = threads;
   e.overlap_optimizer = o.overlap;
+  const engine::Placement where = o.placement == "device" ? engine::Placement::kDevice : engine::Placement::kHost;
+  e.params = e.grads = e.master = e.moments = e.activations = where;
   auto comm = engine::Communicator::create(engine::DistEnv{}, std::chrono::seconds(60));
   auto dev = engine::Device::create_host(UINT64_MAX);
   engine::Engine eng(std::make_unique<models::Decoder>(c, 1), e, *comm, *dev);
@@ -117,6 +119,7 @@ void run_step_bench(const StepBenchOptions& o) {
       {"plain_no_recompute_seconds", sec[2]},
       {"ratio_vs_no_recompute", sec[0] / sec[2]},
       {"tokens_per_s", tokens / sec[0]},
+      {"placement", o.placement},
       {"parameters", c.parameters()},
       {"threads", threads}};
   std::cout << summary.dump() << std::endl;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace strata::bench {
 
@@ -12,6 +13,7 @@ struct StepBenchOptions {
   unsigned steps = 5;     // timed steps per method, round-robin, median reported
   unsigned threads = 0;   // torch intra-op and Strata kernel threads; 0: every hardware thread
   bool overlap = true;    // optimizer.overlap: the update runs during the next forward
+  std::string placement = "host";  // every state kind and the activation checkpoints: host or device
 };
 
 // Prints one JSON line per baseline and a final summary line whose value is the engine's step

@@ -143,6 +143,8 @@ and without it. Timed round-robin; medians; final JSON line.
   --steps N      timed steps per method (default 5)
   --threads N    threads for libtorch and the kernels (default: all)
   --no-overlap   the engine's Adam step after backward (optimizer.overlap false)
+  --placement P  host (default) or device: where the engine keeps every state kind and the
+                 activation checkpoints (device: the host device's memory, no staging copies)
 )";
 
 int bench_step(const std::vector<std::string>& argv) {
@@ -151,7 +153,7 @@ int bench_step(const std::vector<std::string>& argv) {
       std::cout << kBenchStepUsage;
       return 0;
     }
-  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "steps", "threads"}, {"no-overlap"});
+  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "steps", "threads", "placement"}, {"no-overlap"});
   strata::bench::StepBenchOptions o;
   o.layers = args.count("layers", unsigned(o.layers));
   o.hidden = args.count("hidden", unsigned(o.hidden));
@@ -162,6 +164,9 @@ int bench_step(const std::vector<std::string>& argv) {
   o.steps = args.count("steps", o.steps);
   o.threads = args.count("threads", o.threads);
   o.overlap = !args.has("no-overlap");
+  o.placement = args.get("placement", o.placement);
+  if (o.placement != "host" && o.placement != "device")
+    throw std::invalid_argument("bench step: --placement must be host or device, not " + o.placement);
   strata::bench::run_step_bench(o);
   return 0;
 }
