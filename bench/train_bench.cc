@@ -37,7 +37,9 @@ std::string run(const std::string& command) {
   while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
   const int status = pclose(pipe);
   if (status != 0)
-    throw std::runtime_error("bench train: failed (exit " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) +
+    throw std::runtime_error("bench train: failed (" +
+                             (WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status))
+                                                  : "exit " + std::to_string(WEXITSTATUS(status))) +
                              "): " + command);
   return out;
 }
@@ -94,7 +96,7 @@ RunResult strata_run(const fs::path& config, const TrainBenchOptions& o) {
   std::ifstream in(log);
   std::vector<double> times;
   std::string line;
-  while (std::getline(in, line)) {
+  for (int number = 1; std::getline(in, line); ++number) try {
     const json j = json::parse(line);
     if (j.value("event", "") == "start") r.placement = j.at("placement");
     if (!j.contains("step") || !j.contains("seconds")) continue;
@@ -104,6 +106,8 @@ RunResult strata_run(const fs::path& config, const TrainBenchOptions& o) {
       times.push_back(j.at("seconds").get<double>());
       r.model_tflops = j.at("model_tflops").get<double>();
     }
+  } catch (const json::exception& e) {
+    throw std::runtime_error("bench train: " + log.string() + " line " + std::to_string(number) + ": " + e.what());
   }
   if (times.empty())
     throw std::runtime_error("bench train: " + log.string() + " has no step past the warm-up");
@@ -113,17 +117,25 @@ RunResult strata_run(const fs::path& config, const TrainBenchOptions& o) {
 
 json baseline_run(const std::string& mode, const Shape& s, const TrainBenchOptions& o) {
   const int64_t timed = std::max<int64_t>(1, o.steps - o.warmup);
-  const std::string cmd = quote(o.python) + " " + quote(o.script.string()) + " --mode " + mode +
+  char clip[32];
+  snprintf(clip, sizeof clip, "%.17g", s.clip);
+  const std::string cmd = quote(o.python) + " " + quote(o.script.string()) + " --mode " + quote(mode) +
                           " --layers " + std::to_string(s.layers) + " --hidden " + std::to_string(s.hidden) +
                           " --heads " + std::to_string(s.heads) + " --vocab " + std::to_string(s.vocab) +
                           " --max-pos " + std::to_string(s.max_positions) + " --seq " + std::to_string(s.seq) +
                           " --batch " + std::to_string(s.batch) + " --steps " + std::to_string(timed) +
-                          " --warmup " + std::to_string(o.warmup) + " --clip " + std::to_string(s.clip) +
-                          " --device " + s.device;
+                          " --warmup " + std::to_string(o.warmup) + " --clip " + clip +
+                          " --device " + quote(s.device);
   const std::string out = run(cmd);
   const auto end = out.find_last_not_of("\n");
+  if (end == std::string::npos) throw std::runtime_error("bench train: no result on stdout from " + cmd);
   const auto begin = out.rfind('\n', end);
-  return json::parse(out.substr(begin == std::string::npos ? 0 : begin + 1));
+  const std::string last = out.substr(begin == std::string::npos ? 0 : begin + 1, end + 1 - (begin == std::string::npos ? 0 : begin + 1));
+  try {
+    return json::parse(last);
+  } catch (const json::exception& e) {
+    throw std::runtime_error("bench train: the last line from " + cmd + " is not JSON (" + e.what() + "): " + last);
+  }
 }
 
 }  // namespace
@@ -134,7 +146,11 @@ void run_train_bench(const TrainBenchOptions& o) {
     throw std::invalid_argument("bench train: --steps must exceed --warmup");
   std::optional<Shape> shape;
   for (const fs::path& c : o.configs) {
-    const Shape s = shape_of(engine::load_train_config(c.string()), c);
+    const engine::TrainConfig tc = engine::load_train_config(c.string());
+    if (tc.resume || !tc.checkpoint_dir.empty())
+      throw std::invalid_argument("bench train: " + c.string() + " saves or resumes checkpoints (run.checkpoint_dir, "
+                                  "run.resume): a benchmark run must start fresh and time only training");
+    const Shape s = shape_of(tc, c);
     if (shape && !(s == *shape))
       throw std::invalid_argument("bench train: " + c.string() + " (" + s.describe() + ") differs in shape from " +
                                   o.configs.front().string() + " (" + shape->describe() + ")");

@@ -5,6 +5,10 @@
 // sequence length, global batch, clipping). Every run's median step time after the warm-up steps
 // is compared with every baseline; the last stdout line is one JSON object with all of them.
 //
+// Each run's working directory is the bench's work directory: relative paths in a configuration
+// (data.path, offload.nvme_dirs) resolve there; configurations that save or resume checkpoints
+// are refused.
+//
 // Errors: std::runtime_error when a run fails (its exit status and the command), when the
 // configurations differ in shape, or when the model is not GPT-2 shaped (the baselines are).
 #pragma once

@@ -253,7 +253,9 @@ struct Release {
 // reading the data file back a chunk at a time.
 std::string write_rank_files(const Snapshot& snap, std::promise<void>* copied = nullptr) {
   Release release{copied};
-  if (snap.update_finished.valid()) snap.update_finished.wait();  // swap holds the last step's state
+  // Swap holds the last step's state once the update running behind is over; if it failed, the
+  // swap files are half updated and the save fails with its error.
+  if (snap.update_finished.valid()) snap.update_finished.get();
   fs::create_directories(snap.dir);
   const fs::path data_path = snap.dir / (rank_name(snap.rank) + ".data");
   auto io = offload::IoEngine::create();

@@ -227,6 +227,18 @@ struct Engine::Impl {
   };
   std::vector<ActSlot> act_slots;
   uint64_t act_host_bytes = 0;  // host-placed checkpoints of the micro-batch in flight
+  // NVMe: staging buffers until their writes are done. They are dropped here, on the training
+  // thread, never on an I/O or CUDA callback thread (freeing pinned memory may call CUDA).
+  struct ActWrite {
+    offload::IoFuture written;
+    at::Tensor buffer;
+    std::shared_ptr<std::atomic<bool>> submitted;  // the host function ran (the write exists)
+  };
+  std::vector<ActWrite> act_writes;
+  static constexpr size_t kActStaging = 3;
+  void prune_act_writes() {
+    std::erase_if(act_writes, [](const ActWrite& w) { return w.written.ready(); });
+  }
   std::string act_swap_name(size_t s) const { return "activation." + partition->unit(s).name; }
 
   void put_activation(size_t s, const at::Tensor& x, Device::Reservation& res) {
@@ -237,6 +249,16 @@ struct Engine::Impl {
       return;
     }
     const bool nvme = cfg.activations == Placement::kNvme;
+    if (nvme) {
+      // At most kActStaging buffers wait for their writes: a disk slower than the forward holds
+      // the forward back here rather than growing host memory.
+      prune_act_writes();
+      if (act_writes.size() >= kActStaging) {
+        auto t = prof.time(prof.step.wait_activations, "wait activation write");
+        act_writes.front().written.wait();
+        prune_act_writes();
+      }
+    }
     at::Tensor host = nvme ? host_buffer(uint64_t(x.numel()), cdt).view(x.sizes()) : at::empty(x.sizes(), host_options(cdt));
     dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // x is computed there
     dev.copy_async(host, x, dev.copy_stream());
@@ -247,13 +269,19 @@ struct Engine::Impl {
       host_act_peak = std::max(host_act_peak, act_host_bytes);
       return;
     }
-    // Written to swap once the copy has run; the staging buffer goes when the write is done.
+    // Written to swap once the copy has run; the staging buffer goes once the write is done.
     offload::IoPromise written;
     a.written = written.future();
     prof.nvme_write += uint64_t(host.nbytes());
-    dev.launch_host(dev.copy_stream(), [this, name = act_swap_name(s), host, written] {
+    auto submitted = std::make_shared<std::atomic<bool>>(false);
+    act_writes.push_back({a.written, host, submitted});  // before the write can start
+    uint64_t staged = 0;
+    for (const ActWrite& w : act_writes) staged += uint64_t(w.buffer.nbytes());
+    host_act_peak = std::max(host_act_peak, staged);
+    dev.launch_host(dev.copy_stream(), [this, name = act_swap_name(s), bytes = bytes_of(host), written, submitted] {
+      submitted->store(true);
       try {
-        swap->write(name, 0, bytes_of(host)).then([host, written](const offload::IoStatus& st) { written.complete(st); });
+        swap->write(name, 0, bytes).then([written](const offload::IoStatus& st) { written.complete(st); });
       } catch (const std::exception& e) {
         written.complete(offload::IoStatus(EIO, std::string("activation checkpoint write: ") + e.what()));
         throw;
@@ -276,6 +304,7 @@ struct Engine::Impl {
         auto t = prof.time(prof.step.wait_activations, "wait activation write", &name);
         a.written.get();  // written during the forward, long before
       }
+      prune_act_writes();
       prof.nvme_read += uint64_t(src.nbytes());
       offload::IoFuture read = swap->read(act_swap_name(s), 0, bytes_of(src));
       dev.launch_host(dev.copy_stream(), [read] { read.get(); });
@@ -494,13 +523,16 @@ struct Engine::Impl {
     if (cfg.activations == Placement::kAuto) {
       uint64_t largest_use = 0;
       for (const Use& use : uses) largest_use = std::max(largest_use, use_param_bytes(use));
-      const uint64_t device = std::min(dev.budget(), dev.physical_free());
+      // The budget covers the device-placed state; the device's free memory was measured after
+      // it was allocated.
       const uint64_t device_need = base_bytes + largest_use + uint64_t(cfg.prefetch) * largest_use + reserve_bytes + all;
+      const uint64_t free = dev.physical_free();
+      const bool fits = device_need <= dev.budget() && (free == UINT64_MAX || device_need - base_bytes <= free);
       int local_ranks = comm.world_size();
       if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local_ranks = std::max(1, std::atoi(l));
       const TierBudgets b = machine_budgets(cfg, 0, local_ranks);
       Placement p = Placement::kHost;
-      if (device == UINT64_MAX || device_need <= device) p = Placement::kDevice;
+      if (fits) p = Placement::kDevice;
       // A configured host budget covers the host state too; a derived one is what is free now.
       else if ((cfg.host_budget ? host_state + all : all) <= b.host || cfg.nvme_dirs.empty()) p = Placement::kHost;
       else p = Placement::kNvme;
@@ -860,6 +892,7 @@ struct Engine::Impl {
         release_unneeded(k, total);
       }
     }
+    prune_act_writes();  // every checkpoint came back, so every staging buffer can go
     {
       auto t = prof.time(prof.step.wait_grads, "wait gradients");
       dev.synchronize(dev.copy_stream());  // host gradient accumulation done
@@ -1132,10 +1165,21 @@ struct Engine::Impl {
     update_promise = std::make_shared<std::promise<void>>();
     update_over = update_promise->get_future().share();
     updater = std::thread([this, ac, over = update_promise] {
+      // Ready when the thread's work is over; carries its error, so that a save waiting on it
+      // fails rather than copy half-updated swap files.
       struct SetOnExit {
+        Impl& I;
         std::promise<void>& p;
-        ~SetOnExit() { p.set_value(); }
-      } set_on_exit{*over};
+        ~SetOnExit() {
+          std::exception_ptr e;
+          {
+            std::lock_guard<std::mutex> lock(I.update_mu);
+            e = I.update_error;
+          }
+          if (e) p.set_exception(e);
+          else p.set_value();
+        }
+      } set_on_exit{*this, *over};
       auto begin = Profiler::Clock::now();
       try {
         optimizer_step(ac, [&](size_t u) {  // units complete in order
@@ -1211,6 +1255,14 @@ Engine::~Engine() {
   } catch (...) {
   }
   impl_->wait_nvme_hold();  // a snapshot still copying from the swap files, which go with us
+  // Activation checkpoint writes (a step that failed half way) must finish before their buffers go.
+  // (Only those whose host function ran: a failed CUDA stream may never run the others.)
+  try {
+    impl_->dev.synchronize(impl_->dev.copy_stream());
+  } catch (...) {
+  }
+  for (const auto& w : impl_->act_writes)
+    if (w.submitted->load()) w.written.wait();
   // Gathers in flight must finish before their buffers go.
   for (auto& [u, g] : impl_->live)
     if (!g.bound && g.work) try {

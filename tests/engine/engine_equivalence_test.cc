@@ -211,9 +211,11 @@ TEST(EngineTimeline, CountsTheSwapTrafficOfTheStreamedOptimizer) {
 // Where the checkpoints live changes no number: host, device and NVMe placement train bitwise
 // alike (and like libtorch), and each moves exactly the checkpoint bytes its tier implies: none
 // for the device; down and up once for the host; down, to swap, back and up once for NVMe.
+// Host memory: all of a micro-batch's checkpoints for the host, at most three staging buffers
+// for NVMe, none for the device.
 TEST(EngineActivations, EveryPlacementTrainsBitwiseAlikeAndMovesItsBytes) {
   TempDir swap;
-  json j = tiny_config(true, 3);
+  json j = tiny_config(true, 6);
   j["run"]["steps"] = 6;
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
   std::map<std::string, Trajectory> runs;
@@ -235,8 +237,13 @@ TEST(EngineActivations, EveryPlacementTrainsBitwiseAlikeAndMovesItsBytes) {
   expect_close(runs.at("nvme"), reference(tc, 1), 1e-5);
 
   const se::EngineConfig& e = tc.engine;
+  const uint64_t one = uint64_t(e.micro_batch * e.seq_len * tc.model.hidden) * 4;  // one checkpoint
+  EXPECT_EQ(host.host_activations, uint64_t(tc.model.layers) * one);
+  EXPECT_EQ(runs.at("device").host_activations, 0u);
+  EXPECT_GT(runs.at("nvme").host_activations, 0u);
+  EXPECT_LE(runs.at("nvme").host_activations, 3 * one);
   // Inputs of every block (the embedding's input is the token ids), per micro-batch.
-  const uint64_t acts = uint64_t(e.grad_accum * tc.model.layers * e.micro_batch * e.seq_len * tc.model.hidden) * 4;
+  const uint64_t acts = uint64_t(e.grad_accum * tc.model.layers) * one;
   for (size_t i = 1; i < host.steps.size(); ++i) {
     const se::StepTimeline& h = host.steps[i].timeline;
     const se::StepTimeline& d = runs.at("device").steps[i].timeline;

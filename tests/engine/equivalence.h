@@ -52,6 +52,7 @@ struct Trajectory {
   std::vector<double> losses;
   std::vector<double> grad_norms;  // global norm before clipping
   uint64_t device_peak = 0;
+  uint64_t host_activations = 0;  // MemoryReport::host_activations after the run
   std::vector<se::StepResult> steps;
   std::map<std::string, at::Tensor> params;  // fp32 on the CPU
 };
@@ -166,6 +167,7 @@ inline Trajectory run_in_process(const se::TrainConfig& tc, uint64_t budget, uin
       t.steps.push_back(r);
     }
     for (auto& [n, p] : eng.gather_parameters()) t.params[n] = p;
+    t.host_activations = eng.memory().host_activations;
     *peak = dev->peak();
     t.device_peak = dev->peak();
   }

@@ -136,7 +136,8 @@ class Engine {
   // Its bytes are those of the last step only once update_finished() is ready.
   NvmeSlice nvme_slice(size_t unit, StateKind kind) const;
   // Ready when the last step's update (running behind with optimizer.overlap) is complete;
-  // ready at once when none runs. Any thread may wait on it.
+  // ready at once when none runs; holds the update's exception if it failed. Any thread may
+  // wait on it.
   std::shared_future<void> update_finished() const;
   // The next change to NVMe-placed master or moments (the optimizer, store_state_slice) first
   // waits for `until` (a snapshot copying them out); its exception, if any, is not rethrown.
