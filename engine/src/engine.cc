@@ -223,6 +223,8 @@ struct Engine::Impl {
     Device::Reservation res;       // device placement: the forward's reservation of the input
     at::Tensor host;               // host placement
     offload::IoFuture written;     // NVMe placement: the slot's write
+    at::Tensor staged;             // NVMe placement: read back into this host buffer by `read`
+    offload::IoFuture read;
     std::shared_ptr<Event> ready;  // the copy back to the device is done
   };
   std::vector<ActSlot> act_slots;
@@ -290,6 +292,36 @@ struct Engine::Impl {
   }
 
   // Starts bringing stage s's input back to the device (nothing if it is there or on its way).
+  // NVMe: starts reading stage s's checkpoint into a host buffer (a stage before it is copied
+  // up, so that the copy stream rarely waits for the disk).
+  void read_activation(size_t s) {
+    ActSlot& a = act_slots.at(s);
+    if (cfg.activations != Placement::kNvme || a.read.valid() || a.ready) return;  // reading, or fetched
+    {
+      auto t = prof.time(prof.step.wait_activations, "wait activation write", &partition->unit(s).name);
+      a.written.get();  // written during the forward, long before
+    }
+    prune_act_writes();
+    a.staged = host_buffer(uint64_t(cfg.micro_batch * cfg.seq_len * model->config().hidden), cdt);
+    prof.nvme_read += uint64_t(a.staged.nbytes());
+    // Host memory now: buffers still being written or read, and the last one read, which may
+    // still be in the copy queue.
+    uint64_t held = 0;
+    for (const ActWrite& w : act_writes) held += uint64_t(w.buffer.nbytes());
+    for (const ActSlot& b : act_slots) held += b.staged.defined() ? uint64_t(b.staged.nbytes()) : 0;
+    host_act_peak = std::max(host_act_peak, held + uint64_t(a.staged.nbytes()));
+    a.read = swap->read(act_swap_name(s), 0, bytes_of(a.staged));
+  }
+
+  // Drops the slots of a micro-batch, waiting for reads still filling their buffers (a step that
+  // failed half way).
+  void reset_act_slots() {
+    for (ActSlot& a : act_slots)
+      if (a.read.valid()) a.read.wait();
+    act_slots.clear();
+    act_slots.resize(stages.size());
+  }
+
   void fetch_activation(size_t s) {
     ActSlot& a = act_slots.at(s);
     if (a.device.defined()) return;
@@ -299,15 +331,12 @@ struct Engine::Impl {
     at::Tensor src = a.host;
     dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // the buffer may be reused memory
     if (cfg.activations == Placement::kNvme) {
-      src = host_buffer(uint64_t(a.device.numel()), cdt).view(shape);
-      {
-        auto t = prof.time(prof.step.wait_activations, "wait activation write", &name);
-        a.written.get();  // written during the forward, long before
-      }
-      prune_act_writes();
-      prof.nvme_read += uint64_t(src.nbytes());
-      offload::IoFuture read = swap->read(act_swap_name(s), 0, bytes_of(src));
+      read_activation(s);
+      src = a.staged.view(shape);
+      offload::IoFuture read = a.read;
       dev.launch_host(dev.copy_stream(), [read] { read.get(); });
+      a.staged = at::Tensor();
+      a.read = {};  // src stays alive in the copy queue until after the read
     } else {
       act_host_bytes -= uint64_t(src.nbytes());
     }
@@ -441,6 +470,7 @@ struct Engine::Impl {
     const models::ModelConfig& mc = model->config();
     const uint64_t tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
     const uint64_t act = tokens * uint64_t(mc.hidden) * c10::elementSize(cdt);
+    checkpoint_bytes = stages.size() > 2 ? uint64_t(stages.size() - 2) * act : 0;
     const uint64_t logits = tokens * uint64_t(mc.vocab_size) * (4 + 4 + c10::elementSize(cdt));
     for (const Use& use : uses) {
       uint64_t grads = 0;
@@ -515,9 +545,10 @@ struct Engine::Impl {
   // Resolves placement.activations "auto" (device, else host, else swap; see config.h), opens
   // the swap slots of NVMe-placed checkpoints, and adds the placement to the report.
   uint64_t device_checkpoint_bytes = 0;  // counted in every use's need (they live across uses)
+  uint64_t checkpoint_bytes = 0;         // all activation checkpoints of one micro-batch
   void place_activations(uint64_t act) {
     const size_t n = stages.size();
-    const uint64_t all = n > 2 ? uint64_t(n - 2) * act : 0;  // inputs of stages 1..n-2
+    const uint64_t all = checkpoint_bytes;  // inputs of stages 1..n-2
     act_slots.clear();
     act_slots.resize(n);
     if (cfg.activations == Placement::kAuto) {
@@ -586,6 +617,7 @@ struct Engine::Impl {
     uint64_t working = 0;
     for (const Use& use : uses) working = std::max(working, use_param_bytes(use) + reserve_bytes);
     working += uint64_t(cfg.prefetch) * largest_unit;
+    if (cfg.activations == Placement::kDevice) working += checkpoint_bytes;  // placed there explicitly
     const uint64_t device = std::min(dev.budget(), dev.physical_free());
     int local_ranks = comm.world_size();
     if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local_ranks = std::max(1, std::atoi(l));
@@ -823,8 +855,7 @@ struct Engine::Impl {
       at::Tensor rows = ids.narrow(0, m * b, b);
       at::Tensor inputs = rows.narrow(1, 0, T).contiguous().to(dev.torch_device());
       at::Tensor targets = rows.narrow(1, 1, T).reshape(-1).to(dev.torch_device());
-      act_slots.clear();
-      act_slots.resize(n);
+      reset_act_slots();
       act_host_bytes = 0;
       at::Tensor x = inputs;
       Device::Reservation x_res;
@@ -882,6 +913,7 @@ struct Engine::Impl {
           xin.requires_grad_(true);
         }
         if (s > 1) fetch_activation(s - 1);  // copied back while this stage runs
+        if (s > 2) read_activation(s - 2);   // NVMe: read a stage earlier still
         const auto mark = compute_mark();
         at::Tensor y = stages[s]->forward(xin);
         torch::autograd::backward({y}, {dy});
