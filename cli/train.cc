@@ -76,11 +76,12 @@ std::string timeline_line(int64_t step, const engine::StepResult& r) {
   snprintf(line, sizeof line,
            "timeline step %lld: %.3f s | compute busy %s | waits: params %.3f s, update %.3f s, "
            "activations %.3f s, gradients %.3f s | norm %.3f s | optimizer %.3f s (exposed %.3f s) | "
-           "PCIe up %.2f GB/s, down %.2f GB/s | NVMe read %.2f GB/s, write %.2f GB/s | largest stall: %s (%.3f s)",
+           "PCIe up %.2f GB/s, down %.2f GB/s | NVMe read %.2f GB/s, write %.2f GB/s | prefetch %d | "
+           "largest stall: %s (%.3f s)",
            (long long)step, r.seconds, busy, t.wait_params, t.wait_update, t.wait_activations, t.wait_grads,
            t.norm, t.optimizer, t.optimizer_exposed, double(t.h2d_bytes) / sec / 1e9,
            double(t.d2h_bytes) / sec / 1e9, double(t.nvme_read_bytes) / sec / 1e9,
-           double(t.nvme_write_bytes) / sec / 1e9, top->second > 0 ? top->first : "none",
+           double(t.nvme_write_bytes) / sec / 1e9, t.prefetch, top->second > 0 ? top->first : "none",
            std::max(0.0, top->second));
   return line;
 }
@@ -278,7 +279,8 @@ int train_main(const std::vector<std::string>& argv) {
                             {"h2d_bytes", r.timeline.h2d_bytes},
                             {"d2h_bytes", r.timeline.d2h_bytes},
                             {"nvme_read_bytes", r.timeline.nvme_read_bytes},
-                            {"nvme_write_bytes", r.timeline.nvme_write_bytes}}}};
+                            {"nvme_write_bytes", r.timeline.nvme_write_bytes},
+                            {"prefetch", r.timeline.prefetch}}}};
       log << j.dump() << "\n" << std::flush;
     }
     if (tc.progress) {

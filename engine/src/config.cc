@@ -270,7 +270,13 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     Section s(*d, "device", source);
     s.read("type", e.device);
     s.read_bytes("budget", e.device_budget);
-    s.read("prefetch", e.prefetch);
+    if (const json* v = s.get("prefetch"); v && v->is_string()) {
+      if (v->get<std::string>() != "auto") s.fail("prefetch", "must be an integer >= 0 or \"auto\", not " + v->dump());
+      e.prefetch_auto = true;
+      e.prefetch = 1;
+    } else {
+      s.read("prefetch", e.prefetch);
+    }
     s.read("cpu_threads", e.cpu_threads);
   }
   if (const json* o = top.get("offload")) {

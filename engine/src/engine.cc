@@ -529,6 +529,21 @@ struct Engine::Impl {
 
     base_bytes = dev.used();
     place_activations(act);
+    prefetch_depth = cfg.prefetch;
+    if (cfg.prefetch_auto) {
+      // As many of the largest unit as fit beside the largest use, up to 8 and the schedule.
+      uint64_t largest_unit = 0, largest_use = 0;
+      for (size_t u = 0; u < partition->num_units(); ++u) largest_unit = std::max(largest_unit, unit_param_bytes(u));
+      for (const Use& use : uses) largest_use = std::max(largest_use, use_param_bytes(use));
+      const uint64_t free = dev.physical_free();
+      const uint64_t budget = free == UINT64_MAX ? dev.budget() : std::min(dev.budget(), base_bytes + free);
+      const uint64_t used = base_bytes + largest_use + reserve_bytes + device_checkpoint_bytes;
+      uint64_t fit = budget > used && largest_unit > 0 ? (budget - used) / largest_unit : 0;
+      fit = std::min<uint64_t>({fit, 8, uses.size() - 1});
+      prefetch_tuner.deepest = int(std::max<uint64_t>(fit, 1));
+      prefetch_depth = prefetch_tuner.depth = 1;
+      placement_report += "; prefetch auto (1 to " + std::to_string(prefetch_tuner.deepest) + " units ahead)";
+    }
     for (const Use& use : uses) {
       const uint64_t need = use_param_bytes(use) + reserve_bytes + device_checkpoint_bytes;
       if (base_bytes + need > dev.budget())
@@ -616,7 +631,7 @@ struct Engine::Impl {
     // The device keeps room for the largest use, its working set and the prefetched units.
     uint64_t working = 0;
     for (const Use& use : uses) working = std::max(working, use_param_bytes(use) + reserve_bytes);
-    working += uint64_t(cfg.prefetch) * largest_unit;
+    working += uint64_t(cfg.prefetch) * largest_unit;  // "auto": its starting depth
     if (cfg.activations == Placement::kDevice) working += checkpoint_bytes;  // placed there explicitly
     const uint64_t device = std::min(dev.budget(), dev.physical_free());
     int local_ranks = comm.world_size();
@@ -714,8 +729,11 @@ struct Engine::Impl {
     for (size_t u : need) bind(u);
   }
 
+  int prefetch_depth = 1;   // units gathered ahead (device.prefetch; adapts with "auto")
+  PrefetchTuner prefetch_tuner;
+
   void prefetch(size_t k, size_t total) {
-    for (size_t j = k + 1; j <= k + size_t(cfg.prefetch) && j < total; ++j)
+    for (size_t j = k + 1; j <= k + size_t(prefetch_depth) && j < total; ++j)
       for (size_t u : stage_units[use_at(j).stage]) {
         if (live.count(u)) continue;
         if (!plan_fits(unit_param_bytes(u))) return;
@@ -727,7 +745,7 @@ struct Engine::Impl {
     std::vector<size_t> drop;
     for (auto& [u, g] : live) {
       bool needed = false;
-      for (size_t j = k + 1; j <= k + 1 + size_t(cfg.prefetch) && j < total && !needed; ++j)
+      for (size_t j = k + 1; j <= k + 1 + size_t(prefetch_depth) && j < total && !needed; ++j)
         for (size_t v : stage_units[use_at(j).stage]) needed |= v == u;
       if (!needed) drop.push_back(u);
     }
@@ -935,13 +953,19 @@ struct Engine::Impl {
     const double W = comm.world_size();
     const double denom = loss_scale * double(A) * W;
     StepResult r;
+    const int depth_used = prefetch_depth;
     {
       auto t = prof.time(prof.step.norm, "gradient norm");
       const double sumsq = local_sum_squares();
-      at::Tensor red = at::tensor({sumsq, loss_sum}, at::TensorOptions().dtype(at::kDouble));
+      // With the norm and the loss, every rank's wait for parameters and time so far: the
+      // prefetch decision is then the same on every rank (their gathers must stay in step).
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      at::Tensor red = at::tensor({sumsq, loss_sum, prof.step.wait_params, elapsed}, at::TensorOptions().dtype(at::kDouble));
       comm.all_reduce(red, ReduceOp::kSum);
       r.loss = red[1].item<double>() / (double(A) * W);
       r.grad_norm = std::sqrt(red[0].item<double>()) / denom;
+      if (cfg.prefetch_auto)
+        prefetch_depth = prefetch_tuner.next(red[2].item<double>() / std::max(red[3].item<double>(), 1e-9));
     }
     r.loss_scale = loss_scale;
     r.skipped = !std::isfinite(r.grad_norm);
@@ -988,6 +1012,7 @@ struct Engine::Impl {
     r.tokens = uint64_t(A * b * T) * uint64_t(comm.world_size());
     r.model_tflops = flops_per_token() * double(r.tokens) / r.seconds / 1e12;
     r.timeline = finish_timeline();
+    r.timeline.prefetch = depth_used;
     return r;
   }
 

@@ -103,6 +103,22 @@ TierBudgets machine_budgets(const EngineConfig& cfg, uint64_t device, int local_
   return b;
 }
 
+int PrefetchTuner::next(double waited) {
+  depth = std::clamp(depth, 1, std::max(deepest, 1));
+  if (settled) return depth;
+  if (waited_before >= 0 && waited > 0.9 * waited_before) {
+    depth = std::max(1, depth - 1);  // deeper did not help: more memory for nothing
+    settled = true;
+    return depth;
+  }
+  waited_before = -1;
+  if (waited > 0.02 && depth < deepest) {
+    waited_before = waited;
+    ++depth;
+  }
+  return depth;
+}
+
 std::string describe_plan(const PlacementPlan& p, const StateBytes& need) {
   auto one = [](const char* what, Placement where, uint64_t bytes) {
     return std::string(what) + " " + to_string(where) + " " + format_bytes(bytes);

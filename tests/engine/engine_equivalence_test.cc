@@ -302,6 +302,59 @@ TEST(EngineActivations, DevicePlacementCountsInTheBudgetAndAutoPicksATier) {
   EXPECT_EQ(build("auto", hi).substr(0, 4), "nvme");
 }
 
+// --- prefetch depth from the budget and the measured waits ----------------------------------
+
+TEST(PrefetchDepth, GrowsWhileDeeperCutsTheWaitsUpToTheBudget) {
+  se::PrefetchTuner t;
+  t.deepest = 4;
+  EXPECT_EQ(t.next(0.30), 2);  // waiting: one deeper
+  EXPECT_EQ(t.next(0.15), 3);  // that halved the waits: one deeper again
+  EXPECT_EQ(t.next(0.01), 3);  // 1% of the step is not worth more memory
+  EXPECT_EQ(t.next(0.05), 4);  // waits came back: deeper
+  EXPECT_EQ(t.next(0.04), 4) << "the budget holds no deeper window";
+  EXPECT_FALSE(t.settled);
+
+  se::PrefetchTuner bound;  // the transfers themselves are too slow: deeper does not help
+  bound.deepest = 8;
+  EXPECT_EQ(bound.next(0.20), 2);
+  EXPECT_EQ(bound.next(0.19), 1) << "a deepening that cut the waits by less than 10% is undone";
+  EXPECT_TRUE(bound.settled);
+  EXPECT_EQ(bound.next(0.50), 1) << "and the depth stays there";
+
+  se::PrefetchTuner tight;
+  tight.deepest = 1;
+  EXPECT_EQ(tight.next(0.5), 1) << "nothing deeper fits the budget";
+}
+
+// "auto" changes no number and only deepens, one unit a step at most, within its bound; with
+// compute copies in swap every gather reads the disk, so steps wait for parameters.
+TEST(PrefetchDepth, AutoTrainsBitwiseLikeAFixedDepth) {
+  TempDir swap;
+  json j = tiny_config(false, 6);
+  j["run"]["steps"] = 8;
+  j["placement"] = {{"params", "nvme"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+  const se::TrainConfig fixed = se::parse_train_config(j.dump(), "test");
+  j["device"] = {{"prefetch", "auto"}};
+  const se::TrainConfig adaptive = se::parse_train_config(j.dump(), "test");
+  ASSERT_TRUE(adaptive.engine.prefetch_auto);
+  uint64_t peak = 0;
+  const uint64_t budget = 4 << 20;
+  const Trajectory a = run_in_process(fixed, budget, &peak);
+  const Trajectory b = run_in_process(adaptive, budget, &peak);
+  EXPECT_LE(peak, budget);
+  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << "step " << i + 1;
+  for (auto& [name, w] : a.params) EXPECT_TRUE(b.params.at(name).equal(w)) << name;
+  EXPECT_EQ(b.steps.front().timeline.prefetch, 1);
+  for (size_t i = 1; i < b.steps.size(); ++i) {
+    const int before = b.steps[i - 1].timeline.prefetch, now = b.steps[i].timeline.prefetch;
+    EXPECT_LE(std::abs(now - before), 1) << "step " << i + 1 << ": " << before << " -> " << now;
+    EXPECT_GE(now, 1);
+    EXPECT_LE(now, 8);
+  }
+  for (const se::StepResult& r : a.steps) EXPECT_EQ(r.timeline.prefetch, 1);
+}
+
 // --- automatic placement --------------------------------------------------------------------
 
 TEST(PlacementPlan, FillsTheDeviceThenHostThenNvme) {

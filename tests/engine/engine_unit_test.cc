@@ -639,6 +639,7 @@ TEST(TrainConfig, EveryKeyReachesItsField) {
   EXPECT_EQ(c.engine.grads, Placement::kHost);
   EXPECT_EQ(c.engine.master, Placement::kHost);
   EXPECT_EQ(c.engine.activations, Placement::kDevice);
+  EXPECT_FALSE(c.engine.prefetch_auto);
   EXPECT_EQ(c.engine.moments, Placement::kHost);
   EXPECT_EQ(c.engine.device_budget, 1048576u);
   EXPECT_EQ(c.engine.prefetch, 0);
@@ -723,6 +724,7 @@ TEST(TrainConfig, InvalidConfigurationsNameTheFileAndKey) {
       {R"({"device": {"type": "tpu"}})", "device.type"},
       {R"({"placement": {"master": "device"}})", "placement.master"},
       {R"({"device": {"prefetch": -1}})", "device.prefetch"},
+      {R"({"device": {"prefetch": "deep"}})", "device.prefetch"},
       {R"({"device": {"cpu_threads": -1}})", "device.cpu_threads"},
       {R"({"distributed": {"timeout_s": 0}})", "distributed.timeout_s"},
       {R"({"data": {"seq_len": 0}})", "data.seq_len"},

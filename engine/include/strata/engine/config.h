@@ -53,6 +53,10 @@ struct EngineConfig {
   std::string device = "cpu";
   uint64_t device_budget = UINT64_MAX;   // bytes the engine may hold on the device
   int prefetch = 1;                      // units gathered ahead of the running one
+  // device.prefetch "auto": start at one unit ahead and go one deeper after every step that
+  // waited for parameters more than 2% of its time while that helps and the budget holds the
+  // deeper window (PrefetchTuner in placement.h).
+  bool prefetch_auto = false;
   unsigned cpu_threads = 0;              // optimizer kernel threads; 0: all cores
   double timeout_s = 300;                // collectives and rendezvous
   void validate() const;                 // throws std::invalid_argument

@@ -61,6 +61,7 @@ struct StepTimeline {
   double optimizer_exposed = 0;  // the part of it the step waited for
   uint64_t h2d_bytes = 0, d2h_bytes = 0;             // host <-> device copies
   uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;  // swap files
+  int prefetch = 0;              // units gathered ahead during this step (device.prefetch)
 };
 
 // One span of a trace (Chrome trace event format, see docs/ARCHITECTURE.md "Profiling").

@@ -41,6 +41,19 @@ PlacementPlan plan_placement(const EngineConfig& config, const StateBytes& need,
 // divided among `local_ranks` processes. `device` is passed through.
 TierBudgets machine_budgets(const EngineConfig& config, uint64_t device, int local_ranks);
 
+// device.prefetch "auto": the gather depth, tuned from what each step measured. `waited` is the
+// fraction of the last step spent waiting for parameters (summed over ranks, so that every rank
+// decides alike). While it exceeds 2% the depth grows by one a step, up to `deepest` (what the
+// byte budget holds); a deepening that did not cut the waits by at least 10% (the transfers,
+// not their start, are the bottleneck) is undone, and the depth stays there. Plain value type.
+struct PrefetchTuner {
+  int depth = 1;
+  int deepest = 1;
+  double waited_before = -1;  // the waits that the last deepening was meant to cut; -1: none
+  bool settled = false;
+  int next(double waited);    // the depth for the next step
+};
+
 // "params device 2.6 GiB, grads host 10.4 GiB, master nvme ..., moments nvme ...".
 std::string describe_plan(const PlacementPlan& plan, const StateBytes& need);
 
