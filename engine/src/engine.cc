@@ -601,6 +601,7 @@ struct Engine::Impl {
     if (swap) return;
     offload::IoEngineConfig ic;
     ic.queue_depth = cfg.io_queue_depth;
+    ic.fault_injector = cfg.io_fault_injector;
     io = offload::IoEngine::create(ic);
     offload::SwapConfig sc;
     for (const std::string& d : cfg.nvme_dirs) sc.dirs.emplace_back(d);

@@ -25,6 +25,7 @@
 #include "strata/models/safetensors.h"
 #include "strata/models/token_data.h"
 #include "strata/offload/crc32c.h"
+#include "strata/offload/fault_injection.h"
 #include "test_util.h"
 
 namespace se = strata::engine;
@@ -224,6 +225,41 @@ TEST(Checkpoint, AsyncSaveCopiesNvmeStateFileToFile) {
   b.train(10, resumed);
   for (size_t i = 0; i < 10; ++i) EXPECT_EQ(resumed.losses[i], straight.losses[10 + i]) << "step " << 11 + i;
   expect_bitwise(b.params(), a.params());
+}
+
+// The update running behind the training thread fails (its swap writes fail): a save started
+// after it must not copy the half-updated swap files. It fails with the I/O error, commits
+// nothing, the previous checkpoint stays `latest`, and the engine reports the error next step.
+TEST(Checkpoint, AsyncSaveAfterAFailedBackgroundUpdateFailsAndCommitsNothing) {
+  TempDir dir, swap;
+  json j = tiny_llama(20);
+  j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  ASSERT_TRUE(tc.engine.overlap_optimizer);
+  auto faults = std::make_shared<strata::offload::RuleFaultInjector>();
+  tc.engine.io_fault_injector = faults;
+  Losses run;
+  Trainer a(tc);
+  a.train(3, run);
+  a.save(dir.path(), "step-3");
+  a.params();  // the third step's update is done
+  faults->add({.kind = strata::offload::IoRequest::Kind::kWrite, .error = EIO, .uses = -1});
+  a.train(1, run);  // returns; its update fails behind it
+  se::AsyncCheckpointer ck(a.comm());
+  ck.start(a.engine(), dir.path(), "step-4", a.meta());
+  try {
+    ck.finish();
+    FAIL() << "a save of half-updated swap state committed";
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("not saved"), std::string::npos) << m;
+    EXPECT_NE(m.find("strata-swap"), std::string::npos) << "names the swap file: " << m;
+  }
+  EXPECT_GT(faults->fired(), 0u);
+  EXPECT_EQ(se::latest_checkpoint(dir.path()), dir.path() / "step-3");
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "step-4" / "manifest.json"));
+  EXPECT_THROW(a.train(1, run), std::exception) << "the engine reports the failed update";
 }
 
 TEST(Checkpoint, CorruptMissingAndUncommittedAreClearErrors) {

@@ -30,6 +30,7 @@
 #include "strata/engine/engine.h"
 #include "strata/models/hf_io.h"
 #include "strata/models/token_data.h"
+#include "strata/offload/fault_injection.h"
 #include "equivalence.h"
 #include "test_util.h"
 
@@ -255,6 +256,36 @@ TEST(EngineActivations, EveryPlacementTrainsBitwiseAlikeAndMovesItsBytes) {
     EXPECT_EQ(h.nvme_write_bytes, 0u);
     EXPECT_EQ(n.nvme_write_bytes, acts) << "step " << i + 1;
     EXPECT_EQ(n.nvme_read_bytes, acts) << "step " << i + 1;
+  }
+}
+
+// A checkpoint that cannot be written to swap fails the step with the I/O error naming the swap
+// file; the engine then refuses to go on from undefined state.
+TEST(EngineActivations, AFailedCheckpointWriteFailsTheStepNamingTheSwapFile) {
+  TempDir swap;
+  json j = tiny_config(false, 3);
+  j["placement"] = {{"activations", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  auto faults = std::make_shared<strata::offload::RuleFaultInjector>();
+  faults->add({.kind = strata::offload::IoRequest::Kind::kWrite, .error = EIO, .uses = 1});
+  tc.engine.io_fault_injector = faults;
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create_host(UINT64_MAX);
+  se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+  at::Tensor ids = at::randint(0, tc.model.vocab_size, {tc.engine.micro_batch * tc.engine.grad_accum, tc.engine.seq_len + 1}, at::kLong);
+  try {
+    eng.train_step(ids);
+    FAIL() << "the failed write went unnoticed";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("strata-swap"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(faults->fired(), 1u);
+  try {
+    eng.train_step(ids);
+    FAIL() << "trained on from undefined state";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("failed half way"), std::string::npos) << e.what();
   }
 }
 

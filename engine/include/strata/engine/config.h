@@ -5,10 +5,15 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "strata/models/model_config.h"
+
+namespace strata::offload {
+class FaultInjector;
+}
 
 namespace strata::engine {
 
@@ -45,6 +50,8 @@ struct EngineConfig {
   Placement activations = Placement::kHost;
   std::vector<std::string> nvme_dirs;     // swap directories (one per drive) for "nvme" placement
   unsigned io_queue_depth = 32;           // NVMe requests in flight
+  // Tests only (not in the JSON configuration): the swap I/O engine's fault injector.
+  std::shared_ptr<offload::FaultInjector> io_fault_injector;
   uint64_t nvme_chunk_bytes = 64ull << 20;  // fp32 bytes per array per streamed optimizer chunk
   // Automatic placement: state bytes this rank may put in host RAM and in swap; 0: derived from
   // the machine (80% of MemAvailable, 95% of the free space of nvme_dirs, shared by local ranks).
