@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "io_bench.h"
+#include "timing.h"
 #include "strata/engine/checkpoint.h"
 #include "strata/engine/comm.h"
 #include "strata/engine/device.h"
@@ -44,12 +45,6 @@ void fsync_file(const fs::path& p) {
 
 // Removes a flat directory (std::filesystem::remove_all must not be called in binaries that link
 // libtorch: docs/ARCHITECTURE.md, Build).
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
-
 void remove_flat_dir(const fs::path& d) {
   if (!fs::exists(d)) return;
   for (const auto& e : fs::directory_iterator(d)) ::unlink(e.path().c_str());

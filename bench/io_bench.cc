@@ -14,6 +14,7 @@
 #include <random>
 #include <stdexcept>
 
+#include "shell.h"
 #include "strata/offload/file.h"
 #include "strata/offload/pinned_pool.h"
 
@@ -71,12 +72,6 @@ double strata_run(offload::IoEngine& io, const offload::File& file, const IoBenc
   if (!error.empty()) throw offload::IoError(EIO, "bench io: " + error);
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return static_cast<double>(blocks * o.block_bytes) / seconds / 1e9;
-}
-
-std::string shell_quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
 }
 
 // fio runs with the same kind of I/O as the engine: io_uring or, where the engine fell back to

@@ -30,4 +30,11 @@ inline std::vector<double> median_seconds(unsigned steps,
   return out;
 }
 
+// The median of `v` (the mean of the middle two for an even count); 0 for none.
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
 }  // namespace strata::bench

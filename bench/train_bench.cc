@@ -12,19 +12,15 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "shell.h"
 #include "strata/engine/config.h"
+#include "timing.h"
 
 namespace strata::bench {
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-std::string quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
 
 // Runs `command` through the shell; its stderr passes through, its stdout is returned.
 std::string run(const std::string& command) {
@@ -42,11 +38,6 @@ std::string run(const std::string& command) {
                                                   : "exit " + std::to_string(WEXITSTATUS(status))) +
                              "): " + command);
   return out;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
 // What the baselines must reproduce of a configuration.
@@ -88,10 +79,10 @@ RunResult strata_run(const fs::path& config, const TrainBenchOptions& o) {
   r.name = config.stem().string();
   const fs::path log = fs::absolute(o.dir / (r.name + ".jsonl"));
   fs::remove(log);
-  std::string cmd = "cd " + quote(o.dir.string()) + " && " + quote(fs::read_symlink("/proc/self/exe").string()) +
-                    " train --config " + quote(fs::absolute(config).string()) + " --steps " +
-                    std::to_string(o.steps) + " --log " + quote(log.string()) + " --no-progress";
-  if (o.profile) cmd += " --profile " + quote(fs::absolute(o.dir / (r.name + ".trace.json")).string());
+  std::string cmd = "cd " + shell_quote(o.dir.string()) + " && " + shell_quote(fs::read_symlink("/proc/self/exe").string()) +
+                    " train --config " + shell_quote(fs::absolute(config).string()) + " --steps " +
+                    std::to_string(o.steps) + " --log " + shell_quote(log.string()) + " --no-progress";
+  if (o.profile) cmd += " --profile " + shell_quote(fs::absolute(o.dir / (r.name + ".trace.json")).string());
   run(cmd + " 1>&2");
   std::ifstream in(log);
   std::vector<double> times;
@@ -119,13 +110,13 @@ json baseline_run(const std::string& mode, const Shape& s, const TrainBenchOptio
   const int64_t timed = std::max<int64_t>(1, o.steps - o.warmup);
   char clip[32];
   snprintf(clip, sizeof clip, "%.17g", s.clip);
-  const std::string cmd = quote(o.python) + " " + quote(o.script.string()) + " --mode " + quote(mode) +
+  const std::string cmd = shell_quote(o.python) + " " + shell_quote(o.script.string()) + " --mode " + shell_quote(mode) +
                           " --layers " + std::to_string(s.layers) + " --hidden " + std::to_string(s.hidden) +
                           " --heads " + std::to_string(s.heads) + " --vocab " + std::to_string(s.vocab) +
                           " --max-pos " + std::to_string(s.max_positions) + " --seq " + std::to_string(s.seq) +
                           " --batch " + std::to_string(s.batch) + " --steps " + std::to_string(timed) +
                           " --warmup " + std::to_string(o.warmup) + " --clip " + clip +
-                          " --device " + quote(s.device);
+                          " --device " + shell_quote(s.device);
   const std::string out = run(cmd);
   const auto end = out.find_last_not_of("\n");
   if (end == std::string::npos) throw std::runtime_error("bench train: no result on stdout from " + cmd);

@@ -225,19 +225,12 @@ int bench_train(const std::vector<std::string>& argv) {
     }
   strata::cli::Args args(argv, {"configs", "dir", "steps", "warmup", "baselines", "python", "script"}, {"profile"});
   strata::bench::TrainBenchOptions o;
-  auto split = [](const std::string& list) {
-    std::vector<std::string> out;
-    std::stringstream ss(list);
-    for (std::string item; std::getline(ss, item, ',');)
-      if (!item.empty()) out.push_back(item);
-    return out;
-  };
-  for (const std::string& c : split(args.get("configs", ""))) o.configs.emplace_back(c);
+  for (const std::string& c : split(args.get("configs", ""), ',')) o.configs.emplace_back(c);
   o.dir = args.get("dir", o.dir.string());
   o.steps = args.count("steps", unsigned(o.steps));
   o.warmup = args.count("warmup", unsigned(o.warmup));
   const std::string baselines = args.get("baselines", "plain,fsdp2");
-  o.baselines = baselines == "none" ? std::vector<std::string>{} : split(baselines);
+  o.baselines = baselines == "none" ? std::vector<std::string>{} : split(baselines, ',');
   const char* py = std::getenv("STRATA_PYTHON");
   const std::string built = STRATA_BUILD_PYTHON;
   o.python = args.get("python", py && *py ? std::string(py) : !built.empty() ? built : "python3");
