@@ -61,6 +61,7 @@ void EngineConfig::validate() const {
   if (nvme_chunk_bytes < 4096) bad("offload.optimizer_chunk must be >= 4KiB");
   if (device_budget == 0) bad("device.budget must be > 0");
   if (prefetch < 0) bad("device.prefetch must be >= 0");
+  if (recompute_blocks < kRecomputeAuto) bad("placement.recompute must be >= 0 blocks");
   if (!(timeout_s > 0)) bad("distributed.timeout_s must be > 0");
 }
 
@@ -265,6 +266,17 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read_enum("master", e.master, names);
     s.read_enum("moments", e.moments, names);
     s.read_enum("activations", e.activations, names);
+    if (const json* v = s.get("recompute")) {
+      const std::string what = v->is_string() ? v->get<std::string>() : "";
+      if (what == "all") e.recompute_blocks = EngineConfig::kRecomputeAll;
+      else if (what == "none") e.recompute_blocks = 0;
+      else if (what == "auto") e.recompute_blocks = EngineConfig::kRecomputeAuto;
+      else if (v->is_number_integer() && v->get<int64_t>() >= 0 && v->get<int64_t>() < EngineConfig::kRecomputeAll)
+        e.recompute_blocks = int(v->get<int64_t>());
+      else
+        s.fail("recompute", "must be \"all\", \"none\", \"auto\" or the number of blocks recomputed (an "
+                            "integer >= 0), not " + v->dump());
+    }
   }
   if (const json* d = top.get("device")) {
     Section s(*d, "device", source);

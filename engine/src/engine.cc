@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
@@ -409,7 +410,8 @@ struct Engine::Impl {
     return b;
   }
   bool plan_fits(uint64_t extra) const {
-    return base_bytes + live_bytes() + extra + reserve_bytes + device_checkpoint_bytes <= dev.budget();
+    return base_bytes + live_bytes() + extra + reserve_bytes + device_checkpoint_bytes + graphs_held <=
+           dev.budget();
   }
   uint64_t use_param_bytes(const Use& use) const {
     uint64_t b = 0;
@@ -470,7 +472,12 @@ struct Engine::Impl {
     const models::ModelConfig& mc = model->config();
     const uint64_t tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
     const uint64_t act = tokens * uint64_t(mc.hidden) * c10::elementSize(cdt);
-    checkpoint_bytes = stages.size() > 2 ? uint64_t(stages.size() - 2) * act : 0;
+    graph_bytes = tokens * model->block_graph_bytes_per_token(c10::elementSize(cdt));
+    const size_t blocks = n - 2;
+    recomputed = cfg.recompute_blocks == EngineConfig::kRecomputeAuto
+                     ? blocks
+                     : std::min(blocks, size_t(cfg.recompute_blocks));  // "auto" decides below
+    checkpoint_bytes = uint64_t(recomputed) * act;
     const uint64_t logits = tokens * uint64_t(mc.vocab_size) * (4 + 4 + c10::elementSize(cdt));
     for (const Use& use : uses) {
       uint64_t grads = 0;
@@ -528,6 +535,12 @@ struct Engine::Impl {
     }
 
     base_bytes = dev.used();
+    if (cfg.recompute_blocks == EngineConfig::kRecomputeAuto) resolve_recompute(act);
+    cfg.recompute_blocks = int(recomputed);
+    placement_report += "; recompute " + std::to_string(recomputed) + " of " + std::to_string(blocks) + " blocks";
+    if (recomputed < blocks)
+      placement_report += " (the last " + std::to_string(blocks - recomputed) + " keep their autograd graphs on the device, " +
+                          format_bytes(graph_bytes) + " each)";
     place_activations(act);
     prefetch_depth = cfg.prefetch;
     if (cfg.prefetch_auto) {
@@ -537,7 +550,7 @@ struct Engine::Impl {
       for (const Use& use : uses) largest_use = std::max(largest_use, use_param_bytes(use));
       const uint64_t free = dev.physical_free();
       const uint64_t budget = free == UINT64_MAX ? dev.budget() : std::min(dev.budget(), base_bytes + free);
-      const uint64_t used = base_bytes + largest_use + reserve_bytes + device_checkpoint_bytes;
+      const uint64_t used = base_bytes + largest_use + reserve_bytes + device_checkpoint_bytes + peak_held();
       uint64_t fit = budget > used && largest_unit > 0 ? (budget - used) / largest_unit : 0;
       fit = std::min<uint64_t>({fit, 8, uses.size() - 1});
       prefetch_tuner.deepest = int(std::max<uint64_t>(fit, 1));
@@ -545,16 +558,72 @@ struct Engine::Impl {
       placement_report += "; prefetch auto (1 to " + std::to_string(prefetch_tuner.deepest) + " units ahead)";
     }
     for (const Use& use : uses) {
-      const uint64_t need = use_param_bytes(use) + reserve_bytes + device_checkpoint_bytes;
+      const uint64_t need = use_param_bytes(use) + reserve_bytes + device_checkpoint_bytes + held_at(use);
       if (base_bytes + need > dev.budget())
         throw BudgetExceeded(
             "device budget " + format_bytes(dev.budget()) + " cannot run unit " +
             partition->unit(use.stage).name + ": it needs " + format_bytes(need) +
             " (parameters " + format_bytes(use_param_bytes(use)) + ", activations and gradient "
             "buffers " + format_bytes(reserve_bytes) + ", activation checkpoints on the device " +
-            format_bytes(device_checkpoint_bytes) + ") beside " + format_bytes(dev.used()) +
-            " of device-placed state; raise device.budget or place state on the host");
+            format_bytes(device_checkpoint_bytes) + ", blocks kept without recompute " +
+            format_bytes(held_at(use)) + ") beside " + format_bytes(dev.used()) +
+            " of device-placed state; raise device.budget, recompute more blocks "
+            "(placement.recompute) or place state on the host");
     }
+  }
+
+  // --- blocks kept without recompute (cfg.recompute_blocks) ---------------------------------
+  // Blocks 1..recomputed (stages) run without autograd and are recomputed from checkpoints; the
+  // later blocks run with autograd and keep their graph (~graph_bytes) and their gathered
+  // parameters on the device from their forward to their backward.
+  size_t recomputed = 0;
+  uint64_t graph_bytes = 0;  // one block's graph (Decoder::block_graph_bytes_per_token)
+  uint64_t graphs_held = 0;  // graphs alive now (reserved on the device)
+  struct KeptGraph {
+    at::Tensor input, output;  // input.grad() is the backward's result
+    Device::Reservation res;
+  };
+  std::vector<KeptGraph> kept_graphs;  // by stage, for the micro-batch in flight
+  std::set<size_t> held_units;         // units of kept stages between their forward and backward
+  bool kept(size_t s) const { return s > recomputed && s + 1 < stages.size(); }
+  bool checkpointed(size_t s) const { return s >= 1 && s <= recomputed; }
+  // Device bytes of kept blocks alive during `use` (the used stage's own parameters aside).
+  uint64_t held_at(const Use& use) const {
+    uint64_t b = 0;
+    for (size_t j = recomputed + 1; j + 1 < stages.size(); ++j) {
+      if (use.kind == Use::kHead || j < use.stage) b += graph_bytes + unit_param_bytes(j);
+      else if (j == use.stage) b += graph_bytes;
+    }
+    return b;
+  }
+  uint64_t peak_held() const {
+    uint64_t b = 0;
+    for (const Use& use : uses) b = std::max(b, held_at(use));
+    return b;
+  }
+  // recompute "auto": keeps as many of the last blocks' graphs as fit beside the device-placed
+  // state, the largest use, the prefetched units and, placed there, the remaining checkpoints.
+  void resolve_recompute(uint64_t act) {
+    const size_t blocks = stages.size() - 2;
+    uint64_t largest_unit = 0;
+    for (size_t u = 0; u < partition->num_units(); ++u) largest_unit = std::max(largest_unit, unit_param_bytes(u));
+    const uint64_t free = dev.physical_free();
+    const uint64_t budget = free == UINT64_MAX ? dev.budget() : std::min(dev.budget(), base_bytes + free);
+    size_t keep = 0;
+    for (size_t k = 1; k <= blocks; ++k) {
+      recomputed = blocks - k;
+      uint64_t need = 0;
+      for (const Use& use : uses) need = std::max(need, use_param_bytes(use) + reserve_bytes + held_at(use));
+      need += uint64_t(cfg.prefetch) * largest_unit;
+      if (cfg.activations == Placement::kDevice) need += uint64_t(recomputed) * act;
+      if (base_bytes + need > budget) break;
+      keep = k;
+    }
+    // Every rank recomputes as many as any rank must: their gathers must stay in step.
+    at::Tensor code = at::tensor({int64_t(blocks - keep)}, at::TensorOptions().dtype(at::kLong));
+    comm.all_reduce(code, ReduceOp::kMax);
+    recomputed = size_t(code[0].item<int64_t>());
+    checkpoint_bytes = uint64_t(recomputed) * act;
   }
 
   // Resolves placement.activations "auto" (device, else host, else swap; see config.h), opens
@@ -563,7 +632,7 @@ struct Engine::Impl {
   uint64_t checkpoint_bytes = 0;         // all activation checkpoints of one micro-batch
   void place_activations(uint64_t act) {
     const size_t n = stages.size();
-    const uint64_t all = checkpoint_bytes;  // inputs of stages 1..n-2
+    const uint64_t all = checkpoint_bytes;  // inputs of the recomputed stages 1..recomputed
     act_slots.clear();
     act_slots.resize(n);
     if (cfg.activations == Placement::kAuto) {
@@ -571,7 +640,8 @@ struct Engine::Impl {
       for (const Use& use : uses) largest_use = std::max(largest_use, use_param_bytes(use));
       // The budget covers the device-placed state; the device's free memory was measured after
       // it was allocated.
-      const uint64_t device_need = base_bytes + largest_use + uint64_t(cfg.prefetch) * largest_use + reserve_bytes + all;
+      const uint64_t device_need =
+          base_bytes + largest_use + uint64_t(cfg.prefetch) * largest_use + reserve_bytes + peak_held() + all;
       const uint64_t free = dev.physical_free();
       const bool fits = device_need <= dev.budget() && (free == UINT64_MAX || device_need - base_bytes <= free);
       int local_ranks = comm.world_size();
@@ -591,7 +661,7 @@ struct Engine::Impl {
     if (cfg.activations == Placement::kDevice) device_checkpoint_bytes = all;
     if (cfg.activations == Placement::kNvme) {
       open_swap();
-      for (size_t s = 1; s + 1 < n; ++s) swap->allocate(act_swap_name(s), act);
+      for (size_t s = 1; s <= recomputed; ++s) swap->allocate(act_swap_name(s), act);
     }
     placement_report += std::string("; activation checkpoints ") + to_string(cfg.activations) + " " +
                         format_bytes(all) + " a micro-batch";
@@ -634,6 +704,7 @@ struct Engine::Impl {
     for (const Use& use : uses) working = std::max(working, use_param_bytes(use) + reserve_bytes);
     working += uint64_t(cfg.prefetch) * largest_unit;  // "auto": its starting depth
     if (cfg.activations == Placement::kDevice) working += checkpoint_bytes;  // placed there explicitly
+    working += peak_held();  // blocks kept without recompute (an explicit count)
     const uint64_t device = std::min(dev.budget(), dev.physical_free());
     int local_ranks = comm.world_size();
     if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local_ranks = std::max(1, std::atoi(l));
@@ -722,7 +793,7 @@ struct Engine::Impl {
         // Units kept for later uses make room for the one needed now.
         std::vector<size_t> drop;
         for (auto& [v, g] : live)
-          if (std::find(need.begin(), need.end(), v) == need.end()) drop.push_back(v);
+          if (std::find(need.begin(), need.end(), v) == need.end() && !held_units.count(v)) drop.push_back(v);
         for (size_t v : drop) release(v);
       }
       start_gather(u);
@@ -745,7 +816,7 @@ struct Engine::Impl {
   void release_unneeded(size_t k, size_t total) {
     std::vector<size_t> drop;
     for (auto& [u, g] : live) {
-      bool needed = false;
+      bool needed = held_units.count(u) > 0;
       for (size_t j = k + 1; j <= k + 1 + size_t(prefetch_depth) && j < total && !needed; ++j)
         for (size_t v : stage_units[use_at(j).stage]) needed |= v == u;
       if (!needed) drop.push_back(u);
@@ -876,6 +947,10 @@ struct Engine::Impl {
       at::Tensor targets = rows.narrow(1, 1, T).reshape(-1).to(dev.torch_device());
       reset_act_slots();
       act_host_bytes = 0;
+      kept_graphs.clear();  // a failed step's graphs go here
+      kept_graphs.resize(n);
+      graphs_held = 0;
+      held_units.clear();
       at::Tensor x = inputs;
       Device::Reservation x_res;
       // Forward through the embedding and the blocks, without autograd.
@@ -883,16 +958,28 @@ struct Engine::Impl {
         ensure(k);
         prefetch(k, total);
         at::Tensor y;
-        {
+        if (kept(s)) {
+          // With autograd, from a leaf input: the graph ends here, so the backward of each
+          // block runs (and its gradients are reduced) on its own.
+          KeptGraph& g = kept_graphs.at(s);
+          g.res = dev.reserve(graph_bytes, "autograd graph of unit " + partition->unit(s).name);
+          graphs_held += graph_bytes;
+          g.input = x.detach().requires_grad_(true);
+          const auto mark = compute_mark();
+          g.output = stages[s]->forward(g.input);
+          compute_span("forward " + partition->unit(s).name, mark);
+          y = g.output.detach();
+          for (size_t u : stage_units[s]) held_units.insert(u);
+        } else {
           at::NoGradGuard no_grad;
           const auto mark = compute_mark();
           y = stages[s]->forward(x);
           compute_span("forward " + partition->unit(s).name, mark);
         }
         Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + partition->unit(s).name);
-        if (s > 0) put_activation(s, x, x_res);  // stage 0 recomputes from the token ids
+        if (checkpointed(s)) put_activation(s, x, x_res);  // stage 0 recomputes from the token ids
         x = y;
-        x_res = std::move(y_res);
+        x_res = std::move(y_res);  // a kept stage's input: in its graph (graph_bytes) from here
         release_unneeded(k, total);
       }
       // The head: forward and backward.
@@ -919,7 +1006,8 @@ struct Engine::Impl {
         auto t = prof.time(prof.step.wait_activations, "wait activations");
         dev.synchronize(dev.copy_stream());
       }
-      // Backward through the blocks and the embedding, recomputing each from its checkpoint.
+      // Backward through the blocks and the embedding: kept blocks through their graphs, the
+      // others recomputed from their checkpoints.
       for (size_t s = n - 1; s-- > 0; ++k) {
         ensure(k);
         prefetch(k, total);
@@ -927,18 +1015,29 @@ struct Engine::Impl {
         Device::Reservation in_res;
         if (s == 0) {
           xin = inputs;
-        } else {
+        } else if (checkpointed(s)) {
           xin = take_activation(s, in_res);
           xin.requires_grad_(true);
         }
-        if (s > 1) fetch_activation(s - 1);  // copied back while this stage runs
-        if (s > 2) read_activation(s - 2);   // NVMe: read a stage earlier still
-        const auto mark = compute_mark();
-        at::Tensor y = stages[s]->forward(xin);
-        torch::autograd::backward({y}, {dy});
-        compute_span("recompute+backward " + partition->unit(s).name, mark);
-        y = at::Tensor();
-        dy = s > 0 ? xin.grad() : at::Tensor();
+        if (s > 1 && checkpointed(s - 1)) fetch_activation(s - 1);  // copied back while this stage runs
+        if (s > 2 && checkpointed(s - 2)) read_activation(s - 2);   // NVMe: read a stage earlier still
+        if (kept(s)) {
+          KeptGraph g = std::move(kept_graphs.at(s));
+          const auto mark = compute_mark();
+          torch::autograd::backward({g.output}, {dy});
+          compute_span("backward " + partition->unit(s).name, mark);
+          dy = g.input.grad();
+          g = KeptGraph{};  // the graph's memory, then its reservation
+          graphs_held -= graph_bytes;
+          for (size_t u : stage_units[s]) held_units.erase(u);
+        } else {
+          const auto mark = compute_mark();
+          at::Tensor y = stages[s]->forward(xin);
+          torch::autograd::backward({y}, {dy});
+          compute_span("recompute+backward " + partition->unit(s).name, mark);
+          y = at::Tensor();
+          dy = s > 0 ? xin.grad() : at::Tensor();
+        }
         reduce_gradients(s);
         release_unneeded(k, total);
       }

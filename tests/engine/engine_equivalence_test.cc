@@ -333,6 +333,126 @@ TEST(EngineActivations, DevicePlacementCountsInTheBudgetAndAutoPicksATier) {
   EXPECT_EQ(build("auto", hi).substr(0, 4), "nvme");
 }
 
+// --- blocks kept without recompute (placement.recompute) ------------------------------------
+
+// Keeping a block's autograd graph instead of recomputing it changes no number: recomputing all,
+// some or none of the blocks trains bitwise alike (and like libtorch), with checkpoints on the
+// host or in swap; only the recomputed blocks' checkpoints are moved (down and up once, and to
+// swap and back) and held on the host, and only recomputed blocks are gathered again.
+TEST(EngineRecompute, KeptGraphsTrainBitwiseLikeRecomputeAndMoveOnlyTheirCheckpoints) {
+  TempDir swap;
+  json j = tiny_config(true, 6);
+  j["run"]["steps"] = 6;
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+  struct Run {
+    json recompute;
+    const char* activations;
+    size_t recomputed;
+  };
+  const std::vector<Run> cases = {{"all", "host", 6}, {2, "host", 2}, {"none", "host", 0}, {3, "nvme", 3}, {"auto", "host", 0}};
+  std::vector<Trajectory> runs;
+  for (const Run& c : cases) {
+    j["placement"] = {{"recompute", c.recompute}, {"activations", c.activations}};
+    const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    uint64_t peak = 0;
+    runs.push_back(run_in_process(tc, UINT64_MAX, &peak));
+  }
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  const Trajectory& all = runs[0];
+  for (size_t r = 1; r < runs.size(); ++r) {
+    SCOPED_TRACE(cases[r].recompute.dump() + " " + cases[r].activations);
+    for (size_t i = 0; i < all.losses.size(); ++i) EXPECT_EQ(runs[r].losses[i], all.losses[i]) << "step " << i + 1;
+    for (auto& [name, w] : all.params) EXPECT_TRUE(runs[r].params.at(name).equal(w)) << name;
+  }
+  expect_close(runs[2], reference(tc, 1), 1e-5);
+
+  const se::EngineConfig& e = tc.engine;
+  const uint64_t one = uint64_t(e.micro_batch * e.seq_len * tc.model.hidden) * 4;  // one checkpoint
+  uint64_t block_shard = 0;  // bytes of a block's compute-copy shard, copied up for each gather
+  {
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(UINT64_MAX);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), e, *comm, *dev);
+    block_shard = eng.partition().unit(2).shard_numel * 4;
+  }
+  for (size_t r = 0; r < runs.size(); ++r) {
+    SCOPED_TRACE(cases[r].recompute.dump() + " " + cases[r].activations);
+    const bool nvme = std::string(cases[r].activations) == "nvme";
+    if (!nvme) EXPECT_EQ(runs[r].host_activations, cases[r].recomputed * one);
+    // Kept blocks move no checkpoints, and stay gathered for their backward: no second copy
+    // of their parameters up (the last block is not gathered twice either way).
+    const uint64_t kept = 6 - cases[r].recomputed;
+    const uint64_t acts = uint64_t(e.grad_accum) * kept * one;
+    const uint64_t regathers = kept > 0 ? uint64_t(e.grad_accum) * (kept - 1) * block_shard : 0;
+    for (size_t i = 1; i < all.steps.size(); ++i) {
+      const se::StepTimeline& a = all.steps[i].timeline;
+      const se::StepTimeline& t = runs[r].steps[i].timeline;
+      EXPECT_EQ(a.d2h_bytes - t.d2h_bytes, acts) << "step " << i + 1;
+      EXPECT_EQ(a.h2d_bytes - t.h2d_bytes, acts + regathers) << "step " << i + 1;
+      const uint64_t swapped = nvme ? uint64_t(e.grad_accum) * cases[r].recomputed * one : 0;
+      EXPECT_EQ(t.nvme_write_bytes, swapped) << "step " << i + 1;
+      EXPECT_EQ(t.nvme_read_bytes, swapped) << "step " << i + 1;
+    }
+  }
+}
+
+// A kept block holds its graph (Decoder::block_graph_bytes_per_token) and its gathered
+// parameters against the budget from its forward to its backward: "none" does not fit the
+// smallest budget that recomputing everything runs in; "auto" keeps none there, all where the
+// budget is unlimited, and some in between, within the budget and with the same numbers.
+TEST(EngineRecompute, KeptGraphsCountInTheBudgetAndAutoKeepsWhatFits) {
+  json j = tiny_config(false, 6);
+  j["run"]["steps"] = 2;
+  j["device"] = {{"prefetch", 0}};
+  auto config = [&](json recompute) {
+    j["placement"] = {{"recompute", recompute}};
+    return se::parse_train_config(j.dump(), "test");
+  };
+  auto recomputed = [&](json recompute, uint64_t budget) {
+    const se::TrainConfig tc = config(recompute);
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(budget);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+    return eng.config().recompute_blocks;
+  };
+  uint64_t lo = 1 << 16, hi = 64 << 20;  // the smallest budget recomputing everything runs in
+  while (lo + 1024 < hi) {
+    const uint64_t mid = (lo + hi) / 2;
+    try {
+      recomputed("all", mid);
+      hi = mid;
+    } catch (const se::BudgetExceeded&) {
+      lo = mid;
+    }
+  }
+  try {
+    recomputed("none", hi);
+    ADD_FAILURE() << "keeping every graph fit in the smallest budget of recomputing them all";
+  } catch (const se::BudgetExceeded& e) {
+    EXPECT_NE(std::string(e.what()).find("blocks kept without recompute"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(recomputed("auto", hi), 6);
+  EXPECT_EQ(recomputed("auto", UINT64_MAX), 0);
+  EXPECT_EQ(recomputed(4, UINT64_MAX), 4);
+  EXPECT_EQ(recomputed(9, UINT64_MAX), 6) << "more than the model has: all of them";
+
+  // Room for about three more blocks' graphs and parameters.
+  const se::TrainConfig tc = config("auto");
+  const sm::Decoder probe(tc.model, 0, sm::Decoder::Init::kDeferred);
+  const uint64_t graph = uint64_t(tc.engine.micro_batch * tc.engine.seq_len) * probe.block_graph_bytes_per_token(4);
+  const uint64_t block = uint64_t(12 * tc.model.hidden * tc.model.hidden + 13 * tc.model.hidden) * 4 * 2;
+  const uint64_t budget = hi + 3 * (graph + block);
+  const int chosen = recomputed("auto", budget);
+  EXPECT_GT(chosen, 0);
+  EXPECT_LT(chosen, 6);
+  uint64_t peak = 0;
+  const Trajectory some = run_in_process(config("auto"), budget, &peak);
+  EXPECT_LE(peak, budget);
+  const Trajectory every = run_in_process(config("all"), budget, &peak);
+  for (size_t i = 0; i < every.losses.size(); ++i) EXPECT_EQ(some.losses[i], every.losses[i]) << "step " << i + 1;
+  for (auto& [name, w] : every.params) EXPECT_TRUE(some.params.at(name).equal(w)) << name;
+}
+
 // --- prefetch depth from the budget and the measured waits ----------------------------------
 
 TEST(PrefetchDepth, GrowsWhileDeeperCutsTheWaitsUpToTheBudget) {
@@ -663,6 +783,14 @@ TEST(EngineNvme, TwoRanksWithStateOnNvmeMatchOneProcess) {
   json j = tiny_config(false, 3);
   j["placement"] = {{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "32KiB"}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  expect_close(run_launched(tc, j, 2, dir), reference(tc, 2), 1e-5);
+}
+
+TEST(EngineRecompute, TwoRanksKeepingSomeGraphsMatchOneProcess) {
+  TempDir dir;
+  json j = tiny_config(false, 4);
+  j["placement"] = {{"recompute", 1}};
   se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
   expect_close(run_launched(tc, j, 2, dir), reference(tc, 2), 1e-5);
 }

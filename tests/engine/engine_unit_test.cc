@@ -567,6 +567,7 @@ TEST(TrainConfig, EmptyObjectGivesTheDocumentedDefaults) {
   EXPECT_EQ(e.device, "cpu");
   EXPECT_EQ(e.device_budget, UINT64_MAX);
   EXPECT_EQ(e.prefetch, 1);
+  EXPECT_EQ(e.recompute_blocks, EngineConfig::kRecomputeAll);
   EXPECT_EQ(e.cpu_threads, 0u);
   EXPECT_DOUBLE_EQ(e.timeout_s, 300.0);
 
@@ -611,7 +612,7 @@ TEST(TrainConfig, EveryKeyReachesItsField) {
     "precision": {"compute": "fp16", "reduce": "bf16", "initial_loss_scale": 1024,
                   "loss_scale_window": 50},
     "placement": {"params": "device", "grads": "host", "master": "host", "moments": "host",
-                  "activations": "device"},
+                  "activations": "device", "recompute": 3},
     "device": {"budget": 1048576, "prefetch": 0, "cpu_threads": 6},
     "distributed": {"timeout_s": 12.5},
     "run": {"steps": 0, "log": "", "progress": false, "export": "out"}
@@ -639,6 +640,7 @@ TEST(TrainConfig, EveryKeyReachesItsField) {
   EXPECT_EQ(c.engine.grads, Placement::kHost);
   EXPECT_EQ(c.engine.master, Placement::kHost);
   EXPECT_EQ(c.engine.activations, Placement::kDevice);
+  EXPECT_EQ(c.engine.recompute_blocks, 3);
   EXPECT_FALSE(c.engine.prefetch_auto);
   EXPECT_EQ(c.engine.moments, Placement::kHost);
   EXPECT_EQ(c.engine.device_budget, 1048576u);
@@ -649,6 +651,17 @@ TEST(TrainConfig, EveryKeyReachesItsField) {
   EXPECT_EQ(c.log_path, "");
   EXPECT_FALSE(c.progress);
   EXPECT_EQ(c.export_dir, "out");
+}
+
+TEST(TrainConfig, RecomputeTakesAllNoneAutoOrABlockCount) {
+  auto recompute_of = [](const std::string& value) {
+    return parse_train_config(R"({"placement": {"recompute": )" + value + "}}", "test.json").engine.recompute_blocks;
+  };
+  EXPECT_EQ(recompute_of(R"("all")"), EngineConfig::kRecomputeAll);
+  EXPECT_EQ(recompute_of(R"("none")"), 0);
+  EXPECT_EQ(recompute_of(R"("auto")"), EngineConfig::kRecomputeAuto);
+  EXPECT_EQ(recompute_of("0"), 0);
+  EXPECT_EQ(recompute_of("7"), 7);
 }
 
 TEST(TrainConfig, DeviceBudgetTakesASizeStringOrAByteCount) {
@@ -724,6 +737,10 @@ TEST(TrainConfig, InvalidConfigurationsNameTheFileAndKey) {
       {R"({"device": {"type": "tpu"}})", "device.type"},
       {R"({"placement": {"master": "device"}})", "placement.master"},
       {R"({"device": {"prefetch": -1}})", "device.prefetch"},
+      {R"({"placement": {"recompute": -1}})", "placement.recompute"},
+      {R"({"placement": {"recompute": "some"}})", "placement.recompute"},
+      {R"({"placement": {"recompute": true}})", "placement.recompute"},
+      {R"({"placement": {"recompute": 1.5}})", "placement.recompute"},
       {R"({"device": {"prefetch": "deep"}})", "device.prefetch"},
       {R"({"device": {"cpu_threads": -1}})", "device.cpu_threads"},
       {R"({"distributed": {"timeout_s": 0}})", "distributed.timeout_s"},

@@ -48,6 +48,13 @@ struct EngineConfig {
   // memory (no copies), host RAM, or swap; kAuto: the device if they fit beside everything else,
   // else the host if they fit its budget, else swap (when nvme_dirs are set), else the host.
   Placement activations = Placement::kHost;
+  // Blocks whose backward recomputes their forward from an activation checkpoint, the first ones
+  // in forward order; every later block keeps its forward's autograd graph (its saved tensors and
+  // its gathered parameters) on the device until its backward, which then runs without
+  // recompute. kRecomputeAll: every block (the default); 0: none; kRecomputeAuto: as few as the
+  // device budget holds beside the state and the working set (Engine::recomputed_blocks()).
+  static constexpr int kRecomputeAll = 1 << 30, kRecomputeAuto = -1;
+  int recompute_blocks = kRecomputeAll;
   std::vector<std::string> nvme_dirs;     // swap directories (one per drive) for "nvme" placement
   unsigned io_queue_depth = 32;           // NVMe requests in flight
   // Tests only (not in the JSON configuration): the swap I/O engine's fault injector.

@@ -63,6 +63,13 @@ class Decoder {
   // All stages in schedule order: embedding, blocks..., head.
   std::vector<Stage*> stages();
 
+  // Bytes one block's forward with autograd keeps for its backward (its input included), per
+  // token, with compute copies of `elem_bytes` bytes: an upper estimate counted from the block's
+  // operations (attention as the flash kernels save it, no T x T scores), within ~15% of what a
+  // counting allocator measures (tests/models/block_graph_test.cc). The engine budgets the blocks
+  // it does not recompute with it.
+  uint64_t block_graph_bytes_per_token(size_t elem_bytes) const;
+
   // token ids [batch, seq] (int64) -> logits [batch, seq, vocab].
   at::Tensor forward(const at::Tensor& ids);
   // Every parameter once, with its Hugging Face name, in schedule order.
