@@ -130,9 +130,11 @@ int bench_adam(const std::vector<std::string>& argv) {
 
 constexpr const char* kBenchStepUsage = R"(usage: strata bench step [options]
 
-The engine's fp32 training step (one rank, ZeRO-3 schedule with recompute, CPU AdamW) beside plain
-libtorch on the same GPT-2-shaped model and data: with the same block recompute (the baseline)
-and without it. Timed round-robin; medians; final JSON line.
+The engine's fp32 training step (one rank, ZeRO-3 schedule, CPU AdamW) beside plain libtorch on
+the same GPT-2-shaped model and data, with and without block recompute. The baseline is plain
+libtorch doing what the engine does: no recompute when the engine keeps every block's graph
+(--recompute none, or auto, which keeps them all where memory is unlimited), else every block
+recomputed. Timed round-robin; medians; final JSON line.
 
   --layers N     transformer blocks (default 4)
   --hidden N     model width (default 256)
@@ -145,6 +147,8 @@ and without it. Timed round-robin; medians; final JSON line.
   --no-overlap   the engine's Adam step after backward (optimizer.overlap false)
   --placement P  host (default) or device: where the engine keeps every state kind and the
                  activation checkpoints (device: the host device's memory, no staging copies)
+  --recompute R  placement.recompute: auto (default), none, all, or the number of blocks
+                 recomputed
 )";
 
 int bench_step(const std::vector<std::string>& argv) {
@@ -153,7 +157,7 @@ int bench_step(const std::vector<std::string>& argv) {
       std::cout << kBenchStepUsage;
       return 0;
     }
-  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "steps", "threads", "placement"}, {"no-overlap"});
+  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "steps", "threads", "placement", "recompute"}, {"no-overlap"});
   strata::bench::StepBenchOptions o;
   o.layers = args.count("layers", unsigned(o.layers));
   o.hidden = args.count("hidden", unsigned(o.hidden));
@@ -167,6 +171,7 @@ int bench_step(const std::vector<std::string>& argv) {
   o.placement = args.get("placement", o.placement);
   if (o.placement != "host" && o.placement != "device")
     throw std::invalid_argument("bench step: --placement must be host or device, not " + o.placement);
+  o.recompute = args.get("recompute", o.recompute);
   strata::bench::run_step_bench(o);
   return 0;
 }

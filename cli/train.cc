@@ -207,7 +207,7 @@ int train_main(const std::vector<std::string>& argv) {
         {"placement",
          {{"params", to_string(ec.params)}, {"grads", to_string(ec.grads)},
           {"master", to_string(ec.master)}, {"moments", to_string(ec.moments)},
-          {"activations", to_string(ec.activations)}}},
+          {"activations", to_string(ec.activations)}, {"recomputed_blocks", ec.recompute_blocks}}},
         {"device", device->description()},
         {"device_budget", ec.device_budget},
         {"data", corpus->description()},

@@ -14,7 +14,8 @@
 #   adam    strata bench adam alone (CPU kernel and, with a GPU, the CUDA kernel)
 #   train   strata train on the GPU: GPT 1.4B, host-placed and device-placed state
 #   baseline  bench/train_baseline.py: plain PyTorch (and FSDP2 with CPU offload)
-#   benchtrain  strata bench train: the 1.4B configs (host, auto, nvme) beside plain PyTorch and
+#   benchtrain  strata bench train: the 1.4B configs (host, auto, auto with recompute "auto", nvme)
+#           beside plain PyTorch and
 #           FSDP2 + CPUOffloadPolicy in one run, then the 2.8B ones (host, auto); final JSON lines
 #           in $OUT/bench-train-*.jsonl (STRATA_BENCH_SHAPES="1.4b" to run one shape)
 # Results are written to $OUT (default: build-gpu/out); each phase prints a short summary last.
@@ -109,7 +110,7 @@ PY
   benchtrain)
     for shape in ${STRATA_BENCH_SHAPES:-1.4b 2.8b}; do
       case $shape in
-      1.4b) configs="gpu-gpt-1.4b-host gpu-gpt-1.4b-auto gpu-gpt-1.4b-nvme" ;;
+      1.4b) configs="gpu-gpt-1.4b-host gpu-gpt-1.4b-auto gpu-gpt-1.4b-auto-keep gpu-gpt-1.4b-nvme" ;;
       2.8b) configs="gpu-gpt-2.8b-host gpu-gpt-2.8b-auto" ;;
       *) log "unknown shape $shape"; status=1; continue ;;
       esac

@@ -80,14 +80,16 @@ class CudaDevice final : public Device {
       : Device(budget),
         index_(index),
         compute_(c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(index)).stream(), "compute", false),
-        copy_(make_stream(index), "copy", true) {
+        h2d_(make_stream(index), "h2d", true),
+        d2h_(make_stream(index), "d2h", true) {
     // The caching allocator is set up lazily by the first CUDA tensor libtorch creates; ours may
     // come first (raw_alloc), so make libtorch initialize it now.
     (void)at::empty({1}, at::TensorOptions().dtype(at::kByte).device(torch_device()));
   }
 
   ~CudaDevice() override {
-    cudaStreamSynchronize(copy_.handle());
+    cudaStreamSynchronize(h2d_.handle());
+    cudaStreamSynchronize(d2h_.handle());
     cudaStreamSynchronize(compute_.handle());
     std::lock_guard<std::mutex> lock(mu_);
     in_flight_.clear();
@@ -100,7 +102,8 @@ class CudaDevice final : public Device {
     return std::string("CUDA device ") + std::to_string(index_) + " (" + p.name + ")";
   }
   Stream& compute_stream() override { return compute_; }
-  Stream& copy_stream() override { return copy_; }
+  Stream& h2d_stream() override { return h2d_; }
+  Stream& d2h_stream() override { return d2h_; }
 
   void copy_async(const at::Tensor& dst, const at::Tensor& src, Stream& stream) override {
     TORCH_CHECK(dst.numel() == src.numel() && dst.scalar_type() == src.scalar_type() &&
@@ -195,8 +198,9 @@ class CudaDevice final : public Device {
     return s;
   }
   CudaStream& cuda(Stream& s) { return static_cast<CudaStream&>(s); }
+  // Copies on the two streams finish out of order: drop every finished one.
   void retire_locked() {
-    while (!in_flight_.empty() && in_flight_.front().event->done()) in_flight_.pop_front();
+    std::erase_if(in_flight_, [](const InFlight& f) { return f.event->done(); });
   }
 
   struct InFlight {
@@ -205,7 +209,7 @@ class CudaDevice final : public Device {
   };
   int index_;
   CudaStream compute_;
-  CudaStream copy_;
+  CudaStream h2d_, d2h_;
   std::mutex mu_;
   std::deque<InFlight> in_flight_;
 };

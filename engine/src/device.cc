@@ -202,11 +202,12 @@ class HostEvent final : public Event {
 
 class HostDevice final : public Device {
  public:
-  explicit HostDevice(uint64_t budget) : Device(budget), copy_("copy") {}
+  explicit HostDevice(uint64_t budget) : Device(budget), h2d_("h2d"), d2h_("d2h") {}
   c10::Device torch_device() const override { return c10::Device(c10::kCPU); }
   std::string description() const override { return "host device (CPU)"; }
   Stream& compute_stream() override { return compute_; }
-  Stream& copy_stream() override { return copy_; }
+  Stream& h2d_stream() override { return h2d_; }
+  Stream& d2h_stream() override { return d2h_; }
 
   void copy_async(const at::Tensor& dst, const at::Tensor& src, Stream& stream) override {
     TORCH_CHECK(dst.numel() == src.numel() && dst.scalar_type() == src.scalar_type() &&
@@ -249,7 +250,7 @@ class HostDevice final : public Device {
 
  private:
   CallerStream compute_;
-  HostStream copy_;
+  HostStream h2d_, d2h_;
 };
 
 }  // namespace

@@ -111,6 +111,12 @@ struct Profiler {
   bool tracing = false;
   StepTimeline step;  // the step in progress; what runs between steps counts for the next one
   std::atomic<uint64_t> nvme_read{0}, nvme_write{0};
+  // The overlapped update's swap traffic, moved into nvme_read/nvme_write when it is joined (in
+  // the next step), so that it counts there however far it got before this step's end.
+  std::atomic<uint64_t> update_read{0}, update_write{0};
+  static inline thread_local bool on_updater = false;
+  std::atomic<uint64_t>& read_counter() { return on_updater ? update_read : nvme_read; }
+  std::atomic<uint64_t>& write_counter() { return on_updater ? update_write : nvme_write; }
   uint64_t nvme_read_seen = 0, nvme_write_seen = 0;
   std::mutex mu;
   std::vector<TraceSpan> spans;
@@ -207,11 +213,11 @@ struct Engine::Impl {
   }
   // Elements [begin, begin + dst.numel()) of an NVMe-placed kind into dst (host, contiguous).
   offload::IoFuture swap_read(size_t u, int k, uint64_t begin, const at::Tensor& dst) {
-    prof.nvme_read += uint64_t(dst.nbytes());
+    prof.read_counter() += uint64_t(dst.nbytes());
     return swap->read(swap_name(u, k), begin * c10::elementSize(kind_dtype(k)), bytes_of(dst));
   }
   offload::IoFuture swap_write(size_t u, int k, uint64_t begin, const at::Tensor& src) {
-    prof.nvme_write += uint64_t(src.nbytes());
+    prof.write_counter() += uint64_t(src.nbytes());
     return swap->write(swap_name(u, k), begin * c10::elementSize(kind_dtype(k)), bytes_of(src));
   }
 
@@ -263,8 +269,8 @@ struct Engine::Impl {
       }
     }
     at::Tensor host = nvme ? host_buffer(uint64_t(x.numel()), cdt).view(x.sizes()) : at::empty(x.sizes(), host_options(cdt));
-    dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // x is computed there
-    dev.copy_async(host, x, dev.copy_stream());
+    dev.wait(dev.d2h_stream(), dev.record(dev.compute_stream()));  // x is computed there
+    dev.copy_async(host, x, dev.d2h_stream());
     prof.step.d2h_bytes += uint64_t(host.nbytes());
     if (!nvme) {
       a.host = host;
@@ -281,7 +287,7 @@ struct Engine::Impl {
     uint64_t staged = 0;
     for (const ActWrite& w : act_writes) staged += uint64_t(w.buffer.nbytes());
     host_act_peak = std::max(host_act_peak, staged);
-    dev.launch_host(dev.copy_stream(), [this, name = act_swap_name(s), bytes = bytes_of(host), written, submitted] {
+    dev.launch_host(dev.d2h_stream(), [this, name = act_swap_name(s), bytes = bytes_of(host), written, submitted] {
       submitted->store(true);
       try {
         swap->write(name, 0, bytes).then([written](const offload::IoStatus& st) { written.complete(st); });
@@ -294,7 +300,7 @@ struct Engine::Impl {
 
   // Starts bringing stage s's input back to the device (nothing if it is there or on its way).
   // NVMe: starts reading stage s's checkpoint into a host buffer (a stage before it is copied
-  // up, so that the copy stream rarely waits for the disk).
+  // up, so that the upload stream rarely waits for the disk).
   void read_activation(size_t s) {
     ActSlot& a = act_slots.at(s);
     if (cfg.activations != Placement::kNvme || a.read.valid() || a.ready) return;  // reading, or fetched
@@ -330,21 +336,21 @@ struct Engine::Impl {
     const std::vector<int64_t> shape{cfg.micro_batch, cfg.seq_len, model->config().hidden};
     a.device = dev.empty(shape, cdt, "activation checkpoint of unit " + name);
     at::Tensor src = a.host;
-    dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // the buffer may be reused memory
+    dev.wait(dev.h2d_stream(), dev.record(dev.compute_stream()));  // the buffer may be reused memory
     if (cfg.activations == Placement::kNvme) {
       read_activation(s);
       src = a.staged.view(shape);
       offload::IoFuture read = a.read;
-      dev.launch_host(dev.copy_stream(), [read] { read.get(); });
+      dev.launch_host(dev.h2d_stream(), [read] { read.get(); });
       a.staged = at::Tensor();
       a.read = {};  // src stays alive in the copy queue until after the read
     } else {
       act_host_bytes -= uint64_t(src.nbytes());
     }
-    dev.copy_async(a.device, src, dev.copy_stream());  // keeps src alive until done
+    dev.copy_async(a.device, src, dev.h2d_stream());  // keeps src alive until done
     prof.step.h2d_bytes += uint64_t(src.nbytes());
     a.host = at::Tensor();
-    a.ready = dev.record(dev.copy_stream());
+    a.ready = dev.record(dev.h2d_stream());
   }
 
   // Stage s's input on the device, the compute stream ordered after its copy back.
@@ -738,19 +744,19 @@ struct Engine::Impl {
     at::Tensor src = units[u].compute;
     if (cfg.params != Placement::kDevice) {
       g.staging = dev.empty({int64_t(L.shard_numel)}, cdt, "staged shard of unit " + L.name);
-      // The copy stream must not write memory the compute stream may still be using.
-      dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));
+      // The upload stream must not write memory the compute stream may still be using.
+      dev.wait(dev.h2d_stream(), dev.record(dev.compute_stream()));
       if (cfg.params == Placement::kNvme) {
-        // NVMe -> host buffer now; the copy stream waits for the read before copying it up.
+        // NVMe -> host buffer now; the upload stream waits for the read before copying it up.
         src = host_buffer(L.shard_numel, cdt);
         offload::IoFuture read = swap_read(u, kCompute, 0, src);
-        dev.launch_host(dev.copy_stream(), [read] { read.get(); });
+        dev.launch_host(dev.h2d_stream(), [read] { read.get(); });
       }
-      dev.copy_async(g.staging, src, dev.copy_stream());
+      dev.copy_async(g.staging, src, dev.h2d_stream());
       prof.step.h2d_bytes += uint64_t(src.nbytes());
       {
         auto t = prof.time(prof.step.wait_params, "wait params", &L.name);  // blocks on the host device only
-        dev.wait(dev.compute_stream(), dev.record(dev.copy_stream()));
+        dev.wait(dev.compute_stream(), dev.record(dev.h2d_stream()));
       }
       src = g.staging;
     }
@@ -860,26 +866,26 @@ struct Engine::Impl {
       } else if (cfg.grads == Placement::kHost && units[u].grad_fresh && shard.scalar_type() == at::kFloat) {
         // The step's first contribution: copied down straight into the accumulator (no add, and
         // no zeroing after the step).
-        dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));
-        dev.copy_async(acc, shard, dev.copy_stream());
+        dev.wait(dev.d2h_stream(), dev.record(dev.compute_stream()));
+        dev.copy_async(acc, shard, dev.d2h_stream());
         prof.step.d2h_bytes += uint64_t(shard.nbytes());
         units[u].grad_fresh = false;
       } else {
-        // Device -> host on the copy stream, then accumulated there in fp32.
+        // Device -> host on the download stream, then accumulated there in fp32.
         at::Tensor host = host_buffer(L.shard_numel, shard.scalar_type());
-        dev.wait(dev.copy_stream(), dev.record(dev.compute_stream()));  // shard is filled there
-        dev.copy_async(host, shard, dev.copy_stream());
+        dev.wait(dev.d2h_stream(), dev.record(dev.compute_stream()));  // shard is filled there
+        dev.copy_async(host, shard, dev.d2h_stream());
         prof.step.d2h_bytes += uint64_t(shard.nbytes());
         if (cfg.grads == Placement::kHost) {
           const bool fresh = units[u].grad_fresh;
           units[u].grad_fresh = false;
-          dev.launch_host(dev.copy_stream(), [acc, host, fresh]() mutable {
+          dev.launch_host(dev.d2h_stream(), [acc, host, fresh]() mutable {
             if (fresh) acc.copy_(host);
             else acc.add_(host);
           });
         } else {
           // NVMe: the first micro-batch writes the shard, later ones read, add and write back.
-          dev.launch_host(dev.copy_stream(), [this, u, host]() mutable {
+          dev.launch_host(dev.d2h_stream(), [this, u, host]() mutable {
             at::Tensor h = host.scalar_type() == at::kFloat ? host : host.to(at::kFloat);
             if (!units[u].grad_fresh) {
               at::Tensor sum = host_buffer(uint64_t(h.numel()), at::kFloat);
@@ -1004,7 +1010,7 @@ struct Engine::Impl {
         // The forward's inputs stay alive in the copy queue beyond their reservations until
         // copied down: that ends here.
         auto t = prof.time(prof.step.wait_activations, "wait activations");
-        dev.synchronize(dev.copy_stream());
+        dev.synchronize(dev.d2h_stream());
       }
       // Backward through the blocks and the embedding: kept blocks through their graphs, the
       // others recomputed from their checkpoints.
@@ -1045,7 +1051,7 @@ struct Engine::Impl {
     prune_act_writes();  // every checkpoint came back, so every staging buffer can go
     {
       auto t = prof.time(prof.step.wait_grads, "wait gradients");
-      dev.synchronize(dev.copy_stream());  // host gradient accumulation done
+      dev.synchronize(dev.d2h_stream());  // host gradient accumulation done
     }
 
     // Global norm and overflow in one all-reduce: [local sum of squares, local loss sum].
@@ -1337,6 +1343,7 @@ struct Engine::Impl {
           else p.set_value();
         }
       } set_on_exit{*this, *over};
+      Profiler::on_updater = true;
       auto begin = Profiler::Clock::now();
       try {
         optimizer_step(ac, [&](size_t u) {  // units complete in order
@@ -1376,6 +1383,8 @@ struct Engine::Impl {
       }
       prof.step.optimizer += update_seconds;
       update_seconds = 0;
+      prof.nvme_read += prof.update_read.exchange(0);
+      prof.nvme_write += prof.update_write.exchange(0);
     }
     update_running = false;
     if (update_error) {
@@ -1414,10 +1423,10 @@ Engine::~Engine() {
   impl_->wait_nvme_hold();  // a snapshot still copying from the swap files, which go with us
   // Activation checkpoint writes (a step that failed half way) must finish before their buffers go.
   // (Only those whose host function ran: a failed CUDA stream may never run the others.)
-  try {
-    impl_->dev.synchronize(impl_->dev.copy_stream());
-  } catch (...) {
-  }
+  for (Stream* st : {&impl_->dev.h2d_stream(), &impl_->dev.d2h_stream()}) try {
+      impl_->dev.synchronize(*st);
+    } catch (...) {
+    }
   for (const auto& w : impl_->act_writes)
     if (w.submitted->load()) w.written.wait();
   // Gathers in flight must finish before their buffers go.

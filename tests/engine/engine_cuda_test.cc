@@ -1,7 +1,10 @@
 // The engine on a CUDA device (label gpu; skipped where no GPU is visible): the equivalence with
 // plain libtorch of engine_equivalence_test.cc, here with the reference run on the same GPU, for
 // host-placed state (CPU Adam, pinned staging copies on the copy stream), device-placed state
-// (the CUDA Adam kernel) through a real NCCL process group of one rank, and bf16 compute.
+// (the CUDA Adam kernel) through a real NCCL process group of one rank, and bf16 compute; blocks
+// kept without recompute, and the graph estimate they are budgeted with against what the CUDA
+// caching allocator really holds.
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -85,6 +88,53 @@ TEST(EngineCuda, Bf16TracksFp32OnTheGpu) {
   }
   EXPECT_LT(worst, 6e-2);  // the CPU suite's bound for the same run
   EXPECT_GT(any, 0.0) << "bf16 run identical to fp32: bf16 compute was not used";
+}
+
+// Recomputing two blocks and keeping the others' graphs on the GPU: bitwise the full recompute,
+// and libtorch's numbers.
+TEST(EngineCuda, KeptGraphsMatchLibtorchOnTheGpu) {
+  REQUIRE_GPU();
+  json j = tiny_config(false, 5);
+  j["run"]["steps"] = 8;
+  j["device"] = {{"type", "cuda"}};
+  const se::TrainConfig all = se::parse_train_config(j.dump(), "test");
+  j["placement"] = {{"recompute", 2}};
+  const se::TrainConfig some = se::parse_train_config(j.dump(), "test");
+  uint64_t peak = 0;
+  const Trajectory want = run_in_process(all, UINT64_MAX, &peak, "cuda");
+  const Trajectory got = run_in_process(some, UINT64_MAX, &peak, "cuda");
+  for (size_t i = 0; i < want.losses.size(); ++i) EXPECT_EQ(got.losses[i], want.losses[i]) << "step " << i + 1;
+  expect_close(got, reference(some, 1, kCuda), 1e-5);
+}
+
+// Decoder::block_graph_bytes_per_token bounds what a block's forward keeps on the GPU (bf16,
+// the CUDA attention kernels), measured by the caching allocator.
+TEST(EngineCuda, BlockGraphEstimateBoundsTheGpuAllocation) {
+  REQUIRE_GPU();
+  for (const bool llama : {false, true}) {
+    SCOPED_TRACE(llama ? "llama" : "gpt2");
+    json j = tiny_config(llama, 1);
+    j["model"]["hidden"] = 256;
+    j["model"]["intermediate"] = llama ? 688 : 1024;
+    const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    sm::Decoder m(tc.model, 1);
+    m.to(at::kBFloat16);
+    for (auto& [n, p] : m.hf_parameters()) p.set_data(p.to(kCuda));
+    const int64_t B = 4, T = 128;
+    at::Tensor x = at::randn({B, T, tc.model.hidden}, at::TensorOptions().device(kCuda).dtype(at::kBFloat16))
+                       .requires_grad_(true);
+    c10::cuda::device_synchronize();
+    auto allocated = [] {
+      return c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;
+    };
+    const int64_t before = allocated();
+    at::Tensor y = m.block(0).forward(x);
+    c10::cuda::device_synchronize();
+    const int64_t kept = allocated() - before - int64_t(y.nbytes()) + int64_t(x.nbytes());
+    const double estimate = double(m.block_graph_bytes_per_token(2)) * double(B * T);
+    EXPECT_GE(estimate, double(kept)) << "kept " << kept / double(B * T) << " bytes a token";
+    EXPECT_LE(estimate, 1.5 * double(kept)) << "kept " << kept / double(B * T) << " bytes a token";
+  }
 }
 
 }  // namespace

@@ -344,7 +344,7 @@ TEST(HostDevice, ConcurrentAllocationsNeverExceedTheBudget) {
 
 TEST(HostDevice, CopyStreamRunsCopiesAndHostFunctionsInOrder) {
   auto dev = Device::create_host(UINT64_MAX);
-  Stream& copy = dev->copy_stream();
+  Stream& copy = dev->h2d_stream();
   constexpr int kCopies = 200;
   std::vector<int> ran;  // appended only on the stream's thread, read after synchronize
   std::vector<at::Tensor> sources, targets;
@@ -372,10 +372,27 @@ TEST(HostDevice, CopyStreamRunsCopiesAndHostFunctionsInOrder) {
   EXPECT_TRUE(at::equal(chain.back(), chain.front()));
 }
 
+// Uploads never queue behind downloads: with the d2h stream held by a slow host function (a
+// gradient's swap read-add-write), a copy on the h2d stream runs and completes.
+TEST(HostDevice, UploadsRunWhileTheDownloadStreamIsHeld) {
+  auto dev = Device::create_host(UINT64_MAX);
+  StreamGate gate;
+  dev->launch_host(dev->d2h_stream(), gate.blocker());
+  const std::shared_ptr<Event> down_done = dev->record(dev->d2h_stream());
+  at::Tensor src = at::arange(4099, at::kFloat), dst = dev->empty({4099}, at::kFloat, "upload");
+  dev->copy_async(dst, src, dev->h2d_stream());
+  dev->synchronize(dev->h2d_stream());
+  EXPECT_TRUE(at::equal(dst, src));
+  EXPECT_FALSE(down_done->done()) << "the download stream was not held: the test shows nothing";
+  gate.release();
+  dev->synchronize(dev->d2h_stream());
+  EXPECT_TRUE(down_done->done());
+}
+
 TEST(HostDevice, CopyStreamKeepsItsTensorsAliveUntilTheCopyHasRun) {
   auto dev = Device::create_host(UINT64_MAX);
   StreamGate gate;
-  Stream& copy = dev->copy_stream();
+  Stream& copy = dev->h2d_stream();
   dev->launch_host(copy, gate.blocker());
   at::Tensor src = at::arange(4096, at::kFloat);
   at::Tensor dst = dev->empty({4096}, at::kFloat, "dst");
@@ -393,7 +410,7 @@ TEST(HostDevice, CopyStreamKeepsItsTensorsAliveUntilTheCopyHasRun) {
 
 TEST(HostDevice, CopyAsyncRejectsMismatchedTensors) {
   auto dev = Device::create_host(UINT64_MAX);
-  Stream& copy = dev->copy_stream();
+  Stream& copy = dev->h2d_stream();
   at::Tensor dst = at::zeros({4, 4}, at::kFloat);
   EXPECT_THROW(dev->copy_async(dst, at::ones({15}, at::kFloat), copy), c10::Error);
   EXPECT_THROW(dev->copy_async(dst, at::ones({16}, at::kDouble), copy), c10::Error);
@@ -405,7 +422,7 @@ TEST(HostDevice, CopyAsyncRejectsMismatchedTensors) {
 TEST(HostDevice, EventIsDoneOnlyAfterTheWorkBeforeItHasRun) {
   auto dev = Device::create_host(UINT64_MAX);
   StreamGate gate;
-  Stream& copy = dev->copy_stream();
+  Stream& copy = dev->h2d_stream();
   std::atomic<bool> slept{false};
   dev->launch_host(copy, gate.blocker());
   dev->launch_host(copy, [&slept] {
@@ -425,7 +442,7 @@ TEST(HostDevice, EventIsDoneOnlyAfterTheWorkBeforeItHasRun) {
 
 TEST(HostDevice, WaitOrdersTheComputeStreamAfterAnEventOnTheCopyStream) {
   auto dev = Device::create_host(UINT64_MAX);
-  Stream& copy = dev->copy_stream();
+  Stream& copy = dev->h2d_stream();
   at::Tensor src = at::arange(10000, at::kFloat);
   at::Tensor dst = at::zeros({10000}, at::kFloat);
   dev->launch_host(copy, [] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); });
@@ -444,11 +461,11 @@ TEST(HostDevice, WaitHoldsAWorkerStreamBackUntilTheEvent) {
   StreamGate gate;
   std::vector<std::string> order;  // each append is ordered by the event between the streams
   std::atomic<int> consumer_ran{0};
-  producer->launch_host(producer->copy_stream(), gate.blocker());
-  producer->launch_host(producer->copy_stream(), [&order] { order.push_back("produced"); });
-  const std::shared_ptr<Event> produced = producer->record(producer->copy_stream());
-  consumer->wait(consumer->copy_stream(), produced);
-  consumer->launch_host(consumer->copy_stream(), [&order, &consumer_ran] {
+  producer->launch_host(producer->h2d_stream(), gate.blocker());
+  producer->launch_host(producer->h2d_stream(), [&order] { order.push_back("produced"); });
+  const std::shared_ptr<Event> produced = producer->record(producer->h2d_stream());
+  consumer->wait(consumer->h2d_stream(), produced);
+  consumer->launch_host(consumer->h2d_stream(), [&order, &consumer_ran] {
     order.push_back("consumed");
     ++consumer_ran;
   });
@@ -456,16 +473,16 @@ TEST(HostDevice, WaitHoldsAWorkerStreamBackUntilTheEvent) {
   EXPECT_EQ(consumer_ran.load(), 0) << "ran before the event it waits for";
   EXPECT_FALSE(produced->done());
   gate.release();
-  consumer->synchronize(consumer->copy_stream());
+  consumer->synchronize(consumer->h2d_stream());
   EXPECT_TRUE(produced->done());
   EXPECT_EQ(consumer_ran.load(), 1);
   EXPECT_EQ(order, (std::vector<std::string>{"produced", "consumed"}));
-  producer->synchronize(producer->copy_stream());
+  producer->synchronize(producer->h2d_stream());
 }
 
 TEST(HostDevice, ErrorInAHostFunctionIsRethrownBySynchronizeAndTheStreamGoesOn) {
   auto dev = Device::create_host(UINT64_MAX);
-  Stream& copy = dev->copy_stream();
+  Stream& copy = dev->h2d_stream();
   std::vector<int> ran;
   dev->launch_host(copy, [&ran] { ran.push_back(1); });
   dev->launch_host(copy, [] { throw std::runtime_error("host fn failed: disk full"); });

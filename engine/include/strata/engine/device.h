@@ -1,7 +1,7 @@
 // The compute device as the engine sees it: a memory budget it accounts for, and streams on
 // which copies and host functions run asynchronously, ordered by events.
 //
-// Two implementations: the host device (compute on the CPU; the copy stream is a worker thread,
+// Two implementations: the host device (compute on the CPU; each copy stream is a worker thread,
 // so ordering and overlap bugs show up on machines without a GPU) and CUDA (cuda_device.cc). Stream model,
 // the same on both: work enqueued on one stream runs in order; different streams run
 // concurrently; `wait(stream, event)` orders a stream after an event recorded on another. The
@@ -99,7 +99,12 @@ class Device {
   virtual uint64_t physical_free() const { return UINT64_MAX; }
 
   virtual Stream& compute_stream() = 0;
-  virtual Stream& copy_stream() = 0;
+  // Copies run on two streams, one each way: uploads (units being gathered, checkpoints coming
+  // back) never queue behind downloads (gradients and checkpoints going to the host, and the
+  // host functions that accumulate them or write them to swap), and a GPU's copy engines use
+  // both directions of the bus at once.
+  virtual Stream& h2d_stream() = 0;
+  virtual Stream& d2h_stream() = 0;
   // dst.copy_(src) on `stream`; same numel and dtype, contiguous, either side host or device.
   // The stream keeps both tensors alive until the copy has run.
   virtual void copy_async(const at::Tensor& dst, const at::Tensor& src, Stream& stream) = 0;
