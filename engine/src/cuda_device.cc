@@ -4,7 +4,9 @@
 // Status: run on an H100 (tests/engine/engine_cuda_test.cc, strata train on GPT 1.4B).
 //
 // The compute stream is libtorch's current stream on this device at construction, so the torch
-// ops the engine issues run on it. The copy stream is a non-blocking stream of our own.
+// ops the engine issues run on it. The two copy streams (h2d, d2h) are non-blocking streams of
+// our own. Host functions (cudaLaunchHostFunc) may run one at a time across streams, so an h2d
+// host function waiting for a swap read can still wait behind a d2h one.
 // Tensors handed to copy_async are kept alive until an event recorded after the copy has
 // completed (retired on later calls), never released from a host function: freeing device
 // memory is a CUDA call, which host functions may not make.

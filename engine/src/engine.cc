@@ -197,7 +197,9 @@ struct Engine::Impl {
   Profiler::Clock::time_point step_ref_host;
   std::vector<std::tuple<std::string, std::shared_ptr<Event>, std::shared_ptr<Event>>> compute_spans;
 
-  Placement placement(int k) const {
+  // Where kind k lives, kind by kind as configured or resolved; a kind split by unit between
+  // host and swap (automatic placement, PlacementPlan::host_units) says kNvme here.
+  Placement kind_placement(int k) const {
     switch (k) {
       case kMaster: return cfg.master;
       case kExpAvg:
@@ -205,6 +207,21 @@ struct Engine::Impl {
       case kGrad: return cfg.grads;
       default: return cfg.params;
     }
+  }
+  // Where unit u's shard of kind k lives: the kind's tier, except that the first host_units
+  // units of a split optimizer group (master, moments, and gradients placed in swap) are in host
+  // RAM.
+  size_t host_units = 0;
+  Placement placement(size_t u, int k) const {
+    const Placement p = kind_placement(k);
+    const bool group = k == kMaster || k == kExpAvg || k == kExpAvgSq || k == kGrad;
+    return group && p == Placement::kNvme && u < host_units ? Placement::kHost : p;
+  }
+  // A unit's shard of kind k passes through a host buffer when streamed: in swap, or a compute
+  // copy on a GPU.
+  bool streamed(size_t u, int k) const {
+    const Placement p = placement(u, k);
+    return p == Placement::kNvme || (k == kCompute && p == Placement::kDevice);
   }
   at::ScalarType kind_dtype(int k) const { return k == kCompute ? cdt : at::kFloat; }
   std::string swap_name(size_t u, int k) const { return partition->unit(u).name + "." + kKindName[k]; }
@@ -518,9 +535,9 @@ struct Engine::Impl {
       std::vector<at::Tensor> buffers;  // alive until their writes complete
       for (int k = 0; k < kKinds; ++k) {
         const at::ScalarType t = kind_dtype(k);
-        if (placement(k) != Placement::kNvme) {
+        if (placement(u, k) != Placement::kNvme) {
           at::Tensor& x = st.kind(k);
-          x = alloc_state(placement(k), L.shard_numel, t, std::string(kKindName[k]) + un);
+          x = alloc_state(placement(u, k), L.shard_numel, t, std::string(kKindName[k]) + un);
           if (k == kMaster || k == kCompute) x.copy_(master);
           else x.zero_();
           continue;
@@ -697,6 +714,7 @@ struct Engine::Impl {
       need.grads += L.shard_numel * 4;
       need.master += L.shard_numel * 4;
       need.moments += L.shard_numel * 8;
+      need.unit_numel.push_back(L.shard_numel);
       largest_unit = std::max(largest_unit, L.padded_numel() * c10::elementSize(cdt));
     }
     const bool any_auto = cfg.params == Placement::kAuto || cfg.grads == Placement::kAuto ||
@@ -717,12 +735,19 @@ struct Engine::Impl {
     const uint64_t device_state = device == UINT64_MAX ? device : device > working ? device - working : 0;
     const TierBudgets budgets = machine_budgets(cfg, device_state, local_ranks);
     PlacementPlan plan = plan_placement(cfg, need, budgets);
-    // Every rank takes the slowest tier any rank chose for each kind, so that all agree.
+    // Every rank takes the slowest tier any rank chose for each kind, and of a split optimizer
+    // group the fewest units in host RAM (a group wholly there counts as all units), so that all
+    // agree.
+    const int64_t n_units = int64_t(partition->num_units());
+    const int64_t on_host = plan.master == Placement::kHost ? n_units
+                            : plan.master == Placement::kNvme ? int64_t(plan.host_units) : 0;
     at::Tensor codes = at::tensor({int64_t(plan.params), int64_t(plan.grads), int64_t(plan.master),
-                                   int64_t(plan.moments)}, at::TensorOptions().dtype(at::kLong));
+                                   int64_t(plan.moments), n_units - on_host}, at::TensorOptions().dtype(at::kLong));
     comm.all_reduce(codes, ReduceOp::kMax);
     plan = {Placement(codes[0].item<int64_t>()), Placement(codes[1].item<int64_t>()),
             Placement(codes[2].item<int64_t>()), Placement(codes[3].item<int64_t>())};
+    if (plan.master == Placement::kNvme) plan.host_units = size_t(n_units - codes[4].item<int64_t>());
+    host_units = plan.host_units;
     cfg.params = plan.params;
     cfg.grads = plan.grads;
     cfg.master = plan.master;
@@ -811,12 +836,16 @@ struct Engine::Impl {
   PrefetchTuner prefetch_tuner;
 
   void prefetch(size_t k, size_t total) {
-    for (size_t j = k + 1; j <= k + size_t(prefetch_depth) && j < total; ++j)
-      for (size_t u : stage_units[use_at(j).stage]) {
+    uint64_t graphs_ahead = 0;  // graphs of kept blocks whose forward comes before use j
+    for (size_t j = k + 1; j <= k + size_t(prefetch_depth) && j < total; ++j) {
+      const Use& use = use_at(j);
+      if (use.kind == Use::kForward && kept(use.stage)) graphs_ahead += graph_bytes;
+      for (size_t u : stage_units[use.stage]) {
         if (live.count(u)) continue;
-        if (!plan_fits(unit_param_bytes(u))) return;
+        if (!plan_fits(unit_param_bytes(u) + graphs_ahead)) return;
         start_gather(u);
       }
+    }
   }
 
   void release_unneeded(size_t k, size_t total) {
@@ -863,7 +892,7 @@ struct Engine::Impl {
       at::Tensor acc = units[u].grad;
       if (cfg.grads == Placement::kDevice) {
         acc.add_(shard);
-      } else if (cfg.grads == Placement::kHost && units[u].grad_fresh && shard.scalar_type() == at::kFloat) {
+      } else if (placement(u, kGrad) == Placement::kHost && units[u].grad_fresh && shard.scalar_type() == at::kFloat) {
         // The step's first contribution: copied down straight into the accumulator (no add, and
         // no zeroing after the step).
         dev.wait(dev.d2h_stream(), dev.record(dev.compute_stream()));
@@ -876,7 +905,7 @@ struct Engine::Impl {
         dev.wait(dev.d2h_stream(), dev.record(dev.compute_stream()));  // shard is filled there
         dev.copy_async(host, shard, dev.d2h_stream());
         prof.step.d2h_bytes += uint64_t(shard.nbytes());
-        if (cfg.grads == Placement::kHost) {
+        if (placement(u, kGrad) == Placement::kHost) {
           const bool fresh = units[u].grad_fresh;
           units[u].grad_fresh = false;
           dev.launch_host(dev.d2h_stream(), [acc, host, fresh]() mutable {
@@ -953,7 +982,7 @@ struct Engine::Impl {
       at::Tensor targets = rows.narrow(1, 1, T).reshape(-1).to(dev.torch_device());
       reset_act_slots();
       act_host_bytes = 0;
-      kept_graphs.clear();  // a failed step's graphs go here
+      kept_graphs.clear();
       kept_graphs.resize(n);
       graphs_held = 0;
       held_units.clear();
@@ -961,6 +990,10 @@ struct Engine::Impl {
       Device::Reservation x_res;
       // Forward through the embedding and the blocks, without autograd.
       for (size_t s = 0; s + 1 < n; ++s, ++k) {
+        if (kept(s)) {  // before the gathers, which must leave room for it
+          kept_graphs.at(s).res = dev.reserve(graph_bytes, "autograd graph of unit " + partition->unit(s).name);
+          graphs_held += graph_bytes;
+        }
         ensure(k);
         prefetch(k, total);
         at::Tensor y;
@@ -968,8 +1001,6 @@ struct Engine::Impl {
           // With autograd, from a leaf input: the graph ends here, so the backward of each
           // block runs (and its gradients are reduced) on its own.
           KeptGraph& g = kept_graphs.at(s);
-          g.res = dev.reserve(graph_bytes, "autograd graph of unit " + partition->unit(s).name);
-          graphs_held += graph_bytes;
           g.input = x.detach().requires_grad_(true);
           const auto mark = compute_mark();
           g.output = stages[s]->forward(g.input);
@@ -1052,6 +1083,9 @@ struct Engine::Impl {
     {
       auto t = prof.time(prof.step.wait_grads, "wait gradients");
       dev.synchronize(dev.d2h_stream());  // host gradient accumulation done
+      // Every upload is done by now (the compute stream waited for each); this rethrows a failed
+      // swap read of a gather or a checkpoint, which would otherwise go unnoticed.
+      dev.synchronize(dev.h2d_stream());
     }
 
     // Global norm and overflow in one all-reduce: [local sum of squares, local loss sum].
@@ -1148,11 +1182,10 @@ struct Engine::Impl {
       for (uint64_t b = 0; b < n; b += chunk) items.push_back({u, b, std::min(chunk, n - b)});
       largest = std::max(largest, std::min(chunk, n));
     }
-    unsigned buffered = 0;
+    unsigned buffered = 0;  // kinds that some unit streams through the slots' buffers
     for (int k = 0; k < kKinds; ++k)
-      if (((in | out) >> k & 1) &&
-          (placement(k) == Placement::kNvme || (k == kCompute && placement(k) == Placement::kDevice)))
-        buffered |= 1u << k;
+      for (size_t u = 0; u < units.size(); ++u)
+        if (((in | out) >> k & 1) && streamed(u, k)) buffered |= 1u << k;
     struct Slot {
       std::array<at::Tensor, kKinds> buf;
       std::vector<offload::IoFuture> reads, writes;
@@ -1167,7 +1200,7 @@ struct Engine::Impl {
       sl.writes.clear();
       const Chunk& c = items[i];
       for (int k = 0; k < kKinds; ++k)
-        if ((in & buffered) >> k & 1 && placement(k) == Placement::kNvme)
+        if ((in & buffered) >> k & 1 && placement(c.unit, k) == Placement::kNvme)
           sl.reads.push_back(swap_read(c.unit, k, c.begin, sl.buf[k].narrow(0, 0, int64_t(c.numel))));
     };
     auto drain_writes = [&] {
@@ -1191,15 +1224,15 @@ struct Engine::Impl {
         UnitState& U = units[c.unit];
         std::array<void*, kKinds> ptr{};
         for (int k = 0; k < kKinds; ++k) {
-          if (buffered >> k & 1) ptr[k] = sl.buf[k].data_ptr();
+          if (buffered >> k & 1 && streamed(c.unit, k)) ptr[k] = sl.buf[k].data_ptr();
           else if (((in | out) >> k & 1) && U.kind(k).defined())
             ptr[k] = static_cast<char*>(U.kind(k).data_ptr()) + c.begin * c10::elementSize(kind_dtype(k));
         }
         fn(c, ptr);
         for (int k = 0; k < kKinds; ++k) {
-          if (!((out & buffered) >> k & 1)) continue;
+          if (!((out & buffered) >> k & 1) || !streamed(c.unit, k)) continue;
           const at::Tensor b = sl.buf[k].narrow(0, 0, int64_t(c.numel));
-          if (placement(k) == Placement::kNvme) sl.writes.push_back(swap_write(c.unit, k, c.begin, b));
+          if (placement(c.unit, k) == Placement::kNvme) sl.writes.push_back(swap_write(c.unit, k, c.begin, b));
           else U.kind(k).narrow(0, int64_t(c.begin), int64_t(c.numel)).copy_(b);
         }
       }
@@ -1447,6 +1480,9 @@ StepResult Engine::train_step(const at::Tensor& ids) {
     throw;  // rejected before anything changed
   } catch (...) {
     impl_->broken = true;
+    impl_->kept_graphs.clear();  // their device memory and reservations go now
+    impl_->held_units.clear();
+    impl_->graphs_held = 0;
     throw;
   }
 }
@@ -1481,7 +1517,7 @@ at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
   I.finish_update();
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
-  if (I.placement(k) != Placement::kNvme) return I.units.at(unit).kind(k);
+  if (I.placement(unit, k) != Placement::kNvme) return I.units.at(unit).kind(k);
   at::Tensor copy = I.host_buffer(I.partition->unit(unit).shard_numel, at::kFloat);
   I.swap_read(unit, k, 0, copy).get();
   return copy;
@@ -1498,7 +1534,7 @@ Engine::NvmeSlice Engine::nvme_slice(size_t unit, StateKind kind) const {
   const Impl& I = *impl_;
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
-  if (I.placement(k) != Placement::kNvme) return {};
+  if (I.placement(unit, k) != Placement::kNvme) return {};
   return {I.swap.get(), I.swap_name(unit, k)};
 }
 
@@ -1513,7 +1549,7 @@ void Engine::store_state_slice(size_t unit, StateKind kind, const at::Tensor& da
   I.wait_nvme_hold();
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
-  if (I.placement(k) == Placement::kNvme) {
+  if (I.placement(unit, k) == Placement::kNvme) {
     TORCH_CHECK(data.is_cpu() && data.is_contiguous() && data.scalar_type() == at::kFloat &&
                     uint64_t(data.numel()) == I.partition->unit(unit).shard_numel,
                 "store_state_slice: expects the fp32 host slice state_slice returned");

@@ -54,19 +54,41 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
       plan.master = plan.moments = Placement::kDevice;
     } else if (room.fits(Placement::kHost, group) && (plan.grads == kAuto || plan.grads == Placement::kHost)) {
       plan.master = plan.moments = Placement::kHost;
-    } else if (room.fits(Placement::kNvme, need.master + need.moments)) {
-      plan.master = plan.moments = Placement::kNvme;
     } else {
-      throw std::runtime_error(
-          "automatic placement: the fp32 master weights and Adam moments (" +
-          format_bytes(need.master + need.moments) + " on this rank) fit in no tier: device " +
-          format_bytes(room.left.device) + ", host " + format_bytes(room.left.host) + ", NVMe " +
-          format_bytes(room.left.nvme) + " left; raise offload.host_budget or offload.nvme_budget, "
-          "add offload.nvme_dirs, or use more ranks");
+      // Split by unit between host RAM and swap (no units given: all in swap).
+      const bool grads_host = plan.grads == Placement::kHost || (grads_free && room.fits(Placement::kHost, need.grads));
+      const bool grads_follow = !grads_host && plan.grads != Placement::kDevice;  // swap-bound gradients stay with their master
+      uint64_t host_left = room.left.host - (grads_free && grads_host ? need.grads : 0);
+      if (plan.params == kAuto && !room.fits(Placement::kDevice, need.params) && host_left >= need.params)
+        host_left -= need.params;
+      uint64_t host_group = 0, host_grads = 0;  // bytes of the units kept in host RAM
+      for (uint64_t n : need.unit_numel) {
+        const uint64_t grads_here = grads_follow ? 4 * n : 0;
+        if (host_group + host_grads + 12 * n + grads_here > host_left) break;
+        host_group += 12 * n;
+        host_grads += grads_here;
+        ++plan.host_units;
+      }
+      const uint64_t swapped =
+          need.master + need.moments - host_group + (grads_free && grads_follow ? need.grads - host_grads : 0);
+      if (!room.fits(Placement::kNvme, swapped))
+        throw std::runtime_error(
+            "automatic placement: the fp32 master weights and Adam moments (" +
+            format_bytes(need.master + need.moments) + " on this rank) fit in no tier: device " +
+            format_bytes(room.left.device) + ", host " + format_bytes(room.left.host) + ", NVMe " +
+            format_bytes(room.left.nvme) + " left; raise offload.host_budget or offload.nvme_budget, "
+            "add offload.nvme_dirs, or use more ranks");
+      plan.master = plan.moments = Placement::kNvme;
+      if (grads_free) {
+        plan.grads = grads_host ? Placement::kHost : Placement::kNvme;
+        if (grads_host) room.take(Placement::kHost, need.grads);
+      }
+      room.take(Placement::kHost, host_group + host_grads);
+      room.take(Placement::kNvme, swapped);
     }
-    room.take(plan.master, need.master + need.moments);
+    if (plan.master != Placement::kNvme) room.take(plan.master, need.master + need.moments);
   }
-  if (grads_free) {
+  if (grads_free && plan.grads == kAuto) {
     if (plan.master != Placement::kNvme) plan.grads = plan.master;
     else plan.grads = room.fits(Placement::kHost, need.grads) ? Placement::kHost : Placement::kNvme;
     room.take(plan.grads, need.grads);
@@ -120,11 +142,22 @@ int PrefetchTuner::next(double waited) {
 }
 
 std::string describe_plan(const PlacementPlan& p, const StateBytes& need) {
-  auto one = [](const char* what, Placement where, uint64_t bytes) {
-    return std::string(what) + " " + to_string(where) + " " + format_bytes(bytes);
+  // Split kinds: the bytes of the first host_units units in host RAM, the rest in swap.
+  uint64_t first = 0, total = 0;
+  for (size_t u = 0; u < need.unit_numel.size(); ++u) {
+    if (u < p.host_units) first += need.unit_numel[u];
+    total += need.unit_numel[u];
+  }
+  auto one = [&](const char* what, Placement where, uint64_t bytes, bool splits) {
+    if (!splits || p.host_units == 0 || total == 0)
+      return std::string(what) + " " + to_string(where) + " " + format_bytes(bytes);
+    const uint64_t host = uint64_t(double(bytes) * double(first) / double(total));
+    return std::string(what) + " host " + format_bytes(host) + " (units 0-" + std::to_string(p.host_units - 1) +
+           ") + nvme " + format_bytes(bytes - host);
   };
-  return one("params", p.params, need.params) + ", " + one("grads", p.grads, need.grads) + ", " +
-         one("master", p.master, need.master) + ", " + one("moments", p.moments, need.moments);
+  return one("params", p.params, need.params, false) + ", " +
+         one("grads", p.grads, need.grads, p.grads == Placement::kNvme) + ", " +
+         one("master", p.master, need.master, true) + ", " + one("moments", p.moments, need.moments, true);
 }
 
 }  // namespace strata::engine

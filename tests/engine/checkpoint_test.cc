@@ -191,6 +191,32 @@ TEST(Checkpoint, ResumeIsBitwiseExactWithStateOnNvme) {
   exact_resume(j);
 }
 
+// Master and moments split by unit between host RAM and swap (automatic placement with a host
+// budget that holds the first two units): each unit's slices are saved from and loaded into
+// wherever that unit lives.
+TEST(Checkpoint, ResumeIsBitwiseExactWithMasterSplitBetweenHostAndSwap) {
+  TempDir swap;
+  json j = tiny_llama(20);
+  j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "auto"}, {"moments", "auto"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  uint64_t all = 0, first_two = 0;
+  {
+    json probe = j;
+    probe["placement"] = json::object();
+    Trainer t(se::parse_train_config(probe.dump(), "test"));
+    const se::Partition& p = t.engine().partition();
+    for (size_t u = 0; u < p.num_units(); ++u) all += p.unit(u).shard_numel;
+    first_two = p.unit(0).shard_numel + p.unit(1).shard_numel;
+  }
+  j["offload"]["host_budget"] = 8 * all + 12 * first_two + 1024;
+  {
+    Trainer t(se::parse_train_config(j.dump(), "test"));
+    ASSERT_NE(t.engine().placement_report().find("(units 0-1) + nvme"), std::string::npos)
+        << t.engine().placement_report();
+  }
+  exact_resume(j);
+}
+
 // With master and moments in swap (striped over two directories), an asynchronous save copies
 // them swap file to checkpoint file while training goes on: the engine reads nothing from swap
 // for it (the step after the start reads what every step reads), the next update waits for the

@@ -289,6 +289,35 @@ TEST(EngineActivations, AFailedCheckpointWriteFailsTheStepNamingTheSwapFile) {
   }
 }
 
+// A swap read that fails on the upload stream (a gather of NVMe-placed compute copies, or an
+// activation checkpoint coming back) fails the step with the I/O error naming the swap file,
+// never trains on the unread buffer; the engine then refuses to go on.
+TEST(EngineActivations, AFailedSwapReadFailsTheStepNamingTheSwapFile) {
+  for (const char* what : {"params", "activations"}) {
+    SCOPED_TRACE(what);
+    TempDir swap;
+    json j = tiny_config(false, 3);
+    j["placement"] = {{what, "nvme"}};
+    j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+    se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    auto faults = std::make_shared<strata::offload::RuleFaultInjector>();
+    faults->add({.kind = strata::offload::IoRequest::Kind::kRead, .error = EIO, .uses = 1});
+    tc.engine.io_fault_injector = faults;
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(UINT64_MAX);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+    at::Tensor ids = at::randint(0, tc.model.vocab_size, {tc.engine.micro_batch * tc.engine.grad_accum, tc.engine.seq_len + 1}, at::kLong);
+    try {
+      eng.train_step(ids);
+      FAIL() << "the failed read went unnoticed";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("strata-swap"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(faults->fired(), 1u);
+    EXPECT_THROW(eng.train_step(ids), std::runtime_error);
+  }
+}
+
 // Device-placed checkpoints count against the budget: all of a micro-batch's, beside the
 // working set. "auto" takes the device where they fit, else the host, else swap.
 TEST(EngineActivations, DevicePlacementCountsInTheBudgetAndAutoPicksATier) {
@@ -536,6 +565,93 @@ TEST(PlacementPlan, FillsTheDeviceThenHostThenNvme) {
   c.master = P::kAuto;
   c.params = P::kNvme;
   EXPECT_EQ(plan(1600, 0, 200), "nvme device device device");
+}
+
+// Master and moments that fit no single tier are split by unit: the gradients (and compute
+// copies the device cannot hold) take host RAM first, then the first units' master and moments,
+// the rest go to swap; gradients that do not fit on the host follow their unit's master.
+TEST(PlacementPlan, SplitsTheOptimizerGroupByUnitBetweenHostAndSwap) {
+  using P = se::Placement;
+  se::EngineConfig c;
+  c.params = c.grads = c.master = c.moments = P::kAuto;
+  se::StateBytes need{800, 1600, 1600, 3200, {100, 100, 100, 100}};  // bf16 compute copies
+  auto plan = [&](uint64_t device, uint64_t host, uint64_t nvme) {
+    const se::PlacementPlan p = se::plan_placement(c, need, {device, host, nvme});
+    return std::string(se::to_string(p.params)) + " " + se::to_string(p.grads) + " " + se::to_string(p.master) +
+           " " + se::to_string(p.moments) + " " + std::to_string(p.host_units);
+  };
+  // Host: gradients 1600 + compute copies 800 + two units' master and moments (2 x 1200).
+  EXPECT_EQ(plan(0, 4800, 2400), "host host nvme nvme 2");
+  EXPECT_EQ(plan(0, 4799, 3600), "host host nvme nvme 1");
+  EXPECT_EQ(plan(0, 2400, 4800), "host host nvme nvme 0");  // no unit fits: all in swap
+  try {
+    plan(0, 4800, 2399);
+    FAIL() << "the swapped half does not fit its budget";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("fit in no tier"), std::string::npos) << e.what();
+  }
+  const se::PlacementPlan two = se::plan_placement(c, need, {0, 4800, 2400});
+  EXPECT_NE(se::describe_plan(two, need).find("master host 800 B (units 0-1) + nvme 800 B"), std::string::npos)
+      << se::describe_plan(two, need);
+  // Compute copies on the device; gradients too large for the host follow their master: the
+  // first unit (50 elements: 600 + 200 bytes) fits, the second does not.
+  need = {800, 1600, 1600, 3200, {50, 100, 100, 150}};
+  EXPECT_EQ(plan(800, 1500, 10000), "device nvme nvme nvme 1");
+  EXPECT_NE(se::describe_plan(se::plan_placement(c, need, {800, 1500, 10000}), need).find("grads host 200 B (units 0-0) + nvme"),
+            std::string::npos);
+}
+
+// Split by unit in the engine: the first units' master and moments in host RAM, the rest in swap;
+// trains bitwise like either tier alone, and only the swapped units' state moves through swap.
+TEST(EngineAuto, SplitsMasterAndMomentsByUnitAndTrainsBitwiseAlike) {
+  TempDir swap;
+  json j = tiny_config(true, 3);
+  j["run"]["steps"] = 5;
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  const uint64_t budget = 1200 * 1024;  // the device holds the working set, not the state
+  std::vector<uint64_t> shard;
+  {
+    const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(UINT64_MAX);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+    for (size_t u = 0; u < eng.partition().num_units(); ++u) shard.push_back(eng.partition().unit(u).shard_numel);
+  }
+  ASSERT_EQ(shard.size(), 5u);
+  uint64_t all = 0;
+  for (uint64_t n : shard) all += n;
+  // Gradients and fp32 compute copies on the host, and the first two units' master and moments.
+  const uint64_t host = 8 * all + 12 * (shard[0] + shard[1]) + 1024;
+  j["placement"] = {{"params", "auto"}, {"grads", "auto"}, {"master", "auto"}, {"moments", "auto"},
+                    {"activations", "host"}};
+  j["offload"]["host_budget"] = host;
+  const se::TrainConfig split = se::parse_train_config(j.dump(), "test");
+  {
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(budget);
+    se::Engine eng(std::make_unique<sm::Decoder>(split.model, split.init_seed), split.engine, *comm, *dev);
+    EXPECT_NE(eng.placement_report().find("(units 0-1) + nvme"), std::string::npos) << eng.placement_report();
+    const se::MemoryReport m = eng.memory();
+    EXPECT_EQ(m.host_state, host - 1024);
+    EXPECT_EQ(m.nvme_state, 12 * (all - shard[0] - shard[1]));
+  }
+  uint64_t peak = 0;
+  const Trajectory got = run_in_process(split, budget, &peak);
+  std::map<std::string, Trajectory> whole;
+  for (const char* tier : {"host", "nvme"}) {
+    j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", tier}, {"moments", tier}, {"activations", "host"}};
+    whole[tier] = run_in_process(se::parse_train_config(j.dump(), "test"), budget, &peak);
+  }
+  for (auto& [tier, t] : whole) {
+    for (size_t i = 0; i < t.losses.size(); ++i) EXPECT_EQ(got.losses[i], t.losses[i]) << tier << " step " << i + 1;
+    for (auto& [name, w] : t.params) EXPECT_TRUE(got.params.at(name).equal(w)) << tier << " " << name;
+  }
+  // Each step's update reads and writes master and moments of the swapped units only.
+  for (size_t i = 1; i < got.steps.size(); ++i) {
+    EXPECT_EQ(got.steps[i].timeline.nvme_read_bytes, 12 * (all - shard[0] - shard[1])) << "step " << i + 1;
+    EXPECT_EQ(whole["nvme"].steps[i].timeline.nvme_read_bytes, 12 * all) << "step " << i + 1;
+  }
+  expect_close(got, reference(split, 1), 1e-5);
 }
 
 // "auto" resolved from the budgets in the configuration, reported, and training as exactly as

@@ -6,7 +6,10 @@
 // (fp32 master, moments and gradient accumulators, which must live together, except that
 // gradients may stay on the host beside NVMe master and moments) in host RAM, else in NVMe swap
 // with the gradients on the host, else with them in swap too; compute copies that do not fit on
-// the device go to the host, else to swap. Kinds the configuration places explicitly keep their
+// the device go to the host, else to swap. Master and moments that do not fit in host RAM whole
+// are split by unit: the first units (the next forward needs them first) in what host RAM is
+// left once the gradients (touched every micro-batch) and the compute copies the device cannot
+// hold (read at every gather) have their room, the rest in swap. Kinds the configuration places explicitly keep their
 // tier and their bytes count against it.
 //
 // Pure functions; thread-safe. Errors: std::runtime_error naming the bytes needed and the
@@ -15,14 +18,17 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "strata/engine/config.h"
 
 namespace strata::engine {
 
-// This rank's bytes of each kind.
+// This rank's bytes of each kind, and the shard elements of each unit in forward order (what a
+// split by unit needs; none: no split).
 struct StateBytes {
   uint64_t params = 0, grads = 0, master = 0, moments = 0;
+  std::vector<uint64_t> unit_numel;
 };
 
 // Bytes of state each tier may take on this rank (the device's after its working set).
@@ -30,8 +36,12 @@ struct TierBudgets {
   uint64_t device = 0, host = 0, nvme = 0;
 };
 
+// master == moments == kNvme with host_units > 0: the optimizer group was split by unit, and
+// the first host_units units' master and moments (and gradients, where grads is kNvme too: they
+// stay with their master) live in host RAM, the rest in swap.
 struct PlacementPlan {
   Placement params, grads, master, moments;
+  size_t host_units = 0;
 };
 
 PlacementPlan plan_placement(const EngineConfig& config, const StateBytes& need, const TierBudgets& budgets);
