@@ -911,6 +911,36 @@ TEST(EngineRecompute, TwoRanksKeepingSomeGraphsMatchOneProcess) {
   expect_close(run_launched(tc, j, 2, dir), reference(tc, 2), 1e-5);
 }
 
+// Two ranks, each with a host budget that holds its gradients and compute copies and about two
+// units' master and moments: both split alike (the fewest host units any rank chose) and the run
+// matches one plain process.
+TEST(EngineAuto, TwoRanksSplittingMasterByUnitMatchOneProcess) {
+  TempDir dir, swap;
+  json j = tiny_config(true, 3);
+  j["run"]["steps"] = 6;
+  j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "auto"}, {"moments", "auto"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  uint64_t all = 0, first_two = 0;
+  {
+    const se::TrainConfig tc = se::parse_train_config(tiny_config(true, 3).dump(), "test");
+    const sm::Decoder m(tc.model, 0, sm::Decoder::Init::kDeferred);
+    std::vector<uint64_t> numel;
+    for (sm::Stage* st : const_cast<sm::Decoder&>(m).stages()) {
+      uint64_t n = 0;
+      for (const at::Tensor& p : st->parameters()) n += uint64_t(p.numel());
+      numel.push_back(n);
+    }
+    for (uint64_t n : numel) all += n;
+    first_two = numel[0] + numel[1];
+  }
+  // Per rank: half of everything (shards), plus alignment slack.
+  j["offload"]["host_budget"] = (8 * all + 12 * first_two) / 2 + 64 * 1024;
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  const Trajectory got = run_launched(tc, j, 2, dir);
+  EXPECT_NE(read_file(dir / "out.txt").find(") + nvme"), std::string::npos) << read_file(dir / "out.txt");
+  expect_close(got, reference(tc, 2), 1e-5);
+}
+
 TEST(EngineEquivalence, KilledRankMakesTheOtherFailWithinTheTimeout) {
   TempDir dir;
   json j = tiny_config(false, 4);
