@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -152,6 +153,18 @@ int train_main(const std::vector<std::string>& argv) {
   models::BatchLoader loader(corpus, uint64_t(ecp->seq_len), global_batch, comm->rank(),
                              comm->world_size(), tc.data_seed);
 
+  if (lead && tc.progress) {
+    // A large model spends minutes here: a line that updates on a terminal, else one line per
+    // tenth of the units.
+    const auto t0 = std::chrono::steady_clock::now();
+    tc.engine.on_unit_placed = [t0, tty = bool(isatty(STDERR_FILENO))](size_t done, size_t total) {
+      if (!tty && done * 10 / total == (done - 1) * 10 / total && done != total) return;
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::cerr << (tty ? "\r\033[K" : "") << "strata train: placing the initial weights: unit " << done << "/"
+                << total << " (" << std::fixed << std::setprecision(1) << s << " s)" << std::defaultfloat
+                << (done == total || !tty ? "\n" : "") << std::flush;
+    };
+  }
   engine::Engine eng(std::move(model), tc.engine, *comm, *device);
   const engine::EngineConfig& ec = eng.config();
   const engine::MemoryReport m0 = eng.memory();

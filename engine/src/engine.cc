@@ -555,6 +555,7 @@ struct Engine::Impl {
       st.tensors = owned[u];
       units.push_back(std::move(st));
       release(u);  // the model's copy of the unit goes now, not after the last unit
+      if (cfg.on_unit_placed) cfg.on_unit_placed(u + 1, stages.size());
     }
 
     base_bytes = dev.used();

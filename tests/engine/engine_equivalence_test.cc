@@ -362,6 +362,30 @@ TEST(EngineActivations, DevicePlacementCountsInTheBudgetAndAutoPicksATier) {
   EXPECT_EQ(build("auto", hi).substr(0, 4), "nvme");
 }
 
+// Construction reports each unit as its initial weights reach their shards (and swap files), in
+// order, on the constructing thread.
+TEST(EngineProgress, ConstructionReportsEveryUnitInOrder) {
+  TempDir swap;
+  json j = tiny_config(false, 4);
+  j["placement"] = {{"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  std::vector<std::pair<size_t, size_t>> calls;
+  const auto caller = std::this_thread::get_id();
+  tc.engine.on_unit_placed = [&](size_t done, size_t total) {
+    EXPECT_EQ(std::this_thread::get_id(), caller);
+    calls.emplace_back(done, total);
+  };
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create_host(UINT64_MAX);
+  se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), tc.engine,
+                 *comm, *dev);
+  const size_t units = eng.partition().num_units();
+  ASSERT_EQ(units, 6u);  // embedding, 4 blocks, head
+  ASSERT_EQ(calls.size(), units);
+  for (size_t i = 0; i < units; ++i) EXPECT_EQ(calls[i], std::make_pair(i + 1, units));
+}
+
 // --- blocks kept without recompute (placement.recompute) ------------------------------------
 
 // Keeping a block's autograd graph instead of recomputing it changes no number: recomputing all,

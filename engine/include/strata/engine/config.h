@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,6 +58,10 @@ struct EngineConfig {
   int recompute_blocks = kRecomputeAll;
   std::vector<std::string> nvme_dirs;     // swap directories (one per drive) for "nvme" placement
   unsigned io_queue_depth = 32;           // NVMe requests in flight
+  // Construction progress (not in the JSON configuration): called on the constructing thread
+  // after each unit's initial weights are in their shards (and swap files), with the units done
+  // and their total; a large model spends minutes there.
+  std::function<void(size_t done, size_t total)> on_unit_placed;
   // Tests only (not in the JSON configuration): the swap I/O engine's fault injector.
   std::shared_ptr<offload::FaultInjector> io_fault_injector;
   uint64_t nvme_chunk_bytes = 64ull << 20;  // fp32 bytes per array per streamed optimizer chunk
