@@ -1442,6 +1442,7 @@ Engine::Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& confi
 
 const EngineConfig& Engine::config() const { return impl_->cfg; }
 const std::string& Engine::placement_report() const { return impl_->placement_report; }
+size_t Engine::optimizer_host_units() const { return impl_->host_units; }
 
 std::vector<TraceSpan> Engine::take_trace() {
   std::lock_guard<std::mutex> lock(impl_->prof.mu);

@@ -655,6 +655,8 @@ TEST(EngineAuto, SplitsMasterAndMomentsByUnitAndTrainsBitwiseAlike) {
     auto dev = se::Device::create_host(budget);
     se::Engine eng(std::make_unique<sm::Decoder>(split.model, split.init_seed), split.engine, *comm, *dev);
     EXPECT_NE(eng.placement_report().find("(units 0-1) + nvme"), std::string::npos) << eng.placement_report();
+    EXPECT_EQ(eng.optimizer_host_units(), 2u);
+    EXPECT_EQ(eng.config().master, se::Placement::kNvme);
     const se::MemoryReport m = eng.memory();
     EXPECT_EQ(m.host_state, host - 1024);
     EXPECT_EQ(m.nvme_state, 12 * (all - shard[0] - shard[1]));

@@ -149,8 +149,11 @@ class Engine {
   // The trace spans recorded since the last call (EngineConfig::profile; empty otherwise).
   std::vector<TraceSpan> take_trace();
 
-  // The configuration in effect: "auto" placements resolved (placement.h).
+  // The configuration in effect: "auto" placements resolved (placement.h). A master split by
+  // unit between host and swap reads kNvme there; its first optimizer_host_units() units (their
+  // master, moments, and gradients where those are in swap) are in host RAM.
   const EngineConfig& config() const;
+  size_t optimizer_host_units() const;
   // One line: each kind's tier and bytes on this rank, and for automatic placement the budgets.
   const std::string& placement_report() const;
 
