@@ -90,8 +90,9 @@ TEST(EngineCuda, Bf16TracksFp32OnTheGpu) {
   EXPECT_GT(any, 0.0) << "bf16 run identical to fp32: bf16 compute was not used";
 }
 
-// Recomputing two blocks and keeping the others' graphs on the GPU: bitwise the full recompute,
-// and libtorch's numbers.
+// Recomputing two blocks and keeping the others' graphs on the GPU: libtorch's numbers, and the
+// full recompute's to 1e-6 (bitwise on the CPU; here the attention kernel libtorch picks may
+// differ between a forward with and without autograd).
 TEST(EngineCuda, KeptGraphsMatchLibtorchOnTheGpu) {
   REQUIRE_GPU();
   json j = tiny_config(false, 5);
@@ -103,7 +104,8 @@ TEST(EngineCuda, KeptGraphsMatchLibtorchOnTheGpu) {
   uint64_t peak = 0;
   const Trajectory want = run_in_process(all, UINT64_MAX, &peak, "cuda");
   const Trajectory got = run_in_process(some, UINT64_MAX, &peak, "cuda");
-  for (size_t i = 0; i < want.losses.size(); ++i) EXPECT_EQ(got.losses[i], want.losses[i]) << "step " << i + 1;
+  for (size_t i = 0; i < want.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], want.losses[i], 1e-6 * want.losses[i]) << "step " << i + 1;
   expect_close(got, reference(some, 1, kCuda), 1e-5);
 }
 
