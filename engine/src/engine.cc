@@ -554,6 +554,7 @@ struct Engine::Impl {
       for (auto& w : writes) w.get();
       st.tensors = owned[u];
       units.push_back(std::move(st));
+      last_grad_write.emplace_back();
       release(u);  // the model's copy of the unit goes now, not after the last unit
       if (cfg.on_unit_placed) cfg.on_unit_placed(u + 1, stages.size());
     }
@@ -862,6 +863,23 @@ struct Engine::Impl {
 
   // --- gradients -----------------------------------------------------------------------------
 
+  // NVMe-placed gradients: writes submitted by the d2h stream's host functions, with their
+  // buffers; waited for (and the buffers freed) on the training thread at the step's end.
+  std::mutex grad_write_mu;
+  std::vector<offload::IoFuture> last_grad_write;  // by unit
+  std::vector<std::pair<offload::IoFuture, at::Tensor>> grad_writes;
+  // Waits for every gradient write; rethrows the first failure (after waiting for all).
+  void finish_grad_writes() {
+    std::vector<std::pair<offload::IoFuture, at::Tensor>> pending;
+    {
+      std::lock_guard<std::mutex> lock(grad_write_mu);
+      pending.swap(grad_writes);
+      for (auto& w : last_grad_write) w = {};
+    }
+    for (auto& [w, buffer] : pending) w.wait();
+    for (auto& [w, buffer] : pending) w.get();
+  }
+
   // Reduce-scatters the gradients a stage's backward produced into the owners' accumulators.
   void reduce_gradients(size_t stage) {
     // Every unit the stage uses is reduced, gradient or not, so that the collectives are the
@@ -915,10 +933,18 @@ struct Engine::Impl {
           });
         } else {
           // NVMe: the first micro-batch writes the shard, later ones read, add and write back.
+          // The write is submitted, not waited for: the stream goes on to the next unit, the next
+          // micro-batch's read of this unit waits for it, and the step's end waits for them all.
           dev.launch_host(dev.d2h_stream(), [this, u, host]() mutable {
             at::Tensor h = host.scalar_type() == at::kFloat ? host : host.to(at::kFloat);
             if (!units[u].grad_fresh) {
               at::Tensor sum = host_buffer(uint64_t(h.numel()), at::kFloat);
+              offload::IoFuture before;
+              {
+                std::lock_guard<std::mutex> lock(grad_write_mu);
+                before = last_grad_write.at(u);
+              }
+              if (before.valid()) before.get();
               swap_read(u, kGrad, 0, sum).get();
               sum.add_(h);
               h = sum;
@@ -927,7 +953,12 @@ struct Engine::Impl {
               aligned.copy_(h);
               h = aligned;
             }
-            swap_write(u, kGrad, 0, h).get();
+            offload::IoFuture written = swap_write(u, kGrad, 0, h);
+            {
+              std::lock_guard<std::mutex> lock(grad_write_mu);
+              last_grad_write.at(u) = written;
+              grad_writes.push_back({written, h});  // h stays alive until the write is done
+            }
             units[u].grad_fresh = false;
           });
         }
@@ -1084,6 +1115,7 @@ struct Engine::Impl {
     {
       auto t = prof.time(prof.step.wait_grads, "wait gradients");
       dev.synchronize(dev.d2h_stream());  // host gradient accumulation done
+      finish_grad_writes();               // NVMe: and written
       // Every upload is done by now (the compute stream waited for each); this rethrows a failed
       // swap read of a gather or a checkpoint, which would otherwise go unnoticed.
       dev.synchronize(dev.h2d_stream());
@@ -1464,6 +1496,10 @@ Engine::~Engine() {
     }
   for (const auto& w : impl_->act_writes)
     if (w.submitted->load()) w.written.wait();
+  try {
+    impl_->finish_grad_writes();
+  } catch (...) {
+  }
   // Gathers in flight must finish before their buffers go.
   for (auto& [u, g] : impl_->live)
     if (!g.bound && g.work) try {

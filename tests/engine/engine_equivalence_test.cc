@@ -318,6 +318,33 @@ TEST(EngineActivations, AFailedSwapReadFailsTheStepNamingTheSwapFile) {
   }
 }
 
+// A gradient write to swap (submitted by the d2h stream, not waited for there) that fails fails
+// the step at its end, naming the swap file.
+TEST(EngineNvme, AFailedGradientWriteFailsTheStepNamingTheSwapFile) {
+  TempDir swap;
+  json j = tiny_config(false, 3);
+  j["placement"] = {{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  auto faults = std::make_shared<strata::offload::RuleFaultInjector>();
+  tc.engine.io_fault_injector = faults;
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create_host(UINT64_MAX);
+  se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+  // Armed after construction (which writes master and moments): the step's first write is the
+  // head's gradient.
+  faults->add({.kind = strata::offload::IoRequest::Kind::kWrite, .error = EIO, .uses = 1});
+  at::Tensor ids = at::randint(0, tc.model.vocab_size, {tc.engine.micro_batch * tc.engine.grad_accum, tc.engine.seq_len + 1}, at::kLong);
+  try {
+    eng.train_step(ids);
+    FAIL() << "the failed gradient write went unnoticed";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("strata-swap"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(faults->fired(), 1u);
+  EXPECT_THROW(eng.train_step(ids), std::runtime_error);
+}
+
 // Device-placed checkpoints count against the budget: all of a micro-batch's, beside the
 // working set. "auto" takes the device where they fit, else the host, else swap.
 TEST(EngineActivations, DevicePlacementCountsInTheBudgetAndAutoPicksATier) {
