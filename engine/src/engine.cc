@@ -868,6 +868,27 @@ struct Engine::Impl {
   std::mutex grad_write_mu;
   std::vector<offload::IoFuture> last_grad_write;  // by unit
   std::vector<std::pair<offload::IoFuture, at::Tensor>> grad_writes;
+  // At most kGradWrites buffers wait for their writes (each a unit's fp32 shard): the training
+  // thread drops finished ones and, over the bound, waits for the oldest (counted as waiting for
+  // gradients), so a disk slower than the backward holds the backward back, not host memory.
+  static constexpr size_t kGradWrites = 2;
+  void prune_grad_writes() {
+    const auto done = [](const std::pair<offload::IoFuture, at::Tensor>& w) {
+      return w.first.ready() && w.first.wait().ok();  // failures stay, for the step's end to report
+    };
+    std::unique_lock<std::mutex> lock(grad_write_mu);
+    std::erase_if(grad_writes, done);
+    while (grad_writes.size() > kGradWrites) {
+      const offload::IoFuture oldest = grad_writes.front().first;
+      lock.unlock();
+      {
+        auto t = prof.time(prof.step.wait_grads, "wait gradient write");
+        oldest.get();  // a failure fails the step now
+      }
+      lock.lock();
+      std::erase_if(grad_writes, done);
+    }
+  }
   // Waits for every gradient write; rethrows the first failure (after waiting for all).
   void finish_grad_writes() {
     std::vector<std::pair<offload::IoFuture, at::Tensor>> pending;
@@ -933,6 +954,7 @@ struct Engine::Impl {
           });
         } else {
           // NVMe: the first micro-batch writes the shard, later ones read, add and write back.
+          prune_grad_writes();
           // The write is submitted, not waited for: the stream goes on to the next unit, the next
           // micro-batch's read of this unit waits for it, and the step's end waits for them all.
           dev.launch_host(dev.d2h_stream(), [this, u, host]() mutable {
