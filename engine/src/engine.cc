@@ -735,14 +735,15 @@ struct Engine::Impl {
     int local_ranks = comm.world_size();
     if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local_ranks = std::max(1, std::atoi(l));
     const uint64_t device_state = device == UINT64_MAX ? device : device > working ? device - working : 0;
-    const TierBudgets budgets = machine_budgets(cfg, device_state, local_ranks);
+    TierBudgets budgets = machine_budgets(cfg, device_state, local_ranks);
+    // Checkpoints placed on the host explicitly need their room beside the state.
+    if (cfg.activations == Placement::kHost) budgets.host -= std::min(budgets.host, checkpoint_bytes);
     PlacementPlan plan = plan_placement(cfg, need, budgets);
     // Every rank takes the slowest tier any rank chose for each kind, and of a split optimizer
     // group the fewest units in host RAM (a group wholly there counts as all units), so that all
     // agree.
     const int64_t n_units = int64_t(partition->num_units());
-    const int64_t on_host = plan.master == Placement::kHost ? n_units
-                            : plan.master == Placement::kNvme ? int64_t(plan.host_units) : 0;
+    const int64_t on_host = plan.master == Placement::kNvme ? int64_t(plan.host_units) : n_units;
     at::Tensor codes = at::tensor({int64_t(plan.params), int64_t(plan.grads), int64_t(plan.master),
                                    int64_t(plan.moments), n_units - on_host}, at::TensorOptions().dtype(at::kLong));
     comm.all_reduce(codes, ReduceOp::kMax);
@@ -750,6 +751,18 @@ struct Engine::Impl {
             Placement(codes[2].item<int64_t>()), Placement(codes[3].item<int64_t>())};
     if (plan.master == Placement::kNvme) plan.host_units = size_t(n_units - codes[4].item<int64_t>());
     host_units = plan.host_units;
+    // A rank may now swap more than it planned (another rank chose a slower tier or fewer host
+    // units): check its swap budget again, so that it fails here, clearly, not on a full disk.
+    uint64_t swapped = 0;
+    for (size_t u = 0; u < partition->num_units(); ++u)
+      for (int k = 0; k < kKinds; ++k)
+        if (placement(u, k) == Placement::kNvme)
+          swapped += partition->unit(u).shard_numel * c10::elementSize(kind_dtype(k));
+    if (swapped > budgets.nvme)
+      throw std::runtime_error("automatic placement: the ranks agreed on placing " + format_bytes(swapped) +
+                               " of this rank's state in swap, over its NVMe budget of " +
+                               format_bytes(budgets.nvme) + " (another rank had less room elsewhere); "
+                               "raise offload.nvme_budget or offload.host_budget, or place kinds explicitly");
     cfg.params = plan.params;
     cfg.grads = plan.grads;
     cfg.master = plan.master;
@@ -867,13 +880,13 @@ struct Engine::Impl {
   // buffers; waited for (and the buffers freed) on the training thread at the step's end.
   std::mutex grad_write_mu;
   std::vector<offload::IoFuture> last_grad_write;  // by unit
-  std::vector<std::pair<offload::IoFuture, at::Tensor>> grad_writes;
+  std::vector<std::pair<offload::IoFuture, std::array<at::Tensor, 2>>> grad_writes;  // write, its buffers
   // At most kGradWrites buffers wait for their writes (each a unit's fp32 shard): the training
   // thread drops finished ones and, over the bound, waits for the oldest (counted as waiting for
   // gradients), so a disk slower than the backward holds the backward back, not host memory.
   static constexpr size_t kGradWrites = 2;
   void prune_grad_writes() {
-    const auto done = [](const std::pair<offload::IoFuture, at::Tensor>& w) {
+    const auto done = [](const std::pair<offload::IoFuture, std::array<at::Tensor, 2>>& w) {
       return w.first.ready() && w.first.wait().ok();  // failures stay, for the step's end to report
     };
     std::unique_lock<std::mutex> lock(grad_write_mu);
@@ -891,7 +904,7 @@ struct Engine::Impl {
   }
   // Waits for every gradient write; rethrows the first failure (after waiting for all).
   void finish_grad_writes() {
-    std::vector<std::pair<offload::IoFuture, at::Tensor>> pending;
+    std::vector<std::pair<offload::IoFuture, std::array<at::Tensor, 2>>> pending;
     {
       std::lock_guard<std::mutex> lock(grad_write_mu);
       pending.swap(grad_writes);
@@ -976,12 +989,12 @@ struct Engine::Impl {
               h = aligned;
             }
             offload::IoFuture written = swap_write(u, kGrad, 0, h);
-            {
-              std::lock_guard<std::mutex> lock(grad_write_mu);
-              last_grad_write.at(u) = written;
-              grad_writes.push_back({written, h});  // h stays alive until the write is done
-            }
             units[u].grad_fresh = false;
+            // The entry takes this function's last references (h, and host, which the capture
+            // would otherwise free here), so the training thread frees them.
+            std::lock_guard<std::mutex> lock(grad_write_mu);
+            last_grad_write.at(u) = written;
+            grad_writes.push_back({written, {std::move(h), std::move(host)}});
           });
         }
       }

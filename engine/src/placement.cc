@@ -62,7 +62,9 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
       if (plan.params == kAuto && !room.fits(Placement::kDevice, need.params) && host_left >= need.params)
         host_left -= need.params;
       uint64_t host_group = 0, host_grads = 0;  // bytes of the units kept in host RAM
-      for (uint64_t n : need.unit_numel) {
+      // Gradients placed in swap explicitly cannot follow a master into host RAM: no split then.
+      const bool may_split = grads_free || plan.grads != Placement::kNvme;
+      for (uint64_t n : may_split ? need.unit_numel : std::vector<uint64_t>{}) {
         const uint64_t grads_here = grads_follow ? 4 * n : 0;
         if (host_group + host_grads + 12 * n + grads_here > host_left) break;
         host_group += 12 * n;

@@ -208,7 +208,8 @@ TEST(Checkpoint, ResumeIsBitwiseExactWithMasterSplitBetweenHostAndSwap) {
     for (size_t u = 0; u < p.num_units(); ++u) all += p.unit(u).shard_numel;
     first_two = p.unit(0).shard_numel + p.unit(1).shard_numel;
   }
-  j["offload"]["host_budget"] = 8 * all + 12 * first_two + 1024;
+  // ... and room for the activation checkpoints (host-placed: 3 blocks x 2 x 24 tokens x 64 x 4 B).
+  j["offload"]["host_budget"] = 8 * all + 12 * first_two + 3 * 2 * 24 * 64 * 4 + 1024;
   {
     Trainer t(se::parse_train_config(j.dump(), "test"));
     ASSERT_NE(t.engine().placement_report().find("(units 0-1) + nvme"), std::string::npos)

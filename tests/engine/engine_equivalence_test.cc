@@ -650,6 +650,9 @@ TEST(PlacementPlan, SplitsTheOptimizerGroupByUnitBetweenHostAndSwap) {
   EXPECT_EQ(plan(800, 1500, 10000), "device nvme nvme nvme 1");
   EXPECT_NE(se::describe_plan(se::plan_placement(c, need, {800, 1500, 10000}), need).find("grads host 200 B (units 0-0) + nvme"),
             std::string::npos);
+  // Gradients placed in swap explicitly cannot follow a master into host RAM: no split.
+  c.grads = P::kNvme;
+  EXPECT_EQ(plan(800, 4000, 10000), "device nvme nvme nvme 0");
 }
 
 // Split by unit in the engine: the first units' master and moments in host RAM, the rest in swap;
@@ -671,8 +674,10 @@ TEST(EngineAuto, SplitsMasterAndMomentsByUnitAndTrainsBitwiseAlike) {
   ASSERT_EQ(shard.size(), 5u);
   uint64_t all = 0;
   for (uint64_t n : shard) all += n;
-  // Gradients and fp32 compute copies on the host, and the first two units' master and moments.
-  const uint64_t host = 8 * all + 12 * (shard[0] + shard[1]) + 1024;
+  // Gradients and fp32 compute copies on the host, the first two units' master and moments, and
+  // the host-placed activation checkpoints (3 blocks x 2 x 24 tokens x 64 x fp32).
+  const uint64_t checkpoints = 3 * 2 * 24 * 64 * 4;
+  const uint64_t host = 8 * all + 12 * (shard[0] + shard[1]) + checkpoints + 1024;
   j["placement"] = {{"params", "auto"}, {"grads", "auto"}, {"master", "auto"}, {"moments", "auto"},
                     {"activations", "host"}};
   j["offload"]["host_budget"] = host;
@@ -685,7 +690,7 @@ TEST(EngineAuto, SplitsMasterAndMomentsByUnitAndTrainsBitwiseAlike) {
     EXPECT_EQ(eng.optimizer_host_units(), 2u);
     EXPECT_EQ(eng.config().master, se::Placement::kNvme);
     const se::MemoryReport m = eng.memory();
-    EXPECT_EQ(m.host_state, host - 1024);
+    EXPECT_EQ(m.host_state, host - checkpoints - 1024);
     EXPECT_EQ(m.nvme_state, 12 * (all - shard[0] - shard[1]));
   }
   uint64_t peak = 0;
