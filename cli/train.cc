@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <iomanip>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -160,9 +159,10 @@ int train_main(const std::vector<std::string>& argv) {
     tc.engine.on_unit_placed = [t0, tty = bool(isatty(STDERR_FILENO))](size_t done, size_t total) {
       if (!tty && done * 10 / total == (done - 1) * 10 / total && done != total) return;
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      char secs[32];  // formatted here: std::cerr's precision stays as it was
+      std::snprintf(secs, sizeof secs, "%.1f", s);
       std::cerr << (tty ? "\r\033[K" : "") << "strata train: placing the initial weights: unit " << done << "/"
-                << total << " (" << std::fixed << std::setprecision(1) << s << " s)" << std::defaultfloat
-                << (done == total || !tty ? "\n" : "") << std::flush;
+                << total << " (" << secs << " s)" << (done == total || !tty ? "\n" : "") << std::flush;
     };
   }
   engine::Engine eng(std::move(model), tc.engine, *comm, *device);
