@@ -494,13 +494,13 @@ struct Engine::Impl {
     // gradient buffers (plus a bf16 copy when reducing in bf16) of the units a use touches.
     const models::ModelConfig& mc = model->config();
     const uint64_t tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
-    const uint64_t act = tokens * uint64_t(mc.hidden) * c10::elementSize(cdt);
+    act_bytes = tokens * uint64_t(mc.hidden) * c10::elementSize(cdt);
+    const uint64_t act = act_bytes;
     graph_bytes = tokens * model->block_graph_bytes_per_token(c10::elementSize(cdt));
     const size_t blocks = n - 2;
     recomputed = cfg.recompute_blocks == EngineConfig::kRecomputeAuto
                      ? blocks
                      : std::min(blocks, size_t(cfg.recompute_blocks));  // "auto" decides below
-    checkpoint_bytes = uint64_t(recomputed) * act;
     const uint64_t logits = tokens * uint64_t(mc.vocab_size) * (4 + 4 + c10::elementSize(cdt));
     for (const Use& use : uses) {
       uint64_t grads = 0;
@@ -560,13 +560,13 @@ struct Engine::Impl {
     }
 
     base_bytes = dev.used();
-    if (cfg.recompute_blocks == EngineConfig::kRecomputeAuto) resolve_recompute(act);
+    if (cfg.recompute_blocks == EngineConfig::kRecomputeAuto) resolve_recompute();
     cfg.recompute_blocks = int(recomputed);
     placement_report += "; recompute " + std::to_string(recomputed) + " of " + std::to_string(blocks) + " blocks";
     if (recomputed < blocks)
       placement_report += " (the last " + std::to_string(blocks - recomputed) + " keep their autograd graphs on the device, " +
                           format_bytes(graph_bytes) + " each)";
-    place_activations(act);
+    place_activations();
     prefetch_depth = cfg.prefetch;
     if (cfg.prefetch_auto) {
       // As many of the largest unit as fit beside the largest use, up to 8 and the schedule.
@@ -628,7 +628,7 @@ struct Engine::Impl {
   }
   // recompute "auto": keeps as many of the last blocks' graphs as fit beside the device-placed
   // state, the largest use, the prefetched units and, placed there, the remaining checkpoints.
-  void resolve_recompute(uint64_t act) {
+  void resolve_recompute() {
     const size_t blocks = stages.size() - 2;
     uint64_t largest_unit = 0;
     for (size_t u = 0; u < partition->num_units(); ++u) largest_unit = std::max(largest_unit, unit_param_bytes(u));
@@ -640,7 +640,7 @@ struct Engine::Impl {
       uint64_t need = 0;
       for (const Use& use : uses) need = std::max(need, use_param_bytes(use) + reserve_bytes + held_at(use));
       need += uint64_t(cfg.prefetch) * largest_unit;
-      if (cfg.activations == Placement::kDevice) need += uint64_t(recomputed) * act;
+      if (cfg.activations == Placement::kDevice) need += checkpoint_bytes();
       if (base_bytes + need > budget) break;
       keep = k;
     }
@@ -648,16 +648,18 @@ struct Engine::Impl {
     at::Tensor code = at::tensor({int64_t(blocks - keep)}, at::TensorOptions().dtype(at::kLong));
     comm.all_reduce(code, ReduceOp::kMax);
     recomputed = size_t(code[0].item<int64_t>());
-    checkpoint_bytes = uint64_t(recomputed) * act;
   }
 
   // Resolves placement.activations "auto" (device, else host, else swap; see config.h), opens
   // the swap slots of NVMe-placed checkpoints, and adds the placement to the report.
   uint64_t device_checkpoint_bytes = 0;  // counted in every use's need (they live across uses)
-  uint64_t checkpoint_bytes = 0;         // all activation checkpoints of one micro-batch
-  void place_activations(uint64_t act) {
+  uint64_t act_bytes = 0;  // one block input (an activation checkpoint) of a micro-batch
+  // All activation checkpoints of one micro-batch: the inputs of the recomputed stages.
+  uint64_t checkpoint_bytes() const { return uint64_t(recomputed) * act_bytes; }
+  void place_activations() {
+    const uint64_t act = act_bytes;
     const size_t n = stages.size();
-    const uint64_t all = checkpoint_bytes;  // inputs of the recomputed stages 1..recomputed
+    const uint64_t all = checkpoint_bytes();
     act_slots.clear();
     act_slots.resize(n);
     if (cfg.activations == Placement::kAuto) {
@@ -729,7 +731,7 @@ struct Engine::Impl {
     uint64_t working = 0;
     for (const Use& use : uses) working = std::max(working, use_param_bytes(use) + reserve_bytes);
     working += uint64_t(cfg.prefetch) * largest_unit;  // "auto": its starting depth
-    if (cfg.activations == Placement::kDevice) working += checkpoint_bytes;  // placed there explicitly
+    if (cfg.activations == Placement::kDevice) working += checkpoint_bytes();  // placed there explicitly
     working += peak_held();  // blocks kept without recompute (an explicit count)
     const uint64_t device = std::min(dev.budget(), dev.physical_free());
     int local_ranks = comm.world_size();
@@ -737,7 +739,7 @@ struct Engine::Impl {
     const uint64_t device_state = device == UINT64_MAX ? device : device > working ? device - working : 0;
     TierBudgets budgets = machine_budgets(cfg, device_state, local_ranks);
     // Checkpoints placed on the host explicitly need their room beside the state.
-    if (cfg.activations == Placement::kHost) budgets.host -= std::min(budgets.host, checkpoint_bytes);
+    if (cfg.activations == Placement::kHost) budgets.host -= std::min(budgets.host, checkpoint_bytes());
     PlacementPlan plan = plan_placement(cfg, need, budgets);
     // Every rank takes the slowest tier any rank chose for each kind, and of a split optimizer
     // group the fewest units in host RAM (a group wholly there counts as all units), so that all

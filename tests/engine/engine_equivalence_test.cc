@@ -259,90 +259,57 @@ TEST(EngineActivations, EveryPlacementTrainsBitwiseAlikeAndMovesItsBytes) {
   }
 }
 
-// A checkpoint that cannot be written to swap fails the step with the I/O error naming the swap
-// file; the engine then refuses to go on from undefined state.
-TEST(EngineActivations, AFailedCheckpointWriteFailsTheStepNamingTheSwapFile) {
+// Builds an engine on a tiny GPT-2 with `placement` and swap, then injects EIO into the first
+// swap operation of `kind` after construction (which writes the initial state): the step fails
+// with the I/O error naming the swap file, the fault fired once, and the engine then refuses to
+// go on from undefined state.
+void expect_swap_fault_fails_the_step(const json& placement, strata::offload::IoRequest::Kind kind) {
   TempDir swap;
   json j = tiny_config(false, 3);
-  j["placement"] = {{"activations", "nvme"}};
+  j["placement"] = placement;
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
   se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
   auto faults = std::make_shared<strata::offload::RuleFaultInjector>();
-  faults->add({.kind = strata::offload::IoRequest::Kind::kWrite, .error = EIO, .uses = 1});
   tc.engine.io_fault_injector = faults;
   auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
   auto dev = se::Device::create_host(UINT64_MAX);
   se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+  faults->add({.kind = kind, .error = EIO, .uses = 1});
   at::Tensor ids = at::randint(0, tc.model.vocab_size, {tc.engine.micro_batch * tc.engine.grad_accum, tc.engine.seq_len + 1}, at::kLong);
   try {
     eng.train_step(ids);
-    FAIL() << "the failed write went unnoticed";
+    ADD_FAILURE() << "the failed swap operation went unnoticed";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("strata-swap"), std::string::npos) << e.what();
   }
   EXPECT_EQ(faults->fired(), 1u);
   try {
     eng.train_step(ids);
-    FAIL() << "trained on from undefined state";
+    ADD_FAILURE() << "trained on from undefined state";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("failed half way"), std::string::npos) << e.what();
   }
 }
 
+// An activation checkpoint that cannot be written to swap.
+TEST(EngineActivations, AFailedCheckpointWriteFailsTheStepNamingTheSwapFile) {
+  expect_swap_fault_fails_the_step({{"activations", "nvme"}}, strata::offload::IoRequest::Kind::kWrite);
+}
+
 // A swap read that fails on the upload stream (a gather of NVMe-placed compute copies, or an
-// activation checkpoint coming back) fails the step with the I/O error naming the swap file,
-// never trains on the unread buffer; the engine then refuses to go on.
+// activation checkpoint coming back): never trained on as if it had been read.
 TEST(EngineActivations, AFailedSwapReadFailsTheStepNamingTheSwapFile) {
   for (const char* what : {"params", "activations"}) {
     SCOPED_TRACE(what);
-    TempDir swap;
-    json j = tiny_config(false, 3);
-    j["placement"] = {{what, "nvme"}};
-    j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
-    se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
-    auto faults = std::make_shared<strata::offload::RuleFaultInjector>();
-    faults->add({.kind = strata::offload::IoRequest::Kind::kRead, .error = EIO, .uses = 1});
-    tc.engine.io_fault_injector = faults;
-    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
-    auto dev = se::Device::create_host(UINT64_MAX);
-    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
-    at::Tensor ids = at::randint(0, tc.model.vocab_size, {tc.engine.micro_batch * tc.engine.grad_accum, tc.engine.seq_len + 1}, at::kLong);
-    try {
-      eng.train_step(ids);
-      FAIL() << "the failed read went unnoticed";
-    } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find("strata-swap"), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(faults->fired(), 1u);
-    EXPECT_THROW(eng.train_step(ids), std::runtime_error);
+    expect_swap_fault_fails_the_step({{what, "nvme"}}, strata::offload::IoRequest::Kind::kRead);
   }
 }
 
-// A gradient write to swap (submitted by the d2h stream, not waited for there) that fails fails
-// the step at its end, naming the swap file.
+// A gradient write to swap (submitted by the d2h stream, not waited for there; the step's first
+// write is the head's gradient) fails the step at its end.
 TEST(EngineNvme, AFailedGradientWriteFailsTheStepNamingTheSwapFile) {
-  TempDir swap;
-  json j = tiny_config(false, 3);
-  j["placement"] = {{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
-  j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
-  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
-  auto faults = std::make_shared<strata::offload::RuleFaultInjector>();
-  tc.engine.io_fault_injector = faults;
-  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
-  auto dev = se::Device::create_host(UINT64_MAX);
-  se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
-  // Armed after construction (which writes master and moments): the step's first write is the
-  // head's gradient.
-  faults->add({.kind = strata::offload::IoRequest::Kind::kWrite, .error = EIO, .uses = 1});
-  at::Tensor ids = at::randint(0, tc.model.vocab_size, {tc.engine.micro_batch * tc.engine.grad_accum, tc.engine.seq_len + 1}, at::kLong);
-  try {
-    eng.train_step(ids);
-    FAIL() << "the failed gradient write went unnoticed";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("strata-swap"), std::string::npos) << e.what();
-  }
-  EXPECT_EQ(faults->fired(), 1u);
-  EXPECT_THROW(eng.train_step(ids), std::runtime_error);
+  expect_swap_fault_fails_the_step({{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}},
+                                   strata::offload::IoRequest::Kind::kWrite);
 }
 
 // Device-placed checkpoints count against the budget: all of a micro-batch's, beside the
