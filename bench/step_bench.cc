@@ -94,7 +94,10 @@ void run_step_bench(const StepBenchOptions& o) {
   e.lr = 1e-4;
   e.weight_decay = 0.01;
   e.cpu_threads = threads;
-  e.overlap_optimizer = o.overlap;
+  if (o.overlap == "off") e.update_overlap = engine::UpdateOverlap::kOff;
+  else if (o.overlap == "forward") e.update_overlap = engine::UpdateOverlap::kForward;
+  else if (o.overlap == "backward") e.update_overlap = engine::UpdateOverlap::kBackward;
+  else throw std::invalid_argument("bench step: --overlap must be off, forward or backward, not " + o.overlap);
   const engine::Placement where = o.placement == "device" ? engine::Placement::kDevice : engine::Placement::kHost;
   e.params = e.grads = e.master = e.moments = e.activations = where;
   if (o.recompute == "all") e.recompute_blocks = engine::EngineConfig::kRecomputeAll;
@@ -137,6 +140,7 @@ void run_step_bench(const StepBenchOptions& o) {
       {"recomputed_blocks", recomputed},
       {"tokens_per_s", tokens / sec[0]},
       {"placement", o.placement},
+      {"overlap", o.overlap},
       {"parameters", c.parameters()},
       {"threads", threads}};
   std::cout << summary.dump() << std::endl;

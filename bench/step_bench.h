@@ -12,7 +12,7 @@ struct StepBenchOptions {
   int64_t seq = 128, batch = 8;
   unsigned steps = 5;     // timed steps per method, round-robin, median reported
   unsigned threads = 0;   // torch intra-op and Strata kernel threads; 0: every hardware thread
-  bool overlap = true;    // optimizer.overlap: the update runs during the next forward
+  std::string overlap = "forward";  // optimizer.overlap: off, forward (the next one) or backward
   std::string placement = "host";  // every state kind and the activation checkpoints: host or device
   std::string recompute = "auto";  // placement.recompute: all, none, auto or a block count
 };

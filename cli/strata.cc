@@ -144,7 +144,9 @@ recomputed. Timed round-robin; medians; final JSON line.
   --batch N      sequences per step (default 8)
   --steps N      timed steps per method (default 5)
   --threads N    threads for libtorch and the kernels (default: all)
-  --no-overlap   the engine's Adam step after backward (optimizer.overlap false)
+  --overlap M    optimizer.overlap: forward (default: the Adam step during the next step's
+                 forward), backward (during this step's backward) or off (after backward)
+  --no-overlap   the same as --overlap off
   --placement P  host (default) or device: where the engine keeps every state kind and the
                  activation checkpoints (device: the host device's memory, no staging copies)
   --recompute R  placement.recompute: auto (default), none, all, or the number of blocks
@@ -157,7 +159,7 @@ int bench_step(const std::vector<std::string>& argv) {
       std::cout << kBenchStepUsage;
       return 0;
     }
-  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "steps", "threads", "placement", "recompute"}, {"no-overlap"});
+  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "steps", "threads", "placement", "recompute", "overlap"}, {"no-overlap"});
   strata::bench::StepBenchOptions o;
   o.layers = args.count("layers", unsigned(o.layers));
   o.hidden = args.count("hidden", unsigned(o.hidden));
@@ -167,7 +169,7 @@ int bench_step(const std::vector<std::string>& argv) {
   o.batch = args.count("batch", unsigned(o.batch));
   o.steps = args.count("steps", o.steps);
   o.threads = args.count("threads", o.threads);
-  o.overlap = !args.has("no-overlap");
+  o.overlap = args.has("no-overlap") ? "off" : args.get("overlap", o.overlap);
   o.placement = args.get("placement", o.placement);
   if (o.placement != "host" && o.placement != "device")
     throw std::invalid_argument("bench step: --placement must be host or device, not " + o.placement);

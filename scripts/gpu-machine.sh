@@ -17,7 +17,9 @@
 #   benchtrain  strata bench train: the 1.4B configs (host, auto, auto with recompute "auto", nvme)
 #           beside plain PyTorch and
 #           FSDP2 + CPUOffloadPolicy in one run, then the 2.8B ones (host, auto); final JSON lines
-#           in $OUT/bench-train-*.jsonl (STRATA_BENCH_SHAPES="1.4b" to run one shape)
+#           in $OUT/bench-train-*.jsonl (STRATA_BENCH_SHAPES="1.4b" to run one shape;
+#           "1.4b-noclip": host placement without clipping, the update overlapped with the next
+#           forward vs with the backward, beside the baselines without clipping)
 # Results are written to $OUT (default: build-gpu/out); each phase prints a short summary last.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -112,6 +114,7 @@ PY
       case $shape in
       1.4b) configs="gpu-gpt-1.4b-host gpu-gpt-1.4b-auto gpu-gpt-1.4b-auto-keep gpu-gpt-1.4b-nvme" ;;
       2.8b) configs="gpu-gpt-2.8b-host gpu-gpt-2.8b-auto" ;;
+      1.4b-noclip) configs="gpu-gpt-1.4b-host-noclip gpu-gpt-1.4b-host-backward" ;;
       *) log "unknown shape $shape"; status=1; continue ;;
       esac
       list=$(for c in $configs; do printf '%s,' "$repo/bench/configs/$c.json"; done)

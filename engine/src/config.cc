@@ -30,6 +30,15 @@ const char* to_string(Placement p) {
   return "?";
 }
 
+const char* to_string(UpdateOverlap o) {
+  switch (o) {
+    case UpdateOverlap::kOff: return "off";
+    case UpdateOverlap::kForward: return "forward";
+    case UpdateOverlap::kBackward: return "backward";
+  }
+  return "?";
+}
+
 void EngineConfig::validate() const {
   auto bad = [](const std::string& m) { throw std::invalid_argument(m); };
   if (!(lr >= 0)) bad("optimizer.lr must be >= 0");
@@ -38,6 +47,12 @@ void EngineConfig::validate() const {
   if (!(eps > 0)) bad("optimizer.eps must be > 0");
   if (!(weight_decay >= 0)) bad("optimizer.weight_decay must be >= 0");
   if (!(clip_grad_norm >= 0)) bad("optimizer.clip_grad_norm must be >= 0 (0: off)");
+  if (update_overlap == UpdateOverlap::kBackward && clip_grad_norm > 0)
+    bad("optimizer.overlap \"backward\" needs optimizer.clip_grad_norm 0: clipping scales every "
+        "update by the global gradient norm, which is known only after the whole backward");
+  if (update_overlap == UpdateOverlap::kBackward && compute == Precision::kFp16)
+    bad("optimizer.overlap \"backward\" cannot run with precision.compute fp16: the loss scaler "
+        "skips a step whose gradients overflow, which is known only after the whole backward");
   if (micro_batch < 1) bad("batch.micro_batch must be >= 1");
   if (grad_accum < 1) bad("batch.grad_accum must be >= 1");
   if (seq_len < 1) bad("data.seq_len must be >= 1");
@@ -246,7 +261,13 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("eps", e.eps);
     s.read("weight_decay", e.weight_decay);
     s.read("clip_grad_norm", e.clip_grad_norm);
-    s.read("overlap", e.overlap_optimizer);
+    if (const json* v = s.get("overlap")) {
+      if (v->is_boolean()) e.update_overlap = v->get<bool>() ? UpdateOverlap::kForward : UpdateOverlap::kOff;
+      else if (*v == "off") e.update_overlap = UpdateOverlap::kOff;
+      else if (*v == "forward") e.update_overlap = UpdateOverlap::kForward;
+      else if (*v == "backward") e.update_overlap = UpdateOverlap::kBackward;
+      else s.fail("overlap", "must be true (\"forward\"), false (\"off\") or \"backward\", not " + v->dump());
+    }
   }
   if (const json* p = top.get("precision")) {
     Section s(*p, "precision", source);

@@ -17,6 +17,7 @@
 #include <exception>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <cerrno>
@@ -33,6 +34,7 @@
 #include "strata/offload/io_engine.h"
 #include "strata/offload/swap_space.h"
 #ifdef STRATA_HAVE_CUDA
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
@@ -514,6 +516,8 @@ struct Engine::Impl {
     if (cfg.activations != Placement::kDevice) reserve_bytes += act;
 
     resolve_auto_placement();
+    grads_transient = gradients_transient(cfg, cfg.master);
+    if (grads_transient) cfg.grads = Placement::kHost;  // each unit's gradient waits there for its update
 
     if (cfg.master == Placement::kNvme || cfg.grads == Placement::kNvme || cfg.params == Placement::kNvme ||
         cfg.activations == Placement::kNvme)
@@ -535,6 +539,7 @@ struct Engine::Impl {
       std::vector<at::Tensor> buffers;  // alive until their writes complete
       for (int k = 0; k < kKinds; ++k) {
         const at::ScalarType t = kind_dtype(k);
+        if (k == kGrad && grads_transient) continue;  // a buffer per step, from the unit's first reduce
         if (placement(u, k) != Placement::kNvme) {
           at::Tensor& x = st.kind(k);
           x = alloc_state(placement(u, k), L.shard_numel, t, std::string(kKindName[k]) + un);
@@ -724,7 +729,9 @@ struct Engine::Impl {
     const bool any_auto = cfg.params == Placement::kAuto || cfg.grads == Placement::kAuto ||
                           cfg.master == Placement::kAuto || cfg.moments == Placement::kAuto;
     if (!any_auto) {
-      placement_report = "placement: " + describe_plan({cfg.params, cfg.grads, cfg.master, cfg.moments}, need);
+      PlacementPlan plan{cfg.params, cfg.grads, cfg.master, cfg.moments};
+      plan.grads_transient = gradients_transient(cfg, cfg.master);
+      placement_report = "placement: " + describe_plan(plan, need);
       return;
     }
     // The device keeps room for the largest use, its working set and the prefetched units.
@@ -751,6 +758,7 @@ struct Engine::Impl {
     comm.all_reduce(codes, ReduceOp::kMax);
     plan = {Placement(codes[0].item<int64_t>()), Placement(codes[1].item<int64_t>()),
             Placement(codes[2].item<int64_t>()), Placement(codes[3].item<int64_t>())};
+    plan.grads_transient = gradients_transient(cfg, plan.master);
     if (plan.master == Placement::kNvme) plan.host_units = size_t(n_units - codes[4].item<int64_t>());
     host_units = plan.host_units;
     // A rank may now swap more than it planned (another rank chose a slower tier or fewer host
@@ -944,6 +952,7 @@ struct Engine::Impl {
       comm.reduce_scatter(shard, send)->wait();
       send = at::Tensor();
       flat = at::Tensor();
+      if (grads_transient && !units[u].grad.defined()) take_gradient_buffer(u);
       at::Tensor acc = units[u].grad;
       if (cfg.grads == Placement::kDevice) {
         acc.add_(shard);
@@ -1038,6 +1047,24 @@ struct Engine::Impl {
                                   std::to_string(A * b) + ", seq_len + 1 = " + std::to_string(T + 1) + "]");
     const size_t n = stages.size();
     const size_t total = uses.size() * size_t(A);
+    const double W = comm.world_size();
+    const double denom = loss_scale * double(A) * W;  // the gradients' sum over the global batch
+    const bool in_backward = updates_in_backward();
+    if (in_backward) {
+      wait_nvme_hold();  // a checkpoint still copying the swap files the update writes
+      last_use_stage.assign(units.size(), n);
+      std::vector<int> stages_using(units.size(), 0);
+      for (size_t st = 0; st < n; ++st)
+        for (size_t u : stage_units[st]) {
+          last_use_stage[u] = std::min(last_use_stage[u], st);
+          ++stages_using[u];
+        }
+      if (grads_transient) {
+        std::lock_guard<std::mutex> lock(update_mu);
+        transient_held = 0;
+        transient_limit = 2 + size_t(std::count_if(stages_using.begin(), stages_using.end(), [](int c) { return c > 1; }));
+      }
+    }
     double loss_sum = 0;
     size_t k = 0;
     if (cfg.profile) {
@@ -1088,6 +1115,8 @@ struct Engine::Impl {
         x_res = std::move(y_res);  // a kept stage's input: in its graph (graph_bytes) from here
         release_unneeded(k, total);
       }
+      // "backward" overlap: the update starts with the last micro-batch's backward.
+      if (in_backward && m == A - 1) launch_update_in_backward(adam_config(1.0 / denom));
       // The head: forward and backward.
       at::Tensor dy;
       {
@@ -1103,6 +1132,7 @@ struct Engine::Impl {
         dy = xh.grad();
         x = at::Tensor();
         reduce_gradients(n - 1);
+        if (in_backward && m == A - 1) signal_final_gradients(n - 1);
         release_unneeded(k, total);
         ++k;
       }
@@ -1145,6 +1175,7 @@ struct Engine::Impl {
           dy = s > 0 ? xin.grad() : at::Tensor();
         }
         reduce_gradients(s);
+        if (in_backward && m == A - 1) signal_final_gradients(s);
         release_unneeded(k, total);
       }
     }
@@ -1159,14 +1190,18 @@ struct Engine::Impl {
     }
 
     // Global norm and overflow in one all-reduce: [local sum of squares, local loss sum].
-    finish_update();  // done long ago (the forward gathered every unit); joins the thread
-    const double W = comm.world_size();
-    const double denom = loss_scale * double(A) * W;
+    // "forward": the last update was done long ago (the forward gathered every unit); "backward":
+    // this step's update, whose last units may still be running.
+    finish_update();
     StepResult r;
     const int depth_used = prefetch_depth;
     {
       auto t = prof.time(prof.step.norm, "gradient norm");
-      const double sumsq = local_sum_squares();
+      double sumsq = 0;
+      if (in_backward)
+        for (double v : unit_sumsq) sumsq += v;
+      else
+        sumsq = local_sum_squares();
       // With the norm and the loss, every rank's wait for parameters and time so far: the
       // prefetch decision is then the same on every rank (their gathers must stay in step).
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -1179,18 +1214,18 @@ struct Engine::Impl {
     }
     r.loss_scale = loss_scale;
     r.skipped = !std::isfinite(r.grad_norm);
-    if (!r.skipped) {
+    if (in_backward) {
+      // Already applied: no skipping a step with a non-finite gradient.
+      if (r.skipped)
+        throw std::runtime_error("step " + std::to_string(step + 1) + ": the gradient norm is " +
+                                 std::to_string(r.grad_norm) + " and optimizer.overlap \"backward\" "
+                                 "has already applied the update, so the weights are no longer usable: "
+                                 "restart from a checkpoint (overlap true or false skips such steps)");
+      ++step;
+    } else if (!r.skipped) {
       double coef = 1.0;
       if (cfg.clip_grad_norm > 0) coef = std::min(1.0, cfg.clip_grad_norm / (r.grad_norm + 1e-6));
-      kernels::AdamConfig ac;
-      ac.lr = cfg.lr;
-      ac.beta1 = cfg.beta1;
-      ac.beta2 = cfg.beta2;
-      ac.eps = cfg.eps;
-      ac.weight_decay = cfg.weight_decay;
-      ac.decoupled_weight_decay = cfg.decoupled_weight_decay;
-      ac.step = step + 1;
-      ac.grad_scale = coef / denom;
+      const kernels::AdamConfig ac = adam_config(coef / denom);
       wait_nvme_hold();  // a checkpoint still copying swap-resident state: counted as exposed
       if (overlaps_update()) {
         launch_update(ac);
@@ -1241,13 +1276,14 @@ struct Engine::Impl {
   // copied up after `fn`. Device-placed kinds other than the compute copy are not supported
   // (the optimizer runs where the master weights live).
   // `unit_done(u)`, if set, is called once every chunk of unit u has been processed and written
-  // back (units finish in order).
+  // back (units finish in order). `which`, if set, limits the pass to those units, in its order.
   void stream_chunks(unsigned in, unsigned out, const ChunkFn& fn,
-                     const std::function<void(size_t)>& unit_done = {}) {
+                     const std::function<void(size_t)>& unit_done = {},
+                     const std::vector<size_t>* which = nullptr) {
     const uint64_t chunk = std::max<uint64_t>(4096, cfg.nvme_chunk_bytes / 4 / 4096 * 4096);
     std::vector<Chunk> items;
     uint64_t largest = 0;
-    for (size_t u = 0; u < units.size(); ++u) {
+    for (size_t u : which ? *which : all_units()) {
       const uint64_t n = partition->unit(u).shard_numel;
       for (uint64_t b = 0; b < n; b += chunk) items.push_back({u, b, std::min(chunk, n - b)});
       largest = std::max(largest, std::min(chunk, n));
@@ -1372,18 +1408,36 @@ struct Engine::Impl {
       return;
     }
 #endif
+    update_units(ac, all_units(), unit_done);
+  }
+
+  std::vector<size_t> all_units() const {
+    std::vector<size_t> all(units.size());
+    for (size_t u = 0; u < all.size(); ++u) all[u] = u;
+    return all;
+  }
+
+  // The CPU Adam step of the units in `which` (ascending), their master weights and moments on
+  // the host or streamed from swap; `unit_done(u)` as each is complete. With `sumsq`, each unit's
+  // sum of squared gradients is added to (*sumsq)[u] on the way.
+  void update_units(const kernels::AdamConfig& ac, const std::vector<size_t>& which,
+                    const std::function<void(size_t)>& unit_done, std::vector<double>* sumsq = nullptr) {
     if (optimizer_streams()) {
       stream_chunks((1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kGrad),
                     (1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kCompute),
                     [&](const Chunk& c, const std::array<void*, kKinds>& p) {
+                      if (sumsq) (*sumsq)[c.unit] += kernels::sum_squares(p[kGrad], kernels::DType::kF32, c.numel, exec);
                       kernels::adam_step(ac, static_cast<float*>(p[kMaster]), static_cast<float*>(p[kExpAvg]),
                                          static_cast<float*>(p[kExpAvgSq]), p[kGrad], kernels::DType::kF32,
                                          p[kCompute], kernel_dtype(cfg.compute), c.numel, exec);
                     },
-                    unit_done);
+                    unit_done, &which);
       return;
     }
-    for (size_t u = 0; u < units.size(); ++u) {
+    for (size_t u : which) {
+      if (sumsq)
+        (*sumsq)[u] += kernels::sum_squares(units[u].grad.data_ptr<float>(), kernels::DType::kF32,
+                                            size_t(units[u].grad.numel()), exec);
       update_unit(ac, u);
       if (unit_done) unit_done(u);
     }
@@ -1401,36 +1455,64 @@ struct Engine::Impl {
     if (!out.is_same(u.compute)) u.compute.copy_(out);
   }
 
-  // --- the update overlapped with the next step (optimizer.overlap) ---------------------------
-  // Once backward is done the global norm is known, so the step's update is final: it runs on
-  // `updater`, unit by unit in forward order, while train_step returns and the next step's
-  // forward starts. A gather of unit u waits for u's update (wait_updated), so every forward
-  // sees exactly the updated weights: the same numbers as the serial update, earlier.
+  kernels::AdamConfig adam_config(double grad_scale) const {
+    kernels::AdamConfig ac;
+    ac.lr = cfg.lr;
+    ac.beta1 = cfg.beta1;
+    ac.beta2 = cfg.beta2;
+    ac.eps = cfg.eps;
+    ac.weight_decay = cfg.weight_decay;
+    ac.decoupled_weight_decay = cfg.decoupled_weight_decay;
+    ac.step = step + 1;
+    ac.grad_scale = grad_scale;
+    return ac;
+  }
+
+  // --- the update on its own thread (optimizer.overlap) ---------------------------------------
+  // "forward": once backward is done the global norm is known, so the step's update is final: it
+  // runs on `updater`, unit by unit in forward order, while train_step returns and the next
+  // step's forward starts. A gather of unit u waits for u's update (wait_updated), so every
+  // forward sees exactly the updated weights: the same numbers as the serial update, earlier.
+  // "backward": without clipping and loss scaling the update needs no global norm, so it starts
+  // during the step's last micro-batch: once a unit's last gradient contribution has landed
+  // where it accumulates (the d2h stream's host function after it says so: grad_final), the
+  // updater takes it, lowest unit first among those ready. No gather of this step needs an
+  // updated unit (a unit's gradient is final only after its last use), and the step's end joins
+  // the updater, so the next forward sees the updated weights: again the serial numbers.
   std::thread updater;
   std::mutex update_mu;
   std::condition_variable update_cv;
-  size_t units_updated = 0;
+  std::vector<char> unit_updated;  // by unit, under update_mu
+  bool gathers_wait_update = false;  // "forward": this update runs behind the next gathers
   std::shared_ptr<std::promise<void>> update_promise;  // set when the updater's work is over
   std::shared_future<void> update_over;
   double update_seconds = 0;  // the updater's work, counted into the timeline when it is joined
-  bool update_running = false;
+  Profiler::Clock::time_point update_begin;  // the updater's: when its current unit's work began
   std::exception_ptr update_error;
+  // "backward": which units' gradients are final (and the swap write of each, to wait for), each
+  // unit's sum of squared gradients (for the reported norm), and the failed step's stop signal.
+  std::vector<char> grad_final;
+  std::vector<offload::IoFuture> grad_final_write;
+  std::vector<double> unit_sumsq;
+  bool update_abort = false;
 
   bool overlaps_update() const {
-    // Not with device-resident master weights (the CUDA step is already asynchronous) nor with
-    // device-resident compute copies (written by torch copies on the training thread's stream).
-    return cfg.overlap_optimizer && cfg.master != Placement::kDevice && cfg.params != Placement::kDevice;
+    // Not with device-resident master weights: the CUDA step is already asynchronous.
+    return cfg.update_overlap != UpdateOverlap::kOff && cfg.master != Placement::kDevice;
   }
-  void launch_update(const kernels::AdamConfig& ac) {
+  bool updates_in_backward() const { return overlaps_update() && cfg.update_overlap == UpdateOverlap::kBackward; }
+
+  // Starts `updater` running `work(unit_done)`; unit_done(u) marks u's update complete.
+  void start_updater(std::function<void(const std::function<void(size_t)>&)> work) {
     finish_update();
     {
       std::lock_guard<std::mutex> lock(update_mu);
-      units_updated = 0;
-      update_running = true;
+      unit_updated.assign(units.size(), 0);
+      update_abort = false;
     }
     update_promise = std::make_shared<std::promise<void>>();
     update_over = update_promise->get_future().share();
-    updater = std::thread([this, ac, over = update_promise] {
+    updater = std::thread([this, work = std::move(work), over = update_promise] {
       // Ready when the thread's work is over; carries its error, so that a save waiting on it
       // fails rather than copy half-updated swap files.
       struct SetOnExit {
@@ -1446,32 +1528,133 @@ struct Engine::Impl {
           else p.set_value();
         }
       } set_on_exit{*this, *over};
+#ifdef STRATA_HAVE_CUDA
+      // Device-placed compute copies are written by blocking copies up: on a stream of this
+      // thread's own, so that they neither wait for the compute stream's queue nor hold it up.
+      // Ordering: a unit is written only after its last read of the step (its last use's
+      // all-gather, which the compute stream waited for before the d2h stream's signal, or the
+      // step's end), and read again only after wait_updated.
+      std::optional<c10::cuda::CUDAStreamGuard> own_stream;
+      if (dev.torch_device().is_cuda())
+        own_stream.emplace(c10::cuda::getStreamFromPool(false, dev.torch_device().index()));
+#endif
       Profiler::on_updater = true;
-      auto begin = Profiler::Clock::now();
+      update_begin = Profiler::Clock::now();
       try {
-        optimizer_step(ac, [&](size_t u) {  // units complete in order
+        work([&](size_t u) {
           const auto end = Profiler::Clock::now();
-          update_seconds += std::chrono::duration<double>(end - begin).count();
-          prof.span("optimizer", "update " + partition->unit(u).name, begin, end);
-          begin = end;
+          update_seconds += std::chrono::duration<double>(end - update_begin).count();
+          prof.span("optimizer", "update " + partition->unit(u).name, update_begin, end);
+          update_begin = end;
           std::lock_guard<std::mutex> lock(update_mu);
-          units_updated = u + 1;
+          unit_updated.at(u) = 1;
           update_cv.notify_all();
         });
       } catch (...) {
         std::lock_guard<std::mutex> lock(update_mu);
         update_error = std::current_exception();
-        units_updated = units.size();
+        std::fill(unit_updated.begin(), unit_updated.end(), 1);  // nobody waits any longer
         update_cv.notify_all();
       }
     });
   }
-  // Blocks until unit u's update of the last step is done; rethrows the updater's error.
+  // "forward": the whole update, in forward order.
+  void launch_update(const kernels::AdamConfig& ac) {
+    start_updater([this, ac](const std::function<void(size_t)>& unit_done) { optimizer_step(ac, unit_done); });
+    gathers_wait_update = true;
+  }
+  // "backward": the update of each unit as its gradient becomes final (signal_final_gradients).
+  void launch_update_in_backward(const kernels::AdamConfig& ac) {
+    finish_update();
+    {
+      std::lock_guard<std::mutex> lock(update_mu);
+      grad_final.assign(units.size(), 0);
+      grad_final_write.assign(units.size(), offload::IoFuture());
+    }
+    unit_sumsq.assign(units.size(), 0.0);
+    start_updater([this, ac](const std::function<void(size_t)>& unit_done) {
+      std::vector<char> taken(units.size(), 0);
+      for (size_t left = units.size(); left > 0;) {
+        std::vector<size_t> ready;
+        std::vector<offload::IoFuture> writes;
+        {
+          std::unique_lock<std::mutex> lock(update_mu);
+          update_cv.wait(lock, [&] {
+            for (size_t u = 0; u < units.size(); ++u)
+              if (grad_final[u] && !taken[u]) return true;
+            return update_abort;
+          });
+          if (update_abort) throw std::runtime_error("the step failed before its update was done");
+          for (size_t u = 0; u < units.size(); ++u)
+            if (grad_final[u] && !taken[u]) {
+              ready.push_back(u);
+              taken[u] = 1;
+              if (grad_final_write[u].valid()) writes.push_back(grad_final_write[u]);
+            }
+        }
+        left -= ready.size();
+        update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
+        for (const offload::IoFuture& w : writes) w.get();  // the gradient's last swap write
+        update_units(ac, ready, [&](size_t u) {
+          if (grads_transient) release_gradient_buffer(u);
+          unit_done(u);
+        }, &unit_sumsq);
+      }
+    });
+    gathers_wait_update = false;
+  }
+  // Gradients not stored (gradients_transient): a unit's fp32 gradient lives in a host buffer
+  // from its first reduce of the step until its update, which frees it. At most
+  // transient_limit buffers exist at once (the multi-use units' held ones plus two), so that a
+  // backward faster than the updater waits for it instead of holding every unit's gradient.
+  bool grads_transient = false;
+  size_t transient_held = 0, transient_limit = 2;  // under update_mu
+  void take_gradient_buffer(size_t u) {
+    {
+      std::unique_lock<std::mutex> lock(update_mu);
+      if (transient_held >= transient_limit) {
+        auto t = prof.time(prof.step.wait_update, "wait update (gradient buffers)", &partition->unit(u).name);
+        // A failed updater frees nothing more: go on, the step's end reports its error.
+        update_cv.wait(lock, [&] { return transient_held < transient_limit || update_error; });
+      }
+      ++transient_held;
+    }
+    units[u].grad = host_buffer(partition->unit(u).shard_numel, at::kFloat);
+    units[u].grad_fresh = true;
+  }
+  void release_gradient_buffer(size_t u) {
+    units[u].grad = at::Tensor();
+    std::lock_guard<std::mutex> lock(update_mu);
+    --transient_held;
+    update_cv.notify_all();
+  }
+
+  // "backward", after the last micro-batch reduced `stage`'s gradients: the units whose last use
+  // that was are final once the d2h stream gets past their accumulation (or swap write).
+  std::vector<size_t> last_use_stage;  // by unit: the lowest stage using it (its last backward)
+  void signal_final_gradients(size_t stage) {
+    for (size_t u : stage_units[stage]) {
+      if (last_use_stage.at(u) != stage) continue;
+      dev.launch_host(dev.d2h_stream(), [this, u] {
+        offload::IoFuture written;
+        if (placement(u, kGrad) == Placement::kNvme) {
+          std::lock_guard<std::mutex> lock(grad_write_mu);
+          written = last_grad_write.at(u);
+        }
+        std::lock_guard<std::mutex> lock(update_mu);
+        grad_final.at(u) = 1;
+        grad_final_write.at(u) = written;
+        update_cv.notify_all();
+      });
+    }
+  }
+  // Blocks until unit u's update of the last step is done ("forward"); rethrows the updater's
+  // error.
   void wait_updated(size_t u) {
-    if (!update_running) return;
+    if (!gathers_wait_update) return;
     auto t = prof.time(prof.step.wait_update, "wait update", &partition->unit(u).name);
     std::unique_lock<std::mutex> lock(update_mu);
-    update_cv.wait(lock, [&] { return units_updated > u; });
+    update_cv.wait(lock, [&] { return unit_updated.at(u) != 0; });
     if (update_error) {
       lock.unlock();
       finish_update();
@@ -1489,11 +1672,24 @@ struct Engine::Impl {
       prof.nvme_read += prof.update_read.exchange(0);
       prof.nvme_write += prof.update_write.exchange(0);
     }
-    update_running = false;
+    gathers_wait_update = false;
     if (update_error) {
       std::exception_ptr e = update_error;
       update_error = nullptr;
       std::rethrow_exception(e);
+    }
+  }
+  // A failed step: stops an updater waiting for gradients that will not come, joins it, and
+  // drops its error (the step's own error is the one reported).
+  void abort_update() {
+    {
+      std::lock_guard<std::mutex> lock(update_mu);
+      update_abort = true;
+      update_cv.notify_all();
+    }
+    try {
+      finish_update();
+    } catch (...) {
     }
   }
 
@@ -1512,6 +1708,7 @@ Engine::Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& confi
 const EngineConfig& Engine::config() const { return impl_->cfg; }
 const std::string& Engine::placement_report() const { return impl_->placement_report; }
 size_t Engine::optimizer_host_units() const { return impl_->host_units; }
+bool Engine::gradients_stored() const { return !impl_->grads_transient; }
 
 std::vector<TraceSpan> Engine::take_trace() {
   std::lock_guard<std::mutex> lock(impl_->prof.mu);
@@ -1520,10 +1717,7 @@ std::vector<TraceSpan> Engine::take_trace() {
 
 Engine::~Engine() {
   if (!impl_) return;
-  try {
-    impl_->finish_update();
-  } catch (...) {
-  }
+  impl_->abort_update();
   impl_->wait_nvme_hold();  // a snapshot still copying from the swap files, which go with us
   // Activation checkpoint writes (a step that failed half way) must finish before their buffers go.
   // (Only those whose host function ran: a failed CUDA stream may never run the others.)
@@ -1555,6 +1749,7 @@ StepResult Engine::train_step(const at::Tensor& ids) {
     throw;  // rejected before anything changed
   } catch (...) {
     impl_->broken = true;
+    impl_->abort_update();  // "backward": it may wait for gradients that will not come
     impl_->kept_graphs.clear();  // their device memory and reservations go now
     impl_->held_units.clear();
     impl_->graphs_held = 0;

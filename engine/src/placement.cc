@@ -33,32 +33,44 @@ uint64_t mem_available() {
 
 }  // namespace
 
+bool gradients_transient(const EngineConfig& cfg, Placement master) {
+  return cfg.update_overlap == UpdateOverlap::kBackward && cfg.grad_accum == 1 && master != Placement::kDevice &&
+         master != kAuto;
+}
+
 PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, const TierBudgets& budgets) {
   PlacementPlan plan{cfg.params, cfg.grads, cfg.master, cfg.moments};
   // Master and moments live together: an explicit one fixes the other.
   if (plan.master == kAuto) plan.master = plan.moments;
   if (plan.moments == kAuto) plan.moments = plan.master;
+  // Gradients beside a master off the device may need no room at all.
+  const bool transient = gradients_transient(cfg, Placement::kHost);
+  const uint64_t grads_off_device = transient ? 0 : need.grads;
+  auto grads_bytes = [&](Placement p) { return p == Placement::kDevice ? need.grads : grads_off_device; };
   // Fixed kinds first: their bytes are spoken for.
   Room room{budgets};
   if (plan.params != kAuto) room.take(plan.params, need.params);
-  if (plan.grads != kAuto) room.take(plan.grads, need.grads);
+  if (plan.grads != kAuto) room.take(plan.grads, grads_bytes(plan.grads));
   if (plan.master != kAuto) room.take(plan.master, need.master + need.moments);
 
   const bool grads_free = plan.grads == kAuto;
-  const uint64_t group = need.master + need.moments + (grads_free ? need.grads : 0);
+  const uint64_t group = need.master + need.moments;
+  const uint64_t free_grads = grads_free ? need.grads : 0, free_grads_off_device = grads_free ? grads_off_device : 0;
 
   if (plan.master == kAuto) {
     const uint64_t params_on_device = plan.params == kAuto ? need.params : 0;
-    if (room.fits(Placement::kDevice, group + params_on_device) &&
+    if (room.fits(Placement::kDevice, group + free_grads + params_on_device) &&
         (plan.grads == kAuto || plan.grads == Placement::kDevice)) {
       plan.master = plan.moments = Placement::kDevice;
-    } else if (room.fits(Placement::kHost, group) && (plan.grads == kAuto || plan.grads == Placement::kHost)) {
+    } else if (room.fits(Placement::kHost, group + free_grads_off_device) &&
+               (plan.grads == kAuto || plan.grads == Placement::kHost)) {
       plan.master = plan.moments = Placement::kHost;
     } else {
       // Split by unit between host RAM and swap (no units given: all in swap).
-      const bool grads_host = plan.grads == Placement::kHost || (grads_free && room.fits(Placement::kHost, need.grads));
+      const bool grads_host =
+          plan.grads == Placement::kHost || (grads_free && room.fits(Placement::kHost, grads_off_device));
       const bool grads_follow = !grads_host && plan.grads != Placement::kDevice;  // swap-bound gradients stay with their master
-      uint64_t host_left = room.left.host - (grads_free && grads_host ? need.grads : 0);
+      uint64_t host_left = room.left.host - (grads_free && grads_host ? grads_off_device : 0);
       if (plan.params == kAuto && !room.fits(Placement::kDevice, need.params) && host_left >= need.params)
         host_left -= need.params;
       uint64_t host_group = 0, host_grads = 0;  // bytes of the units kept in host RAM
@@ -83,7 +95,7 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
       plan.master = plan.moments = Placement::kNvme;
       if (grads_free) {
         plan.grads = grads_host ? Placement::kHost : Placement::kNvme;
-        if (grads_host) room.take(Placement::kHost, need.grads);
+        if (grads_host) room.take(Placement::kHost, grads_off_device);
       }
       room.take(Placement::kHost, host_group + host_grads);
       room.take(Placement::kNvme, swapped);
@@ -92,8 +104,12 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
   }
   if (grads_free && plan.grads == kAuto) {
     if (plan.master != Placement::kNvme) plan.grads = plan.master;
-    else plan.grads = room.fits(Placement::kHost, need.grads) ? Placement::kHost : Placement::kNvme;
-    room.take(plan.grads, need.grads);
+    else plan.grads = room.fits(Placement::kHost, grads_off_device) ? Placement::kHost : Placement::kNvme;
+    room.take(plan.grads, grads_bytes(plan.grads));
+  }
+  if (gradients_transient(cfg, plan.master)) {
+    plan.grads = Placement::kHost;  // where each unit's gradient waits for its update
+    plan.grads_transient = true;
   }
   if (plan.params == kAuto) {
     for (Placement p : {Placement::kDevice, Placement::kHost, Placement::kNvme})
@@ -158,7 +174,8 @@ std::string describe_plan(const PlacementPlan& p, const StateBytes& need) {
            ") + nvme " + format_bytes(bytes - host);
   };
   return one("params", p.params, need.params, false) + ", " +
-         one("grads", p.grads, need.grads, p.grads == Placement::kNvme) + ", " +
+         (p.grads_transient ? std::string("grads not stored (updated during backward)")
+                            : one("grads", p.grads, need.grads, p.grads == Placement::kNvme)) + ", " +
          one("master", p.master, need.master, true) + ", " + one("moments", p.moments, need.moments, true);
 }
 

@@ -263,7 +263,7 @@ TEST(Checkpoint, AsyncSaveAfterAFailedBackgroundUpdateFailsAndCommitsNothing) {
   j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}};
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
   se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
-  ASSERT_TRUE(tc.engine.overlap_optimizer);
+  ASSERT_EQ(tc.engine.update_overlap, se::UpdateOverlap::kForward);
   auto faults = std::make_shared<strata::offload::RuleFaultInjector>();
   tc.engine.io_fault_injector = faults;
   Losses run;

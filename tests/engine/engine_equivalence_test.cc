@@ -83,17 +83,17 @@ TEST(EngineEquivalence, DevicePlacedStateCountsInBudget) {
 // The overlapped update gives bitwise the serial numbers, and it really runs behind: the
 // overlapped run's first step has no optimizer work in it (its update runs during step 2), the
 // serial run's has, and only the overlapped run waits for updates.
-void expect_overlap_is_bitwise_serial(json j) {
+void expect_overlap_is_bitwise_serial(json j, uint64_t budget = 1200 * 1024) {
   j["run"]["steps"] = 8;
   j["optimizer"]["overlap"] = false;
   const se::TrainConfig serial = se::parse_train_config(j.dump(), "test");
   j["optimizer"]["overlap"] = true;
   const se::TrainConfig overlapped = se::parse_train_config(j.dump(), "test");
-  ASSERT_TRUE(overlapped.engine.overlap_optimizer);
+  ASSERT_EQ(overlapped.engine.update_overlap, se::UpdateOverlap::kForward);
   uint64_t peak = 0;
-  // A budget that holds about one unit: every gather waits for its unit's update.
-  const Trajectory a = run_in_process(serial, 1200 * 1024, &peak);
-  const Trajectory b = run_in_process(overlapped, 1200 * 1024, &peak);
+  // By default a budget that holds about one unit: every gather waits for its unit's update.
+  const Trajectory a = run_in_process(serial, budget, &peak);
+  const Trajectory b = run_in_process(overlapped, budget, &peak);
   ASSERT_EQ(a.losses.size(), b.losses.size());
   for (size_t i = 0; i < a.losses.size(); ++i) {
     EXPECT_EQ(a.losses[i], b.losses[i]) << "step " << i + 1;
@@ -207,6 +207,218 @@ TEST(EngineTimeline, CountsTheSwapTrafficOfTheStreamedOptimizer) {
   EXPECT_TRUE(p.spans.empty());
 }
 
+// --- the update during backward (optimizer.overlap "backward") --------------------------------
+
+// The update during backward gives bitwise the serial numbers (clipping off, which it needs),
+// inside its own step: its first step already holds optimizer work. It also really starts
+// before the backward is over: in some step an update of a unit ends before the last stage's
+// backward begins (the head's unit is final with every block's backward still to run, so one
+// step of eight where the updater thread got a core in time is enough).
+void expect_backward_overlap_is_bitwise_serial(json j, uint64_t budget = 1200 * 1024) {
+  j["run"]["steps"] = 8;
+  j["optimizer"]["clip_grad_norm"] = 0.0;
+  j["optimizer"]["overlap"] = false;
+  const se::TrainConfig serial = se::parse_train_config(j.dump(), "test");
+  j["optimizer"]["overlap"] = "backward";
+  se::TrainConfig backward = se::parse_train_config(j.dump(), "test");
+  ASSERT_EQ(backward.engine.update_overlap, se::UpdateOverlap::kBackward);
+  uint64_t peak = 0;
+  const Trajectory a = run_in_process(serial, budget, &peak);
+  const Trajectory b = run_in_process(backward, budget, &peak);
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (size_t i = 0; i < a.losses.size(); ++i) {
+    EXPECT_EQ(a.losses[i], b.losses[i]) << "step " << i + 1;
+    // Summed unit by unit here, chunk by chunk over all units there (NVMe gradients).
+    EXPECT_NEAR(a.grad_norms[i], b.grad_norms[i], 1e-12 * a.grad_norms[i]) << "step " << i + 1;
+    EXPECT_GT(b.steps[i].timeline.optimizer, 0) << "step " << i + 1;
+  }
+  for (auto& [name, w] : a.params) EXPECT_TRUE(b.params.at(name).equal(w)) << name;
+
+  // Traced step by step: each step's device compute spans and its updates (the step joins them).
+  backward.engine.profile = true;
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create_host(UINT64_MAX);
+  se::Engine eng(std::make_unique<sm::Decoder>(backward.model, backward.init_seed), backward.engine, *comm, *dev);
+  const se::EngineConfig& e = backward.engine;
+  at::Tensor ids = at::randint(0, backward.model.vocab_size, {e.micro_batch * e.grad_accum, e.seq_len + 1}, at::kLong);
+  bool overlapped = false;
+  for (int64_t i = 0; i < backward.steps; ++i) {
+    eng.train_step(ids);
+    double last_backward_begin = 0, first_update_end = 1e300;
+    size_t updates = 0;
+    for (const se::TraceSpan& s : eng.take_trace()) {
+      if (s.lane == "device compute" && s.name.find("backward") != std::string::npos && s.name.find("forward+") == std::string::npos)
+        last_backward_begin = std::max(last_backward_begin, s.begin);
+      if (s.lane == "optimizer") {
+        ++updates;
+        first_update_end = std::min(first_update_end, s.end);
+      }
+    }
+    EXPECT_EQ(updates, eng.partition().num_units()) << "step " << i + 1;
+    EXPECT_GT(last_backward_begin, 0) << "step " << i + 1;
+    overlapped |= first_update_end < last_backward_begin;
+    if (std::getenv("STRATA_TEST_VERBOSE"))
+      printf("step %lld: first update ends %.6f s, last backward begins %.6f s\n", (long long)i + 1,
+             first_update_end, last_backward_begin);
+  }
+  EXPECT_TRUE(overlapped) << "no update ran before its step's last backward";
+}
+
+TEST(EngineOverlap, UpdateDuringBackwardIsBitwiseTheSerialOne) {
+  expect_backward_overlap_is_bitwise_serial(tiny_config(false, 4));  // tied: the embedding's last use is stage 0
+}
+
+TEST(EngineOverlap, UpdateDuringBackwardKeepingGraphsIsBitwiseTheSerialOne) {
+  json j = tiny_config(true, 4);
+  j["placement"] = {{"recompute", 1}};
+  expect_backward_overlap_is_bitwise_serial(j, 8ull << 20);  // room for three graphs
+}
+
+TEST(EngineOverlap, UpdateDuringBackwardStreamedFromNvmeIsBitwiseTheSerialOne) {
+  TempDir swap;
+  json j = tiny_config(true, 3);
+  j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  expect_backward_overlap_is_bitwise_serial(j);
+}
+
+// Gradients in swap too: the updater waits for each unit's last gradient write.
+TEST(EngineOverlap, UpdateDuringBackwardWithAllStateOnNvmeIsBitwiseTheSerialOne) {
+  TempDir swap;
+  json j = tiny_config(false, 3);
+  j["placement"] = {{"params", "nvme"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  expect_backward_overlap_is_bitwise_serial(j);
+}
+
+// Compute copies on the device, master on the host: the updater writes the device copies (on a
+// GPU, by copies on a stream of its own) after their last read, before the next.
+TEST(EngineOverlap, UpdateOfComputeCopiesOnTheDeviceIsBitwiseTheSerialOne) {
+  json j = tiny_config(false, 3);
+  j["placement"] = {{"params", "device"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}};
+  {
+    SCOPED_TRACE("forward");
+    expect_overlap_is_bitwise_serial(j, 8ull << 20);
+  }
+  SCOPED_TRACE("backward");
+  expect_backward_overlap_is_bitwise_serial(j, 8ull << 20);
+}
+
+// One micro-batch a step and the update during backward: no gradient accumulators. Each unit's
+// gradient goes to a host buffer its update frees; gradients take no host or swap bytes and
+// move no swap traffic, and the numbers are bitwise those of the serial update with stored
+// gradients (and libtorch's). Tied GPT-2: the embedding's buffer is held from the head's reduce
+// to the embedding's.
+TEST(EngineOverlap, UpdateDuringBackwardWithOneMicroBatchStoresNoGradients) {
+  TempDir swap;
+  for (const char* master : {"host", "nvme"}) {
+    SCOPED_TRACE(master);
+    json j = tiny_config(false, 3);
+    j["batch"] = {{"micro_batch", 2}, {"grad_accum", 1}};
+    // Gradients placed explicitly (in swap beside a swapped master): ignored, as documented.
+    j["placement"] = {{"params", "host"}, {"grads", master}, {"master", master}, {"moments", master}};
+    j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+    expect_backward_overlap_is_bitwise_serial(j);
+
+    j["optimizer"]["clip_grad_norm"] = 0.0;
+    j["run"]["steps"] = 4;
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(UINT64_MAX);
+    std::map<std::string, se::MemoryReport> mem;
+    std::map<std::string, se::StepTimeline> last;
+    uint64_t numel = 0, embedding = 0;
+    for (const char* overlap : {"off", "backward"}) {
+      j["optimizer"]["overlap"] = overlap;
+      const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+      se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+      const bool backward = std::string(overlap) == "backward";
+      EXPECT_EQ(eng.gradients_stored(), !backward);
+      EXPECT_EQ(eng.placement_report().find("grads not stored") != std::string::npos, backward) << eng.placement_report();
+      numel = 0;
+      for (const se::UnitLayout& u : eng.partition().units()) numel += u.shard_numel;
+      embedding = eng.partition().unit(0).shard_numel;
+      at::Tensor ids = at::randint(0, tc.model.vocab_size, {2, tc.engine.seq_len + 1}, at::kLong);
+      for (int s = 0; s < 3; ++s) last[overlap] = eng.train_step(ids).timeline;
+      mem[overlap] = eng.memory();
+    }
+    const bool nvme = std::string(master) == "nvme";
+    // Host: fp32 compute copies (4), and master and moments (12) where they are on the host.
+    EXPECT_EQ(mem["backward"].host_state, (nvme ? 4 : 16) * numel);
+    EXPECT_EQ(mem["off"].host_state, (nvme ? 4 : 20) * numel) << "stored: 4 more bytes per parameter";
+    EXPECT_EQ(mem["backward"].nvme_state, nvme ? 12 * numel : 0);
+    EXPECT_EQ(mem["off"].nvme_state, nvme ? 16 * numel : 0);
+    // Swap traffic of a step: master and moments read and written; stored gradients also go
+    // down to swap, and come back twice (for the norm, then for the update), and the tied
+    // embedding's is read back and written again when its second contribution lands.
+    EXPECT_EQ(last["backward"].nvme_read_bytes, nvme ? 12 * numel : 0);
+    EXPECT_EQ(last["backward"].nvme_write_bytes, nvme ? 12 * numel : 0);
+    EXPECT_EQ(last["off"].nvme_read_bytes, nvme ? 20 * numel + 4 * embedding : 0);
+    EXPECT_EQ(last["off"].nvme_write_bytes, nvme ? 16 * numel + 4 * embedding : 0);
+  }
+  json j = tiny_config(true, 3);
+  j["batch"] = {{"micro_batch", 2}, {"grad_accum", 1}};
+  j["optimizer"]["clip_grad_norm"] = 0.0;
+  j["optimizer"]["overlap"] = "backward";
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  uint64_t peak = 0;
+  expect_close(run_in_process(tc, UINT64_MAX, &peak), reference(tc, 1), 1e-5);
+}
+
+TEST(EngineOverlap, UpdateDuringBackwardNeedsNoClippingAndNoFp16) {
+  json j = tiny_config(false, 2);
+  j["optimizer"]["overlap"] = "backward";
+  try {
+    se::parse_train_config(j.dump(), "cfg.json");  // tiny_config clips at 1.0
+    ADD_FAILURE() << "clipping accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("clip_grad_norm 0"), std::string::npos) << e.what();
+  }
+  j["optimizer"]["clip_grad_norm"] = 0.0;
+  j["precision"] = {{"compute", "fp16"}};
+  try {
+    se::parse_train_config(j.dump(), "cfg.json");
+    ADD_FAILURE() << "fp16 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fp16"), std::string::npos) << e.what();
+  }
+  j.erase("precision");
+  EXPECT_EQ(se::parse_train_config(j.dump(), "cfg.json").engine.update_overlap, se::UpdateOverlap::kBackward);
+  j["optimizer"]["overlap"] = "sideways";
+  try {
+    se::parse_train_config(j.dump(), "cfg.json");
+    ADD_FAILURE() << "a bad overlap accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("cfg.json: optimizer.overlap must be"), std::string::npos) << e.what();
+  }
+  j["optimizer"]["overlap"] = false;
+  EXPECT_EQ(se::parse_train_config(j.dump(), "cfg.json").engine.update_overlap, se::UpdateOverlap::kOff);
+  j["optimizer"]["overlap"] = true;
+  EXPECT_EQ(se::parse_train_config(j.dump(), "cfg.json").engine.update_overlap, se::UpdateOverlap::kForward);
+}
+
+// Already applied when the norm is known: a non-finite gradient cannot be skipped, so the step
+// fails saying so (the serial and "forward" updates skip it) and the engine refuses to go on.
+TEST(EngineOverlap, UpdateDuringBackwardFailsTheStepOnANonFiniteGradient) {
+  json j = tiny_config(false, 2);
+  j["optimizer"]["clip_grad_norm"] = 0.0;
+  j["optimizer"]["lr"] = 1e30;  // weights of 1e30 after one step: the next forward overflows
+  j["optimizer"]["overlap"] = "backward";
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create_host(UINT64_MAX);
+  se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+  at::Tensor ids = at::randint(0, tc.model.vocab_size, {tc.engine.micro_batch * tc.engine.grad_accum, tc.engine.seq_len + 1}, at::kLong);
+  std::string error;
+  for (int s = 0; s < 4 && error.empty(); ++s) try {
+      const se::StepResult r = eng.train_step(ids);
+      EXPECT_TRUE(std::isfinite(r.grad_norm)) << "a non-finite step returned";
+    } catch (const std::runtime_error& e) {
+      error = e.what();
+    }
+  EXPECT_NE(error.find("already applied the update"), std::string::npos) << error;
+  EXPECT_THROW(eng.train_step(ids), std::runtime_error);
+}
+
 // --- activation checkpoints on the device, the host or in swap -------------------------------
 
 // Where the checkpoints live changes no number: host, device and NVMe placement train bitwise
@@ -263,10 +475,16 @@ TEST(EngineActivations, EveryPlacementTrainsBitwiseAlikeAndMovesItsBytes) {
 // swap operation of `kind` after construction (which writes the initial state): the step fails
 // with the I/O error naming the swap file, the fault fired once, and the engine then refuses to
 // go on from undefined state.
-void expect_swap_fault_fails_the_step(const json& placement, strata::offload::IoRequest::Kind kind) {
+// With `overlap`, that optimizer.overlap (and no clipping).
+void expect_swap_fault_fails_the_step(const json& placement, strata::offload::IoRequest::Kind kind,
+                                      const char* overlap = nullptr) {
   TempDir swap;
   json j = tiny_config(false, 3);
   j["placement"] = placement;
+  if (overlap) {
+    j["optimizer"]["overlap"] = overlap;
+    j["optimizer"]["clip_grad_norm"] = 0.0;
+  }
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
   se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
   auto faults = std::make_shared<strata::offload::RuleFaultInjector>();
@@ -310,6 +528,15 @@ TEST(EngineActivations, AFailedSwapReadFailsTheStepNamingTheSwapFile) {
 TEST(EngineNvme, AFailedGradientWriteFailsTheStepNamingTheSwapFile) {
   expect_swap_fault_fails_the_step({{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}},
                                    strata::offload::IoRequest::Kind::kWrite);
+}
+
+// The update during backward: a failed gradient write (the updater waits for it) and a failed
+// read of the state it updates (the step's first swap read) fail that same step, not the next.
+TEST(EngineOverlap, AFailedSwapOperationOfTheUpdateDuringBackwardFailsItsStep) {
+  expect_swap_fault_fails_the_step({{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}},
+                                   strata::offload::IoRequest::Kind::kWrite, "backward");
+  expect_swap_fault_fails_the_step({{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}},
+                                   strata::offload::IoRequest::Kind::kRead, "backward");
 }
 
 // Device-placed checkpoints count against the budget: all of a micro-batch's, beside the
@@ -622,6 +849,36 @@ TEST(PlacementPlan, SplitsTheOptimizerGroupByUnitBetweenHostAndSwap) {
   EXPECT_EQ(plan(800, 4000, 10000), "device nvme nvme nvme 0");
 }
 
+// Gradients that are not stored (the update during backward, one micro-batch a step) take no
+// room beside a master off the device; a master on the device still keeps them there.
+TEST(PlacementPlan, GradientsNotStoredTakeNoRoomOffTheDevice) {
+  using P = se::Placement;
+  se::EngineConfig c;
+  c.params = c.grads = c.master = c.moments = P::kAuto;
+  c.update_overlap = se::UpdateOverlap::kBackward;
+  c.clip_grad_norm = 0;
+  c.grad_accum = 1;
+  const se::StateBytes need{800, 1600, 1600, 3200, {100, 100, 100, 100}};
+  auto plan = [&](uint64_t device, uint64_t host, uint64_t nvme) {
+    const se::PlacementPlan p = se::plan_placement(c, need, {device, host, nvme});
+    return std::string(se::to_string(p.params)) + " " + se::to_string(p.grads) + " " + se::to_string(p.master) +
+           " " + std::to_string(p.host_units) + (p.grads_transient ? " transient" : "");
+  };
+  // The device holds everything with gradients (800 + 1600 + 4800) or nothing but compute copies.
+  EXPECT_EQ(plan(7200, 0, 0), "device device device 0");
+  // Master and moments (4800) fill the host whole, without the 1600 of gradients stored ones need.
+  EXPECT_EQ(plan(800, 4800, 0), "device host host 0 transient");
+  // Split: two units' master and moments in 2400 of host RAM, no gradient bytes beside them.
+  EXPECT_EQ(plan(800, 2400, 2400), "device host nvme 2 transient");
+  EXPECT_NE(se::describe_plan(se::plan_placement(c, need, {800, 4800, 0}), need).find("grads not stored"),
+            std::string::npos);
+  c.grad_accum = 2;  // accumulated over micro-batches: stored, and the host no longer holds the group
+  EXPECT_EQ(plan(800, 4800, 2400), "device host nvme 2");
+  c.grad_accum = 1;
+  c.update_overlap = se::UpdateOverlap::kForward;
+  EXPECT_EQ(plan(800, 4800, 2400), "device host nvme 2");
+}
+
 // Split by unit in the engine: the first units' master and moments in host RAM, the rest in swap;
 // trains bitwise like either tier alone, and only the swapped units' state moves through swap.
 TEST(EngineAuto, SplitsMasterAndMomentsByUnitAndTrainsBitwiseAlike) {
@@ -922,6 +1179,18 @@ TEST(EngineEquivalence, FourRanksOverGlooMatchOneProcessLlamaUnderBudget) {
 TEST(EngineNvme, TwoRanksWithStateOnNvmeMatchOneProcess) {
   TempDir dir, swap;
   json j = tiny_config(false, 3);
+  j["placement"] = {{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "32KiB"}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  expect_close(run_launched(tc, j, 2, dir), reference(tc, 2), 1e-5);
+}
+
+// Each rank updates its own shards during backward as its reduce-scatters land.
+TEST(EngineOverlap, TwoRanksUpdatingDuringBackwardMatchOneProcess) {
+  TempDir dir, swap;
+  json j = tiny_config(true, 3);
+  j["optimizer"]["clip_grad_norm"] = 0.0;
+  j["optimizer"]["overlap"] = "backward";
   j["placement"] = {{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "32KiB"}};
   se::TrainConfig tc = se::parse_train_config(j.dump(), "test");

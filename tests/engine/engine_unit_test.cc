@@ -570,6 +570,7 @@ TEST(TrainConfig, EmptyObjectGivesTheDocumentedDefaults) {
   EXPECT_DOUBLE_EQ(e.weight_decay, 0.0);
   EXPECT_TRUE(e.decoupled_weight_decay);
   EXPECT_DOUBLE_EQ(e.clip_grad_norm, 0.0);
+  EXPECT_EQ(e.update_overlap, UpdateOverlap::kForward);
   EXPECT_EQ(e.micro_batch, 1);
   EXPECT_EQ(e.grad_accum, 1);
   EXPECT_EQ(e.seq_len, 64);
@@ -849,6 +850,23 @@ TEST(TrainConfig, EnumNamesRoundTrip) {
   EXPECT_STREQ(to_string(Precision::kFp16), "fp16");
   EXPECT_STREQ(to_string(Placement::kDevice), "device");
   EXPECT_STREQ(to_string(Placement::kHost), "host");
+  EXPECT_STREQ(to_string(UpdateOverlap::kOff), "off");
+  EXPECT_STREQ(to_string(UpdateOverlap::kForward), "forward");
+  EXPECT_STREQ(to_string(UpdateOverlap::kBackward), "backward");
+}
+
+// The configurations shipped in the repository (the main job's, the GPU benchmarks') stay valid
+// as the schema changes.
+TEST(TrainConfig, EveryShippedConfigurationParses) {
+  size_t parsed = 0;
+  for (const char* dir : {"configs", "bench/configs"})
+    for (const auto& f : std::filesystem::directory_iterator(std::filesystem::path(STRATA_SOURCE_DIR) / dir)) {
+      if (f.path().extension() != ".json") continue;
+      SCOPED_TRACE(f.path().string());
+      EXPECT_NO_THROW(load_train_config(f.path().string()));
+      ++parsed;
+    }
+  EXPECT_GE(parsed, 10u);
 }
 
 }  // namespace

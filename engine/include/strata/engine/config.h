@@ -23,8 +23,17 @@ enum class Precision { kFp32, kBf16, kFp16 };
 // swap files under offload.nvme_dirs (streamed through host buffers when used).
 // kAuto: chosen by the engine at construction (placement.h), fastest tier first.
 enum class Placement { kDevice, kHost, kNvme, kAuto };
+// When the Adam update of host- or swap-placed optimizer state runs (optimizer.overlap). Every
+// choice gives bitwise the same numbers; they differ in what the update overlaps.
+enum class UpdateOverlap {
+  kOff,       // after backward, before train_step returns
+  kForward,   // on a thread during the next step's forward, unit by unit in forward order
+  kBackward,  // on a thread during this step's backward, each unit as soon as its gradient is
+              // final (no global clipping, no fp16 loss scaling: neither is known until the end)
+};
 const char* to_string(Precision p);
 const char* to_string(Placement p);
+const char* to_string(UpdateOverlap o);
 
 // What the Engine needs.
 struct EngineConfig {
@@ -32,7 +41,9 @@ struct EngineConfig {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   bool decoupled_weight_decay = true;
   double clip_grad_norm = 0.0;  // 0: off
-  bool overlap_optimizer = true;  // host-state update runs during the next step's forward
+  // Applies with master weights and compute copies off the device (a device-placed master is
+  // updated by one asynchronous CUDA launch after backward).
+  UpdateOverlap update_overlap = UpdateOverlap::kForward;
   bool profile = false;  // device-timed compute spans and a trace (Engine::take_trace)
   int64_t micro_batch = 1;      // sequences per micro-batch per rank
   int64_t grad_accum = 1;       // micro-batches per step

@@ -13,7 +13,9 @@
 //            fp32 accumulators right away, release.
 // then the step: global gradient norm (sum of squares all-reduced), fp16 overflow check (skip
 // the step and halve the scale), clipping folded into the gradient scale, the CPU Adam kernel
-// on this rank's slices writing the next compute copies in the same pass.
+// on this rank's slices writing the next compute copies in the same pass. optimizer.overlap
+// (UpdateOverlap in config.h) moves that update onto a thread, behind the next forward or, with
+// no clipping and no loss scaling, into this step's backward as each unit's gradient is final.
 // Tied embeddings: the head uses the embedding unit's tensor; both units are gathered for the
 // head, and the head's contribution to the tied gradient is reduce-scattered with the head.
 //
@@ -53,7 +55,7 @@ namespace strata::engine {
 struct StepTimeline {
   double compute_busy = -1;      // device seconds in stage compute (-1: not profiled)
   double wait_params = 0;        // a unit's gather (NVMe read, copy up, all-gather) not done
-  double wait_update = 0;        // a gather waited for the overlapped optimizer's update
+  double wait_update = 0;        // the overlapped update not done ("forward": a gather; "backward": the step's end)
   double wait_activations = 0;   // activation checkpoints still on their way to the host
   double wait_grads = 0;         // gradients still on their way to the host / NVMe
   double norm = 0;               // global gradient norm (sum of squares, all-reduce)
@@ -154,6 +156,9 @@ class Engine {
   // master, moments, and gradients where those are in swap) are in host RAM.
   const EngineConfig& config() const;
   size_t optimizer_host_units() const;
+  // False when gradients have no accumulators (gradients_transient in placement.h): each unit's
+  // waits in a host buffer for its update during backward; config().grads then reads kHost.
+  bool gradients_stored() const;
   // One line: each kind's tier and bytes on this rank, and for automatic placement the budgets.
   const std::string& placement_report() const;
 

@@ -10,7 +10,8 @@
 // are split by unit: the first units (the next forward needs them first) in what host RAM is
 // left once the gradients (touched every micro-batch) and the compute copies the device cannot
 // hold (read at every gather) have their room, the rest in swap. Kinds the configuration places explicitly keep their
-// tier and their bytes count against it.
+// tier and their bytes count against it. Gradients that are not stored (gradients_transient)
+// count for nothing off the device.
 //
 // Pure functions; thread-safe. Errors: std::runtime_error naming the bytes needed and the
 // budgets when the state fits nowhere.
@@ -39,10 +40,19 @@ struct TierBudgets {
 // master == moments == kNvme with host_units > 0: the optimizer group was split by unit, and
 // the first host_units units' master and moments (and gradients, where grads is kNvme too: they
 // stay with their master) live in host RAM, the rest in swap.
+// grads_transient: gradients are not stored (see gradients_transient); grads is then kHost,
+// where each unit's gradient waits for its update, and takes no room.
 struct PlacementPlan {
   Placement params, grads, master, moments;
   size_t host_units = 0;
+  bool grads_transient = false;
 };
+
+// True when gradients need no accumulators: the update runs during backward
+// (optimizer.overlap "backward"), a step has one micro-batch, and the master weights are off the
+// device (`master`: where they are, or will be, placed). Each unit's reduced gradient then goes to
+// a host buffer that its update consumes and frees, so gradients take no room in any tier.
+bool gradients_transient(const EngineConfig& config, Placement master);
 
 PlacementPlan plan_placement(const EngineConfig& config, const StateBytes& need, const TierBudgets& budgets);
 
