@@ -485,6 +485,17 @@ struct Engine::Impl {
       }
     }
 
+    // Each unit's last use in backward order (the lowest stage using it), and how many units
+    // more than one stage uses (a tied embedding): "backward" overlap and transient gradients.
+    last_use_stage.assign(stages.size(), stages.size());
+    std::vector<int> stages_using(stages.size(), 0);
+    for (size_t s = 0; s < stages.size(); ++s)
+      for (size_t u : stage_units[s]) {
+        last_use_stage[u] = std::min(last_use_stage[u], s);
+        ++stages_using[u];
+      }
+    transient_limit = 2 + size_t(std::count_if(stages_using.begin(), stages_using.end(), [](int c) { return c > 1; }));
+
     // Schedule of one micro-batch: forward over embedding and blocks, the head, backward.
     const size_t n = stages.size();
     for (size_t s = 0; s + 1 < n; ++s) uses.push_back({s, Use::kForward});
@@ -562,6 +573,13 @@ struct Engine::Impl {
       last_grad_write.emplace_back();
       release(u);  // the model's copy of the unit goes now, not after the last unit
       if (cfg.on_unit_placed) cfg.on_unit_placed(u + 1, stages.size());
+    }
+
+    if (grads_transient) {
+      for (size_t i = 0; i < transient_limit; ++i)
+        grad_pool.push_back(alloc_state(Placement::kHost, largest_shard(), at::kFloat, "gradient buffer " + std::to_string(i)));
+      grad_pool_used.assign(transient_limit, 0);
+      grad_pool_slot.assign(units.size(), 0);
     }
 
     base_bytes = dev.used();
@@ -713,6 +731,12 @@ struct Engine::Impl {
 
   // --- automatic placement (placement.h) ------------------------------------------------------
 
+  uint64_t largest_shard() const {
+    uint64_t n = 0;
+    for (const UnitLayout& L : partition->units()) n = std::max(n, L.shard_numel);
+    return n;
+  }
+
   std::string placement_report;
 
   void resolve_auto_placement() {
@@ -726,6 +750,7 @@ struct Engine::Impl {
       need.unit_numel.push_back(L.shard_numel);
       largest_unit = std::max(largest_unit, L.padded_numel() * c10::elementSize(cdt));
     }
+    need.grad_buffers = uint64_t(transient_limit) * largest_shard() * 4;
     const bool any_auto = cfg.params == Placement::kAuto || cfg.grads == Placement::kAuto ||
                           cfg.master == Placement::kAuto || cfg.moments == Placement::kAuto;
     if (!any_auto) {
@@ -765,9 +790,13 @@ struct Engine::Impl {
     // units): check its swap budget again, so that it fails here, clearly, not on a full disk.
     uint64_t swapped = 0;
     for (size_t u = 0; u < partition->num_units(); ++u)
-      for (int k = 0; k < kKinds; ++k)
-        if (placement(u, k) == Placement::kNvme)
+      for (int k = 0; k < kKinds; ++k) {
+        const Placement kind = k == kMaster ? plan.master : k == kExpAvg || k == kExpAvgSq ? plan.moments
+                             : k == kGrad ? plan.grads : plan.params;
+        const bool on_host = k != kCompute && u < plan.host_units;  // the split's first units
+        if (kind == Placement::kNvme && !on_host && !(k == kGrad && plan.grads_transient))
           swapped += partition->unit(u).shard_numel * c10::elementSize(kind_dtype(k));
+      }
     if (swapped > budgets.nvme)
       throw std::runtime_error("automatic placement: the ranks agreed on placing " + format_bytes(swapped) +
                                " of this rank's state in swap, over its NVMe budget of " +
@@ -1023,7 +1052,7 @@ struct Engine::Impl {
   // compute stream).
   StepTimeline finish_timeline() {
     StepTimeline t = prof.take_step();
-    if (overlaps_update()) t.optimizer_exposed = t.wait_update;
+    if (overlaps_update()) t.optimizer_exposed += t.wait_update;
     if (!cfg.profile) return t;
     dev.synchronize(dev.compute_stream());
     t.compute_busy = 0;
@@ -1039,32 +1068,22 @@ struct Engine::Impl {
     return t;
   }
 
-  StepResult train_step(const at::Tensor& ids) {
-    const auto t0 = std::chrono::steady_clock::now();
+  void check_ids(const at::Tensor& ids) const {
     const int64_t b = cfg.micro_batch, T = cfg.seq_len, A = cfg.grad_accum;
     if (ids.dim() != 2 || ids.size(0) != A * b || ids.size(1) != T + 1 || ids.scalar_type() != at::kLong)
       throw std::invalid_argument("train_step: ids must be int64 [grad_accum * micro_batch = " +
                                   std::to_string(A * b) + ", seq_len + 1 = " + std::to_string(T + 1) + "]");
+  }
+
+  // Every exception out of here leaves the state undefined (Engine::train_step marks it broken).
+  StepResult train_step(const at::Tensor& ids) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t b = cfg.micro_batch, T = cfg.seq_len, A = cfg.grad_accum;
     const size_t n = stages.size();
     const size_t total = uses.size() * size_t(A);
     const double W = comm.world_size();
     const double denom = loss_scale * double(A) * W;  // the gradients' sum over the global batch
     const bool in_backward = updates_in_backward();
-    if (in_backward) {
-      wait_nvme_hold();  // a checkpoint still copying the swap files the update writes
-      last_use_stage.assign(units.size(), n);
-      std::vector<int> stages_using(units.size(), 0);
-      for (size_t st = 0; st < n; ++st)
-        for (size_t u : stage_units[st]) {
-          last_use_stage[u] = std::min(last_use_stage[u], st);
-          ++stages_using[u];
-        }
-      if (grads_transient) {
-        std::lock_guard<std::mutex> lock(update_mu);
-        transient_held = 0;
-        transient_limit = 2 + size_t(std::count_if(stages_using.begin(), stages_using.end(), [](int c) { return c > 1; }));
-      }
-    }
     double loss_sum = 0;
     size_t k = 0;
     if (cfg.profile) {
@@ -1277,9 +1296,12 @@ struct Engine::Impl {
   // (the optimizer runs where the master weights live).
   // `unit_done(u)`, if set, is called once every chunk of unit u has been processed and written
   // back (units finish in order). `which`, if set, limits the pass to those units, in its order.
+  // `before_unit(u)`, if set, is called before unit u's first chunk is processed, once that
+  // chunk's reads (and the next chunk's) are under way: it may block until u is ready.
   void stream_chunks(unsigned in, unsigned out, const ChunkFn& fn,
                      const std::function<void(size_t)>& unit_done = {},
-                     const std::vector<size_t>* which = nullptr) {
+                     const std::vector<size_t>* which = nullptr,
+                     const std::function<void(size_t)>& before_unit = {}) {
     const uint64_t chunk = std::max<uint64_t>(4096, cfg.nvme_chunk_bytes / 4 / 4096 * 4096);
     std::vector<Chunk> items;
     uint64_t largest = 0;
@@ -1323,6 +1345,7 @@ struct Engine::Impl {
           unit_done(items[i - 1].unit);
         }
         if (i + 1 < items.size()) issue_reads(i + 1);
+        if (before_unit && (i == 0 || items[i].unit != items[i - 1].unit)) before_unit(items[i].unit);
         Slot& sl = slots[i % slots.size()];
         for (auto& r : sl.reads) r.get();
         sl.reads.clear();
@@ -1420,8 +1443,10 @@ struct Engine::Impl {
   // The CPU Adam step of the units in `which` (ascending), their master weights and moments on
   // the host or streamed from swap; `unit_done(u)` as each is complete. With `sumsq`, each unit's
   // sum of squared gradients is added to (*sumsq)[u] on the way.
+  // `before_unit(u)` as in stream_chunks.
   void update_units(const kernels::AdamConfig& ac, const std::vector<size_t>& which,
-                    const std::function<void(size_t)>& unit_done, std::vector<double>* sumsq = nullptr) {
+                    const std::function<void(size_t)>& unit_done, std::vector<double>* sumsq = nullptr,
+                    const std::function<void(size_t)>& before_unit = {}) {
     if (optimizer_streams()) {
       stream_chunks((1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kGrad),
                     (1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kCompute),
@@ -1431,10 +1456,11 @@ struct Engine::Impl {
                                          static_cast<float*>(p[kExpAvgSq]), p[kGrad], kernels::DType::kF32,
                                          p[kCompute], kernel_dtype(cfg.compute), c.numel, exec);
                     },
-                    unit_done, &which);
+                    unit_done, &which, before_unit);
       return;
     }
     for (size_t u : which) {
+      if (before_unit) before_unit(u);
       if (sumsq)
         (*sumsq)[u] += kernels::sum_squares(units[u].grad.data_ptr<float>(), kernels::DType::kF32,
                                             size_t(units[u].grad.numel()), exec);
@@ -1476,7 +1502,9 @@ struct Engine::Impl {
   // "backward": without clipping and loss scaling the update needs no global norm, so it starts
   // during the step's last micro-batch: once a unit's last gradient contribution has landed
   // where it accumulates (the d2h stream's host function after it says so: grad_final), the
-  // updater takes it, lowest unit first among those ready. No gather of this step needs an
+  // updater takes it: in the order units become final, their swap-resident state read ahead while
+  // the gradient is on its way, or (gradients in swap, read only once final) the ready units in
+  // batches, lowest first. No gather of this step needs an
   // updated unit (a unit's gradient is final only after its last use), and the step's end joins
   // the updater, so the next forward sees the updated weights: again the serial numbers.
   std::thread updater;
@@ -1528,19 +1556,19 @@ struct Engine::Impl {
           else p.set_value();
         }
       } set_on_exit{*this, *over};
-#ifdef STRATA_HAVE_CUDA
-      // Device-placed compute copies are written by blocking copies up: on a stream of this
-      // thread's own, so that they neither wait for the compute stream's queue nor hold it up.
-      // Ordering: a unit is written only after its last read of the step (its last use's
-      // all-gather, which the compute stream waited for before the d2h stream's signal, or the
-      // step's end), and read again only after wait_updated.
-      std::optional<c10::cuda::CUDAStreamGuard> own_stream;
-      if (dev.torch_device().is_cuda())
-        own_stream.emplace(c10::cuda::getStreamFromPool(false, dev.torch_device().index()));
-#endif
       Profiler::on_updater = true;
       update_begin = Profiler::Clock::now();
       try {
+#ifdef STRATA_HAVE_CUDA
+        // Device-placed compute copies are written by blocking copies up: on a stream of this
+        // thread's own, so that they neither wait for the compute stream's queue nor hold it up.
+        // Ordering: a unit is written only after its last read of the step (its last use's
+        // all-gather, which the compute stream waited for before the d2h stream's signal, or the
+        // step's end), and read again only after wait_updated.
+        std::optional<c10::cuda::CUDAStreamGuard> own_stream;
+        if (dev.torch_device().is_cuda())
+          own_stream.emplace(c10::cuda::getStreamFromPool(false, dev.torch_device().index()));
+#endif
         work([&](size_t u) {
           const auto end = Profiler::Clock::now();
           update_seconds += std::chrono::duration<double>(end - update_begin).count();
@@ -1572,7 +1600,35 @@ struct Engine::Impl {
       grad_final_write.assign(units.size(), offload::IoFuture());
     }
     unit_sumsq.assign(units.size(), 0.0);
-    start_updater([this, ac](const std::function<void(size_t)>& unit_done) {
+    // A checkpoint still copying the swap files the update writes: the updater waits for it, the
+    // step goes on.
+    std::shared_future<void> hold = std::exchange(nvme_hold, {});
+    start_updater([this, ac, hold](const std::function<void(size_t)>& unit_done) {
+      if (hold.valid()) hold.wait();
+      const auto done = [&](size_t u) {
+        if (grads_transient) release_gradient_buffer(u);
+        unit_done(u);
+      };
+      bool grads_in_swap = false;
+      for (size_t u = 0; u < units.size(); ++u) grads_in_swap |= placement(u, kGrad) == Placement::kNvme;
+      if (!grads_in_swap) {
+        // One pass over the units in the order their gradients become final (the last use's
+        // stage, highest first): each unit's master and moments are read from swap while its
+        // gradient is still on its way, and its update starts as soon as the gradient is there.
+        std::vector<size_t> order = all_units();
+        std::stable_sort(order.begin(), order.end(),
+                         [&](size_t a, size_t b) { return last_use_stage[a] > last_use_stage[b]; });
+        update_units(ac, order, done, &unit_sumsq, [&](size_t u) {
+          std::unique_lock<std::mutex> lock(update_mu);
+          update_cv.wait(lock, [&] { return grad_final[u] || update_abort; });
+          if (update_abort) throw std::runtime_error("the step failed before its update was done");
+          lock.unlock();
+          update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
+        });
+        return;
+      }
+      // Gradients in swap are read with the unit's state, so only once final: the ready units
+      // in batches, lowest first.
       std::vector<char> taken(units.size(), 0);
       for (size_t left = units.size(); left > 0;) {
         std::vector<size_t> ready;
@@ -1593,12 +1649,9 @@ struct Engine::Impl {
             }
         }
         left -= ready.size();
-        update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
         for (const offload::IoFuture& w : writes) w.get();  // the gradient's last swap write
-        update_units(ac, ready, [&](size_t u) {
-          if (grads_transient) release_gradient_buffer(u);
-          unit_done(u);
-        }, &unit_sumsq);
+        update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
+        update_units(ac, ready, done, &unit_sumsq);
       }
     });
     gathers_wait_update = false;
@@ -1607,25 +1660,34 @@ struct Engine::Impl {
   // from its first reduce of the step until its update, which frees it. At most
   // transient_limit buffers exist at once (the multi-use units' held ones plus two), so that a
   // backward faster than the updater waits for it instead of holding every unit's gradient.
+  // The buffers are a pool of transient_limit, each the largest shard, allocated with the state
+  // (counted in host_state, pinned at their exact size on GPU machines).
   bool grads_transient = false;
-  size_t transient_held = 0, transient_limit = 2;  // under update_mu
+  size_t transient_limit = 2;
+  std::vector<at::Tensor> grad_pool;
+  std::vector<char> grad_pool_used;  // by pool slot, under update_mu
+  std::vector<size_t> grad_pool_slot;  // by unit: its slot while it holds one
   void take_gradient_buffer(size_t u) {
+    size_t slot = 0;
     {
       std::unique_lock<std::mutex> lock(update_mu);
-      if (transient_held >= transient_limit) {
+      auto free_slot = [&] { return std::find(grad_pool_used.begin(), grad_pool_used.end(), 0) != grad_pool_used.end(); };
+      if (!free_slot()) {
         auto t = prof.time(prof.step.wait_update, "wait update (gradient buffers)", &partition->unit(u).name);
-        // A failed updater frees nothing more: go on, the step's end reports its error.
-        update_cv.wait(lock, [&] { return transient_held < transient_limit || update_error; });
+        update_cv.wait(lock, [&] { return free_slot() || update_error; });
       }
-      ++transient_held;
+      if (!free_slot()) std::rethrow_exception(update_error);  // a failed updater frees nothing more
+      slot = size_t(std::find(grad_pool_used.begin(), grad_pool_used.end(), 0) - grad_pool_used.begin());
+      grad_pool_used[slot] = 1;
     }
-    units[u].grad = host_buffer(partition->unit(u).shard_numel, at::kFloat);
+    grad_pool_slot.at(u) = slot;
+    units[u].grad = grad_pool[slot].narrow(0, 0, int64_t(partition->unit(u).shard_numel));
     units[u].grad_fresh = true;
   }
   void release_gradient_buffer(size_t u) {
     units[u].grad = at::Tensor();
     std::lock_guard<std::mutex> lock(update_mu);
-    --transient_held;
+    grad_pool_used.at(grad_pool_slot.at(u)) = 0;
     update_cv.notify_all();
   }
 
@@ -1743,10 +1805,9 @@ StepResult Engine::train_step(const at::Tensor& ids) {
   if (impl_->broken)
     throw std::runtime_error("Engine: an earlier train_step failed half way; the partitioned state "
                              "is undefined (restart from a checkpoint)");
+  impl_->check_ids(ids);  // rejected before anything changes
   try {
     return impl_->train_step(ids);
-  } catch (const std::invalid_argument&) {
-    throw;  // rejected before anything changed
   } catch (...) {
     impl_->broken = true;
     impl_->abort_update();  // "backward": it may wait for gradients that will not come

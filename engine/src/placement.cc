@@ -43,14 +43,15 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
   // Master and moments live together: an explicit one fixes the other.
   if (plan.master == kAuto) plan.master = plan.moments;
   if (plan.moments == kAuto) plan.moments = plan.master;
-  // Gradients beside a master off the device may need no room at all.
+  // Gradients beside a master off the device may need only a few host buffers.
   const bool transient = gradients_transient(cfg, Placement::kHost);
-  const uint64_t grads_off_device = transient ? 0 : need.grads;
+  const uint64_t grads_off_device = transient ? need.grad_buffers : need.grads;
   auto grads_bytes = [&](Placement p) { return p == Placement::kDevice ? need.grads : grads_off_device; };
   // Fixed kinds first: their bytes are spoken for.
   Room room{budgets};
   if (plan.params != kAuto) room.take(plan.params, need.params);
-  if (plan.grads != kAuto) room.take(plan.grads, grads_bytes(plan.grads));
+  if (plan.grads != kAuto) room.take(transient && plan.grads == Placement::kNvme ? Placement::kHost : plan.grads,
+                                    grads_bytes(plan.grads));
   if (plan.master != kAuto) room.take(plan.master, need.master + need.moments);
 
   const bool grads_free = plan.grads == kAuto;
@@ -67,15 +68,15 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
       plan.master = plan.moments = Placement::kHost;
     } else {
       // Split by unit between host RAM and swap (no units given: all in swap).
-      const bool grads_host =
-          plan.grads == Placement::kHost || (grads_free && room.fits(Placement::kHost, grads_off_device));
+      const bool grads_host = transient || plan.grads == Placement::kHost ||
+                              (grads_free && room.fits(Placement::kHost, grads_off_device));
       const bool grads_follow = !grads_host && plan.grads != Placement::kDevice;  // swap-bound gradients stay with their master
-      uint64_t host_left = room.left.host - (grads_free && grads_host ? grads_off_device : 0);
+      uint64_t host_left = room.left.host - std::min(room.left.host, grads_free && grads_host ? grads_off_device : 0);
       if (plan.params == kAuto && !room.fits(Placement::kDevice, need.params) && host_left >= need.params)
         host_left -= need.params;
       uint64_t host_group = 0, host_grads = 0;  // bytes of the units kept in host RAM
       // Gradients placed in swap explicitly cannot follow a master into host RAM: no split then.
-      const bool may_split = grads_free || plan.grads != Placement::kNvme;
+      const bool may_split = grads_free || transient || plan.grads != Placement::kNvme;
       for (uint64_t n : may_split ? need.unit_numel : std::vector<uint64_t>{}) {
         const uint64_t grads_here = grads_follow ? 4 * n : 0;
         if (host_group + host_grads + 12 * n + grads_here > host_left) break;
@@ -174,7 +175,7 @@ std::string describe_plan(const PlacementPlan& p, const StateBytes& need) {
            ") + nvme " + format_bytes(bytes - host);
   };
   return one("params", p.params, need.params, false) + ", " +
-         (p.grads_transient ? std::string("grads not stored (updated during backward)")
+         (p.grads_transient ? "grads not stored (updated during backward; host buffers " + format_bytes(need.grad_buffers) + ")"
                             : one("grads", p.grads, need.grads, p.grads == Placement::kNvme)) + ", " +
          one("master", p.master, need.master, true) + ", " + one("moments", p.moments, need.moments, true);
 }

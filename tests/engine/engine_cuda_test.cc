@@ -109,6 +109,34 @@ TEST(EngineCuda, KeptGraphsMatchLibtorchOnTheGpu) {
   expect_close(got, reference(some, 1, kCuda), 1e-5);
 }
 
+// The overlapped update with compute copies on the GPU and master weights on the host: the
+// updater thread writes the device copies on a stream of its own, after their last read of the
+// step ("backward": during the backward; "forward": during the next forward). Bitwise the serial
+// update, in one and in two micro-batches a step (one: no gradients stored).
+TEST(EngineCuda, OverlappedUpdateOfDeviceComputeCopiesIsBitwiseTheSerialOneOnTheGpu) {
+  REQUIRE_GPU();
+  for (int accum : {2, 1}) {
+    json j = tiny_config(false, 5);
+    j["run"]["steps"] = 6;
+    j["batch"]["grad_accum"] = accum;
+    j["optimizer"]["clip_grad_norm"] = 0.0;
+    j["device"] = {{"type", "cuda"}, {"prefetch", 2}};
+    j["placement"] = {{"params", "device"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}};
+    std::vector<Trajectory> runs;
+    for (const char* overlap : {"off", "forward", "backward"}) {
+      j["optimizer"]["overlap"] = overlap;
+      uint64_t peak = 0;
+      runs.push_back(run_in_process(se::parse_train_config(j.dump(), "test"), UINT64_MAX, &peak, "cuda"));
+    }
+    for (size_t r = 1; r < runs.size(); ++r) {
+      SCOPED_TRACE("accum " + std::to_string(accum) + ", run " + std::to_string(r));
+      for (size_t i = 0; i < runs[0].losses.size(); ++i) EXPECT_EQ(runs[r].losses[i], runs[0].losses[i]) << "step " << i + 1;
+      for (auto& [name, w] : runs[0].params) EXPECT_TRUE(runs[r].params.at(name).equal(w)) << name;
+    }
+    expect_close(runs[2], reference(se::parse_train_config(j.dump(), "test"), 1, kCuda), 1e-5);
+  }
+}
+
 // Decoder::block_graph_bytes_per_token bounds what a block's forward keeps on the GPU (bf16,
 // the CUDA attention kernels), measured by the caching allocator.
 TEST(EngineCuda, BlockGraphEstimateBoundsTheGpuAllocation) {

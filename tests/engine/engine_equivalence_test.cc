@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <future>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -326,7 +327,7 @@ TEST(EngineOverlap, UpdateDuringBackwardWithOneMicroBatchStoresNoGradients) {
     auto dev = se::Device::create_host(UINT64_MAX);
     std::map<std::string, se::MemoryReport> mem;
     std::map<std::string, se::StepTimeline> last;
-    uint64_t numel = 0, embedding = 0;
+    uint64_t numel = 0, embedding = 0, largest = 0;
     for (const char* overlap : {"off", "backward"}) {
       j["optimizer"]["overlap"] = overlap;
       const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
@@ -335,15 +336,20 @@ TEST(EngineOverlap, UpdateDuringBackwardWithOneMicroBatchStoresNoGradients) {
       EXPECT_EQ(eng.gradients_stored(), !backward);
       EXPECT_EQ(eng.placement_report().find("grads not stored") != std::string::npos, backward) << eng.placement_report();
       numel = 0;
-      for (const se::UnitLayout& u : eng.partition().units()) numel += u.shard_numel;
+      for (const se::UnitLayout& u : eng.partition().units()) {
+        numel += u.shard_numel;
+        largest = std::max(largest, u.shard_numel);
+      }
       embedding = eng.partition().unit(0).shard_numel;
       at::Tensor ids = at::randint(0, tc.model.vocab_size, {2, tc.engine.seq_len + 1}, at::kLong);
       for (int s = 0; s < 3; ++s) last[overlap] = eng.train_step(ids).timeline;
       mem[overlap] = eng.memory();
     }
     const bool nvme = std::string(master) == "nvme";
-    // Host: fp32 compute copies (4), and master and moments (12) where they are on the host.
-    EXPECT_EQ(mem["backward"].host_state, (nvme ? 4 : 16) * numel);
+    // Host: fp32 compute copies (4), and master and moments (12) where they are on the host;
+    // without stored gradients, three buffers of the largest shard (two, and one for the tied
+    // embedding, whose gradient is held from the head's reduce to the embedding's).
+    EXPECT_EQ(mem["backward"].host_state, (nvme ? 4 : 16) * numel + 3 * 4 * largest);
     EXPECT_EQ(mem["off"].host_state, (nvme ? 4 : 20) * numel) << "stored: 4 more bytes per parameter";
     EXPECT_EQ(mem["backward"].nvme_state, nvme ? 12 * numel : 0);
     EXPECT_EQ(mem["off"].nvme_state, nvme ? 16 * numel : 0);
@@ -362,6 +368,51 @@ TEST(EngineOverlap, UpdateDuringBackwardWithOneMicroBatchStoresNoGradients) {
   const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
   uint64_t peak = 0;
   expect_close(run_in_process(tc, UINT64_MAX, &peak), reference(tc, 1), 1e-5);
+}
+
+// The gradient buffers bound what a backward faster than its update holds: with the updater held
+// back (it waits for a checkpoint's hold on the swap state before its first update), the
+// backward of a 5-unit model with 3 buffers waits for buffers, and the numbers are unchanged.
+TEST(EngineOverlap, GradientBuffersHoldTheBackwardBackWhenTheUpdateLags) {
+  json j = tiny_config(false, 3);
+  j["batch"] = {{"micro_batch", 2}, {"grad_accum", 1}};
+  j["optimizer"]["clip_grad_norm"] = 0.0;
+  j["optimizer"]["overlap"] = "backward";
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  tc.engine.profile = true;
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create_host(UINT64_MAX);
+  at::Tensor ids = at::randint(0, tc.model.vocab_size, {2, tc.engine.seq_len + 1}, at::kLong);
+  std::vector<double> losses;
+  std::vector<at::Tensor> params;
+  for (bool held : {false, true}) {
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+    ASSERT_EQ(eng.partition().num_units(), 5u);
+    eng.train_step(ids);
+    std::promise<void> hold;
+    std::thread release;
+    if (held) {
+      eng.hold_nvme_state(hold.get_future().share());
+      release = std::thread([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        hold.set_value();
+      });
+    }
+    eng.take_trace();
+    const se::StepResult r = eng.train_step(ids);
+    if (release.joinable()) release.join();
+    size_t buffer_waits = 0;
+    for (const se::TraceSpan& s : eng.take_trace()) buffer_waits += s.name.rfind("wait update (gradient buffers)", 0) == 0;
+    if (held) {
+      EXPECT_GE(buffer_waits, 1u) << "the backward went on past its buffers";
+      EXPECT_GE(r.timeline.wait_update, 0.2);
+    }
+    losses.push_back(eng.train_step(ids).loss);
+    for (auto& [n, p] : eng.gather_parameters()) params.push_back(p);
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  ASSERT_EQ(params.size() % 2, 0u);
+  for (size_t i = 0; i < params.size() / 2; ++i) EXPECT_TRUE(params[i].equal(params[i + params.size() / 2]));
 }
 
 TEST(EngineOverlap, UpdateDuringBackwardNeedsNoClippingAndNoFp16) {
@@ -537,6 +588,9 @@ TEST(EngineOverlap, AFailedSwapOperationOfTheUpdateDuringBackwardFailsItsStep) {
                                    strata::offload::IoRequest::Kind::kWrite, "backward");
   expect_swap_fault_fails_the_step({{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}},
                                    strata::offload::IoRequest::Kind::kRead, "backward");
+  // The training thread fails half way through the backward (an activation checkpoint that was
+  // never written is needed), with the updater waiting for units that will not come: it stops.
+  expect_swap_fault_fails_the_step({{"activations", "nvme"}}, strata::offload::IoRequest::Kind::kWrite, "backward");
 }
 
 // Device-placed checkpoints count against the budget: all of a micro-batch's, beside the
@@ -858,7 +912,8 @@ TEST(PlacementPlan, GradientsNotStoredTakeNoRoomOffTheDevice) {
   c.update_overlap = se::UpdateOverlap::kBackward;
   c.clip_grad_norm = 0;
   c.grad_accum = 1;
-  const se::StateBytes need{800, 1600, 1600, 3200, {100, 100, 100, 100}};
+  // 400 bytes of gradient buffers instead of 1600 bytes of stored gradients.
+  se::StateBytes need{800, 1600, 1600, 3200, {100, 100, 100, 100}, 400};
   auto plan = [&](uint64_t device, uint64_t host, uint64_t nvme) {
     const se::PlacementPlan p = se::plan_placement(c, need, {device, host, nvme});
     return std::string(se::to_string(p.params)) + " " + se::to_string(p.grads) + " " + se::to_string(p.master) +
@@ -866,13 +921,19 @@ TEST(PlacementPlan, GradientsNotStoredTakeNoRoomOffTheDevice) {
   };
   // The device holds everything with gradients (800 + 1600 + 4800) or nothing but compute copies.
   EXPECT_EQ(plan(7200, 0, 0), "device device device 0");
-  // Master and moments (4800) fill the host whole, without the 1600 of gradients stored ones need.
-  EXPECT_EQ(plan(800, 4800, 0), "device host host 0 transient");
-  // Split: two units' master and moments in 2400 of host RAM, no gradient bytes beside them.
-  EXPECT_EQ(plan(800, 2400, 2400), "device host nvme 2 transient");
-  EXPECT_NE(se::describe_plan(se::plan_placement(c, need, {800, 4800, 0}), need).find("grads not stored"),
-            std::string::npos);
-  c.grad_accum = 2;  // accumulated over micro-batches: stored, and the host no longer holds the group
+  // Master and moments (4800) and the buffers (400) fill the host whole, where stored gradients
+  // would need 1600.
+  EXPECT_EQ(plan(800, 5200, 0), "device host host 0 transient");
+  // Split: the buffers, then three units' master and moments (3600) in 4799 of host RAM.
+  EXPECT_EQ(plan(800, 5199, 1200), "device host nvme 3 transient");
+  EXPECT_EQ(plan(800, 2800, 2400), "device host nvme 2 transient");
+  EXPECT_NE(se::describe_plan(se::plan_placement(c, need, {800, 5200, 0}), need).find("grads not stored (updated during backward; host buffers 400 B)"),
+            std::string::npos) << se::describe_plan(se::plan_placement(c, need, {800, 5200, 0}), need);
+  // Gradients placed in swap explicitly are not stored either: the group still splits.
+  c.grads = P::kNvme;
+  EXPECT_EQ(plan(800, 2800, 2400), "device host nvme 2 transient");
+  c.grads = P::kAuto;
+  c.grad_accum = 2;  // accumulated over micro-batches: stored (1600 on the host), one unit fewer
   EXPECT_EQ(plan(800, 4800, 2400), "device host nvme 2");
   c.grad_accum = 1;
   c.update_overlap = se::UpdateOverlap::kForward;
@@ -1186,15 +1247,22 @@ TEST(EngineNvme, TwoRanksWithStateOnNvmeMatchOneProcess) {
 }
 
 // Each rank updates its own shards during backward as its reduce-scatters land.
+// With two micro-batches (gradients stored in swap) and with one (gradients not stored).
 TEST(EngineOverlap, TwoRanksUpdatingDuringBackwardMatchOneProcess) {
-  TempDir dir, swap;
-  json j = tiny_config(true, 3);
-  j["optimizer"]["clip_grad_norm"] = 0.0;
-  j["optimizer"]["overlap"] = "backward";
-  j["placement"] = {{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
-  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "32KiB"}};
-  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
-  expect_close(run_launched(tc, j, 2, dir), reference(tc, 2), 1e-5);
+  for (int accum : {2, 1}) {
+    SCOPED_TRACE(accum);
+    TempDir dir, swap;
+    json j = tiny_config(true, 3);
+    j["batch"]["grad_accum"] = accum;
+    j["optimizer"]["clip_grad_norm"] = 0.0;
+    j["optimizer"]["overlap"] = "backward";
+    j["placement"] = {{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
+    j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "32KiB"}};
+    se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    expect_close(run_launched(tc, j, 2, dir), reference(tc, 2), 1e-5);
+    EXPECT_NE(read_file(dir / "out.txt").find(accum == 1 ? "grads not stored" : "grads nvme"), std::string::npos)
+        << read_file(dir / "out.txt");
+  }
 }
 
 TEST(EngineRecompute, TwoRanksKeepingSomeGraphsMatchOneProcess) {

@@ -41,8 +41,9 @@ struct EngineConfig {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   bool decoupled_weight_decay = true;
   double clip_grad_norm = 0.0;  // 0: off
-  // Applies with master weights and compute copies off the device (a device-placed master is
-  // updated by one asynchronous CUDA launch after backward).
+  // Applies with master weights off the device (a device-placed master is updated by one
+  // asynchronous CUDA launch after backward). kBackward with grad_accum 1 also stores no
+  // gradients (gradients_transient in placement.h).
   UpdateOverlap update_overlap = UpdateOverlap::kForward;
   bool profile = false;  // device-timed compute spans and a trace (Engine::take_trace)
   int64_t micro_batch = 1;      // sequences per micro-batch per rank

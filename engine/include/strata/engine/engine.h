@@ -55,7 +55,8 @@ namespace strata::engine {
 struct StepTimeline {
   double compute_busy = -1;      // device seconds in stage compute (-1: not profiled)
   double wait_params = 0;        // a unit's gather (NVMe read, copy up, all-gather) not done
-  double wait_update = 0;        // the overlapped update not done ("forward": a gather; "backward": the step's end)
+  double wait_update = 0;        // the overlapped update not done ("forward": a gather; "backward":
+                                 // a gradient buffer to free, and the step's end)
   double wait_activations = 0;   // activation checkpoints still on their way to the host
   double wait_grads = 0;         // gradients still on their way to the host / NVMe
   double norm = 0;               // global gradient norm (sum of squares, all-reduce)

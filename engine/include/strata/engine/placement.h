@@ -11,7 +11,7 @@
 // left once the gradients (touched every micro-batch) and the compute copies the device cannot
 // hold (read at every gather) have their room, the rest in swap. Kinds the configuration places explicitly keep their
 // tier and their bytes count against it. Gradients that are not stored (gradients_transient)
-// count for nothing off the device.
+// take only their buffers in host RAM (StateBytes::grad_buffers) beside a master off the device.
 //
 // Pure functions; thread-safe. Errors: std::runtime_error naming the bytes needed and the
 // budgets when the state fits nowhere.
@@ -26,10 +26,12 @@
 namespace strata::engine {
 
 // This rank's bytes of each kind, and the shard elements of each unit in forward order (what a
-// split by unit needs; none: no split).
+// split by unit needs; none: no split). grad_buffers: the host buffers gradients that are not
+// stored need instead of `grads` (gradients_transient).
 struct StateBytes {
   uint64_t params = 0, grads = 0, master = 0, moments = 0;
   std::vector<uint64_t> unit_numel;
+  uint64_t grad_buffers = 0;
 };
 
 // Bytes of state each tier may take on this rank (the device's after its working set).
@@ -41,7 +43,7 @@ struct TierBudgets {
 // the first host_units units' master and moments (and gradients, where grads is kNvme too: they
 // stay with their master) live in host RAM, the rest in swap.
 // grads_transient: gradients are not stored (see gradients_transient); grads is then kHost,
-// where each unit's gradient waits for its update, and takes no room.
+// where each unit's gradient waits for its update in one of a few buffers.
 struct PlacementPlan {
   Placement params, grads, master, moments;
   size_t host_units = 0;
