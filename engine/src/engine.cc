@@ -1212,6 +1212,7 @@ struct Engine::Impl {
     // "forward": the last update was done long ago (the forward gathered every unit); "backward":
     // this step's update, whose last units may still be running.
     finish_update();
+    if (in_backward) wait_nvme_hold();  // done by the updater (a no-op here) unless it failed first
     StepResult r;
     const int depth_used = prefetch_depth;
     {
@@ -1295,7 +1296,8 @@ struct Engine::Impl {
   // copied up after `fn`. Device-placed kinds other than the compute copy are not supported
   // (the optimizer runs where the master weights live).
   // `unit_done(u)`, if set, is called once every chunk of unit u has been processed and written
-  // back (units finish in order). `which`, if set, limits the pass to those units, in its order.
+  // back (units finish in the order of the pass). `which`, if set, limits the pass to those
+  // units, in its order.
   // `before_unit(u)`, if set, is called before unit u's first chunk is processed, once that
   // chunk's reads (and the next chunk's) are under way: it may block until u is ready.
   void stream_chunks(unsigned in, unsigned out, const ChunkFn& fn,
@@ -1440,13 +1442,15 @@ struct Engine::Impl {
     return all;
   }
 
-  // The CPU Adam step of the units in `which` (ascending), their master weights and moments on
+  // The CPU Adam step of the units in `which`, in that order, their master weights and moments on
   // the host or streamed from swap; `unit_done(u)` as each is complete. With `sumsq`, each unit's
-  // sum of squared gradients is added to (*sumsq)[u] on the way.
-  // `before_unit(u)` as in stream_chunks.
+  // sum of squared gradients is added to (*sumsq)[u] on the way. `before_unit(u)` as in
+  // stream_chunks; `grad_consumed(u)` once unit u's gradient has been read for the last time
+  // (before its writes are done).
   void update_units(const kernels::AdamConfig& ac, const std::vector<size_t>& which,
                     const std::function<void(size_t)>& unit_done, std::vector<double>* sumsq = nullptr,
-                    const std::function<void(size_t)>& before_unit = {}) {
+                    const std::function<void(size_t)>& before_unit = {},
+                    const std::function<void(size_t)>& grad_consumed = {}) {
     if (optimizer_streams()) {
       stream_chunks((1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kGrad),
                     (1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kCompute),
@@ -1455,6 +1459,8 @@ struct Engine::Impl {
                       kernels::adam_step(ac, static_cast<float*>(p[kMaster]), static_cast<float*>(p[kExpAvg]),
                                          static_cast<float*>(p[kExpAvgSq]), p[kGrad], kernels::DType::kF32,
                                          p[kCompute], kernel_dtype(cfg.compute), c.numel, exec);
+                      if (grad_consumed && c.begin + c.numel == partition->unit(c.unit).shard_numel)
+                        grad_consumed(c.unit);
                     },
                     unit_done, &which, before_unit);
       return;
@@ -1465,6 +1471,7 @@ struct Engine::Impl {
         (*sumsq)[u] += kernels::sum_squares(units[u].grad.data_ptr<float>(), kernels::DType::kF32,
                                             size_t(units[u].grad.numel()), exec);
       update_unit(ac, u);
+      if (grad_consumed) grad_consumed(u);
       if (unit_done) unit_done(u);
     }
   }
@@ -1600,31 +1607,38 @@ struct Engine::Impl {
       grad_final_write.assign(units.size(), offload::IoFuture());
     }
     unit_sumsq.assign(units.size(), 0.0);
-    // A checkpoint still copying the swap files the update writes: the updater waits for it, the
-    // step goes on.
-    std::shared_future<void> hold = std::exchange(nvme_hold, {});
+    // A checkpoint still copying the swap files the update writes: the updater waits for it
+    // before its first write, while the backward goes on (the step's end waits for it too, in
+    // case the updater failed first).
+    const std::shared_future<void> hold = nvme_hold;
     start_updater([this, ac, hold](const std::function<void(size_t)>& unit_done) {
-      if (hold.valid()) hold.wait();
-      const auto done = [&](size_t u) {
+      bool held = hold.valid();
+      const auto wait_hold = [&] {
+        if (held) hold.wait();
+        held = false;
+      };
+      const std::function<void(size_t)> consumed = [&](size_t u) {
         if (grads_transient) release_gradient_buffer(u);
-        unit_done(u);
       };
       bool grads_in_swap = false;
       for (size_t u = 0; u < units.size(); ++u) grads_in_swap |= placement(u, kGrad) == Placement::kNvme;
       if (!grads_in_swap) {
         // One pass over the units in the order their gradients become final (the last use's
-        // stage, highest first): each unit's master and moments are read from swap while its
-        // gradient is still on its way, and its update starts as soon as the gradient is there.
+        // stage, highest first): the first chunks of each unit's swap-resident master and moments
+        // are read while its gradient is still on its way (the chunk ring runs ahead across
+        // units), and its update starts as soon as the gradient is there.
         std::vector<size_t> order = all_units();
         std::stable_sort(order.begin(), order.end(),
                          [&](size_t a, size_t b) { return last_use_stage[a] > last_use_stage[b]; });
-        update_units(ac, order, done, &unit_sumsq, [&](size_t u) {
-          std::unique_lock<std::mutex> lock(update_mu);
-          update_cv.wait(lock, [&] { return grad_final[u] || update_abort; });
-          if (update_abort) throw std::runtime_error("the step failed before its update was done");
-          lock.unlock();
+        update_units(ac, order, unit_done, &unit_sumsq, [&](size_t u) {
+          {
+            std::unique_lock<std::mutex> lock(update_mu);
+            update_cv.wait(lock, [&] { return grad_final[u] || update_abort; });
+            if (update_abort) throw std::runtime_error("the step failed before its update was done");
+          }
+          wait_hold();  // before the first chunk is processed and written back
           update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
-        });
+        }, consumed);
         return;
       }
       // Gradients in swap are read with the unit's state, so only once final: the ready units
@@ -1650,8 +1664,9 @@ struct Engine::Impl {
         }
         left -= ready.size();
         for (const offload::IoFuture& w : writes) w.get();  // the gradient's last swap write
+        wait_hold();
         update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
-        update_units(ac, ready, done, &unit_sumsq);
+        update_units(ac, ready, unit_done, &unit_sumsq, {}, consumed);
       }
     });
     gathers_wait_update = false;

@@ -35,7 +35,7 @@ uint64_t mem_available() {
 
 bool gradients_transient(const EngineConfig& cfg, Placement master) {
   return cfg.update_overlap == UpdateOverlap::kBackward && cfg.grad_accum == 1 && master != Placement::kDevice &&
-         master != kAuto;
+         master != kAuto && cfg.grads != Placement::kDevice;
 }
 
 PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, const TierBudgets& budgets) {
@@ -43,35 +43,45 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
   // Master and moments live together: an explicit one fixes the other.
   if (plan.master == kAuto) plan.master = plan.moments;
   if (plan.moments == kAuto) plan.moments = plan.master;
-  // Gradients beside a master off the device may need only a few host buffers.
-  const bool transient = gradients_transient(cfg, Placement::kHost);
-  const uint64_t grads_off_device = transient ? need.grad_buffers : need.grads;
-  auto grads_bytes = [&](Placement p) { return p == Placement::kDevice ? need.grads : grads_off_device; };
-  // Fixed kinds first: their bytes are spoken for.
   Room room{budgets};
+  // Gradients that are not stored (if the master ends up off the device) take only their
+  // buffers, in host RAM, whatever tier the configuration names for them.
+  const bool transient = gradients_transient(cfg, plan.master == kAuto ? Placement::kHost : plan.master);
+  auto take_buffers = [&] {
+    if (!room.fits(Placement::kHost, need.grad_buffers))
+      throw std::runtime_error("automatic placement: the gradient buffers of the update during backward (" +
+                               format_bytes(need.grad_buffers) + " on this rank) do not fit in host RAM (" +
+                               format_bytes(room.left.host) + " left); raise offload.host_budget");
+    room.take(Placement::kHost, need.grad_buffers);
+  };
+  // Fixed kinds first: their bytes are spoken for.
   if (plan.params != kAuto) room.take(plan.params, need.params);
-  if (plan.grads != kAuto) room.take(transient && plan.grads == Placement::kNvme ? Placement::kHost : plan.grads,
-                                    grads_bytes(plan.grads));
+  if (plan.grads != kAuto) {
+    if (transient) take_buffers();
+    else room.take(plan.grads, need.grads);
+  }
   if (plan.master != kAuto) room.take(plan.master, need.master + need.moments);
 
   const bool grads_free = plan.grads == kAuto;
   const uint64_t group = need.master + need.moments;
-  const uint64_t free_grads = grads_free ? need.grads : 0, free_grads_off_device = grads_free ? grads_off_device : 0;
+  // What gradients placed here need beside a master on the host or in swap.
+  const uint64_t free_grads_off_device = !grads_free ? 0 : transient ? need.grad_buffers : need.grads;
 
   if (plan.master == kAuto) {
     const uint64_t params_on_device = plan.params == kAuto ? need.params : 0;
-    if (room.fits(Placement::kDevice, group + free_grads + params_on_device) &&
+    if (room.fits(Placement::kDevice, group + (grads_free ? need.grads : 0) + params_on_device) &&
         (plan.grads == kAuto || plan.grads == Placement::kDevice)) {
       plan.master = plan.moments = Placement::kDevice;
     } else if (room.fits(Placement::kHost, group + free_grads_off_device) &&
-               (plan.grads == kAuto || plan.grads == Placement::kHost)) {
+               (plan.grads == kAuto || plan.grads == Placement::kHost || transient)) {
       plan.master = plan.moments = Placement::kHost;
     } else {
       // Split by unit between host RAM and swap (no units given: all in swap).
+      if (grads_free && transient) take_buffers();
       const bool grads_host = transient || plan.grads == Placement::kHost ||
-                              (grads_free && room.fits(Placement::kHost, grads_off_device));
+                              (grads_free && room.fits(Placement::kHost, need.grads));
       const bool grads_follow = !grads_host && plan.grads != Placement::kDevice;  // swap-bound gradients stay with their master
-      uint64_t host_left = room.left.host - std::min(room.left.host, grads_free && grads_host ? grads_off_device : 0);
+      uint64_t host_left = room.left.host - (grads_free && grads_host && !transient ? need.grads : 0);
       if (plan.params == kAuto && !room.fits(Placement::kDevice, need.params) && host_left >= need.params)
         host_left -= need.params;
       uint64_t host_group = 0, host_grads = 0;  // bytes of the units kept in host RAM
@@ -96,7 +106,7 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
       plan.master = plan.moments = Placement::kNvme;
       if (grads_free) {
         plan.grads = grads_host ? Placement::kHost : Placement::kNvme;
-        if (grads_host) room.take(Placement::kHost, grads_off_device);
+        if (grads_host && !transient) room.take(Placement::kHost, need.grads);
       }
       room.take(Placement::kHost, host_group + host_grads);
       room.take(Placement::kNvme, swapped);
@@ -104,9 +114,14 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
     if (plan.master != Placement::kNvme) room.take(plan.master, need.master + need.moments);
   }
   if (grads_free && plan.grads == kAuto) {
-    if (plan.master != Placement::kNvme) plan.grads = plan.master;
-    else plan.grads = room.fits(Placement::kHost, grads_off_device) ? Placement::kHost : Placement::kNvme;
-    room.take(plan.grads, grads_bytes(plan.grads));
+    if (transient && plan.master != Placement::kDevice) {
+      plan.grads = Placement::kHost;
+      take_buffers();
+    } else {
+      if (plan.master != Placement::kNvme) plan.grads = plan.master;
+      else plan.grads = room.fits(Placement::kHost, need.grads) ? Placement::kHost : Placement::kNvme;
+      room.take(plan.grads, need.grads);
+    }
   }
   if (gradients_transient(cfg, plan.master)) {
     plan.grads = Placement::kHost;  // where each unit's gradient waits for its update

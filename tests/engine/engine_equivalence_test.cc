@@ -938,6 +938,20 @@ TEST(PlacementPlan, GradientsNotStoredTakeNoRoomOffTheDevice) {
   c.grad_accum = 1;
   c.update_overlap = se::UpdateOverlap::kForward;
   EXPECT_EQ(plan(800, 4800, 2400), "device host nvme 2");
+  // Master placed in swap explicitly: the buffers still go to the host, and must fit there.
+  c.update_overlap = se::UpdateOverlap::kBackward;
+  c.master = c.moments = P::kNvme;
+  EXPECT_EQ(plan(800, 400, 4800), "device host nvme 0 transient");
+  try {
+    plan(800, 399, 4800);
+    FAIL() << "buffers that do not fit the host were placed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("gradient buffers"), std::string::npos) << e.what();
+  }
+  // Gradients placed on the device explicitly are stored there.
+  c.master = c.moments = P::kAuto;
+  c.grads = P::kDevice;
+  EXPECT_EQ(plan(7200, 0, 0), "device device device 0");
 }
 
 // Split by unit in the engine: the first units' master and moments in host RAM, the rest in swap;
