@@ -794,7 +794,7 @@ struct Engine::Impl {
         const Placement kind = k == kMaster ? plan.master : k == kExpAvg || k == kExpAvgSq ? plan.moments
                              : k == kGrad ? plan.grads : plan.params;
         const bool on_host = k != kCompute && u < plan.host_units;  // the split's first units
-        if (kind == Placement::kNvme && !on_host && !(k == kGrad && plan.grads_transient))
+        if (kind == Placement::kNvme && !on_host)  // (gradients that are not stored say kHost)
           swapped += partition->unit(u).shard_numel * c10::elementSize(kind_dtype(k));
       }
     if (swapped > budgets.nvme)

@@ -111,22 +111,6 @@ void expect_overlap_is_bitwise_serial(json j, uint64_t budget = 1200 * 1024) {
 
 TEST(EngineOverlap, OverlappedUpdateIsBitwiseTheSerialOne) { expect_overlap_is_bitwise_serial(tiny_config(false, 4)); }
 
-TEST(EngineOverlap, OverlappedUpdateStreamedFromNvmeIsBitwiseTheSerialOne) {
-  TempDir swap;
-  json j = tiny_config(true, 3);
-  j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}};
-  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
-  expect_overlap_is_bitwise_serial(j);
-}
-
-TEST(EngineOverlap, OverlappedUpdateWithAllStateOnNvmeIsBitwiseTheSerialOne) {
-  TempDir swap;
-  json j = tiny_config(false, 3);
-  j["placement"] = {{"params", "nvme"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
-  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
-  expect_overlap_is_bitwise_serial(j);
-}
-
 // --- the per-step timeline --------------------------------------------------------------------
 
 struct Profiled {
@@ -275,20 +259,31 @@ TEST(EngineOverlap, UpdateDuringBackwardKeepingGraphsIsBitwiseTheSerialOne) {
   expect_backward_overlap_is_bitwise_serial(j, 8ull << 20);  // room for three graphs
 }
 
-TEST(EngineOverlap, UpdateDuringBackwardStreamedFromNvmeIsBitwiseTheSerialOne) {
+// Master and moments streamed from swap, by either overlapped update.
+TEST(EngineOverlap, UpdateStreamedFromNvmeIsBitwiseTheSerialOne) {
   TempDir swap;
   json j = tiny_config(true, 3);
   j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}};
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  {
+    SCOPED_TRACE("forward");
+    expect_overlap_is_bitwise_serial(j);
+  }
+  SCOPED_TRACE("backward");
   expect_backward_overlap_is_bitwise_serial(j);
 }
 
-// Gradients in swap too: the updater waits for each unit's last gradient write.
-TEST(EngineOverlap, UpdateDuringBackwardWithAllStateOnNvmeIsBitwiseTheSerialOne) {
+// Gradients in swap too: the update during backward waits for each unit's last gradient write.
+TEST(EngineOverlap, UpdateWithAllStateOnNvmeIsBitwiseTheSerialOne) {
   TempDir swap;
   json j = tiny_config(false, 3);
   j["placement"] = {{"params", "nvme"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  {
+    SCOPED_TRACE("forward");
+    expect_overlap_is_bitwise_serial(j);
+  }
+  SCOPED_TRACE("backward");
   expect_backward_overlap_is_bitwise_serial(j);
 }
 
