@@ -222,6 +222,7 @@ int train_main(const std::vector<std::string>& argv) {
          {{"params", to_string(ec.params)}, {"grads", eng.gradients_stored() ? to_string(ec.grads) : "not stored"},
           {"master", to_string(ec.master)}, {"moments", to_string(ec.moments)},
           {"activations", to_string(ec.activations)}, {"recomputed_blocks", ec.recompute_blocks},
+          {"optimizer_device_units", eng.optimizer_device_units()},
           {"optimizer_host_units", eng.optimizer_host_units()}}},
         {"device", device->description()},
         {"device_budget", ec.device_budget},

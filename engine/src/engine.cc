@@ -210,14 +210,23 @@ struct Engine::Impl {
       default: return cfg.params;
     }
   }
-  // Where unit u's shard of kind k lives: the kind's tier, except that the first host_units
-  // units of a split optimizer group (master, moments, and gradients placed in swap) are in host
-  // RAM.
-  size_t host_units = 0;
+  // Where unit u's shard of kind k lives: the kind's tier, except in an optimizer group split by
+  // unit (PlacementPlan): the first device_units units keep master, moments and gradients on the
+  // device, and up to host_units, master, moments and gradients placed in swap are in host RAM.
+  size_t device_units = 0, host_units = 0;
   Placement placement(size_t u, int k) const {
     const Placement p = kind_placement(k);
     const bool group = k == kMaster || k == kExpAvg || k == kExpAvgSq || k == kGrad;
+    if (group && u < device_units) return Placement::kDevice;
     return group && p == Placement::kNvme && u < host_units ? Placement::kHost : p;
+  }
+  // The units whose update runs where their master weights are on the device, and the others
+  // (the CPU's: host or swap), each in forward order.
+  std::vector<size_t> units_where(bool on_device) const {
+    std::vector<size_t> out;
+    for (size_t u = 0; u < units.size(); ++u)
+      if ((placement(u, kMaster) == Placement::kDevice) == on_device) out.push_back(u);
+    return out;
   }
   // A unit's shard of kind k passes through a host buffer when streamed: in swap, or a compute
   // copy on a GPU.
@@ -550,7 +559,8 @@ struct Engine::Impl {
       std::vector<at::Tensor> buffers;  // alive until their writes complete
       for (int k = 0; k < kKinds; ++k) {
         const at::ScalarType t = kind_dtype(k);
-        if (k == kGrad && grads_transient) continue;  // a buffer per step, from the unit's first reduce
+        if (k == kGrad && grads_transient && placement(u, k) != Placement::kDevice)
+          continue;  // a buffer per step, from the unit's first reduce
         if (placement(u, k) != Placement::kNvme) {
           at::Tensor& x = st.kind(k);
           x = alloc_state(placement(u, k), L.shard_numel, t, std::string(kKindName[k]) + un);
@@ -773,35 +783,50 @@ struct Engine::Impl {
     // Checkpoints placed on the host explicitly need their room beside the state.
     if (cfg.activations == Placement::kHost) budgets.host -= std::min(budgets.host, checkpoint_bytes());
     PlacementPlan plan = plan_placement(cfg, need, budgets);
+    // This rank's bytes in host RAM and in swap under a plan (as placement(u, k) will say).
+    const auto host_and_swap = [&](const PlacementPlan& p) {
+      std::pair<uint64_t, uint64_t> b{p.grads_transient ? need.grad_buffers : 0, 0};
+      for (size_t u = 0; u < partition->num_units(); ++u)
+        for (int k = 0; k < kKinds; ++k) {
+          Placement kind = k == kMaster ? p.master : k == kExpAvg || k == kExpAvgSq ? p.moments
+                         : k == kGrad ? p.grads : p.params;
+          if (k != kCompute && u < p.device_units) kind = Placement::kDevice;
+          else if (k != kCompute && kind == Placement::kNvme && u < p.host_units) kind = Placement::kHost;
+          else if (k == kGrad && p.grads_transient) continue;  // counted as the buffers
+          const uint64_t bytes = partition->unit(u).shard_numel * c10::elementSize(kind_dtype(k));
+          if (kind == Placement::kHost) b.first += bytes;
+          if (kind == Placement::kNvme) b.second += bytes;
+        }
+      return b;
+    };
+    const uint64_t planned_host = host_and_swap(plan).first;
     // Every rank takes the slowest tier any rank chose for each kind, and of a split optimizer
-    // group the fewest units in host RAM (a group wholly there counts as all units), so that all
-    // agree.
+    // group the fewest units on the device and in host RAM (a group wholly in a tier counts as
+    // all units there), so that all agree.
     const int64_t n_units = int64_t(partition->num_units());
-    const int64_t on_host = plan.master == Placement::kNvme ? int64_t(plan.host_units) : n_units;
+    const int64_t on_device = plan.master == Placement::kDevice ? n_units : int64_t(plan.device_units);
+    const int64_t on_host = plan.master == Placement::kNvme ? int64_t(std::max(plan.host_units, plan.device_units)) : n_units;
     at::Tensor codes = at::tensor({int64_t(plan.params), int64_t(plan.grads), int64_t(plan.master),
-                                   int64_t(plan.moments), n_units - on_host}, at::TensorOptions().dtype(at::kLong));
+                                   int64_t(plan.moments), n_units - on_host, n_units - on_device},
+                                  at::TensorOptions().dtype(at::kLong));
     comm.all_reduce(codes, ReduceOp::kMax);
     plan = {Placement(codes[0].item<int64_t>()), Placement(codes[1].item<int64_t>()),
             Placement(codes[2].item<int64_t>()), Placement(codes[3].item<int64_t>())};
     plan.grads_transient = gradients_transient(cfg, plan.master);
+    if (plan.master != Placement::kDevice) plan.device_units = size_t(n_units - codes[5].item<int64_t>());
     if (plan.master == Placement::kNvme) plan.host_units = size_t(n_units - codes[4].item<int64_t>());
+    device_units = plan.device_units;
     host_units = plan.host_units;
-    // A rank may now swap more than it planned (another rank chose a slower tier or fewer host
-    // units): check its swap budget again, so that it fails here, clearly, not on a full disk.
-    uint64_t swapped = 0;
-    for (size_t u = 0; u < partition->num_units(); ++u)
-      for (int k = 0; k < kKinds; ++k) {
-        const Placement kind = k == kMaster ? plan.master : k == kExpAvg || k == kExpAvgSq ? plan.moments
-                             : k == kGrad ? plan.grads : plan.params;
-        const bool on_host = k != kCompute && u < plan.host_units;  // the split's first units
-        if (kind == Placement::kNvme && !on_host)  // (gradients that are not stored say kHost)
-          swapped += partition->unit(u).shard_numel * c10::elementSize(kind_dtype(k));
-      }
-    if (swapped > budgets.nvme)
-      throw std::runtime_error("automatic placement: the ranks agreed on placing " + format_bytes(swapped) +
-                               " of this rank's state in swap, over its NVMe budget of " +
+    // A rank may now hold more in host RAM or swap than it planned (another rank chose a slower
+    // tier, or fewer units on the device or in host RAM): check those budgets again, so that it
+    // fails here, clearly, not on a full disk or out of memory.
+    const auto [hosted, swapped] = host_and_swap(plan);
+    if (swapped > budgets.nvme || (hosted > planned_host && hosted > budgets.host))
+      throw std::runtime_error("automatic placement: the ranks agreed on placing " + format_bytes(hosted) +
+                               " of this rank's state in host RAM and " + format_bytes(swapped) +
+                               " in swap, over its budgets of " + format_bytes(budgets.host) + " and " +
                                format_bytes(budgets.nvme) + " (another rank had less room elsewhere); "
-                               "raise offload.nvme_budget or offload.host_budget, or place kinds explicitly");
+                               "raise offload.host_budget or offload.nvme_budget, or place kinds explicitly");
     cfg.params = plan.params;
     cfg.grads = plan.grads;
     cfg.master = plan.master;
@@ -983,7 +1008,7 @@ struct Engine::Impl {
       flat = at::Tensor();
       if (grads_transient && !units[u].grad.defined()) take_gradient_buffer(u);
       at::Tensor acc = units[u].grad;
-      if (cfg.grads == Placement::kDevice) {
+      if (placement(u, kGrad) == Placement::kDevice) {
         acc.add_(shard);
       } else if (placement(u, kGrad) == Placement::kHost && units[u].grad_fresh && shard.scalar_type() == at::kFloat) {
         // The step's first contribution: copied down straight into the accumulator (no add, and
@@ -1208,6 +1233,9 @@ struct Engine::Impl {
       dev.synchronize(dev.h2d_stream());
     }
 
+    // "backward": the device's units (a split optimizer group's first ones, final last) are
+    // updated now, on the compute stream, while the updater may still run.
+    if (in_backward) update_device_units(adam_config(1.0 / denom), &unit_sumsq);
     // Global norm and overflow in one all-reduce: [local sum of squares, local loss sum].
     // "forward": the last update was done long ago (the forward gathered every unit); "backward":
     // this step's update, whose last units may still be running.
@@ -1259,9 +1287,9 @@ struct Engine::Impl {
       }
       ++step;
     }
-    for (UnitState& u : units) {
-      if (cfg.grads == Placement::kDevice) u.grad.zero_();
-      else u.grad_fresh = true;  // the next step's first reduce overwrites
+    for (size_t u = 0; u < units.size(); ++u) {
+      if (placement(u, kGrad) == Placement::kDevice) units[u].grad.zero_();
+      else units[u].grad_fresh = true;  // the next step's first reduce overwrites
     }
     if (cfg.compute == Precision::kFp16) {
       if (r.skipped) {
@@ -1384,40 +1412,70 @@ struct Engine::Impl {
 
   // This rank's sum of squared gradients, where the gradients live (the CPU kernel, or the CUDA
   // kernel with the same reduction order).
+  // Summed in forward order, unit by unit (chunk by chunk where streamed): the device's units
+  // come first, so the order is that of any other placement of them.
   double local_sum_squares() {
+    std::vector<double> parts(units.size(), 0.0);
+    device_sum_squares(units_where(true), parts);
     double sumsq = 0;
+    for (double v : parts) sumsq += v;
+    const std::vector<size_t> rest = units_where(false);
     if (cfg.grads == Placement::kNvme) {
       stream_chunks(1u << kGrad, 0, [&](const Chunk& c, const std::array<void*, kKinds>& p) {
         sumsq += kernels::sum_squares(p[kGrad], kernels::DType::kF32, c.numel, exec);
-      });
-      return sumsq;
+      }, {}, &rest);
+    } else {
+      for (size_t u : rest)
+        sumsq += kernels::sum_squares(units[u].grad.data_ptr<float>(), kernels::DType::kF32,
+                                      size_t(units[u].grad.numel()), exec);
     }
-#ifdef STRATA_HAVE_CUDA
-    if (cfg.grads == Placement::kDevice && units.front().grad.is_cuda()) {
-      at::Tensor parts = dev.empty({int64_t(units.size())}, at::kDouble, "gradient norm");
-      cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-      for (size_t i = 0; i < units.size(); ++i)
-        kernels::cuda::sum_squares(units[i].grad.data_ptr<float>(), kernels::DType::kF32,
-                                   size_t(units[i].grad.numel()), parts.data_ptr<double>() + i, stream);
-      return parts.sum().item<double>();
-    }
-#endif
-    for (UnitState& u : units)
-      sumsq += kernels::sum_squares(u.grad.data_ptr<float>(), kernels::DType::kF32,
-                                    size_t(u.grad.numel()), exec);
     return sumsq;
   }
-
-  // Adam on every local slice where the master weights live, writing the next compute copies.
-  // `unit_done(u)` (host and NVMe state) is called as each unit's update is complete, in order.
-  void optimizer_step(const kernels::AdamConfig& ac, const std::function<void(size_t)>& unit_done = {}) {
+  // Adds the sum of squared gradients of each unit in `which` (their gradients on the device) to
+  // parts[u]: the CUDA kernel with the CPU kernel's reduction order, or the CPU kernel on the
+  // host device.
+  void device_sum_squares(const std::vector<size_t>& which, std::vector<double>& parts) {
+    if (which.empty()) return;
 #ifdef STRATA_HAVE_CUDA
-    if (cfg.master == Placement::kDevice && units.front().master.is_cuda()) {
-      // One multi-tensor launch; compute copies placed on the host are written to a device
-      // buffer first and copied down.
+    if (units[which.front()].grad.is_cuda()) {
+      at::Tensor sums = dev.empty({int64_t(which.size())}, at::kDouble, "gradient norm");
+      cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+      for (size_t i = 0; i < which.size(); ++i)
+        kernels::cuda::sum_squares(units[which[i]].grad.data_ptr<float>(), kernels::DType::kF32,
+                                   size_t(units[which[i]].grad.numel()), sums.data_ptr<double>() + i, stream);
+      at::Tensor host = sums.to(at::kCPU);
+      for (size_t i = 0; i < which.size(); ++i) parts[which[i]] += host.data_ptr<double>()[i];
+      return;
+    }
+#endif
+    for (size_t u : which)
+      parts[u] += kernels::sum_squares(units[u].grad.data_ptr<float>(), kernels::DType::kF32,
+                                       size_t(units[u].grad.numel()), exec);
+  }
+
+  // Adam on every local slice where the master weights live, writing the next compute copies:
+  // the device's units first, then the CPU's. `unit_done(u)` is called as each of the CPU's
+  // units is complete, in order.
+  void optimizer_step(const kernels::AdamConfig& ac, const std::function<void(size_t)>& unit_done = {}) {
+    update_on_device(ac, units_where(true));
+    const std::vector<size_t> rest = units_where(false);
+    if (!rest.empty()) update_units(ac, rest, unit_done);
+  }
+
+  // Adam on the units in `which`, their master, moments and gradients on the device: one
+  // multi-tensor launch on the current stream, or the CPU kernel on the host device. With
+  // `sumsq`, each unit's sum of squared gradients is added to (*sumsq)[u] first.
+  void update_on_device(const kernels::AdamConfig& ac, const std::vector<size_t>& which,
+                        std::vector<double>* sumsq = nullptr) {
+    if (which.empty()) return;
+    if (sumsq) device_sum_squares(which, *sumsq);
+#ifdef STRATA_HAVE_CUDA
+    if (units[which.front()].master.is_cuda()) {
+      // Compute copies placed on the host are written to a device buffer first and copied down.
       std::vector<kernels::cuda::AdamTensor> ts;
       std::vector<std::pair<at::Tensor, at::Tensor>> down;  // (device out, host compute copy)
-      for (UnitState& u : units) {
+      for (size_t i : which) {
+        UnitState& u = units[i];
         at::Tensor out = u.compute;
         if (!out.is_cuda()) {
           out = dev.empty({u.compute.numel()}, cdt, "compute copy out");
@@ -1433,7 +1491,7 @@ struct Engine::Impl {
       return;
     }
 #endif
-    update_units(ac, all_units(), unit_done);
+    for (size_t u : which) update_unit(ac, u);
   }
 
   std::vector<size_t> all_units() const {
@@ -1543,6 +1601,7 @@ struct Engine::Impl {
     {
       std::lock_guard<std::mutex> lock(update_mu);
       unit_updated.assign(units.size(), 0);
+      for (size_t u : units_where(true)) unit_updated[u] = 1;  // updated on the device, not here
       update_abort = false;
     }
     update_promise = std::make_shared<std::promise<void>>();
@@ -1593,10 +1652,26 @@ struct Engine::Impl {
       }
     });
   }
-  // "forward": the whole update, in forward order.
+  // "forward": the whole update, in forward order: the device's units here, the CPU's on the
+  // updater.
   void launch_update(const kernels::AdamConfig& ac) {
-    start_updater([this, ac](const std::function<void(size_t)>& unit_done) { optimizer_step(ac, unit_done); });
+    update_device_units(ac);
+    start_updater([this, ac](const std::function<void(size_t)>& unit_done) {
+      update_units(ac, units_where(false), unit_done);
+    });
     gathers_wait_update = true;
+  }
+  // The overlapped update's part on the device (a split optimizer group's first units), on the
+  // training thread: one launch on the compute stream, counted as exposed optimizer time.
+  void update_device_units(const kernels::AdamConfig& ac, std::vector<double>* sumsq = nullptr) {
+    const std::vector<size_t> which = units_where(true);
+    if (which.empty()) return;
+    const double before = prof.step.optimizer;
+    {
+      auto t = prof.time(prof.step.optimizer, "optimizer (device)");
+      update_on_device(ac, which, sumsq);
+    }
+    prof.step.optimizer_exposed += prof.step.optimizer - before;
   }
   // "backward": the update of each unit as its gradient becomes final (signal_final_gradients).
   void launch_update_in_backward(const kernels::AdamConfig& ac) {
@@ -1627,7 +1702,7 @@ struct Engine::Impl {
         // stage, highest first): the first chunks of each unit's swap-resident master and moments
         // are read while its gradient is still on its way (the chunk ring runs ahead across
         // units), and its update starts as soon as the gradient is there.
-        std::vector<size_t> order = all_units();
+        std::vector<size_t> order = units_where(false);  // the device's units: at the step's end
         std::stable_sort(order.begin(), order.end(),
                          [&](size_t a, size_t b) { return last_use_stage[a] > last_use_stage[b]; });
         update_units(ac, order, unit_done, &unit_sumsq, [&](size_t u) {
@@ -1644,7 +1719,8 @@ struct Engine::Impl {
       // Gradients in swap are read with the unit's state, so only once final: the ready units
       // in batches, lowest first.
       std::vector<char> taken(units.size(), 0);
-      for (size_t left = units.size(); left > 0;) {
+      for (size_t u : units_where(true)) taken[u] = 1;  // updated at the step's end, on the device
+      for (size_t left = units.size() - units_where(true).size(); left > 0;) {
         std::vector<size_t> ready;
         std::vector<offload::IoFuture> writes;
         {
@@ -1784,6 +1860,7 @@ Engine::Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& confi
 
 const EngineConfig& Engine::config() const { return impl_->cfg; }
 const std::string& Engine::placement_report() const { return impl_->placement_report; }
+size_t Engine::optimizer_device_units() const { return impl_->device_units; }
 size_t Engine::optimizer_host_units() const { return impl_->host_units; }
 bool Engine::gradients_stored() const { return !impl_->grads_transient; }
 
@@ -1913,11 +1990,13 @@ void Engine::refresh_compute_copies() {
     for (UnitState& u : I.units) u.compute.copy_(u.master);
     return;
   }
+  for (size_t u : I.units_where(true)) I.units[u].compute.copy_(I.units[u].master);
+  const std::vector<size_t> rest = I.units_where(false);
   I.stream_chunks(1u << kMaster, 1u << kCompute, [&](const Impl::Chunk& c, const std::array<void*, kKinds>& p) {
     const int64_t n = int64_t(c.numel);
     at::from_blob(p[kCompute], {n}, at::TensorOptions().dtype(I.cdt))
         .copy_(at::from_blob(p[kMaster], {n}, at::TensorOptions().dtype(at::kFloat)));
-  });
+  }, {}, &rest);
 }
 
 const Partition& Engine::partition() const { return *impl_->partition; }

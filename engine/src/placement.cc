@@ -64,54 +64,89 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
 
   const bool grads_free = plan.grads == kAuto;
   const uint64_t group = need.master + need.moments;
-  // What gradients placed here need beside a master on the host or in swap.
-  const uint64_t free_grads_off_device = !grads_free ? 0 : transient ? need.grad_buffers : need.grads;
+  // Bytes of the units not on the device: the group's, and the gradients' where placed here.
+  uint64_t rest_group = group, rest_grads = grads_free ? need.grads : 0;
 
   if (plan.master == kAuto) {
     const uint64_t params_on_device = plan.params == kAuto ? need.params : 0;
     if (room.fits(Placement::kDevice, group + (grads_free ? need.grads : 0) + params_on_device) &&
         (plan.grads == kAuto || plan.grads == Placement::kDevice)) {
       plan.master = plan.moments = Placement::kDevice;
-    } else if (room.fits(Placement::kHost, group + free_grads_off_device) &&
-               (plan.grads == kAuto || plan.grads == Placement::kHost || transient)) {
-      plan.master = plan.moments = Placement::kHost;
+      room.take(Placement::kDevice, group);
+      rest_group = 0;
     } else {
-      // Split by unit between host RAM and swap (no units given: all in swap).
-      if (grads_free && transient) take_buffers();
-      const bool grads_host = transient || plan.grads == Placement::kHost ||
-                              (grads_free && room.fits(Placement::kHost, need.grads));
-      const bool grads_follow = !grads_host && plan.grads != Placement::kDevice;  // swap-bound gradients stay with their master
-      uint64_t host_left = room.left.host - (grads_free && grads_host && !transient ? need.grads : 0);
-      if (plan.params == kAuto && !room.fits(Placement::kDevice, need.params) && host_left >= need.params)
-        host_left -= need.params;
-      uint64_t host_group = 0, host_grads = 0;  // bytes of the units kept in host RAM
-      // Gradients placed in swap explicitly cannot follow a master into host RAM: no split then.
-      const bool may_split = grads_free || transient || plan.grads != Placement::kNvme;
-      for (uint64_t n : may_split ? need.unit_numel : std::vector<uint64_t>{}) {
-        const uint64_t grads_here = grads_follow ? 4 * n : 0;
-        if (host_group + host_grads + 12 * n + grads_here > host_left) break;
-        host_group += 12 * n;
-        host_grads += grads_here;
-        ++plan.host_units;
+      // The device's share: what is left of it once the compute copies have their room (where
+      // they fit) holds the first units' master, moments and gradients (16 bytes an element;
+      // their update runs on the device). Only with gradients placed automatically: a device
+      // unit's gradient lives beside its master.
+      // Their compute copies must not be in swap (the device writes them): without room on the
+      // device, the compute copies take theirs in host RAM first.
+      uint64_t device_elems = 0;
+      const bool params_device = plan.params == kAuto && room.fits(Placement::kDevice, need.params);
+      const bool params_host = plan.params == kAuto && !params_device && room.fits(Placement::kHost, need.params);
+      if (grads_free && (plan.params == Placement::kDevice || plan.params == Placement::kHost || params_device || params_host)) {
+        const uint64_t left = room.left.device - (params_device ? need.params : 0);
+        for (uint64_t n : need.unit_numel) {
+          if (16 * (device_elems + n) > left) break;
+          device_elems += n;
+          ++plan.device_units;
+        }
       }
-      const uint64_t swapped =
-          need.master + need.moments - host_group + (grads_free && grads_follow ? need.grads - host_grads : 0);
-      if (!room.fits(Placement::kNvme, swapped))
-        throw std::runtime_error(
-            "automatic placement: the fp32 master weights and Adam moments (" +
-            format_bytes(need.master + need.moments) + " on this rank) fit in no tier: device " +
-            format_bytes(room.left.device) + ", host " + format_bytes(room.left.host) + ", NVMe " +
-            format_bytes(room.left.nvme) + " left; raise offload.host_budget or offload.nvme_budget, "
-            "add offload.nvme_dirs, or use more ranks");
-      plan.master = plan.moments = Placement::kNvme;
-      if (grads_free) {
-        plan.grads = grads_host ? Placement::kHost : Placement::kNvme;
-        if (grads_host && !transient) room.take(Placement::kHost, need.grads);
+      room.take(Placement::kDevice, 16 * device_elems);
+      if (plan.device_units > 0 && params_host) {
+        plan.params = Placement::kHost;
+        room.take(Placement::kHost, need.params);
       }
-      room.take(Placement::kHost, host_group + host_grads);
-      room.take(Placement::kNvme, swapped);
+      rest_group -= std::min(rest_group, 12 * device_elems);
+      rest_grads -= std::min(rest_grads, 4 * device_elems);
+      // What gradients placed here need beside the rest of the group on the host or in swap.
+      const uint64_t grads_off_device = !grads_free ? 0 : transient ? need.grad_buffers : rest_grads;
+      if (plan.device_units > 0 && plan.device_units == need.unit_numel.size()) {
+        // The whole group fits there; the compute copies do not, and go elsewhere.
+        plan.device_units = 0;
+        plan.master = plan.moments = plan.grads = Placement::kDevice;
+      } else if (room.fits(Placement::kHost, rest_group + grads_off_device) &&
+                 (plan.grads == kAuto || plan.grads == Placement::kHost || transient)) {
+        plan.master = plan.moments = Placement::kHost;
+        room.take(Placement::kHost, rest_group);
+      } else {
+        // Split by unit between host RAM and swap, after the device's units (no units given:
+        // all in swap).
+        if (grads_free && transient) take_buffers();
+        const bool grads_host = transient || plan.grads == Placement::kHost ||
+                                (grads_free && room.fits(Placement::kHost, rest_grads));
+        const bool grads_follow = !grads_host && plan.grads != Placement::kDevice;  // swap-bound gradients stay with their master
+        uint64_t host_left = room.left.host - (grads_free && grads_host && !transient ? rest_grads : 0);
+        if (plan.params == kAuto && !room.fits(Placement::kDevice, need.params) && host_left >= need.params)
+          host_left -= need.params;
+        uint64_t host_group = 0, host_grads = 0;  // bytes of the units kept in host RAM
+        plan.host_units = plan.device_units;
+        // Gradients placed in swap explicitly cannot follow a master into host RAM: no split then.
+        const bool may_split = grads_free || transient || plan.grads != Placement::kNvme;
+        for (size_t u = plan.device_units; may_split && u < need.unit_numel.size(); ++u) {
+          const uint64_t n = need.unit_numel[u];
+          const uint64_t grads_here = grads_follow ? 4 * n : 0;
+          if (host_group + host_grads + 12 * n + grads_here > host_left) break;
+          host_group += 12 * n;
+          host_grads += grads_here;
+          ++plan.host_units;
+        }
+        const uint64_t swapped = rest_group - host_group + (grads_free && grads_follow ? rest_grads - host_grads : 0);
+        if (!room.fits(Placement::kNvme, swapped))
+          throw std::runtime_error(
+              "automatic placement: the fp32 master weights and Adam moments (" + format_bytes(group) +
+              " on this rank) fit in no tier: device " + format_bytes(room.left.device) + ", host " +
+              format_bytes(room.left.host) + ", NVMe " + format_bytes(room.left.nvme) +
+              " left; raise offload.host_budget or offload.nvme_budget, add offload.nvme_dirs, or use more ranks");
+        plan.master = plan.moments = Placement::kNvme;
+        if (grads_free) {
+          plan.grads = grads_host ? Placement::kHost : Placement::kNvme;
+          if (grads_host && !transient) room.take(Placement::kHost, rest_grads);
+        }
+        room.take(Placement::kHost, host_group + host_grads);
+        room.take(Placement::kNvme, swapped);
+      }
     }
-    if (plan.master != Placement::kNvme) room.take(plan.master, need.master + need.moments);
   }
   if (grads_free && plan.grads == kAuto) {
     if (transient && plan.master != Placement::kDevice) {
@@ -119,8 +154,8 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
       take_buffers();
     } else {
       if (plan.master != Placement::kNvme) plan.grads = plan.master;
-      else plan.grads = room.fits(Placement::kHost, need.grads) ? Placement::kHost : Placement::kNvme;
-      room.take(plan.grads, need.grads);
+      else plan.grads = room.fits(Placement::kHost, rest_grads) ? Placement::kHost : Placement::kNvme;
+      room.take(plan.grads, plan.grads == Placement::kDevice ? need.grads : rest_grads);
     }
   }
   if (gradients_transient(cfg, plan.master)) {
@@ -176,23 +211,36 @@ int PrefetchTuner::next(double waited) {
 }
 
 std::string describe_plan(const PlacementPlan& p, const StateBytes& need) {
-  // Split kinds: the bytes of the first host_units units in host RAM, the rest in swap.
-  uint64_t first = 0, total = 0;
-  for (size_t u = 0; u < need.unit_numel.size(); ++u) {
-    if (u < p.host_units) first += need.unit_numel[u];
-    total += need.unit_numel[u];
-  }
+  // Kinds split by unit: the bytes of each tier's units, in forward order (device, host, swap).
+  const size_t n = need.unit_numel.size();
+  uint64_t total = 0;
+  for (uint64_t e : need.unit_numel) total += e;
   auto one = [&](const char* what, Placement where, uint64_t bytes, bool splits) {
-    if (!splits || p.host_units == 0 || total == 0)
+    const size_t host_end = where == Placement::kNvme ? std::max(p.host_units, p.device_units) : n;
+    if (!splits || total == 0 || where == Placement::kDevice ||
+        (p.device_units == 0 && (where != Placement::kNvme || p.host_units == 0)))
       return std::string(what) + " " + to_string(where) + " " + format_bytes(bytes);
-    const uint64_t host = uint64_t(double(bytes) * double(first) / double(total));
-    return std::string(what) + " host " + format_bytes(host) + " (units 0-" + std::to_string(p.host_units - 1) +
-           ") + nvme " + format_bytes(bytes - host);
+    std::string out = what;
+    uint64_t given = 0, elems = 0;
+    size_t u = 0;
+    const std::pair<Placement, size_t> ranges[] = {
+        {Placement::kDevice, p.device_units}, {Placement::kHost, host_end}, {Placement::kNvme, n}};
+    for (auto [tier, end] : ranges) {
+      if (u >= end) continue;
+      const size_t first = u;
+      for (; u < end; ++u) elems += need.unit_numel[u];
+      const uint64_t upto = end == n ? bytes : uint64_t(double(bytes) * double(elems) / double(total));
+      out += std::string(given ? " + " : " ") + to_string(tier) + " " + format_bytes(upto - given) + " (units " +
+             std::to_string(first) + "-" + std::to_string(end - 1) + ")";
+      given = upto;
+    }
+    return out;
   };
   return one("params", p.params, need.params, false) + ", " +
-         (p.grads_transient ? "grads not stored (updated during backward; host buffers " + format_bytes(need.grad_buffers) + ")"
-                            : one("grads", p.grads, need.grads, p.grads == Placement::kNvme)) + ", " +
-         one("master", p.master, need.master, true) + ", " + one("moments", p.moments, need.moments, true);
+         (p.grads_transient ? "grads not stored (updated during backward; host buffers " + format_bytes(need.grad_buffers) + ")" +
+                                  (p.device_units ? ", except on the device" : "")
+                            : one("grads", p.grads, need.grads, p.grads == Placement::kNvme || p.device_units > 0)) +
+         ", " + one("master", p.master, need.master, true) + ", " + one("moments", p.moments, need.moments, true);
 }
 
 }  // namespace strata::engine

@@ -952,14 +952,70 @@ TEST(PlacementPlan, GradientsNotStoredTakeNoRoomOffTheDevice) {
   EXPECT_EQ(plan(7200, 0, 0), "device device device 0");
 }
 
-// Split by unit in the engine: the first units' master and moments in host RAM, the rest in swap;
-// trains bitwise like either tier alone, and only the swapped units' state moves through swap.
-TEST(EngineAuto, SplitsMasterAndMomentsByUnitAndTrainsBitwiseAlike) {
+// The device's room beside the compute copies holds the first units' master, moments and
+// gradients (16 bytes an element), before host RAM and swap take the rest.
+TEST(PlacementPlan, GivesTheDeviceTheFirstUnitsOfTheOptimizerGroup) {
+  using P = se::Placement;
+  se::EngineConfig c;
+  c.params = c.grads = c.master = c.moments = P::kAuto;
+  se::StateBytes need{800, 1600, 1600, 3200, {100, 100, 100, 100}};  // bf16 compute copies
+  auto plan = [&](uint64_t device, uint64_t host, uint64_t nvme) {
+    const se::PlacementPlan p = se::plan_placement(c, need, {device, host, nvme});
+    return std::string(se::to_string(p.params)) + " " + se::to_string(p.grads) + " " + se::to_string(p.master) +
+           " d" + std::to_string(p.device_units) + " h" + std::to_string(p.host_units) + (p.grads_transient ? " transient" : "");
+  };
+  EXPECT_EQ(plan(8000, 0, 0), "device device device d0 h0");       // everything fits
+  EXPECT_EQ(plan(800 + 1600, 10000, 0), "device host host d1 h0");  // one unit beside the compute copies
+  EXPECT_EQ(plan(800 + 3199, 10000, 0), "device host host d1 h0");
+  EXPECT_EQ(plan(800 + 3200, 0, 10000), "device nvme nvme d2 h2");  // no host RAM: the rest in swap
+  // Gradients of the other units (1200) on the host, one more unit's master and moments there,
+  // two in swap.
+  EXPECT_EQ(plan(800 + 1600, 2400, 2400), "device host nvme d1 h2");
+  const se::PlacementPlan three = se::plan_placement(c, need, {800 + 1600, 2400, 2400});
+  const std::string text = se::describe_plan(three, need);
+  EXPECT_NE(text.find("grads device 400 B (units 0-0) + host 1.17 KiB (units 1-3)"), std::string::npos) << text;
+  EXPECT_NE(text.find("master device 400 B (units 0-0) + host 400 B (units 1-1) + nvme 800 B (units 2-3)"),
+            std::string::npos) << text;
+  try {
+    plan(800 + 1600, 2400, 2399);
+    FAIL() << "the swapped units do not fit their budget";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("fit in no tier"), std::string::npos) << e.what();
+  }
+  // Compute copies too large for the device go to the host first, then the group takes the device:
+  // all of it here, so that it is not split.
+  need.params = 5000;
+  EXPECT_EQ(plan(1600, 10000, 0), "host host host d1 h0");
+  need.params = 7000;
+  EXPECT_EQ(plan(6400, 10000, 0), "host device device d0 h0");
+  need.params = 5000;
+  // ... and with no room for them on the host either, none: the device cannot write compute
+  // copies in swap.
+  EXPECT_EQ(plan(1600, 4000, 10000), "nvme host nvme d0 h2");
+  need.params = 800;
+  // Gradients placed explicitly: no device share (a device unit's gradient lives beside it).
+  c.grads = P::kHost;
+  EXPECT_EQ(plan(800 + 1600, 10000, 0), "device host host d0 h0");
+  // The update during backward with one micro-batch: the device's units keep their gradients, the
+  // others' go through the buffers (400) on the host.
+  c.grads = P::kAuto;
+  c.update_overlap = se::UpdateOverlap::kBackward;
+  c.clip_grad_norm = 0;
+  c.grad_accum = 1;
+  need.grad_buffers = 400;
+  EXPECT_EQ(plan(800 + 1600, 3600 + 400, 0), "device host host d1 h0 transient");
+}
+
+// Split by unit in the engine over the three tiers: the first unit's master, moments and
+// gradients on the device (updated there), the next unit's master and moments in host RAM, the
+// rest in swap; trains bitwise like the group wholly on the host or in swap, with either
+// overlapped update or none, and only the swapped units' state moves through swap.
+TEST(EngineAuto, SplitsTheOptimizerGroupOverDeviceHostAndSwapAndTrainsBitwiseAlike) {
   TempDir swap;
   json j = tiny_config(true, 3);
   j["run"]["steps"] = 5;
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
-  const uint64_t budget = 1200 * 1024;  // the device holds the working set, not the state
+  const uint64_t budget = 1200 * 1024;  // the device holds the working set and the first unit's state
   std::vector<uint64_t> shard;
   {
     const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
@@ -971,42 +1027,79 @@ TEST(EngineAuto, SplitsMasterAndMomentsByUnitAndTrainsBitwiseAlike) {
   ASSERT_EQ(shard.size(), 5u);
   uint64_t all = 0;
   for (uint64_t n : shard) all += n;
-  // Gradients and fp32 compute copies on the host, the first two units' master and moments, and
-  // the host-placed activation checkpoints (3 blocks x 2 x 24 tokens x 64 x fp32).
+  // The device has 488 KiB beside its working set: unit 0's 16 bytes an element (64 KiB), not
+  // unit 1's as well (496 KiB). Host RAM: fp32 compute copies, the other units' gradients, unit
+  // 1's master and moments, and the host-placed activation checkpoints (3 blocks x 2 x 24 tokens
+  // x 64 x fp32).
+  ASSERT_LT(16 * shard[0], 488 * 1024u);
+  ASSERT_GT(16 * (shard[0] + shard[1]), 488 * 1024u);
   const uint64_t checkpoints = 3 * 2 * 24 * 64 * 4;
-  const uint64_t host = 8 * all + 12 * (shard[0] + shard[1]) + checkpoints + 1024;
+  const uint64_t host = 4 * all + 4 * (all - shard[0]) + 12 * shard[1] + checkpoints + 1024;
   j["placement"] = {{"params", "auto"}, {"grads", "auto"}, {"master", "auto"}, {"moments", "auto"},
                     {"activations", "host"}};
   j["offload"]["host_budget"] = host;
-  const se::TrainConfig split = se::parse_train_config(j.dump(), "test");
   {
+    const se::TrainConfig split = se::parse_train_config(j.dump(), "test");
     auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
     auto dev = se::Device::create_host(budget);
     se::Engine eng(std::make_unique<sm::Decoder>(split.model, split.init_seed), split.engine, *comm, *dev);
-    EXPECT_NE(eng.placement_report().find("(units 0-1) + nvme"), std::string::npos) << eng.placement_report();
+    const std::string first = se::format_bytes(4 * shard[0]) + " (units 0-0) + host ";
+    EXPECT_NE(eng.placement_report().find("master device " + first), std::string::npos) << eng.placement_report();
+    EXPECT_NE(eng.placement_report().find("grads device " + first), std::string::npos) << eng.placement_report();
+    EXPECT_NE(eng.placement_report().find("(units 1-1) + nvme"), std::string::npos) << eng.placement_report();
+    EXPECT_EQ(eng.optimizer_device_units(), 1u);
     EXPECT_EQ(eng.optimizer_host_units(), 2u);
     EXPECT_EQ(eng.config().master, se::Placement::kNvme);
+    EXPECT_EQ(eng.config().grads, se::Placement::kHost);
+    EXPECT_EQ(eng.config().params, se::Placement::kHost);
     const se::MemoryReport m = eng.memory();
+    EXPECT_EQ(m.device_used, 16 * shard[0]);
     EXPECT_EQ(m.host_state, host - checkpoints - 1024);
     EXPECT_EQ(m.nvme_state, 12 * (all - shard[0] - shard[1]));
   }
-  uint64_t peak = 0;
-  const Trajectory got = run_in_process(split, budget, &peak);
   std::map<std::string, Trajectory> whole;
   for (const char* tier : {"host", "nvme"}) {
-    j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", tier}, {"moments", tier}, {"activations", "host"}};
-    whole[tier] = run_in_process(se::parse_train_config(j.dump(), "test"), budget, &peak);
+    json w = j;
+    w["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", tier}, {"moments", tier}, {"activations", "host"}};
+    uint64_t peak = 0;
+    whole[tier] = run_in_process(se::parse_train_config(w.dump(), "test"), budget, &peak);
   }
-  for (auto& [tier, t] : whole) {
-    for (size_t i = 0; i < t.losses.size(); ++i) EXPECT_EQ(got.losses[i], t.losses[i]) << tier << " step " << i + 1;
-    for (auto& [name, w] : t.params) EXPECT_TRUE(got.params.at(name).equal(w)) << tier << " " << name;
+  for (const char* overlap : {"off", "forward", "backward"}) {
+    SCOPED_TRACE(std::string("overlap ") + overlap);
+    j["optimizer"]["overlap"] = overlap;
+    const bool backward = std::string(overlap) == "backward";
+    if (backward) {  // no clipping, one micro-batch: gradients not stored off the device
+      j["optimizer"]["clip_grad_norm"] = 0;
+      j["batch"] = {{"micro_batch", 4}, {"grad_accum", 1}};
+      for (const char* tier : {"host", "nvme"}) {
+        json w = j;
+        w["optimizer"]["overlap"] = "off";
+        w["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", tier}, {"moments", tier}, {"activations", "host"}};
+        uint64_t peak = 0;
+        whole[tier] = run_in_process(se::parse_train_config(w.dump(), "test"), budget, &peak);
+      }
+    }
+    const se::TrainConfig split = se::parse_train_config(j.dump(), "test");
+    uint64_t peak = 0;
+    const Trajectory got = run_in_process(split, budget, &peak);
+    EXPECT_LE(peak, budget);
+    for (auto& [tier, t] : whole) {
+      ASSERT_EQ(got.losses.size(), t.losses.size());
+      for (size_t i = 0; i < t.losses.size(); ++i) {
+        EXPECT_EQ(got.losses[i], t.losses[i]) << tier << " step " << i + 1;
+        // "backward" sums the streamed units' squares chunk by chunk (the norm only reported)
+        if (backward) EXPECT_NEAR(got.grad_norms[i], t.grad_norms[i], 1e-12 * t.grad_norms[i]) << tier << " step " << i + 1;
+        else EXPECT_EQ(got.grad_norms[i], t.grad_norms[i]) << tier << " step " << i + 1;
+      }
+      for (auto& [name, w] : t.params) EXPECT_TRUE(got.params.at(name).equal(w)) << tier << " " << name;
+    }
+    // Each step's update reads and writes master and moments of the swapped units only.
+    for (size_t i = 1; i < got.steps.size(); ++i) {
+      EXPECT_EQ(got.steps[i].timeline.nvme_read_bytes, 12 * (all - shard[0] - shard[1])) << "step " << i + 1;
+      EXPECT_EQ(whole["nvme"].steps[i].timeline.nvme_read_bytes, 12 * all) << "step " << i + 1;
+    }
+    expect_close(got, reference(split, 1), 1e-5);
   }
-  // Each step's update reads and writes master and moments of the swapped units only.
-  for (size_t i = 1; i < got.steps.size(); ++i) {
-    EXPECT_EQ(got.steps[i].timeline.nvme_read_bytes, 12 * (all - shard[0] - shard[1])) << "step " << i + 1;
-    EXPECT_EQ(whole["nvme"].steps[i].timeline.nvme_read_bytes, 12 * all) << "step " << i + 1;
-  }
-  expect_close(got, reference(split, 1), 1e-5);
 }
 
 // "auto" resolved from the budgets in the configuration, reported, and training as exactly as
@@ -1312,6 +1405,27 @@ TEST(EngineAuto, TwoRanksSplittingMasterByUnitMatchOneProcess) {
   se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
   const Trajectory got = run_launched(tc, j, 2, dir);
   EXPECT_NE(read_file(dir / "out.txt").find(") + nvme"), std::string::npos) << read_file(dir / "out.txt");
+  expect_close(got, reference(tc, 2), 1e-5);
+}
+
+// Two ranks placing everything automatically with a device that holds the working set and
+// a little state: both give the device the same first units of the optimizer group, and the
+// rest goes to host RAM and swap alike; the run matches one plain process.
+TEST(EngineAuto, TwoRanksGivingTheDeviceTheFirstUnitsMatchOneProcess) {
+  TempDir dir, swap;
+  json j = tiny_config(true, 3);
+  j["run"]["steps"] = 6;
+  j["device"] = {{"budget", "1200KiB"}};
+  j["placement"] = {{"params", "auto"}, {"grads", "auto"}, {"master", "auto"}, {"moments", "auto"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}, {"host_budget", "600KiB"}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  const Trajectory got = run_launched(tc, j, 2, dir);
+  const std::string out = read_file(dir / "out.txt");
+  EXPECT_NE(out.find("master device "), std::string::npos) << out;
+  EXPECT_NE(out.find("(units 0-"), std::string::npos) << out;
+  EXPECT_NE(out.find("+ nvme "), std::string::npos) << out;
+  const json start = json::parse(read_file(dir / "train.jsonl").substr(0, read_file(dir / "train.jsonl").find('\n')));
+  EXPECT_GE(start["placement"]["optimizer_device_units"].get<int>(), 1) << start.dump();
   expect_close(got, reference(tc, 2), 1e-5);
 }
 

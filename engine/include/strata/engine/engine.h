@@ -152,10 +152,13 @@ class Engine {
   // The trace spans recorded since the last call (EngineConfig::profile; empty otherwise).
   std::vector<TraceSpan> take_trace();
 
-  // The configuration in effect: "auto" placements resolved (placement.h). A master split by
-  // unit between host and swap reads kNvme there; its first optimizer_host_units() units (their
-  // master, moments, and gradients where those are in swap) are in host RAM.
+  // The configuration in effect: "auto" placements resolved (placement.h). An optimizer group
+  // split by unit names there the tier of its last units; its first optimizer_device_units()
+  // units keep master, moments and gradients on the device (updated there), and with master in
+  // swap, units up to optimizer_host_units() (counted from unit 0) keep master and moments (and
+  // gradients where those are in swap) in host RAM.
   const EngineConfig& config() const;
+  size_t optimizer_device_units() const;
   size_t optimizer_host_units() const;
   // False when gradients have no accumulators (gradients_transient in placement.h): each unit's
   // waits in a host buffer for its update during backward; config().grads then reads kHost.

@@ -1,17 +1,20 @@
 // Automatic placement: for each state kind the configuration leaves at "auto", the tier that
 // holds it, filling the GPU first, then host RAM, then NVMe swap, within byte budgets.
 //
-// Policy (fastest training first): everything on the device if it all fits; otherwise the
-// compute copies on the device (gathers then need no host copies) and the optimizer group
-// (fp32 master, moments and gradient accumulators, which must live together, except that
-// gradients may stay on the host beside NVMe master and moments) in host RAM, else in NVMe swap
-// with the gradients on the host, else with them in swap too; compute copies that do not fit on
-// the device go to the host, else to swap. Master and moments that do not fit in host RAM whole
-// are split by unit: the first units (the next forward needs them first) in what host RAM is
-// left once the gradients (touched every micro-batch) and the compute copies the device cannot
-// hold (read at every gather) have their room, the rest in swap. Kinds the configuration places explicitly keep their
-// tier and their bytes count against it. Gradients that are not stored (gradients_transient)
-// take only their buffers in host RAM (StateBytes::grad_buffers) beside a master off the device.
+// Policy (fastest training first): everything on the device if it all fits. Otherwise the
+// compute copies on the device where they fit (gathers then need no host copies), then the
+// optimizer group (fp32 master, moments and gradient accumulators) by unit in forward order:
+// the first units on the device in what is left of it (16 bytes an element: the device updates
+// them), the rest in host RAM, else split by unit between host RAM and NVMe swap. Off the
+// device the gradients may stay on the host beside master and moments in swap, else they follow
+// their master into swap. Host RAM goes first to the gradients (touched every micro-batch) and
+// the compute copies the device cannot hold (read at every gather), then to the first units'
+// master and moments; compute copies that fit neither device nor host go to swap. Units early in
+// forward order go to the faster tier because the next forward needs them first. Kinds the
+// configuration places explicitly keep their tier and their bytes count against it; the device
+// share needs gradients placed automatically (a device unit's gradient lives there too).
+// Gradients that are not stored (gradients_transient) take only their buffers in host RAM
+// (StateBytes::grad_buffers) beside a master off the device.
 //
 // Pure functions; thread-safe. Errors: std::runtime_error naming the bytes needed and the
 // budgets when the state fits nowhere.
@@ -39,14 +42,17 @@ struct TierBudgets {
   uint64_t device = 0, host = 0, nvme = 0;
 };
 
-// master == moments == kNvme with host_units > 0: the optimizer group was split by unit, and
-// the first host_units units' master and moments (and gradients, where grads is kNvme too: they
-// stay with their master) live in host RAM, the rest in swap.
+// The optimizer group split by unit, in forward order: units [0, device_units) keep master,
+// moments and gradients on the device (master, moments and grads then name where the other
+// units are: kHost or kNvme); with master == moments == kNvme, units [device_units, host_units)
+// keep master and moments (and gradients, where grads is kNvme too: they stay with their master)
+// in host RAM and the rest are in swap (host_units counts from unit 0; it means something only
+// with the group in swap).
 // grads_transient: gradients are not stored (see gradients_transient); grads is then kHost,
 // where each unit's gradient waits for its update in one of a few buffers.
 struct PlacementPlan {
   Placement params, grads, master, moments;
-  size_t host_units = 0;
+  size_t device_units = 0, host_units = 0;
   bool grads_transient = false;
 };
 
