@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -55,6 +56,14 @@ Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER
                      cause, optimizer time, PCIe and NVMe GB/s each way) and write a Chrome
                      trace (chrome://tracing, ui.perfetto.dev) to FILE (FILE.rankN for N > 0)
   --no-progress      no progress line
+  --plan             resolve the placement (each "auto" kind's tier, the optimizer group's split
+                     by unit over device, host RAM and swap) as this run would, print it with
+                     the budgets, and exit: no state is allocated, no weights made. Without the
+                     configured GPU, a host device with the device budget stands in for it (set
+                     --device-budget then). Under `strata launch -n N` the ranks agree as in a run.
+  --device-budget B  override device.budget (bytes; suffixes KiB, MiB, GiB, KB, MB, GB)
+  --host-budget B    override offload.host_budget
+  --nvme-budget B    override offload.nvme_budget
 )";
 
 using engine::format_bytes;
@@ -112,6 +121,37 @@ std::string bar(double frac, int width) {
   return std::string(size_t(full), '#') + std::string(size_t(width - full), '.');
 }
 
+// `strata train --plan`: the engine resolves the placement and stops (EngineConfig::plan_only).
+int plan_main(engine::TrainConfig tc) {
+  tc.engine.validate();
+  const engine::DistEnv env = engine::DistEnv::from_env();
+  auto comm = engine::Communicator::create(env, std::chrono::milliseconds(int64_t(tc.engine.timeout_s * 1000)),
+                                           tc.engine.device == "cuda");
+  std::unique_ptr<engine::Device> device;
+  std::string stand_in;
+  try {
+    device = engine::Device::create(tc.engine.device, env.local_rank, tc.engine.device_budget);
+  } catch (const std::exception& e) {
+    if (tc.engine.device != "cuda") throw;
+    if (tc.engine.device_budget == UINT64_MAX)
+      throw std::invalid_argument("strata train --plan: no GPU here (" + std::string(e.what()) +
+                                  "); give the GPU's budget with --device-budget or device.budget");
+    device = engine::Device::create_host(tc.engine.device_budget);
+    stand_in = " (no GPU here: a host device with the device budget stands in)";
+  }
+  tc.engine.plan_only = true;
+  auto model = std::make_unique<models::Decoder>(tc.model, tc.init_seed, models::Decoder::Init::kDeferred);
+  const models::ModelConfig mc = model->config();
+  engine::Engine eng(std::move(model), tc.engine, *comm, *device);
+  if (comm->rank() == 0)
+    std::cout << "strata train --plan: " << mc.name << ", " << mc.layers << " layers x " << mc.hidden << ", "
+              << std::fixed << std::setprecision(2) << double(mc.parameters()) / 1e9 << "B parameters, "
+              << comm->world_size() << " rank(s), " << tc.engine.micro_batch << " x " << tc.engine.seq_len
+              << " tokens a micro-batch\n  device: " << device->description() << stand_in << "\n  "
+              << eng.placement_report() << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int train_main(const std::vector<std::string>& argv) {
@@ -120,7 +160,8 @@ int train_main(const std::vector<std::string>& argv) {
       std::cout << kTrainUsage;
       return 0;
     }
-  Args args(argv, {"config", "steps", "log", "export", "checkpoint-dir", "profile"}, {"no-progress", "resume"});
+  Args args(argv, {"config", "steps", "log", "export", "checkpoint-dir", "profile", "device-budget", "host-budget", "nvme-budget"},
+            {"no-progress", "resume", "plan"});
   engine::TrainConfig tc = args.has("config") ? engine::load_train_config(args.get("config", ""))
                                                 : engine::parse_train_config("{}", "(defaults)");
   if (args.has("steps")) tc.steps = args.count("steps", 0);
@@ -130,6 +171,10 @@ int train_main(const std::vector<std::string>& argv) {
   if (args.has("checkpoint-dir")) tc.checkpoint_dir = args.get("checkpoint-dir", "");
   if (args.has("resume")) tc.resume = true;
   if (args.has("profile")) tc.profile_path = args.get("profile", "");
+  if (args.has("device-budget")) tc.engine.device_budget = engine::parse_bytes(args.get("device-budget", ""));
+  if (args.has("host-budget")) tc.engine.host_budget = engine::parse_bytes(args.get("host-budget", ""));
+  if (args.has("nvme-budget")) tc.engine.nvme_budget = engine::parse_bytes(args.get("nvme-budget", ""));
+  if (args.has("plan")) return plan_main(tc);
   tc.engine.profile = !tc.profile_path.empty();
   if (tc.resume && tc.checkpoint_dir.empty())
     throw std::invalid_argument("--resume needs a checkpoint directory (--checkpoint-dir or run.checkpoint_dir)");

@@ -13,6 +13,9 @@
 #   bench   strata bench io / adam / step / ckpt (JSON lines in $OUT/bench-*.jsonl)
 #   adam    strata bench adam alone (CPU kernel and, with a GPU, the CUDA kernel)
 #   train   strata train on the GPU: GPT 1.4B, host-placed and device-placed state
+#           (STRATA_TRAIN_CONFIGS: other configs, e.g. "gpu-gpt-10b-auto-backward" or
+#           "gpu-gpt-14b-auto-backward": the largest models, 10 steps each, one per device call;
+#           STRATA_TRAIN_TIMEOUT: seconds per run, default 300)
 #   baseline  bench/train_baseline.py: plain PyTorch (and FSDP2 with CPU offload)
 #   benchtrain  strata bench train: the 1.4B configs (host, auto, auto with recompute "auto", nvme)
 #           beside plain PyTorch and
@@ -89,7 +92,7 @@ for phase in "${phases[@]}"; do
       echo "== $c" >>"$out/train.err"
       trace=$out/trace-discard.json
       [ "$c" = gpu-gpt-1.4b-host ] && trace=$out/trace.json
-      (cd "$out" && timeout 300 "$strata" train --config "$repo/bench/configs/$c.json" --no-progress --profile "$trace") >>"$out/train.err" 2>&1 || status=1
+      (cd "$out" && timeout "${STRATA_TRAIN_TIMEOUT:-300}" "$strata" train --config "$repo/bench/configs/$c.json" --no-progress --profile "$trace") >>"$out/train.err" 2>&1 || status=1
       rm -f "$out/trace-discard.json"
       echo "== $c"; tail -2 "$out/train.err"
       f=$out/strata-${c#gpu-}.jsonl

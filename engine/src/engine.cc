@@ -538,6 +538,10 @@ struct Engine::Impl {
     resolve_auto_placement();
     grads_transient = gradients_transient(cfg, cfg.master);
     if (grads_transient) cfg.grads = Placement::kHost;  // each unit's gradient waits there for its update
+    if (cfg.plan_only) {
+      placement_report += "; plan only (recompute and activation checkpoints are decided once the state is allocated)";
+      return;
+    }
 
     if (cfg.master == Placement::kNvme || cfg.grads == Placement::kNvme || cfg.params == Placement::kNvme ||
         cfg.activations == Placement::kNvme)
@@ -1894,6 +1898,7 @@ Engine::~Engine() {
 }
 
 StepResult Engine::train_step(const at::Tensor& ids) {
+  if (impl_->cfg.plan_only) throw std::logic_error("Engine: constructed with plan_only: it holds no state to train");
   if (impl_->broken)
     throw std::runtime_error("Engine: an earlier train_step failed half way; the partitioned state "
                              "is undefined (restart from a checkpoint)");

@@ -84,10 +84,13 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
       uint64_t device_elems = 0;
       const bool params_device = plan.params == kAuto && room.fits(Placement::kDevice, need.params);
       const bool params_host = plan.params == kAuto && !params_device && room.fits(Placement::kHost, need.params);
-      if (grads_free && (plan.params == Placement::kDevice || plan.params == Placement::kHost || params_device || params_host)) {
-        const uint64_t left = room.left.device - (params_device ? need.params : 0);
+      if (params_device) {  // placed now, so that the room left says what the group has
+        plan.params = Placement::kDevice;
+        room.take(Placement::kDevice, need.params);
+      }
+      if (grads_free && (plan.params == Placement::kDevice || plan.params == Placement::kHost || params_host)) {
         for (uint64_t n : need.unit_numel) {
-          if (16 * (device_elems + n) > left) break;
+          if (16 * (device_elems + n) > room.left.device) break;
           device_elems += n;
           ++plan.device_units;
         }

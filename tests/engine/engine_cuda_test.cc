@@ -3,7 +3,7 @@
 // host-placed state (CPU Adam, pinned staging copies on the copy stream), device-placed state
 // (the CUDA Adam kernel) through a real NCCL process group of one rank, and bf16 compute; blocks
 // kept without recompute, and the graph estimate they are budgeted with against what the CUDA
-// caching allocator really holds.
+// caching allocator really holds; the optimizer group split over GPU, host and swap.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <gtest/gtest.h>
@@ -139,6 +139,39 @@ TEST(EngineCuda, OverlappedUpdateOfDeviceComputeCopiesIsBitwiseTheSerialOneOnThe
 
 // Decoder::block_graph_bytes_per_token bounds what a block's forward keeps on the GPU (bf16,
 // the CUDA attention kernels), measured by the caching allocator.
+// Automatic placement with a device that holds its working set and a little state: the first
+// units of the optimizer group on the GPU (the CUDA Adam kernel on the compute stream), the next
+// in pinned host RAM (CPU Adam), the rest in swap, with each overlap mode.
+TEST(EngineCuda, OptimizerGroupSplitOverGpuHostAndSwapMatchesLibtorchOnTheGpu) {
+  REQUIRE_GPU();
+  TempDir swap;
+  json j = tiny_config(true, 3);
+  j["run"]["steps"] = 6;
+  j["device"] = {{"type", "cuda"}};
+  j["placement"] = {{"params", "auto"}, {"grads", "auto"}, {"master", "auto"}, {"moments", "auto"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}, {"host_budget", "1100KiB"}};
+  for (const char* overlap : {"off", "forward", "backward"}) {
+    SCOPED_TRACE(std::string("overlap ") + overlap);
+    j["optimizer"]["overlap"] = overlap;
+    if (std::string(overlap) == "backward") {
+      j["optimizer"]["clip_grad_norm"] = 0;
+      j["batch"] = {{"micro_batch", 4}, {"grad_accum", 1}};
+    }
+    se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    {
+      auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+      auto dev = se::Device::create("cuda", 0, 1200 * 1024);
+      se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+      EXPECT_GE(eng.optimizer_device_units(), 1u) << eng.placement_report();
+      EXPECT_EQ(eng.config().master, se::Placement::kNvme) << eng.placement_report();
+    }
+    uint64_t peak = 0;
+    Trajectory got = run_in_process(tc, 1200 * 1024, &peak, "cuda");
+    EXPECT_LE(peak, 1200 * 1024u);
+    expect_close(got, reference(tc, 1, kCuda), 1e-5);
+  }
+}
+
 TEST(EngineCuda, BlockGraphEstimateBoundsTheGpuAllocation) {
   REQUIRE_GPU();
   for (const bool llama : {false, true}) {

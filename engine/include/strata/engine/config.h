@@ -74,6 +74,11 @@ struct EngineConfig {
   // after each unit's initial weights are in their shards (and swap files), with the units done
   // and their total; a large model spends minutes there.
   std::function<void(size_t done, size_t total)> on_unit_placed;
+  // Planning only (not in the JSON configuration; `strata train --plan`): the engine resolves the
+  // placement and stops there, allocating no state and materializing no weights. Only config(),
+  // placement_report() and the optimizer_*_units() accessors mean something then; train_step
+  // throws.
+  bool plan_only = false;
   // Tests only (not in the JSON configuration): the swap I/O engine's fault injector.
   std::shared_ptr<offload::FaultInjector> io_fault_injector;
   uint64_t nvme_chunk_bytes = 64ull << 20;  // fp32 bytes per array per streamed optimizer chunk
