@@ -803,7 +803,7 @@ struct Engine::Impl {
         }
       return b;
     };
-    const uint64_t planned_host = host_and_swap(plan).first;
+    const auto [planned_host, planned_swap] = host_and_swap(plan);
     // Every rank takes the slowest tier any rank chose for each kind, and of a split optimizer
     // group the fewest units on the device and in host RAM (a group wholly in a tier counts as
     // all units there), so that all agree.
@@ -825,7 +825,7 @@ struct Engine::Impl {
     // tier, or fewer units on the device or in host RAM): check those budgets again, so that it
     // fails here, clearly, not on a full disk or out of memory.
     const auto [hosted, swapped] = host_and_swap(plan);
-    if (swapped > budgets.nvme || (hosted > planned_host && hosted > budgets.host))
+    if ((swapped > planned_swap && swapped > budgets.nvme) || (hosted > planned_host && hosted > budgets.host))
       throw std::runtime_error("automatic placement: the ranks agreed on placing " + format_bytes(hosted) +
                                " of this rank's state in host RAM and " + format_bytes(swapped) +
                                " in swap, over its budgets of " + format_bytes(budgets.host) + " and " +
@@ -1475,23 +1475,33 @@ struct Engine::Impl {
     if (sumsq) device_sum_squares(which, *sumsq);
 #ifdef STRATA_HAVE_CUDA
     if (units[which.front()].master.is_cuda()) {
-      // Compute copies placed on the host are written to a device buffer first and copied down.
+      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+      auto tensor = [&](UnitState& u, void* out) {
+        return kernels::cuda::AdamTensor{u.master.data_ptr<float>(), u.exp_avg.data_ptr<float>(),
+                                         u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(), out,
+                                         size_t(u.master.numel())};
+      };
+      // Compute copies on the device: one launch writes them all.
       std::vector<kernels::cuda::AdamTensor> ts;
-      std::vector<std::pair<at::Tensor, at::Tensor>> down;  // (device out, host compute copy)
+      for (size_t i : which)
+        if (units[i].compute.is_cuda()) ts.push_back(tensor(units[i], units[i].compute.data_ptr()));
+      if (!ts.empty())
+        kernels::cuda::adam_step(ac, ts.data(), ts.size(), kernels::DType::kF32, kernel_dtype(cfg.compute), stream);
+      // Compute copies on the host: unit by unit through one device buffer of the largest such
+      // shard (within the working set: no use is running), each copied down (a blocking copy)
+      // before the next launch writes the buffer again.
+      int64_t largest = 0;
+      for (size_t i : which)
+        if (!units[i].compute.is_cuda()) largest = std::max(largest, units[i].compute.numel());
+      if (largest == 0) return;
+      at::Tensor out = dev.empty({largest}, cdt, "compute copy out");
       for (size_t i : which) {
         UnitState& u = units[i];
-        at::Tensor out = u.compute;
-        if (!out.is_cuda()) {
-          out = dev.empty({u.compute.numel()}, cdt, "compute copy out");
-          down.emplace_back(out, u.compute);
-        }
-        ts.push_back({u.master.data_ptr<float>(), u.exp_avg.data_ptr<float>(),
-                      u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(), out.data_ptr(),
-                      size_t(u.master.numel())});
+        if (u.compute.is_cuda()) continue;
+        const kernels::cuda::AdamTensor t = tensor(u, out.data_ptr());
+        kernels::cuda::adam_step(ac, &t, 1, kernels::DType::kF32, kernel_dtype(cfg.compute), stream);
+        u.compute.copy_(out.narrow(0, 0, u.compute.numel()));
       }
-      kernels::cuda::adam_step(ac, ts.data(), ts.size(), kernels::DType::kF32,
-                               kernel_dtype(cfg.compute), c10::cuda::getCurrentCUDAStream().stream());
-      for (auto& [d, h] : down) h.copy_(d);
       return;
     }
 #endif
@@ -1674,6 +1684,7 @@ struct Engine::Impl {
     {
       auto t = prof.time(prof.step.optimizer, "optimizer (device)");
       update_on_device(ac, which, sumsq);
+      if (cfg.profile) dev.synchronize(dev.compute_stream());  // the kernel's time, not its launch's
     }
     prof.step.optimizer_exposed += prof.step.optimizer - before;
   }

@@ -83,7 +83,9 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
       // device, the compute copies take theirs in host RAM first.
       uint64_t device_elems = 0;
       const bool params_device = plan.params == kAuto && room.fits(Placement::kDevice, need.params);
-      const bool params_host = plan.params == kAuto && !params_device && room.fits(Placement::kHost, need.params);
+      // (beside the gradient buffers, which host RAM must hold in any case)
+      const bool params_host = plan.params == kAuto && !params_device &&
+                               room.fits(Placement::kHost, need.params + (grads_free && transient ? need.grad_buffers : 0));
       if (params_device) {  // placed now, so that the room left says what the group has
         plan.params = Placement::kDevice;
         room.take(Placement::kDevice, need.params);

@@ -137,8 +137,6 @@ TEST(EngineCuda, OverlappedUpdateOfDeviceComputeCopiesIsBitwiseTheSerialOneOnThe
   }
 }
 
-// Decoder::block_graph_bytes_per_token bounds what a block's forward keeps on the GPU (bf16,
-// the CUDA attention kernels), measured by the caching allocator.
 // Automatic placement with a device that holds its working set and a little state: the first
 // units of the optimizer group on the GPU (the CUDA Adam kernel on the compute stream), the next
 // in pinned host RAM (CPU Adam), the rest in swap, with each overlap mode.
@@ -172,6 +170,8 @@ TEST(EngineCuda, OptimizerGroupSplitOverGpuHostAndSwapMatchesLibtorchOnTheGpu) {
   }
 }
 
+// Decoder::block_graph_bytes_per_token bounds what a block's forward keeps on the GPU (bf16,
+// the CUDA attention kernels), measured by the caching allocator.
 TEST(EngineCuda, BlockGraphEstimateBoundsTheGpuAllocation) {
   REQUIRE_GPU();
   for (const bool llama : {false, true}) {

@@ -1004,6 +1004,10 @@ TEST(PlacementPlan, GivesTheDeviceTheFirstUnitsOfTheOptimizerGroup) {
   c.grad_accum = 1;
   need.grad_buffers = 400;
   EXPECT_EQ(plan(800 + 1600, 3600 + 400, 0), "device host host d1 h0 transient");
+  // Compute copies that fit on the host but not beside the buffers there: no device share (it
+  // would need them in host RAM), and the rest is placed as without one.
+  need.params = 2000;
+  EXPECT_EQ(plan(1600, 2200, 10000), "nvme host nvme d0 h1 transient");
 }
 
 // Split by unit in the engine over the three tiers: the first unit's master, moments and

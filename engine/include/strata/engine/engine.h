@@ -161,7 +161,8 @@ class Engine {
   size_t optimizer_device_units() const;
   size_t optimizer_host_units() const;
   // False when gradients have no accumulators (gradients_transient in placement.h): each unit's
-  // waits in a host buffer for its update during backward; config().grads then reads kHost.
+  // waits in a host buffer for its update during backward (except the optimizer group's device
+  // units', stored on the device); config().grads then reads kHost.
   bool gradients_stored() const;
   // One line: each kind's tier and bytes on this rank, and for automatic placement the budgets.
   const std::string& placement_report() const;

@@ -59,7 +59,8 @@ struct PlacementPlan {
 // True when gradients need no accumulators: the update runs during backward
 // (optimizer.overlap "backward"), a step has one micro-batch, and the master weights are off the
 // device (`master`: where they are, or will be, placed). Each unit's reduced gradient then goes to
-// a host buffer that its update consumes and frees, so gradients take no room in any tier.
+// a host buffer that its update consumes and frees, so gradients take no room in any tier
+// (except the device share's units, PlacementPlan::device_units: theirs stay on the device).
 bool gradients_transient(const EngineConfig& config, Placement master);
 
 PlacementPlan plan_placement(const EngineConfig& config, const StateBytes& need, const TierBudgets& budgets);
