@@ -106,6 +106,11 @@ class CudaDevice final : public Device {
   Stream& compute_stream() override { return compute_; }
   Stream& h2d_stream() override { return h2d_; }
   Stream& d2h_stream() override { return d2h_; }
+  std::string stream_error(Stream& stream) override {
+    const cudaError_t e = cudaStreamQuery(cuda(stream).handle());
+    if (e == cudaSuccess || e == cudaErrorNotReady) return "";
+    return std::string(stream.name()) + " stream: " + cudaGetErrorString(e);
+  }
 
   void copy_async(const at::Tensor& dst, const at::Tensor& src, Stream& stream) override {
     TORCH_CHECK(dst.numel() == src.numel() && dst.scalar_type() == src.scalar_type() &&

@@ -100,7 +100,9 @@ namespace {
 // One worker thread running its queue in order.
 class HostStream final : public Stream {
  public:
-  explicit HostStream(const char* name) : name_(name), worker_([this] { run(); }) {}
+  // After `fails_after` pieces of work the stream fails for good (Device::create_host).
+  HostStream(const char* name, uint64_t fails_after = UINT64_MAX)
+      : name_(name), fails_after_(fails_after), worker_([this] { run(); }) {}
   ~HostStream() override {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -139,6 +141,16 @@ class HostStream final : public Stream {
       if (queue_.empty()) return;
       auto fn = std::move(queue_.front());
       queue_.pop_front();
+      if (completed_ >= fails_after_) {  // failed: the work is dropped, not run
+        failed_ = true;
+        if (!error_) error_ = std::make_exception_ptr(std::runtime_error(failure()));
+        ++completed_;
+        cv_.notify_all();
+        lock.unlock();
+        fn = nullptr;  // what it holds goes outside the lock
+        lock.lock();
+        continue;
+      }
       lock.unlock();
       std::exception_ptr err;
       try {
@@ -153,7 +165,18 @@ class HostStream final : public Stream {
     }
   }
 
+  std::string failure() const { return std::string(name_) + " stream: injected failure (it runs no more work)"; }
+
+ public:
+  std::string error_text() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failed_ ? failure() : "";
+  }
+
+ private:
   const char* name_;
+  uint64_t fails_after_;
+  bool failed_ = false;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
@@ -202,7 +225,7 @@ class HostEvent final : public Event {
 
 class HostDevice final : public Device {
  public:
-  explicit HostDevice(uint64_t budget) : Device(budget), h2d_("h2d"), d2h_("d2h") {}
+  HostDevice(uint64_t budget, uint64_t d2h_fails_after) : Device(budget), h2d_("h2d"), d2h_("d2h", d2h_fails_after) {}
   c10::Device torch_device() const override { return c10::Device(c10::kCPU); }
   std::string description() const override { return "host device (CPU)"; }
   Stream& compute_stream() override { return compute_; }
@@ -234,6 +257,10 @@ class HostDevice final : public Device {
   void synchronize(Stream& stream) override {
     if (auto* hs = dynamic_cast<HostStream*>(&stream)) hs->drain();
   }
+  std::string stream_error(Stream& stream) override {
+    auto* hs = dynamic_cast<HostStream*>(&stream);
+    return hs ? hs->error_text() : "";
+  }
   std::shared_ptr<Event> record_timed(Stream& stream) override { return record(stream); }
   double seconds_between(const std::shared_ptr<Event>& from, const std::shared_ptr<Event>& to) override {
     const auto a = static_cast<const HostEvent&>(*from).when(), b = static_cast<const HostEvent&>(*to).when();
@@ -255,8 +282,8 @@ class HostDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> Device::create_host(uint64_t budget_bytes) {
-  return std::make_unique<HostDevice>(budget_bytes);
+std::unique_ptr<Device> Device::create_host(uint64_t budget_bytes, uint64_t d2h_fails_after) {
+  return std::make_unique<HostDevice>(budget_bytes, d2h_fails_after);
 }
 
 #ifndef STRATA_HAVE_CUDA

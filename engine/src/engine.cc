@@ -1723,7 +1723,7 @@ struct Engine::Impl {
         update_units(ac, order, unit_done, &unit_sumsq, [&](size_t u) {
           {
             std::unique_lock<std::mutex> lock(update_mu);
-            update_cv.wait(lock, [&] { return grad_final[u] || update_abort; });
+            wait_while_d2h_runs(lock, [&] { return grad_final[u] || update_abort; });
             if (update_abort) throw std::runtime_error("the step failed before its update was done");
           }
           wait_hold();  // before the first chunk is processed and written back
@@ -1740,7 +1740,7 @@ struct Engine::Impl {
         std::vector<offload::IoFuture> writes;
         {
           std::unique_lock<std::mutex> lock(update_mu);
-          update_cv.wait(lock, [&] {
+          wait_while_d2h_runs(lock, [&] {
             for (size_t u = 0; u < units.size(); ++u)
               if (grad_final[u] && !taken[u]) return true;
             return update_abort;
@@ -1780,7 +1780,7 @@ struct Engine::Impl {
       auto free_slot = [&] { return std::find(grad_pool_used.begin(), grad_pool_used.end(), 0) != grad_pool_used.end(); };
       if (!free_slot()) {
         auto t = prof.time(prof.step.wait_update, "wait update (gradient buffers)", &partition->unit(u).name);
-        update_cv.wait(lock, [&] { return free_slot() || update_error; });
+        wait_while_d2h_runs(lock, [&] { return free_slot() || update_error; });
       }
       if (!free_slot()) std::rethrow_exception(update_error);  // a failed updater frees nothing more
       slot = size_t(std::find(grad_pool_used.begin(), grad_pool_used.end(), 0) - grad_pool_used.begin());
@@ -1795,6 +1795,19 @@ struct Engine::Impl {
     std::lock_guard<std::mutex> lock(update_mu);
     grad_pool_used.at(grad_pool_slot.at(u)) = 0;
     update_cv.notify_all();
+  }
+
+  // Waits on update_cv (holding `lock` on update_mu) until `ready`. What it waits for comes from
+  // host functions on the d2h stream (gradients marked final) or from the updater, which waits
+  // for them: a CUDA error on that stream would stop them for good, so the wait checks the
+  // stream every second and fails naming its error instead of hanging.
+  template <class Ready>
+  void wait_while_d2h_runs(std::unique_lock<std::mutex>& lock, Ready ready) {
+    while (!update_cv.wait_for(lock, std::chrono::seconds(1), ready)) {
+      const std::string error = dev.stream_error(dev.d2h_stream());
+      if (!error.empty())
+        throw std::runtime_error("the update during backward waits for gradients that will not come: " + error);
+    }
   }
 
   // "backward", after the last micro-batch reduced `stage`'s gradients: the units whose last use

@@ -241,9 +241,16 @@ std::string describe_plan(const PlacementPlan& p, const StateBytes& need) {
     }
     return out;
   };
+  // The device units' share of the gradients, which stay stored there.
+  auto device_grads = [&] {
+    uint64_t elems = 0;
+    for (size_t u = 0; u < p.device_units && u < n; ++u) elems += need.unit_numel[u];
+    return format_bytes(total ? uint64_t(double(need.grads) * double(elems) / double(total)) : 0) + " (units 0-" +
+           std::to_string(p.device_units - 1) + ")";
+  };
   return one("params", p.params, need.params, false) + ", " +
          (p.grads_transient ? "grads not stored (updated during backward; host buffers " + format_bytes(need.grad_buffers) + ")" +
-                                  (p.device_units ? ", except on the device" : "")
+                                  (p.device_units ? " except device " + device_grads() : "")
                             : one("grads", p.grads, need.grads, p.grads == Placement::kNvme || p.device_units > 0)) +
          ", " + one("master", p.master, need.master, true) + ", " + one("moments", p.moments, need.moments, true);
 }

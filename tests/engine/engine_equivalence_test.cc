@@ -593,6 +593,37 @@ TEST(EngineOverlap, AFailedSwapOperationOfTheUpdateDuringBackwardFailsItsStep) {
 
 // Device-placed checkpoints count against the budget: all of a micro-batch's, beside the
 // working set. "auto" takes the device where they fit, else the host, else swap.
+// A download stream that stops running its work (as a CUDA stream does after an error) during
+// the update during backward: the host functions that mark gradients final never run, so the
+// updater would wait for them forever and the backward for the gradient buffers it holds. The
+// step fails naming the stream instead, and the engine is destroyed without hanging.
+TEST(EngineOverlap, AFailedDownloadStreamFailsTheUpdateDuringBackwardInsteadOfHanging) {
+  json j = tiny_config(false, 4);  // tied GPT-2: 6 units, a pool of 3 gradient buffers
+  j["optimizer"]["overlap"] = "backward";
+  j["optimizer"]["clip_grad_norm"] = 0;
+  j["batch"] = {{"micro_batch", 4}, {"grad_accum", 1}};
+  j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}, {"activations", "device"}};
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  // The head's reduce puts two pieces of work on the stream (a wait and the copy down); its
+  // "final" mark, the third, is never run.
+  auto dev = se::Device::create_host(UINT64_MAX, 2);
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+    ASSERT_FALSE(eng.gradients_stored());
+    const at::Tensor ids = at::randint(0, tc.model.vocab_size, {4, tc.engine.seq_len + 1}, at::kLong);
+    try {
+      eng.train_step(ids);
+      FAIL() << "the step succeeded without its gradients";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("d2h stream: injected failure"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(eng.train_step(ids), std::runtime_error) << "a failed step leaves the engine broken";
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+}
+
 TEST(EngineActivations, DevicePlacementCountsInTheBudgetAndAutoPicksATier) {
   TempDir swap;
   json j = tiny_config(false, 6);
@@ -1004,6 +1035,9 @@ TEST(PlacementPlan, GivesTheDeviceTheFirstUnitsOfTheOptimizerGroup) {
   c.grad_accum = 1;
   need.grad_buffers = 400;
   EXPECT_EQ(plan(800 + 1600, 3600 + 400, 0), "device host host d1 h0 transient");
+  const std::string transient = se::describe_plan(se::plan_placement(c, need, {800 + 1600, 4000, 0}), need);
+  EXPECT_NE(transient.find("grads not stored (updated during backward; host buffers 400 B) except device 400 B (units 0-0)"),
+            std::string::npos) << transient;
   // Compute copies that fit on the host but not beside the buffers there: no device share (it
   // would need them in host RAM), and the rest is placed as without one.
   need.params = 2000;

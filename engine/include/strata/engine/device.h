@@ -51,7 +51,10 @@ class Event {
 class Device {
  public:
   // The host device. `budget_bytes` bounds what the engine allocates through empty().
-  static std::unique_ptr<Device> create_host(uint64_t budget_bytes);
+  // Tests: after `d2h_fails_after` pieces of work (copies, host functions, event records), its
+  // d2h stream fails as a CUDA stream does after an error: it runs nothing more (its host
+  // functions included), synchronize() throws and stream_error() says why.
+  static std::unique_ptr<Device> create_host(uint64_t budget_bytes, uint64_t d2h_fails_after = UINT64_MAX);
   // CUDA device `index` (builds with CUDA only; throws std::runtime_error if none is visible).
   static std::unique_ptr<Device> create_cuda(int index, uint64_t budget_bytes);
   // From the configuration's device.type: "cpu" or "cuda" (LOCAL_RANK picks the GPU).
@@ -117,6 +120,10 @@ class Device {
   virtual void wait(Stream& stream, const std::shared_ptr<Event>& event) = 0;
   // Blocks until everything enqueued on `stream` has run; rethrows the first error of its work.
   virtual void synchronize(Stream& stream) = 0;
+  // Non-blocking: why `stream` can no longer run its work (a CUDA error, which also stops its
+  // host functions), or "" while it can. The host device's streams always go on, unless a test
+  // made its d2h stream fail (create_host).
+  virtual std::string stream_error(Stream& stream) { (void)stream; return ""; }
 
   // Profiling: an event that also notes when its stream reached it (a CUDA event with timing;
   // on the host device, the clock when it ran), and the seconds from `from` to `to`, two timed
