@@ -1481,26 +1481,26 @@ struct Engine::Impl {
                                          u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(), out,
                                          size_t(u.master.numel())};
       };
+      const auto on_gpu = [&](size_t i) { return units[i].compute.defined() && units[i].compute.is_cuda(); };
       // Compute copies on the device: one launch writes them all.
       std::vector<kernels::cuda::AdamTensor> ts;
       for (size_t i : which)
-        if (units[i].compute.is_cuda()) ts.push_back(tensor(units[i], units[i].compute.data_ptr()));
+        if (on_gpu(i)) ts.push_back(tensor(units[i], units[i].compute.data_ptr()));
       if (!ts.empty())
         kernels::cuda::adam_step(ac, ts.data(), ts.size(), kernels::DType::kF32, kernel_dtype(cfg.compute), stream);
-      // Compute copies on the host: unit by unit through one device buffer of the largest such
-      // shard (within the working set: no use is running), each copied down (a blocking copy)
-      // before the next launch writes the buffer again.
+      // Compute copies on the host or in swap: unit by unit through one device buffer of the
+      // largest such shard (within the working set: no use is running), each copied down (a
+      // blocking copy) before the next launch writes the buffer again.
       int64_t largest = 0;
       for (size_t i : which)
-        if (!units[i].compute.is_cuda()) largest = std::max(largest, units[i].compute.numel());
+        if (!on_gpu(i)) largest = std::max(largest, int64_t(partition->unit(i).shard_numel));
       if (largest == 0) return;
       at::Tensor out = dev.empty({largest}, cdt, "compute copy out");
       for (size_t i : which) {
-        UnitState& u = units[i];
-        if (u.compute.is_cuda()) continue;
-        const kernels::cuda::AdamTensor t = tensor(u, out.data_ptr());
+        if (on_gpu(i)) continue;
+        const kernels::cuda::AdamTensor t = tensor(units[i], out.data_ptr());
         kernels::cuda::adam_step(ac, &t, 1, kernels::DType::kF32, kernel_dtype(cfg.compute), stream);
-        u.compute.copy_(out.narrow(0, 0, u.compute.numel()));
+        store_compute(i, out.narrow(0, 0, int64_t(partition->unit(i).shard_numel)));
       }
       return;
     }
@@ -1551,13 +1551,29 @@ struct Engine::Impl {
   // The CPU Adam step of one unit's host-resident slices, writing its next compute copy.
   void update_unit(const kernels::AdamConfig& ac, size_t i) {
     UnitState& u = units[i];
-    // A compute copy placed on a GPU is written on the host and copied up.
-    at::Tensor out = u.compute.is_cpu() ? u.compute : at::empty({u.compute.numel()}, host_options(cdt));
+    // A compute copy placed on a GPU or in swap is written to a host buffer first.
+    const int64_t n = int64_t(partition->unit(i).shard_numel);
+    at::Tensor out = u.compute.defined() && u.compute.is_cpu() ? u.compute : host_buffer(uint64_t(n), cdt);
     kernels::adam_step(ac, u.master.data_ptr<float>(), u.exp_avg.data_ptr<float>(),
                        u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(),
-                       kernels::DType::kF32, out.data_ptr(), kernel_dtype(cfg.compute),
-                       size_t(u.master.numel()), exec);
-    if (!out.is_same(u.compute)) u.compute.copy_(out);
+                       kernels::DType::kF32, out.data_ptr(), kernel_dtype(cfg.compute), size_t(n), exec);
+    store_compute(i, out);
+  }
+  // Unit i's compute copy := `values` (its new values in the compute dtype, on the host or the
+  // device), wherever the copy lives: written in place, copied up or down, or to its swap file
+  // (a master on the device beside compute copies in swap).
+  void store_compute(size_t i, const at::Tensor& values) {
+    UnitState& u = units[i];
+    if (placement(i, kCompute) != Placement::kNvme) {
+      if (!values.is_same(u.compute)) u.compute.copy_(values);
+      return;
+    }
+    at::Tensor host = values;
+    if (!values.is_cpu()) {
+      host = host_buffer(uint64_t(values.numel()), cdt);
+      host.copy_(values);
+    }
+    swap_write(i, kCompute, 0, host).get();
   }
 
   kernels::AdamConfig adam_config(double grad_scale) const {
@@ -2019,7 +2035,7 @@ void Engine::refresh_compute_copies() {
     for (UnitState& u : I.units) u.compute.copy_(u.master);
     return;
   }
-  for (size_t u : I.units_where(true)) I.units[u].compute.copy_(I.units[u].master);
+  for (size_t u : I.units_where(true)) I.store_compute(u, I.units[u].master.to(I.cdt));
   const std::vector<size_t> rest = I.units_where(false);
   I.stream_chunks(1u << kMaster, 1u << kCompute, [&](const Impl::Chunk& c, const std::array<void*, kKinds>& p) {
     const int64_t n = int64_t(c.numel);

@@ -1201,6 +1201,35 @@ TEST(EngineNvme, MixedPlacementLlamaAdamMatchesLibtorch) {
   expect_close(got, reference(tc, 1), 1e-5);
 }
 
+// Master, moments and gradients on the device and the compute copies in swap (what automatic
+// placement picks when the compute copies fit nowhere else): the device's update writes each
+// unit's compute copy to its swap file; training and a refresh of the compute copies match.
+TEST(EngineNvme, ComputeCopiesInSwapBesideAnOptimizerOnTheDeviceMatchLibtorch) {
+  TempDir swap;
+  json j = tiny_config(false, 3);
+  j["placement"] = {{"params", "nvme"}, {"grads", "device"}, {"master", "device"}, {"moments", "device"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  uint64_t peak = 0;
+  expect_close(run_in_process(tc, UINT64_MAX, &peak), reference(tc, 1), 1e-5);
+  // A refresh rewrites the compute copies from the master weights: the same values, so the next
+  // step's loss is unchanged.
+  std::vector<double> losses[2];
+  for (int refresh = 0; refresh < 2; ++refresh) {
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(UINT64_MAX);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+    const se::EngineConfig& e = tc.engine;
+    at::manual_seed(7);
+    const at::Tensor ids = at::randint(0, tc.model.vocab_size, {e.micro_batch * e.grad_accum, e.seq_len + 1}, at::kLong);
+    for (int s = 0; s < 3; ++s) {
+      if (refresh && s == 2) eng.refresh_compute_copies();
+      losses[refresh].push_back(eng.train_step(ids).loss);
+    }
+  }
+  for (size_t s = 0; s < losses[0].size(); ++s) EXPECT_EQ(losses[0][s], losses[1][s]) << "step " << s + 1;
+}
+
 TEST(EngineNvme, StateReallyLivesInTheSwapFiles) {
   TempDir swap;
   json j = tiny_config(false, 2);
