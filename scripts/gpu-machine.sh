@@ -12,6 +12,8 @@
 #   gputest ctest -L gpu only
 #   bench   strata bench io / adam / step / ckpt (JSON lines in $OUT/bench-*.jsonl)
 #   adam    strata bench adam alone (CPU kernel and, with a GPU, the CUDA kernel)
+#   plan    strata train --plan of the largest configs on this machine's real budgets (seconds;
+#           nothing allocated): where 10.3B and 14.1B would go before running them
 #   train   strata train on the GPU: GPT 1.4B, host-placed and device-placed state
 #           (STRATA_TRAIN_CONFIGS: other configs, e.g. "gpu-gpt-10b-auto-backward" or
 #           "gpu-gpt-14b-auto-backward": the largest models, 10 steps each, one per device call;
@@ -82,6 +84,14 @@ for phase in "${phases[@]}"; do
   adam)
     "$strata" bench adam --params 100000000 --threads 16 >"$out/bench-adam.jsonl" 2>"$out/bench-adam.err" || status=1
     tail -2 "$out/bench-adam.jsonl"
+    ;;
+  plan)
+    mkdir -p "$out/strata-swap"  # the configs' offload.nvme_dirs: its free space is the NVMe budget
+    for c in gpu-gpt-10b-auto-backward gpu-gpt-14b-auto-backward; do
+      echo "== plan $c"
+      (cd "$out" && "$strata" train --config "$repo/bench/configs/$c.json" --plan) 2>&1 | tee -a "$out/plan.txt" || status=1
+    done
+    rmdir "$out/strata-swap" 2>/dev/null || true
     ;;
   train)
     # One log and one error file for all runs (the device tool returns at most 8 files).
