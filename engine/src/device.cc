@@ -132,6 +132,11 @@ class HostStream final : public Stream {
       std::rethrow_exception(e);
     }
   }
+  // Why the stream runs no more work, or "" (Device::stream_error).
+  std::string error_text() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failed_ ? failure() : "";
+  }
 
  private:
   void run() {
@@ -167,13 +172,6 @@ class HostStream final : public Stream {
 
   std::string failure() const { return std::string(name_) + " stream: injected failure (it runs no more work)"; }
 
- public:
-  std::string error_text() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return failed_ ? failure() : "";
-  }
-
- private:
   const char* name_;
   uint64_t fails_after_;
   bool failed_ = false;

@@ -199,8 +199,8 @@ struct Engine::Impl {
   Profiler::Clock::time_point step_ref_host;
   std::vector<std::tuple<std::string, std::shared_ptr<Event>, std::shared_ptr<Event>>> compute_spans;
 
-  // Where kind k lives, kind by kind as configured or resolved; a kind split by unit between
-  // host and swap (automatic placement, PlacementPlan::host_units) says kNvme here.
+  // Where kind k lives, kind by kind as configured or resolved; of a kind split by unit
+  // (automatic placement, `split` below), the tier of its last units.
   Placement kind_placement(int k) const {
     switch (k) {
       case kMaster: return cfg.master;
@@ -211,15 +211,11 @@ struct Engine::Impl {
     }
   }
   // Where unit u's shard of kind k lives: the kind's tier, except in an optimizer group split by
-  // unit (PlacementPlan): the first device_units units keep master, moments and gradients on the
-  // device, and up to host_units, master, moments and gradients placed in swap are in host RAM.
-  size_t device_units = 0, host_units = 0;
-  Placement placement(size_t u, int k) const {
-    const Placement p = kind_placement(k);
-    const bool group = k == kMaster || k == kExpAvg || k == kExpAvgSq || k == kGrad;
-    if (group && u < device_units) return Placement::kDevice;
-    return group && p == Placement::kNvme && u < host_units ? Placement::kHost : p;
-  }
+  // unit (PlacementPlan::unit_tier): the first device_units units keep master, moments and
+  // gradients on the device, and up to host_units, master, moments and gradients placed in swap
+  // are in host RAM. `split` holds only those two counts (the kinds' tiers are cfg's).
+  PlacementPlan split;
+  Placement placement(size_t u, int k) const { return split.unit_tier(kind_placement(k), k != kCompute, u); }
   // The units whose update runs where their master weights are on the device, and the others
   // (the CPU's: host or swap), each in forward order.
   std::vector<size_t> units_where(bool on_device) const {
@@ -792,11 +788,9 @@ struct Engine::Impl {
       std::pair<uint64_t, uint64_t> b{p.grads_transient ? need.grad_buffers : 0, 0};
       for (size_t u = 0; u < partition->num_units(); ++u)
         for (int k = 0; k < kKinds; ++k) {
-          Placement kind = k == kMaster ? p.master : k == kExpAvg || k == kExpAvgSq ? p.moments
-                         : k == kGrad ? p.grads : p.params;
-          if (k != kCompute && u < p.device_units) kind = Placement::kDevice;
-          else if (k != kCompute && kind == Placement::kNvme && u < p.host_units) kind = Placement::kHost;
-          else if (k == kGrad && p.grads_transient) continue;  // counted as the buffers
+          const Placement kind = p.unit_tier(k == kMaster ? p.master : k == kExpAvg || k == kExpAvgSq ? p.moments
+                                             : k == kGrad ? p.grads : p.params, k != kCompute, u);
+          if (k == kGrad && p.grads_transient && kind != Placement::kDevice) continue;  // counted as the buffers
           const uint64_t bytes = partition->unit(u).shard_numel * c10::elementSize(kind_dtype(k));
           if (kind == Placement::kHost) b.first += bytes;
           if (kind == Placement::kNvme) b.second += bytes;
@@ -819,8 +813,8 @@ struct Engine::Impl {
     plan.grads_transient = gradients_transient(cfg, plan.master);
     if (plan.master != Placement::kDevice) plan.device_units = size_t(n_units - codes[5].item<int64_t>());
     if (plan.master == Placement::kNvme) plan.host_units = size_t(n_units - codes[4].item<int64_t>());
-    device_units = plan.device_units;
-    host_units = plan.host_units;
+    split.device_units = plan.device_units;
+    split.host_units = plan.host_units;
     // A rank may now hold more in host RAM or swap than it planned (another rank chose a slower
     // tier, or fewer units on the device or in host RAM): check those budgets again, so that it
     // fails here, clearly, not on a full disk or out of memory.
@@ -1904,8 +1898,8 @@ Engine::Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& confi
 
 const EngineConfig& Engine::config() const { return impl_->cfg; }
 const std::string& Engine::placement_report() const { return impl_->placement_report; }
-size_t Engine::optimizer_device_units() const { return impl_->device_units; }
-size_t Engine::optimizer_host_units() const { return impl_->host_units; }
+size_t Engine::optimizer_device_units() const { return impl_->split.device_units; }
+size_t Engine::optimizer_host_units() const { return impl_->split.host_units; }
 bool Engine::gradients_stored() const { return !impl_->grads_transient; }
 
 std::vector<TraceSpan> Engine::take_trace() {

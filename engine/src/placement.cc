@@ -77,10 +77,9 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
     } else {
       // The device's share: what is left of it once the compute copies have their room (where
       // they fit) holds the first units' master, moments and gradients (16 bytes an element;
-      // their update runs on the device). Only with gradients placed automatically: a device
-      // unit's gradient lives beside its master.
-      // Their compute copies must not be in swap (the device writes them): without room on the
-      // device, the compute copies take theirs in host RAM first.
+      // their update runs on the device). Only with gradients placed automatically (a device
+      // unit's gradient lives beside its master) and compute copies not in swap (the device
+      // writes them): without room on the device, they take theirs in host RAM first.
       uint64_t device_elems = 0;
       const bool params_device = plan.params == kAuto && room.fits(Placement::kDevice, need.params);
       // (beside the gradient buffers, which host RAM must hold in any case)

@@ -54,6 +54,12 @@ struct PlacementPlan {
   Placement params, grads, master, moments;
   size_t device_units = 0, host_units = 0;
   bool grads_transient = false;
+  // Where unit u's shard of a kind whose tier is `kind_tier` lives under this split; `group`:
+  // master, moments or gradients (the kinds split by unit).
+  Placement unit_tier(Placement kind_tier, bool group, size_t u) const {
+    if (group && u < device_units) return Placement::kDevice;
+    return group && kind_tier == Placement::kNvme && u < host_units ? Placement::kHost : kind_tier;
+  }
 };
 
 // True when gradients need no accumulators: the update runs during backward
