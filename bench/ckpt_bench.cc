@@ -78,6 +78,7 @@ void run_ckpt_bench(const CkptBenchOptions& o) {
   // Every side runs once per round, round after round, so that a disk whose speed drifts (a
   // virtual disk behind a host cache) moves all of them alike; medians are reported.
   std::vector<double> save, load, tsave, tload, fio_w, fio_w_durable, fio_r;
+  std::vector<double> sync_seconds, async_blocked, async_save;
   for (unsigned round = 0; round < o.rounds; ++round) {
     std::cerr << "bench ckpt: round " << round + 1 << "/" << o.rounds << std::endl;
     // Strata: save (synchronous, fsynced, committed), then restore from a cold page cache.
@@ -85,13 +86,27 @@ void run_ckpt_bench(const CkptBenchOptions& o) {
     ::unlink((root / "latest").c_str());
     auto t0 = Clock::now();
     const fs::path ck = engine::save_checkpoint(eng, *comm, root, "bench", {0, 0});
-    save.push_back(bytes / seconds_since(t0) / 1e9);
+    sync_seconds.push_back(seconds_since(t0));
+    save.push_back(bytes / sync_seconds.back() / 1e9);
     for (const auto& e : fs::directory_iterator(ck)) drop_cache(e.path());
     t0 = Clock::now();
     engine::load_checkpoint(eng, *comm, ck);
     load.push_back(bytes / seconds_since(t0) / 1e9);
     remove_flat_dir(ck);
     ::unlink((root / "latest").c_str());
+
+    // The same save in the background: what the training thread is blocked for (start), and
+    // the save's own time to its commit (the writer copies the host state out through staging
+    // buffers, then writes it).
+    {
+      engine::AsyncCheckpointer async(*comm);
+      t0 = Clock::now();
+      async_blocked.push_back(async.start(eng, root, "bench-async", {0, 0}));
+      async.finish();
+      async_save.push_back(bytes / seconds_since(t0) / 1e9);
+      remove_flat_dir(root / "bench-async");
+      ::unlink((root / "latest").c_str());
+    }
 
     // fio: sequential write, then the fsync that makes it as durable as a committed checkpoint
     // (fio's number without it is reported too), then sequential read, 1 MiB, QD32, O_DIRECT.
@@ -140,8 +155,14 @@ void run_ckpt_bench(const CkptBenchOptions& o) {
       {"ratio_save_vs_fio_without_fsync", ratio(s, fw_nosync)},
       {"torch_GBps", {{"save", ts}, {"restore", tl}}},
       {"ratio_vs_torch", {{"save", ratio(s, ts)}, {"restore", ratio(l, tl)}}},
+      // The asynchronous save's blocking part beside the synchronous save it replaces.
+      {"async", {{"blocked_s", median(async_blocked)}, {"sync_save_s", median(sync_seconds)},
+                 {"ratio_blocked_vs_sync", ratio(median(async_blocked), median(sync_seconds))},
+                 {"save_GBps", median(async_save)}, {"blocked_target_s", 0.5}}},
       {"runs_GBps", {{"save", save}, {"restore", load}, {"fio_write_fsync", fio_w_durable},
-                     {"fio_write", fio_w}, {"fio_read", fio_r}, {"torch_save", tsave}, {"torch_load", tload}}}};
+                     {"fio_write", fio_w}, {"fio_read", fio_r}, {"torch_save", tsave}, {"torch_load", tload},
+                     {"async_save", async_save}}},
+                    {"async_blocked_s", async_blocked}};
   std::cout << j.dump() << std::endl;
 }
 

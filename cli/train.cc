@@ -84,11 +84,12 @@ std::string timeline_line(int64_t step, const engine::StepResult& r) {
   char line[640];
   snprintf(line, sizeof line,
            "timeline step %lld: %.3f s | compute busy %s | waits: params %.3f s, update %.3f s, "
-           "activations %.3f s, gradients %.3f s | norm %.3f s | optimizer %.3f s (exposed %.3f s) | "
+           "activations %.3f s, gradients %.3f s | norm %.3f s | optimizer %.3f s (exposed %.3f s, "
+           "held by a checkpoint %.3f s) | "
            "PCIe up %.2f GB/s, down %.2f GB/s | NVMe read %.2f GB/s, write %.2f GB/s | prefetch %d | "
            "largest stall: %s (%.3f s)",
            (long long)step, r.seconds, busy, t.wait_params, t.wait_update, t.wait_activations, t.wait_grads,
-           t.norm, t.optimizer, t.optimizer_exposed, double(t.h2d_bytes) / sec / 1e9,
+           t.norm, t.optimizer, t.optimizer_exposed, t.wait_checkpoint, double(t.h2d_bytes) / sec / 1e9,
            double(t.d2h_bytes) / sec / 1e9, double(t.nvme_read_bytes) / sec / 1e9,
            double(t.nvme_write_bytes) / sec / 1e9, t.prefetch, top->second > 0 ? top->first : "none",
            std::max(0.0, top->second));
@@ -226,7 +227,9 @@ int train_main(const std::vector<std::string>& argv) {
   }
   // Saves run in the background (the step blocks only for the snapshot) unless
   // run.async_checkpoint is false; each is committed at a later step boundary or at the end.
-  engine::AsyncCheckpointer checkpointer(*comm);
+  engine::CheckpointOptions ckpt_options;
+  ckpt_options.staging_bytes = tc.checkpoint_staging;
+  engine::AsyncCheckpointer checkpointer(*comm, ckpt_options);
   auto committed = [&](const std::optional<std::filesystem::path>& dir) {
     if (!dir) return;
     if (lead)
@@ -240,7 +243,7 @@ int train_main(const std::vector<std::string>& argv) {
     snprintf(name, sizeof name, "step-%08lld", (long long)steps_done);
     const engine::CheckpointMeta meta{steps_done, loader.position()};
     if (!tc.async_checkpoint) {
-      committed(engine::save_checkpoint(eng, *comm, tc.checkpoint_dir, name, meta));
+      committed(engine::save_checkpoint(eng, *comm, tc.checkpoint_dir, name, meta, ckpt_options));
       return;
     }
     const double blocked = checkpointer.start(eng, tc.checkpoint_dir, name, meta);
@@ -337,6 +340,7 @@ int train_main(const std::vector<std::string>& argv) {
                             {"norm", r.timeline.norm},
                             {"optimizer", r.timeline.optimizer},
                             {"optimizer_exposed", r.timeline.optimizer_exposed},
+                            {"wait_checkpoint", r.timeline.wait_checkpoint},
                             {"h2d_bytes", r.timeline.h2d_bytes},
                             {"d2h_bytes", r.timeline.d2h_bytes},
                             {"nvme_read_bytes", r.timeline.nvme_read_bytes},

@@ -18,6 +18,9 @@
 #           (STRATA_TRAIN_CONFIGS: other configs, e.g. "gpu-gpt-10b-auto-backward" or
 #           "gpu-gpt-14b-auto-backward": the largest models, 10 steps each, one per device call;
 #           STRATA_TRAIN_TIMEOUT: seconds per run, default 300)
+#   ckpttrain  asynchronous saves during GPU training: GPT 1.4B with its optimizer state on the
+#           GPU ("device") and split by the planner ("auto"), 12 steps, a save every 4: what each
+#           save blocked the step for, what the updates after it waited (timeline.wait_checkpoint)
 #   baseline  bench/train_baseline.py: plain PyTorch (and FSDP2 with CPU offload)
 #   benchtrain  strata bench train: the 1.4B configs (host, auto, auto with recompute "auto", nvme)
 #           beside plain PyTorch and
@@ -121,6 +124,32 @@ PY
       fi
     done
     rm -rf "$out/strata-swap"
+    ;;
+  ckpttrain)
+    for c in gpu-gpt-1.4b-device gpu-gpt-1.4b-auto; do
+      cfg=$out/$c-ckpt.json
+      python3 - "$repo/bench/configs/$c.json" "$cfg" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+j.setdefault("run", {}).update(steps=12, save_every=4, keep_checkpoints=1, log="ckpt-train.jsonl")
+json.dump(j, open(sys.argv[2], "w"), indent=1)
+PY
+      echo "== $c" >>"$out/ckpttrain.err"
+      (cd "$out" && timeout 500 "$strata" train --config "$cfg" --no-progress --checkpoint-dir "$build_dir/ckpt-train") \
+        >>"$out/ckpttrain.err" 2>&1 || status=1
+      echo "== $c"; grep -E "background|committed" "$out/ckpttrain.err" | tail -8
+      if [ -f "$out/ckpt-train.jsonl" ]; then
+        python3 - "$out/ckpt-train.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l]
+print("  s/step:", " ".join("%.2f" % r["seconds"] for r in rows))
+print("  wait_checkpoint s:", " ".join("%.2f" % r["timeline"].get("wait_checkpoint", 0) for r in rows))
+print("  peak RSS %.1f GiB" % (rows[-1].get("peak_rss", 0) / 2**30) if rows else "  no steps")
+PY
+        cat "$out/ckpt-train.jsonl" >>"$out/ckpttrain.jsonl"; rm -f "$out/ckpt-train.jsonl"
+      fi
+      rm -rf "$build_dir/ckpt-train" "$cfg"
+    done
     ;;
   benchtrain)
     for shape in ${STRATA_BENCH_SHAPES:-1.4b 2.8b}; do

@@ -32,6 +32,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <future>
 #include <thread>
 #include <tuple>
@@ -156,8 +157,9 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 
 }  // namespace
 
-// One (unit, kind) slice of a snapshot: its real elements, either in host memory (`data`) or
-// in the engine's swap (`nvme`), copied file to file by the writer.
+// One (unit, kind) slice of a snapshot: its real elements, written straight from host memory
+// (`data`: a synchronous save of host-resident state), copied file to file from the engine's
+// swap (`nvme`), or else copied out through staging buffers (Engine::read_state).
 struct SnapshotSlice {
   size_t unit;
   int kind;
@@ -172,8 +174,12 @@ struct Snapshot {
   fs::path root, dir;
   std::string name;
   int rank = 0;
-  std::vector<SnapshotSlice> slices;
-  std::shared_future<void> update_finished;  // before NVMe-resident slices may be copied
+  std::vector<SnapshotSlice> slices;  // unit-major: slices[u * kStateKinds + k]
+  std::vector<size_t> order;  // the units in the order the writer copies them out
+  std::shared_future<void> update_finished;  // before any slice may be read
+  std::shared_ptr<StateHold> hold;  // each unit released once copied out
+  uint64_t staging_bytes = 0;
+  std::function<void(size_t, const StateHold&)> before_release;
   json manifest;  // everything but the chunks (used by rank 0)
 };
 
@@ -195,34 +201,63 @@ void uncommit_existing(Communicator& comm, const fs::path& root, const std::stri
   comm.barrier();
 }
 
-// `copy`: host copies of the slices (an asynchronous save, while training changes them); else
-// views of the host-placed slices themselves (a synchronous save writes straight from them).
-Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
-                       const std::string& name, const CheckpointMeta& meta, bool copy) {
+// Bytes of RAM the kernel says could be allocated now without swapping (/proc/meminfo), and the
+// total; 0s if unknown.
+std::pair<uint64_t, uint64_t> mem_available_and_total() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0, available = 0, total = 0;
+  std::string unit;
+  while (in >> key >> kb) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") available = kb * 1024;
+    if (key == "MemTotal:") total = kb * 1024;
+  }
+  return {available, total};
+}
+
+uint64_t staging_limit(uint64_t configured, uint64_t needed) {
+  constexpr uint64_t kMin = 2 * kChunkElements * 4;  // one chunk copied while another is written
+  uint64_t limit = configured;
+  if (limit == 0) {
+    const auto [available, total] = mem_available_and_total();
+    const uint64_t reserve = std::max<uint64_t>(2ull << 30, total / 10);
+    limit = std::min(needed, available > reserve ? available - reserve : 0);
+  }
+  return std::max(limit, kMin);
+}
+
+// Records the snapshot's instant. `async`: every host- and device-resident slice goes through
+// staging, since training changes it after this returns (the hold stops it for each unit until
+// the writer releases that unit); else host-resident slices are written straight from the state.
+Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root, const std::string& name,
+                       const CheckpointMeta& meta, bool async, const CheckpointOptions& options) {
   Snapshot snap;
   snap.root = root;
   snap.dir = root / name;
   snap.name = name;
   snap.rank = comm.rank();
   const Partition& part = engine.partition();
-  snap.update_finished = engine.update_finished();
+  uint64_t staged = 0;
   for (size_t u = 0; u < part.num_units(); ++u) {
     const UnitLayout& L = part.unit(u);
-    const int64_t valid = int64_t(L.shard_valid_numel(snap.rank));
+    const uint64_t valid = L.shard_valid_numel(snap.rank);
     for (int k = 0; k < Engine::kStateKinds; ++k) {
-      SnapshotSlice s{u, k, L.shard_begin(snap.rank), uint64_t(valid), {}, engine.nvme_slice(u, Engine::StateKind(k))};
-      if (!s.nvme.swap) {
-        at::Tensor slice = engine.state_slice(u, Engine::StateKind(k)).narrow(0, 0, valid);
-        if (copy || !slice.is_cpu()) {
-          at::Tensor c = aligned_floats(valid);
-          c.copy_(slice);
-          slice = c;
-        }
-        s.data = slice;
+      SnapshotSlice s{u, k, L.shard_begin(snap.rank), valid, {}, engine.nvme_slice(u, Engine::StateKind(k))};
+      if (!s.nvme.swap && !async) {
+        at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));  // waits for the update
+        if (slice.is_cpu()) s.data = slice.narrow(0, 0, int64_t(valid));
       }
+      if (!s.nvme.swap && !s.data.defined()) staged += valid * 4;
       snap.slices.push_back(std::move(s));
     }
   }
+  snap.order = engine.update_order();
+  snap.update_finished = engine.update_finished();
+  snap.hold = std::make_shared<StateHold>(part.num_units());
+  engine.hold_state(snap.hold);
+  snap.staging_bytes = staging_limit(options.staging_bytes, staged);
+  snap.before_release = options.before_release;
   const Engine::Counters c = engine.counters();
   snap.manifest = {{"format", kFormatVersion},
                    {"kind", "strata-checkpoint"},
@@ -237,31 +272,79 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
   return snap;
 }
 
-// Sets the promise when it goes out of scope, if nothing did before (failure paths included).
-struct Release {
-  std::promise<void>* p;
-  void now() {
-    if (p) p->set_value();
-    p = nullptr;
+// Staging buffers of one chunk each, at most `limit` bytes of them: take() hands out a free one,
+// or a new one, or waits for the oldest write to finish and reuses its buffer.
+class Staging {
+ public:
+  explicit Staging(uint64_t limit) : max_buffers_(std::max<uint64_t>(1, limit / (kChunkElements * 4))) {}
+  ~Staging() {  // every write finishes before its buffer goes
+    for (auto& [buf, write] : in_flight_) write.wait();
   }
-  ~Release() { now(); }
+  float* take() {
+    if (!free_.empty()) {
+      at::Tensor t = std::move(free_.back());
+      free_.pop_back();
+      return hand_out(std::move(t));
+    }
+    if (allocated_ < max_buffers_ || in_flight_.empty()) {
+      ++allocated_;
+      return hand_out(aligned_floats(int64_t(kChunkElements)));
+    }
+    auto [buf, write] = std::move(in_flight_.front());
+    in_flight_.pop_front();
+    const offload::IoStatus st = write.wait();
+    if (!st.ok()) throw std::runtime_error(st.message());  // a full disk: stop copying now
+    return hand_out(std::move(buf));
+  }
+  // The buffer take() returned last goes out with `write`.
+  void writing(offload::IoFuture write) { in_flight_.emplace_back(std::move(current_), std::move(write)); }
+  // Waits for every write; rethrows the first error.
+  void drain() {
+    while (!in_flight_.empty()) {
+      check(in_flight_.front().second.wait());
+      free_.push_back(std::move(in_flight_.front().first));
+      in_flight_.pop_front();
+    }
+    if (!error_.empty()) {
+      std::string e = std::move(error_);
+      error_.clear();
+      throw std::runtime_error(e);
+    }
+  }
+
+ private:
+  float* hand_out(at::Tensor t) {
+    current_ = std::move(t);
+    return current_.data_ptr<float>();
+  }
+  void check(const offload::IoStatus& st) {
+    if (!st.ok() && error_.empty()) error_ = st.message();
+  }
+  uint64_t max_buffers_, allocated_ = 0;
+  at::Tensor current_;
+  std::vector<at::Tensor> free_;
+  std::deque<std::pair<at::Tensor, offload::IoFuture>> in_flight_;
+  std::string error_;
 };
 
 // Steps 1-2 (this rank alone, any thread): the data file and the index; returns the index.
-// NVMe-resident slices are copied swap file to data file inside the kernel (copy_range), then
-// `copied` is released (training may change the swap again) and their CRCs are computed by
-// reading the data file back a chunk at a time.
-std::string write_rank_files(const Snapshot& snap, std::promise<void>* copied = nullptr) {
-  Release release{copied};
-  // Swap holds the last step's state once the update running behind is over; if it failed, the
-  // swap files are half updated and the save fails with its error.
+// Unit by unit in snap.order, once the update running behind is over (if it failed, the state
+// is half updated and the save fails with its error): NVMe-resident slices are copied swap file
+// to data file inside the kernel (copy_range), the others written from the state or from
+// staging buffers they are copied into (Engine::read_state); then the unit is released to the
+// engine. The CRCs of file-to-file copies are computed by reading the data file back.
+std::string write_rank_files(Engine& engine, Snapshot& snap) {
+  struct ReleaseAll {  // on every way out: nothing may wait on this save for ever
+    StateHold* h;
+    ~ReleaseAll() { if (h) h->release_all(); }
+  } release_all{snap.hold.get()};
   if (snap.update_finished.valid()) snap.update_finished.get();
   fs::create_directories(snap.dir);
   const fs::path data_path = snap.dir / (rank_name(snap.rank) + ".data");
   auto io = offload::IoEngine::create();
   offload::File file = offload::File::open(data_path, offload::OpenMode::kTruncate);
   json chunks = json::array();
-  std::vector<offload::IoFuture> writes;
+  std::vector<offload::IoFuture> direct_writes;
   uint64_t total = 0;  // allocate the file's extents up front: no allocating direct writes
   for (const SnapshotSlice& s : snap.slices)
     for (uint64_t e = 0; e < s.numel; e += kChunkElements)
@@ -270,34 +353,56 @@ std::string write_rank_files(const Snapshot& snap, std::promise<void>* copied = 
   uint64_t offset = 0;
   std::vector<size_t> copied_chunks;  // their CRC is computed from the file
   std::exception_ptr first;
-  try {
-    for (const SnapshotSlice& s : snap.slices) {
-      for (uint64_t e = 0; e < s.numel; e += kChunkElements) {
-        const uint64_t n = std::min(kChunkElements, s.numel - e);
-        json c = {{"unit", s.unit}, {"kind", kKindNames[s.kind]}, {"rank", snap.rank},
-                  {"begin", s.begin + e}, {"numel", n},
-                  {"file", data_path.filename().string()}, {"offset", offset}};
-        if (s.nvme.swap) {
-          uint64_t at = offset;
-          for (const auto& piece : s.nvme.swap->locate(s.nvme.partition, e * 4, n * 4)) {
-            offload::copy_range(*piece.file, piece.file_offset, file, at, piece.length);
-            at += piece.length;
+  {
+    Staging staging(snap.staging_bytes);
+    try {
+      for (size_t u : snap.order) {
+        for (int k = 0; k < Engine::kStateKinds; ++k) {
+          const SnapshotSlice& s = snap.slices.at(u * Engine::kStateKinds + size_t(k));
+          for (uint64_t e = 0; e < s.numel; e += kChunkElements) {
+            const uint64_t n = std::min(kChunkElements, s.numel - e);
+            json c = {{"unit", s.unit}, {"kind", kKindNames[s.kind]}, {"rank", snap.rank},
+                      {"begin", s.begin + e}, {"numel", n},
+                      {"file", data_path.filename().string()}, {"offset", offset}};
+            if (s.nvme.swap) {
+              uint64_t at = offset;
+              for (const auto& piece : s.nvme.swap->locate(s.nvme.partition, e * 4, n * 4)) {
+                offload::copy_range(*piece.file, piece.file_offset, file, at, piece.length);
+                at += piece.length;
+              }
+              copied_chunks.push_back(chunks.size());
+            } else {
+              const float* from = nullptr;
+              if (s.data.defined()) {
+                from = s.data.data_ptr<float>() + e;
+              } else {
+                float* buf = staging.take();
+                engine.read_state(u, Engine::StateKind(k), e, n, buf);
+                from = buf;
+              }
+              std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(from), n * 4);
+              offload::IoFuture w = io->write(file, offset, bytes);  // first: the CRC overlaps the write
+              if (s.data.defined()) direct_writes.push_back(std::move(w));
+              else staging.writing(std::move(w));
+              c["crc32c"] = offload::crc32c(bytes.data(), bytes.size());
+            }
+            chunks.push_back(std::move(c));
+            offset += (n * 4 + kAlign - 1) / kAlign * kAlign;
           }
-          copied_chunks.push_back(chunks.size());
-        } else {
-          std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(s.data.data_ptr<float>()) + e * 4, n * 4);
-          writes.push_back(io->write(file, offset, bytes));  // first: the CRC overlaps the write
-          c["crc32c"] = offload::crc32c(bytes.data(), bytes.size());
         }
-        chunks.push_back(std::move(c));
-        offset += (n * 4 + kAlign - 1) / kAlign * kAlign;
+        if (snap.before_release) snap.before_release(u, *snap.hold);
+        snap.hold->release(u);
       }
+    } catch (...) {
+      first = std::current_exception();
     }
-  } catch (...) {
-    first = std::current_exception();
+    try {
+      staging.drain();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
   }
-  release.now();
-  for (auto& w : writes) {  // every write finishes before the buffers can go
+  for (auto& w : direct_writes) {  // every write finishes before the state may change
     const offload::IoStatus st = w.wait();
     if (!st.ok() && !first) first = std::make_exception_ptr(std::runtime_error(st.message()));
   }
@@ -341,13 +446,13 @@ void commit(Communicator& comm, Snapshot& snap, const std::string& index) {
 }  // namespace
 
 fs::path save_checkpoint(Engine& engine, Communicator& comm, const fs::path& root,
-                         const std::string& name, const CheckpointMeta& meta) {
+                         const std::string& name, const CheckpointMeta& meta, const CheckpointOptions& options) {
   uncommit_existing(comm, root, name);
-  Snapshot snap = take_snapshot(engine, comm, root, name, meta, /*copy=*/false);
+  Snapshot snap = take_snapshot(engine, comm, root, name, meta, /*async=*/false, options);
   // A rank whose writes failed must still take part in the collectives, then all ranks fail.
   std::string index, error;
   try {
-    index = write_rank_files(snap);
+    index = write_rank_files(engine, snap);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -365,13 +470,13 @@ fs::path save_checkpoint(Engine& engine, Communicator& comm, const fs::path& roo
 
 struct AsyncCheckpointer::Pending {
   Snapshot snap;
-  std::promise<void> copied;  // NVMe-resident slices copied out of swap
   std::thread writer;
   std::atomic<bool> done{false};
   std::string index, error;
 };
 
-AsyncCheckpointer::AsyncCheckpointer(Communicator& comm) : comm_(comm) {}
+AsyncCheckpointer::AsyncCheckpointer(Communicator& comm, CheckpointOptions options)
+    : comm_(comm), options_(std::move(options)) {}
 
 AsyncCheckpointer::~AsyncCheckpointer() {
   if (pending_ && pending_->writer.joinable()) pending_->writer.join();  // never committed
@@ -383,16 +488,11 @@ double AsyncCheckpointer::start(Engine& engine, const fs::path& root, const std:
   if (pending_) finish();  // one save at a time: the earlier one completes first
   uncommit_existing(comm_, root, name);
   pending_ = std::make_unique<Pending>();
-  pending_->snap = take_snapshot(engine, comm_, root, name, meta, /*copy=*/true);
+  pending_->snap = take_snapshot(engine, comm_, root, name, meta, /*async=*/true, options_);
   Pending* p = pending_.get();
-  // NVMe-resident state is not copied here: the writer copies it file to file while training
-  // goes on, and the engine's next update of it waits until that copy is done.
-  bool from_swap = false;
-  for (const SnapshotSlice& s : p->snap.slices) from_swap |= s.nvme.swap != nullptr;
-  if (from_swap) engine.hold_nvme_state(p->copied.get_future().share());
-  p->writer = std::thread([p, from_swap] {
+  p->writer = std::thread([p, &engine] {
     try {
-      p->index = write_rank_files(p->snap, from_swap ? &p->copied : nullptr);
+      p->index = write_rank_files(engine, p->snap);
     } catch (const std::exception& e) {
       p->error = e.what();
     }

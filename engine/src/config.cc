@@ -343,6 +343,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("resume", c.resume);
     s.read("keep_checkpoints", c.keep_checkpoints);
     s.read("async_checkpoint", c.async_checkpoint);
+    s.read_bytes("checkpoint_staging", c.checkpoint_staging);
   }
   if (c.steps < 0) throw std::invalid_argument(source + ": run.steps must be >= 0");
   if (c.save_every < 0) throw std::invalid_argument(source + ": run.save_every must be >= 0");

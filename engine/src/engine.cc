@@ -116,6 +116,7 @@ struct Profiler {
   // The overlapped update's swap traffic, moved into nvme_read/nvme_write when it is joined (in
   // the next step), so that it counts there however far it got before this step's end.
   std::atomic<uint64_t> update_read{0}, update_write{0};
+  std::atomic<uint64_t> checkpoint_wait_ns{0};  // StepTimeline::wait_checkpoint, from any thread
   static inline thread_local bool on_updater = false;
   std::atomic<uint64_t>& read_counter() { return on_updater ? update_read : nvme_read; }
   std::atomic<uint64_t>& write_counter() { return on_updater ? update_write : nvme_write; }
@@ -150,6 +151,7 @@ struct Profiler {
     const uint64_t r = nvme_read.load(), w = nvme_write.load();
     step.nvme_read_bytes = r - nvme_read_seen;
     step.nvme_write_bytes = w - nvme_write_seen;
+    step.wait_checkpoint = double(checkpoint_wait_ns.exchange(0)) * 1e-9;
     nvme_read_seen = r;
     nvme_write_seen = w;
     StepTimeline out = step;
@@ -186,12 +188,19 @@ struct Engine::Impl {
   std::unique_ptr<offload::SwapSpace> swap;
   uint64_t nvme_state = 0;
   Profiler prof;
-  std::shared_future<void> nvme_hold;  // a snapshot still copying NVMe state out
-  void wait_nvme_hold() {
-    if (!nvme_hold.valid()) return;
-    auto t = prof.time(prof.step.optimizer_exposed, "wait checkpoint snapshot");
-    nvme_hold.wait();
-    nvme_hold = {};
+  // The latest snapshot's hold (hold_state). An update captures the hold current at its launch
+  // and waits on it unit by unit before changing a unit's saved state.
+  std::shared_ptr<StateHold> hold;
+  void wait_released(const std::shared_ptr<StateHold>& h, size_t u) {
+    if (!h || h->released(u)) return;
+    const auto b = Profiler::Clock::now();
+    h->wait(u);
+    const auto e = Profiler::Clock::now();
+    prof.checkpoint_wait_ns += uint64_t(std::chrono::duration<double>(e - b).count() * 1e9);
+    prof.span(Profiler::on_updater ? "optimizer" : "host", "wait checkpoint snapshot " + partition->unit(u).name, b, e);
+  }
+  void wait_hold_all() {
+    if (hold) hold->wait_all();
   }
   // Profiling: device-timed compute spans of the step in progress, against a reference event
   // recorded at its start.
@@ -1238,7 +1247,6 @@ struct Engine::Impl {
     // "forward": the last update was done long ago (the forward gathered every unit); "backward":
     // this step's update, whose last units may still be running.
     finish_update();
-    if (in_backward) wait_nvme_hold();  // done by the updater (a no-op here) unless it failed first
     StepResult r;
     const int depth_used = prefetch_depth;
     {
@@ -1272,7 +1280,6 @@ struct Engine::Impl {
       double coef = 1.0;
       if (cfg.clip_grad_norm > 0) coef = std::min(1.0, cfg.clip_grad_norm / (r.grad_norm + 1e-6));
       const kernels::AdamConfig ac = adam_config(coef / denom);
-      wait_nvme_hold();  // a checkpoint still copying swap-resident state: counted as exposed
       if (overlaps_update()) {
         launch_update(ac);
       } else {
@@ -1457,7 +1464,7 @@ struct Engine::Impl {
   void optimizer_step(const kernels::AdamConfig& ac, const std::function<void(size_t)>& unit_done = {}) {
     update_on_device(ac, units_where(true));
     const std::vector<size_t> rest = units_where(false);
-    if (!rest.empty()) update_units(ac, rest, unit_done);
+    if (!rest.empty()) update_units(ac, rest, unit_done, nullptr, [this](size_t u) { wait_released(hold, u); });
   }
 
   // Adam on the units in `which`, their master, moments and gradients on the device: one
@@ -1466,6 +1473,7 @@ struct Engine::Impl {
   void update_on_device(const kernels::AdamConfig& ac, const std::vector<size_t>& which,
                         std::vector<double>* sumsq = nullptr) {
     if (which.empty()) return;
+    for (size_t u : which) wait_released(hold, u);  // one launch: all its units first (training thread)
     if (sumsq) device_sum_squares(which, *sumsq);
 #ifdef STRATA_HAVE_CUDA
     if (units[which.front()].master.is_cuda()) {
@@ -1680,8 +1688,11 @@ struct Engine::Impl {
   // updater.
   void launch_update(const kernels::AdamConfig& ac) {
     update_device_units(ac);
-    start_updater([this, ac](const std::function<void(size_t)>& unit_done) {
-      update_units(ac, units_where(false), unit_done);
+    start_updater([this, ac, h = hold](const std::function<void(size_t)>& unit_done) {
+      update_units(ac, units_where(false), unit_done, nullptr, [&](size_t u) {
+        wait_released(h, u);
+        update_begin = Profiler::Clock::now();  // waiting for the snapshot is not optimizer work
+      });
     });
     gathers_wait_update = true;
   }
@@ -1707,16 +1718,9 @@ struct Engine::Impl {
       grad_final_write.assign(units.size(), offload::IoFuture());
     }
     unit_sumsq.assign(units.size(), 0.0);
-    // A checkpoint still copying the swap files the update writes: the updater waits for it
-    // before its first write, while the backward goes on (the step's end waits for it too, in
-    // case the updater failed first).
-    const std::shared_future<void> hold = nvme_hold;
-    start_updater([this, ac, hold](const std::function<void(size_t)>& unit_done) {
-      bool held = hold.valid();
-      const auto wait_hold = [&] {
-        if (held) hold.wait();
-        held = false;
-      };
+    // A checkpoint still copying the state out: the updater waits for each unit's release
+    // before its first write of it, while the backward goes on.
+    start_updater([this, ac, h = hold](const std::function<void(size_t)>& unit_done) {
       const std::function<void(size_t)> consumed = [&](size_t u) {
         if (grads_transient) release_gradient_buffer(u);
       };
@@ -1736,7 +1740,7 @@ struct Engine::Impl {
             wait_while_d2h_runs(lock, [&] { return grad_final[u] || update_abort; });
             if (update_abort) throw std::runtime_error("the step failed before its update was done");
           }
-          wait_hold();  // before the first chunk is processed and written back
+          wait_released(h, u);  // before the first chunk is processed and written back
           update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
         }, consumed);
         return;
@@ -1765,9 +1769,11 @@ struct Engine::Impl {
         }
         left -= ready.size();
         for (const offload::IoFuture& w : writes) w.get();  // the gradient's last swap write
-        wait_hold();
         update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
-        update_units(ac, ready, unit_done, &unit_sumsq, {}, consumed);
+        update_units(ac, ready, unit_done, &unit_sumsq, [&](size_t u) {
+          wait_released(h, u);
+          update_begin = Profiler::Clock::now();
+        }, consumed);
       }
     });
     gathers_wait_update = false;
@@ -1910,7 +1916,7 @@ std::vector<TraceSpan> Engine::take_trace() {
 Engine::~Engine() {
   if (!impl_) return;
   impl_->abort_update();
-  impl_->wait_nvme_hold();  // a snapshot still copying from the swap files, which go with us
+  impl_->wait_hold_all();  // a snapshot still copying the state out (from swap files that go with us)
   // Activation checkpoint writes (a step that failed half way) must finish before their buffers go.
   // (Only those whose host function ran: a failed CUDA stream may never run the others.)
   for (Stream* st : {&impl_->dev.h2d_stream(), &impl_->dev.d2h_stream()}) try {
@@ -1977,6 +1983,7 @@ void Engine::set_counters(const Counters& c) {
 at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
   Impl& I = *impl_;
   I.finish_update();
+  I.wait_hold_all();  // the caller may write into it
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
   if (I.placement(unit, k) != Placement::kNvme) return I.units.at(unit).kind(k);
@@ -2000,15 +2007,59 @@ Engine::NvmeSlice Engine::nvme_slice(size_t unit, StateKind kind) const {
   return {I.swap.get(), I.swap_name(unit, k)};
 }
 
-void Engine::hold_nvme_state(std::shared_future<void> until) {
-  impl_->wait_nvme_hold();  // one snapshot at a time
-  impl_->nvme_hold = std::move(until);
+void Engine::hold_state(std::shared_ptr<StateHold> hold) {
+  Impl& I = *impl_;
+  I.wait_hold_all();  // one snapshot at a time
+  // read_state copies device-resident state on a stream of its caller's own: whatever updates
+  // the compute stream has queued (the device's share of the optimizer) must be done first.
+  if (!I.units_where(true).empty()) I.dev.synchronize(I.dev.compute_stream());
+  I.hold = std::move(hold);
+}
+
+std::vector<size_t> Engine::update_order() const {
+  const Impl& I = *impl_;
+  std::vector<size_t> device = I.units_where(true), rest = I.units_where(false);
+  if (I.updates_in_backward()) {
+    // The CPU's units as their gradients become final, then the device's at the step's end.
+    std::stable_sort(rest.begin(), rest.end(),
+                     [&](size_t a, size_t b) { return I.last_use_stage[a] > I.last_use_stage[b]; });
+    rest.insert(rest.end(), device.begin(), device.end());
+    return rest;
+  }
+  device.insert(device.end(), rest.begin(), rest.end());  // one launch on the device, then forward order
+  return device;
+}
+
+void Engine::read_state(size_t unit, StateKind kind, uint64_t begin, uint64_t numel, float* dst) {
+  Impl& I = *impl_;
+  const int k = int(kind);
+  if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
+  const uint64_t n = I.partition->unit(unit).shard_numel;
+  if (begin > n || numel > n - begin)
+    throw std::out_of_range("read_state: elements " + std::to_string(begin) + "+" + std::to_string(numel) +
+                            " outside unit " + I.partition->unit(unit).name + "'s slice of " + std::to_string(n));
+  at::Tensor out = at::from_blob(dst, {int64_t(numel)}, at::TensorOptions().dtype(at::kFloat));
+  if (I.placement(unit, k) == Placement::kNvme) {
+    I.swap_read(unit, k, begin, out).get();
+    return;
+  }
+  const at::Tensor src = I.units.at(unit).kind(k).narrow(0, int64_t(begin), int64_t(numel));
+#ifdef STRATA_HAVE_CUDA
+  if (src.is_cuda()) {
+    // Not the caller's current stream, which may be the legacy default stream and so wait for
+    // the training thread's queued compute: a pool stream, ordered by hold_state's synchronize.
+    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool(false, src.device().index()));
+    out.copy_(src);  // blocking: dst is pageable
+    return;
+  }
+#endif
+  out.copy_(src);
 }
 
 void Engine::store_state_slice(size_t unit, StateKind kind, const at::Tensor& data) {
   Impl& I = *impl_;
   I.finish_update();
-  I.wait_nvme_hold();
+  I.wait_hold_all();
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
   if (I.placement(unit, k) == Placement::kNvme) {
@@ -2051,6 +2102,49 @@ MemoryReport Engine::memory() const {
   r.nvme_state = impl_->nvme_state;
   r.host_activations = impl_->host_act_peak;
   return r;
+}
+
+}  // namespace strata::engine
+
+namespace strata::engine {
+
+void StateHold::release(size_t unit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (released_.at(unit)) return;
+  released_[unit] = 1;
+  --left_;
+  cv_.notify_all();
+}
+
+void StateHold::release_all() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::fill(released_.begin(), released_.end(), 1);
+  left_ = 0;
+  cv_.notify_all();
+}
+
+bool StateHold::released(size_t unit) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return released_.at(unit) != 0;
+}
+
+void StateHold::wait(size_t unit) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  ++waiters_.at(unit);
+  cv_.wait(lock, [&] { return released_[unit] != 0; });
+  --waiters_[unit];
+}
+
+void StateHold::wait_all() const {
+  std::unique_lock<std::mutex> lock(mu_);
+  ++all_waiters_;
+  cv_.wait(lock, [&] { return left_ == 0; });
+  --all_waiters_;
+}
+
+bool StateHold::waited_for(size_t unit) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waiters_.at(unit) > 0 || all_waiters_ > 0;
 }
 
 }  // namespace strata::engine

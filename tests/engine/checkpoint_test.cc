@@ -61,6 +61,7 @@ TEST(Crc32c, KnownValueAndIncremental) {
 struct Losses {
   std::vector<double> losses;
   std::vector<uint64_t> nvme_reads;  // bytes the engine read from swap in each step
+  std::vector<double> wait_checkpoint;  // seconds the update waited for a save's writer
   std::vector<std::pair<std::string, at::Tensor>> params;
 };
 
@@ -84,6 +85,7 @@ class Trainer {
       const se::StepResult r = eng_.train_step(ids);
       run.losses.push_back(r.loss);
       run.nvme_reads.push_back(r.timeline.nvme_read_bytes);
+      run.wait_checkpoint.push_back(r.timeline.wait_checkpoint);
       ++done_;
     }
   }
@@ -174,6 +176,97 @@ TEST(Checkpoint, AsyncSaveSnapshotsTheStateWhileTrainingContinues) {
   b.train(10, resumed);
   for (size_t i = 0; i < 10; ++i) EXPECT_EQ(resumed.losses[i], straight.losses[10 + i]) << "step " << 11 + i;
   expect_bitwise(b.params(), a.params());
+}
+
+// An asynchronous save whose writer releases each unit only once the engine is waiting for it
+// (or after 20 s), while training goes on: every update after the save waits for its unit's
+// release, in the order the writer goes, so the checkpoint holds the state of the moment the
+// save started and resumes bitwise, and the waits show in the timeline. Returns the seconds the
+// updates waited.
+double async_save_with_slow_writer(const json& cfg, const se::CheckpointOptions& base) {
+  TempDir dir, swap_b;
+  const se::TrainConfig tc = se::parse_train_config(cfg.dump(), "test");
+  Losses straight, resumed;
+  Trainer a(tc);
+  a.train(10, straight);
+  se::CheckpointOptions options = base;
+  std::vector<size_t> released, unwaited;
+  options.before_release = [&](size_t u, const se::StateHold& hold) {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!hold.waited_for(u) && std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!hold.waited_for(u)) unwaited.push_back(u);
+    released.push_back(u);
+  };
+  se::AsyncCheckpointer ck(a.comm(), options);
+  const std::vector<size_t> order = a.engine().update_order();
+  ck.start(a.engine(), dir.path(), "step-10", a.meta());
+  std::optional<std::filesystem::path> committed;
+  for (int s = 0; s < 10; ++s) {
+    a.train(1, straight);
+    if (auto c = ck.poll()) committed = c;
+  }
+  if (!committed) committed = ck.finish();
+  EXPECT_EQ(released, order) << "units released in the order of the next update";
+  EXPECT_TRUE(unwaited.empty()) << "an update went ahead without waiting for its unit, or waited "
+                                   "for another one first: " << ::testing::PrintToString(unwaited);
+  EXPECT_TRUE(committed.has_value());
+  if (!committed) return 0;
+  EXPECT_GT(se::verify_checkpoint(*committed), 0u);
+  se::TrainConfig tcb = tc;
+  if (!tcb.engine.nvme_dirs.empty()) tcb.engine.nvme_dirs = {swap_b.path().string()};
+  Trainer b(tcb);
+  b.load(*committed);
+  b.train(10, resumed);
+  for (size_t i = 0; i < 10; ++i) EXPECT_EQ(resumed.losses[i], straight.losses[10 + i]) << "step " << 11 + i;
+  expect_bitwise(b.params(), a.params());
+  double waited = 0;
+  for (size_t i = 10; i < straight.wait_checkpoint.size(); ++i) waited += straight.wait_checkpoint[i];
+  return waited;
+}
+
+// Every path that changes the saved state waits for the hold: the CPU update after backward
+// ("off"), behind the next forward ("forward"), during backward ("backward"), and the update of
+// state on the device (the host device stands in), each with a writer far slower than a step.
+TEST(Checkpoint, AsyncSaveHoldsEachUnitUntilTheWriterCopiedItInEveryUpdateMode) {
+  for (const char* mode : {"off", "forward", "backward", "device"}) {
+    SCOPED_TRACE(mode);
+    json j = tiny_llama(20);
+    if (std::string(mode) == "device") {
+      j["placement"] = {{"params", "device"}, {"grads", "device"}, {"master", "device"}, {"moments", "device"}};
+    } else {
+      j["optimizer"]["overlap"] = mode;
+      if (std::string(mode) == "backward") j["optimizer"]["clip_grad_norm"] = 0.0;
+    }
+    EXPECT_GT(async_save_with_slow_writer(j, {}), 0.0) << "no update waited for the writer";
+  }
+}
+
+// Master and moments in swap, copied file to file unit by unit: the update of each waits for it.
+TEST(Checkpoint, AsyncSaveHoldsNvmeStateUnitByUnit) {
+  TempDir swap;
+  json j = tiny_llama(20);
+  j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  EXPECT_GT(async_save_with_slow_writer(j, {}), 0.0);
+}
+
+// Units larger than the staging memory (three 4 MiB chunks of each kind, through two staging
+// buffers): each buffer is reused once its write is done, and the save is still exact.
+TEST(Checkpoint, AsyncSaveThroughStagingSmallerThanAUnit) {
+  json j = tiny_llama(20);
+  j["model"]["hidden"] = 512;
+  j["model"]["heads"] = 8;
+  j["model"]["kv_heads"] = 8;
+  j["model"]["intermediate"] = 1024;
+  j["batch"] = {{"micro_batch", 1}, {"grad_accum", 1}};
+  {
+    Trainer t(se::parse_train_config(j.dump(), "test"));
+    ASSERT_GT(t.engine().partition().unit(1).shard_numel, 2u << 20) << "a unit of more than 8 MiB a kind";
+  }
+  se::CheckpointOptions options;
+  options.staging_bytes = 8u << 20;
+  EXPECT_GT(async_save_with_slow_writer(j, options), 0.0);
 }
 
 TEST(Checkpoint, ResumeIsBitwiseExactFp16WithLossScale) {

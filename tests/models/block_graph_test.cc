@@ -8,21 +8,32 @@
 #include <torch/autograd.h>
 
 #include <atomic>
+#include <mutex>
+#include <unordered_map>
 
 #include "strata/models/decoder.h"
 
 namespace strata::models {
 namespace {
 
-// Wraps the default CPU allocator and counts the bytes alive.
+// Wraps the default CPU allocator and counts the bytes alive. A DataPtr's context is its data
+// pointer itself (the size is looked up), as Allocator::raw_allocate requires: oneDNN's bf16
+// kernels take their scratch memory through it on CPUs with AVX-512 BF16.
 class CountingAllocator final : public c10::Allocator {
  public:
+  CountingAllocator() { instance = this; }
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = inner_->allocate(n);
     void* data = inner.get();
+    if (!data) return inner;  // zero bytes: nothing to count
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      blocks_.emplace(data, Block{std::move(inner), n});
+    }
     live_ += int64_t(n);
-    return {data, new Block{std::move(inner), n, this}, &release, c10::Device(c10::kCPU)};
+    return {data, data, &release, c10::Device(c10::kCPU)};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* dst, const void* src, size_t n) const override { default_copy_data(dst, src, n); }
   int64_t live() const { return live_.load(); }
 
@@ -30,14 +41,21 @@ class CountingAllocator final : public c10::Allocator {
   struct Block {
     c10::DataPtr inner;
     size_t bytes;
-    CountingAllocator* owner;
   };
   static void release(void* p) {
-    auto* b = static_cast<Block*>(p);
-    b->owner->live_ -= int64_t(b->bytes);
-    delete b;
-  }
+    Block b;
+    {
+      std::lock_guard<std::mutex> lock(instance->mu_);
+      auto it = instance->blocks_.find(p);
+      b = std::move(it->second);
+      instance->blocks_.erase(it);
+    }
+    instance->live_ -= int64_t(b.bytes);
+  }  // b.inner frees the memory
+  static inline CountingAllocator* instance = nullptr;
   c10::Allocator* inner_ = c10::GetDefaultCPUAllocator();
+  std::mutex mu_;
+  std::unordered_map<void*, Block> blocks_;
   std::atomic<int64_t> live_{0};
 };
 

@@ -34,23 +34,41 @@ struct CheckpointMeta {
   uint64_t samples_consumed = 0;    // global data position (BatchLoader::position())
 };
 
+struct CheckpointOptions {
+  // Host memory through which the writer copies host- and device-resident slices out (an
+  // asynchronous save: all of them; a synchronous one writes host-resident slices straight from
+  // the state and stages only device-resident ones), in 4 MiB chunks, each reused once its write
+  // is done. 0: as much as the slices need, within the RAM available at the save (MemAvailable)
+  // less a reserve of max(2 GiB, 10% of RAM); at least 8 MiB. A staging smaller than the state
+  // bounds host memory, and the updates after the save wait for the disk instead
+  // (StepTimeline::wait_checkpoint).
+  uint64_t staging_bytes = 0;
+  // Tests: called by the writer (its thread) just before it releases a unit to the engine.
+  std::function<void(size_t unit, const StateHold& hold)> before_release;
+};
+
 // Collective: saves `engine`'s state as <root>/<name> and points <root>/latest at it.
 // Returns the checkpoint's directory.
 std::filesystem::path save_checkpoint(Engine& engine, Communicator& comm,
                                       const std::filesystem::path& root, const std::string& name,
-                                      const CheckpointMeta& meta);
+                                      const CheckpointMeta& meta, const CheckpointOptions& options = {});
 
-// Asynchronous saves: start() blocks only for the snapshot (a host copy of this rank's host- or
-// device-resident slices; NVMe-resident ones are copied file to file by the writer, and the
-// engine's next update of them waits for that copy: Engine::hold_nvme_state);
-// the data and index files are written by a background thread while training goes on; poll(),
-// called by every rank at the same point of every step, commits the save (manifest, latest) once
-// every rank's writes are done. A save started while one is in flight first finishes that one.
-// Destroying the checkpointer with a save in flight leaves it uncommitted (never loaded).
+// Asynchronous saves. start() blocks only to record the snapshot's instant (counters, data
+// position, a StateHold on every unit; with device-resident state, a synchronize of the compute
+// stream): a background writer then copies the state of that instant out unit by unit, in the
+// order of the engine's next update (Engine::update_order), and releases each unit as soon as
+// it is copied: NVMe-resident slices file to file inside the kernel, host- and device-resident
+// ones into the staging memory (CheckpointOptions::staging_bytes), written from there. The
+// engine's next update of a unit waits for its release, so nothing the save needs changes under
+// it and training goes on meanwhile. poll(), called by every rank at the same point of every
+// step, commits the save (manifest, latest) once every rank's writes are done. A save started
+// while one is in flight first finishes that one. The engine must outlive a save in flight.
+// Destroying the checkpointer with a save in flight waits for its writer and leaves the save
+// uncommitted (never loaded).
 // Thread safety: the training thread calls everything; collectives inside.
 class AsyncCheckpointer {
  public:
-  explicit AsyncCheckpointer(Communicator& comm);
+  explicit AsyncCheckpointer(Communicator& comm, CheckpointOptions options = {});
   ~AsyncCheckpointer();
   // Collective. Returns the seconds the caller was blocked.
   double start(Engine& engine, const std::filesystem::path& root, const std::string& name,
@@ -65,6 +83,7 @@ class AsyncCheckpointer {
   struct Pending;
   std::optional<std::filesystem::path> complete();
   Communicator& comm_;
+  CheckpointOptions options_;
   std::unique_ptr<Pending> pending_;
 };
 

@@ -115,6 +115,7 @@ struct TrainConfig {
   bool resume = false;         // start from <checkpoint_dir>/latest when there is one
   int64_t keep_checkpoints = 0;  // keep only the N newest checkpoints; 0: keep all
   bool async_checkpoint = true;  // write in the background; the step blocks for the snapshot
+  uint64_t checkpoint_staging = 0;  // CheckpointOptions::staging_bytes (0: from MemAvailable)
   EngineConfig engine;
 };
 

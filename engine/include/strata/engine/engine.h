@@ -33,7 +33,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -62,6 +64,8 @@ struct StepTimeline {
   double norm = 0;               // global gradient norm (sum of squares, all-reduce)
   double optimizer = 0;          // optimizer work that ran during this step (any thread)
   double optimizer_exposed = 0;  // the part of it the step waited for
+  double wait_checkpoint = 0;    // the update (any thread) waiting for a checkpoint's writer to
+                                 // release a unit (StateHold): the price of a small staging
   uint64_t h2d_bytes = 0, d2h_bytes = 0;             // host <-> device copies
   uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;  // swap files
   int prefetch = 0;              // units gathered ahead during this step (device.prefetch)
@@ -72,6 +76,31 @@ struct TraceSpan {
   std::string lane;  // "host", "device compute", "optimizer"
   std::string name;
   double begin = 0, end = 0;  // seconds since the engine was built
+};
+
+// A snapshot's claim on the saved state (fp32 master and moments) of every unit: the engine
+// changes unit u's saved state (its next update, store_state_slice, a state_slice handed out for
+// writing) only once the holder has released u. A checkpoint writer releases units as it copies
+// them out, in Engine::update_order(), so that training goes on while it writes.
+// Thread safety: every member may be called from any thread. Releasing is idempotent.
+class StateHold {
+ public:
+  explicit StateHold(size_t units) : released_(units, 0), left_(units), waiters_(units, 0) {}
+  void release(size_t unit);
+  void release_all();  // on every exit path of the holder, failure included
+  bool released(size_t unit) const;
+  void wait(size_t unit) const;
+  void wait_all() const;
+  // Whether a thread is blocked in wait(unit) or wait_all() right now (observability, tests).
+  bool waited_for(size_t unit) const;
+
+ private:
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  std::vector<char> released_;
+  size_t left_;
+  mutable std::vector<int> waiters_;  // by unit, in wait()
+  mutable int all_waiters_ = 0;       // in wait_all()
 };
 
 struct StepResult {
@@ -130,22 +159,34 @@ class Engine {
   // refresh_compute_copies() once.
   at::Tensor state_slice(size_t unit, StateKind kind);
   void store_state_slice(size_t unit, StateKind kind, const at::Tensor& data);
+  // --- snapshots (a checkpoint's writer copying the state out while training goes on) ---
   // NVMe-placed state, for snapshots that copy swap to checkpoint file to file: the swap space
   // and the partition whose bytes are this rank's fp32 slice of (unit, kind) (shard_numel
-  // elements); {nullptr, ""} if the kind is not on NVMe. The bytes change at the next update.
+  // elements); {nullptr, ""} if the kind is not on NVMe.
   struct NvmeSlice {
     const offload::SwapSpace* swap = nullptr;
     std::string partition;
   };
-  // Its bytes are those of the last step only once update_finished() is ready.
   NvmeSlice nvme_slice(size_t unit, StateKind kind) const;
   // Ready when the last step's update (running behind with optimizer.overlap) is complete;
   // ready at once when none runs; holds the update's exception if it failed. Any thread may
-  // wait on it.
+  // wait on it. The state holds the last step's values only once it is ready.
   std::shared_future<void> update_finished() const;
-  // The next change to NVMe-placed master or moments (the optimizer, store_state_slice) first
-  // waits for `until` (a snapshot copying them out); its exception, if any, is not rethrown.
-  void hold_nvme_state(std::shared_future<void> until);
+  // Training thread: every change of the saved state from now on (updates launched after this
+  // call, store_state_slice, state_slice) first waits for `hold` to release the unit; an update
+  // already running behind is not held (wait for update_finished()). An earlier hold is waited
+  // for in full first. Device-resident state read by read_state() afterwards includes every
+  // update queued before this call (the compute stream is synchronized here).
+  void hold_state(std::shared_ptr<StateHold> hold);
+  // The units in the order the next update changes them: a snapshot that releases them in this
+  // order lets the update start soonest.
+  std::vector<size_t> update_order() const;
+  // Any thread: copies elements [begin, begin + numel) of this rank's fp32 slice of (unit, kind)
+  // into host memory at `dst`, from wherever it lives (the device: a blocking copy on a stream
+  // of the calling thread's own; host RAM; swap: a read). The caller makes sure the engine does
+  // not change it meanwhile: update_finished() ready and a StateHold not yet releasing the unit.
+  // Throws std::out_of_range for a range outside the slice, IoError from swap.
+  void read_state(size_t unit, StateKind kind, uint64_t begin, uint64_t numel, float* dst);
   // compute copy = master rounded to the compute dtype, exactly what the optimizer writes.
   void refresh_compute_copies();
 
