@@ -79,6 +79,7 @@ void run_ckpt_bench(const CkptBenchOptions& o) {
   // virtual disk behind a host cache) moves all of them alike; medians are reported.
   std::vector<double> save, load, tsave, tload, fio_w, fio_w_durable, fio_r;
   std::vector<double> sync_seconds, async_blocked, async_save;
+  uint64_t async_staging_peak = 0;
   for (unsigned round = 0; round < o.rounds; ++round) {
     std::cerr << "bench ckpt: round " << round + 1 << "/" << o.rounds << std::endl;
     // Strata: save (synchronous, fsynced, committed), then restore from a cold page cache.
@@ -104,6 +105,7 @@ void run_ckpt_bench(const CkptBenchOptions& o) {
       async_blocked.push_back(async.start(eng, root, "bench-async", {0, 0}));
       async.finish();
       async_save.push_back(bytes / seconds_since(t0) / 1e9);
+      async_staging_peak = std::max(async_staging_peak, async.last_report().staging_peak_bytes);
       remove_flat_dir(root / "bench-async");
       ::unlink((root / "latest").c_str());
     }
@@ -158,7 +160,8 @@ void run_ckpt_bench(const CkptBenchOptions& o) {
       // The asynchronous save's blocking part beside the synchronous save it replaces.
       {"async", {{"blocked_s", median(async_blocked)}, {"sync_save_s", median(sync_seconds)},
                  {"ratio_blocked_vs_sync", ratio(median(async_blocked), median(sync_seconds))},
-                 {"save_GBps", median(async_save)}, {"blocked_target_s", 0.5}}},
+                 {"save_GBps", median(async_save)}, {"blocked_target_s", 0.5},
+                 {"staging_peak_bytes", async_staging_peak}}},
       {"runs_GBps", {{"save", save}, {"restore", load}, {"fio_write_fsync", fio_w_durable},
                      {"fio_write", fio_w}, {"fio_read", fio_r}, {"torch_save", tsave}, {"torch_load", tload},
                      {"async_save", async_save}}},

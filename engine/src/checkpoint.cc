@@ -179,7 +179,8 @@ struct Snapshot {
   std::shared_future<void> update_finished;  // before any slice may be read
   std::shared_ptr<StateHold> hold;  // each unit released once copied out
   uint64_t staging_bytes = 0;
-  std::function<void(size_t, const StateHold&)> before_release;
+  CheckpointOptions options;  // the hooks
+  SaveReport report;  // filled by write_rank_files
   json manifest;  // everything but the chunks (used by rank 0)
 };
 
@@ -254,10 +255,8 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
   }
   snap.order = engine.update_order();
   snap.update_finished = engine.update_finished();
-  snap.hold = std::make_shared<StateHold>(part.num_units());
-  engine.hold_state(snap.hold);
   snap.staging_bytes = staging_limit(options.staging_bytes, staged);
-  snap.before_release = options.before_release;
+  snap.options = options;
   const Engine::Counters c = engine.counters();
   snap.manifest = {{"format", kFormatVersion},
                    {"kind", "strata-checkpoint"},
@@ -269,6 +268,10 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
                                  {"good_steps", c.good_steps}}},
                    {"train_steps", meta.train_steps},
                    {"samples_consumed", meta.samples_consumed}};
+  // Last, so that nothing above can throw with the engine held: from here on the writer (or the
+  // caller, if it cannot start one) owns releasing every unit.
+  snap.hold = std::make_shared<StateHold>(part.num_units());
+  engine.hold_state(snap.hold);
   return snap;
 }
 
@@ -296,8 +299,19 @@ class Staging {
     if (!st.ok()) throw std::runtime_error(st.message());  // a full disk: stop copying now
     return hand_out(std::move(buf));
   }
+  uint64_t allocated_bytes() const { return allocated_ * kChunkElements * 4; }
   // The buffer take() returned last goes out with `write`.
   void writing(offload::IoFuture write) { in_flight_.emplace_back(std::move(current_), std::move(write)); }
+  // Without waiting: recycles the buffers whose writes are done; throws the first error, so
+  // that a failing disk stops the copy at once.
+  void reap() {
+    while (!in_flight_.empty() && in_flight_.front().second.ready()) {
+      const offload::IoStatus st = in_flight_.front().second.wait();
+      free_.push_back(std::move(in_flight_.front().first));
+      in_flight_.pop_front();
+      if (!st.ok()) throw std::runtime_error(st.message());
+    }
+  }
   // Waits for every write; rethrows the first error.
   void drain() {
     while (!in_flight_.empty()) {
@@ -341,9 +355,14 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
   if (snap.update_finished.valid()) snap.update_finished.get();
   fs::create_directories(snap.dir);
   const fs::path data_path = snap.dir / (rank_name(snap.rank) + ".data");
-  auto io = offload::IoEngine::create();
+  offload::IoEngineConfig io_config;
+  io_config.fault_injector = snap.options.io_fault_injector;
+  auto io = offload::IoEngine::create(io_config);
   offload::File file = offload::File::open(data_path, offload::OpenMode::kTruncate);
   json chunks = json::array();
+  // Writes straight from the state: a synchronous save only, whose caller (the training thread)
+  // is blocked until they are done, so the state cannot change under them although their units
+  // are released before.
   std::vector<offload::IoFuture> direct_writes;
   uint64_t total = 0;  // allocate the file's extents up front: no allocating direct writes
   for (const SnapshotSlice& s : snap.slices)
@@ -390,8 +409,9 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
             offset += (n * 4 + kAlign - 1) / kAlign * kAlign;
           }
         }
-        if (snap.before_release) snap.before_release(u, *snap.hold);
+        if (snap.options.before_release) snap.options.before_release(u, *snap.hold);
         snap.hold->release(u);
+        staging.reap();
       }
     } catch (...) {
       first = std::current_exception();
@@ -401,6 +421,7 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
     } catch (...) {
       if (!first) first = std::current_exception();
     }
+    snap.report.staging_peak_bytes = staging.allocated_bytes();
   }
   for (auto& w : direct_writes) {  // every write finishes before the state may change
     const offload::IoStatus st = w.wait();
@@ -422,6 +443,7 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
     c["crc32c"] = offload::crc32c(buf.data(), n);
   }
   file.sync();
+  snap.report.data_bytes = offset;
   const json index = {{"format", kFormatVersion}, {"rank", snap.rank}, {"chunks", chunks}};
   write_atomically(snap.dir / (rank_name(snap.rank) + ".index.json"), index.dump(1));
   return index.dump();
@@ -487,17 +509,25 @@ double AsyncCheckpointer::start(Engine& engine, const fs::path& root, const std:
   const auto t0 = std::chrono::steady_clock::now();
   if (pending_) finish();  // one save at a time: the earlier one completes first
   uncommit_existing(comm_, root, name);
-  pending_ = std::make_unique<Pending>();
-  pending_->snap = take_snapshot(engine, comm_, root, name, meta, /*async=*/true, options_);
-  Pending* p = pending_.get();
-  p->writer = std::thread([p, &engine] {
-    try {
-      p->index = write_rank_files(engine, p->snap);
-    } catch (const std::exception& e) {
-      p->error = e.what();
-    }
-    p->done.store(true);
-  });
+  // pending_ is set only once a writer runs: a throw before leaves no save in flight, and a
+  // writer that cannot start releases the hold so that training does not wait forever.
+  auto pending = std::make_unique<Pending>();
+  pending->snap = take_snapshot(engine, comm_, root, name, meta, /*async=*/true, options_);
+  Pending* p = pending.get();
+  try {
+    p->writer = std::thread([p, &engine] {
+      try {
+        p->index = write_rank_files(engine, p->snap);
+      } catch (const std::exception& e) {
+        p->error = e.what();
+      }
+      p->done.store(true);
+    });
+  } catch (...) {
+    p->snap.hold->release_all();
+    throw;
+  }
+  pending_ = std::move(pending);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -528,6 +558,7 @@ std::optional<fs::path> AsyncCheckpointer::complete() {
                              (p->error.empty() ? " (another rank failed)" : ": " + p->error) +
                              "; the previous checkpoint is intact");
   commit(comm_, p->snap, p->index);
+  last_report_ = p->snap.report;
   return p->snap.dir;
 }
 

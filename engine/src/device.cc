@@ -132,6 +132,15 @@ class HostStream final : public Stream {
       std::rethrow_exception(e);
     }
   }
+  // Blocks until the oldest work not yet done is done; false (at once) if there is none, or if
+  // called by the stream's own worker (which would wait for itself).
+  bool wait_oldest() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (completed_ >= enqueued_ || std::this_thread::get_id() == worker_.get_id()) return false;
+    const uint64_t target = completed_ + 1;
+    cv_.wait(lock, [&] { return completed_ >= target; });
+    return true;
+  }
   // Why the stream runs no more work, or "" (Device::stream_error).
   std::string error_text() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -163,6 +172,7 @@ class HostStream final : public Stream {
       } catch (...) {
         err = std::current_exception();
       }
+      fn = nullptr;  // what the work holds (a copy's source) is freed before it counts as done
       lock.lock();
       if (err && !error_) error_ = err;
       ++completed_;
@@ -272,6 +282,13 @@ class HostDevice final : public Device {
     return p;
   }
   void raw_free(void* p) override { std::free(p); }
+  // Device memory the engine has dropped may still be held by a copy queued on a copy stream
+  // (the lambda holds its tensors until it has run): wait for the oldest work of each.
+  bool reclaim() override {
+    const bool d2h = d2h_.wait_oldest();
+    const bool h2d = h2d_.wait_oldest();
+    return d2h || h2d;
+  }
 
  private:
   CallerStream compute_;

@@ -17,6 +17,7 @@
 #include <exception>
 #include <future>
 #include <mutex>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -196,9 +197,14 @@ struct Engine::Impl {
     const auto b = Profiler::Clock::now();
     h->wait(u);
     const auto e = Profiler::Clock::now();
-    prof.checkpoint_wait_ns += uint64_t(std::chrono::duration<double>(e - b).count() * 1e9);
+    const double waited = std::chrono::duration<double>(e - b).count();
+    prof.checkpoint_wait_ns += uint64_t(waited * 1e9);
+    checkpoint_waited_here += waited;
     prof.span(Profiler::on_updater ? "optimizer" : "host", "wait checkpoint snapshot " + partition->unit(u).name, b, e);
   }
+  // Seconds this thread has waited in wait_released: the training thread's optimizer timers
+  // take them out (they are StepTimeline::wait_checkpoint, not optimizer work).
+  static inline thread_local double checkpoint_waited_here = 0;
   void wait_hold_all() {
     if (hold) hold->wait_all();
   }
@@ -1283,11 +1289,12 @@ struct Engine::Impl {
       if (overlaps_update()) {
         launch_update(ac);
       } else {
-        const double before = prof.step.optimizer;
+        const double before = prof.step.optimizer, waited_before = checkpoint_waited_here;
         {
           auto t = prof.time(prof.step.optimizer, "optimizer");
           optimizer_step(ac);
         }
+        prof.step.optimizer -= checkpoint_waited_here - waited_before;
         prof.step.optimizer_exposed += prof.step.optimizer - before;
       }
       ++step;
@@ -1701,12 +1708,13 @@ struct Engine::Impl {
   void update_device_units(const kernels::AdamConfig& ac, std::vector<double>* sumsq = nullptr) {
     const std::vector<size_t> which = units_where(true);
     if (which.empty()) return;
-    const double before = prof.step.optimizer;
+    const double before = prof.step.optimizer, waited_before = checkpoint_waited_here;
     {
       auto t = prof.time(prof.step.optimizer, "optimizer (device)");
       update_on_device(ac, which, sumsq);
       if (cfg.profile) dev.synchronize(dev.compute_stream());  // the kernel's time, not its launch's
     }
+    prof.step.optimizer -= checkpoint_waited_here - waited_before;
     prof.step.optimizer_exposed += prof.step.optimizer - before;
   }
   // "backward": the update of each unit as its gradient becomes final (signal_final_gradients).
@@ -1746,7 +1754,8 @@ struct Engine::Impl {
         return;
       }
       // Gradients in swap are read with the unit's state, so only once final: the ready units
-      // in batches, lowest first.
+      // in batches, each in the order their gradients became final (as update_order() says, so
+      // that a checkpoint's writer releases them in the order this waits for them).
       std::vector<char> taken(units.size(), 0);
       for (size_t u : units_where(true)) taken[u] = 1;  // updated at the step's end, on the device
       for (size_t left = units.size() - units_where(true).size(); left > 0;) {
@@ -1767,6 +1776,8 @@ struct Engine::Impl {
               if (grad_final_write[u].valid()) writes.push_back(grad_final_write[u]);
             }
         }
+        std::stable_sort(ready.begin(), ready.end(),
+                         [&](size_t a, size_t b) { return last_use_stage[a] > last_use_stage[b]; });
         left -= ready.size();
         for (const offload::IoFuture& w : writes) w.get();  // the gradient's last swap write
         update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
@@ -2047,13 +2058,20 @@ void Engine::read_state(size_t unit, StateKind kind, uint64_t begin, uint64_t nu
 #ifdef STRATA_HAVE_CUDA
   if (src.is_cuda()) {
     // Not the caller's current stream, which may be the legacy default stream and so wait for
-    // the training thread's queued compute: a pool stream, ordered by hold_state's synchronize.
-    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool(false, src.device().index()));
+    // the training thread's queued compute: one pool stream per calling thread (a checkpoint's
+    // writer), ordered after the training's work by hold_state's synchronize.
+    thread_local std::optional<c10::cuda::CUDAStream> stream;
+    if (!stream || stream->device_index() != src.device().index())
+      stream = c10::cuda::getStreamFromPool(false, src.device().index());
+    c10::cuda::CUDAStreamGuard guard(*stream);
     out.copy_(src);  // blocking: dst is pageable
     return;
   }
 #endif
-  out.copy_(src);
+  // Host RAM: one memcpy on the calling thread, not ATen's copy on the intra-op pool that the
+  // training thread's CPU work shares.
+  TORCH_CHECK(src.is_contiguous() && src.scalar_type() == at::kFloat, "read_state: unexpected state layout");
+  std::memcpy(dst, src.const_data_ptr<float>(), numel * sizeof(float));
 }
 
 void Engine::store_state_slice(size_t unit, StateKind kind, const at::Tensor& data) {
@@ -2137,14 +2155,12 @@ void StateHold::wait(size_t unit) const {
 
 void StateHold::wait_all() const {
   std::unique_lock<std::mutex> lock(mu_);
-  ++all_waiters_;
   cv_.wait(lock, [&] { return left_ == 0; });
-  --all_waiters_;
 }
 
 bool StateHold::waited_for(size_t unit) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return waiters_.at(unit) > 0 || all_waiters_ > 0;
+  return waiters_.at(unit) > 0;
 }
 
 }  // namespace strata::engine

@@ -408,6 +408,24 @@ TEST(HostDevice, CopyStreamKeepsItsTensorsAliveUntilTheCopyHasRun) {
   EXPECT_TRUE(at::equal(check, at::arange(4096, at::kFloat)));
 }
 
+// A buffer the engine dropped is still held by a copy queued behind slow work: an allocation
+// that fits only once that copy has run waits for it instead of failing (CUDA's reclaim does
+// the same with its events), and one that never fits still fails once the streams are idle.
+TEST(HostDevice, AllocationOverBudgetWaitsForQueuedCopiesToLetGo) {
+  auto dev = Device::create_host(4096 * 4);
+  at::Tensor held = dev->empty({4096}, at::kFloat, "held");
+  at::Tensor out = at::empty({4096}, at::kFloat);
+  dev->launch_host(dev->d2h_stream(), [] { std::this_thread::sleep_for(std::chrono::milliseconds(200)); });
+  dev->copy_async(out, held.fill_(3), dev->d2h_stream());
+  held.reset();
+  EXPECT_EQ(dev->used(), 4096u * 4);
+  at::Tensor next;
+  ASSERT_NO_THROW(next = dev->empty({4096}, at::kFloat, "next"));
+  EXPECT_TRUE(at::equal(out, at::full({4096}, 3.0f)));
+  EXPECT_THROW(dev->empty({1}, at::kFloat, "one more"), BudgetExceeded);
+  EXPECT_EQ(dev->used(), 4096u * 4);
+}
+
 TEST(HostDevice, CopyAsyncRejectsMismatchedTensors) {
   auto dev = Device::create_host(UINT64_MAX);
   Stream& copy = dev->h2d_stream();

@@ -26,6 +26,7 @@
 
 #include "strata/engine/comm.h"
 #include "strata/engine/engine.h"
+#include "strata/offload/fault_injection.h"
 
 namespace strata::engine {
 
@@ -45,6 +46,14 @@ struct CheckpointOptions {
   uint64_t staging_bytes = 0;
   // Tests: called by the writer (its thread) just before it releases a unit to the engine.
   std::function<void(size_t unit, const StateHold& hold)> before_release;
+  // Tests: the writer's I/O engine consults it on every completion (fault_injection.h).
+  std::shared_ptr<offload::FaultInjector> io_fault_injector;
+};
+
+// What one rank's part of a committed save took.
+struct SaveReport {
+  uint64_t data_bytes = 0;          // this rank's data file (aligned chunks)
+  uint64_t staging_peak_bytes = 0;  // staging buffers allocated at once, at most
 };
 
 // Collective: saves `engine`'s state as <root>/<name> and points <root>/latest at it.
@@ -78,6 +87,8 @@ class AsyncCheckpointer {
   // Collective: waits for the save in flight, commits it.
   std::optional<std::filesystem::path> finish();
   bool in_flight() const { return pending_ != nullptr; }
+  // This rank's report of the last save committed by poll() or finish().
+  const SaveReport& last_report() const { return last_report_; }
 
  private:
   struct Pending;
@@ -85,6 +96,7 @@ class AsyncCheckpointer {
   Communicator& comm_;
   CheckpointOptions options_;
   std::unique_ptr<Pending> pending_;
+  SaveReport last_report_;
 };
 
 // Collective: loads a committed checkpoint directory (any world size) into `engine`. If it

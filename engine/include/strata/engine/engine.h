@@ -91,7 +91,8 @@ class StateHold {
   bool released(size_t unit) const;
   void wait(size_t unit) const;
   void wait_all() const;
-  // Whether a thread is blocked in wait(unit) or wait_all() right now (observability, tests).
+  // Whether a thread is blocked in wait(unit) right now (not wait_all()): an update waiting for
+  // exactly this unit (observability, tests).
   bool waited_for(size_t unit) const;
 
  private:
@@ -100,7 +101,6 @@ class StateHold {
   std::vector<char> released_;
   size_t left_;
   mutable std::vector<int> waiters_;  // by unit, in wait()
-  mutable int all_waiters_ = 0;       // in wait_all()
 };
 
 struct StepResult {
@@ -156,7 +156,8 @@ class Engine {
   // This rank's fp32 slice (shard_numel elements) of one unit's state: the tensor where it is
   // placed, or for NVMe-placed state a host copy read from swap. After writing into it (a
   // checkpoint load), store_state_slice() it (a no-op unless on NVMe), then call
-  // refresh_compute_copies() once.
+  // refresh_compute_copies() once. Training thread; waits for the update running behind and for
+  // a checkpoint's hold on every unit (the caller may write into the result).
   at::Tensor state_slice(size_t unit, StateKind kind);
   void store_state_slice(size_t unit, StateKind kind, const at::Tensor& data);
   // --- snapshots (a checkpoint's writer copying the state out while training goes on) ---
