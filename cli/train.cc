@@ -243,7 +243,13 @@ int train_main(const std::vector<std::string>& argv) {
     snprintf(name, sizeof name, "step-%08lld", (long long)steps_done);
     const engine::CheckpointMeta meta{steps_done, loader.position()};
     if (!tc.async_checkpoint) {
-      committed(engine::save_checkpoint(eng, *comm, tc.checkpoint_dir, name, meta, ckpt_options));
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::filesystem::path dir = engine::save_checkpoint(eng, *comm, tc.checkpoint_dir, name, meta, ckpt_options);
+      if (lead)
+        std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\n" : "") << "strata train: saved " << name
+                  << " (training blocked "
+                  << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
+      committed(dir);
       return;
     }
     const double blocked = checkpointer.start(eng, tc.checkpoint_dir, name, meta);
