@@ -1970,10 +1970,14 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
   std::vector<std::pair<std::string, at::Tensor>> out;
   Impl& I = *impl_;
   I.finish_update();
+  // Read, not written: a checkpoint's hold need not be waited for (read_state), only the device
+  // update queued on the compute stream.
+  if (!I.units_where(true).empty()) I.dev.synchronize(I.dev.compute_stream());
   for (size_t u = 0; u < I.units.size(); ++u) {
     const UnitLayout& L = I.partition->unit(u);
     at::Tensor full = at::empty({int64_t(L.padded_numel())}, at::TensorOptions().dtype(at::kFloat));
-    at::Tensor master = state_slice(u, StateKind::kMaster).to(at::kCPU);
+    at::Tensor master = at::empty({int64_t(L.shard_numel)}, at::TensorOptions().dtype(at::kFloat));
+    read_state(u, StateKind::kMaster, 0, L.shard_numel, master.data_ptr<float>());
     I.comm.all_gather(full, master)->wait();
     for (const TensorSlot& s : L.tensors)
       out.emplace_back(s.name, full.narrow(0, int64_t(s.offset), int64_t(s.numel)).view(s.shape).clone());

@@ -285,6 +285,33 @@ TEST(Checkpoint, AsyncSaveThroughStagingSmallerThanAUnit) {
   EXPECT_GT(report.data_bytes, 3 * report.staging_peak_bytes);
 }
 
+// Reading the weights (gather_parameters: an export, an evaluation) while a save is in flight
+// does not wait for the writer: only changes of the state are held. The writer here holds its
+// first unit until the weights were read (or 20 s went by).
+TEST(Checkpoint, ReadingTheWeightsDuringAnAsyncSaveDoesNotWaitForIt) {
+  TempDir dir;
+  Losses run;
+  Trainer a(se::parse_train_config(tiny_llama(20).dump(), "test"));
+  a.train(3, run);
+  const auto before = a.params();
+  std::atomic<bool> read{false};
+  bool read_while_held = false;
+  se::CheckpointOptions options;
+  options.before_release = [&](size_t, const se::StateHold&) {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!read.load() && std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (read.load()) read_while_held = true;
+  };
+  se::AsyncCheckpointer ck(a.comm(), options);
+  ck.start(a.engine(), dir.path(), "step-3", a.meta());
+  const auto during = a.params();
+  read = true;
+  ASSERT_TRUE(ck.finish().has_value());
+  EXPECT_TRUE(read_while_held) << "gather_parameters waited for the save";
+  expect_bitwise(during, before);
+}
+
 // A write of the data file fails half way through an asynchronous save: the writer releases
 // every unit (those it did not copy when it stops at the error, too: training never waits for it
 // again and goes on exactly as without the save), the save commits nothing, and the previous
