@@ -138,7 +138,8 @@ class Engine {
   StepResult train_step(const at::Tensor& ids);
 
   // Every parameter in fp32 with its Hugging Face name, gathered from all ranks' master slices
-  // (a collective). Holds one full copy of the model in host memory.
+  // (a collective). Holds one full copy of the model in host memory. Waits for the update
+  // running behind, not for a checkpoint's hold (it only reads the state).
   std::vector<std::pair<std::string, at::Tensor>> gather_parameters();
 
   // --- checkpoint access (checkpoint.h) ---
