@@ -1976,7 +1976,7 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
   for (size_t u = 0; u < I.units.size(); ++u) {
     const UnitLayout& L = I.partition->unit(u);
     at::Tensor full = at::empty({int64_t(L.padded_numel())}, at::TensorOptions().dtype(at::kFloat));
-    at::Tensor master = at::empty({int64_t(L.shard_numel)}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor master = I.host_buffer(L.shard_numel, at::kFloat);  // aligned: swap reads go direct
     read_state(u, StateKind::kMaster, 0, L.shard_numel, master.data_ptr<float>());
     I.comm.all_gather(full, master)->wait();
     for (const TensorSlot& s : L.tensors)

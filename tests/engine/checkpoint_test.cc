@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <numeric>
 #include <thread>
 #include <random>
@@ -185,6 +186,14 @@ TEST(Checkpoint, AsyncSaveSnapshotsTheStateWhileTrainingContinues) {
 // release, in the order the writer goes, so the checkpoint holds the state of the moment the
 // save started and resumes bitwise, and the waits show in the timeline. Returns the seconds the
 // updates waited.
+// Polls `done` every millisecond for up to 20 s; returns its last value.
+bool wait_until(const std::function<bool()>& done) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!done() && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return done();
+}
+
 double async_save_with_slow_writer(const json& cfg, const se::CheckpointOptions& base,
                                    se::SaveReport* report = nullptr) {
   TempDir dir, swap_b;
@@ -195,10 +204,7 @@ double async_save_with_slow_writer(const json& cfg, const se::CheckpointOptions&
   se::CheckpointOptions options = base;
   std::vector<size_t> released, unwaited;
   options.before_release = [&](size_t u, const se::StateHold& hold) {
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!hold.waited_for(u) && std::chrono::steady_clock::now() < give_up)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (!hold.waited_for(u)) unwaited.push_back(u);
+    if (!wait_until([&] { return hold.waited_for(u); })) unwaited.push_back(u);
     released.push_back(u);
   };
   se::AsyncCheckpointer ck(a.comm(), options);
@@ -299,10 +305,7 @@ TEST(Checkpoint, ReadingTheWeightsDuringAnAsyncSaveDoesNotWaitForIt) {
   bool read_while_held = false;
   se::CheckpointOptions options;
   options.before_release = [&](size_t, const se::StateHold&) {
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!read.load() && std::chrono::steady_clock::now() < give_up)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (read.load()) read_while_held = true;
+    if (wait_until([&] { return read.load(); })) read_while_held = true;
   };
   se::AsyncCheckpointer ck(a.comm(), options);
   ck.start(a.engine(), dir.path(), "step-3", a.meta());
