@@ -42,7 +42,8 @@ constexpr const char* kTrainUsage = R"(usage: strata train [options]
 
 Trains a decoder model with Strata's engine (docs/CONFIG.md lists every configuration key).
 Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
-(torchrun or `strata launch -n N -- strata train ...`).
+(torchrun or `strata launch -n N -- strata train ...`), or one task per rank under srun
+(`srun --ntasks-per-node=8 strata train ...`: rank, world and rendezvous host from Slurm).
 
   --config FILE      JSON configuration (default: the built-in defaults: a GPT-2-shaped model
                      on /usr/share/common-licenses)
@@ -267,6 +268,7 @@ int train_main(const std::vector<std::string>& argv) {
         {"model", mc.name},
         {"parameters", mc.parameters()},
         {"world_size", comm->world_size()},
+        {"launcher", env.launcher},
         {"global_batch", global_batch},
         {"seq_len", ec.seq_len},
         {"compute", to_string(ec.compute)},
@@ -287,7 +289,8 @@ int train_main(const std::vector<std::string>& argv) {
   }
   if (lead) {
     std::cerr << "strata train: " << mc.name << " (" << mc.parameters() / 1e6 << "M parameters, "
-              << mc.layers << " layers), world " << comm->world_size() << ", global batch "
+              << mc.layers << " layers), world " << comm->world_size()
+              << (env.launcher == "none" ? "" : " (" + env.launcher + ")") << ", global batch "
               << global_batch << " x " << ec.seq_len << " tokens, " << to_string(ec.compute)
               << " compute\n  " << eng.placement_report() << "\n  device: " << device->description() << ", budget "
               << (ec.device_budget == UINT64_MAX ? "unlimited" : format_bytes(ec.device_budget))

@@ -7,14 +7,19 @@
 #endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <exception>
+#include <functional>
+#include <string>
 
 namespace strata::engine {
 namespace {
 
-int env_int(const char* name, int fallback, bool* present = nullptr) {
-  const char* v = std::getenv(name);
+using Lookup = std::function<const char*(const char*)>;
+
+int env_int(const Lookup& get, const char* name, int fallback, bool* present = nullptr) {
+  const char* v = get(name);
   if (present) *present = v != nullptr;
   if (!v) return fallback;
   char* end = nullptr;
@@ -164,20 +169,75 @@ class GlooComm final : public Communicator {
 
 }  // namespace
 
-DistEnv DistEnv::from_env() {
+std::string slurm_first_host(const std::string& nodelist) {
+  auto bad = [&](const std::string& why) {
+    return std::invalid_argument("Slurm host list \"" + nodelist + "\": " + why);
+  };
+  // The first entry of the top-level comma list; in it, each bracket group [a-b,c,...] stands
+  // for its first value, which is the start of its first range, zero padding kept.
+  std::string host;
+  for (size_t i = 0; i < nodelist.size() && nodelist[i] != ','; ++i) {
+    const char c = nodelist[i];
+    if (c == ']') throw bad("']' without '['");
+    if (c != '[') {
+      host += c;
+      continue;
+    }
+    const size_t close = nodelist.find(']', i);
+    if (close == std::string::npos) throw bad("'[' without ']'");
+    const std::string group = nodelist.substr(i + 1, close - i - 1);
+    const std::string first = group.substr(0, std::min(group.find(','), group.find('-')));
+    if (first.empty() || first.find_first_not_of("0123456789") != std::string::npos)
+      throw bad("bracket group [" + group + "] does not start with a number");
+    host += first;
+    i = close;
+  }
+  if (host.empty()) throw bad("no host");
+  return host;
+}
+
+DistEnv DistEnv::from_env() { return from_lookup([](const char* name) { return std::getenv(name); }); }
+
+DistEnv DistEnv::from_lookup(const Lookup& get) {
   DistEnv e;
-  bool has_rank = false, has_world = false;
-  e.rank = env_int("RANK", 0, &has_rank);
-  e.world_size = env_int("WORLD_SIZE", 1, &has_world);
-  e.local_rank = env_int("LOCAL_RANK", e.rank);
-  e.master_port = env_int("MASTER_PORT", 29500);
-  if (const char* a = std::getenv("MASTER_ADDR")) e.master_addr = a;
+  bool has_rank = false, has_world = false, has_procid = false, has_tasks = false;
+  e.rank = env_int(get, "RANK", 0, &has_rank);
+  e.world_size = env_int(get, "WORLD_SIZE", 1, &has_world);
   if (has_rank != has_world)
     throw std::invalid_argument("set both RANK and WORLD_SIZE (as torchrun does), or neither");
-  if (e.world_size < 1) throw std::invalid_argument("WORLD_SIZE must be >= 1");
+  if (has_rank) {
+    e.launcher = "torchrun";
+    e.local_rank = env_int(get, "LOCAL_RANK", e.rank);
+  } else {
+    const int procid = env_int(get, "SLURM_PROCID", 0, &has_procid);
+    const int tasks = env_int(get, "SLURM_STEP_NUM_TASKS", 1, &has_tasks);
+    if (has_procid && has_tasks) {
+      e.launcher = "slurm";
+      e.rank = procid;
+      e.world_size = tasks;
+      e.local_rank = env_int(get, "SLURM_LOCALID", e.rank);
+      if (!get("MASTER_ADDR")) {
+        const char* nodes = get("SLURM_STEP_NODELIST");
+        if (!nodes) nodes = get("SLURM_JOB_NODELIST");
+        if (!nodes)
+          throw std::invalid_argument("srun task without SLURM_STEP_NODELIST or SLURM_JOB_NODELIST: "
+                                      "set MASTER_ADDR to the host of task 0");
+        e.master_addr = slurm_first_host(nodes);
+      }
+      bool has_job = false;
+      const int job = env_int(get, "SLURM_JOB_ID", 0, &has_job);
+      if (!get("MASTER_PORT")) {
+        if (!has_job) throw std::invalid_argument("srun task without SLURM_JOB_ID: set MASTER_PORT");
+        e.master_port = 20000 + job % 20000;
+      }
+    }
+  }
+  if (const char* a = get("MASTER_ADDR")) e.master_addr = a;
+  e.master_port = env_int(get, "MASTER_PORT", e.master_port);
+  if (e.world_size < 1) throw std::invalid_argument("the world size (WORLD_SIZE or SLURM_STEP_NUM_TASKS) must be >= 1");
   if (e.rank >= e.world_size)
-    throw std::invalid_argument("RANK=" + std::to_string(e.rank) + " is not below WORLD_SIZE=" +
-                                std::to_string(e.world_size));
+    throw std::invalid_argument("rank " + std::to_string(e.rank) + " is not below the world size " +
+                                std::to_string(e.world_size) + " (from " + e.launcher + "'s variables)");
   if (e.master_port < 1 || e.master_port > 65535)
     throw std::invalid_argument("MASTER_PORT must be in 1..65535");
   return e;

@@ -1364,13 +1364,33 @@ int run(const std::string& cmd) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }
 
-Trajectory run_launched(const se::TrainConfig& tc, const json& cfg, int ranks, const TempDir& dir) {
+// How the ranks of run_launched are started: by `strata launch` (torchrun's variables), or as
+// srun starts the tasks of a job step (only SLURM_* variables: rank, world, local rank, the
+// rendezvous host from the step's node list and the port from the job id).
+enum class Launcher { kStrataLaunch, kSrunEnvironment };
+
+Trajectory run_launched(const se::TrainConfig& tc, const json& cfg, int ranks, const TempDir& dir,
+                        Launcher launcher = Launcher::kStrataLaunch) {
   const auto cfg_path = dir / "config.json", log = dir / "train.jsonl", out = dir / "export";
   std::ofstream(cfg_path) << cfg.dump(2);
-  const std::string cmd = std::string(STRATA_BIN) + " launch -n " + std::to_string(ranks) + " -- " +
-                          STRATA_BIN + " train --config " + cfg_path.string() + " --log " +
-                          log.string() + " --export " + out.string() + " > " +
-                          (dir / "out.txt").string() + " 2>&1";
+  const std::string train = std::string(STRATA_BIN) + " train --config " + cfg_path.string() + " --log " +
+                            log.string() + " --export " + out.string();
+  std::string cmd;
+  if (launcher == Launcher::kStrataLaunch) {
+    cmd = std::string(STRATA_BIN) + " launch -n " + std::to_string(ranks) + " -- " + train;
+  } else {
+    // The job id sets the port (20000 + id % 20000): one per test process.
+    const std::string slurm = "env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u LOCAL_RANK SLURM_JOB_ID=" +
+                              std::to_string(getpid()) + " SLURM_STEP_NUM_TASKS=" + std::to_string(ranks) +
+                              " SLURM_STEP_NODELIST=localhost SLURM_NTASKS=" + std::to_string(4 * ranks);
+    cmd = "(";  // ranks 1.. in the background, rank 0 in the foreground, then wait for all
+    for (int r = ranks - 1; r >= 0; --r)
+      cmd += slurm + " SLURM_PROCID=" + std::to_string(r) + " SLURM_LOCALID=" + std::to_string(r) + " " + train +
+             (r > 0 ? " & p" + std::to_string(r) + "=$!; " : "; rc=$?; ");
+    for (int r = 1; r < ranks; ++r) cmd += "wait $p" + std::to_string(r) + " || rc=1; ";
+    cmd += "exit $rc)";
+  }
+  cmd += " > " + (dir / "out.txt").string() + " 2>&1";
   EXPECT_EQ(run(cmd), 0) << read_file(dir / "out.txt");
   Trajectory t;
   std::istringstream lines(read_file(log));
@@ -1379,6 +1399,7 @@ Trajectory run_launched(const se::TrainConfig& tc, const json& cfg, int ranks, c
     json j = json::parse(line);
     if (j.contains("event")) {
       EXPECT_EQ(j["world_size"], ranks);
+      EXPECT_EQ(j["launcher"], launcher == Launcher::kStrataLaunch ? "torchrun" : "slurm");
       continue;
     }
     t.losses.push_back(j["loss"].get<double>());
@@ -1396,6 +1417,16 @@ TEST(EngineEquivalence, TwoRanksOverGlooMatchOneProcess) {
   json j = tiny_config(false, 4);
   se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
   expect_close(run_launched(tc, j, 2, dir), reference(tc, 2), 1e-5);
+}
+
+// srun starts one task per rank with nothing but Slurm's variables; the tasks find each other
+// through the first host of the step's node list and a port derived from the job id.
+TEST(EngineEquivalence, TwoSrunTasksMatchOneProcess) {
+  TempDir dir;
+  json j = tiny_config(false, 3);
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  expect_close(run_launched(tc, j, 2, dir, Launcher::kSrunEnvironment), reference(tc, 2), 1e-5);
+  EXPECT_NE(read_file(dir / "out.txt").find("world 2 (slurm)"), std::string::npos) << read_file(dir / "out.txt");
 }
 
 TEST(EngineEquivalence, FourRanksOverGlooMatchOneProcessLlamaUnderBudget) {

@@ -1,7 +1,8 @@
 // Data-parallel collectives over a torchrun-compatible environment.
 //
 // Rendezvous: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (as torchrun and
-// `strata launch` set them); rank 0 hosts libtorch's c10d TCPStore. CPU tensors go through
+// `strata launch` set them), or the variables srun gives each task of a Slurm job step (see
+// DistEnv::from_env); rank 0 hosts libtorch's c10d TCPStore. CPU tensors go through
 // libtorch's Gloo process group, CUDA tensors through its NCCL one (when created with_cuda). A world of
 // one needs no store and copies locally.
 //
@@ -17,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -34,10 +36,29 @@ struct DistEnv {
   int local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  // From the environment; absent variables mean a single process. Throws std::invalid_argument
-  // on malformed or inconsistent values (RANK >= WORLD_SIZE, ...).
+  std::string launcher = "none";  // where the values came from: "torchrun", "slurm" or "none"
+
+  // From the environment, first match wins:
+  // - torchrun (and `strata launch`): RANK and WORLD_SIZE set; LOCAL_RANK (default RANK),
+  //   MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500).
+  // - srun: SLURM_PROCID and SLURM_STEP_NUM_TASKS set (srun sets both for every task of a job
+  //   step; a batch script itself has no step task count, so running `strata train` there without
+  //   srun is one process, not rank 0 of a world that never comes). LOCAL_RANK = SLURM_LOCALID;
+  //   MASTER_ADDR = the first host of SLURM_STEP_NODELIST (where srun puts task 0) unless set;
+  //   MASTER_PORT = 20000 + SLURM_JOB_ID % 20000 unless set (every task of the job agrees; set
+  //   MASTER_PORT when several steps of one job train at once).
+  // - otherwise a single process.
+  // Throws std::invalid_argument on malformed or inconsistent values (RANK >= WORLD_SIZE, a
+  // bad host list, ...), naming the variable.
   static DistEnv from_env();
+  // The same rules over any lookup (nullptr: not set); from_env() passes std::getenv.
+  static DistEnv from_lookup(const std::function<const char*(const char*)>& getenv);
 };
+
+// The first host of a Slurm host list: "gpu-[07-09,12],login1" -> "gpu-07",
+// "rack[2-3]-n[01-04]" -> "rack2-n01". Throws std::invalid_argument on an empty or malformed
+// list (unbalanced or empty brackets).
+std::string slurm_first_host(const std::string& nodelist);
 
 enum class ReduceOp { kSum, kMax };
 
