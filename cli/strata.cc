@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
@@ -29,6 +31,9 @@ usage: strata <command> [options]
 commands:
   train        train or fine-tune a model (JSON configuration, docs/CONFIG.md)
   launch       run N ranks of a command on this node (torchrun environment)
+  data prepare --tokenizer MODEL_DIR --output FILE.bin INPUTS...
+               tokenize text files with a Hugging Face tokenizer into the token file
+               `strata train` reads (data.format uint16/uint32; models/prepare_data.py)
   ckpt inspect DIR   summary of a checkpoint (DIR: a checkpoint, or a root with `latest`)
   ckpt verify DIR    read every chunk of a checkpoint and check its CRC32C and coverage
   ckpt export DIR OUT [--dtype float32|bfloat16|float16]
@@ -224,6 +229,14 @@ options:
                      trace file per run in the work directory)
 )";
 
+// The interpreter of Strata's Python tools: $STRATA_PYTHON, else the one the build was
+// configured with (the setup's virtual environment), else python3.
+std::string python_interpreter() {
+  const char* py = std::getenv("STRATA_PYTHON");
+  const std::string built = STRATA_BUILD_PYTHON;
+  return py && *py ? std::string(py) : !built.empty() ? built : "python3";
+}
+
 int bench_train(const std::vector<std::string>& argv) {
   for (const auto& a : argv)
     if (a == "--help" || a == "-h") {
@@ -238,9 +251,7 @@ int bench_train(const std::vector<std::string>& argv) {
   o.warmup = args.count("warmup", unsigned(o.warmup));
   const std::string baselines = args.get("baselines", "plain,fsdp2");
   o.baselines = baselines == "none" ? std::vector<std::string>{} : split(baselines, ',');
-  const char* py = std::getenv("STRATA_PYTHON");
-  const std::string built = STRATA_BUILD_PYTHON;
-  o.python = args.get("python", py && *py ? std::string(py) : !built.empty() ? built : "python3");
+  o.python = args.get("python", python_interpreter());
   o.script = args.get("script", STRATA_SOURCE_DIR "/bench/train_baseline.py");
   o.profile = args.has("profile");
   strata::bench::run_train_bench(o);
@@ -302,6 +313,23 @@ int ckpt(const std::vector<std::string>& argv) {
   return 0;
 }
 
+// `strata data prepare ...`: runs models/prepare_data.py in place of this process.
+int data(const std::vector<std::string>& argv) {
+  if (argv.empty() || argv[0] != "prepare") {
+    std::cerr << "usage: strata data prepare --tokenizer MODEL_DIR --output FILE.bin INPUTS... "
+                 "(--help for every option)\n";
+    return 2;
+  }
+  const std::string py = python_interpreter(), script = STRATA_SOURCE_DIR "/models/prepare_data.py";
+  std::vector<std::string> words = {py, script};
+  words.insert(words.end(), argv.begin() + 1, argv.end());
+  std::vector<char*> cargs;
+  for (std::string& w : words) cargs.push_back(w.data());
+  cargs.push_back(nullptr);
+  execvp(py.c_str(), cargs.data());
+  throw std::runtime_error("strata data prepare: cannot run " + py + " " + script + ": " + strerror(errno));
+}
+
 int main(int argc, char** argv) {
   // A peer rank that dies must surface as an error on the socket (EPIPE), not kill this rank
   // with SIGPIPE before it can say what happened.
@@ -319,6 +347,7 @@ int main(int argc, char** argv) {
     if (args[0] == "train") return strata::cli::train_main({args.begin() + 1, args.end()});
     if (args[0] == "launch") return strata::cli::launch_main({args.begin() + 1, args.end()});
     if (args[0] == "ckpt") return ckpt({args.begin() + 1, args.end()});
+    if (args[0] == "data") return data({args.begin() + 1, args.end()});
     if (args[0] == "bench") {
       if (args.size() >= 2 && args[1] == "io") return bench_io({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "adam") return bench_adam({args.begin() + 2, args.end()});

@@ -157,7 +157,8 @@ class CudaDevice final : public Device {
   uint64_t physical_free() const override {
     size_t free = 0, total = 0;
     check(cudaMemGetInfo(&free, &total), "memory info");
-    return free;
+    const uint64_t reserve = device_memory_reserve(total);
+    return free > reserve ? free - reserve : 0;
   }
   std::shared_ptr<Event> record_timed(Stream& stream) override {
     auto ev = std::make_shared<CudaEvent>(true);

@@ -2,6 +2,7 @@
 
 #include <ATen/ops/from_blob.h>
 
+#include <algorithm>
 #include <cmath>
 #include <chrono>
 #include <condition_variable>
@@ -13,6 +14,10 @@
 #include <thread>
 
 namespace strata::engine {
+
+uint64_t device_memory_reserve(uint64_t total) {
+  return std::min(total, std::max<uint64_t>(uint64_t(4) << 30, total / 100 * 8));
+}
 
 std::string format_bytes(uint64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};

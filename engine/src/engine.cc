@@ -431,9 +431,16 @@ struct Engine::Impl {
     return host_buffer(numel, t);
   }
   // A page-aligned host buffer (pinned on GPU machines): what direct I/O and copies need.
+  // Not from a device host function: pinning may call CUDA (see aligned_host_buffer).
   at::Tensor host_buffer(uint64_t numel, at::ScalarType t) const {
-    const uint64_t bytes = numel * c10::elementSize(t);
     if (dev.torch_device().is_cuda()) return at::empty({int64_t(numel)}, host_options(t));
+    return aligned_host_buffer(numel, t);
+  }
+  // A page-aligned host buffer that is never pinned: for memory no device copy touches (direct
+  // I/O and CPU arithmetic), and the only kind a host function on a device stream may allocate,
+  // since CUDA forbids CUDA calls there and libtorch's pinned allocator calls cudaHostAlloc.
+  static at::Tensor aligned_host_buffer(uint64_t numel, at::ScalarType t) {
+    const uint64_t bytes = numel * c10::elementSize(t);
     void* p = std::aligned_alloc(4096, std::max<uint64_t>(4096, (bytes + 4095) / 4096 * 4096));
     if (!p) throw std::bad_alloc();
     return at::from_blob(p, {int64_t(numel)}, [](void* q) { std::free(q); },
@@ -1049,9 +1056,11 @@ struct Engine::Impl {
           // The write is submitted, not waited for: the stream goes on to the next unit, the next
           // micro-batch's read of this unit waits for it, and the step's end waits for them all.
           dev.launch_host(dev.d2h_stream(), [this, u, host]() mutable {
+            // On the d2h stream's host function: no pinned (CUDA) allocation here, and the
+            // conversion copy below is pageable too (at::Tensor::to allocates plain CPU memory).
             at::Tensor h = host.scalar_type() == at::kFloat ? host : host.to(at::kFloat);
             if (!units[u].grad_fresh) {
-              at::Tensor sum = host_buffer(uint64_t(h.numel()), at::kFloat);
+              at::Tensor sum = aligned_host_buffer(uint64_t(h.numel()), at::kFloat);
               offload::IoFuture before;
               {
                 std::lock_guard<std::mutex> lock(grad_write_mu);
@@ -1062,7 +1071,7 @@ struct Engine::Impl {
               sum.add_(h);
               h = sum;
             } else if (!h.is_same(host)) {
-              at::Tensor aligned = host_buffer(uint64_t(h.numel()), at::kFloat);
+              at::Tensor aligned = aligned_host_buffer(uint64_t(h.numel()), at::kFloat);
               aligned.copy_(h);
               h = aligned;
             }

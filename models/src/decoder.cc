@@ -132,6 +132,8 @@ class LlamaEmbedding final : public Stage {
 };
 
 class LlamaBlock final : public Stage {
+  at::Tensor inv_freq_;  // rope_inv_freq on the device of the last forward
+
  public:
   LlamaBlock(const ModelConfig& c, int64_t i) : c_(c) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
@@ -166,8 +168,11 @@ class LlamaBlock final : public Stage {
     at::Tensor k = split_heads(dense(h, wk, bk), c_.kv_heads, c_.head_dim);
     at::Tensor v = split_heads(dense(h, wv, bv), c_.kv_heads, c_.head_dim);
     // Rotary embeddings as transformers computes them (fp32 angles, cat(freqs, freqs)).
-    // inv_freq on the CPU as transformers computes it; the angles on the input's device.
-    const at::Tensor inv_freq = rope_inv_freq(c_).to(x.device());
+    // inv_freq on the CPU as transformers computes it, copied to the input's device once: a
+    // copy from pageable memory to a GPU blocks the host until the GPU catches up, which on
+    // every block's forward and recompute would keep the host from running ahead.
+    if (!inv_freq_.defined() || inv_freq_.device() != x.device()) inv_freq_ = rope_inv_freq(c_).to(x.device());
+    const at::Tensor& inv_freq = inv_freq_;
     const at::Tensor pos = at::arange(t, at::TensorOptions().dtype(at::kLong).device(x.device())).to(at::kFloat);
     const at::Tensor freqs = at::outer(pos, inv_freq);
     const at::Tensor emb = at::cat({freqs, freqs}, -1);

@@ -66,6 +66,27 @@ TEST(EngineCuda, NvmeOptimizerStateMatchesLibtorchOnTheGpu) {
   expect_close(got, reference(tc, 1, kCuda), 1e-5);
 }
 
+// Gradients accumulated in swap over two micro-batches (read, add, write back) and a bf16
+// reduce (converted to fp32 before the write): both run in a host function of the download
+// stream, which must not allocate pinned memory (CUDA forbids CUDA calls there).
+TEST(EngineCuda, NvmeGradientsAccumulatedByTheDownloadStreamMatchLibtorchOnTheGpu) {
+  REQUIRE_GPU();
+  TempDir swap;
+  json j = tiny_config(false, 4);
+  j["batch"]["grad_accum"] = 2;
+  j["device"] = {{"type", "cuda"}};
+  j["placement"] = {{"params", "host"}, {"grads", "nvme"}, {"master", "host"}, {"moments", "host"}};
+  j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  uint64_t peak = 0;
+  const Trajectory want = reference(tc, 1, kCuda);
+  expect_close(run_in_process(tc, UINT64_MAX, &peak, "cuda"), want, 1e-5);
+  j["precision"] = {{"reduce", "bf16"}};
+  const Trajectory bf16 = run_in_process(se::parse_train_config(j.dump(), "test"), UINT64_MAX, &peak, "cuda");
+  for (size_t i = 0; i < want.losses.size(); ++i)
+    EXPECT_NEAR(bf16.losses[i], want.losses[i], 1e-2 * want.losses[i]) << "step " << i + 1;
+}
+
 TEST(EngineCuda, Bf16TracksFp32OnTheGpu) {
   REQUIRE_GPU();
   json j = tiny_config(true, 3);

@@ -244,6 +244,13 @@ class StreamGate {
   bool released_flag_ = false;
 };
 
+TEST(DeviceMemoryReserve, KeepsFourGibOrEightPercentOfTheGpuOutOfAutomaticDecisions) {
+  EXPECT_EQ(device_memory_reserve(uint64_t(80) << 30), (uint64_t(80) << 30) / 100 * 8);  // H100: 6.4 GiB
+  EXPECT_EQ(device_memory_reserve(uint64_t(24) << 30), uint64_t(4) << 30);               // 8% < 4 GiB
+  EXPECT_EQ(device_memory_reserve(uint64_t(3) << 30), uint64_t(3) << 30);                // never above total
+  EXPECT_EQ(device_memory_reserve(0), 0u);
+}
+
 TEST(HostDevice, EmptyCountsBytesUntilTheStorageIsFreed) {
   auto dev = Device::create_host(1 << 20);
   EXPECT_EQ(dev->budget(), uint64_t(1) << 20);

@@ -67,7 +67,10 @@ class Communicator {
   class Work {
    public:
     virtual ~Work() = default;
-    // Blocks until the collective finished; throws CommError on failure or timeout.
+    // CPU tensors (Gloo): blocks until the collective finished. CUDA tensors (NCCL): makes the
+    // calling thread's current stream wait for it, without blocking the host, so the outputs
+    // may be used by work enqueued on that stream afterwards. Throws CommError on failure or
+    // timeout.
     virtual void wait() = 0;
   };
 

@@ -97,8 +97,11 @@ class Device {
   uint64_t used() const { return used_.load(); }
   uint64_t peak() const { return peak_.load(); }
   void reset_peak() { peak_.store(used_.load()); }
-  // Memory the device itself has free now (cudaMemGetInfo); UINT64_MAX on the host device,
-  // whose only limit is the budget. Automatic placement uses min(budget, this).
+  // Memory the device can give the engine now: on CUDA, what cudaMemGetInfo says is free less
+  // device_memory_reserve(total) for what the budget does not count (library workspaces created
+  // later, the caching allocator's rounding and fragmentation, autograd temporaries beyond the
+  // estimates); UINT64_MAX on the host device, whose only limit is the budget. Automatic
+  // placement, prefetch and recompute decisions use min(budget, this).
   virtual uint64_t physical_free() const { return UINT64_MAX; }
 
   virtual Stream& compute_stream() = 0;
@@ -112,8 +115,10 @@ class Device {
   // The stream keeps both tensors alive until the copy has run.
   virtual void copy_async(const at::Tensor& dst, const at::Tensor& src, Stream& stream) = 0;
   // Runs `fn` on the host once the stream reaches this point (it must not wait on work of the
-  // same stream). An exception from fn is kept and rethrown, once, by the next synchronize() of
-  // that stream; later work on the stream still runs.
+  // same stream, and must not call CUDA: no device or pinned allocation, no copy to or from
+  // the device, which on a GPU fails or deadlocks and on the host device passes unnoticed).
+  // An exception from fn is kept and rethrown, once, by the next synchronize() of that stream;
+  // later work on the stream still runs.
   virtual void launch_host(Stream& stream, std::function<void()> fn) = 0;
   virtual std::shared_ptr<Event> record(Stream& stream) = 0;
   // Work enqueued on `stream` after this call starts after `event`.
@@ -147,6 +152,11 @@ class Device {
   std::atomic<uint64_t> used_{0};
   std::atomic<uint64_t> peak_{0};
 };
+
+// The part of a GPU's memory (`total` bytes) that automatic decisions leave alone:
+// max(4 GiB, 8% of total), at most total. 6.4 GB on an 80 GB H100: the head's backward alone at
+// 16K tokens x 50K vocabulary needs ~3.4 GB more than its estimate.
+uint64_t device_memory_reserve(uint64_t total);
 
 std::string format_bytes(uint64_t bytes);
 // "512MiB", "2GB", "1.5GiB", "4096" -> bytes. Throws std::invalid_argument on junk.
