@@ -183,7 +183,17 @@ IoFuture SwapSpace::transfer(IoRequest::Kind kind, const std::string& name, uint
     done += piece.length;
   }
   std::vector<IoFuture> futures = io_.submit(reqs);
-  return when_all(futures);
+  // A failure names the partition and the rank, not just the swap file and its offset: the
+  // caller knows which tensor state "block.3.exp_avg" is; nobody knows what offset 38436864 is.
+  IoPromise named;
+  when_all(futures).then([named, name, offset, length, rank = config_.rank,
+                          op = kind == IoRequest::Kind::kRead ? "read" : "write"](const IoStatus& st) {
+    if (st.ok()) return named.complete(st);
+    named.complete(IoStatus(st.error(), std::string("swap ") + op + " of partition '" + name + "' bytes [" +
+                                            std::to_string(offset) + ", " + std::to_string(offset + length) +
+                                            ") of rank " + std::to_string(rank) + ": " + st.message()));
+  });
+  return named.future();
 }
 
 IoFuture SwapSpace::write(const std::string& name, uint64_t offset,

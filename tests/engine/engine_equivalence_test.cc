@@ -13,12 +13,14 @@
 #include <torch/optim/adamw.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
 #include <future>
 #include <limits>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -548,6 +550,9 @@ void expect_swap_fault_fails_the_step(const json& placement, strata::offload::Io
     ADD_FAILURE() << "the failed swap operation went unnoticed";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("strata-swap"), std::string::npos) << e.what();
+    // ... and the state it was moving: "swap write of partition 'block.0.grad' ... of rank 0".
+    EXPECT_NE(std::string(e.what()).find(" of partition '"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("of rank 0"), std::string::npos) << e.what();
   }
   EXPECT_EQ(faults->fired(), 1u);
   try {
@@ -1530,60 +1535,126 @@ TEST(EngineAuto, TwoRanksGivingTheDeviceTheFirstUnitsMatchOneProcess) {
   expect_close(got, reference(tc, 2), 1e-5);
 }
 
+// Ranks of `strata train` as separate processes with torchrun's variables and no launcher that
+// would stop the others when one fails: what happens to the survivors is the engine's doing.
+struct RankProcesses {
+  std::vector<pid_t> pids;
+  std::filesystem::path dir;
+  std::string err(int r) const { return read_file(dir / ("rank" + std::to_string(r) + ".txt")); }
+  // Lines rank 0 logged so far (its run.log: a start line, then one per step).
+  long logged() const {
+    const std::string text = read_file(dir / "train.jsonl");
+    return std::count(text.begin(), text.end(), '\n');
+  }
+  // Waits up to `limit` for rank r to exit; its wait status, or nullopt if it still runs.
+  std::optional<int> wait_exit(int r, std::chrono::seconds limit) {
+    const auto start = std::chrono::steady_clock::now();
+    int status = 0;
+    pid_t done = 0;
+    while ((done = waitpid(pids[r], &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() - start < limit)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (done == 0) return std::nullopt;
+    pids[r] = -1;
+    return status;
+  }
+  ~RankProcesses() {
+    for (pid_t p : pids)
+      if (p > 0) {
+        kill(p, SIGKILL);
+        waitpid(p, nullptr, 0);
+      }
+  }
+};
+
+RankProcesses start_ranks(const json& cfg, int ranks, const TempDir& dir) {
+  RankProcesses rp;
+  rp.dir = dir.path();
+  const auto cfg_path = dir / "config.json", log = dir / "train.jsonl";
+  std::ofstream(cfg_path) << cfg.dump(2);
+  const int port = 20000 + int(getpid() % 20000);
+  for (int r = 0; r < ranks; ++r) {
+    pid_t pid = fork();
+    if (pid < 0) throw std::runtime_error("fork failed");
+    if (pid == 0) {
+      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(ranks).c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      const std::string err = (dir / ("rank" + std::to_string(r) + ".txt")).string();
+      freopen(err.c_str(), "w", stderr);
+      execl(STRATA_BIN, STRATA_BIN, "train", "--config", cfg_path.c_str(), "--log", log.c_str(), nullptr);
+      _exit(127);
+    }
+    rp.pids.push_back(pid);
+  }
+  return rp;
+}
+
+// Waits until rank 0 logged `lines` lines (training runs); fails the test after a minute.
+bool wait_for_training(const RankProcesses& rp, long lines) {
+  const auto start = std::chrono::steady_clock::now();
+  while (rp.logged() < lines) {
+    if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) {
+      ADD_FAILURE() << "training never started:\n" << rp.err(0) << rp.err(1);
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+// Rank 0, left alone with a dead or failed peer: exits non-zero well within `within`, saying
+// which collective of which rank failed.
+void expect_survivor_fails(RankProcesses& rp, std::chrono::seconds within) {
+  const std::optional<int> status = rp.wait_exit(0, within);
+  ASSERT_TRUE(status) << "rank 0 still running " << within.count() << " s after its peer failed:\n" << rp.err(0);
+  const std::string err = rp.err(0);
+  ASSERT_TRUE(WIFEXITED(*status)) << "rank 0 died of signal " << WTERMSIG(*status) << ":\n" << err;
+  EXPECT_NE(WEXITSTATUS(*status), 0);
+  EXPECT_NE(err.find("strata: error:"), std::string::npos) << err;
+  EXPECT_NE(err.find("rank 0 of 2"), std::string::npos) << err;
+}
+
 TEST(EngineEquivalence, KilledRankMakesTheOtherFailWithinTheTimeout) {
   TempDir dir;
   json j = tiny_config(false, 4);
   j["run"]["steps"] = 100000;
   j["distributed"] = {{"timeout_s", 10}};
-  const auto cfg_path = dir / "config.json", log = dir / "train.jsonl";
-  std::ofstream(cfg_path) << j.dump(2);
-  const int port = 20000 + int(getpid() % 20000);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < 2; ++r) {
-    pid_t pid = fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      setenv("RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", "2", 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      const std::string err = (dir / ("rank" + std::to_string(r) + ".txt")).string();
-      freopen(err.c_str(), "w", stderr);
-      execl(STRATA_BIN, STRATA_BIN, "train", "--config", cfg_path.c_str(), "--log", log.c_str(),
-            nullptr);
-      _exit(127);
-    }
-    pids.push_back(pid);
+  RankProcesses rp = start_ranks(j, 2, dir);
+  if (!wait_for_training(rp, 4)) return;
+  // Killed in the middle of a step.
+  kill(rp.pids[1], SIGKILL);
+  ASSERT_TRUE(rp.wait_exit(1, std::chrono::seconds(10)));
+  expect_survivor_fails(rp, std::chrono::seconds(15));
+}
+
+// A rank whose swap fails under it (its swap file truncated, as a failing drive might leave it)
+// fails its step naming the partition and itself, exits, and the other rank fails within
+// seconds, not after distributed.timeout_s: in every overlap mode, with the optimizer reading
+// master and moments from swap (the updater thread's reads fail where the update runs).
+TEST(EngineEquivalence, ASwapFailureOnOneRankFailsBothRanksPromptly) {
+  for (const char* overlap : {"off", "forward", "backward"}) {
+    SCOPED_TRACE(overlap);
+    TempDir dir, swap;
+    json j = tiny_config(false, 4);
+    j["run"]["steps"] = 100000;
+    j["distributed"] = {{"timeout_s", 120}};
+    j["optimizer"]["overlap"] = overlap;
+    j["optimizer"]["clip_grad_norm"] = 0.0;
+    j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}};
+    j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+    RankProcesses rp = start_ranks(j, 2, dir);
+    if (!wait_for_training(rp, 4)) return;
+    std::filesystem::resize_file(swap / "strata-swap-r00001-d0.bin", 0);
+    const std::optional<int> failed = rp.wait_exit(1, std::chrono::seconds(30));
+    ASSERT_TRUE(failed) << "rank 1 still running 30 s after its swap file was truncated:\n" << rp.err(1);
+    EXPECT_TRUE(WIFEXITED(*failed) && WEXITSTATUS(*failed) != 0) << rp.err(1);
+    const std::string err = rp.err(1);
+    EXPECT_NE(err.find("swap read of partition '"), std::string::npos) << err;
+    EXPECT_NE(err.find("of rank 1: read "), std::string::npos) << err;
+    EXPECT_NE(err.find("strata-swap-r00001-d0.bin"), std::string::npos) << err;
+    expect_survivor_fails(rp, std::chrono::seconds(20));
   }
-  // Wait until training runs (a few steps logged), then kill rank 1 in the middle of a step.
-  const auto start = std::chrono::steady_clock::now();
-  auto lines_logged = [&] {
-    const std::string text = read_file(log);
-    return std::count(text.begin(), text.end(), '\n');
-  };
-  while (lines_logged() < 4) {
-    ASSERT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60)) << "training never started";
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  kill(pids[1], SIGKILL);
-  waitpid(pids[1], nullptr, 0);
-  const auto killed = std::chrono::steady_clock::now();
-  int status = 0;
-  pid_t done = 0;
-  while ((done = waitpid(pids[0], &status, WNOHANG)) == 0 &&
-         std::chrono::steady_clock::now() - killed < std::chrono::seconds(30))
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  if (done == 0) {
-    kill(pids[0], SIGKILL);
-    waitpid(pids[0], nullptr, 0);
-    FAIL() << "rank 0 still running 30 s after its peer died (timeout 10 s)";
-  }
-  EXPECT_LT(std::chrono::steady_clock::now() - killed, std::chrono::seconds(15));
-  const std::string err = read_file(dir / "rank0.txt");
-  ASSERT_TRUE(WIFEXITED(status)) << "rank 0 died of signal " << WTERMSIG(status) << ":\n" << err;
-  EXPECT_NE(WEXITSTATUS(status), 0);
-  EXPECT_NE(err.find("strata: error:"), std::string::npos) << err;
-  EXPECT_NE(err.find("rank 0 of 2"), std::string::npos) << err;
 }
 
 }  // namespace

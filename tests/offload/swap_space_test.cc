@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -204,6 +205,26 @@ TEST_P(SwapSpaceTest, BadRequestsAreClearErrors) {
   bad = config();
   bad.stripe_bytes = 1000;
   EXPECT_THROW(SwapSpace(*io_, bad), std::invalid_argument);
+}
+
+// An I/O failure says which partition, which bytes and which rank, beside the file and errno.
+TEST_P(SwapSpaceTest, IoFailuresNameThePartitionTheBytesAndTheRank) {
+  SwapSpace swap(*io_, config(3));
+  swap.allocate("block.7.exp_avg", 256 << 10);
+  std::vector<std::byte> b(64 << 10, std::byte{1});
+  swap.write("block.7.exp_avg", 0, b).get();
+  // The disk loses the file's contents under us (as a failing drive or an operator might).
+  for (uint32_t d = 0; d < dirs_.size(); ++d) std::filesystem::resize_file(swap.file_path(d), 0);
+  try {
+    swap.read("block.7.exp_avg", 65536, {b.data(), b.size()}).get();
+    FAIL() << "a read past the end of the truncated swap file succeeded";
+  } catch (const IoError& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("swap read of partition 'block.7.exp_avg' bytes [65536, 131072) of rank 3: read ", 0), 0u) << m;
+    EXPECT_NE(m.find("strata-swap-r00003-d"), std::string::npos) << m;
+    EXPECT_NE(m.find("shrank"), std::string::npos) << m;
+    EXPECT_EQ(e.error(), ENODATA) << m;
+  }
 }
 
 TEST_P(SwapSpaceTest, FilesAreRemovedOnCloseUnlessKept) {
