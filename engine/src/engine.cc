@@ -1131,7 +1131,14 @@ struct Engine::Impl {
     const double W = comm.world_size();
     const double denom = loss_scale * double(A) * W;  // the gradients' sum over the global batch
     const bool in_backward = updates_in_backward();
-    double loss_sum = 0;
+    // The step's token ids go up once, asynchronously from pinned memory, and the loss is summed
+    // where it is computed and read once, after the backward: on a GPU, a pageable upload or a
+    // loss read per micro-batch would each block the host until the device caught up.
+    const at::Tensor ids_on_device =
+        dev.torch_device().is_cuda() && ids.is_cpu()
+            ? ids.pin_memory().to(dev.torch_device(), /*non_blocking=*/true)
+            : ids.to(dev.torch_device());
+    at::Tensor loss_sum_on_device;  // double, summed in micro-batch order as the host would
     size_t k = 0;
     if (cfg.profile) {
       compute_spans.clear();
@@ -1139,9 +1146,9 @@ struct Engine::Impl {
       step_ref_host = Profiler::Clock::now();
     }
     for (int64_t m = 0; m < A; ++m) {
-      at::Tensor rows = ids.narrow(0, m * b, b);
-      at::Tensor inputs = rows.narrow(1, 0, T).contiguous().to(dev.torch_device());
-      at::Tensor targets = rows.narrow(1, 1, T).reshape(-1).to(dev.torch_device());
+      at::Tensor rows = ids_on_device.narrow(0, m * b, b);
+      at::Tensor inputs = rows.narrow(1, 0, T).contiguous();
+      at::Tensor targets = rows.narrow(1, 1, T).reshape(-1);
       reset_act_slots();
       act_host_bytes = 0;
       kept_graphs.clear();
@@ -1194,7 +1201,8 @@ struct Engine::Impl {
         at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets);
         torch::autograd::backward({loss * loss_scale});
         compute_span("forward+backward " + partition->unit(n - 1).name, mark);
-        loss_sum += loss.item<double>();
+        const at::Tensor loss_d = loss.detach().to(at::kDouble);
+        loss_sum_on_device = loss_sum_on_device.defined() ? loss_sum_on_device + loss_d : loss_d;
         dy = xh.grad();
         x = at::Tensor();
         reduce_gradients(n - 1);
@@ -1274,6 +1282,7 @@ struct Engine::Impl {
       // With the norm and the loss, every rank's wait for parameters and time so far: the
       // prefetch decision is then the same on every rank (their gathers must stay in step).
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double loss_sum = loss_sum_on_device.item<double>();
       at::Tensor red = at::tensor({sumsq, loss_sum, prof.step.wait_params, elapsed}, at::TensorOptions().dtype(at::kDouble));
       comm.all_reduce(red, ReduceOp::kSum);
       r.loss = red[1].item<double>() / (double(A) * W);
