@@ -127,6 +127,7 @@ std::string bar(double frac, int width) {
 int plan_main(engine::TrainConfig tc) {
   tc.engine.validate();
   const engine::DistEnv env = engine::DistEnv::from_env();
+  if (env.local_world_size > 0) tc.engine.local_ranks = env.local_world_size;
   auto comm = engine::Communicator::create(env, std::chrono::milliseconds(int64_t(tc.engine.timeout_s * 1000)),
                                            tc.engine.device == "cuda");
   std::unique_ptr<engine::Device> device;
@@ -183,6 +184,7 @@ int train_main(const std::vector<std::string>& argv) {
   const engine::EngineConfig* ecp = &tc.engine;  // until the engine resolves "auto" placements
 
   const engine::DistEnv env = engine::DistEnv::from_env();
+  if (env.local_world_size > 0) tc.engine.local_ranks = env.local_world_size;
   auto comm = engine::Communicator::create(
       env, std::chrono::milliseconds(int64_t(ecp->timeout_s * 1000)), ecp->device == "cuda");
   const bool lead = comm->rank() == 0;

@@ -8,12 +8,15 @@ The token file is what models/include/strata/models/token_data.h reads: token id
 2 or 4 bytes each in host byte order, no header. Each input file is one document: its ids are
 followed by the tokenizer's end-of-sequence id (unless --no-eos), so that windows spanning two
 documents see the boundary the model was trained with. A file larger than --piece is encoded in
-pieces cut after a newline: the ids can differ from encoding the whole file at once only where a
-token would have spanned a cut.
+pieces cut after a newline (after a whole UTF-8 character where a piece has no newline): the ids
+can differ from encoding the whole file at once only at a cut, where a token would have spanned
+it, or, with tokenizers that prepend a space marker to every text they encode (SentencePiece
+"Metaspace" ones such as Llama 2's), by one such marker per cut. The tokenizer's saved
+truncation and padding are turned off: every byte of text is encoded.
 
 Beside the token file a sidecar OUTPUT.json records the tokenizer, the format, the token count and
 the inputs. Both are written to temporary names and renamed when complete, so an interrupted run
-leaves no partial file under the final name. Memory: one piece of text and its ids at a time.
+leaves no partial file under the final name. Memory: about one piece of text and its ids at a time.
 
 Errors (exit 1, one line naming what failed): an input that does not exist or is not UTF-8, a
 tokenizer that cannot be loaded or has no end-of-sequence token (without --no-eos), an id that
@@ -33,12 +36,22 @@ def fail(msg):
 
 
 def load_tokenizer(path):
-    """A `tokenizers.Tokenizer` and its end-of-sequence id (None if it has none)."""
-    from tokenizers import Tokenizer
+    """A `tokenizers.Tokenizer` (no truncation, no padding), its end-of-sequence id (None if it
+    has none) and its vocabulary size."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        fail(f"the Python package 'tokenizers' is missing ({e}): run with Strata's environment "
+             "(scripts/setup.sh creates it; `strata data prepare` uses it)")
 
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if os.path.isfile(file):
-        tok = Tokenizer.from_file(file)
+        try:
+            tok = Tokenizer.from_file(file)
+        except Exception as e:  # noqa: BLE001 (any parse failure is reported the same way)
+            fail(f"tokenizer {file}: cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        tok.no_truncation()
+        tok.no_padding()
         eos = None
         cfg = os.path.join(os.path.dirname(file), "tokenizer_config.json")
         if os.path.isfile(cfg):
@@ -65,7 +78,10 @@ def load_tokenizer(path):
         fail(f"tokenizer {path}: cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]})")
     if not getattr(hf, "is_fast", False):
         fail(f"tokenizer {path}: transformers gave no fast tokenizer")
-    return hf.backend_tokenizer, hf.eos_token_id, len(hf)
+    tok = hf.backend_tokenizer
+    tok.no_truncation()
+    tok.no_padding()
+    return tok, hf.eos_token_id, len(hf)
 
 
 def input_files(paths):
@@ -82,20 +98,38 @@ def input_files(paths):
     return files
 
 
+def utf8_boundary(data):
+    """The largest n <= len(data) such that data[:n] ends on a whole UTF-8 character."""
+    n = len(data)
+    back = 0
+    while back < 4 and n - back > 0 and (data[n - back - 1] & 0xC0) == 0x80:
+        back += 1  # continuation bytes
+    if n - back > 0:
+        lead = data[n - back - 1]
+        need = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
+        if back + 1 < need:
+            return n - back - 1  # the last character is incomplete: cut before its lead byte
+    return n
+
+
 def pieces(path, piece_bytes):
-    """The file's text in pieces of about piece_bytes, each cut after a newline where possible."""
+    """The file's bytes in pieces of about piece_bytes: each cut after its last newline, or, with
+    none, after its last whole UTF-8 character; every byte read once and copied about once."""
     with open(path, "rb") as f:
         pending = b""
         while True:
-            block = f.read(piece_bytes)
+            block = f.read(max(piece_bytes - len(pending), 1))
             if not block:
                 break
-            pending += block
-            cut = pending.rfind(b"\n") + 1
-            if cut == 0 or len(pending) < piece_bytes:
-                continue  # keep reading until a newline (or the end) bounds the piece
-            yield pending[:cut]
-            pending = pending[cut:]
+            data = pending + block
+            if len(data) < piece_bytes:
+                pending = data
+                continue
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                cut = utf8_boundary(data) or len(data)  # undecodable bytes are reported later
+            yield data[:cut]
+            pending = data[cut:]
         if pending:
             yield pending
 
@@ -118,6 +152,8 @@ def main():
         fail(f"tokenizer {a.tokenizer} has no end-of-sequence token: give --no-eos to join files without one")
     fmt = a.format if a.format != "auto" else ("uint16" if vocab <= 1 << 16 else "uint32")
     limit = 1 << (16 if fmt == "uint16" else 32)
+    if not a.no_eos and eos >= limit:
+        fail(f"the end-of-sequence id {eos} does not fit {fmt}")
     typecode = "H" if fmt == "uint16" else "I"
     if array(typecode).itemsize != (2 if fmt == "uint16" else 4):
         fail(f"this Python has no {fmt} array type")

@@ -8,10 +8,12 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <exception>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace strata::engine {
 namespace {
@@ -196,6 +198,38 @@ std::string slurm_first_host(const std::string& nodelist) {
   return host;
 }
 
+namespace {
+// Slurm's tasks per node, "2(x3),1" -> {2, 2, 2, 1}; empty if malformed.
+std::vector<int> slurm_tasks_per_node(const std::string& text) {
+  std::vector<int> out;
+  size_t i = 0;
+  while (i < text.size()) {
+    size_t used = 0;
+    int n = 0, repeat = 1;
+    try {
+      n = std::stoi(text.substr(i), &used);
+    } catch (const std::exception&) {
+      return {};
+    }
+    i += used;
+    if (text.compare(i, 2, "(x") == 0) {
+      const size_t close = text.find(')', i);
+      if (close == std::string::npos) return {};
+      try {
+        repeat = std::stoi(text.substr(i + 2, close - i - 2));
+      } catch (const std::exception&) {
+        return {};
+      }
+      i = close + 1;
+    }
+    if (n < 1 || repeat < 1 || repeat > 1 << 20) return {};
+    out.insert(out.end(), size_t(repeat), n);
+    if (i < text.size() && text[i++] != ',') return {};
+  }
+  return out;
+}
+}  // namespace
+
 DistEnv DistEnv::from_env() { return from_lookup([](const char* name) { return std::getenv(name); }); }
 
 DistEnv DistEnv::from_lookup(const Lookup& get) {
@@ -208,6 +242,7 @@ DistEnv DistEnv::from_lookup(const Lookup& get) {
   if (has_rank) {
     e.launcher = "torchrun";
     e.local_rank = env_int(get, "LOCAL_RANK", e.rank);
+    e.local_world_size = env_int(get, "LOCAL_WORLD_SIZE", 0);
   } else {
     const int procid = env_int(get, "SLURM_PROCID", 0, &has_procid);
     const int tasks = env_int(get, "SLURM_STEP_NUM_TASKS", 1, &has_tasks);
@@ -224,11 +259,24 @@ DistEnv DistEnv::from_lookup(const Lookup& get) {
                                       "set MASTER_ADDR to the host of task 0");
         e.master_addr = slurm_first_host(nodes);
       }
-      bool has_job = false;
-      const int job = env_int(get, "SLURM_JOB_ID", 0, &has_job);
+      if (const char* per_node = get("SLURM_STEP_TASKS_PER_NODE")) {
+        const std::vector<int> tasks_per_node = slurm_tasks_per_node(per_node);
+        const int node = env_int(get, "SLURM_NODEID", 0);
+        if (!tasks_per_node.empty() &&
+            std::all_of(tasks_per_node.begin(), tasks_per_node.end(), [&](int n) { return n == tasks_per_node[0]; }))
+          e.local_world_size = tasks_per_node[0];
+        else if (get("SLURM_NODEID") && size_t(node) < tasks_per_node.size())
+          e.local_world_size = tasks_per_node[size_t(node)];
+      }
       if (!get("MASTER_PORT")) {
-        if (!has_job) throw std::invalid_argument("srun task without SLURM_JOB_ID: set MASTER_PORT");
-        e.master_port = 20000 + job % 20000;
+        // Job ids reach 2^32 on federated clusters (the cluster id sits in bits 26-31).
+        const char* job = get("SLURM_JOB_ID");
+        char* end = nullptr;
+        const unsigned long long id = job ? std::strtoull(job, &end, 10) : 0;
+        if (!job || !std::isdigit(static_cast<unsigned char>(*job)) || *end != '\0')
+          throw std::invalid_argument(std::string("srun task without a numeric SLURM_JOB_ID") +
+                                      (job ? " (\"" + std::string(job) + "\")" : "") + ": set MASTER_PORT");
+        e.master_port = 20000 + int(id % 10000);
       }
     }
   }

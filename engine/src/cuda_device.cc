@@ -228,6 +228,9 @@ std::unique_ptr<Device> Device::create_cuda(int index, uint64_t budget_bytes) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
     throw std::runtime_error("device.type \"cuda\": no CUDA device is visible");
+  // A launcher that gives each rank its own GPU (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES
+  // set per rank) leaves one visible to each: that one, whatever the local rank.
+  if (count == 1) index = 0;
   if (index < 0 || index >= count)
     throw std::runtime_error("CUDA device " + std::to_string(index) + " does not exist (" +
                              std::to_string(count) + " visible)");

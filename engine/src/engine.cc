@@ -726,9 +726,7 @@ struct Engine::Impl {
           base_bytes + largest_use + uint64_t(cfg.prefetch) * largest_use + reserve_bytes + peak_held() + all;
       const uint64_t free = dev.physical_free();
       const bool fits = device_need <= dev.budget() && (free == UINT64_MAX || device_need - base_bytes <= free);
-      int local_ranks = comm.world_size();
-      if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local_ranks = std::max(1, std::atoi(l));
-      const TierBudgets b = machine_budgets(cfg, 0, local_ranks);
+      const TierBudgets b = machine_budgets(cfg, 0, local_ranks());
       Placement p = Placement::kHost;
       if (fits) p = Placement::kDevice;
       // A configured host budget covers the host state too; a derived one is what is free now.
@@ -762,6 +760,13 @@ struct Engine::Impl {
   }
 
   // --- automatic placement (placement.h) ------------------------------------------------------
+
+  // Ranks sharing this machine's RAM and disks, among which its budgets are divided.
+  int local_ranks() const {
+    if (cfg.local_ranks > 0) return cfg.local_ranks;
+    if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) return std::max(1, std::atoi(l));
+    return comm.world_size();
+  }
 
   uint64_t largest_shard() const {
     uint64_t n = 0;
@@ -798,10 +803,8 @@ struct Engine::Impl {
     if (cfg.activations == Placement::kDevice) working += checkpoint_bytes();  // placed there explicitly
     working += peak_held();  // blocks kept without recompute (an explicit count)
     const uint64_t device = std::min(dev.budget(), dev.physical_free());
-    int local_ranks = comm.world_size();
-    if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local_ranks = std::max(1, std::atoi(l));
     const uint64_t device_state = device == UINT64_MAX ? device : device > working ? device - working : 0;
-    TierBudgets budgets = machine_budgets(cfg, device_state, local_ranks);
+    TierBudgets budgets = machine_budgets(cfg, device_state, local_ranks());
     // Checkpoints placed on the host explicitly need their room beside the state.
     if (cfg.activations == Placement::kHost) budgets.host -= std::min(budgets.host, checkpoint_bytes());
     PlacementPlan plan = plan_placement(cfg, need, budgets);

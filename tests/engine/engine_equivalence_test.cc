@@ -24,6 +24,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "strata/engine/comm.h"
@@ -1384,10 +1385,11 @@ Trajectory run_launched(const se::TrainConfig& tc, const json& cfg, int ranks, c
   if (launcher == Launcher::kStrataLaunch) {
     cmd = std::string(STRATA_BIN) + " launch -n " + std::to_string(ranks) + " -- " + train;
   } else {
-    // The job id sets the port (20000 + id % 20000): one per test process.
+    // The job id sets the port (20000 + id % 10000): one per test process.
     const std::string slurm = "env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u LOCAL_RANK SLURM_JOB_ID=" +
                               std::to_string(getpid()) + " SLURM_STEP_NUM_TASKS=" + std::to_string(ranks) +
-                              " SLURM_STEP_NODELIST=localhost SLURM_NTASKS=" + std::to_string(4 * ranks);
+                              " SLURM_STEP_NODELIST=localhost SLURM_STEP_TASKS_PER_NODE=" + std::to_string(ranks) +
+                              " SLURM_NODEID=0 SLURM_NTASKS=" + std::to_string(4 * ranks);
     cmd = "(";  // ranks 1.. in the background, rank 0 in the foreground, then wait for all
     for (int r = ranks - 1; r >= 0; --r)
       cmd += slurm + " SLURM_PROCID=" + std::to_string(r) + " SLURM_LOCALID=" + std::to_string(r) + " " + train +
@@ -1540,6 +1542,9 @@ TEST(EngineAuto, TwoRanksGivingTheDeviceTheFirstUnitsMatchOneProcess) {
 struct RankProcesses {
   std::vector<pid_t> pids;
   std::filesystem::path dir;
+  RankProcesses() = default;
+  RankProcesses(const RankProcesses&) = delete;  // the destructor kills the ranks: one owner
+  RankProcesses(RankProcesses&& o) noexcept : pids(std::exchange(o.pids, {})), dir(std::move(o.dir)) {}
   std::string err(int r) const { return read_file(dir / ("rank" + std::to_string(r) + ".txt")); }
   // Lines rank 0 logged so far (its run.log: a start line, then one per step).
   long logged() const {
@@ -1645,8 +1650,14 @@ TEST(EngineEquivalence, ASwapFailureOnOneRankFailsBothRanksPromptly) {
     j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
     RankProcesses rp = start_ranks(j, 2, dir);
     if (!wait_for_training(rp, 4)) return;
-    std::filesystem::resize_file(swap / "strata-swap-r00001-d0.bin", 0);
-    const std::optional<int> failed = rp.wait_exit(1, std::chrono::seconds(30));
+    // Truncated until rank 1 exits: a write landing after one truncation grows the file again
+    // (holes read as zeros, no error), so a single cut could go unnoticed.
+    std::optional<int> failed;
+    for (int i = 0; i < 600 && !(failed = rp.wait_exit(1, std::chrono::seconds(0))); ++i) {
+      std::error_code gone;  // the file goes when rank 1 exits
+      std::filesystem::resize_file(swap / "strata-swap-r00001-d0.bin", 0, gone);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
     ASSERT_TRUE(failed) << "rank 1 still running 30 s after its swap file was truncated:\n" << rp.err(1);
     EXPECT_TRUE(WIFEXITED(*failed) && WEXITSTATUS(*failed) != 0) << rp.err(1);
     const std::string err = rp.err(1);

@@ -612,7 +612,8 @@ TEST(DistEnv, SrunTasksTakeRankWorldLocalRankAndRendezvousFromSlurm) {
   EXPECT_EQ(e.world_size, 16);  // the step's tasks, not the allocation's
   EXPECT_EQ(e.local_rank, 5);
   EXPECT_EQ(e.master_addr, "gpu-07");  // the step's first node, where srun puts task 0
-  EXPECT_EQ(e.master_port, 20000 + 123456 % 20000);
+  EXPECT_EQ(e.master_port, 20000 + 123456 % 10000);  // below Linux's ephemeral ports (32768)
+  EXPECT_EQ(e.local_world_size, 0);  // srun did not say
   // Every task of the job computes the same rendezvous.
   auto other = task;
   other["SLURM_PROCID"] = "0";
@@ -628,6 +629,34 @@ TEST(DistEnv, SrunTasksTakeRankWorldLocalRankAndRendezvousFromSlurm) {
   auto job_list = task;
   job_list.erase("SLURM_STEP_NODELIST");
   EXPECT_EQ(dist_env(job_list).master_addr, "gpu-01");
+  // A federated cluster's job ids go past 2^31; and with MASTER_PORT set, the id is not needed.
+  auto federated = task;
+  federated["SLURM_JOB_ID"] = "4026531841";
+  EXPECT_EQ(dist_env(federated).master_port, 20000 + int(4026531841ull % 10000));
+  federated["SLURM_JOB_ID"] = "n/a";
+  federated["MASTER_PORT"] = "29400";
+  EXPECT_EQ(dist_env(federated).master_port, 29400);
+}
+
+TEST(DistEnv, SrunTasksPerNodeGiveTheLocalWorldSize) {
+  std::map<std::string, std::string> task = {{"SLURM_JOB_ID", "5"}, {"SLURM_PROCID", "9"},
+                                             {"SLURM_STEP_NUM_TASKS", "16"}, {"SLURM_STEP_NODELIST", "n[1-2]"},
+                                             {"SLURM_NODEID", "1"}, {"SLURM_STEP_TASKS_PER_NODE", "8(x2)"}};
+  EXPECT_EQ(dist_env(task).local_world_size, 8);
+  task["SLURM_STEP_TASKS_PER_NODE"] = "8";
+  EXPECT_EQ(dist_env(task).local_world_size, 8);
+  task["SLURM_STEP_NUM_TASKS"] = "7";
+  task["SLURM_PROCID"] = "6";
+  task["SLURM_STEP_TASKS_PER_NODE"] = "2(x3),1";  // node 1 of 4 runs 2 tasks, node 3 one
+  EXPECT_EQ(dist_env(task).local_world_size, 2);
+  task["SLURM_NODEID"] = "3";
+  EXPECT_EQ(dist_env(task).local_world_size, 1);
+  task["SLURM_NODEID"] = "9";  // not in the list: unknown, not a guess
+  EXPECT_EQ(dist_env(task).local_world_size, 0);
+  task["SLURM_STEP_TASKS_PER_NODE"] = "2(x";  // malformed: unknown
+  EXPECT_EQ(dist_env(task).local_world_size, 0);
+  // torchrun says it outright.
+  EXPECT_EQ(dist_env({{"RANK", "0"}, {"WORLD_SIZE", "16"}, {"LOCAL_WORLD_SIZE", "8"}}).local_world_size, 8);
 }
 
 TEST(DistEnv, TorchrunUnderSrunWinsOverSlurm) {
@@ -673,6 +702,11 @@ TEST(DistEnv, BadOrInconsistentValuesNameTheVariable) {
                                    {"SLURM_STEP_NODELIST", "n1"}});
                        }),
                        "SLURM_JOB_ID"));
+  EXPECT_TRUE(contains(thrown_message<std::invalid_argument>([] {
+                         dist_env({{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "2"},
+                                   {"SLURM_STEP_NODELIST", "n1"}, {"SLURM_JOB_ID", "-3"}});
+                       }),
+                       "numeric SLURM_JOB_ID (\"-3\"): set MASTER_PORT"));
   EXPECT_TRUE(contains(thrown_message<std::invalid_argument>([] {
                          dist_env({{"SLURM_JOB_ID", "1"}, {"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "2"}});
                        }),

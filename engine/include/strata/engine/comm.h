@@ -36,17 +36,21 @@ struct DistEnv {
   int local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  int local_world_size = 0;  // ranks on this node (their budgets share its RAM and disks); 0: unknown
   std::string launcher = "none";  // where the values came from: "torchrun", "slurm" or "none"
 
   // From the environment, first match wins:
   // - torchrun (and `strata launch`): RANK and WORLD_SIZE set; LOCAL_RANK (default RANK),
-  //   MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500).
+  //   LOCAL_WORLD_SIZE, MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500).
   // - srun: SLURM_PROCID and SLURM_STEP_NUM_TASKS set (srun sets both for every task of a job
   //   step; a batch script itself has no step task count, so running `strata train` there without
   //   srun is one process, not rank 0 of a world that never comes). LOCAL_RANK = SLURM_LOCALID;
-  //   MASTER_ADDR = the first host of SLURM_STEP_NODELIST (where srun puts task 0) unless set;
-  //   MASTER_PORT = 20000 + SLURM_JOB_ID % 20000 unless set (every task of the job agrees; set
-  //   MASTER_PORT when several steps of one job train at once).
+  //   local world size from SLURM_STEP_TASKS_PER_NODE ("8(x4)", or "2(x3),1" indexed by
+  //   SLURM_NODEID); MASTER_ADDR = the first host of SLURM_STEP_NODELIST unless set, which is
+  //   where srun puts task 0 with its block and cyclic distributions (with an arbitrary
+  //   distribution or SLURM_HOSTFILE set MASTER_ADDR to task 0's host); MASTER_PORT = 20000 +
+  //   SLURM_JOB_ID % 10000 unless set, below Linux's ephemeral ports (every task of the job
+  //   agrees; set MASTER_PORT when several steps of one job train at once).
   // - otherwise a single process.
   // Throws std::invalid_argument on malformed or inconsistent values (RANK >= WORLD_SIZE, a
   // bad host list, ...), naming the variable.

@@ -82,6 +82,9 @@ struct EngineConfig {
   // Tests only (not in the JSON configuration): the swap I/O engine's fault injector.
   std::shared_ptr<offload::FaultInjector> io_fault_injector;
   uint64_t nvme_chunk_bytes = 64ull << 20;  // fp32 bytes per array per streamed optimizer chunk
+  // Ranks sharing this machine's RAM and disks (not in the JSON configuration; `strata train`
+  // passes DistEnv::local_world_size); 0: $LOCAL_WORLD_SIZE, else the world size.
+  int local_ranks = 0;
   // Automatic placement: state bytes this rank may put in host RAM and in swap; 0: derived from
   // the machine (80% of MemAvailable, 95% of the free space of nvme_dirs, shared by local ranks).
   uint64_t host_budget = 0;

@@ -55,7 +55,9 @@ class Device {
   // d2h stream fails as a CUDA stream does after an error: it runs nothing more (its host
   // functions included), synchronize() throws and stream_error() says why.
   static std::unique_ptr<Device> create_host(uint64_t budget_bytes, uint64_t d2h_fails_after = UINT64_MAX);
-  // CUDA device `index` (builds with CUDA only; throws std::runtime_error if none is visible).
+  // CUDA device `index`, or the only visible one whatever `index` (a launcher that gives each
+  // rank its own GPU). Builds with CUDA only; throws std::runtime_error if none is visible or
+  // `index` names none of several.
   static std::unique_ptr<Device> create_cuda(int index, uint64_t budget_bytes);
   // From the configuration's device.type: "cpu" or "cuda" (LOCAL_RANK picks the GPU).
   static std::unique_ptr<Device> create(const std::string& type, int local_rank, uint64_t budget_bytes);

@@ -15,10 +15,11 @@
 // exist (a missing one is a clear error). Each file is locked (flock) while the SwapSpace lives:
 // a second one on the same directory and rank fails with IoError instead of overwriting it.
 // Thread safety: all members are safe to call concurrently. Freeing a partition while I/O on it
-// is in flight is a caller error. Errors: IoError (I/O, disk full: "swap read of partition
-// 'NAME' bytes [A, B) of rank R: " and the I/O engine's message with file, offset and errno
-// text) and std::invalid_argument (unknown or duplicate names, out-of-range offsets) with the
-// partition name in the message.
+// is in flight is a caller error. Errors: IoError (a failed read or write: "swap read of
+// partition 'NAME' bytes [A, B) of rank R: " and the I/O engine's message with file, offset and
+// errno text; disk full at allocate(): "swap: cannot allocate partition ...") and
+// std::invalid_argument (unknown or duplicate names, out-of-range offsets) with the partition
+// name in the message.
 #pragma once
 
 #include <cstdint>
