@@ -1,14 +1,19 @@
 // `strata launch -n N [--port P] -- command ...`: runs N copies of a command on this node with
 // the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
 // MASTER_PORT). When one rank fails, the others are terminated (SIGTERM, then SIGKILL after 10
-// s) and the launcher exits with the failing rank's status.
+// s) and the launcher exits with the failing rank's status. SIGINT, SIGTERM and SIGUSR1 sent to
+// the launcher are passed on to every rank, once each time (the ranks run in their own process
+// groups, so a terminal's Ctrl-C reaches them through the launcher only, not twice), and the
+// launcher then waits for them however they end; a rank whose launcher dies gets SIGTERM.
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <iostream>
@@ -22,11 +27,17 @@
 namespace strata::cli {
 namespace {
 
+// The last SIGINT, SIGTERM or SIGUSR1 the launcher got, not yet passed on to the ranks.
+std::atomic<int> forwarded_signal{0};
+extern "C" void on_forwarded_signal(int sig) { forwarded_signal.store(sig); }
+
 constexpr const char* kLaunchUsage = R"(usage: strata launch -n N [--port P] -- command [args...]
 
 Runs N processes of `command` on this node as data-parallel ranks 0..N-1, with RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT set as
 torchrun sets them. If a rank fails, the others are stopped and the launcher exits non-zero.
+SIGINT, SIGTERM and SIGUSR1 are passed on to every rank (`strata train` then stops after the
+current step, saving a checkpoint if it has a directory).
 
   -n, --nproc N   number of ranks (processes)
   --port P    rendezvous port (default: a free port)
@@ -76,11 +87,23 @@ int launch_main(const std::vector<std::string>& argv) {
   if (n < 1) throw std::invalid_argument("strata launch: -n must be >= 1");
   const int port = args.has("port") ? int(args.count("port", 0)) : free_port();
 
+  for (int sig : {SIGINT, SIGTERM, SIGUSR1}) {
+    struct sigaction sa {};
+    sa.sa_handler = on_forwarded_signal;
+    sigaction(sig, &sa, nullptr);
+  }
+  const pid_t launcher = getpid();
   std::vector<pid_t> pids(n, -1);
   for (unsigned r = 0; r < n; ++r) {
     pid_t pid = fork();
     if (pid < 0) throw std::runtime_error("fork: " + std::string(strerror(errno)));
     if (pid == 0) {
+      // Its own process group: signals reach it through the launcher, once. SIGTERM if the
+      // launcher dies (SIGKILL included), rather than training on without it.
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (getppid() != launcher) _exit(128 + SIGTERM);
+      for (int sig : {SIGINT, SIGTERM, SIGUSR1}) signal(sig, SIG_DFL);
       setenv("RANK", std::to_string(r).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
@@ -99,16 +122,23 @@ int launch_main(const std::vector<std::string>& argv) {
 
   int result = 0;
   unsigned running = n;
-  bool stopping = false;
+  bool stopping = false, forwarded = false;
   auto stop_deadline = std::chrono::steady_clock::time_point::max();
   while (running > 0) {
+    // Polled, not a blocking wait: a signal arriving just before a blocking waitpid would wait
+    // for a rank to end before being passed on.
+    if (const int sig = forwarded_signal.exchange(0)) {
+      for (pid_t p : pids)
+        if (p > 0) kill(p, sig);
+      forwarded = true;
+    }
     int status = 0;
-    pid_t pid = waitpid(-1, &status, stopping ? WNOHANG : 0);
+    pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid < 0) {
       if (errno == EINTR) continue;
       break;
     }
-    if (pid == 0) {  // stopping: poll until the deadline, then kill
+    if (pid == 0) {  // nothing ended: when stopping, kill at the deadline
       if (std::chrono::steady_clock::now() > stop_deadline) {
         for (pid_t p : pids)
           if (p > 0) kill(p, SIGKILL);
@@ -123,7 +153,11 @@ int launch_main(const std::vector<std::string>& argv) {
     *it = -1;
     --running;
     const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    if (failed && !stopping) {
+    if (failed && forwarded) {
+      // Asked to stop: the ranks end as they do (a saved checkpoint, 128 + signal); the others
+      // are not hurried, their save may still be running.
+      if (result == 0) result = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    } else if (failed && !stopping) {
       std::cerr << "strata launch: rank " << rank << " " << describe(status)
                 << "; stopping the other ranks\n";
       result = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);

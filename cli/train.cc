@@ -5,9 +5,11 @@
 #include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -15,6 +17,9 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <pthread.h>
+#include <signal.h>
+#include <thread>
 #include <unistd.h>
 
 #include "args.h"
@@ -65,6 +70,10 @@ Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER
   --device-budget B  override device.budget (bytes; suffixes KiB, MiB, GiB, KB, MB, GB)
   --host-budget B    override offload.host_budget
   --nvme-budget B    override offload.nvme_budget
+
+SIGINT, SIGTERM or SIGUSR1 (Slurm: --signal=USR1@120) stop the run after the current step, on
+every rank alike: with a checkpoint directory it saves that step first (continue with --resume);
+the exit status is then 128 + the signal. A second SIGINT or SIGTERM stops it at once.
 )";
 
 using engine::format_bytes;
@@ -155,6 +164,70 @@ int plan_main(engine::TrainConfig tc) {
   return 0;
 }
 
+// --- stopping on a signal ----------------------------------------------------------------------
+// SIGINT, SIGTERM (what a scheduler sends before it kills) and SIGUSR1 (Slurm's
+// `--signal=USR1@SECONDS` warning) ask the run to stop at the next step boundary. There the ranks
+// agree (any rank's request stops every rank after the same step), save a checkpoint if the run
+// has a checkpoint directory, and exit with 128 + the signal. A second SIGINT or SIGTERM ends the
+// process at once, as the signal would have. The signals are blocked before any thread starts
+// and taken by one waiting thread, so no system call of the engine's threads (I/O, collectives)
+// is interrupted; a handler covers a thread that existed before.
+std::atomic<int> stop_signal{0};
+std::atomic<bool> stop_messages{false};  // this process prints "stopping ..." (rank 0)
+
+const char* signal_name(int sig) {
+  return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : strsignal(sig);
+}
+
+// Async-signal-safe: the handler and the waiting thread both call it.
+void note_stop_signal(int sig) {
+  int none = 0;
+  if (stop_signal.compare_exchange_strong(none, sig) || sig == SIGUSR1) return;
+  signal(sig, SIG_DFL);  // the second SIGINT or SIGTERM: what it would have done
+  sigset_t one;
+  sigemptyset(&one);
+  sigaddset(&one, sig);
+  pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
+  raise(sig);
+}
+
+extern "C" void on_stop_signal(int sig) { note_stop_signal(sig); }
+
+void catch_stop_signals() {
+  static const bool installed = [] {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int sig : {SIGINT, SIGTERM, SIGUSR1}) {
+      sigaddset(&set, sig);
+      struct sigaction sa {};
+      sa.sa_handler = on_stop_signal;
+      sa.sa_flags = SA_RESTART;
+      sigaction(sig, &sa, nullptr);
+    }
+    pthread_sigmask(SIG_BLOCK, &set, nullptr);  // threads started from here on inherit it
+    std::thread([set] {
+      for (;;) {
+        int sig = 0;
+        if (sigwait(&set, &sig) != 0) continue;
+        const bool first = stop_signal.load() == 0;
+        if (first && stop_messages.load())
+          std::cerr << "\nstrata train: " << signal_name(sig) << ": stopping after the current step"
+                    << (sig == SIGUSR1 ? "" : " (again to stop at once)") << "\n" << std::flush;
+        note_stop_signal(sig);
+      }
+    }).detach();
+    return true;
+  }();
+  (void)installed;
+}
+
+// The signal any rank got, agreed by all of them (0: go on). Collective.
+int agreed_stop_signal(engine::Communicator& comm) {
+  at::Tensor s = at::tensor({double(stop_signal.load())}, at::TensorOptions().dtype(at::kDouble));
+  comm.all_reduce(s, engine::ReduceOp::kMax);
+  return int(s.item<double>());
+}
+
 }  // namespace
 
 int train_main(const std::vector<std::string>& argv) {
@@ -178,6 +251,7 @@ int train_main(const std::vector<std::string>& argv) {
   if (args.has("host-budget")) tc.engine.host_budget = engine::parse_bytes(args.get("host-budget", ""));
   if (args.has("nvme-budget")) tc.engine.nvme_budget = engine::parse_bytes(args.get("nvme-budget", ""));
   if (args.has("plan")) return plan_main(tc);
+  catch_stop_signals();
   tc.engine.profile = !tc.profile_path.empty();
   if (tc.resume && tc.checkpoint_dir.empty())
     throw std::invalid_argument("--resume needs a checkpoint directory (--checkpoint-dir or run.checkpoint_dir)");
@@ -188,6 +262,7 @@ int train_main(const std::vector<std::string>& argv) {
   auto comm = engine::Communicator::create(
       env, std::chrono::milliseconds(int64_t(ecp->timeout_s * 1000)), ecp->device == "cuda");
   const bool lead = comm->rank() == 0;
+  stop_messages = lead;
   auto device = engine::Device::create(ecp->device, env.local_rank, ecp->device_budget);
 
   std::unique_ptr<models::Decoder> model =
@@ -219,12 +294,14 @@ int train_main(const std::vector<std::string>& argv) {
   const engine::MemoryReport m0 = eng.memory();
 
   int64_t first_step = 0;
+  int64_t saved_through = 0;  // the steps the newest checkpoint (saved or resumed from) holds
   std::string resumed_from;
   if (tc.resume) {
     if (auto latest = engine::latest_checkpoint(tc.checkpoint_dir)) {
       const engine::CheckpointMeta meta = engine::load_checkpoint(eng, *comm, *latest);
       loader.set_position(meta.samples_consumed);
       first_step = meta.train_steps;
+      saved_through = first_step;
       resumed_from = latest->string();
     }
   }
@@ -241,11 +318,12 @@ int train_main(const std::vector<std::string>& argv) {
     if (tc.keep_checkpoints > 0)
       engine::prune_checkpoints(*comm, tc.checkpoint_dir, size_t(tc.keep_checkpoints));
   };
-  auto save = [&](int64_t steps_done) {
+  auto save = [&](int64_t steps_done, bool synchronous) {
     char name[32];
     snprintf(name, sizeof name, "step-%08lld", (long long)steps_done);
     const engine::CheckpointMeta meta{steps_done, loader.position()};
-    if (!tc.async_checkpoint) {
+    saved_through = steps_done;
+    if (synchronous) {
       const auto t0 = std::chrono::steady_clock::now();
       const std::filesystem::path dir = engine::save_checkpoint(eng, *comm, tc.checkpoint_dir, name, meta, ckpt_options);
       if (lead)
@@ -308,16 +386,20 @@ int train_main(const std::vector<std::string>& argv) {
   at::Tensor ids = at::empty({int64_t(loader.local_batch()), ec.seq_len + 1}, at::kLong);
   double tokens_total = 0, seconds_total = 0;
   std::vector<engine::TraceSpan> trace;
+  int stopped_by = 0;  // the signal that stopped the run early
+  int64_t steps_done = first_step;
   for (int64_t s = first_step; s < tc.steps; ++s) {
+    if ((stopped_by = agreed_stop_signal(*comm)) != 0) break;
     loader.next(ids.data_ptr<int64_t>());
     const engine::StepResult r = eng.train_step(ids);
     const engine::MemoryReport mem = eng.memory();
     tokens_total += double(r.tokens);
     seconds_total += r.seconds;
+    steps_done = s + 1;
     committed(checkpointer.poll());
     const bool save_now = !tc.checkpoint_dir.empty() &&
                           (s + 1 == tc.steps || (tc.save_every > 0 && (s + 1) % tc.save_every == 0));
-    if (save_now) save(s + 1);
+    if (save_now) save(s + 1, !tc.async_checkpoint);
     if (ec.profile) {
       auto spans = eng.take_trace();
       trace.insert(trace.end(), std::make_move_iterator(spans.begin()), std::make_move_iterator(spans.end()));
@@ -374,18 +456,34 @@ int train_main(const std::vector<std::string>& argv) {
     }
   }
   if (lead && tc.progress && tty) std::cerr << "\n";
-  if (lead && tc.steps > first_step)
-    std::cerr << "strata train: " << tc.steps - first_step << " steps, "
+  if (lead && steps_done > first_step)
+    std::cerr << "strata train: " << steps_done - first_step << " steps, "
               << (seconds_total > 0 ? tokens_total / seconds_total : 0) << " tokens/s\n";
 
   committed(checkpointer.finish());
+  if (stopped_by != 0) {
+    // Every rank stops after the same step; what a checkpoint directory can keep is kept.
+    const bool keep = !tc.checkpoint_dir.empty() && steps_done > saved_through;
+    if (keep) save(steps_done, /*synchronous=*/true);
+    if (lead) {
+      std::cerr << "strata train: stopped by " << signal_name(stopped_by) << " after step " << steps_done << " of "
+                << tc.steps;
+      if (tc.checkpoint_dir.empty())
+        std::cerr << "; no checkpoint directory (run.checkpoint_dir, --checkpoint-dir): its "
+                  << steps_done - first_step << " steps are not saved\n";
+      else
+        std::cerr << "; " << tc.checkpoint_dir << " holds step " << saved_through
+                  << " (continue with --resume)\n";
+      if (!tc.export_dir.empty()) std::cerr << "strata train: not exported (the run did not finish)\n";
+    }
+  }
   if (ec.profile) {
     const std::string path =
         comm->rank() == 0 ? tc.profile_path : tc.profile_path + ".rank" + std::to_string(comm->rank());
     write_trace(path, comm->rank(), trace);
     if (lead) std::cerr << "strata train: trace of " << trace.size() << " spans written to " << path << "\n";
   }
-  if (!tc.export_dir.empty()) {
+  if (!tc.export_dir.empty() && stopped_by == 0) {
     auto params = eng.gather_parameters();  // collective: every rank
     if (lead) {
       models::Decoder out(mc, 0);
@@ -397,7 +495,7 @@ int train_main(const std::vector<std::string>& argv) {
     }
   }
   comm->barrier();
-  return 0;
+  return stopped_by == 0 ? 0 : 128 + stopped_by;
 }
 
 }  // namespace strata::cli

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <atomic>
 #include <cstring>
 #include <fstream>
@@ -758,6 +759,186 @@ TEST(Checkpoint, SigkillAtRandomMomentsNeverLeavesABadCheckpoint) {
     last_latest = latest->string();
   }
   EXPECT_GE(advanced, 25) << "training rarely got past start-up: the kills did not hit saves";
+}
+
+// --- stopping on a signal ------------------------------------------------------------------
+
+// `strata train ARGS` in a child process (stderr to `err`), with `env` added (torchrun's
+// variables for a rank).
+pid_t spawn_train(const std::vector<std::string>& args, const std::filesystem::path& err,
+                  const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+    freopen(err.c_str(), "w", stderr);
+    std::vector<char*> argv{const_cast<char*>(STRATA_BIN)};
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(STRATA_BIN, argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// Step lines in a run log.
+int64_t logged_steps(const std::filesystem::path& log) {
+  const std::string text = read_file(log);
+  int64_t n = 0;
+  for (size_t at = 0; (at = text.find("\"step\":", at)) != std::string::npos; ++at) ++n;
+  return n;
+}
+
+// The wait status of `pid`, waiting at most `limit`; kills it and fails the test past that.
+int wait_for(pid_t pid, std::chrono::seconds limit, const std::string& what) {
+  const auto start = std::chrono::steady_clock::now();
+  int st = 0;
+  while (waitpid(pid, &st, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() - start > limit) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &st, 0);
+      ADD_FAILURE() << what << " still running after " << limit.count() << " s";
+      return st;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return st;
+}
+
+void wait_until_steps(const std::filesystem::path& log, int64_t steps) {
+  const auto start = std::chrono::steady_clock::now();
+  while (logged_steps(log) < steps && std::chrono::steady_clock::now() - start < std::chrono::seconds(90))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_GE(logged_steps(log), steps) << "training never got going";
+}
+
+// A scheduler's SIGTERM in the middle of a run: the step under way finishes, is saved, and the
+// process exits with 128 + SIGTERM; the checkpoint holds exactly the steps the log shows, it
+// verifies, and a resumed run goes on from the next step.
+TEST(Checkpoint, SigtermStopsAfterTheCurrentStepAndSavesIt) {
+  TempDir dir;
+  const auto cfg = dir / "cfg.json", log = dir / "train.jsonl", ck = dir / "ckpt";
+  json j = tiny_llama(1000000);
+  j["run"]["save_every"] = 1000;  // no save of its own before the signal
+  std::ofstream(cfg) << j.dump(2);
+  const pid_t pid = spawn_train({"train", "--config", cfg.string(), "--log", log.string(), "--checkpoint-dir",
+                                 ck.string(), "--export", (dir / "never").string()},
+                                dir / "err.txt");
+  wait_until_steps(log, 3);
+  kill(pid, SIGTERM);
+  const int st = wait_for(pid, std::chrono::seconds(60), "the run after SIGTERM");
+  const std::string err = read_file(dir / "err.txt");
+  ASSERT_TRUE(WIFEXITED(st)) << err;
+  EXPECT_EQ(WEXITSTATUS(st), 128 + SIGTERM) << err;
+  const int64_t steps = logged_steps(log);
+  EXPECT_NE(err.find("stopped by SIGTERM after step " + std::to_string(steps) + " of 1000000"), std::string::npos) << err;
+  EXPECT_NE(err.find("not exported"), std::string::npos) << err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "never"));
+  const auto latest = se::latest_checkpoint(ck);
+  ASSERT_TRUE(latest) << err;
+  char name[32];
+  snprintf(name, sizeof name, "step-%08lld", (long long)steps);
+  EXPECT_EQ(latest->filename().string(), name) << err;
+  EXPECT_NO_THROW(se::verify_checkpoint(*latest));
+  // Resumed, it starts at the step after the last one done.
+  const pid_t again = spawn_train({"train", "--config", cfg.string(), "--log", (dir / "resumed.jsonl").string(),
+                                   "--checkpoint-dir", ck.string(), "--resume", "--steps", std::to_string(steps + 2)},
+                                  dir / "err2.txt");
+  const int st2 = wait_for(again, std::chrono::seconds(60), "the resumed run");
+  ASSERT_TRUE(WIFEXITED(st2) && WEXITSTATUS(st2) == 0) << read_file(dir / "err2.txt");
+  const json start = json::parse(read_file(dir / "resumed.jsonl").substr(0, read_file(dir / "resumed.jsonl").find('\n')));
+  EXPECT_EQ(start["first_step"].get<int64_t>(), steps + 1);
+  EXPECT_EQ(logged_steps(dir / "resumed.jsonl"), 2);
+}
+
+// Without a checkpoint directory the run still stops cleanly and says that nothing is saved; a
+// second SIGTERM while it stops ends it at once, as SIGTERM would.
+TEST(Checkpoint, SigtermWithoutACheckpointDirectoryAndASecondSigterm) {
+  TempDir dir;
+  const auto cfg = dir / "cfg.json", log = dir / "train.jsonl";
+  std::ofstream(cfg) << tiny_llama(1000000).dump(2);
+  pid_t pid = spawn_train({"train", "--config", cfg.string(), "--log", log.string()}, dir / "err.txt");
+  wait_until_steps(log, 2);
+  kill(pid, SIGINT);
+  int st = wait_for(pid, std::chrono::seconds(60), "the run after SIGINT");
+  std::string err = read_file(dir / "err.txt");
+  ASSERT_TRUE(WIFEXITED(st)) << err;
+  EXPECT_EQ(WEXITSTATUS(st), 128 + SIGINT) << err;
+  EXPECT_NE(err.find("stopped by SIGINT after step"), std::string::npos) << err;
+  EXPECT_NE(err.find("no checkpoint directory"), std::string::npos) << err;
+
+  // A model big enough that a step outlasts the two signals' gap by far.
+  json big = tiny_llama(1000000);
+  big["model"]["hidden"] = 512;
+  big["model"]["intermediate"] = 2048;
+  big["model"]["heads"] = 8;
+  std::ofstream(cfg) << big.dump(2);
+  const auto log2 = dir / "big.jsonl";
+  pid = spawn_train({"train", "--config", cfg.string(), "--log", log2.string()}, dir / "err.txt");
+  wait_until_steps(log2, 1);
+  kill(pid, SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  kill(pid, SIGTERM);
+  st = wait_for(pid, std::chrono::seconds(60), "the run after two SIGTERMs");
+  err = read_file(dir / "err.txt");
+  EXPECT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGTERM) << "exit status " << st << ":\n" << err;
+  EXPECT_NE(err.find("SIGTERM: stopping after the current step"), std::string::npos) << err;
+}
+
+// Two ranks: a signal to one of them (Slurm's SIGUSR1 warning here) stops both after the same
+// step, and the checkpoint they save holds both ranks' state. Through `strata launch`, a SIGTERM
+// to the launcher reaches every rank once, and the launcher exits as they do.
+TEST(Checkpoint, ASignalToOneRankOrToTheLauncherStopsEveryRankAfterTheSameStep) {
+  TempDir dir;
+  const auto cfg = dir / "cfg.json", log = dir / "train.jsonl", ck = dir / "ckpt";
+  json j = tiny_llama(1000000);
+  j["run"]["save_every"] = 1000;
+  j["distributed"] = {{"timeout_s", 60}};
+  std::ofstream(cfg) << j.dump(2);
+  const std::string port = std::to_string(20000 + int(getpid() % 10000));
+  std::vector<pid_t> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.push_back(spawn_train({"train", "--config", cfg.string(), "--log", log.string(), "--checkpoint-dir", ck.string()},
+                                dir / ("rank" + std::to_string(r) + ".txt"),
+                                {{"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                                 {"MASTER_PORT", port}}));
+  wait_until_steps(log, 3);
+  kill(ranks[1], SIGUSR1);
+  for (int r = 0; r < 2; ++r) {
+    const int st = wait_for(ranks[r], std::chrono::seconds(60), "rank " + std::to_string(r));
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 128 + SIGUSR1)
+        << "rank " << r << " status " << st << ":\n" << read_file(dir / ("rank" + std::to_string(r) + ".txt"));
+  }
+  const int64_t steps = logged_steps(log);
+  const std::string err0 = read_file(dir / "rank0.txt");
+  EXPECT_NE(err0.find("stopped by SIGUSR1 after step " + std::to_string(steps)), std::string::npos) << err0;
+  auto latest = se::latest_checkpoint(ck);
+  ASSERT_TRUE(latest) << err0;
+  EXPECT_NO_THROW(se::verify_checkpoint(*latest));
+  EXPECT_NE(se::describe_checkpoint(*latest).find("saved by 2 ranks"), std::string::npos) << se::describe_checkpoint(*latest);
+
+  // Through the launcher, resumed: SIGTERM to it alone.
+  const auto log2 = dir / "launched.jsonl";
+  const pid_t launcher = fork();
+  if (launcher == 0) {
+    freopen((dir / "launcher.txt").c_str(), "w", stderr);
+    execl(STRATA_BIN, STRATA_BIN, "launch", "-n", "2", "--", STRATA_BIN, "train", "--config", cfg.c_str(), "--log",
+          log2.c_str(), "--checkpoint-dir", ck.c_str(), "--resume", nullptr);
+    _exit(127);
+  }
+  wait_until_steps(log2, 2);
+  kill(launcher, SIGTERM);
+  const int st = wait_for(launcher, std::chrono::seconds(60), "the launcher");
+  const std::string lerr = read_file(dir / "launcher.txt");
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 128 + SIGTERM) << "status " << st << ":\n" << lerr;
+  const int64_t total = steps + logged_steps(log2);
+  EXPECT_NE(lerr.find("stopped by SIGTERM after step " + std::to_string(total)), std::string::npos) << lerr;
+  EXPECT_EQ(lerr.find("stopping the other ranks"), std::string::npos) << "a stop was taken for a failure:\n" << lerr;
+  latest = se::latest_checkpoint(ck);
+  ASSERT_TRUE(latest);
+  char name[32];
+  snprintf(name, sizeof name, "step-%08lld", (long long)total);
+  EXPECT_EQ(latest->filename().string(), name) << lerr;
+  EXPECT_NO_THROW(se::verify_checkpoint(*latest));
 }
 
 TEST(Checkpoint, FullDiskIsAClearErrorAndThePreviousCheckpointSurvives) {
