@@ -29,6 +29,14 @@
 #           "1.4b-noclip": host placement without clipping, the update overlapped with the next
 #           forward vs with the backward, beside the baselines without clipping)
 # Results are written to $OUT (default: build-gpu/out); each phase prints a short summary last.
+#
+# A session's GPU time is short (30 minutes, 10 per command, the machine given back 30 s after
+# a call): run scripts/fetch-debs.sh here first, carry .deps, and issue the calls back to back:
+#   1. build plan gputest     (the build alone takes minutes; gputest is every never-run CUDA path)
+#   2. benchtrain             (STRATA_BENCH_SHAPES=1.4b first if time is short)
+#   3. STRATA_TRAIN_CONFIGS=gpu-gpt-10b-auto-backward STRATA_TRAIN_TIMEOUT=560 ... train
+#   4. the same with gpu-gpt-14b-auto-backward
+# A fresh machine (after a gap) rebuilds from scratch: keep the calls together.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${STRATA_BUILD_DIR:-$repo/build-gpu}
