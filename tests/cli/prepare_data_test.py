@@ -89,6 +89,21 @@ check(list(w) == tok.encode(texts["b.txt"], add_special_tokens=False).ids + [eos
       "uint32 ids equal the oracle's encoding of the whole file plus the end-of-sequence id")
 check("config: \"data\"" in r.stdout and '"format": "uint32"' in r.stdout, "prints the config snippet")
 
+# A model directory in the older GPT-2 layout (vocab.json + merges.txt + tokenizer_config.json,
+# no tokenizer.json) goes through transformers' AutoTokenizer: the same ids as the tokenizer
+# itself, and its end-of-sequence token from tokenizer_config.json.
+slow_dir = os.path.join(work, "gpt2-layout")
+os.makedirs(slow_dir)
+tok.model.save(slow_dir)  # vocab.json, merges.txt
+with open(os.path.join(slow_dir, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, "eos_token": "<|endoftext|>",
+               "bos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, f)
+slow_out = os.path.join(work, "slow.bin")
+r = run("--tokenizer", slow_dir, "--output", slow_out, "--piece", "3000", docs_dir)
+check(r.returncode == 0, f"prepare through AutoTokenizer (got {r.returncode}: {r.stderr.strip()[-300:]})")
+check(os.path.exists(slow_out) and open(slow_out, "rb").read() == open(out, "rb").read(),
+      "the GPT-2 file layout gives the same token file as tokenizer.json")
+
 # One long line (no newline to cut after) of multi-byte characters, pieces of 1000 bytes: cut
 # between whole UTF-8 characters, it still decodes to exactly the text; and a tokenizer saved
 # with truncation and padding on still encodes every byte.
