@@ -1,10 +1,11 @@
 // `strata launch -n N [--port P] -- command ...`: runs N copies of a command on this node with
 // the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
 // MASTER_PORT). When one rank fails, the others are terminated (SIGTERM, then SIGKILL after 10
-// s) and the launcher exits with the failing rank's status. SIGINT, SIGTERM and SIGUSR1 sent to
-// the launcher are passed on to every rank, once each time (the ranks run in their own process
-// groups, so a terminal's Ctrl-C reaches them through the launcher only, not twice), and the
-// launcher then waits for them however they end; a rank whose launcher dies gets SIGTERM.
+// s) and the launcher exits with the failing rank's status. SIGINT, SIGTERM and SIGUSR1 that a
+// process sends to the launcher are passed on to every rank, as often as they came (a terminal's
+// Ctrl-C reaches the ranks directly: they share the launcher's process group); a rank that then
+// ends with 128 + that signal, or by it, is not a failure. A rank whose launcher dies gets
+// SIGTERM.
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -27,9 +28,17 @@
 namespace strata::cli {
 namespace {
 
-// The last SIGINT, SIGTERM or SIGUSR1 the launcher got, not yet passed on to the ranks.
-std::atomic<int> forwarded_signal{0};
-extern "C" void on_forwarded_signal(int sig) { forwarded_signal.store(sig); }
+// Stop signals the launcher got. Sent by a process (kill, a scheduler): counted to be passed on
+// to every rank, as often as they came. From the terminal (Ctrl-C): the ranks, in the same
+// process group, got it from the terminal too, so it is only noted.
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGUSR1};
+std::atomic<unsigned> to_forward[3];
+std::atomic<bool> received[3];
+int stop_index(int sig) { return sig == SIGINT ? 0 : sig == SIGTERM ? 1 : 2; }
+extern "C" void on_launcher_stop_signal(int sig, siginfo_t* info, void*) {
+  received[stop_index(sig)].store(true);
+  if (info->si_code <= 0) to_forward[stop_index(sig)].fetch_add(1);  // SI_USER, SI_QUEUE, SI_TKILL
+}
 
 constexpr const char* kLaunchUsage = R"(usage: strata launch -n N [--port P] -- command [args...]
 
@@ -87,9 +96,10 @@ int launch_main(const std::vector<std::string>& argv) {
   if (n < 1) throw std::invalid_argument("strata launch: -n must be >= 1");
   const int port = args.has("port") ? int(args.count("port", 0)) : free_port();
 
-  for (int sig : {SIGINT, SIGTERM, SIGUSR1}) {
+  for (int sig : kStopSignals) {
     struct sigaction sa {};
-    sa.sa_handler = on_forwarded_signal;
+    sa.sa_sigaction = on_launcher_stop_signal;
+    sa.sa_flags = SA_SIGINFO;
     sigaction(sig, &sa, nullptr);
   }
   const pid_t launcher = getpid();
@@ -98,12 +108,11 @@ int launch_main(const std::vector<std::string>& argv) {
     pid_t pid = fork();
     if (pid < 0) throw std::runtime_error("fork: " + std::string(strerror(errno)));
     if (pid == 0) {
-      // Its own process group: signals reach it through the launcher, once. SIGTERM if the
-      // launcher dies (SIGKILL included), rather than training on without it.
-      setpgid(0, 0);
+      // SIGTERM if the launcher dies (SIGKILL included), rather than training on without it
+      // (the default disposition first, so that it cannot land in the launcher's handler).
+      for (int sig : kStopSignals) signal(sig, SIG_DFL);
       prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (getppid() != launcher) _exit(128 + SIGTERM);
-      for (int sig : {SIGINT, SIGTERM, SIGUSR1}) signal(sig, SIG_DFL);
       setenv("RANK", std::to_string(r).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
@@ -122,16 +131,15 @@ int launch_main(const std::vector<std::string>& argv) {
 
   int result = 0;
   unsigned running = n;
-  bool stopping = false, forwarded = false;
+  bool stopping = false, died_by_sigint = false;
   auto stop_deadline = std::chrono::steady_clock::time_point::max();
   while (running > 0) {
     // Polled, not a blocking wait: a signal arriving just before a blocking waitpid would wait
     // for a rank to end before being passed on.
-    if (const int sig = forwarded_signal.exchange(0)) {
-      for (pid_t p : pids)
-        if (p > 0) kill(p, sig);
-      forwarded = true;
-    }
+    for (int i = 0; i < 3; ++i)
+      for (unsigned k = to_forward[i].exchange(0); k > 0; --k)
+        for (pid_t p : pids)
+          if (p > 0) kill(p, kStopSignals[i]);
     int status = 0;
     pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid < 0) {
@@ -153,10 +161,15 @@ int launch_main(const std::vector<std::string>& argv) {
     *it = -1;
     --running;
     const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    if (failed && forwarded) {
-      // Asked to stop: the ranks end as they do (a saved checkpoint, 128 + signal); the others
-      // are not hurried, their save may still be running.
+    // A rank that ended as a stop signal the launcher got asks it to (128 + signal, or by the
+    // signal): expected; the others are not hurried, their save may still be running.
+    bool asked = false;
+    for (int i = 0; i < 3; ++i)
+      asked |= received[i].load() && ((WIFEXITED(status) && WEXITSTATUS(status) == 128 + kStopSignals[i]) ||
+                                      (WIFSIGNALED(status) && WTERMSIG(status) == kStopSignals[i]));
+    if (asked) {
       if (result == 0) result = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      died_by_sigint |= WIFSIGNALED(status) && WTERMSIG(status) == SIGINT;
     } else if (failed && !stopping) {
       std::cerr << "strata launch: rank " << rank << " " << describe(status)
                 << "; stopping the other ranks\n";
@@ -166,6 +179,10 @@ int launch_main(const std::vector<std::string>& argv) {
       for (pid_t p : pids)
         if (p > 0) kill(p, SIGTERM);
     }
+  }
+  if (died_by_sigint) {  // as the ranks did: the cooperative exit a shell expects
+    signal(SIGINT, SIG_DFL);
+    raise(SIGINT);
   }
   return result;
 }

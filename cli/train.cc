@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -73,7 +74,8 @@ Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER
 
 SIGINT, SIGTERM or SIGUSR1 (Slurm: --signal=USR1@120) stop the run after the current step, on
 every rank alike: with a checkpoint directory it saves that step first (continue with --resume);
-the exit status is then 128 + the signal. A second SIGINT or SIGTERM stops it at once.
+the exit status is then 128 + the signal. A second SIGINT or SIGTERM stops it at once (not
+after SIGUSR1, nor within a second of the first: docs/CONFIG.md).
 )";
 
 using engine::format_bytes;
@@ -168,39 +170,70 @@ int plan_main(engine::TrainConfig tc) {
 // SIGINT, SIGTERM (what a scheduler sends before it kills) and SIGUSR1 (Slurm's
 // `--signal=USR1@SECONDS` warning) ask the run to stop at the next step boundary. There the ranks
 // agree (any rank's request stops every rank after the same step), save a checkpoint if the run
-// has a checkpoint directory, and exit with 128 + the signal. A second SIGINT or SIGTERM ends the
-// process at once, as the signal would have. The signals are blocked before any thread starts
-// and taken by one waiting thread, so no system call of the engine's threads (I/O, collectives)
-// is interrupted; a handler covers a thread that existed before.
+// has a checkpoint directory, and exit with 128 + the signal (SIGINT: by SIGINT itself, so that a
+// shell loop running strata stops too). A second SIGINT or SIGTERM ends the process at once, as the
+// signal would have; not: SIGINT or SIGTERM after a SIGUSR1 warning (Slurm's time limit: the stop
+// under way keeps its grace period), nor a repeat within a second of the first (the same request
+// delivered twice: `pkill strata` or a process-group kill reaches a rank directly and through
+// `strata launch`). The signals are blocked before any thread starts and taken by one waiting
+// thread, so no system call of the engine's threads (I/O, collectives) is interrupted; a handler
+// covers a thread that existed before. A SIGINT ignored when strata started (a background job of
+// a script) stays ignored.
 std::atomic<int> stop_signal{0};
+std::atomic<int64_t> stop_signal_ns{0};  // CLOCK_MONOTONIC of the first
 std::atomic<bool> stop_messages{false};  // this process prints "stopping ..." (rank 0)
 
 const char* signal_name(int sig) {
   return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : strsignal(sig);
 }
 
-// Async-signal-safe: the handler and the waiting thread both call it.
-void note_stop_signal(int sig) {
-  int none = 0;
-  if (stop_signal.compare_exchange_strong(none, sig) || sig == SIGUSR1) return;
-  signal(sig, SIG_DFL);  // the second SIGINT or SIGTERM: what it would have done
+int64_t monotonic_ns() {  // async-signal-safe
+  timespec t{};
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+
+// Ends the process as `sig` would (its default action), from any thread. Async-signal-safe.
+[[noreturn]] void die_by(int sig) {
+  signal(sig, SIG_DFL);
   sigset_t one;
   sigemptyset(&one);
   sigaddset(&one, sig);
   pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
   raise(sig);
+  _exit(128 + sig);  // not reached for SIGINT and SIGTERM
 }
 
-extern "C" void on_stop_signal(int sig) { note_stop_signal(sig); }
+// Records a stop request; true if it was the first. Async-signal-safe (lock-free atomics,
+// clock_gettime): the handler and the waiting thread both call it.
+bool note_stop_signal(int sig) {
+  int prev = 0;
+  if (stop_signal.compare_exchange_strong(prev, sig)) {
+    stop_signal_ns.store(monotonic_ns());
+    return true;
+  }
+  if (sig == SIGUSR1) return false;  // a repeated warning
+  if (prev == SIGUSR1) {             // the warning, then the real thing: still the first stop
+    stop_signal.compare_exchange_strong(prev, sig);
+    return false;
+  }
+  if (monotonic_ns() - stop_signal_ns.load() < 1000000000) return false;  // the same request twice
+  die_by(sig);
+}
+
+extern "C" void on_train_stop_signal(int sig) { note_stop_signal(sig); }
 
 void catch_stop_signals() {
   static const bool installed = [] {
     sigset_t set;
     sigemptyset(&set);
     for (int sig : {SIGINT, SIGTERM, SIGUSR1}) {
+      struct sigaction old {};
+      sigaction(sig, nullptr, &old);
+      if (sig == SIGINT && old.sa_handler == SIG_IGN) continue;
       sigaddset(&set, sig);
       struct sigaction sa {};
-      sa.sa_handler = on_stop_signal;
+      sa.sa_handler = on_train_stop_signal;
       sa.sa_flags = SA_RESTART;
       sigaction(sig, &sa, nullptr);
     }
@@ -209,11 +242,13 @@ void catch_stop_signals() {
       for (;;) {
         int sig = 0;
         if (sigwait(&set, &sig) != 0) continue;
-        const bool first = stop_signal.load() == 0;
-        if (first && stop_messages.load())
+        const int before = stop_signal.load();
+        if (note_stop_signal(sig) && stop_messages.load())
           std::cerr << "\nstrata train: " << signal_name(sig) << ": stopping after the current step"
                     << (sig == SIGUSR1 ? "" : " (again to stop at once)") << "\n" << std::flush;
-        note_stop_signal(sig);
+        else if (before == SIGUSR1 && sig != SIGUSR1 && stop_messages.load())
+          std::cerr << "\nstrata train: " << signal_name(sig) << " after SIGUSR1: still stopping after the current step\n"
+                    << std::flush;
       }
     }).detach();
     return true;
@@ -228,9 +263,9 @@ int agreed_stop_signal(engine::Communicator& comm) {
   return int(s.item<double>());
 }
 
-}  // namespace
+int agreed_stop = 0;  // the signal every rank agreed to stop on (0: none)
 
-int train_main(const std::vector<std::string>& argv) {
+int run_training(const std::vector<std::string>& argv) {
   for (const auto& a : argv)
     if (a == "--help" || a == "-h") {
       std::cout << kTrainUsage;
@@ -259,10 +294,10 @@ int train_main(const std::vector<std::string>& argv) {
 
   const engine::DistEnv env = engine::DistEnv::from_env();
   if (env.local_world_size > 0) tc.engine.local_ranks = env.local_world_size;
+  stop_messages = env.rank == 0;
   auto comm = engine::Communicator::create(
       env, std::chrono::milliseconds(int64_t(ecp->timeout_s * 1000)), ecp->device == "cuda");
   const bool lead = comm->rank() == 0;
-  stop_messages = lead;
   auto device = engine::Device::create(ecp->device, env.local_rank, ecp->device_budget);
 
   std::unique_ptr<models::Decoder> model =
@@ -471,9 +506,10 @@ int train_main(const std::vector<std::string>& argv) {
       if (tc.checkpoint_dir.empty())
         std::cerr << "; no checkpoint directory (run.checkpoint_dir, --checkpoint-dir): its "
                   << steps_done - first_step << " steps are not saved\n";
+      else if (const auto latest = engine::latest_checkpoint(tc.checkpoint_dir))
+        std::cerr << "; latest checkpoint " << latest->string() << " (continue with --resume)\n";
       else
-        std::cerr << "; " << tc.checkpoint_dir << " holds step " << saved_through
-                  << " (continue with --resume)\n";
+        std::cerr << "; nothing was saved in " << tc.checkpoint_dir << "\n";
       if (!tc.export_dir.empty()) std::cerr << "strata train: not exported (the run did not finish)\n";
     }
   }
@@ -495,7 +531,21 @@ int train_main(const std::vector<std::string>& argv) {
     }
   }
   comm->barrier();
+  agreed_stop = stopped_by;
   return stopped_by == 0 ? 0 : 128 + stopped_by;
+}
+
+}  // namespace
+
+int train_main(const std::vector<std::string>& argv) {
+  const int status = run_training(argv);
+  // Stopped by SIGINT: once everything is torn down (swap files removed, I/O drained), end by
+  // SIGINT itself, the cooperative exit a shell expects (its loop over runs stops too).
+  if (agreed_stop == SIGINT) {
+    std::cerr << std::flush;
+    die_by(SIGINT);
+  }
+  return status;
 }
 
 }  // namespace strata::cli
