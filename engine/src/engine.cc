@@ -31,9 +31,15 @@
 #include <unordered_map>
 
 #include "strata/engine/placement.h"
+#include "strata/engine/plan/memory_model.h"
+#include "strata/engine/plan/schedule.h"
 #include "strata/kernels/cpu_optim.h"
 #include "strata/offload/io_engine.h"
 #include "strata/offload/swap_space.h"
+#include "runtime/activation_store.h"
+#include "runtime/profiler.h"
+#include "state/chunk_ring.h"
+#include "state/host_memory.h"
 #ifdef STRATA_HAVE_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -44,6 +50,8 @@
 
 namespace strata::engine {
 namespace {
+
+using runtime::Profiler;
 
 at::ScalarType scalar_type(Precision p) {
   switch (p) {
@@ -99,67 +107,7 @@ struct Gathered {
   bool bound = false;
 };
 
-// One use of a stage by the schedule.
-struct Use {
-  size_t stage;
-  enum Kind { kForward, kHead, kBackward } kind;
-};
-
-// The per-step timeline (StepTimeline) and, when profiling, the trace spans. The training thread
-// owns `step`; the optimizer thread and I/O completions touch only the atomics and, under `mu`,
-// the spans.
-struct Profiler {
-  using Clock = std::chrono::steady_clock;
-  const Clock::time_point origin = Clock::now();
-  bool tracing = false;
-  StepTimeline step;  // the step in progress; what runs between steps counts for the next one
-  std::atomic<uint64_t> nvme_read{0}, nvme_write{0};
-  // The overlapped update's swap traffic, moved into nvme_read/nvme_write when it is joined (in
-  // the next step), so that it counts there however far it got before this step's end.
-  std::atomic<uint64_t> update_read{0}, update_write{0};
-  std::atomic<uint64_t> checkpoint_wait_ns{0};  // StepTimeline::wait_checkpoint, from any thread
-  static inline thread_local bool on_updater = false;
-  std::atomic<uint64_t>& read_counter() { return on_updater ? update_read : nvme_read; }
-  std::atomic<uint64_t>& write_counter() { return on_updater ? update_write : nvme_write; }
-  uint64_t nvme_read_seen = 0, nvme_write_seen = 0;
-  std::mutex mu;
-  std::vector<TraceSpan> spans;
-
-  double at(Clock::time_point t) const { return std::chrono::duration<double>(t - origin).count(); }
-  void span(const char* lane, std::string name, Clock::time_point b, Clock::time_point e) {
-    if (!tracing) return;
-    std::lock_guard<std::mutex> lock(mu);
-    spans.push_back({lane, std::move(name), at(b), at(e)});
-  }
-  // Adds the time until destruction to `into` and, tracing, a host span named `what` + `unit`.
-  struct Timer {
-    Profiler& p;
-    double& into;
-    const char* what;
-    const std::string* unit;
-    Clock::time_point begin = Clock::now();
-    ~Timer() {
-      const Clock::time_point end = Clock::now();
-      into += std::chrono::duration<double>(end - begin).count();
-      if (p.tracing) p.span("host", unit ? std::string(what) + " " + *unit : std::string(what), begin, end);
-    }
-  };
-  Timer time(double& into, const char* what, const std::string* unit = nullptr) {
-    return Timer{*this, into, what, unit};
-  }
-  // The finished step's timeline; the next one starts from zero.
-  StepTimeline take_step() {
-    const uint64_t r = nvme_read.load(), w = nvme_write.load();
-    step.nvme_read_bytes = r - nvme_read_seen;
-    step.nvme_write_bytes = w - nvme_write_seen;
-    step.wait_checkpoint = double(checkpoint_wait_ns.exchange(0)) * 1e-9;
-    nvme_read_seen = r;
-    nvme_write_seen = w;
-    StepTimeline out = step;
-    step = StepTimeline{};
-    return out;
-  }
-};
+using plan::Use;
 
 }  // namespace
 
@@ -172,14 +120,17 @@ struct Engine::Impl {
   std::unique_ptr<Partition> partition;
   std::vector<UnitState> units;
   std::vector<std::vector<ParamRef>> stage_params;  // all tensors a stage's module uses
-  std::vector<std::vector<size_t>> stage_units;     // units a stage needs gathered
   at::ScalarType cdt;
   std::map<size_t, Gathered> live;
-  std::vector<Use> uses;  // one micro-batch's schedule
-  uint64_t reserve_bytes = 0;
+  // The schedule, the one memory model of the working set, and the choices it was evaluated
+  // with (resolved at construction, fixed afterwards).
+  std::unique_ptr<plan::Schedule> schedule;
+  std::unique_ptr<plan::MemoryModel> memory;
+  plan::Choices choice;
+  const std::vector<size_t>& stage_units(size_t s) const { return schedule->units_of(s); }
+  const std::vector<Use>& uses() const { return schedule->uses(); }
   uint64_t base_bytes = 0;  // device-placed state, allocated at construction
   bool broken = false;      // a step failed half way: the state is undefined
-  uint64_t host_state = 0, host_act_peak = 0;
   int64_t step = 0;
   double loss_scale = 1.0;
   int64_t good_steps = 0;
@@ -189,6 +140,7 @@ struct Engine::Impl {
   std::unique_ptr<offload::SwapSpace> swap;
   uint64_t nvme_state = 0;
   Profiler prof;
+  std::unique_ptr<runtime::ActivationStore> activations;  // built once its placement is resolved
   // The latest snapshot's hold (hold_state). An update captures the hold current at its launch
   // and waits on it unit by unit before changing a unit's saved state.
   std::shared_ptr<StateHold> hold;
@@ -260,199 +212,19 @@ struct Engine::Impl {
     return swap->write(swap_name(u, k), begin * c10::elementSize(kind_dtype(k)), bytes_of(src));
   }
 
-  // --- activation checkpoints ----------------------------------------------------------------
-  // Slot s holds stage s's input (s >= 1; stage 0's input is the token ids) from its forward to
-  // its recompute, where cfg.activations says. Host and NVMe slots are copied back to the device
-  // one stage ahead of the backward.
-  struct ActSlot {
-    at::Tensor device;             // device placement, or on its way back for the backward
-    Device::Reservation res;       // device placement: the forward's reservation of the input
-    at::Tensor host;               // host placement
-    offload::IoFuture written;     // NVMe placement: the slot's write
-    at::Tensor staged;             // NVMe placement: read back into this host buffer by `read`
-    offload::IoFuture read;
-    std::shared_ptr<Event> ready;  // the copy back to the device is done
-  };
-  std::vector<ActSlot> act_slots;
-  uint64_t act_host_bytes = 0;  // host-placed checkpoints of the micro-batch in flight
-  // NVMe: staging buffers until their writes are done. They are dropped here, on the training
-  // thread, never on an I/O or CUDA callback thread (freeing pinned memory may call CUDA).
-  struct ActWrite {
-    offload::IoFuture written;
-    at::Tensor buffer;
-    std::shared_ptr<std::atomic<bool>> submitted;  // the host function ran (the write exists)
-  };
-  std::vector<ActWrite> act_writes;
-  static constexpr size_t kActStaging = 3;
-  void prune_act_writes() {
-    std::erase_if(act_writes, [](const ActWrite& w) { return w.written.ready(); });
-  }
-  std::string act_swap_name(size_t s) const { return "activation." + partition->unit(s).name; }
-
-  void put_activation(size_t s, const at::Tensor& x, Device::Reservation& res) {
-    ActSlot& a = act_slots.at(s);
-    if (cfg.activations == Placement::kDevice) {
-      a.device = x;
-      a.res = std::move(res);
-      return;
-    }
-    const bool nvme = cfg.activations == Placement::kNvme;
-    if (nvme) {
-      // At most kActStaging buffers wait for their writes: a disk slower than the forward holds
-      // the forward back here rather than growing host memory.
-      prune_act_writes();
-      if (act_writes.size() >= kActStaging) {
-        auto t = prof.time(prof.step.wait_activations, "wait activation write");
-        act_writes.front().written.wait();
-        prune_act_writes();
-      }
-    }
-    at::Tensor host = nvme ? host_buffer(uint64_t(x.numel()), cdt).view(x.sizes()) : at::empty(x.sizes(), host_options(cdt));
-    dev.wait(dev.d2h_stream(), dev.record(dev.compute_stream()));  // x is computed there
-    dev.copy_async(host, x, dev.d2h_stream());
-    prof.step.d2h_bytes += uint64_t(host.nbytes());
-    if (!nvme) {
-      a.host = host;
-      act_host_bytes += uint64_t(host.nbytes());
-      host_act_peak = std::max(host_act_peak, act_host_bytes);
-      return;
-    }
-    // Written to swap once the copy has run; the staging buffer goes once the write is done.
-    offload::IoPromise written;
-    a.written = written.future();
-    prof.nvme_write += uint64_t(host.nbytes());
-    auto submitted = std::make_shared<std::atomic<bool>>(false);
-    act_writes.push_back({a.written, host, submitted});  // before the write can start
-    uint64_t staged = 0;
-    for (const ActWrite& w : act_writes) staged += uint64_t(w.buffer.nbytes());
-    host_act_peak = std::max(host_act_peak, staged);
-    dev.launch_host(dev.d2h_stream(), [this, name = act_swap_name(s), bytes = bytes_of(host), written, submitted] {
-      submitted->store(true);
-      try {
-        swap->write(name, 0, bytes).then([written](const offload::IoStatus& st) { written.complete(st); });
-      } catch (const std::exception& e) {
-        written.complete(offload::IoStatus(EIO, std::string("activation checkpoint write: ") + e.what()));
-        throw;
-      }
-    });
-  }
-
-  // Starts bringing stage s's input back to the device (nothing if it is there or on its way).
-  // NVMe: starts reading stage s's checkpoint into a host buffer (a stage before it is copied
-  // up, so that the upload stream rarely waits for the disk).
-  void read_activation(size_t s) {
-    ActSlot& a = act_slots.at(s);
-    if (cfg.activations != Placement::kNvme || a.read.valid() || a.ready) return;  // reading, or fetched
-    {
-      auto t = prof.time(prof.step.wait_activations, "wait activation write", &partition->unit(s).name);
-      a.written.get();  // written during the forward, long before
-    }
-    prune_act_writes();
-    a.staged = host_buffer(uint64_t(cfg.micro_batch * cfg.seq_len * model->config().hidden), cdt);
-    prof.nvme_read += uint64_t(a.staged.nbytes());
-    // Host memory now: buffers still being written or read, and the last one read, which may
-    // still be in the copy queue.
-    uint64_t held = 0;
-    for (const ActWrite& w : act_writes) held += uint64_t(w.buffer.nbytes());
-    for (const ActSlot& b : act_slots) held += b.staged.defined() ? uint64_t(b.staged.nbytes()) : 0;
-    host_act_peak = std::max(host_act_peak, held + uint64_t(a.staged.nbytes()));
-    a.read = swap->read(act_swap_name(s), 0, bytes_of(a.staged));
-  }
-
-  // Drops the slots of a micro-batch, waiting for reads still filling their buffers (a step that
-  // failed half way).
-  void reset_act_slots() {
-    for (ActSlot& a : act_slots)
-      if (a.read.valid()) a.read.wait();
-    act_slots.clear();
-    act_slots.resize(stages.size());
-  }
-
-  void fetch_activation(size_t s) {
-    ActSlot& a = act_slots.at(s);
-    if (a.device.defined()) return;
-    const std::string name = partition->unit(s).name;
-    const std::vector<int64_t> shape{cfg.micro_batch, cfg.seq_len, model->config().hidden};
-    a.device = dev.empty(shape, cdt, "activation checkpoint of unit " + name);
-    at::Tensor src = a.host;
-    dev.wait(dev.h2d_stream(), dev.record(dev.compute_stream()));  // the buffer may be reused memory
-    if (cfg.activations == Placement::kNvme) {
-      read_activation(s);
-      src = a.staged.view(shape);
-      offload::IoFuture read = a.read;
-      dev.launch_host(dev.h2d_stream(), [read] { read.get(); });
-      a.staged = at::Tensor();
-      a.read = {};  // src stays alive in the copy queue until after the read
-    } else {
-      act_host_bytes -= uint64_t(src.nbytes());
-    }
-    dev.copy_async(a.device, src, dev.h2d_stream());  // keeps src alive until done
-    prof.step.h2d_bytes += uint64_t(src.nbytes());
-    a.host = at::Tensor();
-    a.ready = dev.record(dev.h2d_stream());
-  }
-
-  // Stage s's input on the device, the compute stream ordered after its copy back.
-  at::Tensor take_activation(size_t s, Device::Reservation& res) {
-    fetch_activation(s);
-    ActSlot& a = act_slots.at(s);
-    if (a.ready) {
-      auto t = prof.time(prof.step.wait_activations, "wait activations", &partition->unit(s).name);
-      dev.wait(dev.compute_stream(), a.ready);  // blocks on the host device only
-    }
-    at::Tensor x = std::move(a.device);
-    res = std::move(a.res);
-    a = ActSlot{};
-    return x;
-  }
-
-  // Host memory that the device copies from or to: pinned when the device is a GPU.
-  at::TensorOptions host_options(at::ScalarType t) const {
-    return at::TensorOptions().dtype(t).pinned_memory(dev.torch_device().is_cuda());
-  }
-  // Host state is page aligned (pinned on GPU machines), so that checkpoints and the NVMe tier
-  // can move it with O_DIRECT straight from where it lives.
+  // Host memory: the one provider (state/host_memory.h).
+  state::HostMemory host;
+  at::TensorOptions host_options(at::ScalarType t) const { return host.options(t); }
+  at::Tensor host_buffer(uint64_t numel, at::ScalarType t) const { return host.buffer(numel, t); }
+  static at::Tensor aligned_host_buffer(uint64_t numel, at::ScalarType t) { return state::HostMemory::unpinned(numel, t); }
+  // A state shard where `where` says: the device, or host memory (page aligned, pinned on a GPU).
   at::Tensor alloc_state(Placement where, uint64_t numel, at::ScalarType t, const std::string& what) {
     if (where == Placement::kDevice) return dev.empty({int64_t(numel)}, t, what);
-    host_state += numel * c10::elementSize(t);
-#ifdef STRATA_HAVE_CUDA
-    if (dev.torch_device().is_cuda()) {
-      // Pinned at its exact size: libtorch's pinned allocator rounds every block up to a power
-      // of two, which for large shards wastes up to half the host memory the state needs.
-      const uint64_t bytes = std::max<uint64_t>(1, numel * c10::elementSize(t));
-      void* p = nullptr;
-      if (cudaHostAlloc(&p, bytes, cudaHostAllocDefault) != cudaSuccess)
-        throw std::runtime_error("cannot pin " + format_bytes(bytes) + " of host memory for " + what +
-                                 ": " + cudaGetErrorString(cudaGetLastError()));
-      return at::from_blob(p, {int64_t(numel)}, [](void* q) { cudaFreeHost(q); },
-                           at::TensorOptions().dtype(t).pinned_memory(true));
-    }
-#endif
-    return host_buffer(numel, t);
-  }
-  // A page-aligned host buffer (pinned on GPU machines): what direct I/O and copies need.
-  // Not from a device host function: pinning may call CUDA (see aligned_host_buffer).
-  at::Tensor host_buffer(uint64_t numel, at::ScalarType t) const {
-    if (dev.torch_device().is_cuda()) return at::empty({int64_t(numel)}, host_options(t));
-    return aligned_host_buffer(numel, t);
-  }
-  // A page-aligned host buffer that is never pinned: for memory no device copy touches (direct
-  // I/O and CPU arithmetic), and the only kind a host function on a device stream may allocate,
-  // since CUDA forbids CUDA calls there and libtorch's pinned allocator calls cudaHostAlloc.
-  static at::Tensor aligned_host_buffer(uint64_t numel, at::ScalarType t) {
-    const uint64_t bytes = numel * c10::elementSize(t);
-    void* p = std::aligned_alloc(4096, std::max<uint64_t>(4096, (bytes + 4095) / 4096 * 4096));
-    if (!p) throw std::bad_alloc();
-    return at::from_blob(p, {int64_t(numel)}, [](void* q) { std::free(q); },
-                         at::TensorOptions().dtype(t));
+    return host.state(numel, t, what);
   }
   // Device bytes a gathered unit holds: the full buffer, plus the staged shard while host-placed
   // compute copies are on their way.
-  uint64_t unit_param_bytes(size_t u) const {
-    const UnitLayout& L = partition->unit(u);
-    return (L.padded_numel() + (cfg.params != Placement::kDevice ? L.shard_numel : 0)) *
-           c10::elementSize(cdt);
-  }
+  uint64_t unit_param_bytes(size_t u) const { return memory->unit_bytes(u, choice); }
   // Gather decisions use only this bookkeeping (sizes and the schedule, the same on every rank),
   // never the device's momentary use, so that every rank issues its collectives in the same
   // order.
@@ -462,17 +234,24 @@ struct Engine::Impl {
     return b;
   }
   bool plan_fits(uint64_t extra) const {
-    return base_bytes + live_bytes() + extra + reserve_bytes + device_checkpoint_bytes + graphs_held <=
+    return base_bytes + live_bytes() + extra + memory->scratch(choice) + memory->device_checkpoints(choice) +
+               graphs_held <=
            dev.budget();
   }
-  uint64_t use_param_bytes(const Use& use) const {
-    uint64_t b = 0;
-    for (size_t u : stage_units[use.stage]) b += unit_param_bytes(u);
-    return b;
+  // Ranks must agree on every decision that changes their collectives: each value becomes the
+  // largest any rank chose (the slowest tier, the fewest units kept, ...).
+  std::vector<int64_t> agree_max(const std::vector<int64_t>& values) {
+    at::Tensor codes = at::tensor(values, at::TensorOptions().dtype(at::kLong));
+    comm.all_reduce(codes, ReduceOp::kMax);
+    std::vector<int64_t> out(values.size());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = codes[int64_t(i)].item<int64_t>();
+    return out;
   }
+  // The device bytes decisions may count on, beside the device-placed state.
+  uint64_t usable_device() const { return plan::MemoryModel::usable_device(dev.budget(), base_bytes, dev.physical_free()); }
 
   Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Communicator& cm, Device& d)
-      : cfg(c), comm(cm), dev(d), model(std::move(m)) {
+      : cfg(c), comm(cm), dev(d), model(std::move(m)), host(d) {
     cfg.validate();
     cdt = scalar_type(cfg.compute);
     loss_scale = cfg.compute == Precision::kFp16 ? cfg.initial_loss_scale : 1.0;
@@ -497,63 +276,50 @@ struct Engine::Impl {
     }
     partition = std::make_unique<Partition>(specs, comm.world_size());
     stage_params.resize(stages.size());
-    stage_units.resize(stages.size());
+    std::vector<std::vector<size_t>> units_of(stages.size());
     for (size_t s = 0; s < stages.size(); ++s) {
-      stage_units[s].push_back(s);
+      units_of[s].push_back(s);
       for (const at::Tensor& p : stages[s]->parameters()) {
         auto it = owner.find(p.unsafeGetTensorImpl());
         if (it == owner.end())
           throw std::invalid_argument("Engine: stage " + partition->unit(s).name +
                                       " uses a parameter no stage owns");
         stage_params[s].push_back({p, it->second.first, it->second.second});
-        if (std::find(stage_units[s].begin(), stage_units[s].end(), it->second.first) ==
-            stage_units[s].end())
-          stage_units[s].push_back(it->second.first);
+        if (std::find(units_of[s].begin(), units_of[s].end(), it->second.first) ==
+            units_of[s].end())
+          units_of[s].push_back(it->second.first);
       }
     }
+    // The schedule of one micro-batch: forward over embedding and blocks, the head, backward.
+    schedule = std::make_unique<plan::Schedule>(std::move(units_of), partition->num_units());
+    // Transient gradient buffers: the multi-use units' held ones (a tied embedding) plus two.
+    transient_limit = 2 + schedule->shared_units();
 
-    // Each unit's last use in backward order (the lowest stage using it), and how many units
-    // more than one stage uses (a tied embedding): "backward" overlap and transient gradients.
-    last_use_stage.assign(stages.size(), stages.size());
-    std::vector<int> stages_using(stages.size(), 0);
-    for (size_t s = 0; s < stages.size(); ++s)
-      for (size_t u : stage_units[s]) {
-        last_use_stage[u] = std::min(last_use_stage[u], s);
-        ++stages_using[u];
-      }
-    transient_limit = 2 + size_t(std::count_if(stages_using.begin(), stages_using.end(), [](int c) { return c > 1; }));
-
-    // Schedule of one micro-batch: forward over embedding and blocks, the head, backward.
-    const size_t n = stages.size();
-    for (size_t s = 0; s + 1 < n; ++s) uses.push_back({s, Use::kForward});
-    uses.push_back({n - 1, Use::kHead});
-    for (size_t s = n - 1; s-- > 0;) uses.push_back({s, Use::kBackward});
-
-    // Working set beside the gathered parameters: boundary activations (input, output and
-    // their gradients), the head's fp32 logits and their gradient, and the full-unit fp32
-    // gradient buffers (plus a bf16 copy when reducing in bf16) of the units a use touches.
     const models::ModelConfig& mc = model->config();
-    const uint64_t tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
-    act_bytes = tokens * uint64_t(mc.hidden) * c10::elementSize(cdt);
-    const uint64_t act = act_bytes;
-    graph_bytes = tokens * model->block_graph_bytes_per_token(c10::elementSize(cdt));
-    const size_t blocks = n - 2;
-    recomputed = cfg.recompute_blocks == EngineConfig::kRecomputeAuto
-                     ? blocks
-                     : std::min(blocks, size_t(cfg.recompute_blocks));  // "auto" decides below
-    const uint64_t logits = tokens * uint64_t(mc.vocab_size) * (4 + 4 + c10::elementSize(cdt));
-    for (const Use& use : uses) {
-      uint64_t grads = 0;
-      if (use.kind != Use::kForward)
-        for (size_t u : stage_units[use.stage])
-          grads += partition->unit(u).padded_numel() * (4 + (cfg.reduce == Precision::kBf16 ? 2 : 0)) +
-                   partition->unit(u).shard_numel * 4;
-      reserve_bytes = std::max(reserve_bytes, 4 * act + grads + (use.kind == Use::kHead ? logits : 0));
+    plan::ModelSizes sizes;
+    for (const UnitLayout& L : partition->units()) {
+      sizes.padded_numel.push_back(L.padded_numel());
+      sizes.shard_numel.push_back(L.shard_numel);
     }
-    // The backward brings the next stage's checkpoint back while the current stage runs.
-    if (cfg.activations != Placement::kDevice) reserve_bytes += act;
+    sizes.compute_bytes = c10::elementSize(cdt);
+    sizes.reduce_bf16 = cfg.reduce == Precision::kBf16;
+    sizes.tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
+    sizes.hidden = uint64_t(mc.hidden);
+    sizes.vocab = uint64_t(mc.vocab_size);
+    sizes.graph_bytes = sizes.tokens * model->block_graph_bytes_per_token(c10::elementSize(cdt));
+    memory = std::make_unique<plan::MemoryModel>(*schedule, std::move(sizes));
+    const size_t blocks = schedule->blocks();
+    // "auto" decides below, once the state is allocated; until then the working set assumes
+    // every block is recomputed.
+    choice.recomputed = cfg.recompute_blocks == EngineConfig::kRecomputeAuto
+                            ? blocks
+                            : std::min(blocks, size_t(cfg.recompute_blocks));
+    choice.params_staged = cfg.params != Placement::kDevice;  // kAuto: not known yet, so counted
+    choice.activations = cfg.activations;
+    choice.prefetch = cfg.prefetch;
 
     resolve_auto_placement();
+    choice.params_staged = cfg.params != Placement::kDevice;
     grads_transient = gradients_transient(cfg, cfg.master);
     if (grads_transient) cfg.grads = Placement::kHost;  // each unit's gradient waits there for its update
     if (cfg.plan_only) {
@@ -616,48 +382,44 @@ struct Engine::Impl {
 
     base_bytes = dev.used();
     if (cfg.recompute_blocks == EngineConfig::kRecomputeAuto) resolve_recompute();
+    const size_t recomputed = choice.recomputed;
     cfg.recompute_blocks = int(recomputed);
     placement_report += "; recompute " + std::to_string(recomputed) + " of " + std::to_string(blocks) + " blocks";
     if (recomputed < blocks)
       placement_report += " (the last " + std::to_string(blocks - recomputed) + " keep their autograd graphs on the device, " +
-                          format_bytes(graph_bytes) + " each)";
+                          format_bytes(memory->sizes().graph_bytes) + " each)";
     place_activations();
     prefetch_depth = cfg.prefetch;
     if (cfg.prefetch_auto) {
-      // As many of the largest unit as fit beside the largest use, up to 8 and the schedule.
-      uint64_t largest_unit = 0, largest_use = 0;
-      for (size_t u = 0; u < partition->num_units(); ++u) largest_unit = std::max(largest_unit, unit_param_bytes(u));
-      for (const Use& use : uses) largest_use = std::max(largest_use, use_param_bytes(use));
-      const uint64_t free = dev.physical_free();
-      const uint64_t budget = free == UINT64_MAX ? dev.budget() : std::min(dev.budget(), base_bytes + free);
-      const uint64_t used = base_bytes + largest_use + reserve_bytes + device_checkpoint_bytes + peak_held();
-      uint64_t fit = budget > used && largest_unit > 0 ? (budget - used) / largest_unit : 0;
-      fit = std::min<uint64_t>({fit, 8, uses.size() - 1});
+      // As many of the largest unit as fit beside the largest need, up to 8 and the schedule.
+      plan::Choices none_ahead = choice;
+      none_ahead.prefetch = 0;
+      const uint64_t fit = std::min<uint64_t>({memory->prefetch_room(none_ahead, base_bytes, usable_device()), 8,
+                                               uses().size() - 1});
       prefetch_tuner.deepest = int(std::max<uint64_t>(fit, 1));
       prefetch_depth = prefetch_tuner.depth = 1;
+      choice.prefetch = 1;
       placement_report += "; prefetch auto (1 to " + std::to_string(prefetch_tuner.deepest) + " units ahead)";
     }
-    for (const Use& use : uses) {
-      const uint64_t need = use_param_bytes(use) + reserve_bytes + device_checkpoint_bytes + held_at(use);
+    for (const Use& use : uses()) {
+      const uint64_t need = memory->need(use, choice);
       if (base_bytes + need > dev.budget())
         throw BudgetExceeded(
             "device budget " + format_bytes(dev.budget()) + " cannot run unit " +
             partition->unit(use.stage).name + ": it needs " + format_bytes(need) +
-            " (parameters " + format_bytes(use_param_bytes(use)) + ", activations and gradient "
-            "buffers " + format_bytes(reserve_bytes) + ", activation checkpoints on the device " +
-            format_bytes(device_checkpoint_bytes) + ", blocks kept without recompute " +
-            format_bytes(held_at(use)) + ") beside " + format_bytes(dev.used()) +
+            " (parameters " + format_bytes(memory->use_bytes(use, choice)) + ", activations and gradient "
+            "buffers " + format_bytes(memory->scratch(choice)) + ", activation checkpoints on the device " +
+            format_bytes(memory->device_checkpoints(choice)) + ", blocks kept without recompute " +
+            format_bytes(memory->held_at(use, choice)) + ") beside " + format_bytes(dev.used()) +
             " of device-placed state; raise device.budget, recompute more blocks "
             "(placement.recompute) or place state on the host");
     }
   }
 
   // --- blocks kept without recompute (cfg.recompute_blocks) ---------------------------------
-  // Blocks 1..recomputed (stages) run without autograd and are recomputed from checkpoints; the
-  // later blocks run with autograd and keep their graph (~graph_bytes) and their gathered
-  // parameters on the device from their forward to their backward.
-  size_t recomputed = 0;
-  uint64_t graph_bytes = 0;  // one block's graph (Decoder::block_graph_bytes_per_token)
+  // Blocks 1..choice.recomputed (stages) run without autograd and are recomputed from
+  // checkpoints; the later blocks run with autograd and keep their graph and their gathered
+  // parameters on the device from their forward to their backward (MemoryModel::held_at).
   uint64_t graphs_held = 0;  // graphs alive now (reserved on the device)
   struct KeptGraph {
     at::Tensor input, output;  // input.grad() is the backward's result
@@ -665,84 +427,48 @@ struct Engine::Impl {
   };
   std::vector<KeptGraph> kept_graphs;  // by stage, for the micro-batch in flight
   std::set<size_t> held_units;         // units of kept stages between their forward and backward
-  bool kept(size_t s) const { return s > recomputed && s + 1 < stages.size(); }
-  bool checkpointed(size_t s) const { return s >= 1 && s <= recomputed; }
-  // Device bytes of kept blocks alive during `use` (the used stage's own parameters aside).
-  uint64_t held_at(const Use& use) const {
-    uint64_t b = 0;
-    for (size_t j = recomputed + 1; j + 1 < stages.size(); ++j) {
-      if (use.kind == Use::kHead || j < use.stage) b += graph_bytes + unit_param_bytes(j);
-      else if (j == use.stage) b += graph_bytes;
-    }
-    return b;
-  }
-  uint64_t peak_held() const {
-    uint64_t b = 0;
-    for (const Use& use : uses) b = std::max(b, held_at(use));
-    return b;
-  }
+  bool kept(size_t s) const { return memory->keeps_graph(s, choice); }
+  bool checkpointed(size_t s) const { return memory->checkpointed(s, choice); }
   // recompute "auto": keeps as many of the last blocks' graphs as fit beside the device-placed
-  // state, the largest use, the prefetched units and, placed there, the remaining checkpoints.
+  // state and the working set (checkpoints counted where placed on the device explicitly).
   void resolve_recompute() {
-    const size_t blocks = stages.size() - 2;
-    uint64_t largest_unit = 0;
-    for (size_t u = 0; u < partition->num_units(); ++u) largest_unit = std::max(largest_unit, unit_param_bytes(u));
-    const uint64_t free = dev.physical_free();
-    const uint64_t budget = free == UINT64_MAX ? dev.budget() : std::min(dev.budget(), base_bytes + free);
+    const size_t blocks = schedule->blocks();
+    const uint64_t usable = usable_device();
     size_t keep = 0;
     for (size_t k = 1; k <= blocks; ++k) {
-      recomputed = blocks - k;
-      uint64_t need = 0;
-      for (const Use& use : uses) need = std::max(need, use_param_bytes(use) + reserve_bytes + held_at(use));
-      need += uint64_t(cfg.prefetch) * largest_unit;
-      if (cfg.activations == Placement::kDevice) need += checkpoint_bytes();
-      if (base_bytes + need > budget) break;
+      plan::Choices c = choice;
+      c.recomputed = blocks - k;
+      if (base_bytes + memory->working_set(c) > usable) break;
       keep = k;
     }
     // Every rank recomputes as many as any rank must: their gathers must stay in step.
-    at::Tensor code = at::tensor({int64_t(blocks - keep)}, at::TensorOptions().dtype(at::kLong));
-    comm.all_reduce(code, ReduceOp::kMax);
-    recomputed = size_t(code[0].item<int64_t>());
+    choice.recomputed = size_t(agree_max({int64_t(blocks - keep)})[0]);
   }
 
   // Resolves placement.activations "auto" (device, else host, else swap; see config.h), opens
   // the swap slots of NVMe-placed checkpoints, and adds the placement to the report.
-  uint64_t device_checkpoint_bytes = 0;  // counted in every use's need (they live across uses)
-  uint64_t act_bytes = 0;  // one block input (an activation checkpoint) of a micro-batch
-  // All activation checkpoints of one micro-batch: the inputs of the recomputed stages.
-  uint64_t checkpoint_bytes() const { return uint64_t(recomputed) * act_bytes; }
   void place_activations() {
-    const uint64_t act = act_bytes;
-    const size_t n = stages.size();
-    const uint64_t all = checkpoint_bytes();
-    act_slots.clear();
-    act_slots.resize(n);
+    const uint64_t all = memory->checkpoint_bytes(choice);
     if (cfg.activations == Placement::kAuto) {
-      uint64_t largest_use = 0;
-      for (const Use& use : uses) largest_use = std::max(largest_use, use_param_bytes(use));
-      // The budget covers the device-placed state; the device's free memory was measured after
-      // it was allocated.
-      const uint64_t device_need =
-          base_bytes + largest_use + uint64_t(cfg.prefetch) * largest_use + reserve_bytes + peak_held() + all;
-      const uint64_t free = dev.physical_free();
-      const bool fits = device_need <= dev.budget() && (free == UINT64_MAX || device_need - base_bytes <= free);
+      plan::Choices on_device = choice;
+      on_device.activations = Placement::kDevice;
+      const bool fits = base_bytes + memory->working_set(on_device) <= usable_device();
       const TierBudgets b = machine_budgets(cfg, 0, local_ranks());
       Placement p = Placement::kHost;
       if (fits) p = Placement::kDevice;
       // A configured host budget covers the host state too; a derived one is what is free now.
-      else if ((cfg.host_budget ? host_state + all : all) <= b.host || cfg.nvme_dirs.empty()) p = Placement::kHost;
+      else if ((cfg.host_budget ? host.state_bytes() + all : all) <= b.host || cfg.nvme_dirs.empty()) p = Placement::kHost;
       else p = Placement::kNvme;
       // Every rank takes the slowest tier any rank chose.
-      at::Tensor code = at::tensor({int64_t(p)}, at::TensorOptions().dtype(at::kLong));
-      comm.all_reduce(code, ReduceOp::kMax);
-      cfg.activations = Placement(code[0].item<int64_t>());
-      if (cfg.activations == Placement::kDevice) reserve_bytes -= act;  // nothing to bring back
+      cfg.activations = Placement(agree_max({int64_t(p)})[0]);
     }
-    if (cfg.activations == Placement::kDevice) device_checkpoint_bytes = all;
-    if (cfg.activations == Placement::kNvme) {
-      open_swap();
-      for (size_t s = 1; s <= recomputed; ++s) swap->allocate(act_swap_name(s), act);
-    }
+    choice.activations = cfg.activations;
+    if (cfg.activations == Placement::kNvme) open_swap();
+    std::vector<std::string> names;
+    for (size_t s = 0; s < stages.size(); ++s) names.push_back(partition->unit(s).name);
+    activations = std::make_unique<runtime::ActivationStore>(
+        cfg.activations, std::vector<int64_t>{cfg.micro_batch, cfg.seq_len, model->config().hidden}, cdt,
+        std::move(names), choice.recomputed, dev, host, prof, swap.get());
     placement_report += std::string("; activation checkpoints ") + to_string(cfg.activations) + " " +
                         format_bytes(all) + " a micro-batch";
   }
@@ -778,14 +504,12 @@ struct Engine::Impl {
 
   void resolve_auto_placement() {
     StateBytes need;
-    uint64_t largest_unit = 0;
     for (const UnitLayout& L : partition->units()) {
       need.params += L.shard_numel * c10::elementSize(cdt);
       need.grads += L.shard_numel * 4;
       need.master += L.shard_numel * 4;
       need.moments += L.shard_numel * 8;
       need.unit_numel.push_back(L.shard_numel);
-      largest_unit = std::max(largest_unit, L.padded_numel() * c10::elementSize(cdt));
     }
     need.grad_buffers = uint64_t(transient_limit) * largest_shard() * 4;
     const bool any_auto = cfg.params == Placement::kAuto || cfg.grads == Placement::kAuto ||
@@ -796,17 +520,14 @@ struct Engine::Impl {
       placement_report = "placement: " + describe_plan(plan, need);
       return;
     }
-    // The device keeps room for the largest use, its working set and the prefetched units.
-    uint64_t working = 0;
-    for (const Use& use : uses) working = std::max(working, use_param_bytes(use) + reserve_bytes);
-    working += uint64_t(cfg.prefetch) * largest_unit;  // "auto": its starting depth
-    if (cfg.activations == Placement::kDevice) working += checkpoint_bytes();  // placed there explicitly
-    working += peak_held();  // blocks kept without recompute (an explicit count)
-    const uint64_t device = std::min(dev.budget(), dev.physical_free());
+    // The device keeps room for the working set (prefetch "auto": its starting depth; blocks kept
+    // without recompute: an explicit count; checkpoints: where placed explicitly).
+    const uint64_t working = memory->working_set(choice);
+    const uint64_t device = usable_device();  // nothing allocated yet
     const uint64_t device_state = device == UINT64_MAX ? device : device > working ? device - working : 0;
     TierBudgets budgets = machine_budgets(cfg, device_state, local_ranks());
     // Checkpoints placed on the host explicitly need their room beside the state.
-    if (cfg.activations == Placement::kHost) budgets.host -= std::min(budgets.host, checkpoint_bytes());
+    if (cfg.activations == Placement::kHost) budgets.host -= std::min(budgets.host, memory->checkpoint_bytes(choice));
     PlacementPlan plan = plan_placement(cfg, need, budgets);
     // This rank's bytes in host RAM and in swap under a plan (as placement(u, k) will say).
     const auto host_and_swap = [&](const PlacementPlan& p) {
@@ -829,15 +550,12 @@ struct Engine::Impl {
     const int64_t n_units = int64_t(partition->num_units());
     const int64_t on_device = plan.master == Placement::kDevice ? n_units : int64_t(plan.device_units);
     const int64_t on_host = plan.master == Placement::kNvme ? int64_t(std::max(plan.host_units, plan.device_units)) : n_units;
-    at::Tensor codes = at::tensor({int64_t(plan.params), int64_t(plan.grads), int64_t(plan.master),
-                                   int64_t(plan.moments), n_units - on_host, n_units - on_device},
-                                  at::TensorOptions().dtype(at::kLong));
-    comm.all_reduce(codes, ReduceOp::kMax);
-    plan = {Placement(codes[0].item<int64_t>()), Placement(codes[1].item<int64_t>()),
-            Placement(codes[2].item<int64_t>()), Placement(codes[3].item<int64_t>())};
+    const std::vector<int64_t> codes = agree_max({int64_t(plan.params), int64_t(plan.grads), int64_t(plan.master),
+                                                  int64_t(plan.moments), n_units - on_host, n_units - on_device});
+    plan = {Placement(codes[0]), Placement(codes[1]), Placement(codes[2]), Placement(codes[3])};
     plan.grads_transient = gradients_transient(cfg, plan.master);
-    if (plan.master != Placement::kDevice) plan.device_units = size_t(n_units - codes[5].item<int64_t>());
-    if (plan.master == Placement::kNvme) plan.host_units = size_t(n_units - codes[4].item<int64_t>());
+    if (plan.master != Placement::kDevice) plan.device_units = size_t(n_units - codes[5]);
+    if (plan.master == Placement::kNvme) plan.host_units = size_t(n_units - codes[4]);
     split.device_units = plan.device_units;
     split.host_units = plan.host_units;
     // A rank may now hold more in host RAM or swap than it planned (another rank chose a slower
@@ -915,11 +633,10 @@ struct Engine::Impl {
     if (it != live.end()) live.erase(it);
   }
 
-  // Uses are numbered over the whole step: index k is micro-batch k / uses.size().
-  const Use& use_at(size_t k) const { return uses[k % uses.size()]; }
+  const Use& use_at(size_t k) const { return schedule->use_at(k); }
 
   void ensure(size_t k) {
-    const std::vector<size_t>& need = stage_units[use_at(k).stage];
+    const std::vector<size_t>& need = stage_units(use_at(k).stage);
     for (size_t u : need) {
       if (live.count(u)) continue;
       if (!plan_fits(unit_param_bytes(u))) {
@@ -941,8 +658,8 @@ struct Engine::Impl {
     uint64_t graphs_ahead = 0;  // graphs of kept blocks whose forward comes before use j
     for (size_t j = k + 1; j <= k + size_t(prefetch_depth) && j < total; ++j) {
       const Use& use = use_at(j);
-      if (use.kind == Use::kForward && kept(use.stage)) graphs_ahead += graph_bytes;
-      for (size_t u : stage_units[use.stage]) {
+      if (use.kind == Use::kForward && kept(use.stage)) graphs_ahead += memory->sizes().graph_bytes;
+      for (size_t u : stage_units(use.stage)) {
         if (live.count(u)) continue;
         if (!plan_fits(unit_param_bytes(u) + graphs_ahead)) return;
         start_gather(u);
@@ -955,7 +672,7 @@ struct Engine::Impl {
     for (auto& [u, g] : live) {
       bool needed = held_units.count(u) > 0;
       for (size_t j = k + 1; j <= k + 1 + size_t(prefetch_depth) && j < total && !needed; ++j)
-        for (size_t v : stage_units[use_at(j).stage]) needed |= v == u;
+        for (size_t v : stage_units(use_at(j).stage)) needed |= v == u;
       if (!needed) drop.push_back(u);
     }
     for (size_t u : drop) release(u);
@@ -1006,7 +723,7 @@ struct Engine::Impl {
     // Every unit the stage uses is reduced, gradient or not, so that the collectives are the
     // same on every rank whatever autograd produced locally.
     std::map<size_t, at::Tensor> flats;
-    for (size_t u : stage_units[stage]) {
+    for (size_t u : stage_units(stage)) {
       const UnitLayout& L = partition->unit(u);
       flats[u] = dev.empty({int64_t(L.padded_numel())}, at::kFloat, "gradient of unit " + L.name).zero_();
     }
@@ -1130,7 +847,7 @@ struct Engine::Impl {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t b = cfg.micro_batch, T = cfg.seq_len, A = cfg.grad_accum;
     const size_t n = stages.size();
-    const size_t total = uses.size() * size_t(A);
+    const size_t total = uses().size() * size_t(A);
     const double W = comm.world_size();
     const double denom = loss_scale * double(A) * W;  // the gradients' sum over the global batch
     const bool in_backward = updates_in_backward();
@@ -1152,8 +869,7 @@ struct Engine::Impl {
       at::Tensor rows = ids_on_device.narrow(0, m * b, b);
       at::Tensor inputs = rows.narrow(1, 0, T).contiguous();
       at::Tensor targets = rows.narrow(1, 1, T).reshape(-1);
-      reset_act_slots();
-      act_host_bytes = 0;
+      activations->begin_micro_batch();
       kept_graphs.clear();
       kept_graphs.resize(n);
       graphs_held = 0;
@@ -1163,8 +879,8 @@ struct Engine::Impl {
       // Forward through the embedding and the blocks, without autograd.
       for (size_t s = 0; s + 1 < n; ++s, ++k) {
         if (kept(s)) {  // before the gathers, which must leave room for it
-          kept_graphs.at(s).res = dev.reserve(graph_bytes, "autograd graph of unit " + partition->unit(s).name);
-          graphs_held += graph_bytes;
+          kept_graphs.at(s).res = dev.reserve(memory->sizes().graph_bytes, "autograd graph of unit " + partition->unit(s).name);
+          graphs_held += memory->sizes().graph_bytes;
         }
         ensure(k);
         prefetch(k, total);
@@ -1178,7 +894,7 @@ struct Engine::Impl {
           g.output = stages[s]->forward(g.input);
           compute_span("forward " + partition->unit(s).name, mark);
           y = g.output.detach();
-          for (size_t u : stage_units[s]) held_units.insert(u);
+          for (size_t u : stage_units(s)) held_units.insert(u);
         } else {
           at::NoGradGuard no_grad;
           const auto mark = compute_mark();
@@ -1186,7 +902,7 @@ struct Engine::Impl {
           compute_span("forward " + partition->unit(s).name, mark);
         }
         Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + partition->unit(s).name);
-        if (checkpointed(s)) put_activation(s, x, x_res);  // stage 0 recomputes from the token ids
+        if (checkpointed(s)) activations->put(s, x, x_res);  // stage 0 recomputes from the token ids
         x = y;
         x_res = std::move(y_res);  // a kept stage's input: in its graph (graph_bytes) from here
         release_unneeded(k, total);
@@ -1229,11 +945,11 @@ struct Engine::Impl {
         if (s == 0) {
           xin = inputs;
         } else if (checkpointed(s)) {
-          xin = take_activation(s, in_res);
+          xin = activations->take(s, in_res);
           xin.requires_grad_(true);
         }
-        if (s > 1 && checkpointed(s - 1)) fetch_activation(s - 1);  // copied back while this stage runs
-        if (s > 2 && checkpointed(s - 2)) read_activation(s - 2);   // NVMe: read a stage earlier still
+        if (s > 1 && checkpointed(s - 1)) activations->fetch(s - 1);  // copied back while this stage runs
+        if (s > 2 && checkpointed(s - 2)) activations->read_ahead(s - 2);  // NVMe: read a stage earlier still
         if (kept(s)) {
           KeptGraph g = std::move(kept_graphs.at(s));
           const auto mark = compute_mark();
@@ -1241,8 +957,8 @@ struct Engine::Impl {
           compute_span("backward " + partition->unit(s).name, mark);
           dy = g.input.grad();
           g = KeptGraph{};  // the graph's memory, then its reservation
-          graphs_held -= graph_bytes;
-          for (size_t u : stage_units[s]) held_units.erase(u);
+          graphs_held -= memory->sizes().graph_bytes;
+          for (size_t u : stage_units(s)) held_units.erase(u);
         } else {
           const auto mark = compute_mark();
           at::Tensor y = stages[s]->forward(xin);
@@ -1256,7 +972,7 @@ struct Engine::Impl {
         release_unneeded(k, total);
       }
     }
-    prune_act_writes();  // every checkpoint came back, so every staging buffer can go
+    activations->prune();  // every checkpoint came back, so every staging buffer can go
     {
       auto t = prof.time(prof.step.wait_grads, "wait gradients");
       dev.synchronize(dev.d2h_stream());  // host gradient accumulation done
@@ -1344,100 +1060,43 @@ struct Engine::Impl {
 
   // --- streaming through host buffers (NVMe placement) ----------------------------------------
 
-  struct Chunk {
-    size_t unit;
-    uint64_t begin, numel;  // elements of the unit's shard
+  using Chunk = state::ChunkRing::Chunk;
+  using ChunkFn = state::ChunkRing::Fn;
+  static_assert(state::ChunkRing::kKinds == kKinds);
+  // What the chunk ring needs of the state: the tiers as placement(u, k) says.
+  struct RingSource final : state::ChunkRing::Source {
+    Impl& I;
+    explicit RingSource(Impl& impl) : I(impl) {}
+    uint64_t shard_numel(size_t u) const override { return I.partition->unit(u).shard_numel; }
+    at::ScalarType dtype(int k) const override { return I.kind_dtype(k); }
+    bool streamed(size_t u, int k) const override { return I.streamed(u, k); }
+    bool in_swap(size_t u, int k) const override { return I.placement(u, k) == Placement::kNvme; }
+    void* resident(size_t u, int k, uint64_t begin) override {
+      const at::Tensor& t = I.units[u].kind(k);
+      return t.defined() ? static_cast<char*>(t.data_ptr()) + begin * c10::elementSize(I.kind_dtype(k)) : nullptr;
+    }
+    offload::IoFuture read(size_t u, int k, uint64_t begin, const at::Tensor& dst) override {
+      return I.swap_read(u, k, begin, dst);
+    }
+    offload::IoFuture write(size_t u, int k, uint64_t begin, const at::Tensor& src) override {
+      return I.swap_write(u, k, begin, src);
+    }
+    void store(size_t u, int k, uint64_t begin, const at::Tensor& src) override {
+      I.units[u].kind(k).narrow(0, int64_t(begin), src.numel()).copy_(src);
+    }
   };
-  using ChunkFn = std::function<void(const Chunk&, const std::array<void*, kKinds>&)>;
 
-  // Runs `fn` over this rank's shards, unit by unit in chunks of offload.optimizer_chunk, with a
-  // host pointer to the chunk of every kind in `in` | `out`: resident host state directly,
-  // NVMe-placed kinds through a ring of three host buffers (the kinds in `in` read one chunk
-  // ahead, those in `out` written back behind), device-placed compute copies through a buffer
-  // copied up after `fn`. Device-placed kinds other than the compute copy are not supported
-  // (the optimizer runs where the master weights live).
-  // `unit_done(u)`, if set, is called once every chunk of unit u has been processed and written
-  // back (units finish in the order of the pass). `which`, if set, limits the pass to those
-  // units, in its order.
-  // `before_unit(u)`, if set, is called before unit u's first chunk is processed, once that
-  // chunk's reads (and the next chunk's) are under way: it may block until u is ready.
+  // Runs `fn` over this rank's shards of the units in `which` (all by default), unit by unit in
+  // chunks of offload.optimizer_chunk, through the chunk ring (state/chunk_ring.h). Device-placed
+  // kinds other than the compute copy are not supported (the optimizer runs where the master
+  // weights live).
   void stream_chunks(unsigned in, unsigned out, const ChunkFn& fn,
                      const std::function<void(size_t)>& unit_done = {},
                      const std::vector<size_t>* which = nullptr,
                      const std::function<void(size_t)>& before_unit = {}) {
-    const uint64_t chunk = std::max<uint64_t>(4096, cfg.nvme_chunk_bytes / 4 / 4096 * 4096);
-    std::vector<Chunk> items;
-    uint64_t largest = 0;
-    for (size_t u : which ? *which : all_units()) {
-      const uint64_t n = partition->unit(u).shard_numel;
-      for (uint64_t b = 0; b < n; b += chunk) items.push_back({u, b, std::min(chunk, n - b)});
-      largest = std::max(largest, std::min(chunk, n));
-    }
-    unsigned buffered = 0;  // kinds that some unit streams through the slots' buffers
-    for (int k = 0; k < kKinds; ++k)
-      for (size_t u = 0; u < units.size(); ++u)
-        if (((in | out) >> k & 1) && streamed(u, k)) buffered |= 1u << k;
-    struct Slot {
-      std::array<at::Tensor, kKinds> buf;
-      std::vector<offload::IoFuture> reads, writes;
-    };
-    std::array<Slot, 3> slots;
-    for (Slot& sl : slots)
-      for (int k = 0; k < kKinds; ++k)
-        if (buffered >> k & 1) sl.buf[k] = host_buffer(largest, kind_dtype(k));
-    auto issue_reads = [&](size_t i) {
-      Slot& sl = slots[i % slots.size()];
-      for (auto& w : sl.writes) w.get();
-      sl.writes.clear();
-      const Chunk& c = items[i];
-      for (int k = 0; k < kKinds; ++k)
-        if ((in & buffered) >> k & 1 && placement(c.unit, k) == Placement::kNvme)
-          sl.reads.push_back(swap_read(c.unit, k, c.begin, sl.buf[k].narrow(0, 0, int64_t(c.numel))));
-    };
-    auto drain_writes = [&] {
-      for (Slot& sl : slots) {
-        for (auto& w : sl.writes) w.get();
-        sl.writes.clear();
-      }
-    };
-    try {
-      if (!items.empty()) issue_reads(0);
-      for (size_t i = 0; i < items.size(); ++i) {
-        if (unit_done && i > 0 && items[i].unit != items[i - 1].unit) {
-          drain_writes();
-          unit_done(items[i - 1].unit);
-        }
-        if (i + 1 < items.size()) issue_reads(i + 1);
-        if (before_unit && (i == 0 || items[i].unit != items[i - 1].unit)) before_unit(items[i].unit);
-        Slot& sl = slots[i % slots.size()];
-        for (auto& r : sl.reads) r.get();
-        sl.reads.clear();
-        const Chunk& c = items[i];
-        UnitState& U = units[c.unit];
-        std::array<void*, kKinds> ptr{};
-        for (int k = 0; k < kKinds; ++k) {
-          if (buffered >> k & 1 && streamed(c.unit, k)) ptr[k] = sl.buf[k].data_ptr();
-          else if (((in | out) >> k & 1) && U.kind(k).defined())
-            ptr[k] = static_cast<char*>(U.kind(k).data_ptr()) + c.begin * c10::elementSize(kind_dtype(k));
-        }
-        fn(c, ptr);
-        for (int k = 0; k < kKinds; ++k) {
-          if (!((out & buffered) >> k & 1) || !streamed(c.unit, k)) continue;
-          const at::Tensor b = sl.buf[k].narrow(0, 0, int64_t(c.numel));
-          if (placement(c.unit, k) == Placement::kNvme) sl.writes.push_back(swap_write(c.unit, k, c.begin, b));
-          else U.kind(k).narrow(0, int64_t(c.begin), int64_t(c.numel)).copy_(b);
-        }
-      }
-      drain_writes();
-      if (unit_done && !items.empty()) unit_done(items.back().unit);
-    } catch (...) {
-      // The buffers must outlive every transfer into or out of them.
-      for (Slot& sl : slots) {
-        for (auto& r : sl.reads) r.wait();
-        for (auto& w : sl.writes) w.wait();
-      }
-      throw;
-    }
+    RingSource source(*this);
+    state::ChunkRing ring(source, host, cfg.nvme_chunk_bytes);
+    ring.run(in, out, which ? *which : all_units(), fn, unit_done, before_unit);
   }
   bool optimizer_streams() const {
     return cfg.master == Placement::kNvme || cfg.grads == Placement::kNvme || cfg.params == Placement::kNvme;
@@ -1761,8 +1420,7 @@ struct Engine::Impl {
         // are read while its gradient is still on its way (the chunk ring runs ahead across
         // units), and its update starts as soon as the gradient is there.
         std::vector<size_t> order = units_where(false);  // the device's units: at the step's end
-        std::stable_sort(order.begin(), order.end(),
-                         [&](size_t a, size_t b) { return last_use_stage[a] > last_use_stage[b]; });
+        order = schedule->in_final_gradient_order(std::move(order));
         update_units(ac, order, unit_done, &unit_sumsq, [&](size_t u) {
           {
             std::unique_lock<std::mutex> lock(update_mu);
@@ -1797,8 +1455,7 @@ struct Engine::Impl {
               if (grad_final_write[u].valid()) writes.push_back(grad_final_write[u]);
             }
         }
-        std::stable_sort(ready.begin(), ready.end(),
-                         [&](size_t a, size_t b) { return last_use_stage[a] > last_use_stage[b]; });
+        ready = schedule->in_final_gradient_order(std::move(ready));
         left -= ready.size();
         for (const offload::IoFuture& w : writes) w.get();  // the gradient's last swap write
         update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
@@ -1860,10 +1517,9 @@ struct Engine::Impl {
 
   // "backward", after the last micro-batch reduced `stage`'s gradients: the units whose last use
   // that was are final once the d2h stream gets past their accumulation (or swap write).
-  std::vector<size_t> last_use_stage;  // by unit: the lowest stage using it (its last backward)
   void signal_final_gradients(size_t stage) {
-    for (size_t u : stage_units[stage]) {
-      if (last_use_stage.at(u) != stage) continue;
+    for (size_t u : stage_units(stage)) {
+      if (schedule->last_use_stage(u) != stage) continue;
       dev.launch_host(dev.d2h_stream(), [this, u] {
         offload::IoFuture written;
         if (placement(u, kGrad) == Placement::kNvme) {
@@ -1955,8 +1611,7 @@ Engine::~Engine() {
       impl_->dev.synchronize(*st);
     } catch (...) {
     }
-  for (const auto& w : impl_->act_writes)
-    if (w.submitted->load()) w.written.wait();
+  impl_->activations.reset();
   try {
     impl_->finish_grad_writes();
   } catch (...) {
@@ -2057,8 +1712,7 @@ std::vector<size_t> Engine::update_order() const {
   std::vector<size_t> device = I.units_where(true), rest = I.units_where(false);
   if (I.updates_in_backward()) {
     // The CPU's units as their gradients become final, then the device's at the step's end.
-    std::stable_sort(rest.begin(), rest.end(),
-                     [&](size_t a, size_t b) { return I.last_use_stage[a] > I.last_use_stage[b]; });
+    rest = I.schedule->in_final_gradient_order(std::move(rest));
     rest.insert(rest.end(), device.begin(), device.end());
     return rest;
   }
@@ -2132,6 +1786,9 @@ void Engine::refresh_compute_copies() {
   }, {}, &rest);
 }
 
+const plan::MemoryModel& Engine::memory_model() const { return *impl_->memory; }
+const plan::Choices& Engine::working_set_choices() const { return impl_->choice; }
+uint64_t Engine::device_state_bytes() const { return impl_->base_bytes; }
 const Partition& Engine::partition() const { return *impl_->partition; }
 const models::ModelConfig& Engine::model_config() const { return impl_->model->config(); }
 double Engine::flops_per_token() const { return impl_->flops_per_token(); }
@@ -2141,9 +1798,9 @@ MemoryReport Engine::memory() const {
   r.device_used = impl_->dev.used();
   r.device_peak = impl_->dev.peak();
   r.device_budget = impl_->dev.budget();
-  r.host_state = impl_->host_state;
+  r.host_state = impl_->host.state_bytes();
   r.nvme_state = impl_->nvme_state;
-  r.host_activations = impl_->host_act_peak;
+  r.host_activations = impl_->activations ? impl_->activations->host_peak() : 0;
   return r;
 }
 

@@ -1059,7 +1059,9 @@ TEST(EngineAuto, SplitsTheOptimizerGroupOverDeviceHostAndSwapAndTrainsBitwiseAli
   json j = tiny_config(true, 3);
   j["run"]["steps"] = 5;
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
-  const uint64_t budget = 1200 * 1024;  // the device holds the working set and the first unit's state
+  // The device holds the working set (the memory model's: 836 KiB here, 1040 KiB with the
+  // update during backward's micro-batches of 4) and the first unit's state, not the second's.
+  const uint64_t budget = 1300 * 1024;
   std::vector<uint64_t> shard;
   {
     const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
@@ -1071,8 +1073,8 @@ TEST(EngineAuto, SplitsTheOptimizerGroupOverDeviceHostAndSwapAndTrainsBitwiseAli
   ASSERT_EQ(shard.size(), 5u);
   uint64_t all = 0;
   for (uint64_t n : shard) all += n;
-  // The device has 488 KiB beside its working set: unit 0's 16 bytes an element (64 KiB), not
-  // unit 1's as well (496 KiB). Host RAM: fp32 compute copies, the other units' gradients, unit
+  // The device has 464 KiB beside its working set (260 KiB with the update during backward):
+  // unit 0's 16 bytes an element (256 KiB), not unit 1's as well (752 KiB). Host RAM: fp32 compute copies, the other units' gradients, unit
   // 1's master and moments, and the host-placed activation checkpoints (3 blocks x 2 x 24 tokens
   // x 64 x fp32).
   ASSERT_LT(16 * shard[0], 488 * 1024u);

@@ -44,6 +44,7 @@
 #include "strata/engine/config.h"
 #include "strata/engine/device.h"
 #include "strata/engine/partition.h"
+#include "strata/engine/plan/memory_model.h"
 #include "strata/models/decoder.h"
 #include "strata/offload/swap_space.h"
 
@@ -209,6 +210,14 @@ class Engine {
   bool gradients_stored() const;
   // One line: each kind's tier and bytes on this rank, and for automatic placement the budgets.
   const std::string& placement_report() const;
+
+  // The one memory model of the device working set (plan/memory_model.h), the choices this
+  // engine resolved (placement, recompute, checkpoints, prefetch), and the device-placed state
+  // beside which it runs: every use needs device_state_bytes() + memory_model().need(use, ...)
+  // of the device budget, which construction checks.
+  const plan::MemoryModel& memory_model() const;
+  const plan::Choices& working_set_choices() const;
+  uint64_t device_state_bytes() const;
 
   const Partition& partition() const;
   const models::ModelConfig& model_config() const;

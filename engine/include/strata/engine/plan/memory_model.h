@@ -1,0 +1,102 @@
+// The one memory model of the device working set. Every decision that depends on how much device
+// memory a step needs calls it: automatic placement (the room left for state), recompute "auto"
+// (how many blocks keep their graphs), activation checkpoints "auto" (whether they fit on the
+// device), prefetch "auto" (how deep the gather window may go), the construction-time budget
+// check of every use, and the parameter coordinator's room test before each gather. `strata
+// train --plan` prints what it decides. The formula lives here and nowhere else.
+//
+// What the engine holds on the device besides its device-placed state ("base"), while it runs
+// use u of the schedule:
+//   use_bytes(u)        the gathered units of u's stage (full compute-dtype buffers, plus each
+//                       one's staged shard while compute copies live off the device)
+//   scratch             the largest use's boundary activations (4 per use: input, output and
+//                       their gradients), the fp32 gradient buffers of the units a backward use
+//                       touches (plus a bf16 copy when reducing in bf16, plus the reduced shard),
+//                       the head's fp32 logits and their gradient; plus one activation
+//                       checkpoint coming back when checkpoints live off the device
+//   device checkpoints  every recomputed block's input, when checkpoints live on the device
+//   held_at(u)          blocks kept without recompute: each one's autograd graph from its forward
+//                       to its backward, and its gathered units until then
+// need(u) = use_bytes(u) + scratch + device checkpoints + held_at(u); the working set is the
+// largest need plus `prefetch` of the largest unit gathered ahead.
+//
+// No libtorch, no device, no communicator: pure arithmetic on sizes, the same on every rank.
+// Thread safety: immutable after construction.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "strata/engine/config.h"
+#include "strata/engine/plan/schedule.h"
+
+namespace strata::engine::plan {
+
+// The sizes the working set depends on.
+struct ModelSizes {
+  std::vector<uint64_t> padded_numel;  // by unit: the gathered buffer's elements
+  std::vector<uint64_t> shard_numel;   // by unit: one rank's slice
+  uint64_t compute_bytes = 4;          // bytes of an element of the compute copies
+  bool reduce_bf16 = false;            // gradients reduce-scattered in bf16
+  uint64_t tokens = 0;                 // micro_batch * seq_len
+  uint64_t hidden = 0, vocab = 0;
+  uint64_t graph_bytes = 0;            // one kept block's autograd graph at `tokens`
+};
+
+// The decisions the working set depends on.
+struct Choices {
+  bool params_staged = true;                  // compute copies off the device (or not yet placed)
+  Placement activations = Placement::kHost;   // kAuto: not decided (no checkpoints counted)
+  size_t recomputed = 0;                      // blocks 1..recomputed recompute; later ones keep graphs
+  int prefetch = 1;                           // units gathered ahead
+};
+
+class MemoryModel {
+ public:
+  MemoryModel(const Schedule& schedule, ModelSizes sizes);
+
+  const Schedule& schedule() const { return schedule_; }
+  const ModelSizes& sizes() const { return sizes_; }
+
+  // Stage s runs with autograd and keeps its graph until its backward / is recomputed from its
+  // input (an activation checkpoint).
+  bool keeps_graph(size_t stage, const Choices& c) const {
+    return stage > c.recomputed && stage + 1 < schedule_.num_stages();
+  }
+  bool checkpointed(size_t stage, const Choices& c) const { return stage >= 1 && stage <= c.recomputed; }
+
+  uint64_t unit_bytes(size_t unit, const Choices& c) const;
+  uint64_t use_bytes(const Use& use, const Choices& c) const;
+  uint64_t largest_unit(const Choices& c) const;
+  uint64_t activation_bytes() const;  // one block input of a micro-batch
+  uint64_t checkpoint_bytes(const Choices& c) const { return uint64_t(c.recomputed) * activation_bytes(); }
+  uint64_t device_checkpoints(const Choices& c) const {
+    return c.activations == Placement::kDevice ? checkpoint_bytes(c) : 0;
+  }
+  uint64_t scratch(const Choices& c) const;
+  uint64_t held_at(const Use& use, const Choices& c) const;
+  uint64_t peak_held(const Choices& c) const;
+  // What running `use` needs beside the device-placed state, no unit gathered ahead.
+  uint64_t need(const Use& use, const Choices& c) const {
+    return use_bytes(use, c) + scratch(c) + device_checkpoints(c) + held_at(use, c);
+  }
+  // The largest need, and with `prefetch` largest units gathered ahead.
+  uint64_t largest_need(const Choices& c) const;
+  uint64_t working_set(const Choices& c) const {
+    return largest_need(c) + uint64_t(c.prefetch < 0 ? 0 : c.prefetch) * largest_unit(c);
+  }
+  // How many of the largest unit fit ahead within `usable` bytes (usable_device) beside `base`
+  // bytes of device-placed state and the largest need; 0 if not even the need fits.
+  uint64_t prefetch_room(const Choices& c, uint64_t base, uint64_t usable) const;
+
+  // The device bytes decisions may count on: the budget, or less when the device has less free
+  // (`physical_free`, measured with `base` bytes of state already allocated; UINT64_MAX: no
+  // limit beyond the budget).
+  static uint64_t usable_device(uint64_t budget, uint64_t base, uint64_t physical_free);
+
+ private:
+  const Schedule& schedule_;
+  ModelSizes sizes_;
+};
+
+}  // namespace strata::engine::plan

@@ -1,0 +1,80 @@
+#include "strata/engine/plan/memory_model.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace strata::engine::plan {
+
+MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_(schedule), sizes_(std::move(sizes)) {
+  if (sizes_.padded_numel.size() != schedule_.num_units() || sizes_.shard_numel.size() != schedule_.num_units())
+    throw std::invalid_argument("MemoryModel: sizes for " + std::to_string(sizes_.padded_numel.size()) +
+                                " units, the schedule has " + std::to_string(schedule_.num_units()));
+}
+
+uint64_t MemoryModel::unit_bytes(size_t u, const Choices& c) const {
+  return (sizes_.padded_numel.at(u) + (c.params_staged ? sizes_.shard_numel.at(u) : 0)) * sizes_.compute_bytes;
+}
+
+uint64_t MemoryModel::use_bytes(const Use& use, const Choices& c) const {
+  uint64_t b = 0;
+  for (size_t u : schedule_.units_of(use.stage)) b += unit_bytes(u, c);
+  return b;
+}
+
+uint64_t MemoryModel::largest_unit(const Choices& c) const {
+  uint64_t b = 0;
+  for (size_t u = 0; u < schedule_.num_units(); ++u) b = std::max(b, unit_bytes(u, c));
+  return b;
+}
+
+uint64_t MemoryModel::activation_bytes() const { return sizes_.tokens * sizes_.hidden * sizes_.compute_bytes; }
+
+uint64_t MemoryModel::scratch(const Choices& c) const {
+  const uint64_t act = activation_bytes();
+  const uint64_t logits = sizes_.tokens * sizes_.vocab * (4 + 4 + sizes_.compute_bytes);
+  uint64_t b = 0;
+  for (const Use& use : schedule_.uses()) {
+    uint64_t grads = 0;
+    if (use.kind != Use::kForward)
+      for (size_t u : schedule_.units_of(use.stage))
+        grads += sizes_.padded_numel[u] * (4 + (sizes_.reduce_bf16 ? 2 : 0)) + sizes_.shard_numel[u] * 4;
+    b = std::max(b, 4 * act + grads + (use.kind == Use::kHead ? logits : 0));
+  }
+  // The backward brings the next stage's checkpoint back while the current stage runs.
+  if (c.activations != Placement::kDevice) b += act;
+  return b;
+}
+
+uint64_t MemoryModel::held_at(const Use& use, const Choices& c) const {
+  uint64_t b = 0;
+  for (size_t j = c.recomputed + 1; j + 1 < schedule_.num_stages(); ++j) {
+    if (use.kind == Use::kHead || j < use.stage) b += sizes_.graph_bytes + use_bytes({j, Use::kForward}, c);
+    else if (j == use.stage) b += sizes_.graph_bytes;
+  }
+  return b;
+}
+
+uint64_t MemoryModel::peak_held(const Choices& c) const {
+  uint64_t b = 0;
+  for (const Use& use : schedule_.uses()) b = std::max(b, held_at(use, c));
+  return b;
+}
+
+uint64_t MemoryModel::largest_need(const Choices& c) const {
+  uint64_t b = 0;
+  for (const Use& use : schedule_.uses()) b = std::max(b, need(use, c));
+  return b;
+}
+
+uint64_t MemoryModel::prefetch_room(const Choices& c, uint64_t base, uint64_t usable) const {
+  const uint64_t used = base + largest_need(c);
+  const uint64_t unit = largest_unit(c);
+  return usable > used && unit > 0 ? (usable - used) / unit : 0;
+}
+
+uint64_t MemoryModel::usable_device(uint64_t budget, uint64_t base, uint64_t physical_free) {
+  if (physical_free == UINT64_MAX) return budget;
+  return std::min(budget, base + physical_free);
+}
+
+}  // namespace strata::engine::plan

@@ -1,0 +1,42 @@
+#include "strata/engine/plan/schedule.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace strata::engine::plan {
+
+Schedule::Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_units)
+    : stage_units_(std::move(stage_units)) {
+  if (stage_units_.size() < 2) throw std::invalid_argument("Schedule: needs at least an embedding and a head stage");
+  const size_t n = stage_units_.size();
+  last_use_stage_.assign(num_units, n);
+  std::vector<int> stages_using(num_units, 0);
+  for (size_t s = 0; s < n; ++s) {
+    if (stage_units_[s].empty()) throw std::invalid_argument("Schedule: stage " + std::to_string(s) + " uses no unit");
+    for (size_t u : stage_units_[s]) {
+      if (u >= num_units)
+        throw std::invalid_argument("Schedule: stage " + std::to_string(s) + " uses unit " + std::to_string(u) +
+                                    " of " + std::to_string(num_units));
+      last_use_stage_[u] = std::min(last_use_stage_[u], s);
+      ++stages_using[u];
+    }
+  }
+  shared_units_ = size_t(std::count_if(stages_using.begin(), stages_using.end(), [](int c) { return c > 1; }));
+  for (size_t s = 0; s + 1 < n; ++s) uses_.push_back({s, Use::kForward});
+  uses_.push_back({n - 1, Use::kHead});
+  for (size_t s = n - 1; s-- > 0;) uses_.push_back({s, Use::kBackward});
+}
+
+bool Schedule::uses_unit(size_t stage, size_t unit) const {
+  const std::vector<size_t>& us = stage_units_.at(stage);
+  return std::find(us.begin(), us.end(), unit) != us.end();
+}
+
+std::vector<size_t> Schedule::in_final_gradient_order(std::vector<size_t> units) const {
+  std::stable_sort(units.begin(), units.end(),
+                   [&](size_t a, size_t b) { return last_use_stage_.at(a) > last_use_stage_.at(b); });
+  return units;
+}
+
+}  // namespace strata::engine::plan

@@ -1,0 +1,81 @@
+// The memory model is what the engine enforces: for each placement, recompute and overlap mode,
+// a device budget of exactly the device-placed state plus the model's largest need runs (and
+// trains to the same numbers as an unlimited budget), and one byte less is refused at
+// construction, naming the budget.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "equivalence.h"
+#include "test_util.h"
+
+namespace strata::test {
+namespace {
+
+struct Mode {
+  std::string name;
+  json placement;
+  json optimizer;
+  bool nvme = false;
+};
+
+std::vector<Mode> modes() {
+  return {
+      {"state on the host, checkpoints on the host, every block recomputed",
+       {{"params", "host"}, {"activations", "host"}}, {{"overlap", "forward"}}},
+      {"compute copies on the device, checkpoints on the device",
+       {{"params", "device"}, {"activations", "device"}}, {{"overlap", false}}},
+      {"all state on the device, the last block keeps its graph",
+       {{"params", "device"}, {"grads", "device"}, {"master", "device"}, {"moments", "device"}, {"recompute", 1},
+        {"activations", "host"}},
+       {{"overlap", false}}},
+      {"update during backward, no block recomputed",
+       {{"params", "host"}, {"activations", "host"}, {"recompute", "none"}},
+       {{"overlap", "backward"}, {"clip_grad_norm", 0.0}}},
+      {"everything in swap", {{"params", "nvme"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"},
+                              {"activations", "nvme"}}, {{"overlap", "forward"}}, true},
+  };
+}
+
+TEST(MemoryModelInEngine, ThePredictedWorkingSetIsExactlyTheBudgetTheEngineNeeds) {
+  for (const Mode& mode : modes()) {
+    SCOPED_TRACE(mode.name);
+    TempDir swap;
+    json j = tiny_config(false, 2);
+    j["run"]["steps"] = 2;
+    j["placement"] = mode.placement;
+    for (auto& [k, v] : mode.optimizer.items()) j["optimizer"][k] = v;
+    if (mode.nvme) j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+    se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    tc.engine.prefetch = 0;  // what the budget check itself needs; gathering ahead is opportunistic
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+
+    uint64_t base = 0, need = 0;
+    {
+      auto dev = se::Device::create_host(UINT64_MAX);
+      se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+      base = eng.device_state_bytes();
+      need = eng.memory_model().largest_need(eng.working_set_choices());
+      EXPECT_EQ(base, dev->used()) << "device-placed state is what the device holds after construction";
+    }
+    ASSERT_GT(need, 0u);
+    uint64_t peak = 0;
+    const Trajectory unlimited = run_in_process(tc, UINT64_MAX, &peak);
+    const Trajectory exact = run_in_process(tc, base + need, &peak);
+    EXPECT_LE(peak, base + need);
+    ASSERT_EQ(exact.losses.size(), unlimited.losses.size());
+    for (size_t i = 0; i < exact.losses.size(); ++i) EXPECT_EQ(exact.losses[i], unlimited.losses[i]) << "step " << i + 1;
+
+    auto dev = se::Device::create_host(base + need - 1);
+    try {
+      se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+      ADD_FAILURE() << "a budget one byte under the model's need was accepted";
+    } catch (const se::BudgetExceeded& e) {
+      EXPECT_NE(std::string(e.what()).find("cannot run unit"), std::string::npos) << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::test

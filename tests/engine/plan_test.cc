@@ -1,0 +1,158 @@
+// The plan on its own (no libtorch, no device, no communicator): the schedule and the memory
+// model of the device working set, against sizes computed by hand on awkward numbers.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "strata/engine/plan/memory_model.h"
+#include "strata/engine/plan/schedule.h"
+
+namespace strata::engine::plan {
+namespace {
+
+// Embedding (unit 0), three blocks (units 1-3), a head (unit 4) tied to the embedding.
+Schedule tied_five() { return Schedule({{0}, {1}, {2}, {3}, {4, 0}}, 5); }
+
+TEST(Schedule, ForwardHeadBackwardOrderAndWrapsOverMicroBatches) {
+  const Schedule s = tied_five();
+  ASSERT_EQ(s.uses().size(), 9u);
+  const std::vector<std::pair<size_t, Use::Kind>> want = {
+      {0, Use::kForward}, {1, Use::kForward}, {2, Use::kForward}, {3, Use::kForward}, {4, Use::kHead},
+      {3, Use::kBackward}, {2, Use::kBackward}, {1, Use::kBackward}, {0, Use::kBackward}};
+  for (size_t k = 0; k < want.size(); ++k) {
+    EXPECT_EQ(s.uses()[k].stage, want[k].first) << k;
+    EXPECT_EQ(s.uses()[k].kind, want[k].second) << k;
+    EXPECT_EQ(s.use_at(k + 2 * 9).stage, want[k].first) << "micro-batch 2, use " << k;
+  }
+  EXPECT_EQ(s.blocks(), 3u);
+}
+
+TEST(Schedule, LastUsesSharedUnitsAndTheOrderGradientsBecomeFinal) {
+  const Schedule s = tied_five();
+  EXPECT_EQ(s.last_use_stage(4), 4u);
+  EXPECT_EQ(s.last_use_stage(3), 3u);
+  EXPECT_EQ(s.last_use_stage(0), 0u);  // the tied embedding: its gradient is final only at the end
+  EXPECT_EQ(s.shared_units(), 1u);
+  EXPECT_TRUE(s.uses_unit(4, 0));
+  EXPECT_FALSE(s.uses_unit(3, 0));
+  EXPECT_EQ(s.in_final_gradient_order({0, 1, 2, 3, 4}), (std::vector<size_t>{4, 3, 2, 1, 0}));
+  EXPECT_EQ(s.in_final_gradient_order({2, 0, 4}), (std::vector<size_t>{4, 2, 0}));
+  EXPECT_EQ(Schedule({{0}, {1}, {2}}, 3).shared_units(), 0u);
+}
+
+TEST(Schedule, RejectsStagesWithoutUnitsAndUnknownUnits) {
+  EXPECT_THROW(Schedule({{0}, {}, {2}}, 3), std::invalid_argument);
+  EXPECT_THROW(Schedule({{0}, {1}, {7}}, 3), std::invalid_argument);
+  EXPECT_THROW(Schedule({{0}}, 1), std::invalid_argument);
+}
+
+// Awkward sizes: primes, two ranks' padding.
+ModelSizes awkward_sizes() {
+  ModelSizes z;
+  z.padded_numel = {10240, 6144, 7168, 5120, 3072};
+  z.shard_numel = {5120, 3072, 3584, 2560, 1536};
+  z.compute_bytes = 2;
+  z.reduce_bf16 = true;
+  z.tokens = 3 * 37;
+  z.hidden = 13;
+  z.vocab = 101;
+  z.graph_bytes = 9973;
+  return z;
+}
+
+TEST(MemoryModel, UnitAndUseBytesCountTheStagedShardOnlyOffTheDevice) {
+  const Schedule s = tied_five();
+  const MemoryModel m(s, awkward_sizes());
+  Choices c;
+  c.params_staged = true;
+  EXPECT_EQ(m.unit_bytes(2, c), (7168u + 3584u) * 2);
+  EXPECT_EQ(m.use_bytes({4, Use::kHead}, c), (3072u + 1536u + 10240u + 5120u) * 2);  // head and tied embedding
+  EXPECT_EQ(m.largest_unit(c), (10240u + 5120u) * 2);
+  c.params_staged = false;
+  EXPECT_EQ(m.unit_bytes(2, c), 7168u * 2);
+  EXPECT_EQ(m.use_bytes({4, Use::kHead}, c), (3072u + 10240u) * 2);
+}
+
+TEST(MemoryModel, ScratchIsTheLargestUsesActivationsGradientBuffersAndLogits) {
+  const Schedule s = tied_five();
+  const MemoryModel m(s, awkward_sizes());
+  const uint64_t act = 111 * 13 * 2;
+  EXPECT_EQ(m.activation_bytes(), act);
+  // The head: its own and the tied embedding's gradient buffers (fp32 + bf16 full, fp32 shard),
+  // and the logits (fp32, their fp32 gradient and the compute-dtype output).
+  const uint64_t head = 4 * act + (3072 + 10240) * 6 + (1536 + 5120) * 4 + 111 * 101 * (4 + 4 + 2);
+  Choices c;
+  c.activations = Placement::kDevice;
+  EXPECT_EQ(m.scratch(c), head);
+  c.activations = Placement::kHost;  // one checkpoint on its way back
+  EXPECT_EQ(m.scratch(c), head + act);
+  c.activations = Placement::kAuto;  // undecided: counted as off the device
+  EXPECT_EQ(m.scratch(c), head + act);
+}
+
+TEST(MemoryModel, KeptBlocksHoldTheirGraphsAndUnitsFromForwardToBackward) {
+  const Schedule s = tied_five();
+  const MemoryModel m(s, awkward_sizes());
+  Choices c;
+  c.params_staged = false;
+  c.recomputed = 1;  // block 1 (stage 1) recomputed; stages 2 and 3 keep their graphs
+  EXPECT_TRUE(m.checkpointed(1, c));
+  EXPECT_FALSE(m.checkpointed(2, c));
+  EXPECT_TRUE(m.keeps_graph(2, c));
+  EXPECT_TRUE(m.keeps_graph(3, c));
+  EXPECT_FALSE(m.keeps_graph(4, c));  // the head
+  const uint64_t g = 9973;
+  EXPECT_EQ(m.held_at({1, Use::kForward}, c), 0u);
+  EXPECT_EQ(m.held_at({2, Use::kForward}, c), g);  // its own graph (its units are the use's)
+  EXPECT_EQ(m.held_at({3, Use::kForward}, c), g + 7168u * 2 + g);
+  EXPECT_EQ(m.held_at({4, Use::kHead}, c), 2 * g + (7168u + 5120u) * 2);
+  EXPECT_EQ(m.held_at({2, Use::kBackward}, c), g);
+  EXPECT_EQ(m.peak_held(c), 2 * g + (7168u + 5120u) * 2);
+  EXPECT_EQ(m.checkpoint_bytes(c), m.activation_bytes());
+}
+
+TEST(MemoryModel, WorkingSetIsTheLargestNeedPlusThePrefetchedUnits) {
+  const Schedule s = tied_five();
+  const MemoryModel m(s, awkward_sizes());
+  for (Placement act : {Placement::kDevice, Placement::kHost, Placement::kNvme, Placement::kAuto})
+    for (size_t recomputed : {0u, 1u, 3u})
+      for (int prefetch : {0, 1, 3})
+        for (bool staged : {false, true}) {
+          Choices c{staged, act, recomputed, prefetch};
+          uint64_t largest = 0;
+          for (const Use& u : s.uses()) {
+            const uint64_t need = m.use_bytes(u, c) + m.scratch(c) + m.held_at(u, c) +
+                                  (act == Placement::kDevice ? recomputed * m.activation_bytes() : 0);
+            EXPECT_EQ(m.need(u, c), need);
+            largest = std::max(largest, need);
+          }
+          EXPECT_EQ(m.largest_need(c), largest);
+          EXPECT_EQ(m.working_set(c), largest + uint64_t(prefetch) * m.largest_unit(c));
+          // prefetch_room: how many of the largest unit fit beyond base + the largest need.
+          const uint64_t base = 12345;
+          Choices none = c;
+          none.prefetch = 0;
+          const uint64_t usable = base + m.largest_need(none) + 2 * m.largest_unit(c) + 1;
+          EXPECT_EQ(m.prefetch_room(none, base, usable), 2u);
+          EXPECT_EQ(m.prefetch_room(none, base, base + m.largest_need(none) - 1), 0u);
+        }
+}
+
+TEST(MemoryModel, UsableDeviceIsTheBudgetOrWhatTheDeviceHasFree) {
+  EXPECT_EQ(MemoryModel::usable_device(1000, 0, UINT64_MAX), 1000u);
+  EXPECT_EQ(MemoryModel::usable_device(UINT64_MAX, 0, UINT64_MAX), UINT64_MAX);
+  EXPECT_EQ(MemoryModel::usable_device(1000, 300, 500), 800u);
+  EXPECT_EQ(MemoryModel::usable_device(1000, 300, 900), 1000u);
+}
+
+TEST(MemoryModel, RejectsSizesOfAnotherSchedule) {
+  const Schedule s = tied_five();
+  ModelSizes z = awkward_sizes();
+  z.shard_numel.pop_back();
+  EXPECT_THROW(MemoryModel(s, z), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace strata::engine::plan
