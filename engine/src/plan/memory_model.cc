@@ -9,6 +9,18 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
   if (sizes_.padded_numel.size() != schedule_.num_units() || sizes_.shard_numel.size() != schedule_.num_units())
     throw std::invalid_argument("MemoryModel: sizes for " + std::to_string(sizes_.padded_numel.size()) +
                                 " units, the schedule has " + std::to_string(schedule_.num_units()));
+  // Per use: 4 boundary activations, the gradient buffers of the units a backward use touches
+  // (fp32 full, a bf16 copy when reducing in bf16, the reduced fp32 shard), the head's logits.
+  const uint64_t act = activation_bytes();
+  const uint64_t logits = sizes_.tokens * sizes_.vocab * (4 + 4 + sizes_.compute_bytes);
+  for (const Use& use : schedule_.uses()) {
+    uint64_t grads = 0;
+    if (use.kind != Use::kForward)
+      for (size_t u : schedule_.units_of(use.stage))
+        grads += sizes_.padded_numel[u] * (4 + (sizes_.reduce_bf16 ? 2 : 0)) + sizes_.shard_numel[u] * 4;
+    largest_use_scratch_ = std::max(largest_use_scratch_, 4 * act + grads + (use.kind == Use::kHead ? logits : 0));
+  }
+  // scratch() adds one checkpoint on its way back when checkpoints live off the device.
 }
 
 uint64_t MemoryModel::unit_bytes(size_t u, const Choices& c) const {
@@ -28,22 +40,6 @@ uint64_t MemoryModel::largest_unit(const Choices& c) const {
 }
 
 uint64_t MemoryModel::activation_bytes() const { return sizes_.tokens * sizes_.hidden * sizes_.compute_bytes; }
-
-uint64_t MemoryModel::scratch(const Choices& c) const {
-  const uint64_t act = activation_bytes();
-  const uint64_t logits = sizes_.tokens * sizes_.vocab * (4 + 4 + sizes_.compute_bytes);
-  uint64_t b = 0;
-  for (const Use& use : schedule_.uses()) {
-    uint64_t grads = 0;
-    if (use.kind != Use::kForward)
-      for (size_t u : schedule_.units_of(use.stage))
-        grads += sizes_.padded_numel[u] * (4 + (sizes_.reduce_bf16 ? 2 : 0)) + sizes_.shard_numel[u] * 4;
-    b = std::max(b, 4 * act + grads + (use.kind == Use::kHead ? logits : 0));
-  }
-  // The backward brings the next stage's checkpoint back while the current stage runs.
-  if (c.activations != Placement::kDevice) b += act;
-  return b;
-}
 
 uint64_t MemoryModel::held_at(const Use& use, const Choices& c) const {
   uint64_t b = 0;

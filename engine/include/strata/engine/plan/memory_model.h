@@ -53,6 +53,7 @@ struct Choices {
 
 class MemoryModel {
  public:
+  // `schedule` must outlive the model.
   MemoryModel(const Schedule& schedule, ModelSizes sizes);
 
   const Schedule& schedule() const { return schedule_; }
@@ -73,7 +74,10 @@ class MemoryModel {
   uint64_t device_checkpoints(const Choices& c) const {
     return c.activations == Placement::kDevice ? checkpoint_bytes(c) : 0;
   }
-  uint64_t scratch(const Choices& c) const;
+  // O(1): the engine's room test calls it before every gather.
+  uint64_t scratch(const Choices& c) const {
+    return largest_use_scratch_ + (c.activations != Placement::kDevice ? activation_bytes() : 0);
+  }
   uint64_t held_at(const Use& use, const Choices& c) const;
   uint64_t peak_held(const Choices& c) const;
   // What running `use` needs beside the device-placed state, no unit gathered ahead.
@@ -97,6 +101,7 @@ class MemoryModel {
  private:
   const Schedule& schedule_;
   ModelSizes sizes_;
+  uint64_t largest_use_scratch_ = 0;  // scratch's part that no choice changes
 };
 
 }  // namespace strata::engine::plan
