@@ -1,7 +1,10 @@
 // The CUDA device: cudaStream/cudaEvent streams, budgeted allocations from libtorch's caching
 // allocator, copies with cudaMemcpyAsync, host functions with cudaLaunchHostFunc.
 //
-// Status: run on an H100 (tests/engine/engine_cuda_test.cc, strata train on GPT 1.4B).
+// Status: run on an H100 (tests/engine/engine_cuda_test.cc, strata train on GPT 1.4B). The
+// optimizer methods (adam_step, sum_squares, read_to_host, own_stream_scope) moved here from the
+// engine unchanged in substance, 2026-11-25, and have been compiled but not yet run on a GPU
+// since.
 //
 // The compute stream is libtorch's current stream on this device at construction, so the torch
 // ops the engine issues run on it. The two copy streams (h2d, d2h) are non-blocking streams of
@@ -15,11 +18,15 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <c10/cuda/CUDAGuard.h>
+
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <optional>
 
 #include "strata/engine/device.h"
+#include "strata/kernels/cuda_optim.h"
 
 namespace strata::engine {
 namespace {
@@ -110,6 +117,48 @@ class CudaDevice final : public Device {
     const cudaError_t e = cudaStreamQuery(cuda(stream).handle());
     if (e == cudaSuccess || e == cudaErrorNotReady) return "";
     return std::string(stream.name()) + " stream: " + cudaGetErrorString(e);
+  }
+
+  // The fused multi-tensor kernel: one launch for the units whose output is a device tensor of
+  // one dtype (kernels::cuda::adam_step groups up to 64 tensors a launch).
+  void adam_step(const kernels::AdamConfig& config, const std::vector<AdamTensors>& units,
+                 const kernels::CpuExec&) override {
+    if (units.empty()) return;
+    const at::ScalarType out_type = units.front().out.scalar_type();
+    std::vector<kernels::cuda::AdamTensor> ts;
+    for (const AdamTensors& t : units) {
+      TORCH_CHECK(t.out.scalar_type() == out_type && t.master.is_cuda() && t.out.is_cuda(),
+                  "adam_step: outputs of one dtype, everything on the device");
+      ts.push_back({t.master.data_ptr<float>(), t.exp_avg.data_ptr<float>(), t.exp_avg_sq.data_ptr<float>(),
+                    t.grad.data_ptr<float>(), t.out.data_ptr(), size_t(t.master.numel())});
+    }
+    const kernels::DType out = out_type == at::kBFloat16 ? kernels::DType::kBF16
+                               : out_type == at::kHalf   ? kernels::DType::kF16
+                                                         : kernels::DType::kF32;
+    kernels::cuda::adam_step(config, ts.data(), ts.size(), kernels::DType::kF32, out,
+                             c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(index_)).stream());
+  }
+  std::vector<double> sum_squares(const std::vector<at::Tensor>& xs, const kernels::CpuExec&) override {
+    if (xs.empty()) return {};
+    at::Tensor sums = empty({int64_t(xs.size())}, at::kDouble, "gradient norm");
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(index_)).stream();
+    for (size_t i = 0; i < xs.size(); ++i)
+      kernels::cuda::sum_squares(xs[i].data_ptr<float>(), kernels::DType::kF32, size_t(xs[i].numel()),
+                                 sums.data_ptr<double>() + i, stream);
+    const at::Tensor host = sums.to(at::kCPU);
+    return std::vector<double>(host.data_ptr<double>(), host.data_ptr<double>() + xs.size());
+  }
+  void read_to_host(const at::Tensor& dst, const at::Tensor& src) override {
+    // A pool stream per calling thread, not its current stream, which may be the legacy default
+    // stream and so wait for the training thread's queued compute.
+    thread_local std::optional<c10::cuda::CUDAStream> stream;
+    if (!stream || stream->device_index() != src.device().index())
+      stream = c10::cuda::getStreamFromPool(false, src.device().index());
+    c10::cuda::CUDAStreamGuard guard(*stream);
+    dst.copy_(src);  // blocking: dst may be pageable
+  }
+  std::shared_ptr<void> own_stream_scope() override {
+    return std::make_shared<c10::cuda::CUDAStreamGuard>(c10::cuda::getStreamFromPool(false, c10::DeviceIndex(index_)));
   }
 
   void copy_async(const at::Tensor& dst, const at::Tensor& src, Stream& stream) override {

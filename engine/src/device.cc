@@ -75,6 +75,33 @@ at::Tensor Device::empty(at::IntArrayRef shape, at::ScalarType dtype, const std:
       at::TensorOptions().dtype(dtype).device(torch_device()));
 }
 
+void Device::adam_step(const kernels::AdamConfig& config, const std::vector<AdamTensors>& units,
+                       const kernels::CpuExec& exec) {
+  for (const AdamTensors& t : units) {
+    const kernels::DType out = t.out.scalar_type() == at::kBFloat16 ? kernels::DType::kBF16
+                               : t.out.scalar_type() == at::kHalf   ? kernels::DType::kF16
+                                                                    : kernels::DType::kF32;
+    kernels::adam_step(config, t.master.data_ptr<float>(), t.exp_avg.data_ptr<float>(), t.exp_avg_sq.data_ptr<float>(),
+                       t.grad.data_ptr<float>(), kernels::DType::kF32, t.out.data_ptr(), out,
+                       size_t(t.master.numel()), exec);
+  }
+}
+
+std::vector<double> Device::sum_squares(const std::vector<at::Tensor>& xs, const kernels::CpuExec& exec) {
+  std::vector<double> out;
+  out.reserve(xs.size());
+  for (const at::Tensor& x : xs)
+    out.push_back(kernels::sum_squares(x.data_ptr<float>(), kernels::DType::kF32, size_t(x.numel()), exec));
+  return out;
+}
+
+void Device::read_to_host(const at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.scalar_type() == src.scalar_type() &&
+                  dst.numel() == src.numel(),
+              "read_to_host: mismatched or non-contiguous tensors");
+  std::memcpy(dst.data_ptr(), src.const_data_ptr(), size_t(src.nbytes()));
+}
+
 void Device::acquire(uint64_t bytes, const std::string& what) {
   uint64_t cur = used_.load();
   do {

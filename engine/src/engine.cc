@@ -40,13 +40,7 @@
 #include "runtime/profiler.h"
 #include "state/chunk_ring.h"
 #include "state/host_memory.h"
-#ifdef STRATA_HAVE_CUDA
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime.h>
-
-#include "strata/kernels/cuda_optim.h"
-#endif
+#include "state/state_store.h"
 
 namespace strata::engine {
 namespace {
@@ -78,26 +72,18 @@ struct ParamRef {
   size_t slot = 0;
 };
 
-// The state kinds of one unit's shard. A kind placed on NVMe has no tensor here: it lives in the
-// swap partition "<unit>.<kind>" and is streamed through host buffers when used.
-enum Kind { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGrad = 3, kCompute = 4, kKinds = 5 };
-const char* const kKindName[kKinds] = {"master", "exp_avg", "exp_avg_sq", "grad", "compute"};
+// The state kinds of a unit's shard (state/state_store.h).
+using state::kMaster;
+using state::kExpAvg;
+using state::kExpAvgSq;
+using state::kGrad;
+using state::kCompute;
+using state::kKinds;
 
+// What the engine keeps of a unit beside its state (the StateStore's).
 struct UnitState {
-  at::Tensor master, exp_avg, exp_avg_sq;  // fp32 [shard]
-  at::Tensor grad;                         // fp32 [shard], accumulated over micro-batches
-  at::Tensor compute;                      // compute dtype [shard]
-  std::vector<at::Tensor> tensors;         // the module tensors, in slot order
-  bool grad_fresh = true;                  // host/NVMe gradients: the next reduce writes, not adds
-  at::Tensor& kind(int k) {
-    switch (k) {
-      case kMaster: return master;
-      case kExpAvg: return exp_avg;
-      case kExpAvgSq: return exp_avg_sq;
-      case kGrad: return grad;
-      default: return compute;
-    }
-  }
+  std::vector<at::Tensor> tensors;  // the module tensors, in slot order
+  bool grad_fresh = true;           // host/NVMe gradients: the next reduce writes, not adds
 };
 
 struct Gathered {
@@ -138,7 +124,6 @@ struct Engine::Impl {
   // NVMe tier (when any kind is placed there): this rank's swap files through the I/O engine.
   std::unique_ptr<offload::IoEngine> io;
   std::unique_ptr<offload::SwapSpace> swap;
-  uint64_t nvme_state = 0;
   Profiler prof;
   std::unique_ptr<runtime::ActivationStore> activations;  // built once its placement is resolved
   // The latest snapshot's hold (hold_state). An update captures the hold current at its launch
@@ -166,62 +151,27 @@ struct Engine::Impl {
   Profiler::Clock::time_point step_ref_host;
   std::vector<std::tuple<std::string, std::shared_ptr<Event>, std::shared_ptr<Event>>> compute_spans;
 
-  // Where kind k lives, kind by kind as configured or resolved; of a kind split by unit
-  // (automatic placement, `split` below), the tier of its last units.
-  Placement kind_placement(int k) const {
-    switch (k) {
-      case kMaster: return cfg.master;
-      case kExpAvg:
-      case kExpAvgSq: return cfg.moments;
-      case kGrad: return cfg.grads;
-      default: return cfg.params;
-    }
-  }
-  // Where unit u's shard of kind k lives: the kind's tier, except in an optimizer group split by
-  // unit (PlacementPlan::unit_tier): the first device_units units keep master, moments and
-  // gradients on the device, and up to host_units, master, moments and gradients placed in swap
-  // are in host RAM. `split` holds only those two counts (the kinds' tiers are cfg's).
+  // The optimizer group's split by unit, as automatic placement resolved it (PlacementPlan's
+  // device_units and host_units; the kinds' tiers are cfg's until the store holds the plan).
   PlacementPlan split;
-  Placement placement(size_t u, int k) const { return split.unit_tier(kind_placement(k), k != kCompute, u); }
+  // The units' state, placed by the resolved plan (built once placement is resolved).
+  std::unique_ptr<state::StateStore> state;
+  Placement placement(size_t u, int k) const { return state->placement(u, k); }
+  at::Tensor& tensor(size_t u, int k) { return state->tensor(u, k); }
   // The units whose update runs where their master weights are on the device, and the others
   // (the CPU's: host or swap), each in forward order.
   std::vector<size_t> units_where(bool on_device) const {
     std::vector<size_t> out;
-    for (size_t u = 0; u < units.size(); ++u)
+    for (size_t u = 0; u < state->units(); ++u)
       if ((placement(u, kMaster) == Placement::kDevice) == on_device) out.push_back(u);
     return out;
   }
-  // A unit's shard of kind k passes through a host buffer when streamed: in swap, or a compute
-  // copy on a GPU.
-  bool streamed(size_t u, int k) const {
-    const Placement p = placement(u, k);
-    return p == Placement::kNvme || (k == kCompute && p == Placement::kDevice);
-  }
   at::ScalarType kind_dtype(int k) const { return k == kCompute ? cdt : at::kFloat; }
-  std::string swap_name(size_t u, int k) const { return partition->unit(u).name + "." + kKindName[k]; }
-  static std::span<std::byte> bytes_of(const at::Tensor& t) {
-    return {static_cast<std::byte*>(t.data_ptr()), size_t(t.nbytes())};
-  }
-  // Elements [begin, begin + dst.numel()) of an NVMe-placed kind into dst (host, contiguous).
-  offload::IoFuture swap_read(size_t u, int k, uint64_t begin, const at::Tensor& dst) {
-    prof.read_counter() += uint64_t(dst.nbytes());
-    return swap->read(swap_name(u, k), begin * c10::elementSize(kind_dtype(k)), bytes_of(dst));
-  }
-  offload::IoFuture swap_write(size_t u, int k, uint64_t begin, const at::Tensor& src) {
-    prof.write_counter() += uint64_t(src.nbytes());
-    return swap->write(swap_name(u, k), begin * c10::elementSize(kind_dtype(k)), bytes_of(src));
-  }
 
   // Host memory: the one provider (state/host_memory.h).
   state::HostMemory host;
-  at::TensorOptions host_options(at::ScalarType t) const { return host.options(t); }
   at::Tensor host_buffer(uint64_t numel, at::ScalarType t) const { return host.buffer(numel, t); }
   static at::Tensor aligned_host_buffer(uint64_t numel, at::ScalarType t) { return state::HostMemory::unpinned(numel, t); }
-  // A state shard where `where` says: the device, or host memory (page aligned, pinned on a GPU).
-  at::Tensor alloc_state(Placement where, uint64_t numel, at::ScalarType t, const std::string& what) {
-    if (where == Placement::kDevice) return dev.empty({int64_t(numel)}, t, what);
-    return host.state(numel, t, what);
-  }
   // Device bytes a gathered unit holds: the full buffer, plus the staged shard while host-placed
   // compute copies are on their way.
   uint64_t unit_param_bytes(size_t u) const { return memory->unit_bytes(u, choice); }
@@ -322,7 +272,12 @@ struct Engine::Impl {
     choice.params_staged = cfg.params != Placement::kDevice;
     grads_transient = gradients_transient(cfg, cfg.master);
     if (grads_transient) cfg.grads = Placement::kHost;  // each unit's gradient waits there for its update
+    PlacementPlan resolved{cfg.params, cfg.grads, cfg.master, cfg.moments};
+    resolved.device_units = split.device_units;
+    resolved.host_units = split.host_units;
+    resolved.grads_transient = grads_transient;
     if (cfg.plan_only) {
+      state = std::make_unique<state::StateStore>(*partition, cdt, resolved, dev, host, nullptr, prof);
       placement_report += "; plan only (recompute and activation checkpoints are decided once the state is allocated)";
       return;
     }
@@ -330,6 +285,7 @@ struct Engine::Impl {
     if (cfg.master == Placement::kNvme || cfg.grads == Placement::kNvme || cfg.params == Placement::kNvme ||
         cfg.activations == Placement::kNvme)
       open_swap();
+    state = std::make_unique<state::StateStore>(*partition, cdt, resolved, dev, host, swap.get(), prof);
 
     // This rank's slices of the initial weights.
     const int rank = comm.rank();
@@ -341,31 +297,7 @@ struct Engine::Impl {
       if (L.padded_numel() > L.numel) parts.push_back(at::zeros({int64_t(L.padded_numel() - L.numel)}));
       at::Tensor flat = at::cat(parts);
       UnitState st;
-      const std::string un = " of unit " + L.name;
-      const at::Tensor master = flat.narrow(0, int64_t(L.shard_begin(rank)), int64_t(L.shard_numel));
-      std::vector<offload::IoFuture> writes;
-      std::vector<at::Tensor> buffers;  // alive until their writes complete
-      for (int k = 0; k < kKinds; ++k) {
-        const at::ScalarType t = kind_dtype(k);
-        if (k == kGrad && grads_transient && placement(u, k) != Placement::kDevice)
-          continue;  // a buffer per step, from the unit's first reduce
-        if (placement(u, k) != Placement::kNvme) {
-          at::Tensor& x = st.kind(k);
-          x = alloc_state(placement(u, k), L.shard_numel, t, std::string(kKindName[k]) + un);
-          if (k == kMaster || k == kCompute) x.copy_(master);
-          else x.zero_();
-          continue;
-        }
-        swap->allocate(swap_name(u, k), L.shard_numel * c10::elementSize(t));
-        nvme_state += L.shard_numel * c10::elementSize(t);
-        if (k == kGrad) continue;  // written by the first reduce (grad_fresh)
-        at::Tensor init = host_buffer(L.shard_numel, t);
-        if (k == kMaster || k == kCompute) init.copy_(master);
-        else init.zero_();
-        writes.push_back(swap_write(u, k, 0, init));
-        buffers.push_back(init);
-      }
-      for (auto& w : writes) w.get();
+      state->allocate(u, flat.narrow(0, int64_t(L.shard_begin(rank)), int64_t(L.shard_numel)), grads_transient);
       st.tensors = owned[u];
       units.push_back(std::move(st));
       last_grad_write.emplace_back();
@@ -375,7 +307,7 @@ struct Engine::Impl {
 
     if (grads_transient) {
       for (size_t i = 0; i < transient_limit; ++i)
-        grad_pool.push_back(alloc_state(Placement::kHost, largest_shard(), at::kFloat, "gradient buffer " + std::to_string(i)));
+        grad_pool.push_back(host.state(largest_shard(), at::kFloat, "gradient buffer " + std::to_string(i)));
       grad_pool_used.assign(transient_limit, 0);
       grad_pool_slot.assign(units.size(), 0);
     }
@@ -586,7 +518,7 @@ struct Engine::Impl {
     const UnitLayout& L = partition->unit(u);
     Gathered g;
     g.flat = dev.empty({int64_t(L.padded_numel())}, cdt, "parameters of unit " + L.name);
-    at::Tensor src = units[u].compute;
+    at::Tensor src = tensor(u, kCompute);
     if (cfg.params != Placement::kDevice) {
       g.staging = dev.empty({int64_t(L.shard_numel)}, cdt, "staged shard of unit " + L.name);
       // The upload stream must not write memory the compute stream may still be using.
@@ -594,7 +526,7 @@ struct Engine::Impl {
       if (cfg.params == Placement::kNvme) {
         // NVMe -> host buffer now; the upload stream waits for the read before copying it up.
         src = host_buffer(L.shard_numel, cdt);
-        offload::IoFuture read = swap_read(u, kCompute, 0, src);
+        offload::IoFuture read = state->read(u, kCompute, 0, src);
         dev.launch_host(dev.h2d_stream(), [read] { read.get(); });
       }
       dev.copy_async(g.staging, src, dev.h2d_stream());
@@ -746,8 +678,8 @@ struct Engine::Impl {
       comm.reduce_scatter(shard, send)->wait();
       send = at::Tensor();
       flat = at::Tensor();
-      if (grads_transient && !units[u].grad.defined()) take_gradient_buffer(u);
-      at::Tensor acc = units[u].grad;
+      if (grads_transient && !tensor(u, kGrad).defined()) take_gradient_buffer(u);
+      at::Tensor acc = tensor(u, kGrad);
       if (placement(u, kGrad) == Placement::kDevice) {
         acc.add_(shard);
       } else if (placement(u, kGrad) == Placement::kHost && units[u].grad_fresh && shard.scalar_type() == at::kFloat) {
@@ -787,7 +719,7 @@ struct Engine::Impl {
                 before = last_grad_write.at(u);
               }
               if (before.valid()) before.get();
-              swap_read(u, kGrad, 0, sum).get();
+              state->read(u, kGrad, 0, sum).get();
               sum.add_(h);
               h = sum;
             } else if (!h.is_same(host)) {
@@ -795,7 +727,7 @@ struct Engine::Impl {
               aligned.copy_(h);
               h = aligned;
             }
-            offload::IoFuture written = swap_write(u, kGrad, 0, h);
+            offload::IoFuture written = state->write(u, kGrad, 0, h);
             units[u].grad_fresh = false;
             // The entry takes this function's last references (h, and host, which the capture
             // would otherwise free here), so the training thread frees them.
@@ -1037,7 +969,7 @@ struct Engine::Impl {
       ++step;
     }
     for (size_t u = 0; u < units.size(); ++u) {
-      if (placement(u, kGrad) == Placement::kDevice) units[u].grad.zero_();
+      if (placement(u, kGrad) == Placement::kDevice) tensor(u, kGrad).zero_();
       else units[u].grad_fresh = true;  // the next step's first reduce overwrites
     }
     if (cfg.compute == Precision::kFp16) {
@@ -1062,29 +994,6 @@ struct Engine::Impl {
 
   using Chunk = state::ChunkRing::Chunk;
   using ChunkFn = state::ChunkRing::Fn;
-  static_assert(state::ChunkRing::kKinds == kKinds);
-  // What the chunk ring needs of the state: the tiers as placement(u, k) says.
-  struct RingSource final : state::ChunkRing::Source {
-    Impl& I;
-    explicit RingSource(Impl& impl) : I(impl) {}
-    uint64_t shard_numel(size_t u) const override { return I.partition->unit(u).shard_numel; }
-    at::ScalarType dtype(int k) const override { return I.kind_dtype(k); }
-    bool streamed(size_t u, int k) const override { return I.streamed(u, k); }
-    bool in_swap(size_t u, int k) const override { return I.placement(u, k) == Placement::kNvme; }
-    void* resident(size_t u, int k, uint64_t begin) override {
-      const at::Tensor& t = I.units[u].kind(k);
-      return t.defined() ? static_cast<char*>(t.data_ptr()) + begin * c10::elementSize(I.kind_dtype(k)) : nullptr;
-    }
-    offload::IoFuture read(size_t u, int k, uint64_t begin, const at::Tensor& dst) override {
-      return I.swap_read(u, k, begin, dst);
-    }
-    offload::IoFuture write(size_t u, int k, uint64_t begin, const at::Tensor& src) override {
-      return I.swap_write(u, k, begin, src);
-    }
-    void store(size_t u, int k, uint64_t begin, const at::Tensor& src) override {
-      I.units[u].kind(k).narrow(0, int64_t(begin), src.numel()).copy_(src);
-    }
-  };
 
   // Runs `fn` over this rank's shards of the units in `which` (all by default), unit by unit in
   // chunks of offload.optimizer_chunk, through the chunk ring (state/chunk_ring.h). Device-placed
@@ -1094,8 +1003,7 @@ struct Engine::Impl {
                      const std::function<void(size_t)>& unit_done = {},
                      const std::vector<size_t>* which = nullptr,
                      const std::function<void(size_t)>& before_unit = {}) {
-    RingSource source(*this);
-    state::ChunkRing ring(source, host, cfg.nvme_chunk_bytes);
+    state::ChunkRing ring(*state, host, cfg.nvme_chunk_bytes);
     ring.run(in, out, which ? *which : all_units(), fn, unit_done, before_unit);
   }
   bool optimizer_streams() const {
@@ -1118,8 +1026,8 @@ struct Engine::Impl {
       }, {}, &rest);
     } else {
       for (size_t u : rest)
-        sumsq += kernels::sum_squares(units[u].grad.data_ptr<float>(), kernels::DType::kF32,
-                                      size_t(units[u].grad.numel()), exec);
+        sumsq += kernels::sum_squares(tensor(u, kGrad).data_ptr<float>(), kernels::DType::kF32,
+                                      size_t(tensor(u, kGrad).numel()), exec);
     }
     return sumsq;
   }
@@ -1127,22 +1035,10 @@ struct Engine::Impl {
   // parts[u]: the CUDA kernel with the CPU kernel's reduction order, or the CPU kernel on the
   // host device.
   void device_sum_squares(const std::vector<size_t>& which, std::vector<double>& parts) {
-    if (which.empty()) return;
-#ifdef STRATA_HAVE_CUDA
-    if (units[which.front()].grad.is_cuda()) {
-      at::Tensor sums = dev.empty({int64_t(which.size())}, at::kDouble, "gradient norm");
-      cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-      for (size_t i = 0; i < which.size(); ++i)
-        kernels::cuda::sum_squares(units[which[i]].grad.data_ptr<float>(), kernels::DType::kF32,
-                                   size_t(units[which[i]].grad.numel()), sums.data_ptr<double>() + i, stream);
-      at::Tensor host = sums.to(at::kCPU);
-      for (size_t i = 0; i < which.size(); ++i) parts[which[i]] += host.data_ptr<double>()[i];
-      return;
-    }
-#endif
-    for (size_t u : which)
-      parts[u] += kernels::sum_squares(units[u].grad.data_ptr<float>(), kernels::DType::kF32,
-                                       size_t(units[u].grad.numel()), exec);
+    std::vector<at::Tensor> grads;
+    for (size_t u : which) grads.push_back(tensor(u, kGrad));
+    const std::vector<double> sums = dev.sum_squares(grads, exec);
+    for (size_t i = 0; i < which.size(); ++i) parts[which[i]] += sums[i];
   }
 
   // Adam on every local slice where the master weights live, writing the next compute copies:
@@ -1162,40 +1058,30 @@ struct Engine::Impl {
     if (which.empty()) return;
     for (size_t u : which) wait_released(hold, u);  // one launch: all its units first (training thread)
     if (sumsq) device_sum_squares(which, *sumsq);
-#ifdef STRATA_HAVE_CUDA
-    if (units[which.front()].master.is_cuda()) {
-      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-      auto tensor = [&](UnitState& u, void* out) {
-        return kernels::cuda::AdamTensor{u.master.data_ptr<float>(), u.exp_avg.data_ptr<float>(),
-                                         u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(), out,
-                                         size_t(u.master.numel())};
-      };
-      const auto on_gpu = [&](size_t i) { return units[i].compute.defined() && units[i].compute.is_cuda(); };
-      // Compute copies on the device: one launch writes them all.
-      std::vector<kernels::cuda::AdamTensor> ts;
-      for (size_t i : which)
-        if (on_gpu(i)) ts.push_back(tensor(units[i], units[i].compute.data_ptr()));
-      if (!ts.empty())
-        kernels::cuda::adam_step(ac, ts.data(), ts.size(), kernels::DType::kF32, kernel_dtype(cfg.compute), stream);
-      // Compute copies on the host or in swap: unit by unit through one device buffer of the
-      // largest such shard (within the working set: no use is running), each copied down (a
-      // blocking copy) before the next launch writes the buffer again.
-      int64_t largest = 0;
-      for (size_t i : which)
-        if (!on_gpu(i)) largest = std::max(largest, int64_t(partition->unit(i).shard_numel));
-      if (largest == 0) return;
-      at::Tensor out = dev.empty({largest}, cdt, "compute copy out");
-      for (size_t i : which) {
-        if (on_gpu(i)) continue;
-        const kernels::cuda::AdamTensor t = tensor(units[i], out.data_ptr());
-        kernels::cuda::adam_step(ac, &t, 1, kernels::DType::kF32, kernel_dtype(cfg.compute), stream);
-        store_compute(i, out.narrow(0, 0, int64_t(partition->unit(i).shard_numel)));
-      }
-      return;
+    const auto adam = [&](size_t u, const at::Tensor& out) {
+      return Device::AdamTensors{tensor(u, kMaster), tensor(u, kExpAvg), tensor(u, kExpAvgSq), tensor(u, kGrad), out};
+    };
+    // Compute copies on the device: one launch writes them all.
+    std::vector<Device::AdamTensors> on_device;
+    for (size_t u : which)
+      if (placement(u, kCompute) == Placement::kDevice) on_device.push_back(adam(u, tensor(u, kCompute)));
+    dev.adam_step(ac, on_device, exec);
+    // Compute copies on the host or in swap: unit by unit through one device buffer of the
+    // largest such shard (within the working set: no use is running), each stored (a blocking
+    // copy) before the next launch writes the buffer again.
+    int64_t largest = 0;
+    for (size_t u : which)
+      if (placement(u, kCompute) != Placement::kDevice) largest = std::max(largest, int64_t(partition->unit(u).shard_numel));
+    if (largest == 0) return;
+    const at::Tensor out = dev.empty({largest}, cdt, "compute copy out");
+    for (size_t u : which) {
+      if (placement(u, kCompute) == Placement::kDevice) continue;
+      const at::Tensor values = out.narrow(0, 0, int64_t(partition->unit(u).shard_numel));
+      dev.adam_step(ac, {adam(u, values)}, exec);
+      store_compute(u, values);
     }
-#endif
-    for (size_t u : which) update_unit(ac, u);
   }
+
 
   std::vector<size_t> all_units() const {
     std::vector<size_t> all(units.size());
@@ -1229,8 +1115,8 @@ struct Engine::Impl {
     for (size_t u : which) {
       if (before_unit) before_unit(u);
       if (sumsq)
-        (*sumsq)[u] += kernels::sum_squares(units[u].grad.data_ptr<float>(), kernels::DType::kF32,
-                                            size_t(units[u].grad.numel()), exec);
+        (*sumsq)[u] += kernels::sum_squares(tensor(u, kGrad).data_ptr<float>(), kernels::DType::kF32,
+                                            size_t(tensor(u, kGrad).numel()), exec);
       update_unit(ac, u);
       if (grad_consumed) grad_consumed(u);
       if (unit_done) unit_done(u);
@@ -1239,12 +1125,12 @@ struct Engine::Impl {
 
   // The CPU Adam step of one unit's host-resident slices, writing its next compute copy.
   void update_unit(const kernels::AdamConfig& ac, size_t i) {
-    UnitState& u = units[i];
     // A compute copy placed on a GPU or in swap is written to a host buffer first.
     const int64_t n = int64_t(partition->unit(i).shard_numel);
-    at::Tensor out = u.compute.defined() && u.compute.is_cpu() ? u.compute : host_buffer(uint64_t(n), cdt);
-    kernels::adam_step(ac, u.master.data_ptr<float>(), u.exp_avg.data_ptr<float>(),
-                       u.exp_avg_sq.data_ptr<float>(), u.grad.data_ptr<float>(),
+    const at::Tensor& compute = tensor(i, kCompute);
+    at::Tensor out = compute.defined() && compute.is_cpu() ? compute : host_buffer(uint64_t(n), cdt);
+    kernels::adam_step(ac, tensor(i, kMaster).data_ptr<float>(), tensor(i, kExpAvg).data_ptr<float>(),
+                       tensor(i, kExpAvgSq).data_ptr<float>(), tensor(i, kGrad).data_ptr<float>(),
                        kernels::DType::kF32, out.data_ptr(), kernel_dtype(cfg.compute), size_t(n), exec);
     store_compute(i, out);
   }
@@ -1252,9 +1138,9 @@ struct Engine::Impl {
   // device), wherever the copy lives: written in place, copied up or down, or to its swap file
   // (a master on the device beside compute copies in swap).
   void store_compute(size_t i, const at::Tensor& values) {
-    UnitState& u = units[i];
     if (placement(i, kCompute) != Placement::kNvme) {
-      if (!values.is_same(u.compute)) u.compute.copy_(values);
+      at::Tensor& compute = tensor(i, kCompute);
+      if (!values.is_same(compute)) compute.copy_(values);
       return;
     }
     at::Tensor host = values;
@@ -1262,7 +1148,7 @@ struct Engine::Impl {
       host = host_buffer(uint64_t(values.numel()), cdt);
       host.copy_(values);
     }
-    swap_write(i, kCompute, 0, host).get();
+    state->write(i, kCompute, 0, host).get();
   }
 
   kernels::AdamConfig adam_config(double grad_scale) const {
@@ -1344,16 +1230,12 @@ struct Engine::Impl {
       Profiler::on_updater = true;
       update_begin = Profiler::Clock::now();
       try {
-#ifdef STRATA_HAVE_CUDA
         // Device-placed compute copies are written by blocking copies up: on a stream of this
         // thread's own, so that they neither wait for the compute stream's queue nor hold it up.
         // Ordering: a unit is written only after its last read of the step (its last use's
         // all-gather, which the compute stream waited for before the d2h stream's signal, or the
         // step's end), and read again only after wait_updated.
-        std::optional<c10::cuda::CUDAStreamGuard> own_stream;
-        if (dev.torch_device().is_cuda())
-          own_stream.emplace(c10::cuda::getStreamFromPool(false, dev.torch_device().index()));
-#endif
+        const std::shared_ptr<void> own_stream = dev.own_stream_scope();
         work([&](size_t u) {
           const auto end = Profiler::Clock::now();
           update_seconds += std::chrono::duration<double>(end - update_begin).count();
@@ -1492,11 +1374,11 @@ struct Engine::Impl {
       grad_pool_used[slot] = 1;
     }
     grad_pool_slot.at(u) = slot;
-    units[u].grad = grad_pool[slot].narrow(0, 0, int64_t(partition->unit(u).shard_numel));
+    tensor(u, kGrad) = grad_pool[slot].narrow(0, 0, int64_t(partition->unit(u).shard_numel));
     units[u].grad_fresh = true;
   }
   void release_gradient_buffer(size_t u) {
-    units[u].grad = at::Tensor();
+    tensor(u, kGrad) = at::Tensor();
     std::lock_guard<std::mutex> lock(update_mu);
     grad_pool_used.at(grad_pool_slot.at(u)) = 0;
     update_cv.notify_all();
@@ -1677,9 +1559,9 @@ at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
   I.wait_hold_all();  // the caller may write into it
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
-  if (I.placement(unit, k) != Placement::kNvme) return I.units.at(unit).kind(k);
+  if (I.placement(unit, k) != Placement::kNvme) return I.tensor(unit, k);
   at::Tensor copy = I.host_buffer(I.partition->unit(unit).shard_numel, at::kFloat);
-  I.swap_read(unit, k, 0, copy).get();
+  I.state->read(unit, k, 0, copy).get();
   return copy;
 }
 
@@ -1695,7 +1577,7 @@ Engine::NvmeSlice Engine::nvme_slice(size_t unit, StateKind kind) const {
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
   if (I.placement(unit, k) != Placement::kNvme) return {};
-  return {I.swap.get(), I.swap_name(unit, k)};
+  return {I.swap.get(), I.state->swap_name(unit, k)};
 }
 
 void Engine::hold_state(std::shared_ptr<StateHold> hold) {
@@ -1728,29 +1610,9 @@ void Engine::read_state(size_t unit, StateKind kind, uint64_t begin, uint64_t nu
   if (begin > n || numel > n - begin)
     throw std::out_of_range("read_state: elements " + std::to_string(begin) + "+" + std::to_string(numel) +
                             " outside unit " + I.partition->unit(unit).name + "'s slice of " + std::to_string(n));
-  at::Tensor out = at::from_blob(dst, {int64_t(numel)}, at::TensorOptions().dtype(at::kFloat));
-  if (I.placement(unit, k) == Placement::kNvme) {
-    I.swap_read(unit, k, begin, out).get();
-    return;
-  }
-  const at::Tensor src = I.units.at(unit).kind(k).narrow(0, int64_t(begin), int64_t(numel));
-#ifdef STRATA_HAVE_CUDA
-  if (src.is_cuda()) {
-    // Not the caller's current stream, which may be the legacy default stream and so wait for
-    // the training thread's queued compute: one pool stream per calling thread (a checkpoint's
-    // writer), ordered after the training's work by hold_state's synchronize.
-    thread_local std::optional<c10::cuda::CUDAStream> stream;
-    if (!stream || stream->device_index() != src.device().index())
-      stream = c10::cuda::getStreamFromPool(false, src.device().index());
-    c10::cuda::CUDAStreamGuard guard(*stream);
-    out.copy_(src);  // blocking: dst is pageable
-    return;
-  }
-#endif
-  // Host RAM: one memcpy on the calling thread, not ATen's copy on the intra-op pool that the
-  // training thread's CPU work shares.
-  TORCH_CHECK(src.is_contiguous() && src.scalar_type() == at::kFloat, "read_state: unexpected state layout");
-  std::memcpy(dst, src.const_data_ptr<float>(), numel * sizeof(float));
+  // Swap: a read through the I/O engine; device: a blocking copy on a stream of this thread's
+  // own (ordered after the training's work by hold_state's synchronize); host: one memcpy here.
+  I.state->read(unit, k, begin, at::from_blob(dst, {int64_t(numel)}, at::TensorOptions().dtype(at::kFloat))).get();
 }
 
 void Engine::store_state_slice(size_t unit, StateKind kind, const at::Tensor& data) {
@@ -1763,10 +1625,10 @@ void Engine::store_state_slice(size_t unit, StateKind kind, const at::Tensor& da
     TORCH_CHECK(data.is_cpu() && data.is_contiguous() && data.scalar_type() == at::kFloat &&
                     uint64_t(data.numel()) == I.partition->unit(unit).shard_numel,
                 "store_state_slice: expects the fp32 host slice state_slice returned");
-    I.swap_write(unit, k, 0, data).get();
+    I.state->write(unit, k, 0, data).get();
     return;
   }
-  at::Tensor& slot = I.units.at(unit).kind(k);
+  at::Tensor& slot = I.tensor(unit, k);
   if (!data.is_same(slot)) slot.copy_(data);
 }
 
@@ -1774,10 +1636,10 @@ void Engine::refresh_compute_copies() {
   Impl& I = *impl_;
   I.finish_update();
   if (I.cfg.master != Placement::kNvme && I.cfg.params != Placement::kNvme) {
-    for (UnitState& u : I.units) u.compute.copy_(u.master);
+    for (size_t u = 0; u < I.units.size(); ++u) I.tensor(u, kCompute).copy_(I.tensor(u, kMaster));
     return;
   }
-  for (size_t u : I.units_where(true)) I.store_compute(u, I.units[u].master.to(I.cdt));
+  for (size_t u : I.units_where(true)) I.store_compute(u, I.tensor(u, kMaster).to(I.cdt));
   const std::vector<size_t> rest = I.units_where(false);
   I.stream_chunks(1u << kMaster, 1u << kCompute, [&](const Impl::Chunk& c, const std::array<void*, kKinds>& p) {
     const int64_t n = int64_t(c.numel);
@@ -1799,7 +1661,7 @@ MemoryReport Engine::memory() const {
   r.device_peak = impl_->dev.peak();
   r.device_budget = impl_->dev.budget();
   r.host_state = impl_->host.state_bytes();
-  r.nvme_state = impl_->nvme_state;
+  r.nvme_state = impl_->state ? impl_->state->swap_bytes() : 0;
   r.host_activations = impl_->activations ? impl_->activations->host_peak() : 0;
   return r;
 }

@@ -27,6 +27,9 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
+
+#include "strata/kernels/cpu_optim.h"
 
 namespace strata::engine {
 
@@ -131,6 +134,28 @@ class Device {
   // host functions), or "" while it can. The host device's streams always go on, unless a test
   // made its d2h stream fail (create_host).
   virtual std::string stream_error(Stream& stream) { (void)stream; return ""; }
+
+  // Optimizer math on device-resident state, on the calling thread's current stream (the
+  // compute stream on the training thread), with the CPU kernels' arithmetic and reduction order
+  // (kernels/cpu_optim.h), so that a unit's numbers do not depend on its tier. The host device
+  // runs those CPU kernels with `exec`; CUDA runs the fused kernels (kernels/cuda_optim.h).
+  struct AdamTensors {
+    at::Tensor master, exp_avg, exp_avg_sq, grad;  // fp32 [n], contiguous, on the device
+    at::Tensor out;                                // the new compute copy [n], on the device
+  };
+  virtual void adam_step(const kernels::AdamConfig& config, const std::vector<AdamTensors>& units,
+                         const kernels::CpuExec& exec);
+  // The sum of squares of each fp32 device tensor, read back to the host (blocks until done).
+  virtual std::vector<double> sum_squares(const std::vector<at::Tensor>& xs, const kernels::CpuExec& exec);
+  // dst (host, contiguous) := src (device, contiguous, same dtype and numel); blocking, on a
+  // stream of the calling thread's own, so that a reader beside training (a checkpoint's
+  // writer) never queues behind the compute stream. The host device copies with memcpy on the
+  // calling thread (not ATen's intra-op pool, which the training thread's CPU work shares).
+  virtual void read_to_host(const at::Tensor& dst, const at::Tensor& src);
+  // Until the returned guard goes, device work issued by the calling thread (torch ops, copies
+  // through at::Tensor::copy_) runs on a stream of that thread's own, neither waiting for the
+  // compute stream's queue nor holding it up. Null on the host device (work runs in place).
+  virtual std::shared_ptr<void> own_stream_scope() { return nullptr; }
 
   // Profiling: an event that also notes when its stream reached it (a CUDA event with timing;
   // on the host device, the clock when it ran), and the seconds from `from` to `to`, two timed

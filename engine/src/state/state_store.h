@@ -1,0 +1,89 @@
+// The units' partitioned state: for each unit this rank's shard of each kind (master weights,
+// the two Adam moments, the fp32 gradient accumulator, the compute-dtype copy), placed by one
+// immutable table (PlacementPlan) and held by the tier drivers (state/tier.h). Every question
+// of where a shard is, how to read it and how to write it is answered here; it is also the
+// chunk ring's Source (state/chunk_ring.h).
+//
+// Kinds and tiers: placement(u, k) is the plan's tier of kind k, per unit for the optimizer
+// group (master, moments, gradients) of a split plan (PlacementPlan::unit_tier). A kind in the
+// device or host tier is a resident tensor (tensor(u, k)); one in swap is the partition
+// "<unit>.<kind>" of the swap space, reached through read/write. Gradients may be transient
+// (gradients_transient): then host- or swap-placed units have no accumulator here and the
+// gradient reducer lends them a buffer (tensor(u, kGrad) is assigned, then reset).
+//
+// Ownership: the store owns its drivers and the resident tensors; the Device, HostMemory, the
+// swap space, the partition and the profiler must outlive it.
+// Thread safety: allocate() on the constructing thread, before training. read/write and the
+// Source members from any thread for distinct (unit, kind) or disjoint ranges; tensor(u, k) of a
+// unit is used by whichever thread the engine's step hands that unit to (the reducer before the
+// update, the updater during it), never by two at once. Swap traffic is counted into the
+// profiler's counters of the calling thread (Profiler::read_counter).
+// Errors: as the drivers'; an unknown kind or unit throws std::out_of_range.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/profiler.h"
+#include "state/chunk_ring.h"
+#include "state/tier.h"
+#include "strata/engine/partition.h"
+#include "strata/engine/placement.h"
+
+namespace strata::engine::state {
+
+enum Kind : int { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGrad = 3, kCompute = 4, kKinds = 5 };
+const char* kind_name(int kind);
+static_assert(ChunkRing::kKinds == kKinds);
+
+class StateStore final : public ChunkRing::Source {
+ public:
+  // `swap` may be null when nothing is placed in swap.
+  StateStore(const Partition& partition, at::ScalarType compute_dtype, const PlacementPlan& placement, Device& device,
+             HostMemory& host, offload::SwapSpace* swap, runtime::Profiler& prof);
+
+  const PlacementPlan& plan() const { return plan_; }
+  // Kind k's tier as planned (of a split optimizer group: the tier of its last units).
+  Placement kind_placement(int k) const;
+  Placement placement(size_t u, int k) const { return plan_.unit_tier(kind_placement(k), k != kCompute, u); }
+  size_t units() const { return partition_.num_units(); }
+
+  // Unit u's shard of every kind, in its tier: master weights and the compute copy :=
+  // `initial_master` (fp32 host [shard]), moments and gradients zero; a swap-placed gradient is
+  // left unwritten (the first reduce writes it), a transient one is not allocated.
+  void allocate(size_t u, const at::Tensor& initial_master, bool transient_grads);
+
+  // The resident tensor of (u, k) in the device or host tier; undefined in swap.
+  at::Tensor& tensor(size_t u, int k) { return resident_.at(u).at(size_t(k)); }
+  // Elements [begin, begin + dst.numel()) of (u, k), in any tier, into host memory (see
+  // TierDriver::read for completion), and the other way.
+  offload::IoFuture read(size_t u, int k, uint64_t begin, const at::Tensor& dst) override;
+  offload::IoFuture write(size_t u, int k, uint64_t begin, const at::Tensor& src) override;
+  const std::string& swap_name(size_t u, int k) const;  // of a swap-placed kind
+  uint64_t swap_bytes() const { return swap_ ? swap_->bytes() : 0; }
+
+  // ChunkRing::Source.
+  uint64_t shard_numel(size_t u) const override { return partition_.unit(u).shard_numel; }
+  at::ScalarType dtype(int k) const override { return k == kCompute ? compute_ : at::kFloat; }
+  bool streamed(size_t u, int k) const override;
+  bool in_swap(size_t u, int k) const override { return placement(u, k) == Placement::kNvme; }
+  void* resident(size_t u, int k, uint64_t begin) override;
+  void store(size_t u, int k, uint64_t begin, const at::Tensor& src) override;
+
+ private:
+  TierDriver& driver(Placement p);
+
+  const Partition& partition_;
+  const at::ScalarType compute_;
+  const PlacementPlan plan_;
+  runtime::Profiler& prof_;
+  std::unique_ptr<TierDriver> device_, host_, swap_;
+  std::vector<std::array<at::Tensor, kKinds>> resident_;
+  std::vector<std::array<TierDriver::Region, kKinds>> region_;  // in its placement's driver
+};
+
+}  // namespace strata::engine::state
