@@ -37,6 +37,8 @@
 #include "strata/offload/io_engine.h"
 #include "strata/offload/swap_space.h"
 #include "runtime/activation_store.h"
+#include "runtime/optimizer.h"
+#include "runtime/updater.h"
 #include "runtime/profiler.h"
 #include "state/chunk_ring.h"
 #include "state/host_memory.h"
@@ -54,15 +56,6 @@ at::ScalarType scalar_type(Precision p) {
     case Precision::kFp16: return at::kHalf;
   }
   return at::kFloat;
-}
-
-kernels::DType kernel_dtype(Precision p) {
-  switch (p) {
-    case Precision::kFp32: return kernels::DType::kF32;
-    case Precision::kBf16: return kernels::DType::kBF16;
-    case Precision::kFp16: return kernels::DType::kF16;
-  }
-  return kernels::DType::kF32;
 }
 
 // A stage's parameter tensor and where it lives in the partition.
@@ -156,16 +149,12 @@ struct Engine::Impl {
   PlacementPlan split;
   // The units' state, placed by the resolved plan (built once placement is resolved).
   std::unique_ptr<state::StateStore> state;
+  std::unique_ptr<runtime::Optimizer> optimizer;  // Adam and the gradient norm over the store
   Placement placement(size_t u, int k) const { return state->placement(u, k); }
   at::Tensor& tensor(size_t u, int k) { return state->tensor(u, k); }
   // The units whose update runs where their master weights are on the device, and the others
   // (the CPU's: host or swap), each in forward order.
-  std::vector<size_t> units_where(bool on_device) const {
-    std::vector<size_t> out;
-    for (size_t u = 0; u < state->units(); ++u)
-      if ((placement(u, kMaster) == Placement::kDevice) == on_device) out.push_back(u);
-    return out;
-  }
+  std::vector<size_t> units_where(bool on_device) const { return optimizer->units_where(on_device); }
   at::ScalarType kind_dtype(int k) const { return k == kCompute ? cdt : at::kFloat; }
 
   // Host memory: the one provider (state/host_memory.h).
@@ -278,6 +267,7 @@ struct Engine::Impl {
     resolved.grads_transient = grads_transient;
     if (cfg.plan_only) {
       state = std::make_unique<state::StateStore>(*partition, cdt, resolved, dev, host, nullptr, prof);
+      optimizer = std::make_unique<runtime::Optimizer>(*state, host, dev, exec, cfg.nvme_chunk_bytes);
       placement_report += "; plan only (recompute and activation checkpoints are decided once the state is allocated)";
       return;
     }
@@ -286,6 +276,7 @@ struct Engine::Impl {
         cfg.activations == Placement::kNvme)
       open_swap();
     state = std::make_unique<state::StateStore>(*partition, cdt, resolved, dev, host, swap.get(), prof);
+    optimizer = std::make_unique<runtime::Optimizer>(*state, host, dev, exec, cfg.nvme_chunk_bytes);
 
     // This rank's slices of the initial weights.
     const int rank = comm.rank();
@@ -305,12 +296,8 @@ struct Engine::Impl {
       if (cfg.on_unit_placed) cfg.on_unit_placed(u + 1, stages.size());
     }
 
-    if (grads_transient) {
-      for (size_t i = 0; i < transient_limit; ++i)
-        grad_pool.push_back(host.state(largest_shard(), at::kFloat, "gradient buffer " + std::to_string(i)));
-      grad_pool_used.assign(transient_limit, 0);
-      grad_pool_slot.assign(units.size(), 0);
-    }
+    updater = std::make_unique<runtime::Updater>(*optimizer, *state, *schedule, *partition, dev, prof, host,
+                                                 grads_transient ? transient_limit : 0, largest_shard());
 
     base_bytes = dev.used();
     if (cfg.recompute_blocks == EngineConfig::kRecomputeAuto) resolve_recompute();
@@ -840,7 +827,7 @@ struct Engine::Impl {
         release_unneeded(k, total);
       }
       // "backward" overlap: the update starts with the last micro-batch's backward.
-      if (in_backward && m == A - 1) launch_update_in_backward(adam_config(1.0 / denom));
+      if (in_backward && m == A - 1) updater->launch_in_backward(adam_config(1.0 / denom), hold_wait());
       // The head: forward and backward.
       at::Tensor dy;
       {
@@ -916,7 +903,7 @@ struct Engine::Impl {
 
     // "backward": the device's units (a split optimizer group's first ones, final last) are
     // updated now, on the compute stream, while the updater may still run.
-    if (in_backward) update_device_units(adam_config(1.0 / denom), &unit_sumsq);
+    if (in_backward) update_device_units(adam_config(1.0 / denom), &updater->unit_sumsq());
     // Global norm and overflow in one all-reduce: [local sum of squares, local loss sum].
     // "forward": the last update was done long ago (the forward gathered every unit); "backward":
     // this step's update, whose last units may still be running.
@@ -927,9 +914,9 @@ struct Engine::Impl {
       auto t = prof.time(prof.step.norm, "gradient norm");
       double sumsq = 0;
       if (in_backward)
-        for (double v : unit_sumsq) sumsq += v;
+        for (double v : updater->unit_sumsq()) sumsq += v;
       else
-        sumsq = local_sum_squares();
+        sumsq = optimizer->local_sum_squares();
       // With the norm and the loss, every rank's wait for parameters and time so far: the
       // prefetch decision is then the same on every rank (their gathers must stay in step).
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -992,163 +979,12 @@ struct Engine::Impl {
 
   // --- streaming through host buffers (NVMe placement) ----------------------------------------
 
-  using Chunk = state::ChunkRing::Chunk;
-  using ChunkFn = state::ChunkRing::Fn;
-
-  // Runs `fn` over this rank's shards of the units in `which` (all by default), unit by unit in
-  // chunks of offload.optimizer_chunk, through the chunk ring (state/chunk_ring.h). Device-placed
-  // kinds other than the compute copy are not supported (the optimizer runs where the master
-  // weights live).
-  void stream_chunks(unsigned in, unsigned out, const ChunkFn& fn,
-                     const std::function<void(size_t)>& unit_done = {},
-                     const std::vector<size_t>* which = nullptr,
-                     const std::function<void(size_t)>& before_unit = {}) {
-    state::ChunkRing ring(*state, host, cfg.nvme_chunk_bytes);
-    ring.run(in, out, which ? *which : all_units(), fn, unit_done, before_unit);
-  }
-  bool optimizer_streams() const {
-    return cfg.master == Placement::kNvme || cfg.grads == Placement::kNvme || cfg.params == Placement::kNvme;
-  }
-
-  // This rank's sum of squared gradients, where the gradients live (the CPU kernel, or the CUDA
-  // kernel with the same reduction order).
-  // Summed in forward order, unit by unit (chunk by chunk where streamed): the device's units
-  // come first, so the order is that of any other placement of them.
-  double local_sum_squares() {
-    std::vector<double> parts(units.size(), 0.0);
-    device_sum_squares(units_where(true), parts);
-    double sumsq = 0;
-    for (double v : parts) sumsq += v;
-    const std::vector<size_t> rest = units_where(false);
-    if (cfg.grads == Placement::kNvme) {
-      stream_chunks(1u << kGrad, 0, [&](const Chunk& c, const std::array<void*, kKinds>& p) {
-        sumsq += kernels::sum_squares(p[kGrad], kernels::DType::kF32, c.numel, exec);
-      }, {}, &rest);
-    } else {
-      for (size_t u : rest)
-        sumsq += kernels::sum_squares(tensor(u, kGrad).data_ptr<float>(), kernels::DType::kF32,
-                                      size_t(tensor(u, kGrad).numel()), exec);
-    }
-    return sumsq;
-  }
-  // Adds the sum of squared gradients of each unit in `which` (their gradients on the device) to
-  // parts[u]: the CUDA kernel with the CPU kernel's reduction order, or the CPU kernel on the
-  // host device.
-  void device_sum_squares(const std::vector<size_t>& which, std::vector<double>& parts) {
-    std::vector<at::Tensor> grads;
-    for (size_t u : which) grads.push_back(tensor(u, kGrad));
-    const std::vector<double> sums = dev.sum_squares(grads, exec);
-    for (size_t i = 0; i < which.size(); ++i) parts[which[i]] += sums[i];
-  }
-
   // Adam on every local slice where the master weights live, writing the next compute copies:
-  // the device's units first, then the CPU's. `unit_done(u)` is called as each of the CPU's
-  // units is complete, in order.
-  void optimizer_step(const kernels::AdamConfig& ac, const std::function<void(size_t)>& unit_done = {}) {
-    update_on_device(ac, units_where(true));
+  // the device's units first, then the CPU's, each waiting for a checkpoint's hold first.
+  void optimizer_step(const kernels::AdamConfig& ac) {
+    optimizer->update_on_device(ac, units_where(true), nullptr, [this](size_t u) { wait_released(hold, u); });
     const std::vector<size_t> rest = units_where(false);
-    if (!rest.empty()) update_units(ac, rest, unit_done, nullptr, [this](size_t u) { wait_released(hold, u); });
-  }
-
-  // Adam on the units in `which`, their master, moments and gradients on the device: one
-  // multi-tensor launch on the current stream, or the CPU kernel on the host device. With
-  // `sumsq`, each unit's sum of squared gradients is added to (*sumsq)[u] first.
-  void update_on_device(const kernels::AdamConfig& ac, const std::vector<size_t>& which,
-                        std::vector<double>* sumsq = nullptr) {
-    if (which.empty()) return;
-    for (size_t u : which) wait_released(hold, u);  // one launch: all its units first (training thread)
-    if (sumsq) device_sum_squares(which, *sumsq);
-    const auto adam = [&](size_t u, const at::Tensor& out) {
-      return Device::AdamTensors{tensor(u, kMaster), tensor(u, kExpAvg), tensor(u, kExpAvgSq), tensor(u, kGrad), out};
-    };
-    // Compute copies on the device: one launch writes them all.
-    std::vector<Device::AdamTensors> on_device;
-    for (size_t u : which)
-      if (placement(u, kCompute) == Placement::kDevice) on_device.push_back(adam(u, tensor(u, kCompute)));
-    dev.adam_step(ac, on_device, exec);
-    // Compute copies on the host or in swap: unit by unit through one device buffer of the
-    // largest such shard (within the working set: no use is running), each stored (a blocking
-    // copy) before the next launch writes the buffer again.
-    int64_t largest = 0;
-    for (size_t u : which)
-      if (placement(u, kCompute) != Placement::kDevice) largest = std::max(largest, int64_t(partition->unit(u).shard_numel));
-    if (largest == 0) return;
-    const at::Tensor out = dev.empty({largest}, cdt, "compute copy out");
-    for (size_t u : which) {
-      if (placement(u, kCompute) == Placement::kDevice) continue;
-      const at::Tensor values = out.narrow(0, 0, int64_t(partition->unit(u).shard_numel));
-      dev.adam_step(ac, {adam(u, values)}, exec);
-      store_compute(u, values);
-    }
-  }
-
-
-  std::vector<size_t> all_units() const {
-    std::vector<size_t> all(units.size());
-    for (size_t u = 0; u < all.size(); ++u) all[u] = u;
-    return all;
-  }
-
-  // The CPU Adam step of the units in `which`, in that order, their master weights and moments on
-  // the host or streamed from swap; `unit_done(u)` as each is complete. With `sumsq`, each unit's
-  // sum of squared gradients is added to (*sumsq)[u] on the way. `before_unit(u)` as in
-  // stream_chunks; `grad_consumed(u)` once unit u's gradient has been read for the last time
-  // (before its writes are done).
-  void update_units(const kernels::AdamConfig& ac, const std::vector<size_t>& which,
-                    const std::function<void(size_t)>& unit_done, std::vector<double>* sumsq = nullptr,
-                    const std::function<void(size_t)>& before_unit = {},
-                    const std::function<void(size_t)>& grad_consumed = {}) {
-    if (optimizer_streams()) {
-      stream_chunks((1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kGrad),
-                    (1u << kMaster) | (1u << kExpAvg) | (1u << kExpAvgSq) | (1u << kCompute),
-                    [&](const Chunk& c, const std::array<void*, kKinds>& p) {
-                      if (sumsq) (*sumsq)[c.unit] += kernels::sum_squares(p[kGrad], kernels::DType::kF32, c.numel, exec);
-                      kernels::adam_step(ac, static_cast<float*>(p[kMaster]), static_cast<float*>(p[kExpAvg]),
-                                         static_cast<float*>(p[kExpAvgSq]), p[kGrad], kernels::DType::kF32,
-                                         p[kCompute], kernel_dtype(cfg.compute), c.numel, exec);
-                      if (grad_consumed && c.begin + c.numel == partition->unit(c.unit).shard_numel)
-                        grad_consumed(c.unit);
-                    },
-                    unit_done, &which, before_unit);
-      return;
-    }
-    for (size_t u : which) {
-      if (before_unit) before_unit(u);
-      if (sumsq)
-        (*sumsq)[u] += kernels::sum_squares(tensor(u, kGrad).data_ptr<float>(), kernels::DType::kF32,
-                                            size_t(tensor(u, kGrad).numel()), exec);
-      update_unit(ac, u);
-      if (grad_consumed) grad_consumed(u);
-      if (unit_done) unit_done(u);
-    }
-  }
-
-  // The CPU Adam step of one unit's host-resident slices, writing its next compute copy.
-  void update_unit(const kernels::AdamConfig& ac, size_t i) {
-    // A compute copy placed on a GPU or in swap is written to a host buffer first.
-    const int64_t n = int64_t(partition->unit(i).shard_numel);
-    const at::Tensor& compute = tensor(i, kCompute);
-    at::Tensor out = compute.defined() && compute.is_cpu() ? compute : host_buffer(uint64_t(n), cdt);
-    kernels::adam_step(ac, tensor(i, kMaster).data_ptr<float>(), tensor(i, kExpAvg).data_ptr<float>(),
-                       tensor(i, kExpAvgSq).data_ptr<float>(), tensor(i, kGrad).data_ptr<float>(),
-                       kernels::DType::kF32, out.data_ptr(), kernel_dtype(cfg.compute), size_t(n), exec);
-    store_compute(i, out);
-  }
-  // Unit i's compute copy := `values` (its new values in the compute dtype, on the host or the
-  // device), wherever the copy lives: written in place, copied up or down, or to its swap file
-  // (a master on the device beside compute copies in swap).
-  void store_compute(size_t i, const at::Tensor& values) {
-    if (placement(i, kCompute) != Placement::kNvme) {
-      at::Tensor& compute = tensor(i, kCompute);
-      if (!values.is_same(compute)) compute.copy_(values);
-      return;
-    }
-    at::Tensor host = values;
-    if (!values.is_cpu()) {
-      host = host_buffer(uint64_t(values.numel()), cdt);
-      host.copy_(values);
-    }
-    state->write(i, kCompute, 0, host).get();
+    if (!rest.empty()) optimizer->update_on_cpu(ac, rest, {}, nullptr, [this](size_t u) { wait_released(hold, u); });
   }
 
   kernels::AdamConfig adam_config(double grad_scale) const {
@@ -1164,106 +1000,24 @@ struct Engine::Impl {
     return ac;
   }
 
-  // --- the update on its own thread (optimizer.overlap) ---------------------------------------
-  // "forward": once backward is done the global norm is known, so the step's update is final: it
-  // runs on `updater`, unit by unit in forward order, while train_step returns and the next
-  // step's forward starts. A gather of unit u waits for u's update (wait_updated), so every
-  // forward sees exactly the updated weights: the same numbers as the serial update, earlier.
-  // "backward": without clipping and loss scaling the update needs no global norm, so it starts
-  // during the step's last micro-batch: once a unit's last gradient contribution has landed
-  // where it accumulates (the d2h stream's host function after it says so: grad_final), the
-  // updater takes it: in the order units become final, their swap-resident state read ahead while
-  // the gradient is on its way, or (gradients in swap, read only once final) the ready units in
-  // batches, lowest first. No gather of this step needs an
-  // updated unit (a unit's gradient is final only after its last use), and the step's end joins
-  // the updater, so the next forward sees the updated weights: again the serial numbers.
-  std::thread updater;
-  std::mutex update_mu;
-  std::condition_variable update_cv;
-  std::vector<char> unit_updated;  // by unit, under update_mu
-  bool gathers_wait_update = false;  // "forward": this update runs behind the next gathers
-  std::shared_ptr<std::promise<void>> update_promise;  // set when the updater's work is over
-  std::shared_future<void> update_over;
-  double update_seconds = 0;  // the updater's work, counted into the timeline when it is joined
-  Profiler::Clock::time_point update_begin;  // the updater's: when its current unit's work began
-  std::exception_ptr update_error;
-  // "backward": which units' gradients are final (and the swap write of each, to wait for), each
-  // unit's sum of squared gradients (for the reported norm), and the failed step's stop signal.
-  std::vector<char> grad_final;
-  std::vector<offload::IoFuture> grad_final_write;
-  std::vector<double> unit_sumsq;
-  bool update_abort = false;
+  // --- the update on its own thread (optimizer.overlap; runtime/updater.h) ---------------------
+  std::unique_ptr<runtime::Updater> updater;
+  bool grads_transient = false;  // gradients_transient: the updater lends gradient buffers
+  size_t transient_limit = 2;    // their number: the multi-use units' held ones plus two
 
   bool overlaps_update() const {
     // Not with device-resident master weights: the CUDA step is already asynchronous.
     return cfg.update_overlap != UpdateOverlap::kOff && cfg.master != Placement::kDevice;
   }
   bool updates_in_backward() const { return overlaps_update() && cfg.update_overlap == UpdateOverlap::kBackward; }
-
-  // Starts `updater` running `work(unit_done)`; unit_done(u) marks u's update complete.
-  void start_updater(std::function<void(const std::function<void(size_t)>&)> work) {
-    finish_update();
-    {
-      std::lock_guard<std::mutex> lock(update_mu);
-      unit_updated.assign(units.size(), 0);
-      for (size_t u : units_where(true)) unit_updated[u] = 1;  // updated on the device, not here
-      update_abort = false;
-    }
-    update_promise = std::make_shared<std::promise<void>>();
-    update_over = update_promise->get_future().share();
-    updater = std::thread([this, work = std::move(work), over = update_promise] {
-      // Ready when the thread's work is over; carries its error, so that a save waiting on it
-      // fails rather than copy half-updated swap files.
-      struct SetOnExit {
-        Impl& I;
-        std::promise<void>& p;
-        ~SetOnExit() {
-          std::exception_ptr e;
-          {
-            std::lock_guard<std::mutex> lock(I.update_mu);
-            e = I.update_error;
-          }
-          if (e) p.set_exception(e);
-          else p.set_value();
-        }
-      } set_on_exit{*this, *over};
-      Profiler::on_updater = true;
-      update_begin = Profiler::Clock::now();
-      try {
-        // Device-placed compute copies are written by blocking copies up: on a stream of this
-        // thread's own, so that they neither wait for the compute stream's queue nor hold it up.
-        // Ordering: a unit is written only after its last read of the step (its last use's
-        // all-gather, which the compute stream waited for before the d2h stream's signal, or the
-        // step's end), and read again only after wait_updated.
-        const std::shared_ptr<void> own_stream = dev.own_stream_scope();
-        work([&](size_t u) {
-          const auto end = Profiler::Clock::now();
-          update_seconds += std::chrono::duration<double>(end - update_begin).count();
-          prof.span("optimizer", "update " + partition->unit(u).name, update_begin, end);
-          update_begin = end;
-          std::lock_guard<std::mutex> lock(update_mu);
-          unit_updated.at(u) = 1;
-          update_cv.notify_all();
-        });
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(update_mu);
-        update_error = std::current_exception();
-        std::fill(unit_updated.begin(), unit_updated.end(), 1);  // nobody waits any longer
-        update_cv.notify_all();
-      }
-    });
+  std::function<void(size_t)> hold_wait() {
+    return [this, h = hold](size_t u) { wait_released(h, u); };
   }
   // "forward": the whole update, in forward order: the device's units here, the CPU's on the
   // updater.
   void launch_update(const kernels::AdamConfig& ac) {
     update_device_units(ac);
-    start_updater([this, ac, h = hold](const std::function<void(size_t)>& unit_done) {
-      update_units(ac, units_where(false), unit_done, nullptr, [&](size_t u) {
-        wait_released(h, u);
-        update_begin = Profiler::Clock::now();  // waiting for the snapshot is not optimizer work
-      });
-    });
-    gathers_wait_update = true;
+    updater->launch_after_step(ac, hold_wait());
   }
   // The overlapped update's part on the device (a split optimizer group's first units), on the
   // training thread: one launch on the compute stream, counted as exposed optimizer time.
@@ -1273,130 +1027,16 @@ struct Engine::Impl {
     const double before = prof.step.optimizer, waited_before = checkpoint_waited_here;
     {
       auto t = prof.time(prof.step.optimizer, "optimizer (device)");
-      update_on_device(ac, which, sumsq);
+      optimizer->update_on_device(ac, which, sumsq, [this](size_t u) { wait_released(hold, u); });
       if (cfg.profile) dev.synchronize(dev.compute_stream());  // the kernel's time, not its launch's
     }
     prof.step.optimizer -= checkpoint_waited_here - waited_before;
     prof.step.optimizer_exposed += prof.step.optimizer - before;
   }
-  // "backward": the update of each unit as its gradient becomes final (signal_final_gradients).
-  void launch_update_in_backward(const kernels::AdamConfig& ac) {
-    finish_update();
-    {
-      std::lock_guard<std::mutex> lock(update_mu);
-      grad_final.assign(units.size(), 0);
-      grad_final_write.assign(units.size(), offload::IoFuture());
-    }
-    unit_sumsq.assign(units.size(), 0.0);
-    // A checkpoint still copying the state out: the updater waits for each unit's release
-    // before its first write of it, while the backward goes on.
-    start_updater([this, ac, h = hold](const std::function<void(size_t)>& unit_done) {
-      const std::function<void(size_t)> consumed = [&](size_t u) {
-        if (grads_transient) release_gradient_buffer(u);
-      };
-      bool grads_in_swap = false;
-      for (size_t u = 0; u < units.size(); ++u) grads_in_swap |= placement(u, kGrad) == Placement::kNvme;
-      if (!grads_in_swap) {
-        // One pass over the units in the order their gradients become final (the last use's
-        // stage, highest first): the first chunks of each unit's swap-resident master and moments
-        // are read while its gradient is still on its way (the chunk ring runs ahead across
-        // units), and its update starts as soon as the gradient is there.
-        std::vector<size_t> order = units_where(false);  // the device's units: at the step's end
-        order = schedule->in_final_gradient_order(std::move(order));
-        update_units(ac, order, unit_done, &unit_sumsq, [&](size_t u) {
-          {
-            std::unique_lock<std::mutex> lock(update_mu);
-            wait_while_d2h_runs(lock, [&] { return grad_final[u] || update_abort; });
-            if (update_abort) throw std::runtime_error("the step failed before its update was done");
-          }
-          wait_released(h, u);  // before the first chunk is processed and written back
-          update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
-        }, consumed);
-        return;
-      }
-      // Gradients in swap are read with the unit's state, so only once final: the ready units
-      // in batches, each in the order their gradients became final (as update_order() says, so
-      // that a checkpoint's writer releases them in the order this waits for them).
-      std::vector<char> taken(units.size(), 0);
-      for (size_t u : units_where(true)) taken[u] = 1;  // updated at the step's end, on the device
-      for (size_t left = units.size() - units_where(true).size(); left > 0;) {
-        std::vector<size_t> ready;
-        std::vector<offload::IoFuture> writes;
-        {
-          std::unique_lock<std::mutex> lock(update_mu);
-          wait_while_d2h_runs(lock, [&] {
-            for (size_t u = 0; u < units.size(); ++u)
-              if (grad_final[u] && !taken[u]) return true;
-            return update_abort;
-          });
-          if (update_abort) throw std::runtime_error("the step failed before its update was done");
-          for (size_t u = 0; u < units.size(); ++u)
-            if (grad_final[u] && !taken[u]) {
-              ready.push_back(u);
-              taken[u] = 1;
-              if (grad_final_write[u].valid()) writes.push_back(grad_final_write[u]);
-            }
-        }
-        ready = schedule->in_final_gradient_order(std::move(ready));
-        left -= ready.size();
-        for (const offload::IoFuture& w : writes) w.get();  // the gradient's last swap write
-        update_begin = Profiler::Clock::now();  // waiting for gradients is not optimizer work
-        update_units(ac, ready, unit_done, &unit_sumsq, [&](size_t u) {
-          wait_released(h, u);
-          update_begin = Profiler::Clock::now();
-        }, consumed);
-      }
-    });
-    gathers_wait_update = false;
-  }
-  // Gradients not stored (gradients_transient): a unit's fp32 gradient lives in a host buffer
-  // from its first reduce of the step until its update, which frees it. At most
-  // transient_limit buffers exist at once (the multi-use units' held ones plus two), so that a
-  // backward faster than the updater waits for it instead of holding every unit's gradient.
-  // The buffers are a pool of transient_limit, each the largest shard, allocated with the state
-  // (counted in host_state, pinned at their exact size on GPU machines).
-  bool grads_transient = false;
-  size_t transient_limit = 2;
-  std::vector<at::Tensor> grad_pool;
-  std::vector<char> grad_pool_used;  // by pool slot, under update_mu
-  std::vector<size_t> grad_pool_slot;  // by unit: its slot while it holds one
   void take_gradient_buffer(size_t u) {
-    size_t slot = 0;
-    {
-      std::unique_lock<std::mutex> lock(update_mu);
-      auto free_slot = [&] { return std::find(grad_pool_used.begin(), grad_pool_used.end(), 0) != grad_pool_used.end(); };
-      if (!free_slot()) {
-        auto t = prof.time(prof.step.wait_update, "wait update (gradient buffers)", &partition->unit(u).name);
-        wait_while_d2h_runs(lock, [&] { return free_slot() || update_error; });
-      }
-      if (!free_slot()) std::rethrow_exception(update_error);  // a failed updater frees nothing more
-      slot = size_t(std::find(grad_pool_used.begin(), grad_pool_used.end(), 0) - grad_pool_used.begin());
-      grad_pool_used[slot] = 1;
-    }
-    grad_pool_slot.at(u) = slot;
-    tensor(u, kGrad) = grad_pool[slot].narrow(0, 0, int64_t(partition->unit(u).shard_numel));
+    updater->take_gradient_buffer(u);
     units[u].grad_fresh = true;
   }
-  void release_gradient_buffer(size_t u) {
-    tensor(u, kGrad) = at::Tensor();
-    std::lock_guard<std::mutex> lock(update_mu);
-    grad_pool_used.at(grad_pool_slot.at(u)) = 0;
-    update_cv.notify_all();
-  }
-
-  // Waits on update_cv (holding `lock` on update_mu) until `ready`. What it waits for comes from
-  // host functions on the d2h stream (gradients marked final) or from the updater, which waits
-  // for them: a CUDA error on that stream would stop them for good, so the wait checks the
-  // stream every second and fails naming its error instead of hanging.
-  template <class Ready>
-  void wait_while_d2h_runs(std::unique_lock<std::mutex>& lock, Ready ready) {
-    while (!update_cv.wait_for(lock, std::chrono::seconds(1), ready)) {
-      const std::string error = dev.stream_error(dev.d2h_stream());
-      if (!error.empty())
-        throw std::runtime_error("the update during backward waits for gradients that will not come: " + error);
-    }
-  }
-
   // "backward", after the last micro-batch reduced `stage`'s gradients: the units whose last use
   // that was are final once the d2h stream gets past their accumulation (or swap write).
   void signal_final_gradients(size_t stage) {
@@ -1408,56 +1048,16 @@ struct Engine::Impl {
           std::lock_guard<std::mutex> lock(grad_write_mu);
           written = last_grad_write.at(u);
         }
-        std::lock_guard<std::mutex> lock(update_mu);
-        grad_final.at(u) = 1;
-        grad_final_write.at(u) = written;
-        update_cv.notify_all();
+        updater->mark_final(u, written);
       });
     }
   }
-  // Blocks until unit u's update of the last step is done ("forward"); rethrows the updater's
-  // error.
-  void wait_updated(size_t u) {
-    if (!gathers_wait_update) return;
-    auto t = prof.time(prof.step.wait_update, "wait update", &partition->unit(u).name);
-    std::unique_lock<std::mutex> lock(update_mu);
-    update_cv.wait(lock, [&] { return unit_updated.at(u) != 0; });
-    if (update_error) {
-      lock.unlock();
-      finish_update();
-    }
-  }
-  // Blocks until the whole update is done (accessors of the state, the next norm, destruction).
+  void wait_updated(size_t u) { updater->wait_updated(u); }
   void finish_update() {
-    if (updater.joinable()) {
-      {
-        auto t = prof.time(prof.step.wait_update, "wait update");
-        updater.join();
-      }
-      prof.step.optimizer += update_seconds;
-      update_seconds = 0;
-      prof.nvme_read += prof.update_read.exchange(0);
-      prof.nvme_write += prof.update_write.exchange(0);
-    }
-    gathers_wait_update = false;
-    if (update_error) {
-      std::exception_ptr e = update_error;
-      update_error = nullptr;
-      std::rethrow_exception(e);
-    }
+    if (updater) updater->finish();
   }
-  // A failed step: stops an updater waiting for gradients that will not come, joins it, and
-  // drops its error (the step's own error is the one reported).
   void abort_update() {
-    {
-      std::lock_guard<std::mutex> lock(update_mu);
-      update_abort = true;
-      update_cv.notify_all();
-    }
-    try {
-      finish_update();
-    } catch (...) {
-    }
+    if (updater) updater->abort();
   }
 
   double flops_per_token() const {
@@ -1566,7 +1166,10 @@ at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
 }
 
 std::shared_future<void> Engine::update_finished() const {
-  if (impl_->update_over.valid()) return impl_->update_over;
+  if (impl_->updater) {
+    std::shared_future<void> over = impl_->updater->over();
+    if (over.valid()) return over;
+  }
   std::promise<void> done;
   done.set_value();
   return done.get_future().share();
@@ -1633,19 +1236,8 @@ void Engine::store_state_slice(size_t unit, StateKind kind, const at::Tensor& da
 }
 
 void Engine::refresh_compute_copies() {
-  Impl& I = *impl_;
-  I.finish_update();
-  if (I.cfg.master != Placement::kNvme && I.cfg.params != Placement::kNvme) {
-    for (size_t u = 0; u < I.units.size(); ++u) I.tensor(u, kCompute).copy_(I.tensor(u, kMaster));
-    return;
-  }
-  for (size_t u : I.units_where(true)) I.store_compute(u, I.tensor(u, kMaster).to(I.cdt));
-  const std::vector<size_t> rest = I.units_where(false);
-  I.stream_chunks(1u << kMaster, 1u << kCompute, [&](const Impl::Chunk& c, const std::array<void*, kKinds>& p) {
-    const int64_t n = int64_t(c.numel);
-    at::from_blob(p[kCompute], {n}, at::TensorOptions().dtype(I.cdt))
-        .copy_(at::from_blob(p[kMaster], {n}, at::TensorOptions().dtype(at::kFloat)));
-  }, {}, &rest);
+  impl_->finish_update();
+  impl_->optimizer->refresh_compute_copies();
 }
 
 const plan::MemoryModel& Engine::memory_model() const { return *impl_->memory; }

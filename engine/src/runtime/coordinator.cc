@@ -1,0 +1,148 @@
+#include "runtime/coordinator.h"
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+
+namespace strata::engine::runtime {
+
+using plan::Use;
+using state::kCompute;
+
+ParameterCoordinator::ParameterCoordinator(const plan::Schedule& schedule, const plan::MemoryModel& memory,
+                                           const plan::Choices& choice, const Partition& partition,
+                                           state::StateStore& store, state::HostMemory& host, Device& device,
+                                           Communicator& comm, Profiler& prof, UnitFn before_gather)
+    : schedule_(schedule), memory_(memory), choice_(choice), partition_(partition), store_(store), host_(host),
+      dev_(device), comm_(comm), prof_(prof), before_gather_(std::move(before_gather)),
+      cdt_(store.dtype(kCompute)), tensors_(partition.num_units()) {}
+
+ParameterCoordinator::~ParameterCoordinator() {
+  for (auto& [u, g] : live_)
+    if (!g.bound && g.work) try {
+        g.work->wait();
+      } catch (...) {
+      }
+}
+
+void ParameterCoordinator::adopt(size_t u, std::vector<at::Tensor> tensors) {
+  tensors_.at(u) = std::move(tensors);
+  release(u);
+}
+
+// The room test: the device-placed state, the gathered units, the working set's scratch and
+// device checkpoints and the kept graphs, plus `extra`, within the budget.
+bool ParameterCoordinator::fits(uint64_t extra) const {
+  uint64_t gathered = 0;
+  for (auto& [u, g] : live_) gathered += unit_bytes(u);
+  return base_bytes_ + gathered + extra + memory_.scratch(choice_) + memory_.device_checkpoints(choice_) +
+             graphs_held_ <=
+         dev_.budget();
+}
+
+void ParameterCoordinator::start_gather(size_t u) {
+  if (before_gather_) before_gather_(u);
+  const UnitLayout& L = partition_.unit(u);
+  Gathered g;
+  g.flat = dev_.empty({int64_t(L.padded_numel())}, cdt_, "parameters of unit " + L.name);
+  at::Tensor src = store_.tensor(u, kCompute);
+  const Placement where = store_.placement(u, kCompute);
+  if (where != Placement::kDevice) {
+    g.staging = dev_.empty({int64_t(L.shard_numel)}, cdt_, "staged shard of unit " + L.name);
+    // The upload stream must not write memory the compute stream may still be using.
+    dev_.wait(dev_.h2d_stream(), dev_.record(dev_.compute_stream()));
+    if (where == Placement::kNvme) {
+      // NVMe -> host buffer now; the upload stream waits for the read before copying it up.
+      src = host_.buffer(L.shard_numel, cdt_);
+      offload::IoFuture read = store_.read(u, kCompute, 0, src);
+      dev_.launch_host(dev_.h2d_stream(), [read] { read.get(); });
+    }
+    dev_.copy_async(g.staging, src, dev_.h2d_stream());
+    prof_.step.h2d_bytes += uint64_t(src.nbytes());
+    {
+      auto t = prof_.time(prof_.step.wait_params, "wait params", &L.name);  // blocks on the host device only
+      dev_.wait(dev_.compute_stream(), dev_.record(dev_.h2d_stream()));
+    }
+    src = g.staging;
+  }
+  g.work = comm_.all_gather(g.flat, src);
+  live_.emplace(u, std::move(g));
+}
+
+void ParameterCoordinator::bind(size_t u) {
+  Gathered& g = live_.at(u);
+  if (g.bound) return;
+  {
+    auto t = prof_.time(prof_.step.wait_params, "wait params", &partition_.unit(u).name);
+    g.work->wait();
+  }
+  g.staging = at::Tensor();
+  const UnitLayout& L = partition_.unit(u);
+  for (size_t i = 0; i < L.tensors.size(); ++i) {
+    const TensorSlot& s = L.tensors[i];
+    tensors_[u][i].set_data(g.flat.narrow(0, int64_t(s.offset), int64_t(s.numel)).view(s.shape));
+  }
+  g.bound = true;
+}
+
+void ParameterCoordinator::release(size_t u) {
+  auto it = live_.find(u);
+  if (it != live_.end() && !it->second.bound && it->second.work) it->second.work->wait();
+  for (at::Tensor& t : tensors_.at(u)) t.set_data(at::empty({0}, at::TensorOptions().dtype(cdt_).device(dev_.torch_device())));
+  if (it != live_.end()) live_.erase(it);
+}
+
+void ParameterCoordinator::acquire(size_t k) {
+  const std::vector<size_t>& need = schedule_.units_of(schedule_.use_at(k).stage);
+  for (size_t u : need) {
+    if (live_.count(u)) continue;
+    if (!fits(unit_bytes(u))) {
+      // Units kept for later uses make room for the one needed now.
+      std::vector<size_t> drop;
+      for (auto& [v, g] : live_)
+        if (std::find(need.begin(), need.end(), v) == need.end() && !held_.count(v)) drop.push_back(v);
+      for (size_t v : drop) release(v);
+    }
+    start_gather(u);
+  }
+  for (size_t u : need) bind(u);
+}
+
+void ParameterCoordinator::prefetch(size_t k, size_t total) {
+  uint64_t graphs_ahead = 0;  // graphs of kept blocks whose forward comes before use j
+  for (size_t j = k + 1; j <= k + size_t(depth_) && j < total; ++j) {
+    const Use& use = schedule_.use_at(j);
+    if (use.kind == Use::kForward && memory_.keeps_graph(use.stage, choice_)) graphs_ahead += memory_.sizes().graph_bytes;
+    for (size_t u : schedule_.units_of(use.stage)) {
+      if (live_.count(u)) continue;
+      if (!fits(unit_bytes(u) + graphs_ahead)) return;
+      start_gather(u);
+    }
+  }
+}
+
+void ParameterCoordinator::release_after(size_t k, size_t total) {
+  std::vector<size_t> drop;
+  for (auto& [u, g] : live_) {
+    bool needed = held_.count(u) > 0;
+    for (size_t j = k + 1; j <= k + 1 + size_t(depth_) && j < total && !needed; ++j)
+      for (size_t v : schedule_.units_of(schedule_.use_at(j).stage)) needed |= v == u;
+    if (!needed) drop.push_back(u);
+  }
+  for (size_t u : drop) release(u);
+}
+
+void ParameterCoordinator::begin_micro_batch() {
+  held_.clear();
+  graphs_held_ = 0;
+}
+
+void ParameterCoordinator::hold(size_t stage) {
+  for (size_t u : schedule_.units_of(stage)) held_.insert(u);
+}
+
+void ParameterCoordinator::unhold(size_t stage) {
+  for (size_t u : schedule_.units_of(stage)) held_.erase(u);
+}
+
+}  // namespace strata::engine::runtime

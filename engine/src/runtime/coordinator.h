@@ -1,0 +1,107 @@
+// The parameter coordinator: which units are gathered on the device, and when.
+//
+// A use of the schedule needs its stage's units gathered (acquire): each unit's compute-copy
+// shard is staged to the device when it lives off it (from swap through a host buffer, then the
+// h2d stream), all-gathered into one flat device buffer, and the module's tensors of the unit
+// become views of it (bound). Before running use k the engine asks for the units of the next
+// `depth` uses (prefetch); after it, units no use within the next depth + 1 needs go (release_
+// after). Every decision uses only sizes and the schedule (the memory model's working set beside
+// the device-placed state, the gathered units, the kept graphs reserved), never the device's
+// momentary use, so every rank issues the same all-gathers in the same order.
+//
+// Kept blocks (run with autograd, no recompute) hold their units from their forward to their
+// backward: hold(stage) / unhold(stage), and their graphs' bytes count while reserved
+// (graph_reserved / graph_freed); begin_micro_batch() clears both.
+//
+// Ownership: owns the gathered buffers and the module tensors it binds (their storage; the
+// stages' modules share the tensor objects). Borrows everything else (all must outlive it).
+// Threads: the training thread only. `before_gather(u)` runs first on every gather (the updater's
+// wait for u's update). Errors: BudgetExceeded from the device, collective errors from the
+// communicator, I/O errors from a staged swap read surface at the h2d stream's synchronize.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "runtime/profiler.h"
+#include "state/host_memory.h"
+#include "state/state_store.h"
+#include "strata/engine/comm.h"
+#include "strata/engine/device.h"
+#include "strata/engine/partition.h"
+#include "strata/engine/plan/memory_model.h"
+#include "strata/engine/plan/schedule.h"
+
+namespace strata::engine::runtime {
+
+class ParameterCoordinator {
+ public:
+  using UnitFn = std::function<void(size_t)>;
+  ParameterCoordinator(const plan::Schedule& schedule, const plan::MemoryModel& memory, const plan::Choices& choice,
+                       const Partition& partition, state::StateStore& store, state::HostMemory& host, Device& device,
+                       Communicator& comm, Profiler& prof, UnitFn before_gather);
+  ~ParameterCoordinator();  // waits for gathers in flight (their buffers go with it)
+
+  // Takes unit u's module tensors (slot order) and frees their storage: they hold data only while
+  // the unit is gathered.
+  void adopt(size_t u, std::vector<at::Tensor> tensors);
+  // Device bytes of the state placed there (the rest of the budget is the working set's).
+  void set_device_state_bytes(uint64_t bytes) { base_bytes_ = bytes; }
+
+  // Use k of the step's sequence (the schedule's uses, repeated every micro-batch; `total` of
+  // them): its units gathered and bound, units kept for later uses dropped if it must.
+  void acquire(size_t k);
+  void prefetch(size_t k, size_t total);
+  void release_after(size_t k, size_t total);
+  void release(size_t u);
+
+  int depth() const { return depth_; }
+  void set_depth(int depth) { depth_ = depth; }
+
+  void begin_micro_batch();
+  void graph_reserved() { graphs_held_ += memory_.sizes().graph_bytes; }
+  void graph_freed() { graphs_held_ -= memory_.sizes().graph_bytes; }
+  void hold(size_t stage);
+  void unhold(size_t stage);
+
+  bool gathered(size_t u) const { return live_.count(u) > 0; }
+
+ private:
+  struct Gathered {
+    at::Tensor flat;                           // compute dtype [padded], on the device
+    at::Tensor staging;                        // host-placed shard copied to the device
+    std::unique_ptr<Communicator::Work> work;  // the all-gather in flight
+    bool bound = false;
+  };
+  void start_gather(size_t u);
+  void bind(size_t u);
+  bool fits(uint64_t extra) const;
+  uint64_t unit_bytes(size_t u) const { return memory_.unit_bytes(u, choice_); }
+
+  const plan::Schedule& schedule_;
+  const plan::MemoryModel& memory_;
+  const plan::Choices& choice_;
+  const Partition& partition_;
+  state::StateStore& store_;
+  state::HostMemory& host_;
+  Device& dev_;
+  Communicator& comm_;
+  Profiler& prof_;
+  const UnitFn before_gather_;
+  const at::ScalarType cdt_;
+
+  std::vector<std::vector<at::Tensor>> tensors_;  // by unit: the module tensors, slot order
+  std::map<size_t, Gathered> live_;
+  std::set<size_t> held_;       // units of kept stages between their forward and backward
+  uint64_t graphs_held_ = 0;    // kept graphs alive now (reserved on the device)
+  uint64_t base_bytes_ = 0;
+  int depth_ = 1;               // uses gathered ahead (device.prefetch; adapts with "auto")
+};
+
+}  // namespace strata::engine::runtime
