@@ -1,0 +1,314 @@
+// Engine::Impl: the engine's parts and the state they share, for the files that implement it
+// (construct.cc: resolving placement and building the parts; step.cc: the step; engine.cc: the
+// public API). Private to engine/src.
+//
+// Ownership: Impl owns every part (state store, optimizer, updater, coordinator, reducer,
+// activation store, swap space) and the configuration as resolved; the parts borrow from it and
+// are destroyed before what they borrow (declaration order). Threads: the training thread owns
+// Impl; the parts' headers say what their own threads (updater, d2h stream functions) touch.
+#pragma once
+
+#include "strata/engine/engine.h"
+#include <ATen/ops/cat.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <future>
+#include <mutex>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <thread>
+#include <unordered_map>
+
+#include "strata/engine/placement.h"
+#include "strata/engine/plan/memory_model.h"
+#include "strata/engine/plan/schedule.h"
+#include "strata/kernels/cpu_optim.h"
+#include "strata/offload/io_engine.h"
+#include "strata/offload/swap_space.h"
+#include "runtime/activation_store.h"
+#include "runtime/coordinator.h"
+#include "runtime/gradient_reducer.h"
+#include "runtime/optimizer.h"
+#include "runtime/updater.h"
+#include "runtime/profiler.h"
+#include "state/chunk_ring.h"
+#include "state/host_memory.h"
+#include "state/state_store.h"
+
+namespace strata::engine {
+
+using runtime::Profiler;
+
+inline at::ScalarType scalar_type(Precision p) {
+  switch (p) {
+    case Precision::kFp32: return at::kFloat;
+    case Precision::kBf16: return at::kBFloat16;
+    case Precision::kFp16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+// The state kinds of a unit's shard (state/state_store.h).
+using state::kMaster;
+using state::kExpAvg;
+using state::kExpAvgSq;
+using state::kGrad;
+using state::kCompute;
+using state::kKinds;
+
+using plan::Use;
+
+struct Engine::Impl {
+  EngineConfig cfg;
+  Communicator& comm;
+  Device& dev;
+  std::unique_ptr<models::Decoder> model;
+  std::vector<models::Stage*> stages;
+  std::unique_ptr<Partition> partition;
+  at::ScalarType cdt;
+  // The schedule, the one memory model of the working set, and the choices it was evaluated
+  // with (resolved at construction, fixed afterwards).
+  std::unique_ptr<plan::Schedule> schedule;
+  std::unique_ptr<plan::MemoryModel> memory;
+  plan::Choices choice;
+  const std::vector<size_t>& stage_units(size_t s) const { return schedule->units_of(s); }
+  const std::vector<Use>& uses() const { return schedule->uses(); }
+  uint64_t base_bytes = 0;  // device-placed state, allocated at construction
+  bool broken = false;      // a step failed half way: the state is undefined
+  int64_t step = 0;
+  double loss_scale = 1.0;
+  int64_t good_steps = 0;
+  kernels::CpuExec exec;
+  // NVMe tier (when any kind is placed there): this rank's swap files through the I/O engine.
+  std::unique_ptr<offload::IoEngine> io;
+  std::unique_ptr<offload::SwapSpace> swap;
+  Profiler prof;
+  std::unique_ptr<runtime::ActivationStore> activations;  // built once its placement is resolved
+  // The latest snapshot's hold (hold_state). An update captures the hold current at its launch
+  // and waits on it unit by unit before changing a unit's saved state.
+  std::shared_ptr<StateHold> hold;
+  void wait_released(const std::shared_ptr<StateHold>& h, size_t u) {
+    if (!h || h->released(u)) return;
+    const auto b = Profiler::Clock::now();
+    h->wait(u);
+    const auto e = Profiler::Clock::now();
+    const double waited = std::chrono::duration<double>(e - b).count();
+    prof.checkpoint_wait_ns += uint64_t(waited * 1e9);
+    checkpoint_waited_here += waited;
+    prof.span(Profiler::on_updater ? "optimizer" : "host", "wait checkpoint snapshot " + partition->unit(u).name, b, e);
+  }
+  // Seconds this thread has waited in wait_released: the training thread's optimizer timers
+  // take them out (they are StepTimeline::wait_checkpoint, not optimizer work).
+  static inline thread_local double checkpoint_waited_here = 0;
+  void wait_hold_all() {
+    if (hold) hold->wait_all();
+  }
+  // Profiling: device-timed compute spans of the step in progress, against a reference event
+  // recorded at its start.
+  std::shared_ptr<Event> step_ref;
+  Profiler::Clock::time_point step_ref_host;
+  std::vector<std::tuple<std::string, std::shared_ptr<Event>, std::shared_ptr<Event>>> compute_spans;
+
+  // The optimizer group's split by unit, as automatic placement resolved it (PlacementPlan's
+  // device_units and host_units; the kinds' tiers are cfg's until the store holds the plan).
+  PlacementPlan split;
+  // The units' state, placed by the resolved plan (built once placement is resolved).
+  std::unique_ptr<state::StateStore> state;
+  std::unique_ptr<runtime::Optimizer> optimizer;  // Adam and the gradient norm over the store
+  Placement placement(size_t u, int k) const { return state->placement(u, k); }
+  at::Tensor& tensor(size_t u, int k) { return state->tensor(u, k); }
+  // The units whose update runs where their master weights are on the device, and the others
+  // (the CPU's: host or swap), each in forward order.
+  std::vector<size_t> units_where(bool on_device) const { return optimizer->units_where(on_device); }
+  at::ScalarType kind_dtype(int k) const { return k == kCompute ? cdt : at::kFloat; }
+
+  // Host memory: the one provider (state/host_memory.h).
+  state::HostMemory host;
+  at::Tensor host_buffer(uint64_t numel, at::ScalarType t) const { return host.buffer(numel, t); }
+  static at::Tensor aligned_host_buffer(uint64_t numel, at::ScalarType t) { return state::HostMemory::unpinned(numel, t); }
+  // Ranks must agree on every decision that changes their collectives: each value becomes the
+  // largest any rank chose (the slowest tier, the fewest units kept, ...).
+  std::vector<int64_t> agree_max(const std::vector<int64_t>& values) {
+    at::Tensor codes = at::tensor(values, at::TensorOptions().dtype(at::kLong));
+    comm.all_reduce(codes, ReduceOp::kMax);
+    std::vector<int64_t> out(values.size());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = codes[int64_t(i)].item<int64_t>();
+    return out;
+  }
+  // The device bytes decisions may count on, beside the device-placed state.
+  uint64_t usable_device() const { return plan::MemoryModel::usable_device(dev.budget(), base_bytes, dev.physical_free()); }
+
+  Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Communicator& cm, Device& d);
+
+  // --- blocks kept without recompute (cfg.recompute_blocks) ---------------------------------
+  // Blocks 1..choice.recomputed (stages) run without autograd and are recomputed from
+  // checkpoints; the later blocks run with autograd and keep their graph and their gathered
+  // parameters on the device from their forward to their backward (MemoryModel::held_at).
+  struct KeptGraph {
+    at::Tensor input, output;  // input.grad() is the backward's result
+    Device::Reservation res;
+  };
+  std::vector<KeptGraph> kept_graphs;  // by stage, for the micro-batch in flight
+  bool kept(size_t s) const { return memory->keeps_graph(s, choice); }
+  bool checkpointed(size_t s) const { return memory->checkpointed(s, choice); }
+  // recompute "auto": keeps as many of the last blocks' graphs as fit beside the device-placed
+  // state and the working set (checkpoints counted where placed on the device explicitly).
+  void resolve_recompute();
+
+  // Resolves placement.activations "auto" (device, else host, else swap; see config.h), opens
+  // the swap slots of NVMe-placed checkpoints, and adds the placement to the report.
+  void place_activations();
+
+  void open_swap();
+
+  // --- automatic placement (placement.h) ------------------------------------------------------
+
+  // Ranks sharing this machine's RAM and disks, among which its budgets are divided.
+  int local_ranks() const {
+    if (cfg.local_ranks > 0) return cfg.local_ranks;
+    if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) return std::max(1, std::atoi(l));
+    return comm.world_size();
+  }
+
+  uint64_t largest_shard() const {
+    uint64_t n = 0;
+    for (const UnitLayout& L : partition->units()) n = std::max(n, L.shard_numel);
+    return n;
+  }
+
+  std::string placement_report;
+
+  void resolve_auto_placement();
+
+  // --- gathering (runtime/coordinator.h) ------------------------------------------------------
+  std::unique_ptr<runtime::ParameterCoordinator> params;
+  PrefetchTuner prefetch_tuner;
+  const Use& use_at(size_t k) const { return schedule->use_at(k); }
+
+  // --- gradients (runtime/gradient_reducer.h) -------------------------------------------------
+  std::unique_ptr<runtime::GradientReducer> reducer;
+
+  // --- the step ------------------------------------------------------------------------------
+
+  // Profiling: a stage's compute bracketed by timed events on the compute stream.
+  std::shared_ptr<Event> compute_mark() { return cfg.profile ? dev.record_timed(dev.compute_stream()) : nullptr; }
+  void compute_span(std::string name, const std::shared_ptr<Event>& begin) {
+    if (begin) compute_spans.emplace_back(std::move(name), begin, dev.record_timed(dev.compute_stream()));
+  }
+  // The step's timeline; profiling, also the device compute time and spans (waits for the
+  // compute stream).
+  StepTimeline finish_timeline();
+
+  void check_ids(const at::Tensor& ids) const {
+    const int64_t b = cfg.micro_batch, T = cfg.seq_len, A = cfg.grad_accum;
+    if (ids.dim() != 2 || ids.size(0) != A * b || ids.size(1) != T + 1 || ids.scalar_type() != at::kLong)
+      throw std::invalid_argument("train_step: ids must be int64 [grad_accum * micro_batch = " +
+                                  std::to_string(A * b) + ", seq_len + 1 = " + std::to_string(T + 1) + "]");
+  }
+
+  // Every exception out of here leaves the state undefined (Engine::train_step marks it broken).
+  StepResult train_step(const at::Tensor& ids);
+  // The step's walk over the schedule: its position and what every use adds to.
+  struct Pass {
+    size_t k = 0;          // the next use, over the whole step
+    size_t total = 0;      // uses in the step
+    double denom = 1;      // loss scale x micro-batches x ranks: the gradients' divisor
+    bool in_backward = false;  // optimizer.overlap "backward"
+    at::Tensor loss_sum;   // double on the device, summed in micro-batch order
+  };
+  struct MicroBatch {
+    at::Tensor inputs, targets;
+    at::Tensor x;                 // the boundary activation going forward
+    Device::Reservation x_res;    // its device bytes
+    at::Tensor dy;                // the gradient going backward
+    bool last = false;            // the step's last micro-batch
+  };
+  MicroBatch begin_micro_batch(const at::Tensor& ids_on_device, int64_t m);
+  void forward_use(Pass& pass, MicroBatch& mb, size_t stage);
+  void head_use(Pass& pass, MicroBatch& mb);
+  void backward_use(Pass& pass, MicroBatch& mb, size_t stage);
+  void finish_backward();
+  StepResult reduce_norm_and_loss(const Pass& pass, std::chrono::steady_clock::time_point t0);
+  void apply_update(const Pass& pass, const StepResult& r);
+  void update_loss_scale(bool skipped);
+
+  // --- streaming through host buffers (NVMe placement) ----------------------------------------
+
+  // Adam on every local slice where the master weights live, writing the next compute copies:
+  // the device's units first, then the CPU's, each waiting for a checkpoint's hold first.
+  void optimizer_step(const kernels::AdamConfig& ac);
+
+  kernels::AdamConfig adam_config(double grad_scale) const {
+    kernels::AdamConfig ac;
+    ac.lr = cfg.lr;
+    ac.beta1 = cfg.beta1;
+    ac.beta2 = cfg.beta2;
+    ac.eps = cfg.eps;
+    ac.weight_decay = cfg.weight_decay;
+    ac.decoupled_weight_decay = cfg.decoupled_weight_decay;
+    ac.step = step + 1;
+    ac.grad_scale = grad_scale;
+    return ac;
+  }
+
+  // --- the update on its own thread (optimizer.overlap; runtime/updater.h) ---------------------
+  std::unique_ptr<runtime::Updater> updater;
+  bool grads_transient = false;  // gradients_transient: the updater lends gradient buffers
+  size_t transient_limit = 2;    // their number: the multi-use units' held ones plus two
+
+  bool overlaps_update() const {
+    // Not with device-resident master weights: the CUDA step is already asynchronous.
+    return cfg.update_overlap != UpdateOverlap::kOff && cfg.master != Placement::kDevice;
+  }
+  bool updates_in_backward() const { return overlaps_update() && cfg.update_overlap == UpdateOverlap::kBackward; }
+  std::function<void(size_t)> hold_wait() {
+    return [this, h = hold](size_t u) { wait_released(h, u); };
+  }
+  // "forward": the whole update, in forward order: the device's units here, the CPU's on the
+  // updater.
+  void launch_update(const kernels::AdamConfig& ac) {
+    update_device_units(ac);
+    updater->launch_after_step(ac, hold_wait());
+  }
+  // The overlapped update's part on the device (a split optimizer group's first units), on the
+  // training thread: one launch on the compute stream, counted as exposed optimizer time.
+  void update_device_units(const kernels::AdamConfig& ac, std::vector<double>* sumsq = nullptr);
+  // "backward", after the last micro-batch reduced `stage`'s gradients: the units whose last use
+  // that was are final once the d2h stream gets past their accumulation (or swap write).
+  void signal_final_gradients(size_t stage);
+  void wait_updated(size_t u) { updater->wait_updated(u); }
+  void finish_update() {
+    if (updater) updater->finish();
+  }
+  void abort_update() {
+    if (updater) updater->abort();
+  }
+
+  double flops_per_token() const {
+    const models::ModelConfig& c = model->config();
+    return 6.0 * double(c.parameters()) + 12.0 * double(c.layers) * double(c.hidden) * double(cfg.seq_len);
+  }
+};
+
+
+}  // namespace strata::engine

@@ -1,0 +1,153 @@
+#include "runtime/gradient_reducer.h"
+
+#include <map>
+
+namespace strata::engine::runtime {
+
+using state::kGrad;
+
+GradientReducer::GradientReducer(const plan::Schedule& schedule, const Partition& partition,
+                                 state::StateStore& store, state::HostMemory& host, Device& device,
+                                 Communicator& comm, Profiler& prof, bool reduce_bf16,
+                                 std::vector<std::vector<ParamRef>> stage_params, UnitFn lend)
+    : schedule_(schedule), partition_(partition), store_(store), host_(host), dev_(device), comm_(comm), prof_(prof),
+      reduce_bf16_(reduce_bf16), stage_params_(std::move(stage_params)), lend_(std::move(lend)),
+      fresh_(partition.num_units(), 1), last_write_(partition.num_units()) {}
+
+GradientReducer::~GradientReducer() {
+  try {
+    finish_writes();
+  } catch (...) {
+  }
+}
+
+offload::IoFuture GradientReducer::last_write(size_t u) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_write_.at(u);
+}
+
+void GradientReducer::bound_pending_writes() {
+  const auto done = [](const std::pair<offload::IoFuture, std::array<at::Tensor, 2>>& w) {
+    return w.first.ready() && w.first.wait().ok();  // failures stay, for the step's end to report
+  };
+  std::unique_lock<std::mutex> lock(mu_);
+  std::erase_if(writes_, done);
+  while (writes_.size() > kMaxPendingWrites) {
+    const offload::IoFuture oldest = writes_.front().first;
+    lock.unlock();
+    {
+      auto t = prof_.time(prof_.step.wait_grads, "wait gradient write");
+      oldest.get();  // a failure fails the step now
+    }
+    lock.lock();
+    std::erase_if(writes_, done);
+  }
+}
+
+void GradientReducer::finish_writes() {
+  std::vector<std::pair<offload::IoFuture, std::array<at::Tensor, 2>>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending.swap(writes_);
+    for (auto& w : last_write_) w = {};
+  }
+  for (auto& [w, buffer] : pending) w.wait();
+  for (auto& [w, buffer] : pending) w.get();
+}
+
+void GradientReducer::end_step() {
+  for (size_t u = 0; u < fresh_.size(); ++u) {
+    if (store_.placement(u, kGrad) == Placement::kDevice) store_.tensor(u, kGrad).zero_();
+    else fresh_[u] = 1;  // the next step's first reduce overwrites
+  }
+}
+
+void GradientReducer::reduce(size_t stage) {
+  // Every unit the stage uses is reduced, gradient or not, so that the collectives are the same
+  // on every rank whatever autograd produced locally.
+  std::map<size_t, at::Tensor> flats;
+  for (size_t u : schedule_.units_of(stage)) {
+    const UnitLayout& L = partition_.unit(u);
+    flats[u] = dev_.empty({int64_t(L.padded_numel())}, at::kFloat, "gradient of unit " + L.name).zero_();
+  }
+  for (ParamRef& p : stage_params_.at(stage)) {
+    at::Tensor g = p.tensor.grad();
+    if (!g.defined()) continue;
+    const TensorSlot& s = partition_.unit(p.unit).tensors[p.slot];
+    flats.at(p.unit).narrow(0, int64_t(s.offset), int64_t(s.numel)).copy_(g.reshape(-1));
+    p.tensor.mutable_grad() = at::Tensor();
+  }
+  for (auto& [u, flat] : flats) {
+    const UnitLayout& L = partition_.unit(u);
+    at::Tensor send = flat;
+    if (reduce_bf16_) {
+      send = dev_.empty({int64_t(L.padded_numel())}, at::kBFloat16, "bf16 gradient of unit " + L.name);
+      send.copy_(flat);
+      flat = at::Tensor();
+    }
+    at::Tensor shard = dev_.empty({int64_t(L.shard_numel)}, send.scalar_type(), "reduced gradient of unit " + L.name);
+    comm_.reduce_scatter(shard, send)->wait();
+    send = at::Tensor();
+    flat = at::Tensor();
+    if (store_.plan().grads_transient && !store_.tensor(u, kGrad).defined()) {
+      lend_(u);
+      fresh_[u] = 1;
+    }
+    at::Tensor acc = store_.tensor(u, kGrad);
+    const Placement where = store_.placement(u, kGrad);
+    const bool fresh = fresh_[u] != 0;
+    if (where == Placement::kDevice) {
+      acc.add_(shard);
+      continue;
+    }
+    fresh_[u] = 0;
+    dev_.wait(dev_.d2h_stream(), dev_.record(dev_.compute_stream()));  // shard is filled there
+    if (where == Placement::kHost && fresh && shard.scalar_type() == at::kFloat) {
+      // The step's first contribution: copied down straight into the accumulator (no add, and
+      // no zeroing after the step).
+      dev_.copy_async(acc, shard, dev_.d2h_stream());
+      prof_.step.d2h_bytes += uint64_t(shard.nbytes());
+      continue;
+    }
+    // Device -> host on the download stream, then accumulated there in fp32.
+    at::Tensor host = host_.buffer(L.shard_numel, shard.scalar_type());
+    dev_.copy_async(host, shard, dev_.d2h_stream());
+    prof_.step.d2h_bytes += uint64_t(shard.nbytes());
+    if (where == Placement::kHost) {
+      dev_.launch_host(dev_.d2h_stream(), [acc, host, fresh]() mutable {
+        if (fresh) acc.copy_(host);
+        else acc.add_(host);
+      });
+      continue;
+    }
+    // Swap: the first micro-batch writes the shard, later ones read, add and write back. The
+    // write is submitted, not waited for: the stream goes on to the next unit, the next
+    // micro-batch's read of this unit waits for it, and the step's end waits for them all.
+    bound_pending_writes();
+    dev_.launch_host(dev_.d2h_stream(), [this, u, host, fresh]() mutable {
+      // On the d2h stream's host function: no pinned (CUDA) allocation here, and the conversion
+      // copy below is pageable too (at::Tensor::to allocates plain CPU memory).
+      at::Tensor h = host.scalar_type() == at::kFloat ? host : host.to(at::kFloat);
+      if (!fresh) {
+        at::Tensor sum = state::HostMemory::unpinned(uint64_t(h.numel()), at::kFloat);
+        const offload::IoFuture before = last_write(u);
+        if (before.valid()) before.get();
+        store_.read(u, kGrad, 0, sum).get();
+        sum.add_(h);
+        h = sum;
+      } else if (!h.is_same(host)) {
+        at::Tensor aligned = state::HostMemory::unpinned(uint64_t(h.numel()), at::kFloat);
+        aligned.copy_(h);
+        h = aligned;
+      }
+      offload::IoFuture written = store_.write(u, kGrad, 0, h);
+      // The entry takes this function's last references (h, and host, which the capture would
+      // otherwise free here), so the training thread frees them.
+      std::lock_guard<std::mutex> lock(mu_);
+      last_write_.at(u) = written;
+      writes_.push_back({written, {std::move(h), std::move(host)}});
+    });
+  }
+}
+
+}  // namespace strata::engine::runtime

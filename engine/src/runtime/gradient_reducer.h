@@ -1,0 +1,94 @@
+// The gradient reducer: after a stage's backward, every unit the stage uses is reduce-scattered
+// (gradient or not, so that every rank issues the same collectives) and this rank's shard is
+// accumulated in fp32 where its gradient lives:
+//
+//   device  added in place on the compute stream;
+//   host    copied down on the d2h stream, then (a host function on it) copied into the
+//           accumulator on the step's first contribution or added to it on later ones (a first
+//           fp32 contribution is copied straight into the accumulator);
+//   swap    copied down, then a host function reads the unit's partition (after its previous
+//           write), adds, and submits the write without waiting. At most kMaxPendingWrites
+//           buffers wait for their writes: over that the training thread waits for the oldest
+//           (counted as waiting for gradients), so a disk slower than the backward holds the
+//           backward back, not host memory.
+//
+// Transient gradients (the store's plan says so): a unit without an accumulator borrows one
+// (`lend(u)`, the updater's pool) at its first reduce of the step.
+//
+// Threads and ownership: the training thread calls every member. Whether a unit's next
+// contribution is its step's first (`fresh_`) is decided on the training thread when the
+// contribution is enqueued (the d2h stream runs them in that order) and reset by end_step().
+// The d2h stream's host functions touch only `mu_`'s members: each unit's last swap write and the
+// writes in flight with their buffers.
+// Errors: collective errors from the communicator; a failed swap write fails the step at the
+// next bound wait or at finish_writes (which waits for all first, then rethrows the first).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <functional>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "runtime/profiler.h"
+#include "state/host_memory.h"
+#include "state/state_store.h"
+#include "strata/engine/comm.h"
+#include "strata/engine/device.h"
+#include "strata/engine/partition.h"
+#include "strata/engine/plan/schedule.h"
+
+namespace strata::engine::runtime {
+
+class GradientReducer {
+ public:
+  // A stage's parameter tensor and where it lives in the partition.
+  struct ParamRef {
+    at::Tensor tensor;
+    size_t unit = 0;
+    size_t slot = 0;
+  };
+  using UnitFn = std::function<void(size_t)>;
+  static constexpr size_t kMaxPendingWrites = 2;
+
+  // `stage_params[s]`: every tensor stage s's module uses; `reduce_bf16`: reduce-scatter in bf16.
+  GradientReducer(const plan::Schedule& schedule, const Partition& partition, state::StateStore& store,
+                  state::HostMemory& host, Device& device, Communicator& comm, Profiler& prof, bool reduce_bf16,
+                  std::vector<std::vector<ParamRef>> stage_params, UnitFn lend);
+  ~GradientReducer();  // waits for the swap writes in flight (their buffers go with it)
+
+  void reduce(size_t stage);
+  // Unit u's last swap write submitted so far (invalid if none): from the d2h stream's host
+  // functions, ordered after the unit's accumulation.
+  offload::IoFuture last_write(size_t u);
+  // Waits for every swap write; rethrows the first failure after waiting for all.
+  void finish_writes();
+  // After the step's update: device accumulators zeroed, the others overwritten by the next
+  // step's first contribution.
+  void end_step();
+  // A lent buffer holds garbage: the unit's next contribution overwrites it.
+  void mark_fresh(size_t u) { fresh_.at(u) = 1; }
+
+ private:
+  void bound_pending_writes();
+
+  const plan::Schedule& schedule_;
+  const Partition& partition_;
+  state::StateStore& store_;
+  state::HostMemory& host_;
+  Device& dev_;
+  Communicator& comm_;
+  Profiler& prof_;
+  const bool reduce_bf16_;
+  std::vector<std::vector<ParamRef>> stage_params_;
+  const UnitFn lend_;
+  std::vector<char> fresh_;  // training thread
+
+  std::mutex mu_;
+  std::vector<offload::IoFuture> last_write_;  // by unit, under mu_
+  std::vector<std::pair<offload::IoFuture, std::array<at::Tensor, 2>>> writes_;  // in flight, under mu_
+};
+
+}  // namespace strata::engine::runtime

@@ -1,0 +1,289 @@
+// One training step over the schedule: forward (acquire, run, keep the activation, release), the
+// head, backward (acquire, recompute or use the kept graph, backprop, reduce, release); then the
+// norm, the update and the loss scale.
+#include "engine_impl.h"
+
+namespace strata::engine {
+
+StepTimeline Engine::Impl::finish_timeline() {
+  StepTimeline t = prof.take_step();
+  if (overlaps_update()) t.optimizer_exposed += t.wait_update;
+  if (!cfg.profile) return t;
+  dev.synchronize(dev.compute_stream());
+  t.compute_busy = 0;
+  for (auto& [name, b, e] : compute_spans) {
+    const double from = dev.seconds_between(step_ref, b), to = dev.seconds_between(step_ref, e);
+    t.compute_busy += to - from;
+    const auto host = [&](double x) {
+      return step_ref_host + std::chrono::duration_cast<Profiler::Clock::duration>(std::chrono::duration<double>(x));
+    };
+    prof.span("device compute", name, host(from), host(to));
+  }
+  compute_spans.clear();
+  return t;
+}
+
+// The step reads like the schedule: every micro-batch runs the forward uses, the head and the
+// backward uses; then the norm, the update and the loss scale.
+StepResult Engine::Impl::train_step(const at::Tensor& ids) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t A = cfg.grad_accum;
+  const size_t n = stages.size();
+  Pass pass;
+  pass.total = uses().size() * size_t(A);
+  pass.denom = loss_scale * double(A) * comm.world_size();  // the gradients' sum over the global batch
+  pass.in_backward = updates_in_backward();
+  // The step's token ids go up once, asynchronously from pinned memory, and the loss is summed
+  // where it is computed and read once, after the backward: on a GPU, a pageable upload or a
+  // loss read per micro-batch would each block the host until the device caught up.
+  const at::Tensor ids_on_device = dev.torch_device().is_cuda() && ids.is_cpu()
+                                       ? ids.pin_memory().to(dev.torch_device(), /*non_blocking=*/true)
+                                       : ids.to(dev.torch_device());
+  if (cfg.profile) {
+    compute_spans.clear();
+    step_ref = dev.record_timed(dev.compute_stream());
+    step_ref_host = Profiler::Clock::now();
+  }
+  for (int64_t m = 0; m < A; ++m) {
+    MicroBatch mb = begin_micro_batch(ids_on_device, m);
+    mb.last = m == A - 1;
+    for (size_t s = 0; s + 1 < n; ++s) forward_use(pass, mb, s);
+    // "backward" overlap: the update starts with the last micro-batch's backward.
+    if (pass.in_backward && mb.last) updater->launch_in_backward(adam_config(1.0 / pass.denom), hold_wait());
+    head_use(pass, mb);
+    if (cfg.activations != Placement::kDevice) {
+      // The forward's inputs stay alive in the copy queue beyond their reservations until
+      // copied down: that ends here.
+      auto t = prof.time(prof.step.wait_activations, "wait activations");
+      dev.synchronize(dev.d2h_stream());
+    }
+    for (size_t s = n - 1; s-- > 0;) backward_use(pass, mb, s);
+  }
+  finish_backward();
+  // "backward": the device's units (a split optimizer group's first ones, final last) are
+  // updated now, on the compute stream, while the updater may still run.
+  if (pass.in_backward) update_device_units(adam_config(1.0 / pass.denom), &updater->unit_sumsq());
+  // "forward": the last update was done long ago (the forward gathered every unit); "backward":
+  // this step's update, whose last units may still be running.
+  finish_update();
+  const int depth_used = params->depth();
+  StepResult r = reduce_norm_and_loss(pass, t0);
+  apply_update(pass, r);
+  reducer->end_step();
+  update_loss_scale(r.skipped);
+  r.step = step;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.tokens = uint64_t(A * cfg.micro_batch * cfg.seq_len) * uint64_t(comm.world_size());
+  r.model_tflops = flops_per_token() * double(r.tokens) / r.seconds / 1e12;
+  r.timeline = finish_timeline();
+  r.timeline.prefetch = depth_used;
+  return r;
+}
+
+Engine::Impl::MicroBatch Engine::Impl::begin_micro_batch(const at::Tensor& ids_on_device, int64_t m) {
+  const int64_t b = cfg.micro_batch, T = cfg.seq_len;
+  MicroBatch mb;
+  const at::Tensor rows = ids_on_device.narrow(0, m * b, b);
+  mb.inputs = rows.narrow(1, 0, T).contiguous();
+  mb.targets = rows.narrow(1, 1, T).reshape(-1);
+  mb.x = mb.inputs;
+  activations->begin_micro_batch();
+  kept_graphs.clear();
+  kept_graphs.resize(stages.size());
+  params->begin_micro_batch();
+  return mb;
+}
+
+// Stage s forward: without autograd (recomputed later from its checkpoint), or with it for a
+// kept block, whose graph ends at its detached input so that its backward runs on its own.
+void Engine::Impl::forward_use(Pass& pass, MicroBatch& mb, size_t s) {
+  const size_t k = pass.k++;
+  if (kept(s)) {  // before the gathers, which must leave room for it
+    kept_graphs.at(s).res = dev.reserve(memory->sizes().graph_bytes, "autograd graph of unit " + partition->unit(s).name);
+    params->graph_reserved();
+  }
+  params->acquire(k);
+  params->prefetch(k, pass.total);
+  at::Tensor y;
+  const auto mark = compute_mark();
+  if (kept(s)) {
+    KeptGraph& g = kept_graphs.at(s);
+    g.input = mb.x.detach().requires_grad_(true);
+    g.output = stages[s]->forward(g.input);
+    y = g.output.detach();
+    params->hold(s);
+  } else {
+    at::NoGradGuard no_grad;
+    y = stages[s]->forward(mb.x);
+  }
+  compute_span("forward " + partition->unit(s).name, mark);
+  Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + partition->unit(s).name);
+  if (checkpointed(s)) activations->put(s, mb.x, mb.x_res);  // stage 0 recomputes from the token ids
+  mb.x = y;
+  mb.x_res = std::move(y_res);  // a kept stage's input: in its graph (graph_bytes) from here
+  params->release_after(k, pass.total);
+}
+
+// The head: forward, token-mean cross entropy in fp32 (times the loss scale) and backward.
+void Engine::Impl::head_use(Pass& pass, MicroBatch& mb) {
+  const size_t k = pass.k++, head = stages.size() - 1;
+  params->acquire(k);
+  params->prefetch(k, pass.total);
+  const auto mark = compute_mark();
+  at::Tensor xh = mb.x.detach().requires_grad_(true);
+  at::Tensor logits = stages[head]->forward(xh);
+  at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), mb.targets);
+  torch::autograd::backward({loss * loss_scale});
+  compute_span("forward+backward " + partition->unit(head).name, mark);
+  const at::Tensor loss_d = loss.detach().to(at::kDouble);  // summed in micro-batch order as the host would
+  pass.loss_sum = pass.loss_sum.defined() ? pass.loss_sum + loss_d : loss_d;
+  mb.dy = xh.grad();
+  mb.x = at::Tensor();
+  reducer->reduce(head);
+  if (pass.in_backward && mb.last) signal_final_gradients(head);
+  params->release_after(k, pass.total);
+}
+
+// Stage s backward: through its kept graph, or recomputed from its checkpoint (stage 0 from the
+// token ids); the next checkpoints are brought back while it runs.
+void Engine::Impl::backward_use(Pass& pass, MicroBatch& mb, size_t s) {
+  const size_t k = pass.k++;
+  params->acquire(k);
+  params->prefetch(k, pass.total);
+  at::Tensor xin;
+  Device::Reservation in_res;
+  if (s == 0) {
+    xin = mb.inputs;
+  } else if (checkpointed(s)) {
+    xin = activations->take(s, in_res);
+    xin.requires_grad_(true);
+  }
+  if (s > 1 && checkpointed(s - 1)) activations->fetch(s - 1);  // copied back while this stage runs
+  if (s > 2 && checkpointed(s - 2)) activations->read_ahead(s - 2);  // NVMe: read a stage earlier still
+  if (kept(s)) {
+    KeptGraph g = std::move(kept_graphs.at(s));
+    const auto mark = compute_mark();
+    torch::autograd::backward({g.output}, {mb.dy});
+    compute_span("backward " + partition->unit(s).name, mark);
+    mb.dy = g.input.grad();
+    g = KeptGraph{};  // the graph's memory, then its reservation
+    params->graph_freed();
+    params->unhold(s);
+  } else {
+    const auto mark = compute_mark();
+    at::Tensor y = stages[s]->forward(xin);
+    torch::autograd::backward({y}, {mb.dy});
+    compute_span("recompute+backward " + partition->unit(s).name, mark);
+    y = at::Tensor();
+    mb.dy = s > 0 ? xin.grad() : at::Tensor();
+  }
+  reducer->reduce(s);
+  if (pass.in_backward && mb.last) signal_final_gradients(s);
+  params->release_after(k, pass.total);
+}
+
+void Engine::Impl::finish_backward() {
+  activations->prune();  // every checkpoint came back, so every staging buffer can go
+  auto t = prof.time(prof.step.wait_grads, "wait gradients");
+  dev.synchronize(dev.d2h_stream());  // host gradient accumulation done
+  reducer->finish_writes();           // NVMe: and written
+  // Every upload is done by now (the compute stream waited for each); this rethrows a failed
+  // swap read of a gather or a checkpoint, which would otherwise go unnoticed.
+  dev.synchronize(dev.h2d_stream());
+}
+
+// Global norm and loss in one all-reduce: [local sum of squares, local loss sum], with every
+// rank's wait for parameters and time so far, so that the prefetch decision is the same on
+// every rank (their gathers must stay in step).
+StepResult Engine::Impl::reduce_norm_and_loss(const Pass& pass, std::chrono::steady_clock::time_point t0) {
+  auto t = prof.time(prof.step.norm, "gradient norm");
+  StepResult r;
+  double sumsq = 0;
+  if (pass.in_backward)
+    for (double v : updater->unit_sumsq()) sumsq += v;
+  else
+    sumsq = optimizer->local_sum_squares();
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double loss_sum = pass.loss_sum.item<double>();
+  at::Tensor red = at::tensor({sumsq, loss_sum, prof.step.wait_params, elapsed}, at::TensorOptions().dtype(at::kDouble));
+  comm.all_reduce(red, ReduceOp::kSum);
+  r.loss = red[1].item<double>() / (double(cfg.grad_accum) * comm.world_size());
+  r.grad_norm = std::sqrt(red[0].item<double>()) / pass.denom;
+  if (cfg.prefetch_auto)
+    params->set_depth(prefetch_tuner.next(red[2].item<double>() / std::max(red[3].item<double>(), 1e-9)));
+  r.loss_scale = loss_scale;
+  r.skipped = !std::isfinite(r.grad_norm);
+  return r;
+}
+
+// The update of a finished step: already applied ("backward"), launched on the updater
+// ("forward"), or run here; a non-finite norm skips it (or, already applied, fails the step).
+void Engine::Impl::apply_update(const Pass& pass, const StepResult& r) {
+  if (pass.in_backward) {
+    if (r.skipped)
+      throw std::runtime_error("step " + std::to_string(step + 1) + ": the gradient norm is " +
+                               std::to_string(r.grad_norm) + " and optimizer.overlap \"backward\" "
+                               "has already applied the update, so the weights are no longer usable: "
+                               "restart from a checkpoint (overlap true or false skips such steps)");
+    ++step;
+    return;
+  }
+  if (r.skipped) return;
+  double coef = 1.0;
+  if (cfg.clip_grad_norm > 0) coef = std::min(1.0, cfg.clip_grad_norm / (r.grad_norm + 1e-6));
+  const kernels::AdamConfig ac = adam_config(coef / pass.denom);
+  if (overlaps_update()) {
+    launch_update(ac);
+  } else {
+    const double before = prof.step.optimizer, waited_before = checkpoint_waited_here;
+    {
+      auto t = prof.time(prof.step.optimizer, "optimizer");
+      optimizer_step(ac);
+    }
+    prof.step.optimizer -= checkpoint_waited_here - waited_before;
+    prof.step.optimizer_exposed += prof.step.optimizer - before;
+  }
+  ++step;
+}
+
+// fp16: halve the scale on an overflow, double it after loss_scale_window good steps.
+void Engine::Impl::update_loss_scale(bool skipped) {
+  if (cfg.compute != Precision::kFp16) return;
+  if (skipped) {
+    loss_scale = std::max(1.0, loss_scale / 2);
+    good_steps = 0;
+  } else if (++good_steps >= cfg.loss_scale_window) {
+    loss_scale *= 2;
+    good_steps = 0;
+  }
+}
+
+void Engine::Impl::optimizer_step(const kernels::AdamConfig& ac) {
+  optimizer->update_on_device(ac, units_where(true), nullptr, [this](size_t u) { wait_released(hold, u); });
+  const std::vector<size_t> rest = units_where(false);
+  if (!rest.empty()) optimizer->update_on_cpu(ac, rest, {}, nullptr, [this](size_t u) { wait_released(hold, u); });
+}
+
+void Engine::Impl::update_device_units(const kernels::AdamConfig& ac, std::vector<double>* sumsq) {
+  const std::vector<size_t> which = units_where(true);
+  if (which.empty()) return;
+  const double before = prof.step.optimizer, waited_before = checkpoint_waited_here;
+  {
+    auto t = prof.time(prof.step.optimizer, "optimizer (device)");
+    optimizer->update_on_device(ac, which, sumsq, [this](size_t u) { wait_released(hold, u); });
+    if (cfg.profile) dev.synchronize(dev.compute_stream());  // the kernel's time, not its launch's
+  }
+  prof.step.optimizer -= checkpoint_waited_here - waited_before;
+  prof.step.optimizer_exposed += prof.step.optimizer - before;
+}
+
+void Engine::Impl::signal_final_gradients(size_t stage) {
+  for (size_t u : stage_units(stage)) {
+    if (schedule->last_use_stage(u) != stage) continue;
+    dev.launch_host(dev.d2h_stream(), [this, u] {
+      updater->mark_final(u, placement(u, kGrad) == Placement::kNvme ? reducer->last_write(u) : offload::IoFuture());
+    });
+  }
+}
+
+}  // namespace strata::engine
