@@ -314,6 +314,8 @@ TEST(StateStore, TransientGradientsAreNotAllocatedOffTheDevice) {
   for (size_t u = 0; u < 3; ++u) b.store->allocate(u, b.initial(u), /*transient_grads=*/true);
   EXPECT_TRUE(b.store->tensor(0, kGrad).defined()) << "the device share keeps its accumulator";
   EXPECT_FALSE(b.store->tensor(1, kGrad).defined());
+  EXPECT_THROW(b.store->write(1, kGrad, 0, HostMemory::unpinned(4, at::kFloat)), std::logic_error)
+      << "a transient gradient has no storage of its own to write";
   EXPECT_FALSE(b.store->tensor(2, kGrad).defined());
   // Master and moments of units 1 and 2; every unit's compute copy (bf16, placed on the host).
   EXPECT_EQ(b.host.state_bytes(), (b.partition.unit(1).shard_numel + b.partition.unit(2).shard_numel) * 4 * 3 +

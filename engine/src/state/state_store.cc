@@ -16,7 +16,17 @@ StateStore::StateStore(const Partition& partition, at::ScalarType compute_dtype,
                        Device& device, HostMemory& host, offload::SwapSpace* swap, runtime::Profiler& prof)
     : partition_(partition), compute_(compute_dtype), plan_(placement), prof_(prof),
       device_(device_tier(device)), host_(host_tier(host)), swap_(swap ? swap_tier(*swap) : nullptr),
-      resident_(partition.num_units()), region_(partition.num_units()) {}
+      resident_(partition.num_units()), region_(partition.num_units()) {
+  for (auto& r : region_) r.fill(kNone);
+}
+
+TierDriver::Region StateStore::region(size_t u, int k, const char* op) const {
+  const TierDriver::Region r = region_.at(u).at(size_t(k));
+  if (r == kNone)
+    throw std::logic_error(std::string(op) + ": kind " + kind_name(k) + " of unit " + partition_.unit(u).name +
+                           " has no storage in the store (a transient gradient)");
+  return r;
+}
 
 Placement StateStore::kind_placement(int k) const {
   switch (k) {
@@ -72,20 +82,20 @@ void StateStore::allocate(size_t u, const at::Tensor& initial_master, bool trans
 offload::IoFuture StateStore::read(size_t u, int k, uint64_t begin, const at::Tensor& dst) {
   const Placement p = placement(u, k);
   if (p == Placement::kNvme) prof_.read_counter() += uint64_t(dst.nbytes());
-  return driver(p).read(region_.at(u).at(size_t(k)), begin, dst);
+  return driver(p).read(region(u, k, "read"), begin, dst);
 }
 
 offload::IoFuture StateStore::write(size_t u, int k, uint64_t begin, const at::Tensor& src) {
   const Placement p = placement(u, k);
   if (p == Placement::kNvme) prof_.write_counter() += uint64_t(src.nbytes());
-  return driver(p).write(region_.at(u).at(size_t(k)), begin, src);
+  return driver(p).write(region(u, k, "write"), begin, src);
 }
 
 const std::string& StateStore::swap_name(size_t u, int k) const {
   if (placement(u, k) != Placement::kNvme || !swap_)
     throw std::logic_error(std::string("swap_name: kind ") + kind_name(k) + " of unit " + partition_.unit(u).name +
                            " is not in swap");
-  return swap_->name(region_.at(u).at(size_t(k)));
+  return swap_->name(region(u, k, "swap_name"));
 }
 
 bool StateStore::streamed(size_t u, int k) const {

@@ -60,7 +60,8 @@ class StateStore final : public ChunkRing::Source {
   // The resident tensor of (u, k) in the device or host tier; undefined in swap.
   at::Tensor& tensor(size_t u, int k) { return resident_.at(u).at(size_t(k)); }
   // Elements [begin, begin + dst.numel()) of (u, k), in any tier, into host memory (see
-  // TierDriver::read for completion), and the other way.
+  // TierDriver::read for completion), and the other way. A kind not allocated here (a transient
+  // gradient, whose lent buffer is reached through tensor()) throws std::logic_error.
   offload::IoFuture read(size_t u, int k, uint64_t begin, const at::Tensor& dst) override;
   offload::IoFuture write(size_t u, int k, uint64_t begin, const at::Tensor& src) override;
   const std::string& swap_name(size_t u, int k) const;  // of a swap-placed kind
@@ -83,7 +84,9 @@ class StateStore final : public ChunkRing::Source {
   runtime::Profiler& prof_;
   std::unique_ptr<TierDriver> device_, host_, swap_;
   std::vector<std::array<at::Tensor, kKinds>> resident_;
-  std::vector<std::array<TierDriver::Region, kKinds>> region_;  // in its placement's driver
+  static constexpr TierDriver::Region kNone = ~TierDriver::Region(0);
+  std::vector<std::array<TierDriver::Region, kKinds>> region_;  // in its placement's driver; kNone
+  TierDriver::Region region(size_t u, int k, const char* op) const;
 };
 
 }  // namespace strata::engine::state
