@@ -18,7 +18,7 @@
 #include "strata/kernels/cpu_optim.h"
 #include "strata/offload/io_engine.h"
 #include "strata/offload/swap_space.h"
-#include "test_util.h"
+#include "state_fixture.h"
 
 namespace strata::engine::runtime {
 namespace {
@@ -57,25 +57,16 @@ kernels::AdamConfig adam() {
   return ac;
 }
 
-// Everything a store needs, and the initial values every setup starts from.
-struct Bench {
-  test::TempDir dir;
-  std::unique_ptr<Device> device = Device::create_host(UINT64_MAX);
-  state::HostMemory host{*device};
-  std::unique_ptr<offload::IoEngine> io = offload::IoEngine::create({});
-  std::unique_ptr<offload::SwapSpace> swap;
-  Profiler prof;
-  // Unaligned shards over two ranks; block.0's is longer than two 16 KiB chunks.
-  Partition partition{{{"embedding", {{"embed.w", {37, 11}}}}, {"block.0", {{"a", {17001}}}}, {"head", {{"head.w", {5}}}}},
-                      2, /*align_numel=*/1};
-  std::unique_ptr<state::StateStore> store;
+// A store over three units (unaligned shards over two ranks; block.0's longer than two 16 KiB
+// chunks), the optimizer over it, and the initial values every case starts from.
+struct Bench : test::StateFixture {
   std::unique_ptr<Optimizer> opt;
   std::vector<at::Tensor> master0, grad0, m0, v0;
-  explicit Bench(const PlacementPlan& plan) {
-    offload::SwapConfig sc;
-    sc.dirs = {dir.path()};
-    swap = std::make_unique<offload::SwapSpace>(*io, sc);
-    store = std::make_unique<state::StateStore>(partition, at::kBFloat16, plan, *device, host, swap.get(), prof);
+  explicit Bench(const PlacementPlan& plan)
+      : StateFixture(Partition({{"embedding", {{"embed.w", {37, 11}}}}, {"block.0", {{"a", {17001}}}},
+                                {"head", {{"head.w", {5}}}}},
+                               2, /*align_numel=*/1),
+                     plan) {
     kernels::CpuExec exec;
     exec.threads = 2;
     opt = std::make_unique<Optimizer>(*store, host, *device, exec, 16 << 10);
@@ -91,16 +82,6 @@ struct Bench {
       put(u, kExpAvg, m0[u]);
       put(u, kExpAvgSq, v0[u]);
     }
-  }
-  void put(size_t u, int k, const at::Tensor& values) {
-    at::Tensor h = state::HostMemory::unpinned(uint64_t(values.numel()), store->dtype(k));
-    h.copy_(values);
-    store->write(u, k, 0, h).get();
-  }
-  at::Tensor get(size_t u, int k) {
-    at::Tensor out = state::HostMemory::unpinned(partition.unit(u).shard_numel, store->dtype(k));
-    store->read(u, k, 0, out).get();
-    return out;
   }
 };
 

@@ -19,7 +19,7 @@
 #include "strata/engine/device.h"
 #include "strata/offload/io_engine.h"
 #include "strata/offload/swap_space.h"
-#include "test_util.h"
+#include "state_fixture.h"
 
 namespace strata::engine::state {
 namespace {
@@ -207,32 +207,18 @@ TEST(DeviceTier, AnAllocationOverTheBudgetThrowsBudgetExceededNamingTheRegion) {
 
 // --- the state store -------------------------------------------------------------------------
 
-struct StoreBench {
-  test::TempDir dir;
-  std::unique_ptr<Device> device = Device::create_host(UINT64_MAX);
-  HostMemory host{*device};
-  std::unique_ptr<offload::IoEngine> io = offload::IoEngine::create({});
-  std::unique_ptr<offload::SwapSpace> swap;
-  runtime::Profiler prof;
-  // Three units of awkward sizes over two ranks, unaligned shards (one longer than a 16 KiB
-  // chunk of the ring below).
-  Partition partition{{{"embedding", {{"embed.w", {37, 11}}}}, {"block.0", {{"a", {9001}}, {"b", {3, 7}}}}, {"head", {{"head.w", {5}}}}},
-                      2, /*align_numel=*/1};
-  std::unique_ptr<StateStore> store;
-  explicit StoreBench(const PlacementPlan& plan) {
-    offload::SwapConfig sc;
-    sc.dirs = {dir.path()};
-    swap = std::make_unique<offload::SwapSpace>(*io, sc);
-    store = std::make_unique<StateStore>(partition, at::kBFloat16, plan, *device, host, swap.get(), prof);
-  }
+// Three units of awkward sizes over two ranks, unaligned shards (one longer than a 16 KiB chunk
+// of the ring below).
+struct StoreBench : test::StateFixture {
+  explicit StoreBench(const PlacementPlan& plan)
+      : StateFixture(Partition({{"embedding", {{"embed.w", {37, 11}}}}, {"block.0", {{"a", {9001}}, {"b", {3, 7}}}},
+                                {"head", {{"head.w", {5}}}}},
+                               2, /*align_numel=*/1),
+                     plan) {}
   at::Tensor initial(size_t u) const {
     return at::arange(int64_t(partition.unit(u).shard_numel), at::kFloat).mul_(0.001).add_(double(u));
   }
-  at::Tensor read(size_t u, int k) {
-    at::Tensor out = HostMemory::unpinned(partition.unit(u).shard_numel, store->dtype(k));
-    store->read(u, k, 0, out).get();
-    return out;
-  }
+  at::Tensor read(size_t u, int k) { return get(u, k); }
 };
 
 TEST(StateStore, PlacesEachKindByTheSplitPlanAndInitializesItInEveryTier) {

@@ -23,7 +23,7 @@
 #include "strata/engine/device.h"
 #include "strata/offload/io_engine.h"
 #include "strata/offload/swap_space.h"
-#include "test_util.h"
+#include "state_fixture.h"
 
 namespace strata::engine::runtime {
 namespace {
@@ -41,26 +41,16 @@ kernels::AdamConfig adam() {
 }
 
 // Embedding, two blocks, a head tied to the embedding; a shard per unit of awkward size.
-struct Bench {
-  test::TempDir dir;
-  std::unique_ptr<Device> device = Device::create_host(UINT64_MAX);
-  state::HostMemory host{*device};
-  std::unique_ptr<offload::IoEngine> io = offload::IoEngine::create({});
-  std::unique_ptr<offload::SwapSpace> swap;
-  Profiler prof;
-  Partition partition{{{"embedding", {{"e", {301, 7}}}}, {"block.0", {{"b0", {5003}}}}, {"block.1", {{"b1", {777}}}},
-                       {"head", {{"h", {9}}}}},
-                      2, /*align_numel=*/1};
+struct Bench : test::StateFixture {
   plan::Schedule schedule{{{0}, {1}, {2}, {3, 0}}, 4};
-  std::unique_ptr<state::StateStore> store;
   std::unique_ptr<Optimizer> opt;
   std::unique_ptr<Updater> updater;
   std::vector<at::Tensor> grads;
-  explicit Bench(const PlacementPlan& plan, size_t pool = 0) {
-    offload::SwapConfig sc;
-    sc.dirs = {dir.path()};
-    swap = std::make_unique<offload::SwapSpace>(*io, sc);
-    store = std::make_unique<state::StateStore>(partition, at::kBFloat16, plan, *device, host, swap.get(), prof);
+  explicit Bench(const PlacementPlan& plan, size_t pool = 0)
+      : StateFixture(Partition({{"embedding", {{"e", {301, 7}}}}, {"block.0", {{"b0", {5003}}}},
+                                {"block.1", {{"b1", {777}}}}, {"head", {{"h", {9}}}}},
+                               2, /*align_numel=*/1),
+                     plan) {
     opt = std::make_unique<Optimizer>(*store, host, *device, kernels::CpuExec{}, 16 << 10);
     uint64_t largest = 0;
     for (const UnitLayout& L : partition.units()) largest = std::max(largest, L.shard_numel);
@@ -72,16 +62,6 @@ struct Bench {
       grads.push_back(at::randn({n}));
       if (!plan.grads_transient) put(u, kGrad, grads[u]);
     }
-  }
-  void put(size_t u, int k, const at::Tensor& v) {
-    at::Tensor h = state::HostMemory::unpinned(uint64_t(v.numel()), store->dtype(k));
-    h.copy_(v);
-    store->write(u, k, 0, h).get();
-  }
-  at::Tensor get(size_t u, int k) {
-    at::Tensor out = state::HostMemory::unpinned(partition.unit(u).shard_numel, store->dtype(k));
-    store->read(u, k, 0, out).get();
-    return out;
   }
   std::vector<at::Tensor> all(int k) {
     std::vector<at::Tensor> out;
