@@ -237,8 +237,7 @@ void Engine::Impl::resolve_auto_placement() {
     std::pair<uint64_t, uint64_t> b{p.grads_transient ? need.grad_buffers : 0, 0};
     for (size_t u = 0; u < partition->num_units(); ++u)
       for (int k = 0; k < kKinds; ++k) {
-        const Placement kind = p.unit_tier(k == kMaster ? p.master : k == kExpAvg || k == kExpAvgSq ? p.moments
-                                           : k == kGrad ? p.grads : p.params, k != kCompute, u);
+        const Placement kind = state::unit_kind_tier(p, u, k);
         if (k == kGrad && p.grads_transient && kind != Placement::kDevice) continue;  // counted as the buffers
         const uint64_t bytes = partition->unit(u).shard_numel * c10::elementSize(kind_dtype(k));
         if (kind == Placement::kHost) b.first += bytes;

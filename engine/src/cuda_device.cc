@@ -132,9 +132,7 @@ class CudaDevice final : public Device {
       ts.push_back({t.master.data_ptr<float>(), t.exp_avg.data_ptr<float>(), t.exp_avg_sq.data_ptr<float>(),
                     t.grad.data_ptr<float>(), t.out.data_ptr(), size_t(t.master.numel())});
     }
-    const kernels::DType out = out_type == at::kBFloat16 ? kernels::DType::kBF16
-                               : out_type == at::kHalf   ? kernels::DType::kF16
-                                                         : kernels::DType::kF32;
+    const kernels::DType out = kernel_dtype(out_type);
     kernels::cuda::adam_step(config, ts.data(), ts.size(), kernels::DType::kF32, out,
                              c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(index_)).stream());
   }

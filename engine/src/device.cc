@@ -75,12 +75,16 @@ at::Tensor Device::empty(at::IntArrayRef shape, at::ScalarType dtype, const std:
       at::TensorOptions().dtype(dtype).device(torch_device()));
 }
 
+kernels::DType Device::kernel_dtype(at::ScalarType t) {
+  if (t == at::kBFloat16) return kernels::DType::kBF16;
+  if (t == at::kHalf) return kernels::DType::kF16;
+  return kernels::DType::kF32;
+}
+
 void Device::adam_step(const kernels::AdamConfig& config, const std::vector<AdamTensors>& units,
                        const kernels::CpuExec& exec) {
   for (const AdamTensors& t : units) {
-    const kernels::DType out = t.out.scalar_type() == at::kBFloat16 ? kernels::DType::kBF16
-                               : t.out.scalar_type() == at::kHalf   ? kernels::DType::kF16
-                                                                    : kernels::DType::kF32;
+    const kernels::DType out = kernel_dtype(t.out.scalar_type());
     kernels::adam_step(config, t.master.data_ptr<float>(), t.exp_avg.data_ptr<float>(), t.exp_avg_sq.data_ptr<float>(),
                        t.grad.data_ptr<float>(), kernels::DType::kF32, t.out.data_ptr(), out,
                        size_t(t.master.numel()), exec);

@@ -145,7 +145,6 @@ struct Engine::Impl {
   // Host memory: the one provider (state/host_memory.h).
   state::HostMemory host;
   at::Tensor host_buffer(uint64_t numel, at::ScalarType t) const { return host.buffer(numel, t); }
-  static at::Tensor aligned_host_buffer(uint64_t numel, at::ScalarType t) { return state::HostMemory::unpinned(numel, t); }
   // Ranks must agree on every decision that changes their collectives: each value becomes the
   // largest any rank chose (the slowest tier, the fewest units kept, ...).
   std::vector<int64_t> agree_max(const std::vector<int64_t>& values) {
@@ -203,7 +202,6 @@ struct Engine::Impl {
   // --- gathering (runtime/coordinator.h) ------------------------------------------------------
   std::unique_ptr<runtime::ParameterCoordinator> params;
   PrefetchTuner prefetch_tuner;
-  const Use& use_at(size_t k) const { return schedule->use_at(k); }
 
   // --- gradients (runtime/gradient_reducer.h) -------------------------------------------------
   std::unique_ptr<runtime::GradientReducer> reducer;

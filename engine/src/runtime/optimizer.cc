@@ -15,12 +15,6 @@ using state::kMaster;
 
 namespace {
 
-kernels::DType kernel_dtype(at::ScalarType t) {
-  if (t == at::kBFloat16) return kernels::DType::kBF16;
-  if (t == at::kHalf) return kernels::DType::kF16;
-  return kernels::DType::kF32;
-}
-
 constexpr unsigned bit(int k) { return 1u << k; }
 
 }  // namespace
@@ -28,7 +22,7 @@ constexpr unsigned bit(int k) { return 1u << k; }
 Optimizer::Optimizer(state::StateStore& store, state::HostMemory& host, Device& device, kernels::CpuExec exec,
                      uint64_t chunk_bytes)
     : store_(store), host_(host), dev_(device), exec_(exec), chunk_bytes_(chunk_bytes),
-      compute_(kernel_dtype(store.dtype(kCompute))) {}
+      compute_(Device::kernel_dtype(store.dtype(kCompute))) {}
 
 std::vector<size_t> Optimizer::units_where(bool on_device) const {
   std::vector<size_t> out;

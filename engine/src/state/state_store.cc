@@ -28,13 +28,13 @@ TierDriver::Region StateStore::region(size_t u, int k, const char* op) const {
   return r;
 }
 
-Placement StateStore::kind_placement(int k) const {
+Placement kind_tier(const PlacementPlan& plan, int k) {
   switch (k) {
-    case kMaster: return plan_.master;
+    case kMaster: return plan.master;
     case kExpAvg:
-    case kExpAvgSq: return plan_.moments;
-    case kGrad: return plan_.grads;
-    case kCompute: return plan_.params;
+    case kExpAvgSq: return plan.moments;
+    case kGrad: return plan.grads;
+    case kCompute: return plan.params;
   }
   throw std::out_of_range("unknown state kind " + std::to_string(k));
 }

@@ -38,6 +38,12 @@ namespace strata::engine::state {
 
 enum Kind : int { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGrad = 3, kCompute = 4, kKinds = 5 };
 const char* kind_name(int kind);
+// Where unit u's shard of `kind` lives under `plan`: the kind's tier (of a split optimizer group,
+// per unit: PlacementPlan::unit_tier). The one rule; the store and automatic placement call it.
+Placement kind_tier(const PlacementPlan& plan, int kind);
+inline Placement unit_kind_tier(const PlacementPlan& plan, size_t u, int kind) {
+  return plan.unit_tier(kind_tier(plan, kind), kind != kCompute, u);
+}
 static_assert(ChunkRing::kKinds == kKinds);
 
 class StateStore final : public ChunkRing::Source {
@@ -48,8 +54,8 @@ class StateStore final : public ChunkRing::Source {
 
   const PlacementPlan& plan() const { return plan_; }
   // Kind k's tier as planned (of a split optimizer group: the tier of its last units).
-  Placement kind_placement(int k) const;
-  Placement placement(size_t u, int k) const { return plan_.unit_tier(kind_placement(k), k != kCompute, u); }
+  Placement kind_placement(int k) const { return kind_tier(plan_, k); }
+  Placement placement(size_t u, int k) const { return unit_kind_tier(plan_, u, k); }
   size_t units() const { return partition_.num_units(); }
 
   // Unit u's shard of every kind, in its tier: master weights and the compute copy :=

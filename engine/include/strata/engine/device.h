@@ -139,6 +139,8 @@ class Device {
   // compute stream on the training thread), with the CPU kernels' arithmetic and reduction order
   // (kernels/cpu_optim.h), so that a unit's numbers do not depend on its tier. The host device
   // runs those CPU kernels with `exec`; CUDA runs the fused kernels (kernels/cuda_optim.h).
+  // The kernels' dtype of a compute-copy tensor (fp32, bf16 or fp16).
+  static kernels::DType kernel_dtype(at::ScalarType t);
   struct AdamTensors {
     at::Tensor master, exp_avg, exp_avg_sq, grad;  // fp32 [n], contiguous, on the device
     at::Tensor out;                                // the new compute copy [n], on the device
