@@ -9,11 +9,11 @@ Engine::Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& confi
   impl_->prof.tracing = config.profile;
 }
 
-const EngineConfig& Engine::config() const { return impl_->cfg; }
+const EngineConfig& Engine::config() const { return impl_->effective; }
 const std::string& Engine::placement_report() const { return impl_->placement_report; }
-size_t Engine::optimizer_device_units() const { return impl_->split.device_units; }
-size_t Engine::optimizer_host_units() const { return impl_->split.host_units; }
-bool Engine::gradients_stored() const { return !impl_->grads_transient; }
+size_t Engine::optimizer_device_units() const { return impl_->state->plan().device_units; }
+size_t Engine::optimizer_host_units() const { return impl_->state->plan().host_units; }
+bool Engine::gradients_stored() const { return !impl_->state->plan().grads_transient; }
 
 std::vector<TraceSpan> Engine::take_trace() {
   std::lock_guard<std::mutex> lock(impl_->prof.mu);
@@ -103,12 +103,17 @@ std::shared_future<void> Engine::update_finished() const {
   return done.get_future().share();
 }
 
-Engine::NvmeSlice Engine::nvme_slice(size_t unit, StateKind kind) const {
-  const Impl& I = *impl_;
+bool Engine::state_copies_to_file(size_t unit, StateKind kind) const {
   const int k = int(kind);
   if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
-  if (I.placement(unit, k) != Placement::kNvme) return {};
-  return {I.swap.get(), I.state->swap_name(unit, k)};
+  return impl_->state->copies_to_file(unit, k);
+}
+
+void Engine::copy_state_to_file(size_t unit, StateKind kind, uint64_t begin, uint64_t numel, const offload::File& dst,
+                                uint64_t offset) {
+  const int k = int(kind);
+  if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
+  impl_->state->copy_to_file(unit, k, begin, numel, dst, offset);
 }
 
 void Engine::hold_state(std::shared_ptr<StateHold> hold) {

@@ -40,6 +40,7 @@
 #include <unordered_map>
 
 #include "strata/engine/placement.h"
+#include "resolve.h"
 #include "strata/engine/plan/memory_model.h"
 #include "strata/engine/plan/schedule.h"
 #include "strata/kernels/cpu_optim.h"
@@ -79,7 +80,10 @@ using state::kKinds;
 using plan::Use;
 
 struct Engine::Impl {
-  EngineConfig cfg;
+  // The configuration as given (validated, never changed) and as resolved: `effective` has every
+  // "auto" replaced by what construction decided (resolve.h; Engine::config()).
+  const EngineConfig cfg;
+  EngineConfig effective;
   Communicator& comm;
   Device& dev;
   std::unique_ptr<models::Decoder> model;
@@ -129,10 +133,8 @@ struct Engine::Impl {
   Profiler::Clock::time_point step_ref_host;
   std::vector<std::tuple<std::string, std::shared_ptr<Event>, std::shared_ptr<Event>>> compute_spans;
 
-  // The optimizer group's split by unit, as automatic placement resolved it (PlacementPlan's
-  // device_units and host_units; the kinds' tiers are cfg's until the store holds the plan).
-  PlacementPlan split;
-  // The units' state, placed by the resolved plan (built once placement is resolved).
+  // The units' state, placed by the resolved plan (built once placement is resolved): the one
+  // placement table, state->plan().
   std::unique_ptr<state::StateStore> state;
   std::unique_ptr<runtime::Optimizer> optimizer;  // Adam and the gradient norm over the store
   Placement placement(size_t u, int k) const { return state->placement(u, k); }
@@ -147,12 +149,14 @@ struct Engine::Impl {
   at::Tensor host_buffer(uint64_t numel, at::ScalarType t) const { return host.buffer(numel, t); }
   // Ranks must agree on every decision that changes their collectives: each value becomes the
   // largest any rank chose (the slowest tier, the fewest units kept, ...).
-  std::vector<int64_t> agree_max(const std::vector<int64_t>& values) {
-    at::Tensor codes = at::tensor(values, at::TensorOptions().dtype(at::kLong));
-    comm.all_reduce(codes, ReduceOp::kMax);
-    std::vector<int64_t> out(values.size());
-    for (size_t i = 0; i < out.size(); ++i) out[i] = codes[int64_t(i)].item<int64_t>();
-    return out;
+  Agree agreement() {
+    return [this](const std::vector<int64_t>& values) {
+      at::Tensor codes = at::tensor(values, at::TensorOptions().dtype(at::kLong));
+      comm.all_reduce(codes, ReduceOp::kMax);
+      std::vector<int64_t> out(values.size());
+      for (size_t i = 0; i < out.size(); ++i) out[i] = codes[int64_t(i)].item<int64_t>();
+      return out;
+    };
   }
   // The device bytes decisions may count on, beside the device-placed state.
   uint64_t usable_device() const { return plan::MemoryModel::usable_device(dev.budget(), base_bytes, dev.physical_free()); }
@@ -170,11 +174,7 @@ struct Engine::Impl {
   std::vector<KeptGraph> kept_graphs;  // by stage, for the micro-batch in flight
   bool kept(size_t s) const { return memory->keeps_graph(s, choice); }
   bool checkpointed(size_t s) const { return memory->checkpointed(s, choice); }
-  // recompute "auto": keeps as many of the last blocks' graphs as fit beside the device-placed
-  // state and the working set (checkpoints counted where placed on the device explicitly).
-  void resolve_recompute();
-
-  // Resolves placement.activations "auto" (device, else host, else swap; see config.h), opens
+  // Resolves placement.activations (resolve_activations), opens
   // the swap slots of NVMe-placed checkpoints, and adds the placement to the report.
   void place_activations();
 
@@ -196,8 +196,6 @@ struct Engine::Impl {
   }
 
   std::string placement_report;
-
-  void resolve_auto_placement();
 
   // --- gathering (runtime/coordinator.h) ------------------------------------------------------
   std::unique_ptr<runtime::ParameterCoordinator> params;
@@ -271,12 +269,11 @@ struct Engine::Impl {
 
   // --- the update on its own thread (optimizer.overlap; runtime/updater.h) ---------------------
   std::unique_ptr<runtime::Updater> updater;
-  bool grads_transient = false;  // gradients_transient: the updater lends gradient buffers
   size_t transient_limit = 2;    // their number: the multi-use units' held ones plus two
 
   bool overlaps_update() const {
     // Not with device-resident master weights: the CUDA step is already asynchronous.
-    return cfg.update_overlap != UpdateOverlap::kOff && cfg.master != Placement::kDevice;
+    return cfg.update_overlap != UpdateOverlap::kOff && state->plan().master != Placement::kDevice;
   }
   bool updates_in_backward() const { return overlaps_update() && cfg.update_overlap == UpdateOverlap::kBackward; }
   std::function<void(size_t)> hold_wait() {

@@ -51,7 +51,7 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids) {
     // "backward" overlap: the update starts with the last micro-batch's backward.
     if (pass.in_backward && mb.last) updater->launch_in_backward(adam_config(1.0 / pass.denom), hold_wait());
     head_use(pass, mb);
-    if (cfg.activations != Placement::kDevice) {
+    if (choice.activations != Placement::kDevice) {
       // The forward's inputs stay alive in the copy queue beyond their reservations until
       // copied down: that ends here.
       auto t = prof.time(prof.step.wait_activations, "wait activations");

@@ -5,6 +5,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <array>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -17,6 +20,7 @@
 #include "state/state_store.h"
 #include "state/tier.h"
 #include "strata/engine/device.h"
+#include "strata/offload/file.h"
 #include "strata/offload/io_engine.h"
 #include "strata/offload/swap_space.h"
 #include "state_fixture.h"
@@ -107,6 +111,41 @@ TEST_P(TierConformance, ReadsBackWhatWasWrittenAtAwkwardOffsetsAndLengths) {
     want.narrow(0, 4093, 2049).copy_(patch);
     EXPECT_TRUE(at::equal(read_all(d, r), want)) << GetParam() << " after a partial write";
   }
+}
+
+TEST_P(TierConformance, CopiesToAFileExactlyWhereTheTierCanElseRefusesBeforeAnythingMoves) {
+  Bench b(GetParam());
+  TierDriver& d = *b.driver;
+  at::manual_seed(5);
+  const uint64_t n = 2 * 4096 + 517;
+  const auto r = d.allocate("block.3.exp_avg", n, at::kFloat);
+  at::Tensor want = random(n, at::kFloat);
+  at::Tensor src = host_tensor(n, at::kFloat);
+  src.copy_(want);
+  d.write(r, 0, src).get();
+  const std::filesystem::path out = std::filesystem::path(b.dir.path()) / "sink.data";
+  offload::File file = offload::File::open(out, offload::OpenMode::kTruncate);
+  EXPECT_EQ(d.copies_to_file(), GetParam() == "swap") << "only the swap tier lives in files";
+  if (!d.copies_to_file()) {
+    EXPECT_THROW(d.copy_to_file(r, 0, n, file, 0), std::logic_error);
+    EXPECT_EQ(std::filesystem::file_size(out), 0u) << "a refused copy writes nothing";
+    return;
+  }
+  // Pieces at awkward source ranges into awkward file offsets, then read the file back.
+  const std::vector<std::array<uint64_t, 3>> pieces = {{0, 1, 0}, {1, 4095, 4}, {4096, 4097, 16384}, {n - 3, 3, 40000}};
+  for (auto [begin, len, offset] : pieces) d.copy_to_file(r, begin, len, file, offset);
+  file.sync();
+  std::ifstream in(out, std::ios::binary);
+  for (auto [begin, len, offset] : pieces) {
+    std::vector<float> got(len);
+    in.seekg(std::streamoff(offset));
+    in.read(reinterpret_cast<char*>(got.data()), std::streamsize(len * 4));
+    ASSERT_TRUE(in.good()) << "piece at " << offset;
+    at::Tensor g = at::from_blob(got.data(), {int64_t(len)}, at::kFloat);
+    EXPECT_TRUE(at::equal(g, want.narrow(0, int64_t(begin), int64_t(len)))) << "elements " << begin << "+" << len;
+  }
+  EXPECT_THROW(d.copy_to_file(r, n - 2, 3, file, 0), std::out_of_range);
+  EXPECT_THROW(d.copy_to_file(r + 1, 0, 1, file, 0), std::out_of_range);
 }
 
 TEST_P(TierConformance, RegionsAreIndependentAndLocateShowsResidentContents) {
@@ -245,9 +284,11 @@ TEST(StateStore, PlacesEachKindByTheSplitPlanAndInitializesItInEveryTier) {
     EXPECT_TRUE(s.streamed(u, kCompute)) << "a device compute copy passes through a host buffer";
     EXPECT_EQ(s.streamed(u, kMaster), u == 2);
   }
-  EXPECT_EQ(s.swap_name(2, kExpAvg), "head.exp_avg");
+  EXPECT_TRUE(b.swap->contains("head.exp_avg"));
   EXPECT_TRUE(b.swap->contains("head.grad"));
-  EXPECT_THROW(s.swap_name(0, kMaster), std::logic_error);
+  EXPECT_TRUE(s.copies_to_file(2, kExpAvg)) << "a swap-placed kind copies file to file";
+  EXPECT_FALSE(s.copies_to_file(1, kExpAvg)) << "a host-placed one does not";
+  EXPECT_FALSE(s.copies_to_file(0, kMaster)) << "nor a device-placed one";
   // Swap: master, moments and the gradient of the head; its shard of 5 over 2 ranks.
   EXPECT_EQ(s.swap_bytes(), 4 * b.partition.unit(2).shard_numel * 4);
   EXPECT_EQ(b.host.state_bytes(), 4 * b.partition.unit(1).shard_numel * 4);

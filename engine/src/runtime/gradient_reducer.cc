@@ -128,10 +128,12 @@ void GradientReducer::reduce(size_t stage) {
       // On the d2h stream's host function: no pinned (CUDA) allocation here, and the conversion
       // copy below is pageable too (at::Tensor::to allocates plain CPU memory).
       at::Tensor h = host.scalar_type() == at::kFloat ? host : host.to(at::kFloat);
+      // Every write of a unit after its previous one (which a read must see, and which must not
+      // land after this one).
+      const offload::IoFuture before = last_write(u);
+      if (before.valid()) before.get();
       if (!fresh) {
         at::Tensor sum = state::HostMemory::unpinned(uint64_t(h.numel()), at::kFloat);
-        const offload::IoFuture before = last_write(u);
-        if (before.valid()) before.get();
         store_.read(u, kGrad, 0, sum).get();
         sum.add_(h);
         h = sum;

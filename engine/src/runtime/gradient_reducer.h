@@ -6,14 +6,16 @@
 //   host    copied down on the d2h stream, then (a host function on it) copied into the
 //           accumulator on the step's first contribution or added to it on later ones (a first
 //           fp32 contribution is copied straight into the accumulator);
-//   swap    copied down, then a host function reads the unit's partition (after its previous
-//           write), adds, and submits the write without waiting. At most kMaxPendingWrites
-//           buffers wait for their writes: over that the training thread waits for the oldest
-//           (counted as waiting for gradients), so a disk slower than the backward holds the
-//           backward back, not host memory.
+//   swap    copied down, then a host function (after the unit's previous write) reads the
+//           unit's partition, adds, and submits the write without waiting; the step's first
+//           contribution is written without a read. Before each swap reduce, the training
+//           thread waits for the oldest write while more than kMaxPendingWrites are in flight
+//           (counted as waiting for gradients): at most kMaxPendingWrites + 1 buffers wait for
+//           their writes, plus those of host functions still queued on the d2h stream, so a disk
+//           slower than the backward holds the backward back, not host memory.
 //
 // Transient gradients (the store's plan says so): a unit without an accumulator borrows one
-// (`lend(u)`, the updater's pool) at its first reduce of the step.
+// (`lend(u)`, the updater's pool) at its first reduce of the step, which overwrites it.
 //
 // Threads and ownership: the training thread calls every member. Whether a unit's next
 // contribution is its step's first (`fresh_`) is decided on the training thread when the
@@ -63,13 +65,13 @@ class GradientReducer {
   // Unit u's last swap write submitted so far (invalid if none): from the d2h stream's host
   // functions, ordered after the unit's accumulation.
   offload::IoFuture last_write(size_t u);
-  // Waits for every swap write; rethrows the first failure after waiting for all.
+  // Waits for every swap write submitted so far (the caller synchronizes the d2h stream first,
+  // so that every queued host function has submitted its write); rethrows the first failure
+  // after waiting for all.
   void finish_writes();
   // After the step's update: device accumulators zeroed, the others overwritten by the next
   // step's first contribution.
   void end_step();
-  // A lent buffer holds garbage: the unit's next contribution overwrites it.
-  void mark_fresh(size_t u) { fresh_.at(u) = 1; }
 
  private:
   void bound_pending_writes();

@@ -39,7 +39,7 @@ Placement kind_tier(const PlacementPlan& plan, int k) {
   throw std::out_of_range("unknown state kind " + std::to_string(k));
 }
 
-TierDriver& StateStore::driver(Placement p) {
+TierDriver& StateStore::driver(Placement p) const {
   switch (p) {
     case Placement::kDevice: return *device_;
     case Placement::kHost: return *host_;
@@ -91,11 +91,13 @@ offload::IoFuture StateStore::write(size_t u, int k, uint64_t begin, const at::T
   return driver(p).write(region(u, k, "write"), begin, src);
 }
 
-const std::string& StateStore::swap_name(size_t u, int k) const {
-  if (placement(u, k) != Placement::kNvme || !swap_)
-    throw std::logic_error(std::string("swap_name: kind ") + kind_name(k) + " of unit " + partition_.unit(u).name +
-                           " is not in swap");
-  return swap_->name(region(u, k, "swap_name"));
+bool StateStore::copies_to_file(size_t u, int k) const {
+  return driver(placement(u, k)).copies_to_file();
+}
+
+void StateStore::copy_to_file(size_t u, int k, uint64_t begin, uint64_t numel, const offload::File& dst,
+                              uint64_t offset) {
+  driver(placement(u, k)).copy_to_file(region(u, k, "copy_to_file"), begin, numel, dst, offset);
 }
 
 bool StateStore::streamed(size_t u, int k) const {

@@ -70,7 +70,12 @@ class StateStore final : public ChunkRing::Source {
   // gradient, whose lent buffer is reached through tensor()) throws std::logic_error.
   offload::IoFuture read(size_t u, int k, uint64_t begin, const at::Tensor& dst) override;
   offload::IoFuture write(size_t u, int k, uint64_t begin, const at::Tensor& src) override;
-  const std::string& swap_name(size_t u, int k) const;  // of a swap-placed kind
+  // Whether (u, k)'s tier copies straight into a file (TierDriver::copies_to_file: swap), and
+  // that copy of elements [begin, begin + numel) into `dst` at byte `offset` (synchronous; a
+  // kind whose tier cannot throws std::logic_error). Not counted as the step's swap traffic: it
+  // is a checkpoint's.
+  bool copies_to_file(size_t u, int k) const;
+  void copy_to_file(size_t u, int k, uint64_t begin, uint64_t numel, const offload::File& dst, uint64_t offset);
   uint64_t swap_bytes() const { return swap_ ? swap_->bytes() : 0; }
 
   // ChunkRing::Source.
@@ -82,7 +87,7 @@ class StateStore final : public ChunkRing::Source {
   void store(size_t u, int k, uint64_t begin, const at::Tensor& src) override;
 
  private:
-  TierDriver& driver(Placement p);
+  TierDriver& driver(Placement p) const;
 
   const Partition& partition_;
   const at::ScalarType compute_;

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "state/host_memory.h"
+#include "strata/offload/file.h"
 #include "strata/offload/swap_space.h"
 
 namespace strata::engine::state {
@@ -19,17 +20,26 @@ TierDriver::Region TierDriver::add(const std::string& name, uint64_t numel, at::
   return regions_.size() - 1;
 }
 
-void TierDriver::check(const char* op, Region r, uint64_t begin, const at::Tensor& host) const {
+void TierDriver::check_range(const char* op, Region r, uint64_t begin, uint64_t n) const {
   if (r >= regions_.size())
     throw std::out_of_range(std::string(op) + ": no region " + std::to_string(r) + " in the " +
                             to_string(tier()) + " tier");
   const Meta& m = regions_[r];
-  if (!host.defined() || !host.is_cpu() || !host.is_contiguous() || host.scalar_type() != m.dtype)
-    throw std::invalid_argument(std::string(op) + " " + m.name + ": needs a contiguous host tensor of the region's dtype");
-  const uint64_t n = uint64_t(host.numel());
   if (begin > m.numel || n > m.numel - begin)
     throw std::out_of_range(std::string(op) + " " + m.name + ": elements " + std::to_string(begin) + "+" +
                             std::to_string(n) + " outside its " + std::to_string(m.numel));
+}
+
+void TierDriver::check(const char* op, Region r, uint64_t begin, const at::Tensor& host) const {
+  check_range(op, r, begin, host.defined() ? uint64_t(host.numel()) : 0);
+  const Meta& m = regions_[r];
+  if (!host.defined() || !host.is_cpu() || !host.is_contiguous() || host.scalar_type() != m.dtype)
+    throw std::invalid_argument(std::string(op) + " " + m.name + ": needs a contiguous host tensor of the region's dtype");
+}
+
+void TierDriver::copy_to_file(Region r, uint64_t, uint64_t, const offload::File&, uint64_t) {
+  throw std::logic_error("copy_to_file " + name(r) + ": the " + to_string(tier()) +
+                         " tier has no file-to-file copy; read it into memory");
 }
 
 namespace {
@@ -108,6 +118,15 @@ class SwapTier final : public TierDriver {
     check("write", r, begin, src);
     return swap_.write(name(r), begin * c10::elementSize(dtype(r)),
                        {static_cast<const std::byte*>(src.const_data_ptr()), size_t(src.nbytes())});
+  }
+  bool copies_to_file() const override { return true; }
+  void copy_to_file(Region r, uint64_t begin, uint64_t numel, const offload::File& dst, uint64_t offset) override {
+    check_range("copy_to_file", r, begin, numel);
+    const uint64_t es = c10::elementSize(dtype(r));
+    for (const auto& piece : swap_.locate(name(r), begin * es, numel * es)) {
+      offload::copy_range(*piece.file, piece.file_offset, dst, offset, piece.length);
+      offset += piece.length;
+    }
   }
 
  private:

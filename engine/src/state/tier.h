@@ -10,6 +10,11 @@
 //   read(r, b, dst)  elements [b, b + dst.numel()) into dst: host memory, contiguous, the
 //                    region's dtype (page aligned, for swap's direct I/O to go straight).
 //   write(r, b, src) the same the other way.
+//   copy_to_file(r, b, n, file, off)
+//                    elements [b, b + n) straight into `file` at byte `off`, never through this
+//                    process's memory (swap: inside the kernel, offload::copy_range), for a tier
+//                    whose copies_to_file() says so; the others throw std::logic_error (read()
+//                    into memory and write that instead). Synchronous.
 //
 // Completion: swap reads and writes are asynchronous (the future completes on an I/O thread and
 // src/dst must stay alive until then); the device and host tiers copy before they return and
@@ -34,6 +39,7 @@
 #include "strata/offload/io_future.h"
 
 namespace strata::offload {
+class File;
 class SwapSpace;
 }
 
@@ -52,6 +58,8 @@ class TierDriver {
   virtual at::Tensor locate(Region r) const = 0;
   virtual offload::IoFuture read(Region r, uint64_t begin, const at::Tensor& dst) = 0;
   virtual offload::IoFuture write(Region r, uint64_t begin, const at::Tensor& src) = 0;
+  virtual bool copies_to_file() const { return false; }
+  virtual void copy_to_file(Region r, uint64_t begin, uint64_t numel, const offload::File& dst, uint64_t offset);
 
   uint64_t numel(Region r) const;
   at::ScalarType dtype(Region r) const;
@@ -63,6 +71,7 @@ class TierDriver {
   // Records a region (allocate's bookkeeping) and checks a transfer against it.
   Region add(const std::string& name, uint64_t numel, at::ScalarType dtype);
   void check(const char* op, Region r, uint64_t begin, const at::Tensor& host) const;
+  void check_range(const char* op, Region r, uint64_t begin, uint64_t numel) const;
 
  private:
   struct Meta {

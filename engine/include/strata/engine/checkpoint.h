@@ -9,7 +9,8 @@
 //   <root>/<name>/rank-RRRRR.index.json    rank R's chunks with their CRC32C
 //   <root>/<name>/manifest.json            written last: format, model partition, every chunk
 //                                          of every rank with its CRC32C, counters, data position
-// The commit protocol is written at the top of checkpoint.cc and in docs/FORMATS.md.
+// The commit protocol is written at the top of engine/src/checkpoint/commit.cc and in
+// docs/FORMATS.md.
 //
 // Errors: std::runtime_error naming the checkpoint, the file and the chunk (missing manifest,
 // missing or short file, CRC mismatch, a model that does not match); IoError from the disk

@@ -46,7 +46,10 @@
 #include "strata/engine/partition.h"
 #include "strata/engine/plan/memory_model.h"
 #include "strata/models/decoder.h"
-#include "strata/offload/swap_space.h"
+
+namespace strata::offload {
+class File;
+}
 
 namespace strata::engine {
 
@@ -163,14 +166,15 @@ class Engine {
   at::Tensor state_slice(size_t unit, StateKind kind);
   void store_state_slice(size_t unit, StateKind kind, const at::Tensor& data);
   // --- snapshots (a checkpoint's writer copying the state out while training goes on) ---
-  // NVMe-placed state, for snapshots that copy swap to checkpoint file to file: the swap space
-  // and the partition whose bytes are this rank's fp32 slice of (unit, kind) (shard_numel
-  // elements); {nullptr, ""} if the kind is not on NVMe.
-  struct NvmeSlice {
-    const offload::SwapSpace* swap = nullptr;
-    std::string partition;
-  };
-  NvmeSlice nvme_slice(size_t unit, StateKind kind) const;
+  // State that lives in files (NVMe swap), for snapshots that copy it to a checkpoint file to
+  // file: whether this rank's slice of (unit, kind) does, and the copy of its elements
+  // [begin, begin + numel) into `dst` at byte `offset`, inside the kernel, never through this
+  // process's memory. Same caller contract as read_state (any thread, state held); a slice that
+  // is not in files throws std::logic_error (read_state it instead), a range outside the slice
+  // std::out_of_range, the disk IoError.
+  bool state_copies_to_file(size_t unit, StateKind kind) const;
+  void copy_state_to_file(size_t unit, StateKind kind, uint64_t begin, uint64_t numel, const offload::File& dst,
+                          uint64_t offset);
   // Ready when the last step's update (running behind with optimizer.overlap) is complete;
   // ready at once when none runs; holds the update's exception if it failed. Any thread may
   // wait on it. The state holds the last step's values only once it is ready.

@@ -1,0 +1,143 @@
+// Commit protocol (docs/FORMATS.md, "Checkpoints"):
+//  0. Saving over an existing name first un-commits it: rank 0 removes its manifest (and fsyncs
+//     the directory), then a barrier; so a crash while rewriting never leaves a manifest over
+//     half-written data.
+//  1. Each rank creates <root>/<name>/ itself (mkdir -p: it depends on no directory another
+//     rank made), writes rank-R.data with the I/O engine, and fsyncs it.
+//  2. Each rank writes rank-R.index.json atomically (temporary file, fsync, rename, fsync of
+//     the directory).
+//  3. The index entries travel to rank 0 over the communicator (an all-gather, which is also the
+//     barrier): no rank reads a file another rank wrote.
+//  4. Rank 0 writes manifest.json atomically. This is the commit point: a directory without a
+//     manifest is never loaded, whatever else it holds.
+//  5. Rank 0 replaces <root>/latest atomically; then every rank passes a barrier.
+// A crash before 4 leaves an uncommitted directory that load refuses and `latest` still names
+// the previous checkpoint; a crash between 4 and 5 leaves a committed checkpoint that `latest`
+// does not name yet.
+#include "checkpoint/commit.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <stdexcept>
+#include <vector>
+
+#include "strata/engine/checkpoint.h"
+
+namespace strata::engine {
+namespace ckpt {
+
+namespace {
+
+// Every rank's string, in rank order, through the communicator (also a barrier).
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
+  at::Tensor len = at::empty({1}, at::kLong);
+  len[0] = int64_t(mine.size());
+  at::Tensor lens = at::empty({comm.world_size()}, at::kLong);
+  comm.all_gather(lens, len)->wait();
+  int64_t max_len = 1;
+  for (int r = 0; r < comm.world_size(); ++r) max_len = std::max(max_len, lens[r].item<int64_t>());
+  at::Tensor buf = at::zeros({max_len}, at::kInt);
+  for (size_t i = 0; i < mine.size(); ++i) buf.data_ptr<int32_t>()[i] = static_cast<unsigned char>(mine[i]);
+  at::Tensor all = at::empty({comm.world_size() * max_len}, at::kInt);
+  comm.all_gather(all, buf)->wait();
+  std::vector<std::string> out;
+  for (int r = 0; r < comm.world_size(); ++r) {
+    std::string s(size_t(lens[r].item<int64_t>()), '\0');
+    const int32_t* p = all.data_ptr<int32_t>() + r * max_len;
+    for (size_t i = 0; i < s.size(); ++i) s[i] = char(p[i]);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace
+
+// Step 0 (collective): un-commit an existing checkpoint of this name.
+void uncommit_existing(Communicator& comm, const fs::path& root, const std::string& name) {
+  const fs::path dir = root / name;
+  if (comm.rank() == 0 && fs::exists(dir / "manifest.json")) {
+    std::ifstream in(root / "latest");
+    std::string latest;
+    std::getline(in, latest);
+    if (latest == name)
+      throw std::runtime_error("cannot save over " + dir.string() +
+                               ": it is the latest checkpoint; save under another name");
+    ::unlink((dir / "manifest.json").c_str());
+    fsync_dir(dir);
+  }
+  comm.barrier();
+}
+
+// Every rank learns whether any rank's writes failed; all then throw alike.
+void agree_written(Communicator& comm, const fs::path& dir, const std::string& error) {
+  at::Tensor failed = at::full({1}, error.empty() ? 0 : 1, at::kInt);
+  comm.all_reduce(failed, ReduceOp::kMax);
+  if (failed.item<int>() != 0)
+    throw std::runtime_error("checkpoint " + dir.string() + " not saved" +
+                             (error.empty() ? " (another rank failed)" : ": " + error) +
+                             "; the previous checkpoint is intact");
+}
+
+// Steps 3-5 (collective): indexes to rank 0, manifest, latest, barrier.
+void commit(Communicator& comm, const fs::path& root, const std::string& name, json manifest,
+            const std::string& index) {
+  const std::vector<std::string> indexes = all_gather_strings(comm, index);
+  if (comm.rank() == 0) {
+    json all_chunks = json::array();
+    for (const std::string& s : indexes) {
+      const json index_of_rank = json::parse(s);
+      for (const json& c : index_of_rank["chunks"]) all_chunks.push_back(c);
+    }
+    manifest["chunks"] = std::move(all_chunks);
+    write_atomically((root / name) / "manifest.json", manifest.dump(1));
+    write_atomically(root / "latest", name + "\n");
+  }
+  comm.barrier();
+}
+
+}  // namespace ckpt
+
+using namespace ckpt;
+
+void prune_checkpoints(Communicator& comm, const fs::path& root, size_t keep) {
+  if (keep == 0) keep = 1;
+  std::string latest;
+  {
+    std::ifstream in(root / "latest");
+    std::getline(in, latest);
+  }
+  std::vector<std::string> names;
+  if (fs::exists(root))
+    for (const auto& e : fs::directory_iterator(root))
+      if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0)
+        names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  // Every rank must agree on the list: names are sorted and each rank sees its own files; a rank
+  // that lacks a directory simply has nothing to remove.
+  std::vector<std::string> doomed;
+  if (names.size() > keep)
+    for (size_t i = 0; i + keep < names.size(); ++i)
+      if (names[i] != latest) doomed.push_back(names[i]);
+  if (comm.rank() == 0) {
+    for (const auto& n : doomed) ::unlink((root / n / "manifest.json").c_str());
+    if (!doomed.empty()) fsync_dir(root);
+  }
+  comm.barrier();
+  const std::string mine = rank_name(comm.rank());
+  for (const auto& n : doomed) {
+    ::unlink((root / n / (mine + ".data")).c_str());
+    ::unlink((root / n / (mine + ".index.json")).c_str());
+    ::unlink((root / n / (mine + ".index.json.tmp")).c_str());
+    ::unlink((root / n / "manifest.json.tmp").c_str());
+  }
+  comm.barrier();
+  if (comm.rank() == 0)
+    for (const auto& n : doomed) ::rmdir((root / n).c_str());  // fails harmlessly if not empty
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,211 @@
+// The checkpoint format (format.h) and what reads it without an engine: verify, describe, latest.
+#include "checkpoint/format.h"
+
+#include <ATen/ops/from_blob.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "checkpoint/chunk_reader.h"
+#include "strata/engine/checkpoint.h"
+
+namespace strata::engine {
+namespace ckpt {
+
+std::string rank_name(int r) {
+  char b[32];
+  snprintf(b, sizeof b, "rank-%05d", r);
+  return b;
+}
+
+void fail_errno(const std::string& what, const fs::path& p) {
+  throw std::runtime_error(what + " " + p.string() + ": " + std::strerror(errno));
+}
+
+void fsync_dir(const fs::path& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) fail_errno("cannot open directory", dir);
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    fail_errno("cannot fsync directory", dir);
+  }
+  ::close(fd);
+}
+
+void write_atomically(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) fail_errno("cannot create", tmp);
+  const auto fail = [&](const char* what) {
+    const int e = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    errno = e;
+    fail_errno(what, tmp);
+  };
+  size_t done = 0;
+  while (done < text.size()) {
+    ssize_t w = ::write(fd, text.data() + done, text.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) fail("cannot write");
+    done += size_t(w);
+  }
+  if (::fsync(fd) != 0) fail("cannot fsync");
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail_errno("cannot rename to", path);
+  fsync_dir(path.parent_path());
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  if (!in) throw std::runtime_error("cannot read " + p.string());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+json partition_json(const Partition& part) {
+  json units = json::array();
+  for (const UnitLayout& u : part.units()) {
+    json ts = json::array();
+    for (const TensorSlot& t : u.tensors) ts.push_back({{"name", t.name}, {"shape", t.shape}});
+    units.push_back({{"name", u.name}, {"numel", u.numel}, {"tensors", ts}});
+  }
+  return units;
+}
+
+at::Tensor aligned_floats(int64_t n) {
+  const size_t bytes = (size_t(std::max<int64_t>(n, 1)) * 4 + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, bytes);
+  if (!p) throw std::bad_alloc();
+  return at::from_blob(p, {n}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kFloat));
+}
+
+json read_manifest(const fs::path& dir) {
+  const fs::path manifest_path = dir / "manifest.json";
+  if (!fs::exists(manifest_path))
+    throw std::runtime_error("checkpoint " + dir.string() +
+                             " has no manifest.json: it was never committed (or is not a checkpoint)");
+  json m;
+  try {
+    m = json::parse(read_text(manifest_path));
+  } catch (const json::exception& e) {
+    throw std::runtime_error("checkpoint " + manifest_path.string() + " is not valid JSON: " + e.what());
+  }
+  if (m.value("format", 0) != kFormatVersion || m.value("kind", "") != "strata-checkpoint")
+    throw std::runtime_error("checkpoint " + dir.string() + ": not a Strata checkpoint of format " +
+                             std::to_string(kFormatVersion));
+  return m;
+}
+
+int kind_index(const json& c, const fs::path& dir) {
+  for (int k = 0; k < kStateKinds; ++k)
+    if (c["kind"] == kKindNames[k]) return k;
+  throw std::runtime_error("checkpoint " + dir.string() + ": unknown state kind " + c["kind"].dump());
+}
+
+std::string chunk_name(const json& c, const json& units) {
+  return c["file"].get<std::string>() + " at offset " + std::to_string(c["offset"].get<uint64_t>()) +
+         " (unit " + units[c["unit"].get<size_t>()]["name"].get<std::string>() + ", " +
+         c["kind"].get<std::string>() + ", elements " + std::to_string(c["begin"].get<uint64_t>()) +
+         "+" + std::to_string(c["numel"].get<uint64_t>()) + ")";
+}
+
+std::vector<std::vector<const json*>> chunks_by_unit(const json& m, const fs::path& dir, int kind) {
+  std::vector<std::vector<const json*>> out(m["units"].size());
+  for (const json& c : m["chunks"]) {
+    const size_t u = c["unit"].get<size_t>();
+    if (u >= out.size())
+      throw std::runtime_error("checkpoint " + dir.string() + ": chunk of unknown unit " + std::to_string(u));
+    if (kind < 0 || kind_index(c, dir) == kind) out[u].push_back(&c);
+  }
+  return out;
+}
+
+bool sort_and_check_tiling(std::vector<const json*>& chunks, uint64_t numel) {
+  std::sort(chunks.begin(), chunks.end(), [](const json* a, const json* b) {
+    return (*a)["begin"].get<uint64_t>() < (*b)["begin"].get<uint64_t>();
+  });
+  uint64_t next = 0;
+  for (const json* c : chunks) {
+    if ((*c)["begin"].get<uint64_t>() != next) return false;
+    next += (*c)["numel"].get<uint64_t>();
+  }
+  return next == numel;
+}
+
+}  // namespace ckpt
+
+using namespace ckpt;
+
+uint64_t verify_checkpoint(const fs::path& dir) {
+  const json m = read_manifest(dir);
+  const json& units = m["units"];
+  ChunkReader reader(dir, units);
+  // Every chunk read and checked, a window of them at a time (one buffer each).
+  constexpr size_t kWindow = 16;
+  std::vector<at::Tensor> buffers;
+  std::vector<ChunkReader::Request> batch;
+  uint64_t bytes = 0;
+  const json& chunks = m["chunks"];
+  for (size_t i = 0; i < chunks.size(); i += kWindow) {
+    batch.clear();
+    for (size_t j = i; j < std::min(chunks.size(), i + kWindow); ++j) {
+      const json& c = chunks[j];
+      if (c["unit"].get<size_t>() >= units.size())
+        throw std::runtime_error("checkpoint " + dir.string() + ": chunk of unknown unit");
+      const size_t slot = j - i;
+      const int64_t n = int64_t(c["numel"].get<uint64_t>());
+      if (buffers.size() <= slot) buffers.push_back(aligned_floats(int64_t(kChunkElements)));
+      if (buffers[slot].numel() < n) buffers[slot] = aligned_floats(n);
+      batch.push_back({&c, buffers[slot].data_ptr<float>()});
+      bytes += uint64_t(n) * 4;
+    }
+    reader.read(batch, kWindow);
+  }
+  // Coverage: per (unit, kind) the chunks, sorted by begin, must tile [0, numel).
+  for (int k = 0; k < kStateKinds; ++k) {
+    std::vector<std::vector<const json*>> of_unit = chunks_by_unit(m, dir, k);
+    for (size_t u = 0; u < units.size(); ++u)
+      if (!sort_and_check_tiling(of_unit[u], units[u]["numel"].get<uint64_t>()))
+        throw std::runtime_error("checkpoint " + dir.string() + ": the chunks of " + kKindNames[k] + " of unit " +
+                                 units[u]["name"].get<std::string>() + " do not cover its " +
+                                 std::to_string(units[u]["numel"].get<uint64_t>()) + " elements exactly");
+  }
+  return bytes;
+}
+
+std::string describe_checkpoint(const fs::path& dir) {
+  const json m = read_manifest(dir);
+  uint64_t params = 0;
+  for (const json& u : m["units"]) params += u["numel"].get<uint64_t>();
+  std::ostringstream out;
+  out << "checkpoint " << dir.string() << "\n"
+      << "  format " << m["format"] << ", saved by " << m["world_size"] << " ranks\n"
+      << "  model " << m["model"].value("model_type", "?") << ", " << params << " parameters in "
+      << m["units"].size() << " units\n"
+      << "  train steps " << m["train_steps"] << ", optimizer steps "
+      << m["counters"]["optimizer_step"] << ", loss scale " << m["counters"]["loss_scale"]
+      << ", samples consumed " << m["samples_consumed"] << "\n"
+      << "  " << m["chunks"].size() << " chunks, " << params * 12 << " bytes of fp32 master and moments\n";
+  return out.str();
+}
+
+std::optional<fs::path> latest_checkpoint(const fs::path& root) {
+  std::ifstream in(root / "latest");
+  if (!in) return std::nullopt;
+  std::string name;
+  std::getline(in, name);
+  if (name.empty() || !fs::exists(root / name / "manifest.json")) return std::nullopt;
+  return root / name;
+}
+
+}  // namespace strata::engine

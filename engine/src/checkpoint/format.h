@@ -1,0 +1,64 @@
+// The checkpoint format's one definition (docs/FORMATS.md, "Checkpoints"): the layout of a
+// checkpoint directory, the manifest, chunking, and the atomic file writes the commit protocol
+// rests on. Private to engine/src; save.cc, load.cc, export.cc and chunk_reader.cc use it.
+//
+//   <root>/latest                      name of the newest committed checkpoint
+//   <root>/<name>/rank-RRRRR.data      a rank's chunks: <= kChunkElements fp32 each, at
+//                                      kAlign-aligned offsets
+//   <root>/<name>/rank-RRRRR.index.json
+//   <root>/<name>/manifest.json        written last: the commit point
+//
+// Errors: std::runtime_error naming the path and errno's text.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+#include "strata/engine/partition.h"
+
+namespace strata::engine::ckpt {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr int kFormatVersion = 1;
+constexpr uint64_t kChunkElements = 1ull << 20;  // 4 MiB of fp32
+constexpr uint64_t kAlign = 4096;
+constexpr int kStateKinds = 3;
+inline const char* const kKindNames[kStateKinds] = {"master", "exp_avg", "exp_avg_sq"};
+
+// "rank-00007".
+std::string rank_name(int rank);
+// Bytes a chunk of `numel` elements takes in a data file (its offset advances by this).
+inline uint64_t chunk_extent(uint64_t numel) { return (numel * 4 + kAlign - 1) / kAlign * kAlign; }
+
+[[noreturn]] void fail_errno(const std::string& what, const fs::path& p);
+void fsync_dir(const fs::path& dir);
+// Temporary file, fsync, rename, fsync of the directory.
+void write_atomically(const fs::path& path, const std::string& text);
+std::string read_text(const fs::path& p);
+
+// The units and their tensors as the manifest records them (a load compares them).
+json partition_json(const Partition& part);
+// A page-aligned fp32 host tensor, so that the I/O engine can move it with O_DIRECT.
+at::Tensor aligned_floats(int64_t n);
+
+// The manifest of a committed checkpoint directory; throws naming what is wrong (never
+// committed, not JSON, another format).
+json read_manifest(const fs::path& dir);
+// Index of a chunk's state kind; throws for an unknown one.
+int kind_index(const json& chunk, const fs::path& dir);
+// "rank-00001.data at offset 8192 (unit block.0, master, elements 0+1024)".
+std::string chunk_name(const json& chunk, const json& units);
+// The chunks of each unit (of kind `kind`, or all kinds with -1), in manifest order; throws for a
+// chunk of an unknown unit.
+std::vector<std::vector<const json*>> chunks_by_unit(const json& manifest, const fs::path& dir, int kind = -1);
+
+// Sorts `chunks` by their first element; true if they cover [0, numel) exactly, each once.
+bool sort_and_check_tiling(std::vector<const json*>& chunks, uint64_t numel);
+
+}  // namespace strata::engine::ckpt

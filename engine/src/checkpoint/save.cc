@@ -1,0 +1,324 @@
+// Saving: a snapshot of this rank's state at one instant (take_snapshot), written by the rank
+// itself (write_rank_files: steps 1-2 of the commit protocol), then committed (commit.h: steps 0
+// and 3-5). Synchronous (save_checkpoint) and asynchronous (AsyncCheckpointer) saves share every
+// step; they differ in which thread writes and in what goes through staging.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <fstream>
+#include <future>
+#include <span>
+#include <thread>
+
+#include "checkpoint/commit.h"
+#include "checkpoint/format.h"
+#include "checkpoint/staging.h"
+#include "strata/engine/checkpoint.h"
+#include "strata/models/model_config.h"
+#include "strata/offload/crc32c.h"
+#include "strata/offload/file.h"
+#include "strata/offload/io_engine.h"
+
+namespace strata::engine {
+using namespace ckpt;
+
+// One (unit, kind) slice of a snapshot: its real elements, written straight from host memory
+// (`data`: a synchronous save of host-resident state), copied file to file from where the
+// engine keeps it (`in_files`: swap), or else copied out through staging (Engine::read_state).
+struct SnapshotSlice {
+  size_t unit;
+  int kind;
+  uint64_t begin;  // first element in the unit's flat buffer
+  uint64_t numel;
+  at::Tensor data;
+  bool in_files = false;
+};
+
+// This rank's part of a save, taken at one instant, and what the manifest will say.
+struct Snapshot {
+  fs::path root, dir;
+  std::string name;
+  int rank = 0;
+  std::vector<SnapshotSlice> slices;  // unit-major: slices[u * kStateKinds + k]
+  std::vector<size_t> order;  // the units in the order the writer copies them out
+  std::shared_future<void> update_finished;  // before any slice may be read
+  std::shared_ptr<StateHold> hold;  // each unit released once copied out
+  uint64_t staging_bytes = 0;
+  CheckpointOptions options;  // the hooks
+  SaveReport report;  // filled by write_rank_files
+  json manifest;  // everything but the chunks (used by rank 0)
+};
+
+namespace {
+
+static_assert(kStateKinds == Engine::kStateKinds);
+
+// Bytes of RAM the kernel says could be allocated now without swapping (/proc/meminfo), and the
+// total; 0s if unknown.
+std::pair<uint64_t, uint64_t> mem_available_and_total() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0, available = 0, total = 0;
+  std::string unit;
+  while (in >> key >> kb) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") available = kb * 1024;
+    if (key == "MemTotal:") total = kb * 1024;
+  }
+  return {available, total};
+}
+
+uint64_t staging_limit(uint64_t configured, uint64_t needed) {
+  constexpr uint64_t kMin = 2 * kChunkElements * 4;  // one chunk copied while another is written
+  uint64_t limit = configured;
+  if (limit == 0) {
+    const auto [available, total] = mem_available_and_total();
+    const uint64_t reserve = std::max<uint64_t>(2ull << 30, total / 10);
+    limit = std::min(needed, available > reserve ? available - reserve : 0);
+  }
+  return std::max(limit, kMin);
+}
+
+// Records the snapshot's instant. `async`: every host- and device-resident slice goes through
+// staging, since training changes it after this returns (the hold stops it for each unit until
+// the writer releases that unit); else host-resident slices are written straight from the state.
+Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root, const std::string& name,
+                       const CheckpointMeta& meta, bool async, const CheckpointOptions& options) {
+  Snapshot snap;
+  snap.root = root;
+  snap.dir = root / name;
+  snap.name = name;
+  snap.rank = comm.rank();
+  const Partition& part = engine.partition();
+  uint64_t staged = 0;
+  for (size_t u = 0; u < part.num_units(); ++u) {
+    const UnitLayout& L = part.unit(u);
+    const uint64_t valid = L.shard_valid_numel(snap.rank);
+    for (int k = 0; k < kStateKinds; ++k) {
+      SnapshotSlice s{u, k, L.shard_begin(snap.rank), valid, {},
+                      engine.state_copies_to_file(u, Engine::StateKind(k))};
+      if (!s.in_files && !async) {
+        at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));  // waits for the update
+        if (slice.is_cpu()) s.data = slice.narrow(0, 0, int64_t(valid));
+      }
+      if (!s.in_files && !s.data.defined()) staged += valid * 4;
+      snap.slices.push_back(std::move(s));
+    }
+  }
+  snap.order = engine.update_order();
+  snap.update_finished = engine.update_finished();
+  snap.staging_bytes = staging_limit(options.staging_bytes, staged);
+  snap.options = options;
+  const Engine::Counters c = engine.counters();
+  snap.manifest = {{"format", kFormatVersion},
+                   {"kind", "strata-checkpoint"},
+                   {"world_size", comm.world_size()},
+                   {"model", json::parse(engine.model_config().to_hf_json("float32"))},
+                   {"units", partition_json(part)},
+                   {"state_kinds", {kKindNames[0], kKindNames[1], kKindNames[2]}},
+                   {"counters", {{"optimizer_step", c.step}, {"loss_scale", c.loss_scale},
+                                 {"good_steps", c.good_steps}}},
+                   {"train_steps", meta.train_steps},
+                   {"samples_consumed", meta.samples_consumed}};
+  // Last, so that nothing above can throw with the engine held: from here on the writer (or the
+  // caller, if it cannot start one) owns releasing every unit.
+  snap.hold = std::make_shared<StateHold>(part.num_units());
+  engine.hold_state(snap.hold);
+  return snap;
+}
+
+// Steps 1-2 (this rank alone, any thread): the data file and the index; returns the index.
+// Unit by unit in snap.order, once the update running behind is over (if it failed, the state
+// is half updated and the save fails with its error): slices in files are copied file to file
+// inside the kernel (Engine::copy_state_to_file), the others written from the state or from
+// staging buffers they are copied into (Engine::read_state); then the unit is released to the
+// engine. The CRCs of file-to-file copies are computed by reading the data file back.
+std::string write_rank_files(Engine& engine, Snapshot& snap) {
+  struct ReleaseAll {  // on every way out: nothing may wait on this save for ever
+    StateHold* h;
+    ~ReleaseAll() { if (h) h->release_all(); }
+  } release_all{snap.hold.get()};
+  if (snap.update_finished.valid()) snap.update_finished.get();
+  fs::create_directories(snap.dir);
+  const fs::path data_path = snap.dir / (rank_name(snap.rank) + ".data");
+  offload::IoEngineConfig io_config;
+  io_config.fault_injector = snap.options.io_fault_injector;
+  auto io = offload::IoEngine::create(io_config);
+  offload::File file = offload::File::open(data_path, offload::OpenMode::kTruncate);
+  json chunks = json::array();
+  // Writes straight from the state: a synchronous save only, whose caller (the training thread)
+  // is blocked until they are done, so the state cannot change under them although their units
+  // are released before.
+  std::vector<offload::IoFuture> direct_writes;
+  uint64_t total = 0;  // allocate the file's extents up front: no allocating direct writes
+  for (const SnapshotSlice& s : snap.slices)
+    for (uint64_t e = 0; e < s.numel; e += kChunkElements) total += chunk_extent(std::min(kChunkElements, s.numel - e));
+  if (total > 0) file.reserve(0, total);
+  uint64_t offset = 0;
+  std::vector<size_t> copied_chunks;  // their CRC is computed from the file
+  std::exception_ptr first;
+  {
+    Staging staging(snap.staging_bytes);
+    try {
+      for (size_t u : snap.order) {
+        for (int k = 0; k < kStateKinds; ++k) {
+          const SnapshotSlice& s = snap.slices.at(u * kStateKinds + size_t(k));
+          for (uint64_t e = 0; e < s.numel; e += kChunkElements) {
+            const uint64_t n = std::min(kChunkElements, s.numel - e);
+            json c = {{"unit", s.unit}, {"kind", kKindNames[s.kind]}, {"rank", snap.rank},
+                      {"begin", s.begin + e}, {"numel", n},
+                      {"file", data_path.filename().string()}, {"offset", offset}};
+            if (s.in_files) {
+              engine.copy_state_to_file(u, Engine::StateKind(k), e, n, file, offset);
+              copied_chunks.push_back(chunks.size());
+            } else {
+              const float* from = nullptr;
+              if (s.data.defined()) {
+                from = s.data.data_ptr<float>() + e;
+              } else {
+                float* buf = staging.take();
+                engine.read_state(u, Engine::StateKind(k), e, n, buf);
+                from = buf;
+              }
+              std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(from), n * 4);
+              offload::IoFuture w = io->write(file, offset, bytes);  // first: the CRC overlaps the write
+              if (s.data.defined()) direct_writes.push_back(std::move(w));
+              else staging.writing(std::move(w));
+              c["crc32c"] = offload::crc32c(bytes.data(), bytes.size());
+            }
+            chunks.push_back(std::move(c));
+            offset += chunk_extent(n);
+          }
+        }
+        if (snap.options.before_release) snap.options.before_release(u, *snap.hold);
+        snap.hold->release(u);
+        staging.reap();
+      }
+    } catch (...) {
+      first = std::current_exception();
+    }
+    try {
+      staging.drain();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+    snap.report.staging_peak_bytes = staging.allocated_bytes();
+  }
+  for (auto& w : direct_writes) {  // every write finishes before the state may change
+    const offload::IoStatus st = w.wait();
+    if (!st.ok() && !first) first = std::make_exception_ptr(std::runtime_error(st.message()));
+  }
+  if (first) std::rethrow_exception(first);
+  std::vector<unsigned char> buf;
+  for (size_t i : copied_chunks) {
+    json& c = chunks[i];
+    const uint64_t n = c["numel"].get<uint64_t>() * 4;
+    buf.resize(n);
+    // Through the page cache the copy went through (buffered descriptor).
+    for (uint64_t got = 0; got < n;) {
+      const ssize_t r = ::pread(file.buffered_fd(), buf.data() + got, n - got, off_t(c["offset"].get<uint64_t>() + got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) fail_errno("cannot read back", data_path);
+      got += uint64_t(r);
+    }
+    c["crc32c"] = offload::crc32c(buf.data(), n);
+  }
+  file.sync();
+  snap.report.data_bytes = offset;
+  const json index = {{"format", kFormatVersion}, {"rank", snap.rank}, {"chunks", chunks}};
+  write_atomically(snap.dir / (rank_name(snap.rank) + ".index.json"), index.dump(1));
+  return index.dump();
+}
+
+}  // namespace
+
+fs::path save_checkpoint(Engine& engine, Communicator& comm, const fs::path& root,
+                         const std::string& name, const CheckpointMeta& meta, const CheckpointOptions& options) {
+  uncommit_existing(comm, root, name);
+  Snapshot snap = take_snapshot(engine, comm, root, name, meta, /*async=*/false, options);
+  // A rank whose writes failed must still take part in the collectives, then all ranks fail.
+  std::string index, error;
+  try {
+    index = write_rank_files(engine, snap);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  agree_written(comm, snap.dir, error);
+  commit(comm, snap.root, snap.name, snap.manifest, index);
+  return snap.dir;
+}
+
+// --- AsyncCheckpointer -------------------------------------------------------------------------
+
+struct AsyncCheckpointer::Pending {
+  Snapshot snap;
+  std::thread writer;
+  std::atomic<bool> done{false};
+  std::string index, error;
+};
+
+AsyncCheckpointer::AsyncCheckpointer(Communicator& comm, CheckpointOptions options)
+    : comm_(comm), options_(std::move(options)) {}
+
+AsyncCheckpointer::~AsyncCheckpointer() {
+  if (pending_ && pending_->writer.joinable()) pending_->writer.join();  // never committed
+}
+
+double AsyncCheckpointer::start(Engine& engine, const fs::path& root, const std::string& name,
+                                const CheckpointMeta& meta) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (pending_) finish();  // one save at a time: the earlier one completes first
+  uncommit_existing(comm_, root, name);
+  // pending_ is set only once a writer runs: a throw before leaves no save in flight, and a
+  // writer that cannot start releases the hold so that training does not wait forever.
+  auto pending = std::make_unique<Pending>();
+  pending->snap = take_snapshot(engine, comm_, root, name, meta, /*async=*/true, options_);
+  Pending* p = pending.get();
+  try {
+    p->writer = std::thread([p, &engine] {
+      try {
+        p->index = write_rank_files(engine, p->snap);
+      } catch (const std::exception& e) {
+        p->error = e.what();
+      }
+      p->done.store(true);
+    });
+  } catch (...) {
+    p->snap.hold->release_all();
+    throw;
+  }
+  pending_ = std::move(pending);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::optional<fs::path> AsyncCheckpointer::poll() {
+  // Ranks agree on whether a save is in flight: they started it at the same step.
+  if (!pending_) return std::nullopt;
+  at::Tensor not_done = at::full({1}, pending_->done.load() ? 0 : 1, at::kInt);
+  comm_.all_reduce(not_done, ReduceOp::kMax);
+  if (not_done.item<int>() != 0) return std::nullopt;
+  return complete();
+}
+
+std::optional<fs::path> AsyncCheckpointer::finish() {
+  if (!pending_) return std::nullopt;
+  pending_->writer.join();
+  return complete();
+}
+
+std::optional<fs::path> AsyncCheckpointer::complete() {
+  std::unique_ptr<Pending> p = std::move(pending_);
+  if (p->writer.joinable()) p->writer.join();
+  agree_written(comm_, p->snap.dir, p->error);
+  commit(comm_, p->snap.root, p->snap.name, p->snap.manifest, p->index);
+  last_report_ = p->snap.report;
+  return p->snap.dir;
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,144 @@
+#include "resolve.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "state/state_store.h"
+#include "strata/engine/device.h"
+
+namespace strata::engine {
+
+StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t compute_bytes, size_t transient_buffers) {
+  StateBytes need;
+  uint64_t largest = 0;
+  for (uint64_t n : shard_numel) {
+    need.params += n * compute_bytes;
+    need.grads += n * 4;
+    need.master += n * 4;
+    need.moments += n * 8;
+    need.unit_numel.push_back(n);
+    largest = std::max(largest, n);
+  }
+  need.grad_buffers = uint64_t(transient_buffers) * largest * 4;
+  return need;
+}
+
+PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
+                                const StateBytes& need, uint64_t usable_device,
+                                const std::function<TierBudgets(uint64_t)>& budgets_for, const Agree& agree,
+                                std::string& report) {
+  // Transient gradients wait for their update in host buffers: the plan says kHost for them.
+  const auto finish = [&](PlacementPlan p) {
+    if (p.grads_transient) p.grads = Placement::kHost;
+    return p;
+  };
+  const bool any_auto = cfg.params == Placement::kAuto || cfg.grads == Placement::kAuto ||
+                        cfg.master == Placement::kAuto || cfg.moments == Placement::kAuto;
+  if (!any_auto) {
+    PlacementPlan plan{cfg.params, cfg.grads, cfg.master, cfg.moments};
+    plan.grads_transient = gradients_transient(cfg, cfg.master);
+    report = "placement: " + describe_plan(plan, need);
+    return finish(plan);
+  }
+  // The device keeps room for the working set (prefetch "auto": its starting depth; blocks kept
+  // without recompute: an explicit count; checkpoints: where placed explicitly).
+  const uint64_t working = mm.working_set(choice);
+  const uint64_t device_state =
+      usable_device == UINT64_MAX ? usable_device : usable_device > working ? usable_device - working : 0;
+  TierBudgets budgets = budgets_for(device_state);
+  // Checkpoints placed on the host explicitly need their room beside the state.
+  if (cfg.activations == Placement::kHost) budgets.host -= std::min(budgets.host, mm.checkpoint_bytes(choice));
+  PlacementPlan plan = plan_placement(cfg, need, budgets);
+  // This rank's bytes in host RAM and in swap under a plan (as StateStore::placement will say).
+  const uint64_t compute_bytes = mm.sizes().compute_bytes;
+  const auto host_and_swap = [&](const PlacementPlan& p) {
+    std::pair<uint64_t, uint64_t> b{p.grads_transient ? need.grad_buffers : 0, 0};
+    for (size_t u = 0; u < need.unit_numel.size(); ++u)
+      for (int k = 0; k < state::kKinds; ++k) {
+        const Placement kind = state::unit_kind_tier(p, u, k);
+        if (k == state::kGrad && p.grads_transient && kind != Placement::kDevice) continue;  // counted as the buffers
+        const uint64_t bytes = need.unit_numel[u] * (k == state::kCompute ? compute_bytes : 4);
+        if (kind == Placement::kHost) b.first += bytes;
+        if (kind == Placement::kNvme) b.second += bytes;
+      }
+    return b;
+  };
+  const auto [planned_host, planned_swap] = host_and_swap(plan);
+  // Every rank takes the slowest tier any rank chose for each kind, and of a split optimizer
+  // group the fewest units on the device and in host RAM (a group wholly in a tier counts as
+  // all units there), so that all agree.
+  const int64_t n_units = int64_t(need.unit_numel.size());
+  const int64_t on_device = plan.master == Placement::kDevice ? n_units : int64_t(plan.device_units);
+  const int64_t on_host =
+      plan.master == Placement::kNvme ? int64_t(std::max(plan.host_units, plan.device_units)) : n_units;
+  const std::vector<int64_t> codes = agree({int64_t(plan.params), int64_t(plan.grads), int64_t(plan.master),
+                                            int64_t(plan.moments), n_units - on_host, n_units - on_device});
+  plan = {Placement(codes[0]), Placement(codes[1]), Placement(codes[2]), Placement(codes[3])};
+  plan.grads_transient = gradients_transient(cfg, plan.master);
+  if (plan.master != Placement::kDevice) plan.device_units = size_t(n_units - codes[5]);
+  if (plan.master == Placement::kNvme) plan.host_units = size_t(n_units - codes[4]);
+  // A rank may now hold more in host RAM or swap than it planned (another rank chose a slower
+  // tier, or fewer units on the device or in host RAM): check those budgets again, so that it
+  // fails here, clearly, not on a full disk or out of memory.
+  const auto [hosted, swapped] = host_and_swap(plan);
+  if ((swapped > planned_swap && swapped > budgets.nvme) || (hosted > planned_host && hosted > budgets.host))
+    throw std::runtime_error("automatic placement: the ranks agreed on placing " + format_bytes(hosted) +
+                             " of this rank's state in host RAM and " + format_bytes(swapped) +
+                             " in swap, over its budgets of " + format_bytes(budgets.host) + " and " +
+                             format_bytes(budgets.nvme) + " (another rank had less room elsewhere); "
+                             "raise offload.host_budget or offload.nvme_budget, or place kinds explicitly");
+  EngineConfig resolved = cfg;  // the agreed tiers must be a valid configuration
+  resolved.params = plan.params;
+  resolved.grads = plan.grads;
+  resolved.master = plan.master;
+  resolved.moments = plan.moments;
+  resolved.validate();
+  const auto budget = [](uint64_t b) { return b == UINT64_MAX ? std::string("unlimited") : format_bytes(b); };
+  report = "placement (auto): " + describe_plan(plan, need) + "; budgets for state: device " + budget(budgets.device) +
+           " (after a " + format_bytes(working) + " working set), host " + budget(budgets.host) + ", NVMe " +
+           budget(budgets.nvme);
+  return finish(plan);
+}
+
+size_t resolve_recompute(const plan::MemoryModel& mm, const plan::Choices& choice, uint64_t base, uint64_t usable,
+                         const Agree& agree) {
+  const size_t blocks = mm.schedule().blocks();
+  size_t keep = 0;
+  for (size_t k = 1; k <= blocks; ++k) {
+    plan::Choices c = choice;
+    c.recomputed = blocks - k;
+    if (base + mm.working_set(c) > usable) break;
+    keep = k;
+  }
+  // Every rank recomputes as many as any rank must: their gathers must stay in step.
+  return size_t(agree({int64_t(blocks - keep)})[0]);
+}
+
+Placement resolve_activations(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
+                              uint64_t base, uint64_t usable, uint64_t host_state, const TierBudgets& budgets,
+                              const Agree& agree) {
+  if (cfg.activations != Placement::kAuto) return cfg.activations;
+  plan::Choices on_device = choice;
+  on_device.activations = Placement::kDevice;
+  Placement p = Placement::kHost;
+  const uint64_t all = mm.checkpoint_bytes(choice);
+  if (base + mm.working_set(on_device) <= usable) p = Placement::kDevice;
+  // A configured host budget covers the host state too; a derived one is what is free now.
+  else if ((cfg.host_budget ? host_state + all : all) <= budgets.host || cfg.nvme_dirs.empty()) p = Placement::kHost;
+  else p = Placement::kNvme;
+  // Every rank takes the slowest tier any rank chose.
+  return Placement(agree({int64_t(p)})[0]);
+}
+
+EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r) {
+  EngineConfig e = cfg;
+  e.params = r.placement.params;
+  e.grads = r.placement.grads;
+  e.master = r.placement.master;
+  e.moments = r.placement.moments;
+  e.activations = r.working_set.activations;
+  e.recompute_blocks = int(r.working_set.recomputed);
+  return e;
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,67 @@
+// Resolution: what the engine decides once, at construction, from the configuration, this
+// rank's budgets and the one memory model, with every rank agreeing. The configuration is never
+// changed: the decisions live in `Resolved`, immutable once construction ends, and
+// effective_config() shows them as a configuration with nothing left "auto".
+//
+//   resolve_placement    each state kind's tier and the optimizer group's split by unit (the
+//                        placement table the state store is built on: StateStore::placement)
+//   resolve_recompute    recompute "auto": how many blocks keep their graphs (needs the
+//                        device-placed state allocated: `base`)
+//   resolve_activations  activation checkpoints "auto": device, else host, else swap
+//
+// Agreement: every decision that changes collectives or memory is passed through `agree`, which
+// returns, element by element, the largest value any rank passed (the engine's: an all-reduce
+// max; tests: a simulated peer). Codes are ordered so that the largest is the safe choice: the
+// slowest tier, the fewest units kept in a faster one, the most blocks recomputed.
+// Pure functions of their arguments and `agree`'s answers; thread-safe. Errors: as
+// plan_placement's, and std::runtime_error when the agreed placement overruns this rank's
+// budgets (naming both).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "strata/engine/config.h"
+#include "strata/engine/placement.h"
+#include "strata/engine/plan/memory_model.h"
+
+namespace strata::engine {
+
+using Agree = std::function<std::vector<int64_t>(const std::vector<int64_t>&)>;
+
+struct Resolved {
+  PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
+  plan::Choices working_set;  // recomputed, activations, prefetch (auto: its start), params_staged
+  std::string report;         // the placement line (`--plan`, the log)
+};
+
+// This rank's bytes of each kind (StateBytes) from the units' shard sizes, with `transient_buffers`
+// gradient buffers of the largest shard for gradients that are not stored.
+StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t compute_bytes, size_t transient_buffers);
+
+// The kinds' tiers and the split: the configuration's explicit ones kept, "auto" ones planned
+// within `budgets(device_bytes_for_state)` (machine_budgets), where the device keeps room for
+// `mm.working_set(choice)` out of `usable_device`. Writes the placement line to `report`.
+PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
+                                const StateBytes& need, uint64_t usable_device,
+                                const std::function<TierBudgets(uint64_t)>& budgets, const Agree& agree,
+                                std::string& report);
+
+// Blocks recomputed: the fewest for which `base` + the working set fits in `usable`, agreed.
+size_t resolve_recompute(const plan::MemoryModel& mm, const plan::Choices& choice, uint64_t base, uint64_t usable,
+                         const Agree& agree);
+
+// Activation checkpoints' tier for placement.activations "auto": the device if the working set
+// with them there fits `usable` beside `base`; else host RAM if they fit its budget (a configured
+// host budget also holds `host_state` bytes of state) or no swap directory is given; else swap.
+// An explicit placement is returned as it is.
+Placement resolve_activations(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
+                              uint64_t base, uint64_t usable, uint64_t host_state, const TierBudgets& budgets,
+                              const Agree& agree);
+
+// `cfg` with the resolved choices in place of "auto" (Engine::config()).
+EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r);
+
+}  // namespace strata::engine
