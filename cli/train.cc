@@ -58,7 +58,11 @@ Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER
   --export DIR       override run.export (Hugging Face safetensors + config.json at the end)
   --checkpoint-dir D override run.checkpoint_dir (save after the last step, and every
                      run.save_every steps)
-  --resume           start from <checkpoint dir>/latest if there is one (at any world size)
+  --resume           start from the checkpoint <checkpoint dir>/latest names (at any world
+                     size); a directory without any committed checkpoint starts at step 0 (said
+                     so); one whose `latest` cannot be followed is an error saying what is there
+  --resume-from DIR  start from this committed checkpoint directory (the checkpoint directory
+                     is then its parent unless --checkpoint-dir names another)
   --profile FILE     override run.profile: print each step's timeline (compute busy, waits by
                      cause, optimizer time, PCIe and NVMe GB/s each way) and write a Chrome
                      trace (chrome://tracing, ui.perfetto.dev) to FILE (FILE.rankN for N > 0)
@@ -271,7 +275,7 @@ int run_training(const std::vector<std::string>& argv) {
       std::cout << kTrainUsage;
       return 0;
     }
-  Args args(argv, {"config", "steps", "log", "export", "checkpoint-dir", "profile", "device-budget", "host-budget", "nvme-budget"},
+  Args args(argv, {"config", "steps", "log", "export", "checkpoint-dir", "resume-from", "profile", "device-budget", "host-budget", "nvme-budget"},
             {"no-progress", "resume", "plan"});
   engine::TrainConfig tc = args.has("config") ? engine::load_train_config(args.get("config", ""))
                                                 : engine::parse_train_config("{}", "(defaults)");
@@ -288,8 +292,30 @@ int run_training(const std::vector<std::string>& argv) {
   if (args.has("plan")) return plan_main(tc);
   catch_stop_signals();
   tc.engine.profile = !tc.profile_path.empty();
-  if (tc.resume && tc.checkpoint_dir.empty())
+  if (tc.resume && tc.checkpoint_dir.empty() && !args.has("resume-from"))
     throw std::invalid_argument("--resume needs a checkpoint directory (--checkpoint-dir or run.checkpoint_dir)");
+  // What this run starts from, decided before anything is built; a committed checkpoint is never
+  // overwritten by a run that did not load it.
+  std::optional<std::filesystem::path> resume_dir;
+  bool fresh_under_resume = false;
+  if (args.has("resume-from")) {
+    resume_dir = std::filesystem::path(args.get("resume-from", ""));
+    if (!std::filesystem::exists(*resume_dir / "manifest.json"))
+      throw std::invalid_argument("--resume-from " + resume_dir->string() +
+                                  ": not a committed checkpoint directory (no manifest.json)");
+    if (tc.checkpoint_dir.empty()) tc.checkpoint_dir = resume_dir->parent_path().string();
+  } else if (tc.resume) {
+    resume_dir = engine::resume_point(tc.checkpoint_dir);
+    fresh_under_resume = !resume_dir;
+  } else if (!tc.checkpoint_dir.empty()) {
+    const auto committed = engine::committed_checkpoints(tc.checkpoint_dir);
+    if (!committed.empty())
+      throw std::invalid_argument("checkpoint directory " + tc.checkpoint_dir + " already holds " +
+                                  std::to_string(committed.size()) + " committed checkpoint(s) (the newest " +
+                                  committed.back().filename().string() +
+                                  "): continue from them with --resume (or --resume-from DIR), or give "
+                                  "another --checkpoint-dir; a run that did not load them would overwrite them");
+  }
   const engine::EngineConfig* ecp = &tc.engine;  // until the engine resolves "auto" placements
 
   const engine::DistEnv env = engine::DistEnv::from_env();
@@ -331,14 +357,14 @@ int run_training(const std::vector<std::string>& argv) {
   int64_t first_step = 0;
   int64_t saved_through = 0;  // the steps the newest checkpoint (saved or resumed from) holds
   std::string resumed_from;
-  if (tc.resume) {
-    if (auto latest = engine::latest_checkpoint(tc.checkpoint_dir)) {
-      const engine::CheckpointMeta meta = engine::load_checkpoint(eng, *comm, *latest);
-      loader.set_position(meta.samples_consumed);
-      first_step = meta.train_steps;
-      saved_through = first_step;
-      resumed_from = latest->string();
-    }
+  if (resume_dir) {
+    const engine::CheckpointMeta meta = engine::load_checkpoint(eng, *comm, *resume_dir);
+    loader.set_position(meta.samples_consumed);
+    first_step = meta.train_steps;
+    saved_through = first_step;
+    resumed_from = resume_dir->string();
+  } else if (fresh_under_resume && lead) {
+    std::cerr << "strata train: no committed checkpoint under " << tc.checkpoint_dir << " yet: starting at step 0\n";
   }
   // Saves run in the background (the step blocks only for the snapshot) unless
   // run.async_checkpoint is false; each is committed at a later step boundary or at the end.

@@ -143,6 +143,7 @@ j.setdefault("run", {}).update(steps=12, save_every=4, keep_checkpoints=1, log="
 json.dump(j, open(sys.argv[2], "w"), indent=1)
 PY
       echo "== $c" >>"$out/ckpttrain.err"
+      rm -rf "$build_dir/ckpt-train"  # each config's own checkpoints: a run refuses another run's
       (cd "$out" && timeout 500 "$strata" train --config "$cfg" --no-progress --checkpoint-dir "$build_dir/ckpt-train") \
         >>"$out/ckpttrain.err" 2>&1 || status=1
       echo "== $c"; grep -E "background|committed" "$out/ckpttrain.err" | tail -8

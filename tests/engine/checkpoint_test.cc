@@ -703,6 +703,79 @@ TEST(CheckpointExport, Gpt2TiedFromTwoRanksLoadsInTransformers) {
 TEST(CheckpointExport, LlamaFromTwoRanksLoadsInTransformers) { export_matches(tiny_llama(4), "llama"); }
 
 TEST(Checkpoint, ResumeAtMoreRanks2To4) { reshard(2, 4); }
+
+// `strata train` with a checkpoint directory never starts over existing checkpoints silently:
+// without --resume it refuses a directory holding committed ones; with --resume, a `latest`
+// that cannot be followed is an error naming what is there, and nothing is touched; an empty
+// directory starts at step 0 and says so; --resume-from loads the checkpoint it names.
+TEST(Checkpoint, ResumeNeverStartsOverExistingCheckpointsSilently) {
+  TempDir dir;
+  const auto ck = dir / "ckpt", cfg_path = dir / "cfg.json";
+  json j = tiny_llama(4);
+  j["model"]["layers"] = 2;
+  j["run"]["save_every"] = 2;
+  std::ofstream(cfg_path) << j.dump(2);
+  const auto train = [&](const std::string& tag, const std::string& extra) {
+    const std::string cmd = std::string(STRATA_BIN) + " train --config " + cfg_path.string() + " --log " +
+                            (dir / (tag + ".jsonl")).string() + " " + extra + " > " + (dir / (tag + ".out")).string() +
+                            " 2>&1";
+    const int st = std::system(cmd.c_str());
+    return std::make_pair(WIFEXITED(st) ? WEXITSTATUS(st) : -1, read_file(dir / (tag + ".out")));
+  };
+  auto [first, first_out] = train("first", "--resume --checkpoint-dir " + ck.string());
+  ASSERT_EQ(first, 0) << first_out;
+  EXPECT_NE(first_out.find("no committed checkpoint under " + ck.string() + " yet: starting at step 0"),
+            std::string::npos) << first_out;
+  const auto two = ck / "step-00000002", four = ck / "step-00000004";
+  ASSERT_EQ(se::committed_checkpoints(ck), (std::vector<std::filesystem::path>{two, four}));
+  const auto manifest_time = [&] { return std::filesystem::last_write_time(four / "manifest.json"); };
+  const auto before = manifest_time();
+  const auto intact = [&](const std::string& why) {
+    EXPECT_EQ(se::committed_checkpoints(ck), (std::vector<std::filesystem::path>{two, four})) << why;
+    EXPECT_EQ(manifest_time(), before) << why;
+    EXPECT_NO_THROW(se::verify_checkpoint(four)) << why;
+  };
+
+  auto [again, again_out] = train("again", "--checkpoint-dir " + ck.string());
+  EXPECT_NE(again, 0) << again_out;
+  EXPECT_NE(again_out.find("already holds 2 committed checkpoint(s) (the newest step-00000004)"), std::string::npos)
+      << again_out;
+  intact("a run without --resume");
+
+  std::filesystem::remove(ck / "latest");
+  auto [nolatest, nolatest_out] = train("nolatest", "--resume --checkpoint-dir " + ck.string());
+  EXPECT_NE(nolatest, 0) << nolatest_out;
+  EXPECT_NE(nolatest_out.find("has no `latest` file (committed there: step-00000002, step-00000004; resume from one "
+                              "of them with --resume-from " + four.string() + ")"),
+            std::string::npos) << nolatest_out;
+  intact("--resume without latest");
+
+  std::ofstream(ck / "latest") << "step-00000099\n";
+  auto [dangling, dangling_out] = train("dangling", "--resume --checkpoint-dir " + ck.string());
+  EXPECT_NE(dangling, 0) << dangling_out;
+  EXPECT_NE(dangling_out.find("`latest` names step-00000099, but " + (ck / "step-00000099").string() +
+                              " does not exist"), std::string::npos) << dangling_out;
+  intact("--resume with a dangling latest");
+  std::filesystem::create_directory(ck / "step-00000099");
+  auto [uncommitted, uncommitted_out] = train("uncommitted", "--resume --checkpoint-dir " + ck.string());
+  EXPECT_NE(uncommitted, 0) << uncommitted_out;
+  EXPECT_NE(uncommitted_out.find("has no manifest.json (never committed)"), std::string::npos) << uncommitted_out;
+  intact("--resume with latest naming an uncommitted directory");
+
+  // Explicitly from step 2: two more steps, the same losses as the straight run's steps 3 and 4.
+  auto [from, from_out] = train("from", "--resume-from " + two.string());
+  ASSERT_EQ(from, 0) << from_out;
+  EXPECT_NE(from_out.find("resumed from " + two.string() + " after step 2"), std::string::npos) << from_out;
+  const std::vector<double> straight = losses(dir / "first.jsonl"), resumed = losses(dir / "from.jsonl");
+  ASSERT_EQ(straight.size(), 4u);
+  ASSERT_EQ(resumed.size(), 2u);
+  EXPECT_EQ(resumed[0], straight[2]);
+  EXPECT_EQ(resumed[1], straight[3]);
+  EXPECT_EQ(se::latest_checkpoint(ck), four) << "the resumed run saved its last step into the parent directory";
+  auto [bad_from, bad_from_out] = train("bad_from", "--resume-from " + (ck / "step-00000099").string());
+  EXPECT_NE(bad_from, 0);
+  EXPECT_NE(bad_from_out.find("not a committed checkpoint directory"), std::string::npos) << bad_from_out;
+}
 TEST(Checkpoint, ResumeAtFewerRanks4To2) { reshard(4, 2); }
 
 }  // namespace

@@ -13,6 +13,8 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <system_error>
+#include <vector>
 
 #include "checkpoint/chunk_reader.h"
 #include "strata/engine/checkpoint.h"
@@ -205,6 +207,47 @@ std::optional<fs::path> latest_checkpoint(const fs::path& root) {
   std::string name;
   std::getline(in, name);
   if (name.empty() || !fs::exists(root / name / "manifest.json")) return std::nullopt;
+  return root / name;
+}
+
+std::vector<fs::path> committed_checkpoints(const fs::path& root) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  for (const auto& e : fs::directory_iterator(root, ec))
+    if (e.is_directory() && fs::exists(e.path() / "manifest.json")) out.push_back(e.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::optional<fs::path> resume_point(const fs::path& root) {
+  const std::vector<fs::path> committed = committed_checkpoints(root);
+  const auto found = [&] {
+    if (committed.empty()) return std::string(" (no committed checkpoint there)");
+    std::string names;
+    for (const fs::path& c : committed) names += (names.empty() ? "" : ", ") + c.filename().string();
+    return " (committed there: " + names + "; resume from one of them with --resume-from " +
+           committed.back().string() + ")";
+  };
+  const fs::path latest_file = root / "latest";
+  std::error_code ec;
+  if (!fs::exists(latest_file, ec)) {
+    if (committed.empty()) return std::nullopt;
+    throw std::runtime_error("cannot resume from " + root.string() + ": it has no `latest` file" + found());
+  }
+  std::ifstream in(latest_file);
+  std::string name;
+  if (!in || !std::getline(in, name))
+    throw std::runtime_error("cannot resume from " + root.string() + ": " + latest_file.string() +
+                             " cannot be read or is empty" + found());
+  if (name.empty() || name.find('/') != std::string::npos)
+    throw std::runtime_error("cannot resume from " + root.string() + ": " + latest_file.string() + " names '" + name +
+                             "', not a checkpoint directory" + found());
+  if (!fs::exists(root / name / "manifest.json", ec))
+    throw std::runtime_error("cannot resume from " + root.string() + ": `latest` names " + name + ", but " +
+                             (root / name).string() +
+                             (fs::exists(root / name, ec) ? " has no manifest.json (never committed)" : " does not exist") +
+                             found());
   return root / name;
 }
 

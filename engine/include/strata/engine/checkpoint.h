@@ -24,6 +24,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "strata/engine/comm.h"
 #include "strata/engine/engine.h"
@@ -136,5 +137,15 @@ void prune_checkpoints(Communicator& comm, const std::filesystem::path& root, si
 
 // The checkpoint <root>/latest names, if there is one with a manifest.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
+
+// The committed checkpoints under `root` (directories with a manifest), sorted by name.
+std::vector<std::filesystem::path> committed_checkpoints(const std::filesystem::path& root);
+
+// What a resumed run starts from under `root`: the checkpoint `latest` names; std::nullopt when
+// `root` holds no committed checkpoint and no `latest` (a first run; uncommitted leftovers of a
+// crash do not count). Throws std::runtime_error saying what was found when there is something
+// to resume but `latest` cannot lead to it (missing beside committed checkpoints, empty or
+// unreadable, naming a directory without a manifest); reads only, so nothing is lost.
+std::optional<std::filesystem::path> resume_point(const std::filesystem::path& root);
 
 }  // namespace strata::engine
