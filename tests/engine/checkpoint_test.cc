@@ -680,6 +680,26 @@ void export_matches(const json& cfg, const std::string& tag) {
         << read_file(dir / "oracle.out");
   }
 
+  // Into a directory that is not empty: refused without --force, nothing changed; with --force
+  // the weights and config are replaced and other files (a tokenizer) kept; nothing temporary
+  // is left behind.
+  {
+    const auto out = dir / "export-bfloat16", weights = out / "model.safetensors";
+    std::ofstream(out / "tokenizer.json") << "{\"kept\": true}";
+    const auto before = std::filesystem::last_write_time(weights);
+    EXPECT_NE(run_quiet(bin + " ckpt export " + ck.string() + " " + out.string(), dir / "again.out"), 0);
+    EXPECT_NE(read_file(dir / "again.out").find("is not empty"), std::string::npos) << read_file(dir / "again.out");
+    EXPECT_NE(read_file(dir / "again.out").find("--force"), std::string::npos) << read_file(dir / "again.out");
+    EXPECT_EQ(std::filesystem::last_write_time(weights), before) << "a refused export touched the weights";
+    ASSERT_EQ(run_quiet(bin + " ckpt export " + ck.string() + " " + out.string() + " --force", dir / "forced.out"), 0)
+        << read_file(dir / "forced.out");
+    sm::SafetensorsFile got(weights), fp32(dir / "export-float32" / "model.safetensors");
+    for (const sm::TensorInfo& t : fp32.tensors())
+      EXPECT_TRUE(at::equal(st_tensor(got, t.name), st_tensor(fp32, t.name))) << "replaced by the fp32 export: " << t.name;
+    EXPECT_EQ(read_file(out / "tokenizer.json"), "{\"kept\": true}");
+    EXPECT_FALSE(std::filesystem::exists(dir / "export-bfloat16.export-tmp"));
+  }
+
   // A flipped byte in the data is named, and nothing is exported.
   const auto data = *latest / "rank-00001.data";
   {
@@ -691,6 +711,7 @@ void export_matches(const json& cfg, const std::string& tag) {
   EXPECT_NE(read_file(dir / "bad.out").find("rank-00001.data at offset 0"), std::string::npos) << read_file(dir / "bad.out");
   EXPECT_NE(read_file(dir / "bad.out").find("CRC32C"), std::string::npos) << read_file(dir / "bad.out");
   EXPECT_FALSE(std::filesystem::exists(dir / "bad" / "model.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "bad.export-tmp")) << "a failed export leaves nothing behind";
 }
 
 TEST(CheckpointExport, Gpt2TiedFromTwoRanksLoadsInTransformers) {

@@ -15,8 +15,10 @@
 namespace strata::engine {
 using namespace ckpt;
 
-ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_dir, const std::string& dtype,
-                                  const std::function<void(uint64_t, uint64_t)>& progress) {
+ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, const std::string& dtype,
+                                  const std::function<void(uint64_t, uint64_t)>& progress, bool overwrite) {
+  fs::path out_dir = out_arg.lexically_normal();  // "hf-model/": the temporary beside it, not in it
+  if (!out_dir.has_filename()) out_dir = out_dir.parent_path();
   at::ScalarType out_type;
   models::StDType st_type;
   if (dtype == "float32") out_type = at::kFloat, st_type = models::StDType::kF32;
@@ -64,8 +66,30 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_dir, 
                                units[u]["name"].get<std::string>() + " do not add up to its size");
   }
 
-  fs::create_directories(out_dir);
-  models::SafetensorsWriter writer(out_dir / "model.safetensors", specs, {{"format", "pt"}});
+  // Refused before any work: an existing, non-empty out_dir without `overwrite`.
+  std::error_code ec;
+  if (fs::is_directory(out_dir, ec) && !fs::is_empty(out_dir, ec) && !overwrite) {
+    std::string names;
+    size_t n = 0;
+    for (const auto& e : fs::directory_iterator(out_dir))
+      if (n++ < 4) names += (names.empty() ? "" : ", ") + e.path().filename().string();
+    throw std::runtime_error("export: " + out_dir.string() + " is not empty (" + names + (n > 4 ? ", ..." : "") +
+                             "); pass --force to replace its config.json and model.safetensors");
+  }
+  if (fs::exists(out_dir, ec) && !fs::is_directory(out_dir, ec))
+    throw std::runtime_error("export: " + out_dir.string() + " exists and is not a directory");
+  const fs::path tmp = out_dir.string() + ".export-tmp";
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  struct RemoveOnFailure {  // a failed export leaves nothing behind
+    const fs::path& dir;
+    bool done = false;
+    ~RemoveOnFailure() {
+      std::error_code ignored;
+      if (!done) fs::remove_all(dir, ignored);
+    }
+  } cleanup{tmp};
+  models::SafetensorsWriter writer(tmp / "model.safetensors", specs, {{"format", "pt"}});
   ChunkReader reader(dir, units);
   // Each tensor from the chunks it overlaps, a window of them read at a time; the last chunk
   // read is kept, as it may straddle into the next tensor.
@@ -114,7 +138,14 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_dir, 
     if (progress) progress(result.bytes, total);
   }
   writer.finish();
-  write_atomically(out_dir / "config.json", mc.to_hf_json(dtype) + "\n");
+  write_atomically(tmp / "config.json", mc.to_hf_json(dtype) + "\n");
+  // Complete: into place, the weights first, so that a config.json never describes weights
+  // that are not there.
+  fs::create_directories(out_dir);
+  for (const char* name : {"model.safetensors", "config.json"}) fs::rename(tmp / name, out_dir / name);
+  fsync_dir(out_dir);
+  fs::remove(tmp);
+  cleanup.done = true;
   return result;
 }
 
