@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -401,6 +402,14 @@ int run_training(const std::vector<std::string>& argv) {
   };
 
   std::ofstream log;
+  // A line that cannot be written (a full disk) stops the run: a log cut short would pass for a
+  // complete one.
+  const auto write_log = [&](const nlohmann::json& line) {
+    errno = 0;
+    log << line.dump() << "\n" << std::flush;
+    if (!log)
+      throw std::runtime_error("cannot write the log " + tc.log_path + (errno ? std::string(": ") + std::strerror(errno) : ""));
+  };
   if (lead && !tc.log_path.empty()) {
     log.open(tc.log_path, first_step > 0 ? std::ios::app : std::ios::trunc);
     if (!log) throw std::runtime_error("cannot write the log " + tc.log_path);
@@ -426,7 +435,7 @@ int run_training(const std::vector<std::string>& argv) {
         {"data", corpus->description()},
         {"resumed_from", resumed_from},
         {"first_step", first_step + 1}};
-    log << start.dump() << "\n" << std::flush;
+    write_log(start);
   }
   if (lead) {
     std::cerr << "strata train: " << mc.name << " (" << mc.parameters() / 1e6 << "M parameters, "
@@ -500,7 +509,7 @@ int run_training(const std::vector<std::string>& argv) {
                             {"nvme_read_bytes", r.timeline.nvme_read_bytes},
                             {"nvme_write_bytes", r.timeline.nvme_write_bytes},
                             {"prefetch", r.timeline.prefetch}}}};
-      log << j.dump() << "\n" << std::flush;
+      write_log(j);
     }
     if (tc.progress) {
       char line[512];
