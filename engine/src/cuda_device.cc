@@ -243,7 +243,7 @@ class CudaDevice final : public Device {
   void* raw_allocate(size_t bytes) override {
     return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, compute_.handle());
   }
-  void raw_free(void* p) override { c10::cuda::CUDACachingAllocator::raw_delete(p); }
+  RawFree raw_free() const override { return &c10::cuda::CUDACachingAllocator::raw_delete; }
 
  private:
   static cudaStream_t make_stream(int index) {

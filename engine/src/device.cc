@@ -54,6 +54,17 @@ uint64_t parse_bytes(const std::string& text) {
   return uint64_t(std::llround(v * mult));
 }
 
+struct Device::Reservation::Ledger {
+  std::atomic<uint64_t> used{0};
+  std::atomic<uint64_t> peak{0};
+};
+
+Device::Device(uint64_t budget_bytes) : budget_(budget_bytes), ledger_(std::make_shared<Ledger>()) {}
+
+uint64_t Device::used() const { return ledger_->used.load(); }
+uint64_t Device::peak() const { return ledger_->peak.load(); }
+void Device::reset_peak() { ledger_->peak.store(ledger_->used.load()); }
+
 at::Tensor Device::empty(at::IntArrayRef shape, at::ScalarType dtype, const std::string& what) {
   int64_t numel = 1;
   for (int64_t d : shape) numel *= d;
@@ -63,14 +74,15 @@ at::Tensor Device::empty(at::IntArrayRef shape, at::ScalarType dtype, const std:
   try {
     ptr = raw_allocate(bytes == 0 ? 1 : bytes);
   } catch (...) {
-    release(bytes);
+    ledger_->used.fetch_sub(bytes);
     throw;
   }
+  // The deleter holds what it needs, not the device: the tensor may outlive it.
   return at::from_blob(
       ptr, shape,
-      [this, bytes](void* q) {
-        raw_free(q);
-        release(bytes);
+      [free = raw_free(), ledger = ledger_, bytes](void* q) {
+        free(q);
+        ledger->used.fetch_sub(bytes);
       },
       at::TensorOptions().dtype(dtype).device(torch_device()));
 }
@@ -107,27 +119,28 @@ void Device::read_to_host(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 void Device::acquire(uint64_t bytes, const std::string& what) {
-  uint64_t cur = used_.load();
+  std::atomic<uint64_t>& used = ledger_->used;
+  uint64_t cur = used.load();
   do {
-    while (cur + bytes > budget_ && reclaim()) cur = used_.load();
+    while (cur + bytes > budget_ && reclaim()) cur = used.load();
     if (cur + bytes > budget_)
       throw BudgetExceeded("device budget exceeded: " + what + " needs " + format_bytes(bytes) +
                            ", " + format_bytes(cur) + " of " + format_bytes(budget_) +
                            " in use on " + description());
-  } while (!used_.compare_exchange_weak(cur, cur + bytes));
-  uint64_t p = peak_.load();
-  while (cur + bytes > p && !peak_.compare_exchange_weak(p, cur + bytes)) {
+  } while (!used.compare_exchange_weak(cur, cur + bytes));
+  uint64_t p = ledger_->peak.load();
+  while (cur + bytes > p && !ledger_->peak.compare_exchange_weak(p, cur + bytes)) {
   }
 }
 
 Device::Reservation Device::reserve(uint64_t bytes, const std::string& what) {
   acquire(bytes, what);
-  return Reservation(this, bytes);
+  return Reservation(ledger_, bytes);
 }
 
 void Device::Reservation::reset() {
-  if (device_) device_->release(bytes_);
-  device_ = nullptr;
+  if (ledger_) ledger_->used.fetch_sub(bytes_);
+  ledger_ = nullptr;
   bytes_ = 0;
 }
 
@@ -317,7 +330,7 @@ class HostDevice final : public Device {
     if (!p) throw std::bad_alloc();
     return p;
   }
-  void raw_free(void* p) override { std::free(p); }
+  RawFree raw_free() const override { return &std::free; }
   // Device memory the engine has dropped may still be held by a copy queued on a copy stream
   // (the lambda holds its tensors until it has run): wait for the oldest work of each.
   bool reclaim() override {

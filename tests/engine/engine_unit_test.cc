@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -327,6 +328,29 @@ TEST(HostDevice, ReservationsCountUntilResetDestroyedOrReplaced) {
   }
   EXPECT_EQ(dev->used(), 0u);
   EXPECT_EQ(dev->peak(), 10000u);
+}
+
+// A tensor from empty() and a reservation may go after their device: Gloo's worker thread can
+// drop the last reference to a failed all-gather's output after the engine and the device are
+// destroyed (a survivor of a killed peer died of SIGSEGV in CI so). The device's memory is
+// overwritten before they go, so a deleter that still reached into the device would crash here.
+TEST(HostDevice, TensorsAndReservationsMayOutliveTheirDevice) {
+  auto dev = Device::create_host(1 << 20);
+  at::Tensor t = dev->empty({1000}, at::kFloat, "output of an all-gather");
+  t.fill_(2.0f);
+  Device::Reservation r = dev->reserve(5000, "a graph");
+  EXPECT_EQ(dev->used(), 9000u);
+  dev.reset();
+  std::vector<std::unique_ptr<char[]>> reuse;  // takes the freed device's memory back (malloc reuses it)
+  for (size_t n = 16; n <= 8192; n += 16)
+    for (int k = 0; k < 4; ++k) {
+      reuse.emplace_back(new char[n]);
+      std::memset(reuse.back().get(), 0xff, n);
+    }
+  EXPECT_EQ(t.sum().item<float>(), 2000.0f);
+  t = at::Tensor();
+  r.reset();
+  SUCCEED();
 }
 
 TEST(HostDevice, ConcurrentAllocationsNeverExceedTheBudget) {

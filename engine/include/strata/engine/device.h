@@ -77,13 +77,12 @@ class Device {
   class Reservation {
    public:
     Reservation() = default;
-    Reservation(Reservation&& o) noexcept : device_(o.device_), bytes_(o.bytes_) { o.device_ = nullptr; }
+    Reservation(Reservation&& o) noexcept = default;
     Reservation& operator=(Reservation&& o) noexcept {
       if (this != &o) {
         reset();
-        device_ = o.device_;
+        ledger_ = std::move(o.ledger_);
         bytes_ = o.bytes_;
-        o.device_ = nullptr;
       }
       return *this;
     }
@@ -92,16 +91,17 @@ class Device {
 
    private:
     friend class Device;
-    Reservation(Device* d, uint64_t b) : device_(d), bytes_(b) {}
-    Device* device_ = nullptr;
+    struct Ledger;
+    Reservation(std::shared_ptr<Ledger> l, uint64_t b) : ledger_(std::move(l)), bytes_(b) {}
+    std::shared_ptr<Ledger> ledger_;
     uint64_t bytes_ = 0;
   };
   Reservation reserve(uint64_t bytes, const std::string& what);
   bool fits(uint64_t bytes) const { return used() + bytes <= budget_; }
   uint64_t budget() const { return budget_; }
-  uint64_t used() const { return used_.load(); }
-  uint64_t peak() const { return peak_.load(); }
-  void reset_peak() { peak_.store(used_.load()); }
+  uint64_t used() const;
+  uint64_t peak() const;
+  void reset_peak();
   // Memory the device can give the engine now: on CUDA, what cudaMemGetInfo says is free less
   // device_memory_reserve(total) for what the budget does not count (library workspaces created
   // later, the caching allocator's rounding and fragmentation, autograd temporaries beyond the
@@ -166,20 +166,25 @@ class Device {
   virtual double seconds_between(const std::shared_ptr<Event>& from, const std::shared_ptr<Event>& to) = 0;
 
  protected:
-  explicit Device(uint64_t budget_bytes) : budget_(budget_bytes) {}
+  explicit Device(uint64_t budget_bytes);
   // Frees device memory that is held only by finished (or, waiting, the oldest unfinished)
   // asynchronous work; true if anything was freed. Called before a request would exceed the
   // budget.
   virtual bool reclaim() { return false; }
   virtual void* raw_allocate(size_t bytes) = 0;
-  virtual void raw_free(void* ptr) = 0;
+  // What frees raw_allocate's memory: a plain function, not a member, because a tensor from
+  // empty() may outlive its device (a collective's worker thread can drop the last reference to
+  // a failed all-gather's output after the engine and the device are gone).
+  using RawFree = void (*)(void*);
+  virtual RawFree raw_free() const = 0;
 
  private:
+  using Ledger = Reservation::Ledger;
   void acquire(uint64_t bytes, const std::string& what);
-  void release(uint64_t bytes) { used_.fetch_sub(bytes); }
   uint64_t budget_;
-  std::atomic<uint64_t> used_{0};
-  std::atomic<uint64_t> peak_{0};
+  // The bytes in use and the peak, shared with every tensor and reservation still counted, so
+  // that those may go after the device.
+  std::shared_ptr<Ledger> ledger_;
 };
 
 // The part of a GPU's memory (`total` bytes) that automatic decisions leave alone:
