@@ -64,6 +64,9 @@ Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER
                      so); one whose `latest` cannot be followed is an error saying what is there
   --resume-from DIR  start from this committed checkpoint directory (the checkpoint directory
                      is then its parent unless --checkpoint-dir names another)
+  --allow-batch-change
+                     resume with another global batch than the checkpoint's (otherwise refused
+                     unless another grad_accum keeps it at a new world size, which is then used)
   --profile FILE     override run.profile: print each step's timeline (compute busy, waits by
                      cause, optimizer time, PCIe and NVMe GB/s each way) and write a Chrome
                      trace (chrome://tracing, ui.perfetto.dev) to FILE (FILE.rankN for N > 0)
@@ -277,7 +280,7 @@ int run_training(const std::vector<std::string>& argv) {
       return 0;
     }
   Args args(argv, {"config", "steps", "log", "export", "checkpoint-dir", "resume-from", "profile", "device-budget", "host-budget", "nvme-budget"},
-            {"no-progress", "resume", "plan"});
+            {"no-progress", "resume", "plan", "allow-batch-change"});
   engine::TrainConfig tc = args.has("config") ? engine::load_train_config(args.get("config", ""))
                                                 : engine::parse_train_config("{}", "(defaults)");
   if (args.has("steps")) tc.steps = args.count("steps", 0);
@@ -286,6 +289,7 @@ int run_training(const std::vector<std::string>& argv) {
   if (args.has("no-progress")) tc.progress = false;
   if (args.has("checkpoint-dir")) tc.checkpoint_dir = args.get("checkpoint-dir", "");
   if (args.has("resume")) tc.resume = true;
+  if (args.has("allow-batch-change")) tc.allow_batch_change = true;
   if (args.has("profile")) tc.profile_path = args.get("profile", "");
   if (args.has("device-budget")) tc.engine.device_budget = engine::parse_bytes(args.get("device-budget", ""));
   if (args.has("host-budget")) tc.engine.host_budget = engine::parse_bytes(args.get("host-budget", ""));
@@ -322,6 +326,13 @@ int run_training(const std::vector<std::string>& argv) {
   const engine::DistEnv env = engine::DistEnv::from_env();
   if (env.local_world_size > 0) tc.engine.local_ranks = env.local_world_size;
   stop_messages = env.rank == 0;
+  if (resume_dir) {  // the saved run's global batch, kept or changed only when asked
+    const engine::ResumeBatch rb =
+        engine::resume_batch(engine::read_checkpoint_meta(*resume_dir), tc.engine.micro_batch, tc.engine.grad_accum,
+                             env.world_size, tc.allow_batch_change);
+    tc.engine.grad_accum = rb.grad_accum;
+    if (!rb.note.empty() && env.rank == 0) std::cerr << "strata train: " << rb.note << "\n";
+  }
   auto comm = engine::Communicator::create(
       env, std::chrono::milliseconds(int64_t(ecp->timeout_s * 1000)), ecp->device == "cuda");
   const bool lead = comm->rank() == 0;
@@ -383,7 +394,7 @@ int run_training(const std::vector<std::string>& argv) {
   auto save = [&](int64_t steps_done, bool synchronous) {
     char name[32];
     snprintf(name, sizeof name, "step-%08lld", (long long)steps_done);
-    const engine::CheckpointMeta meta{steps_done, loader.position()};
+    const engine::CheckpointMeta meta{steps_done, loader.position(), global_batch};
     saved_through = steps_done;
     if (synchronous) {
       const auto t0 = std::chrono::steady_clock::now();

@@ -233,7 +233,14 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
       s.fail("", ex.what());
     }
   }
-  if (const json* d = top.get("data")) {
+  const json* d = top.get("data");
+  if (!c.init_from.empty() && !(d && d->is_object() && d->contains("path")))
+    throw std::invalid_argument(
+        source + ": model.init_from is set but data.path is not: the pretrained model would be "
+        "fine-tuned on the default data (the raw bytes of /usr/share/common-licenses, whose byte "
+        "values are valid ids of any vocabulary). Give data.path: a token file made with the "
+        "model's tokenizer (strata data prepare), with data.format to match");
+  if (d) {
     Section s(*d, "data", source);
     s.read("path", c.data_path);
     s.read("format", c.data_format);
@@ -341,6 +348,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("checkpoint_dir", c.checkpoint_dir);
     s.read("save_every", c.save_every);
     s.read("resume", c.resume);
+    s.read("allow_batch_change", c.allow_batch_change);
     s.read("keep_checkpoints", c.keep_checkpoints);
     s.read("async_checkpoint", c.async_checkpoint);
     s.read_bytes("checkpoint_staging", c.checkpoint_staging);

@@ -725,6 +725,68 @@ TEST(CheckpointExport, LlamaFromTwoRanksLoadsInTransformers) { export_matches(ti
 
 TEST(Checkpoint, ResumeAtMoreRanks2To4) { reshard(2, 4); }
 
+TEST(Checkpoint, ResumeBatchKeepsChangesOrRefusesTheSavedGlobalBatch) {
+  const se::CheckpointMeta saved{10, 240, 24, 4};  // 4 ranks x micro_batch 3 x grad_accum 2
+  EXPECT_EQ(se::resume_batch(saved, 3, 2, 4, false).note, "");
+  const se::ResumeBatch at8 = se::resume_batch(saved, 3, 2, 8, false);
+  EXPECT_EQ(at8.grad_accum, 1);
+  EXPECT_NE(at8.note.find("grad_accum 2 -> 1"), std::string::npos) << at8.note;
+  EXPECT_EQ(se::resume_batch(saved, 2, 5, 3, false).grad_accum, 4);  // 3 x 2 x 4 = 24
+  // The same world size with another configured batch: the user's own change, refused unless allowed.
+  EXPECT_THROW(se::resume_batch(saved, 3, 4, 4, false), std::invalid_argument);
+  const se::ResumeBatch allowed = se::resume_batch(saved, 3, 4, 4, true);
+  EXPECT_EQ(allowed.grad_accum, 4);
+  EXPECT_NE(allowed.note.find("= 48 (allowed"), std::string::npos) << allowed.note;
+  EXPECT_THROW(se::resume_batch(saved, 5, 1, 8, false), std::invalid_argument);  // 40 per accumulation
+  EXPECT_EQ(se::resume_batch({10, 240, 0, 4}, 7, 1, 3, false).note, "");  // not known: not checked
+}
+
+// The data position counts sequences: a resumed run at another world size keeps the saved
+// global batch by changing grad_accum when it divides (and trains to the numbers of a run never
+// stopped), and otherwise refuses, naming both batches, unless --allow-batch-change.
+TEST(Checkpoint, ResumeAtAnotherWorldSizeKeepsTheGlobalBatchOrSaysWhy) {
+  TempDir dir;
+  const auto ck = dir / "ckpt";
+  json j = tiny_llama(6);
+  j["batch"] = {{"micro_batch", 2}, {"grad_accum", 4}};  // global batch 8 on one rank
+  launch(1, j, dir, "straight", "--log " + (dir / "straight.jsonl").string());
+  j["run"]["steps"] = 3;
+  launch(1, j, dir, "first", "--log " + (dir / "resumed.jsonl").string() + " --checkpoint-dir " + ck.string());
+  j["run"]["steps"] = 6;
+  launch(2, j, dir, "second",  // the same configuration on two ranks: grad_accum 4 -> 2
+         "--log " + (dir / "resumed.jsonl").string() + " --checkpoint-dir " + ck.string() + " --resume");
+  const std::string second = read_file(dir / "second.out");
+  EXPECT_NE(second.find("saved at world size 1 with a global batch of 8 sequences; at world size 2 "
+                        "batch.grad_accum 4 -> 2 keeps it"),
+            std::string::npos)
+      << second;
+  const std::vector<double> want = losses(dir / "straight.jsonl"), got = losses(dir / "resumed.jsonl");
+  ASSERT_EQ(want.size(), 6u);
+  ASSERT_EQ(got.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << "step " << i + 1;
+
+  // 2 ranks x 3 sequences: no grad_accum makes 8.
+  j["batch"] = {{"micro_batch", 3}, {"grad_accum", 1}};
+  j["run"]["steps"] = 8;
+  const auto cfg = dir / "odd.json";
+  std::ofstream(cfg) << j.dump(2);
+  const std::string bin = STRATA_BIN, train = bin + " launch -n 2 -- " + bin + " train --config " + cfg.string() +
+                                               " --no-progress --log " + (dir / "odd.jsonl").string() +
+                                               " --checkpoint-dir " + ck.string() + " --resume";
+  EXPECT_NE(run_quiet(train, dir / "refused.out"), 0);
+  const std::string refused = read_file(dir / "refused.out");
+  EXPECT_NE(refused.find("global batch of 8 sequences, this run's is world size 2 x micro_batch 3 x grad_accum 1 = 6"),
+            std::string::npos)
+      << refused;
+  EXPECT_NE(refused.find("--allow-batch-change"), std::string::npos) << refused;
+  EXPECT_EQ(se::latest_checkpoint(ck)->filename().string(), "step-00000006") << "nothing saved over";
+  EXPECT_EQ(run_quiet(train + " --allow-batch-change", dir / "allowed.out"), 0) << read_file(dir / "allowed.out");
+  EXPECT_NE(read_file(dir / "allowed.out").find("= 6 (allowed by run.allow_batch_change)"), std::string::npos)
+      << read_file(dir / "allowed.out");
+  EXPECT_EQ(losses(dir / "odd.jsonl").size(), 2u);
+  EXPECT_EQ(se::read_checkpoint_meta(*se::latest_checkpoint(ck)).global_batch, 6u);
+}
+
 // `strata train` with a checkpoint directory never starts over existing checkpoints silently:
 // without --resume it refuses a directory holding committed ones; with --resume, a `latest`
 // that cannot be followed is an error naming what is there, and nothing is touched; an empty

@@ -983,8 +983,10 @@ TEST(TrainConfig, InitFromReadsTheDirectoryAndRejectsReshaping) {
   write_hf_config(dir.path(), mc);
   const std::string init = R"({"model": {"init_from": )" + json_string(dir.path().string());
 
-  const TrainConfig c = parse_train_config(init + "}}", "test.json");
+  const TrainConfig c = parse_train_config(init + R"(}, "data": {"path": "tokens.bin", "format": "uint16"}})",
+                                           "test.json");
   EXPECT_EQ(c.init_from, dir.path().string());
+  EXPECT_EQ(c.data_path, "tokens.bin");
   EXPECT_EQ(c.model.layers, 3);
   EXPECT_EQ(c.model.hidden, 96);
   EXPECT_EQ(c.model.heads, 6);
@@ -998,6 +1000,21 @@ TEST(TrainConfig, InitFromReadsTheDirectoryAndRejectsReshaping) {
   const std::string missing = config_error(R"({"model": {"init_from": )" +
                                            json_string(empty.path().string()) + "}}");
   EXPECT_TRUE(contains(missing, "config.json")) << missing;
+}
+
+// A pretrained model with the default data (raw bytes, valid ids of any vocabulary) would be
+// fine-tuned on text its tokenizer never made, silently: data.path must be given.
+TEST(TrainConfig, InitFromNeedsDataPathGivenExplicitly) {
+  test::TempDir dir;
+  write_hf_config(dir.path(), models::preset("gpt2"));
+  const std::string init = R"({"model": {"init_from": )" + json_string(dir.path().string()) + "}";
+  for (const std::string& data : {std::string(""), std::string(R"(, "data": {"seq_len": 32})")}) {
+    const std::string msg = config_error(init + data + "}");
+    EXPECT_TRUE(contains(msg, "model.init_from is set but data.path is not")) << msg;
+    EXPECT_TRUE(contains(msg, "strata data prepare")) << msg;
+  }
+  EXPECT_EQ(parse_train_config(init + R"(, "data": {"path": "/usr/share/common-licenses"}})", "t.json").data_path,
+            "/usr/share/common-licenses");  // the default, but asked for
 }
 
 TEST(TrainConfig, InitFromRejectsALayersOverride) {

@@ -251,4 +251,45 @@ std::optional<fs::path> resume_point(const fs::path& root) {
   return root / name;
 }
 
+CheckpointMeta read_checkpoint_meta(const fs::path& dir) {
+  const json m = read_manifest(dir);
+  CheckpointMeta meta;
+  try {
+    meta.train_steps = m.at("train_steps").get<int64_t>();
+    meta.samples_consumed = m.at("samples_consumed").get<uint64_t>();
+    meta.world_size = m.at("world_size").get<int>();
+    if (m.contains("global_batch")) meta.global_batch = m["global_batch"].get<uint64_t>();
+    else if (meta.train_steps > 0 && meta.samples_consumed % uint64_t(meta.train_steps) == 0)
+      meta.global_batch = meta.samples_consumed / uint64_t(meta.train_steps);
+  } catch (const json::exception& e) {
+    throw std::runtime_error("checkpoint " + dir.string() + ": manifest.json: " + e.what());
+  }
+  return meta;
+}
+
+ResumeBatch resume_batch(const CheckpointMeta& saved, int64_t micro_batch, int64_t grad_accum, int world_size,
+                         bool allow_change) {
+  const uint64_t per_accum = uint64_t(micro_batch) * uint64_t(world_size);
+  const uint64_t now = per_accum * uint64_t(grad_accum);
+  if (saved.global_batch == 0 || saved.global_batch == now) return {grad_accum, ""};
+  const std::string was = "the checkpoint was saved at world size " + std::to_string(saved.world_size) +
+                          " with a global batch of " + std::to_string(saved.global_batch) + " sequences";
+  if (saved.world_size != world_size && saved.global_batch % per_accum == 0) {
+    const int64_t kept = int64_t(saved.global_batch / per_accum);
+    return {kept, was + "; at world size " + std::to_string(world_size) + " batch.grad_accum " +
+                      std::to_string(grad_accum) + " -> " + std::to_string(kept) + " keeps it (micro_batch " +
+                      std::to_string(micro_batch) + ")"};
+  }
+  const std::string change = "world size " + std::to_string(world_size) + " x micro_batch " +
+                             std::to_string(micro_batch) + " x grad_accum " + std::to_string(grad_accum) + " = " +
+                             std::to_string(now);
+  if (!allow_change)
+    throw std::invalid_argument(
+        was + ", this run's is " + change + " (and no grad_accum keeps " + std::to_string(saved.global_batch) +
+        " at this world size and micro_batch): the steps from here on would take other samples than the "
+        "saved run. Set a micro_batch and grad_accum that make " + std::to_string(saved.global_batch) +
+        ", or allow the change with --allow-batch-change (run.allow_batch_change)");
+  return {grad_accum, was + "; this run's is " + change + " (allowed by run.allow_batch_change)"};
+}
+
 }  // namespace strata::engine

@@ -81,7 +81,7 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
   engine.set_counters({c["optimizer_step"].get<int64_t>(), c["loss_scale"].get<double>(),
                        c["good_steps"].get<int64_t>()});
   comm.barrier();
-  return {m["train_steps"].get<int64_t>(), m["samples_consumed"].get<uint64_t>()};
+  return read_checkpoint_meta(dir);
 }
 
 }  // namespace strata::engine

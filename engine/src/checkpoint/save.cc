@@ -125,7 +125,8 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
                    {"counters", {{"optimizer_step", c.step}, {"loss_scale", c.loss_scale},
                                  {"good_steps", c.good_steps}}},
                    {"train_steps", meta.train_steps},
-                   {"samples_consumed", meta.samples_consumed}};
+                   {"samples_consumed", meta.samples_consumed},
+                   {"global_batch", meta.global_batch}};
   // Last, so that nothing above can throw with the engine held: from here on the writer (or the
   // caller, if it cannot start one) owns releasing every unit.
   snap.hold = std::make_shared<StateHold>(part.num_units());

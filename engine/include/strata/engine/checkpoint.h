@@ -35,6 +35,8 @@ namespace strata::engine {
 struct CheckpointMeta {
   int64_t train_steps = 0;          // steps of the training loop done (skipped ones included)
   uint64_t samples_consumed = 0;    // global data position (BatchLoader::position())
+  uint64_t global_batch = 0;        // sequences a step consumed over all ranks; 0: not known
+  int world_size = 0;               // of the save (filled when read; ignored when saving)
 };
 
 struct CheckpointOptions {
@@ -153,5 +155,23 @@ std::vector<std::filesystem::path> committed_checkpoints(const std::filesystem::
 // to resume but `latest` cannot lead to it (missing beside committed checkpoints, empty or
 // unreadable, naming a directory without a manifest); reads only, so nothing is lost.
 std::optional<std::filesystem::path> resume_point(const std::filesystem::path& root);
+
+// The training position a committed checkpoint holds, read from its manifest alone (no engine:
+// a run reads it before building one). A checkpoint written before the manifest recorded the
+// global batch gets samples_consumed / train_steps when that divides, else 0.
+CheckpointMeta read_checkpoint_meta(const std::filesystem::path& checkpoint_dir);
+
+// The batch a resumed run trains with. The checkpoint's data position counts sequences, so a
+// different global batch (micro_batch x grad_accum x world size) from here on means other samples
+// per step than the saved run took: at another world size, grad_accum is changed to keep the saved
+// global batch when it divides evenly (the note says so); otherwise a different global batch is
+// refused (std::invalid_argument naming both and the way out) unless `allow_change`, and then the
+// note says what changed. `saved.global_batch` 0 (not known): nothing is checked.
+struct ResumeBatch {
+  int64_t grad_accum = 1;
+  std::string note;  // for the user; empty when the batch is the saved one
+};
+ResumeBatch resume_batch(const CheckpointMeta& saved, int64_t micro_batch, int64_t grad_accum, int world_size,
+                         bool allow_change);
 
 }  // namespace strata::engine

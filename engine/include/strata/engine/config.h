@@ -116,6 +116,7 @@ struct TrainConfig {
   std::string checkpoint_dir;  // root of the checkpoints (checkpoint.h); empty: none
   int64_t save_every = 0;      // save every N steps (and after the last); 0: only after the last
   bool resume = false;         // start from <checkpoint_dir>/latest when there is one
+  bool allow_batch_change = false;  // resume with another global batch than the checkpoint's
   int64_t keep_checkpoints = 0;  // keep only the N newest checkpoints; 0: keep all
   bool async_checkpoint = true;  // write in the background; the step blocks for the snapshot
   uint64_t checkpoint_staging = 0;  // CheckpointOptions::staging_bytes (0: from MemAvailable)
