@@ -19,8 +19,10 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/statvfs.h>
 #include <thread>
 #include <unistd.h>
 
@@ -35,6 +37,37 @@
 
 namespace strata::cli {
 namespace {
+
+constexpr const char* kExportOverwriteHint =
+    "set run.export_overwrite (--export-overwrite) to replace its config.json and model.safetensors, or give "
+    "another run.export";
+
+// Output locations are tried before the first step: a read-only or missing directory found at
+// the first save, or at the export after the last step, would cost the run. Creates `dir` if
+// missing and writes, syncs and removes a probe file in it; throws naming `what` and the error.
+void check_writable(const std::filesystem::path& dir, const std::string& what) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw std::runtime_error(what + " " + dir.string() + ": cannot create it: " + ec.message());
+  const std::filesystem::path probe = dir / (".strata-write-test-" + std::to_string(getpid()));
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  const bool ok = fd >= 0 && ::write(fd, "x", 1) == 1 && ::fsync(fd) == 0;
+  const int err = errno;
+  if (fd >= 0) ::close(fd);
+  ::unlink(probe.c_str());
+  if (!ok) throw std::runtime_error(what + " " + dir.string() + " is not writable: " + std::strerror(err));
+}
+
+// And that a filesystem has room for what the run will write there (`need` bytes), once the
+// swap files are reserved (they may share it).
+void check_free_space(const std::filesystem::path& dir, uint64_t need, const std::string& what) {
+  struct statvfs st {};
+  if (::statvfs(dir.c_str(), &st) != 0) return;  // checked writable before; nothing more to learn
+  const uint64_t free = uint64_t(st.f_bavail) * uint64_t(st.f_frsize);
+  if (free < need)
+    throw std::runtime_error(what + " " + dir.string() + " has " + engine::format_bytes(free) + " free, and " +
+                             engine::format_bytes(need) + " are needed");
+}
 
 // The process's peak resident set (VmHWM), in bytes; 0 where /proc does not say.
 uint64_t peak_rss_bytes() {
@@ -64,6 +97,8 @@ Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER
                      so); one whose `latest` cannot be followed is an error saying what is there
   --resume-from DIR  start from this committed checkpoint directory (the checkpoint directory
                      is then its parent unless --checkpoint-dir names another)
+  --export-overwrite replace config.json and model.safetensors of a non-empty export directory
+                     (otherwise refused before the first step)
   --allow-batch-change
                      resume with another global batch than the checkpoint's (otherwise refused
                      unless another grad_accum keeps it at a new world size, which is then used)
@@ -280,7 +315,7 @@ int run_training(const std::vector<std::string>& argv) {
       return 0;
     }
   Args args(argv, {"config", "steps", "log", "export", "checkpoint-dir", "resume-from", "profile", "device-budget", "host-budget", "nvme-budget"},
-            {"no-progress", "resume", "plan", "allow-batch-change"});
+            {"no-progress", "resume", "plan", "allow-batch-change", "export-overwrite"});
   engine::TrainConfig tc = args.has("config") ? engine::load_train_config(args.get("config", ""))
                                                 : engine::parse_train_config("{}", "(defaults)");
   if (args.has("steps")) tc.steps = args.count("steps", 0);
@@ -290,6 +325,7 @@ int run_training(const std::vector<std::string>& argv) {
   if (args.has("checkpoint-dir")) tc.checkpoint_dir = args.get("checkpoint-dir", "");
   if (args.has("resume")) tc.resume = true;
   if (args.has("allow-batch-change")) tc.allow_batch_change = true;
+  if (args.has("export-overwrite")) tc.export_overwrite = true;
   if (args.has("profile")) tc.profile_path = args.get("profile", "");
   if (args.has("device-budget")) tc.engine.device_budget = engine::parse_bytes(args.get("device-budget", ""));
   if (args.has("host-budget")) tc.engine.host_budget = engine::parse_bytes(args.get("host-budget", ""));
@@ -322,6 +358,11 @@ int run_training(const std::vector<std::string>& argv) {
                                   "another --checkpoint-dir; a run that did not load them would overwrite them");
   }
   const engine::EngineConfig* ecp = &tc.engine;  // until the engine resolves "auto" placements
+  if (!tc.checkpoint_dir.empty()) check_writable(tc.checkpoint_dir, "checkpoint directory");
+  if (!tc.export_dir.empty()) {
+    models::ExportDirectory::check(tc.export_dir, tc.export_overwrite, kExportOverwriteHint);
+    check_writable(models::ExportDirectory::temporary(tc.export_dir).parent_path(), "the export's parent directory");
+  }
 
   const engine::DistEnv env = engine::DistEnv::from_env();
   if (env.local_world_size > 0) tc.engine.local_ranks = env.local_world_size;
@@ -364,6 +405,13 @@ int run_training(const std::vector<std::string>& argv) {
   }
   engine::Engine eng(std::move(model), tc.engine, *comm, *device);
   const engine::EngineConfig& ec = eng.config();
+  // Room for one checkpoint (fp32 master weights and two Adam moments: every rank's files in
+  // one directory) and for the fp32 export, with the swap files already reserved.
+  if (!tc.checkpoint_dir.empty())
+    check_free_space(tc.checkpoint_dir, uint64_t(mc.parameters()) * 12, "checkpoint directory");
+  if (!tc.export_dir.empty() && lead)
+    check_free_space(models::ExportDirectory::temporary(tc.export_dir).parent_path(), uint64_t(mc.parameters()) * 4,
+                     "the export's parent directory");
   const engine::MemoryReport m0 = eng.memory();
 
   int64_t first_step = 0;
@@ -572,7 +620,9 @@ int run_training(const std::vector<std::string>& argv) {
       at::NoGradGuard no_grad;
       std::map<std::string, at::Tensor> by_name(params.begin(), params.end());
       for (auto& [name, t] : out.hf_parameters()) t.copy_(by_name.at(name));
-      models::export_hf_model(out, tc.export_dir);
+      models::ExportDirectory target(tc.export_dir, tc.export_overwrite, kExportOverwriteHint);
+      models::export_hf_model(out, target.tmp());
+      target.commit();
       std::cerr << "strata train: exported " << tc.export_dir << "\n";
     }
   }

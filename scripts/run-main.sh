@@ -10,4 +10,4 @@ build_dir=${STRATA_BUILD_DIR:-$repo/build}
 cd "$repo"
 mkdir -p "$build_dir/strata-swap"  # configs/main.json's offload.nvme_dirs
 exec "$build_dir/strata" train --config "$repo/configs/main.json" \
-  --log "$build_dir/strata-main.jsonl" --export "$build_dir/strata-main-model" "$@"
+  --log "$build_dir/strata-main.jsonl" --export "$build_dir/strata-main-model" --export-overwrite "$@"

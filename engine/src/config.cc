@@ -344,6 +344,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("log", c.log_path);
     s.read("progress", c.progress);
     s.read("export", c.export_dir);
+    s.read("export_overwrite", c.export_overwrite);
     s.read("profile", c.profile_path);
     s.read("checkpoint_dir", c.checkpoint_dir);
     s.read("save_every", c.save_every);

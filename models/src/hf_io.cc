@@ -1,5 +1,11 @@
 #include "strata/models/hf_io.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <fstream>
 #include <set>
 #include <stdexcept>
@@ -115,6 +121,53 @@ void export_hf_model(Decoder& model, const std::filesystem::path& dir) {
   std::ofstream cfg(dir / "config.json");
   cfg << c.to_hf_json(dtype) << "\n";
   if (!cfg.flush()) throw std::runtime_error("cannot write " + (dir / "config.json").string());
+}
+
+void ExportDirectory::check(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(out, ec) && !fs::is_directory(out, ec))
+    throw std::runtime_error("export: " + out.string() + " exists and is not a directory");
+  if (overwrite || !fs::is_directory(out, ec) || fs::is_empty(out, ec)) return;
+  std::string names;
+  size_t n = 0;
+  for (const auto& e : fs::directory_iterator(out))
+    if (n++ < 4) names += (names.empty() ? "" : ", ") + e.path().filename().string();
+  throw std::runtime_error("export: " + out.string() + " is not empty (" + names + (n > 4 ? ", ..." : "") + "); " +
+                           how_to_overwrite);
+}
+
+std::filesystem::path ExportDirectory::temporary(const std::filesystem::path& out) {
+  std::filesystem::path p = std::filesystem::absolute(out).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return p.string() + ".export-tmp";
+}
+
+ExportDirectory::ExportDirectory(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite)
+    : out_(out), tmp_(temporary(out)) {
+  check(out_, overwrite, how_to_overwrite);
+  std::filesystem::remove_all(tmp_);  // a crashed export's leftovers
+  std::filesystem::create_directories(tmp_);
+}
+
+ExportDirectory::~ExportDirectory() {
+  std::error_code ignored;
+  if (!committed_) std::filesystem::remove_all(tmp_, ignored);
+}
+
+void ExportDirectory::commit() {
+  namespace fs = std::filesystem;
+  fs::create_directories(out_);
+  for (const char* name : {"model.safetensors", "config.json"}) fs::rename(tmp_ / name, out_ / name);
+  const int fd = ::open(out_.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0 || ::fsync(fd) != 0) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error("export: cannot sync the directory " + out_.string() + ": " + std::strerror(err));
+  }
+  ::close(fd);
+  fs::remove(tmp_);
+  committed_ = true;
 }
 
 }  // namespace strata::models

@@ -725,6 +725,54 @@ TEST(CheckpointExport, LlamaFromTwoRanksLoadsInTransformers) { export_matches(ti
 
 TEST(Checkpoint, ResumeAtMoreRanks2To4) { reshard(2, 4); }
 
+// Every output location is tried before the first step, not found wanting after hours of
+// training: a read-only or full checkpoint directory, a non-empty export directory (unless
+// --export-overwrite, which keeps other files there), an export whose parent is read-only.
+// Read-only and full filesystems are tmpfs mounts in a mount namespace of the test's own
+// (as root: permissions do not stop root).
+TEST(Checkpoint, OutputLocationsAreCheckedBeforeTheFirstStep) {
+  TempDir dir;
+  const std::string d = dir.path().string();
+  if (std::system(("unshare -m sh -c 'mount -t tmpfs tmpfs " + d + "' > /dev/null 2>&1").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs in a mount namespace here (unshare -m needs root): not tested";
+  std::filesystem::create_directories(dir / "small");
+  std::filesystem::create_directories(dir / "ro");
+  json j = tiny_llama(3);
+  std::ofstream(dir / "cfg.json") << j.dump(2);
+  const std::string mounts = "mount -t tmpfs -o size=256k tmpfs " + d + "/small && mount -t tmpfs -o ro tmpfs " + d +
+                             "/ro && ";
+  int n = 0;
+  // Runs `strata train` with `args` in the namespace; its exit status, output in `out`.
+  const auto train = [&](const std::string& args, std::string& out) {
+    const auto log = dir / ("log" + std::to_string(++n) + ".jsonl"), txt = dir / ("out" + std::to_string(n) + ".txt");
+    const int rc = run_quiet("unshare -m sh -c '" + mounts + STRATA_BIN + " train --config " + d +
+                                 "/cfg.json --no-progress --log " + log.string() + " " + args + "'",
+                             txt);
+    out = read_file(txt);
+    if (rc != 0) EXPECT_TRUE(!std::filesystem::exists(log) || losses(log).empty()) << "trained before failing:\n" << out;
+    return rc;
+  };
+  std::string out;
+  EXPECT_NE(train("--checkpoint-dir " + d + "/ro/ck", out), 0);
+  EXPECT_NE(out.find("checkpoint directory " + d + "/ro/ck: cannot create it"), std::string::npos) << out;
+  EXPECT_NE(train("--checkpoint-dir " + d + "/small/ck", out), 0);
+  EXPECT_NE(out.find("checkpoint directory " + d + "/small/ck has "), std::string::npos) << out;
+  EXPECT_NE(out.find("are needed"), std::string::npos) << out;
+  EXPECT_NE(train("--export " + d + "/ro/model", out), 0);
+  EXPECT_NE(out.find("the export's parent directory " + d + "/ro"), std::string::npos) << out;
+
+  std::filesystem::create_directories(dir / "model");
+  std::ofstream(dir / "model" / "tokenizer.json") << "{}";
+  EXPECT_NE(train("--export " + d + "/model", out), 0);
+  EXPECT_NE(out.find(d + "/model is not empty (tokenizer.json); set run.export_overwrite (--export-overwrite)"),
+            std::string::npos)
+      << out;
+  ASSERT_EQ(train("--export " + d + "/model --export-overwrite", out), 0) << out;
+  EXPECT_EQ(read_file(dir / "model" / "tokenizer.json"), "{}");
+  EXPECT_EQ(sm::load_hf_model(dir / "model")->config().layers, 3);
+  EXPECT_FALSE(std::filesystem::exists(dir / "model.export-tmp"));
+}
+
 TEST(Checkpoint, ResumeBatchKeepsChangesOrRefusesTheSavedGlobalBatch) {
   const se::CheckpointMeta saved{10, 240, 24, 4};  // 4 ranks x micro_batch 3 x grad_accum 2
   EXPECT_EQ(se::resume_batch(saved, 3, 2, 4, false).note, "");

@@ -67,28 +67,8 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   }
 
   // Refused before any work: an existing, non-empty out_dir without `overwrite`.
-  std::error_code ec;
-  if (fs::is_directory(out_dir, ec) && !fs::is_empty(out_dir, ec) && !overwrite) {
-    std::string names;
-    size_t n = 0;
-    for (const auto& e : fs::directory_iterator(out_dir))
-      if (n++ < 4) names += (names.empty() ? "" : ", ") + e.path().filename().string();
-    throw std::runtime_error("export: " + out_dir.string() + " is not empty (" + names + (n > 4 ? ", ..." : "") +
-                             "); pass --force to replace its config.json and model.safetensors");
-  }
-  if (fs::exists(out_dir, ec) && !fs::is_directory(out_dir, ec))
-    throw std::runtime_error("export: " + out_dir.string() + " exists and is not a directory");
-  const fs::path tmp = out_dir.string() + ".export-tmp";
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  struct RemoveOnFailure {  // a failed export leaves nothing behind
-    const fs::path& dir;
-    bool done = false;
-    ~RemoveOnFailure() {
-      std::error_code ignored;
-      if (!done) fs::remove_all(dir, ignored);
-    }
-  } cleanup{tmp};
+  models::ExportDirectory out(out_dir, overwrite, "pass --force to replace its config.json and model.safetensors");
+  const fs::path& tmp = out.tmp();
   models::SafetensorsWriter writer(tmp / "model.safetensors", specs, {{"format", "pt"}});
   ChunkReader reader(dir, units);
   // Each tensor from the chunks it overlaps, a window of them read at a time; the last chunk
@@ -139,13 +119,7 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   }
   writer.finish();
   write_atomically(tmp / "config.json", mc.to_hf_json(dtype) + "\n");
-  // Complete: into place, the weights first, so that a config.json never describes weights
-  // that are not there.
-  fs::create_directories(out_dir);
-  for (const char* name : {"model.safetensors", "config.json"}) fs::rename(tmp / name, out_dir / name);
-  fsync_dir(out_dir);
-  fs::remove(tmp);
-  cleanup.done = true;
+  out.commit();
   return result;
 }
 

@@ -112,6 +112,7 @@ struct TrainConfig {
   std::string log_path = "strata-train.jsonl";
   bool progress = true;
   std::string export_dir;  // Hugging Face safetensors + config.json after the last step
+  bool export_overwrite = false;  // a non-empty export_dir is replaced (its other files kept)
   std::string profile_path;  // per-step timeline printed, Chrome trace written here; empty: off
   std::string checkpoint_dir;  // root of the checkpoints (checkpoint.h); empty: none
   int64_t save_every = 0;      // save every N steps (and after the last); 0: only after the last

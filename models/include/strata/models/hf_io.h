@@ -34,4 +34,31 @@ std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir);
 // missing.
 void export_hf_model(Decoder& model, const std::filesystem::path& dir);
 
+// A Hugging Face model directory written whole or not at all, the one way every export goes
+// (`strata ckpt export`, `run.export`): the files are written into `<out>.export-tmp` beside it
+// (tmp()), and commit() renames model.safetensors, then config.json, into `out` (so a config.json
+// never describes weights that are not there) and syncs the directory; destroyed uncommitted,
+// the temporary directory goes and `out` is as it was. Other files in `out` (a tokenizer) are
+// kept. Not thread safe; errors are std::runtime_error naming the path.
+class ExportDirectory {
+ public:
+  // Refuses, before anything is written, an `out` that exists and is not a directory, or a
+  // non-empty one unless `overwrite` (the message names what is in it and ends with
+  // `how_to_overwrite`, e.g. "pass --force ..."). check() alone is the same test for a run that
+  // exports only after hours of training.
+  static void check(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite);
+  ExportDirectory(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite);
+  // `<out>.export-tmp` (a trailing '/' of `out` ignored): its parent must be writable.
+  static std::filesystem::path temporary(const std::filesystem::path& out);
+  ExportDirectory(const ExportDirectory&) = delete;
+  ExportDirectory& operator=(const ExportDirectory&) = delete;
+  ~ExportDirectory();
+  const std::filesystem::path& tmp() const { return tmp_; }
+  void commit();
+
+ private:
+  std::filesystem::path out_, tmp_;
+  bool committed_ = false;
+};
+
 }  // namespace strata::models
