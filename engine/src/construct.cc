@@ -85,6 +85,9 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   if (cfg.plan_only) {
     state = std::make_unique<state::StateStore>(*partition, cdt, resolved, dev, host, nullptr, prof);
     optimizer = std::make_unique<runtime::Optimizer>(*state, host, dev, exec, cfg.nvme_chunk_bytes);
+    // The run's own test, with the device-placed state it would allocate.
+    check_working_set(cfg, *memory, choice, planned_device_bytes(resolved, shard_numel, c10::elementSize(cdt)),
+                      dev.budget(), [this](size_t u) { return partition->unit(u).name; });
     placement_report += "; plan only (recompute and activation checkpoints are decided once the state is allocated)";
     effective = effective_config(cfg, {resolved, choice, placement_report});
     return;
@@ -140,19 +143,8 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
     choice.prefetch = 1;
     placement_report += "; prefetch auto (1 to " + std::to_string(prefetch_tuner.deepest) + " units ahead)";
   }
-  for (const Use& use : uses()) {
-    const uint64_t need = memory->need(use, choice);
-    if (base_bytes + need > dev.budget())
-      throw BudgetExceeded(
-          "device budget " + format_bytes(dev.budget()) + " cannot run unit " +
-          partition->unit(use.stage).name + ": it needs " + format_bytes(need) +
-          " (parameters " + format_bytes(memory->use_bytes(use, choice)) + ", activations and gradient "
-          "buffers " + format_bytes(memory->scratch(choice)) + ", activation checkpoints on the device " +
-          format_bytes(memory->device_checkpoints(choice)) + ", blocks kept without recompute " +
-          format_bytes(memory->held_at(use, choice)) + ") beside " + format_bytes(dev.used()) +
-          " of device-placed state; raise device.budget, recompute more blocks "
-          "(placement.recompute) or place state on the host");
-  }
+  check_working_set(cfg, *memory, choice, base_bytes, dev.budget(),
+                    [this](size_t u) { return partition->unit(u).name; });
   effective = effective_config(cfg, {state->plan(), choice, placement_report});
 }
 

@@ -141,4 +141,45 @@ EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r) {
   return e;
 }
 
+uint64_t planned_device_bytes(const PlacementPlan& plan, const std::vector<uint64_t>& shard_numel,
+                            uint64_t compute_bytes) {
+  uint64_t bytes = 0;
+  for (size_t u = 0; u < shard_numel.size(); ++u) {
+    const uint64_t n = shard_numel[u];
+    if (plan.params == Placement::kDevice) bytes += n * compute_bytes;
+    const bool grads_stored = !plan.grads_transient || u < plan.device_units;
+    if (grads_stored && plan.unit_tier(plan.grads, true, u) == Placement::kDevice) bytes += n * 4;
+    if (plan.unit_tier(plan.master, true, u) == Placement::kDevice) bytes += n * 4;
+    if (plan.unit_tier(plan.moments, true, u) == Placement::kDevice) bytes += n * 8;
+  }
+  return bytes;
+}
+
+void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
+                       uint64_t base, uint64_t budget, const std::function<std::string(size_t)>& unit_name) {
+  for (const plan::Use& use : mm.schedule().uses()) {
+    const uint64_t need = mm.need(use, choice);
+    if (base + need <= budget) continue;
+    const uint64_t scratch = mm.scratch(choice), checkpoints = mm.device_checkpoints(choice),
+                   held = mm.held_at(use, choice);
+    std::string remedies = "raise device.budget";
+    const auto add = [&](const std::string& r) { remedies += ", " + r; };
+    if (scratch > 0)
+      add("lower batch.micro_batch or data.seq_len (the activations of " + std::to_string(cfg.micro_batch) + " x " +
+          std::to_string(cfg.seq_len) + " = " + std::to_string(cfg.micro_batch * cfg.seq_len) +
+          " tokens a micro-batch are part of the " + format_bytes(scratch) + ")");
+    if (checkpoints > 0) add("place activation checkpoints on the host (placement.activations)");
+    if (held > 0) add("recompute more blocks (placement.recompute)");
+    if (base > 0) add("place state on the host (the placement of params, grads, master and moments)");
+    const size_t comma = remedies.rfind(", ");
+    if (comma != std::string::npos) remedies.replace(comma, 2, " or ");
+    throw BudgetExceeded("device budget " + format_bytes(budget) + " cannot run unit " + unit_name(use.stage) +
+                         ": it needs " + format_bytes(need) + " (parameters " + format_bytes(mm.use_bytes(use, choice)) +
+                         ", activations and gradient buffers " + format_bytes(scratch) +
+                         ", activation checkpoints on the device " + format_bytes(checkpoints) +
+                         ", blocks kept without recompute " + format_bytes(held) + ") beside " + format_bytes(base) +
+                         " of device-placed state; " + remedies);
+  }
+}
+
 }  // namespace strata::engine

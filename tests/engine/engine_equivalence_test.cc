@@ -1303,6 +1303,60 @@ TEST(EngineEquivalence, BudgetTooSmallIsAClearError) {
   }
 }
 
+// `--plan` (an engine built with plan_only: nothing allocated) accepts exactly the device budgets
+// a run accepts: the same working-set test over the same device-placed state bytes, found here
+// as the smallest budget a run constructs with, for state on the host, on the device, kept
+// graphs and device checkpoints. Its message names only the remedies that apply.
+TEST(EngineEquivalence, PlanRefusesExactlyTheBudgetsARunRefuses) {
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  const auto builds = [&](const se::TrainConfig& tc, uint64_t budget, bool plan, std::string* why) {
+    se::EngineConfig ec = tc.engine;
+    ec.plan_only = plan;
+    auto dev = se::Device::create_host(budget);
+    try {
+      se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), ec, *comm,
+                     *dev);
+      return true;
+    } catch (const se::BudgetExceeded& e) {
+      if (why) *why = e.what();
+      return false;
+    }
+  };
+  struct Case {
+    const char* name;
+    json placement;
+    bool state_on_device, graphs_kept, device_checkpoints;
+  };
+  const std::vector<Case> cases = {
+      {"host", {{"params", "host"}}, false, false, false},
+      {"optimizer on the device", {{"master", "device"}, {"moments", "device"}, {"grads", "device"}}, true, false, false},
+      {"params on the device", {{"params", "device"}}, true, false, false},
+      {"graphs kept", {{"recompute", 1}}, false, true, false},
+      {"checkpoints on the device", {{"activations", "device"}}, false, false, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    json j = tiny_config(false, 3);
+    j["placement"] = c.placement;
+    const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    uint64_t lo = 1, hi = 64 << 20;  // the run refuses lo and accepts hi
+    ASSERT_TRUE(builds(tc, hi, false, nullptr));
+    ASSERT_FALSE(builds(tc, lo, false, nullptr));
+    while (hi - lo > 1) {
+      const uint64_t mid = lo + (hi - lo) / 2;
+      (builds(tc, mid, false, nullptr) ? hi : lo) = mid;
+    }
+    std::string why;
+    EXPECT_TRUE(builds(tc, hi, true, &why)) << "the run builds with " << hi << " B: " << why;
+    EXPECT_FALSE(builds(tc, hi - 1, true, &why)) << "the run does not build with " << hi - 1 << " B";
+    EXPECT_NE(why.find("cannot run unit"), std::string::npos) << why;
+    EXPECT_NE(why.find("2 x 24 = 48 tokens a micro-batch"), std::string::npos) << why;
+    EXPECT_EQ(why.find("place state on the host") != std::string::npos, c.state_on_device) << why;
+    EXPECT_EQ(why.find("recompute more blocks") != std::string::npos, c.graphs_kept) << why;
+    EXPECT_EQ(why.find("activation checkpoints on the host") != std::string::npos, c.device_checkpoints) << why;
+  }
+}
+
 // --- mixed precision ------------------------------------------------------------------------
 
 TEST(EngineMixedPrecision, Bf16ComputeAndReduceTrackFp32) {
