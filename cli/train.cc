@@ -479,6 +479,10 @@ int run_training(const std::vector<std::string>& argv) {
         {"world_size", comm->world_size()},
         {"launcher", env.launcher},
         {"global_batch", global_batch},
+        {"lr_schedule",
+         {{"lr", ec.lr}, {"decay", engine::to_string(tc.schedule().decay)},
+          {"warmup_steps", tc.schedule().warmup_steps}, {"total_steps", tc.schedule().total_steps},
+          {"min_lr_ratio", tc.schedule().min_lr_ratio}}},
         {"seq_len", ec.seq_len},
         {"compute", to_string(ec.compute)},
         {"reduce", to_string(ec.reduce)},
@@ -517,9 +521,12 @@ int run_training(const std::vector<std::string>& argv) {
   std::vector<engine::TraceSpan> trace;
   int stopped_by = 0;  // the signal that stopped the run early
   int64_t steps_done = first_step;
+  const engine::LrSchedule schedule = tc.schedule();  // a function of the step: resumes exactly
   for (int64_t s = first_step; s < tc.steps; ++s) {
     if ((stopped_by = agreed_stop_signal(*comm)) != 0) break;
     loader.next(ids.data_ptr<int64_t>());
+    const double lr = engine::scheduled_lr(schedule, ec.lr, s);
+    eng.set_learning_rate(lr);
     const engine::StepResult r = eng.train_step(ids);
     const engine::MemoryReport mem = eng.memory();
     tokens_total += double(r.tokens);
@@ -539,6 +546,7 @@ int run_training(const std::vector<std::string>& argv) {
       nlohmann::json j = {{"step", s + 1},
                           {"optimizer_step", r.step},
                           {"loss", r.loss},
+                          {"lr", lr},
                           {"grad_norm", r.grad_norm},
                           {"skipped", r.skipped},
                           {"loss_scale", r.loss_scale},

@@ -266,6 +266,19 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
       e.beta2 = (*betas)[1].get<double>();
     }
     s.read("eps", e.eps);
+    if (const json* sch = s.get("schedule")) {
+      Section ss(*sch, "optimizer.schedule", source);
+      LrSchedule& ls = c.lr_schedule;
+      ss.read_enum("decay", ls.decay,
+                   {{"constant", LrSchedule::Decay::kConstant}, {"linear", LrSchedule::Decay::kLinear},
+                    {"cosine", LrSchedule::Decay::kCosine}});
+      ss.read("warmup_steps", ls.warmup_steps);
+      ss.read("total_steps", ls.total_steps);
+      ss.read("min_lr_ratio", ls.min_lr_ratio);
+      if (ls.warmup_steps < 0) ss.fail("warmup_steps", "must be >= 0");
+      if (ls.total_steps < 0) ss.fail("total_steps", "must be >= 0 (0: run.steps)");
+      if (!(ls.min_lr_ratio >= 0 && ls.min_lr_ratio <= 1)) ss.fail("min_lr_ratio", "must be in [0, 1]");
+    }
     s.read("weight_decay", e.weight_decay);
     s.read("clip_grad_norm", e.clip_grad_norm);
     if (const json* v = s.get("overlap")) {

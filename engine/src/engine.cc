@@ -1,6 +1,9 @@
 // The engine's public API over Engine::Impl (engine_impl.h), and StateHold.
 #include "engine_impl.h"
 
+#include <cmath>
+#include <stdexcept>
+
 namespace strata::engine {
 
 Engine::Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& config,
@@ -50,6 +53,12 @@ StepResult Engine::train_step(const at::Tensor& ids) {
     if (impl_->params) impl_->params->begin_micro_batch();
     throw;
   }
+}
+
+void Engine::set_learning_rate(double lr) {
+  if (!(lr >= 0) || !std::isfinite(lr))
+    throw std::invalid_argument("Engine::set_learning_rate: " + std::to_string(lr) + " is not a finite rate >= 0");
+  impl_->lr = lr;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {

@@ -101,6 +101,7 @@ struct Engine::Impl {
   bool broken = false;      // a step failed half way: the state is undefined
   int64_t step = 0;
   double loss_scale = 1.0;
+  double lr = cfg.lr;  // set_learning_rate
   int64_t good_steps = 0;
   kernels::CpuExec exec;
   // NVMe tier (when any kind is placed there): this rank's swap files through the I/O engine.
@@ -256,7 +257,7 @@ struct Engine::Impl {
 
   kernels::AdamConfig adam_config(double grad_scale) const {
     kernels::AdamConfig ac;
-    ac.lr = cfg.lr;
+    ac.lr = lr;
     ac.beta1 = cfg.beta1;
     ac.beta2 = cfg.beta2;
     ac.eps = cfg.eps;

@@ -773,6 +773,32 @@ TEST(Checkpoint, OutputLocationsAreCheckedBeforeTheFirstStep) {
   EXPECT_FALSE(std::filesystem::exists(dir / "model.export-tmp"));
 }
 
+// A learning-rate schedule is a function of the step, which checkpoints hold: stopped and
+// resumed, a run has the straight run's rate and loss at every step, bit for bit.
+TEST(Checkpoint, ResumedRunContinuesTheLearningRateSchedule) {
+  TempDir dir;
+  json j = tiny_llama(7);
+  j["optimizer"]["schedule"] = {{"decay", "linear"}, {"warmup_steps", 2}, {"min_lr_ratio", 0.2}};
+  launch(1, j, dir, "straight", "--log " + (dir / "straight.jsonl").string());
+  const auto ck = dir / "ck";
+  launch(1, j, dir, "first", "--steps 3 --log " + (dir / "resumed.jsonl").string() + " --checkpoint-dir " + ck.string());
+  launch(1, j, dir, "second", "--resume --log " + (dir / "resumed.jsonl").string() + " --checkpoint-dir " + ck.string());
+  const auto field = [](const std::filesystem::path& log, const char* key) {
+    std::vector<double> out;
+    std::istringstream lines(read_file(log));
+    std::string line;
+    while (std::getline(lines, line))
+      if (json l = json::parse(line); !l.contains("event")) out.push_back(l[key].get<double>());
+    return out;
+  };
+  const std::vector<double> lr = field(dir / "straight.jsonl", "lr");
+  ASSERT_EQ(lr.size(), 7u);
+  EXPECT_EQ(lr[0], 0.0);
+  EXPECT_EQ(lr[2], 3e-3);  // warmup done: the peak, optimizer.lr
+  EXPECT_EQ(field(dir / "resumed.jsonl", "lr"), lr);
+  EXPECT_EQ(field(dir / "resumed.jsonl", "loss"), field(dir / "straight.jsonl", "loss"));
+}
+
 TEST(Checkpoint, ResumeBatchKeepsChangesOrRefusesTheSavedGlobalBatch) {
   const se::CheckpointMeta saved{10, 240, 24, 4};  // 4 ranks x micro_batch 3 x grad_accum 2
   EXPECT_EQ(se::resume_batch(saved, 3, 2, 4, false).note, "");

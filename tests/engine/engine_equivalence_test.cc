@@ -1357,6 +1357,70 @@ TEST(EngineEquivalence, PlanRefusesExactlyTheBudgetsARunRefuses) {
   }
 }
 
+// --- learning-rate schedules ----------------------------------------------------------------
+
+// scheduled_lr step by step against transformers' schedulers driving a torch optimizer
+// (tests/models/py/lr_oracle.py), on awkward step counts, with and without warmup, past the end.
+TEST(LrSchedule, EqualsTransformersSchedulersStepByStep) {
+  const std::string python = STRATA_PYTHON;
+  if (python.empty()) GTEST_SKIP() << "STRATA_PYTHON not set: no transformers oracle";
+  json specs = json::array();
+  using D = se::LrSchedule::Decay;
+  const std::vector<std::tuple<D, int64_t, int64_t, double, double>> cases = {
+      {D::kConstant, 7, 50, 0.0, 3e-4}, {D::kConstant, 0, 13, 0.0, 1e-3}, {D::kLinear, 5, 37, 0.0, 2e-3},
+      {D::kLinear, 0, 19, 0.0, 1e-4},   {D::kCosine, 0, 23, 0.0, 6e-4},  {D::kCosine, 6, 41, 0.0, 3e-3},
+      {D::kCosine, 11, 97, 0.1, 5e-4},  {D::kCosine, 1, 3, 0.35, 1.0}};
+  for (const auto& [decay, warmup, total, min_ratio, lr] : cases)
+    specs.push_back({{"decay", se::to_string(decay)}, {"warmup_steps", warmup}, {"total_steps", total},
+                     {"min_lr_ratio", min_ratio}, {"lr", lr}, {"steps", total}});
+  TempDir dir;
+  std::ofstream(dir / "specs.json") << specs.dump();
+  const std::string cmd = python + " " + STRATA_TEST_PY_DIR + "/lr_oracle.py < " + (dir / "specs.json").string() +
+                          " > " + (dir / "lrs.json").string() + " 2> " + (dir / "err.txt").string();
+  const auto slurp = [](const std::filesystem::path& p) {
+    std::ifstream in(p);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(dir / "err.txt");
+  const json want = json::parse(slurp(dir / "lrs.json"));
+  ASSERT_EQ(want.size(), cases.size());
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const auto& [decay, warmup, total, min_ratio, lr] = cases[c];
+    const se::LrSchedule sch{decay, warmup, total, min_ratio};
+    SCOPED_TRACE(specs[c].dump());
+    for (int64_t k = 0; k < total; ++k)
+      EXPECT_NEAR(se::scheduled_lr(sch, lr, k), want[c][size_t(k)].get<double>(), 1e-15 * lr) << "step " << k;
+    // Past the end the decay stays at its floor (transformers' cosine would rise again).
+    if (decay != D::kConstant) {
+      EXPECT_DOUBLE_EQ(se::scheduled_lr(sch, lr, total + 5), lr * min_ratio);
+    }
+  }
+}
+
+// A cosine schedule with warmup and a floor through the engine equals torch::optim with the
+// same per-step rate (reference()), with the update on its own thread during the next forward.
+TEST(LrSchedule, EngineFollowsTheScheduleAsTorchOptimDoes) {
+  json j = tiny_config(true, 3);
+  j["run"]["steps"] = 9;
+  j["optimizer"]["schedule"] = {{"decay", "cosine"}, {"warmup_steps", 3}, {"min_lr_ratio", 0.1}};
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  EXPECT_EQ(tc.schedule().total_steps, 9);
+  uint64_t peak = 0;
+  const Trajectory want = reference(tc, 1), got = run_in_process(tc, UINT64_MAX, &peak);
+  ASSERT_EQ(got.losses.size(), 9u);
+  for (size_t i = 0; i < 9; ++i) EXPECT_NEAR(got.losses[i], want.losses[i], 1e-5 * want.losses[i]) << "step " << i + 1;
+  for (auto& [name, w] : want.params) EXPECT_LE(relative(got.params.at(name), w), 1e-5) << name;
+}
+
+TEST(LrSchedule, BadScheduleKeysAreRejected) {
+  for (const char* bad : {R"({"decay": "exp"})", R"({"warmup_steps": -1})", R"({"min_lr_ratio": 1.5})",
+                          R"({"total_steps": -3})", R"({"decay": "linear", "typo": 1})"}) {
+    json j = tiny_config(false, 2);
+    j["optimizer"]["schedule"] = json::parse(bad);
+    EXPECT_THROW(se::parse_train_config(j.dump(), "test"), std::invalid_argument) << bad;
+  }
+}
+
 // --- mixed precision ------------------------------------------------------------------------
 
 TEST(EngineMixedPrecision, Bf16ComputeAndReduceTrackFp32) {

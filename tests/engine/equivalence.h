@@ -86,6 +86,9 @@ inline Trajectory reference(const se::TrainConfig& tc, int world_size,
   for (int64_t s = 0; s < tc.steps; ++s) {
     loader.next(ids.data_ptr<int64_t>());
     const at::Tensor dids = ids.to(device);
+    const double lr = se::scheduled_lr(tc.schedule(), e.lr, s);  // optimizer.schedule (constant: e.lr)
+    if (e.decoupled_weight_decay) static_cast<torch::optim::AdamWOptions&>(opt->param_groups()[0].options()).lr(lr);
+    else static_cast<torch::optim::AdamOptions&>(opt->param_groups()[0].options()).lr(lr);
     opt->zero_grad();
     const int64_t micro = G / e.micro_batch;
     double loss_sum = 0;
@@ -157,6 +160,7 @@ inline Trajectory run_in_process(const se::TrainConfig& tc, uint64_t budget, uin
     at::Tensor ids = at::empty({e.micro_batch * e.grad_accum, e.seq_len + 1}, at::kLong);
     for (int64_t s = 0; s < tc.steps; ++s) {
       loader.next(ids.data_ptr<int64_t>());
+      eng.set_learning_rate(se::scheduled_lr(tc.schedule(), e.lr, s));
       se::StepResult r = eng.train_step(ids);
       if (tc.engine.compute != se::Precision::kFp16) {
         EXPECT_FALSE(r.skipped);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "strata/engine/lr_schedule.h"
 #include "strata/models/model_config.h"
 
 namespace strata::offload {
@@ -102,6 +103,12 @@ struct EngineConfig {
 };
 
 struct TrainConfig {
+  LrSchedule lr_schedule;  // optimizer.schedule; total_steps 0: run.steps (schedule())
+  LrSchedule schedule() const {
+    LrSchedule s = lr_schedule;
+    if (s.total_steps == 0) s.total_steps = steps;
+    return s;
+  }
   models::ModelConfig model;
   std::string init_from;  // Hugging Face model directory, or empty for random init
   uint64_t init_seed = 0;

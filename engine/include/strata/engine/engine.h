@@ -140,6 +140,9 @@ class Engine {
   // [grad_accum * micro_batch, seq_len + 1] (inputs and next-token targets), micro-batch m being
   // rows [m * micro_batch, (m + 1) * micro_batch).
   StepResult train_step(const at::Tensor& ids);
+  // The learning rate of the following steps' updates (optimizer.lr until called; a schedule sets
+  // it before each step: lr_schedule.h). An update already launched keeps the rate it had.
+  void set_learning_rate(double lr);
 
   // Every parameter in fp32 with its Hugging Face name, gathered from all ranks' master slices
   // (a collective). Holds one full copy of the model in host memory. Waits for the update
