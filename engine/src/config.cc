@@ -280,6 +280,15 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
       if (!(ls.min_lr_ratio >= 0 && ls.min_lr_ratio <= 1)) ss.fail("min_lr_ratio", "must be in [0, 1]");
     }
     s.read("weight_decay", e.weight_decay);
+    if (const json* nd = s.get("no_decay")) {
+      if (!nd->is_array()) s.fail("no_decay", "must be an array of \"bias\", \"norm\", \"embedding\"");
+      for (const json& k : *nd) {
+        if (k == "bias") e.no_decay_bias = true;
+        else if (k == "norm") e.no_decay_norm = true;
+        else if (k == "embedding") e.no_decay_embedding = true;
+        else s.fail("no_decay", "must hold only \"bias\", \"norm\" and \"embedding\", not " + k.dump());
+      }
+    }
     s.read("clip_grad_norm", e.clip_grad_norm);
     if (const json* v = s.get("overlap")) {
       if (v->is_boolean()) e.update_overlap = v->get<bool>() ? UpdateOverlap::kForward : UpdateOverlap::kOff;

@@ -82,6 +82,16 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
       [this](uint64_t device) { return machine_budgets(cfg, device, local_ranks()); }, agreement(), placement_report);
   choice.params_staged = resolved.params != Placement::kDevice;
   const bool grads_transient = resolved.grads_transient;
+  // The second parameter group: each unit's shard ranges exempt from weight decay.
+  std::vector<runtime::Optimizer::Ranges> no_decay(partition->num_units());
+  for (size_t u = 0; u < partition->num_units(); ++u) {
+    const UnitLayout& L = partition->unit(u);
+    const uint64_t lo = L.shard_begin(comm.rank()), hi = lo + L.shard_numel;
+    for (const TensorSlot& t : L.tensors) {
+      const uint64_t b = std::max(lo, t.offset), e = std::min(hi, t.offset + t.numel);
+      if (b < e && exempt_from_weight_decay(t, cfg)) no_decay[u].emplace_back(b - lo, e - lo);
+    }
+  }
   if (cfg.plan_only) {
     state = std::make_unique<state::StateStore>(*partition, cdt, resolved, dev, host, nullptr, prof);
     optimizer = std::make_unique<runtime::Optimizer>(*state, host, dev, exec, cfg.nvme_chunk_bytes);
@@ -97,7 +107,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
       resolved.params == Placement::kNvme || cfg.activations == Placement::kNvme)
     open_swap();
   state = std::make_unique<state::StateStore>(*partition, cdt, resolved, dev, host, swap.get(), prof);
-  optimizer = std::make_unique<runtime::Optimizer>(*state, host, dev, exec, cfg.nvme_chunk_bytes);
+  optimizer = std::make_unique<runtime::Optimizer>(*state, host, dev, exec, cfg.nvme_chunk_bytes, std::move(no_decay));
 
   params = std::make_unique<runtime::ParameterCoordinator>(*schedule, *memory, choice, *partition, *state, host, dev,
                                                            comm, prof, [this](size_t u) { wait_updated(u); });

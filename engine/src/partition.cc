@@ -1,9 +1,20 @@
 #include "strata/engine/partition.h"
 
+#include "strata/engine/config.h"
+
 #include <algorithm>
 #include <stdexcept>
 
 namespace strata::engine {
+
+bool exempt_from_weight_decay(const TensorSlot& slot, const EngineConfig& config) {
+  const std::string& n = slot.name;
+  const bool ends_bias = n.size() >= 4 && n.compare(n.size() - 4, 4, "bias") == 0;
+  if (slot.shape.size() == 1) return ends_bias ? config.no_decay_bias : config.no_decay_norm;
+  const bool embedding = n.find("wte") != std::string::npos || n.find("wpe") != std::string::npos ||
+                         n.find("embed_tokens") != std::string::npos;
+  return embedding && config.no_decay_embedding;
+}
 
 uint64_t TensorSpec::numel() const {
   uint64_t n = 1;

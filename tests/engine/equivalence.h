@@ -70,13 +70,34 @@ inline Trajectory reference(const se::TrainConfig& tc, int world_size,
     p.set_data(p.to(device));
     ps.push_back(p);
   }
+  // optimizer.no_decay: a second group with weight_decay 0, chosen here from the names and
+  // shapes as transformers' Trainer chooses (biases and norm weights; the embeddings on request).
+  std::vector<at::Tensor> decayed, exempt;
+  for (auto& [n, p] : model.hf_parameters()) {
+    const bool bias = n.size() >= 5 && n.substr(n.size() - 5) == ".bias";
+    const bool norm = !bias && p.dim() == 1;
+    const bool embedding = n.find("wte") != std::string::npos || n.find("wpe") != std::string::npos ||
+                           n.find("embed_tokens") != std::string::npos;
+    ((bias && e.no_decay_bias) || (norm && e.no_decay_norm) || (embedding && e.no_decay_embedding) ? exempt : decayed)
+        .push_back(p);
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
   std::unique_ptr<torch::optim::Optimizer> opt;
-  if (e.decoupled_weight_decay)
-    opt = std::make_unique<torch::optim::AdamW>(
-        ps, torch::optim::AdamWOptions(e.lr).betas({e.beta1, e.beta2}).eps(e.eps).weight_decay(e.weight_decay));
-  else
-    opt = std::make_unique<torch::optim::Adam>(
-        ps, torch::optim::AdamOptions(e.lr).betas({e.beta1, e.beta2}).eps(e.eps).weight_decay(e.weight_decay));
+  if (e.decoupled_weight_decay) {
+    const auto options = torch::optim::AdamWOptions(e.lr).betas({e.beta1, e.beta2}).eps(e.eps);
+    groups.emplace_back(decayed, std::make_unique<torch::optim::AdamWOptions>(
+                                     torch::optim::AdamWOptions(options).weight_decay(e.weight_decay)));
+    if (!exempt.empty())
+      groups.emplace_back(exempt, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(options).weight_decay(0)));
+    opt = std::make_unique<torch::optim::AdamW>(groups, options);
+  } else {
+    const auto options = torch::optim::AdamOptions(e.lr).betas({e.beta1, e.beta2}).eps(e.eps);
+    groups.emplace_back(decayed, std::make_unique<torch::optim::AdamOptions>(
+                                     torch::optim::AdamOptions(options).weight_decay(e.weight_decay)));
+    if (!exempt.empty())
+      groups.emplace_back(exempt, std::make_unique<torch::optim::AdamOptions>(torch::optim::AdamOptions(options).weight_decay(0)));
+    opt = std::make_unique<torch::optim::Adam>(groups, options);
+  }
   auto corpus = std::make_shared<sm::TokenCorpus>(tc.data_path, sm::parse_token_format(tc.data_format),
                                                   uint64_t(tc.model.vocab_size));
   const int64_t G = e.micro_batch * e.grad_accum * world_size;
@@ -87,8 +108,9 @@ inline Trajectory reference(const se::TrainConfig& tc, int world_size,
     loader.next(ids.data_ptr<int64_t>());
     const at::Tensor dids = ids.to(device);
     const double lr = se::scheduled_lr(tc.schedule(), e.lr, s);  // optimizer.schedule (constant: e.lr)
-    if (e.decoupled_weight_decay) static_cast<torch::optim::AdamWOptions&>(opt->param_groups()[0].options()).lr(lr);
-    else static_cast<torch::optim::AdamOptions&>(opt->param_groups()[0].options()).lr(lr);
+    for (auto& group : opt->param_groups())
+      if (e.decoupled_weight_decay) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+      else static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
     opt->zero_grad();
     const int64_t micro = G / e.micro_batch;
     double loss_sum = 0;

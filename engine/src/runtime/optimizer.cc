@@ -20,9 +20,31 @@ constexpr unsigned bit(int k) { return 1u << k; }
 }  // namespace
 
 Optimizer::Optimizer(state::StateStore& store, state::HostMemory& host, Device& device, kernels::CpuExec exec,
-                     uint64_t chunk_bytes)
+                     uint64_t chunk_bytes, std::vector<Ranges> no_decay)
     : store_(store), host_(host), dev_(device), exec_(exec), chunk_bytes_(chunk_bytes),
-      compute_(Device::kernel_dtype(store.dtype(kCompute))) {}
+      compute_(Device::kernel_dtype(store.dtype(kCompute))), no_decay_(std::move(no_decay)),
+      compute_bytes_(c10::elementSize(store.dtype(kCompute))) {}
+
+template <typename F>
+void Optimizer::by_group(const kernels::AdamConfig& ac, size_t u, uint64_t begin, uint64_t numel, F&& fn) const {
+  if (ac.weight_decay == 0 || u >= no_decay_.size() || no_decay_[u].empty()) {
+    fn(uint64_t(0), numel, ac);
+    return;
+  }
+  kernels::AdamConfig none = ac;
+  none.weight_decay = 0;
+  const uint64_t end = begin + numel;
+  uint64_t at = begin;
+  for (const auto& [b, e] : no_decay_[u]) {
+    if (e <= at) continue;
+    if (b >= end) break;
+    if (b > at) fn(at - begin, b - at, ac);
+    const uint64_t stop = std::min(e, end);
+    fn(std::max(b, at) - begin, stop - std::max(b, at), none);
+    at = stop;
+  }
+  if (at < end) fn(at - begin, end - at, ac);
+}
 
 std::vector<size_t> Optimizer::units_where(bool on_device) const {
   std::vector<size_t> out;
@@ -74,15 +96,28 @@ void Optimizer::update_on_device(const kernels::AdamConfig& ac, const std::vecto
   if (before_write)
     for (size_t u : which) before_write(u);  // one launch: all its units first
   if (sumsq) device_sum_squares(which, *sumsq);
-  const auto adam = [&](size_t u, const at::Tensor& out) {
-    return Device::AdamTensors{store_.tensor(u, kMaster), store_.tensor(u, kExpAvg), store_.tensor(u, kExpAvgSq),
-                               store_.tensor(u, kGrad), out};
+  // Each unit as pieces of its parameter groups: one launch per group.
+  std::vector<Device::AdamTensors> decayed, exempt;
+  const auto add = [&](size_t u, const at::Tensor& out) {
+    by_group(ac, u, 0, store_.shard_numel(u), [&](uint64_t off, uint64_t n, const kernels::AdamConfig& c) {
+      const auto piece = [&](const at::Tensor& t) { return t.narrow(0, int64_t(off), int64_t(n)); };
+      (c.weight_decay == ac.weight_decay ? decayed : exempt)
+          .push_back({piece(store_.tensor(u, kMaster)), piece(store_.tensor(u, kExpAvg)),
+                      piece(store_.tensor(u, kExpAvgSq)), piece(store_.tensor(u, kGrad)), piece(out)});
+    });
+  };
+  const auto launch = [&] {
+    kernels::AdamConfig none = ac;
+    none.weight_decay = 0;
+    if (!decayed.empty() || exempt.empty()) dev_.adam_step(ac, decayed, exec_);
+    if (!exempt.empty()) dev_.adam_step(none, exempt, exec_);
+    decayed.clear();
+    exempt.clear();
   };
   const auto compute_on_device = [&](size_t u) { return store_.placement(u, kCompute) == Placement::kDevice; };
-  std::vector<Device::AdamTensors> on_device;
   for (size_t u : which)
-    if (compute_on_device(u)) on_device.push_back(adam(u, store_.tensor(u, kCompute)));
-  dev_.adam_step(ac, on_device, exec_);
+    if (compute_on_device(u)) add(u, store_.tensor(u, kCompute));
+  launch();
   // Compute copies on the host or in swap: through one device buffer of the largest such shard
   // (within the working set: no use is running), each stored (a blocking copy) before the next
   // launch writes the buffer again.
@@ -94,7 +129,8 @@ void Optimizer::update_on_device(const kernels::AdamConfig& ac, const std::vecto
   for (size_t u : which) {
     if (compute_on_device(u)) continue;
     const at::Tensor values = out.narrow(0, 0, int64_t(store_.shard_numel(u)));
-    dev_.adam_step(ac, {adam(u, values)}, exec_);
+    add(u, values);
+    launch();
     store_compute(u, values);
   }
 }
@@ -107,9 +143,12 @@ void Optimizer::update_on_cpu(const kernels::AdamConfig& ac, const std::vector<s
            bit(kMaster) | bit(kExpAvg) | bit(kExpAvgSq) | bit(kCompute), which,
            [&](const state::ChunkRing::Chunk& c, const state::ChunkRing::Pointers& p) {
              if (sumsq) (*sumsq)[c.unit] += kernels::sum_squares(p[kGrad], kernels::DType::kF32, c.numel, exec_);
-             kernels::adam_step(ac, static_cast<float*>(p[kMaster]), static_cast<float*>(p[kExpAvg]),
-                                static_cast<float*>(p[kExpAvgSq]), p[kGrad], kernels::DType::kF32, p[kCompute],
-                                compute_, c.numel, exec_);
+             by_group(ac, c.unit, c.begin, c.numel, [&](uint64_t off, uint64_t n, const kernels::AdamConfig& g) {
+               kernels::adam_step(g, static_cast<float*>(p[kMaster]) + off, static_cast<float*>(p[kExpAvg]) + off,
+                                  static_cast<float*>(p[kExpAvgSq]) + off, static_cast<float*>(p[kGrad]) + off,
+                                  kernels::DType::kF32, static_cast<char*>(p[kCompute]) + off * compute_bytes_,
+                                  compute_, n, exec_);
+             });
              if (grad_consumed && c.begin + c.numel == store_.shard_numel(c.unit)) grad_consumed(c.unit);
            },
            unit_done, before_unit);
@@ -133,9 +172,15 @@ void Optimizer::update_resident(const kernels::AdamConfig& ac, size_t u) {
   const uint64_t n = store_.shard_numel(u);
   const at::Tensor& compute = store_.tensor(u, kCompute);
   const at::Tensor out = compute.defined() && compute.is_cpu() ? compute : host_.buffer(n, store_.dtype(kCompute));
-  kernels::adam_step(ac, store_.tensor(u, kMaster).data_ptr<float>(), store_.tensor(u, kExpAvg).data_ptr<float>(),
-                     store_.tensor(u, kExpAvgSq).data_ptr<float>(), store_.tensor(u, kGrad).data_ptr<float>(),
-                     kernels::DType::kF32, out.data_ptr(), compute_, size_t(n), exec_);
+  float* master = store_.tensor(u, kMaster).data_ptr<float>();
+  float* m = store_.tensor(u, kExpAvg).data_ptr<float>();
+  float* v = store_.tensor(u, kExpAvgSq).data_ptr<float>();
+  float* g = store_.tensor(u, kGrad).data_ptr<float>();
+  char* o = static_cast<char*>(out.data_ptr());
+  by_group(ac, u, 0, n, [&](uint64_t off, uint64_t count, const kernels::AdamConfig& c) {
+    kernels::adam_step(c, master + off, m + off, v + off, g + off, kernels::DType::kF32, o + off * compute_bytes_,
+                       compute_, count, exec_);
+  });
   store_compute(u, out);
 }
 

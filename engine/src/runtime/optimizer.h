@@ -35,8 +35,12 @@ class Optimizer {
  public:
   using UnitFn = std::function<void(size_t)>;
   // `chunk_bytes`: offload.optimizer_chunk (the chunk ring's chunk).
+  // Element ranges [begin, end) of a unit's shard that get no weight decay (the second parameter
+  // group; EngineConfig::no_decay_*), sorted and disjoint.
+  using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
+  // `no_decay[u]`: unit u's ranges (empty, or no entries at all: every element decays).
   Optimizer(state::StateStore& store, state::HostMemory& host, Device& device, kernels::CpuExec exec,
-            uint64_t chunk_bytes);
+            uint64_t chunk_bytes, std::vector<Ranges> no_decay = {});
 
   // The units whose update runs where their master weights are on the device (true), or the
   // CPU's (host or swap), each in forward order.
@@ -75,6 +79,11 @@ class Optimizer {
   void stream(unsigned in, unsigned out, const std::vector<size_t>& which, const state::ChunkRing::Fn& fn,
               const UnitFn& unit_done = {}, const UnitFn& before_unit = {});
   void update_resident(const kernels::AdamConfig& ac, size_t u);
+  // Calls fn(offset, count, config) over [begin, begin + numel) of unit u's shard in maximal
+  // pieces of one parameter group: `ac`, or `ac` with weight_decay 0. Adam is elementwise, so the
+  // pieces give bitwise what one call would.
+  template <typename F>
+  void by_group(const kernels::AdamConfig& ac, size_t u, uint64_t begin, uint64_t numel, F&& fn) const;
 
   state::StateStore& store_;
   state::HostMemory& host_;
@@ -82,6 +91,8 @@ class Optimizer {
   const kernels::CpuExec exec_;
   const uint64_t chunk_bytes_;
   const kernels::DType compute_;
+  const std::vector<Ranges> no_decay_;
+  const uint64_t compute_bytes_;  // bytes of one compute-copy element
 };
 
 }  // namespace strata::engine::runtime

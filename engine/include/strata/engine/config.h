@@ -41,6 +41,10 @@ struct EngineConfig {
   // Optimizer (AdamW when decoupled_weight_decay, else Adam with L2), as torch::optim names them.
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   bool decoupled_weight_decay = true;
+  // Tensors that get no weight decay (a second parameter group with weight_decay 0, as
+  // transformers' Trainer makes one): biases, norm weights (the other 1-D tensors) and the
+  // token and position embeddings (with the tied head), each by choice (optimizer.no_decay).
+  bool no_decay_bias = false, no_decay_norm = false, no_decay_embedding = false;
   double clip_grad_norm = 0.0;  // 0: off
   // Applies with master weights off the device (a device-placed master is updated by one
   // asynchronous CUDA launch after backward). kBackward with grad_accum 1 also stores no

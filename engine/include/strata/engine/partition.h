@@ -34,6 +34,12 @@ struct TensorSlot {
   uint64_t numel = 0;
 };
 
+// Whether `config` exempts tensor `slot` from weight decay (EngineConfig::no_decay_*): a bias is
+// a 1-D tensor named "*bias", a norm weight any other 1-D tensor, an embedding a tensor named
+// "*wte*", "*wpe*" or "*embed_tokens*".
+struct EngineConfig;
+bool exempt_from_weight_decay(const TensorSlot& slot, const EngineConfig& config);
+
 struct UnitLayout {
   std::string name;
   std::vector<TensorSlot> tensors;
