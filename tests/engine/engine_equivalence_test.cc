@@ -1609,6 +1609,7 @@ TEST(EngineEquivalence, FourRanksOverGlooMatchOneProcessLlamaUnderBudget) {
   // Binding: about two units fit beside the working set, so prefetch (2) is cut by the budget
   // and must be decided the same way on every rank.
   j["device"] = {{"budget", "400KiB"}, {"prefetch", 2}};
+  j["optimizer"]["no_decay"] = {"norm"};  // parameter groups over shards at four rank offsets
   se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
   const Trajectory got = run_launched(tc, j, 4, dir);
   EXPECT_LE(got.device_peak, 400u * 1024);
@@ -1621,6 +1622,7 @@ TEST(EngineNvme, TwoRanksWithStateOnNvmeMatchOneProcess) {
   json j = tiny_config(false, 3);
   j["placement"] = {{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "32KiB"}};
+  j["optimizer"]["no_decay"] = {"bias", "norm", "embedding"};  // groups cut by chunks and ranks
   se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
   expect_close(run_launched(tc, j, 2, dir), reference(tc, 2), 1e-5);
 }
