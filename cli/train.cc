@@ -408,7 +408,8 @@ int run_training(const std::vector<std::string>& argv) {
   // Room for one checkpoint (fp32 master weights and two Adam moments: every rank's files in
   // one directory) and for the fp32 export, with the swap files already reserved.
   if (!tc.checkpoint_dir.empty())
-    check_free_space(tc.checkpoint_dir, uint64_t(mc.parameters()) * 12, "checkpoint directory");
+    check_free_space(tc.checkpoint_dir, uint64_t(mc.parameters()) * engine::Engine::kStateKinds * 4,
+                     "checkpoint directory");
   if (!tc.export_dir.empty() && lead)
     check_free_space(models::ExportDirectory::temporary(tc.export_dir).parent_path(), uint64_t(mc.parameters()) * 4,
                      "the export's parent directory");

@@ -96,7 +96,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
     state = std::make_unique<state::StateStore>(*partition, cdt, resolved, dev, host, nullptr, prof);
     optimizer = std::make_unique<runtime::Optimizer>(*state, host, dev, exec, cfg.nvme_chunk_bytes);
     // The run's own test, with the device-placed state it would allocate.
-    check_working_set(cfg, *memory, choice, planned_device_bytes(resolved, shard_numel, c10::elementSize(cdt)),
+    check_working_set(cfg, *memory, choice, planned_device_bytes(resolved, need, c10::elementSize(cdt)),
                       dev.budget(), [this](size_t u) { return partition->unit(u).name; });
     placement_report += "; plan only (recompute and activation checkpoints are decided once the state is allocated)";
     effective = effective_config(cfg, {resolved, choice, placement_report});

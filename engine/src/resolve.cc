@@ -23,6 +23,30 @@ StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t comput
   return need;
 }
 
+namespace {
+
+struct TierBytes {
+  uint64_t device = 0, host = 0, swap = 0;
+};
+
+// This rank's state bytes in each tier under `p`, as StateStore::placement will place them:
+// gradients not stored count as their host buffers (or, for the device share's units, on the
+// device).
+TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t compute_bytes) {
+  TierBytes b;
+  b.host = p.grads_transient ? need.grad_buffers : 0;
+  for (size_t u = 0; u < need.unit_numel.size(); ++u)
+    for (int k = 0; k < state::kKinds; ++k) {
+      const Placement kind = state::unit_kind_tier(p, u, k);
+      if (k == state::kGrad && p.grads_transient && kind != Placement::kDevice) continue;  // counted as the buffers
+      const uint64_t bytes = need.unit_numel[u] * (k == state::kCompute ? compute_bytes : 4);
+      (kind == Placement::kDevice ? b.device : kind == Placement::kHost ? b.host : b.swap) += bytes;
+    }
+  return b;
+}
+
+}  // namespace
+
 PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
                                 const StateBytes& need, uint64_t usable_device,
                                 const std::function<TierBudgets(uint64_t)>& budgets_for, const Agree& agree,
@@ -52,16 +76,8 @@ PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel
   // This rank's bytes in host RAM and in swap under a plan (as StateStore::placement will say).
   const uint64_t compute_bytes = mm.sizes().compute_bytes;
   const auto host_and_swap = [&](const PlacementPlan& p) {
-    std::pair<uint64_t, uint64_t> b{p.grads_transient ? need.grad_buffers : 0, 0};
-    for (size_t u = 0; u < need.unit_numel.size(); ++u)
-      for (int k = 0; k < state::kKinds; ++k) {
-        const Placement kind = state::unit_kind_tier(p, u, k);
-        if (k == state::kGrad && p.grads_transient && kind != Placement::kDevice) continue;  // counted as the buffers
-        const uint64_t bytes = need.unit_numel[u] * (k == state::kCompute ? compute_bytes : 4);
-        if (kind == Placement::kHost) b.first += bytes;
-        if (kind == Placement::kNvme) b.second += bytes;
-      }
-    return b;
+    const TierBytes b = bytes_by_tier(p, need, compute_bytes);
+    return std::pair<uint64_t, uint64_t>{b.host, b.swap};
   };
   const auto [planned_host, planned_swap] = host_and_swap(plan);
   // Every rank takes the slowest tier any rank chose for each kind, and of a split optimizer
@@ -141,18 +157,8 @@ EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r) {
   return e;
 }
 
-uint64_t planned_device_bytes(const PlacementPlan& plan, const std::vector<uint64_t>& shard_numel,
-                            uint64_t compute_bytes) {
-  uint64_t bytes = 0;
-  for (size_t u = 0; u < shard_numel.size(); ++u) {
-    const uint64_t n = shard_numel[u];
-    if (plan.params == Placement::kDevice) bytes += n * compute_bytes;
-    const bool grads_stored = !plan.grads_transient || u < plan.device_units;
-    if (grads_stored && plan.unit_tier(plan.grads, true, u) == Placement::kDevice) bytes += n * 4;
-    if (plan.unit_tier(plan.master, true, u) == Placement::kDevice) bytes += n * 4;
-    if (plan.unit_tier(plan.moments, true, u) == Placement::kDevice) bytes += n * 8;
-  }
-  return bytes;
+uint64_t planned_device_bytes(const PlacementPlan& plan, const StateBytes& need, uint64_t compute_bytes) {
+  return bytes_by_tier(plan, need, compute_bytes).device;
 }
 
 void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,

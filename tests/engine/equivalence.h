@@ -81,23 +81,19 @@ inline Trajectory reference(const se::TrainConfig& tc, int world_size,
     ((bias && e.no_decay_bias) || (norm && e.no_decay_norm) || (embedding && e.no_decay_embedding) ? exempt : decayed)
         .push_back(p);
   }
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  if (e.decoupled_weight_decay) {
-    const auto options = torch::optim::AdamWOptions(e.lr).betas({e.beta1, e.beta2}).eps(e.eps);
-    groups.emplace_back(decayed, std::make_unique<torch::optim::AdamWOptions>(
-                                     torch::optim::AdamWOptions(options).weight_decay(e.weight_decay)));
-    if (!exempt.empty())
-      groups.emplace_back(exempt, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(options).weight_decay(0)));
-    opt = std::make_unique<torch::optim::AdamW>(groups, options);
-  } else {
-    const auto options = torch::optim::AdamOptions(e.lr).betas({e.beta1, e.beta2}).eps(e.eps);
-    groups.emplace_back(decayed, std::make_unique<torch::optim::AdamOptions>(
-                                     torch::optim::AdamOptions(options).weight_decay(e.weight_decay)));
-    if (!exempt.empty())
-      groups.emplace_back(exempt, std::make_unique<torch::optim::AdamOptions>(torch::optim::AdamOptions(options).weight_decay(0)));
-    opt = std::make_unique<torch::optim::Adam>(groups, options);
-  }
+  const auto two_groups = [&](auto options, auto* kind) -> std::unique_ptr<torch::optim::Optimizer> {
+    using Options = decltype(options);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(decayed, std::make_unique<Options>(Options(options).weight_decay(e.weight_decay)));
+    if (!exempt.empty()) groups.emplace_back(exempt, std::make_unique<Options>(Options(options).weight_decay(0)));
+    return std::make_unique<std::remove_pointer_t<decltype(kind)>>(groups, options);
+  };
+  const std::unique_ptr<torch::optim::Optimizer> opt =
+      e.decoupled_weight_decay
+          ? two_groups(torch::optim::AdamWOptions(e.lr).betas({e.beta1, e.beta2}).eps(e.eps),
+                       static_cast<torch::optim::AdamW*>(nullptr))
+          : two_groups(torch::optim::AdamOptions(e.lr).betas({e.beta1, e.beta2}).eps(e.eps),
+                       static_cast<torch::optim::Adam*>(nullptr));
   auto corpus = std::make_shared<sm::TokenCorpus>(tc.data_path, sm::parse_token_format(tc.data_format),
                                                   uint64_t(tc.model.vocab_size));
   const int64_t G = e.micro_batch * e.grad_accum * world_size;
