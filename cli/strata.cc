@@ -18,6 +18,7 @@
 #include "step_bench.h"
 #include "ckpt_bench.h"
 #include "train_bench.h"
+#include "plot.h"
 #include "train.h"
 #include "strata/engine/build_info.h"
 #include "strata/engine/checkpoint.h"
@@ -34,6 +35,11 @@ commands:
   data prepare --tokenizer MODEL_DIR --output FILE.bin INPUTS...
                tokenize text files with a Hugging Face tokenizer into the token file
                `strata train` reads (data.format uint16/uint32; models/prepare_data.py)
+  data prepare --chat --tokenizer MODEL_DIR --output FILE.sft CHATS.jsonl...
+               prompt/response or chat-message JSONL into supervised examples with the
+               tokenizer's chat template, loss on the responses only (data.format sft)
+  plot LOG.jsonl -o OUT.png
+               a PNG of a run's log: loss and eval loss, learning rate, tokens/s, memory
   ckpt inspect DIR   summary of a checkpoint (DIR: a checkpoint, or a root with `latest`)
   ckpt verify DIR    read every chunk of a checkpoint and check its CRC32C and coverage
   ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force]
@@ -351,6 +357,7 @@ int main(int argc, char** argv) {
     if (args[0] == "launch") return strata::cli::launch_main({args.begin() + 1, args.end()});
     if (args[0] == "ckpt") return ckpt({args.begin() + 1, args.end()});
     if (args[0] == "data") return data({args.begin() + 1, args.end()});
+    if (args[0] == "plot") return strata::cli::plot_main({args.begin() + 1, args.end()});
     if (args[0] == "bench") {
       if (args.size() >= 2 && args[1] == "io") return bench_io({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "adam") return bench_adam({args.begin() + 2, args.end()});

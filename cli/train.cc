@@ -34,6 +34,7 @@
 #include "strata/engine/engine.h"
 #include "strata/models/hf_io.h"
 #include "strata/models/token_data.h"
+#include "tensorboard.h"
 
 namespace strata::cli {
 namespace {
@@ -308,6 +309,42 @@ int agreed_stop_signal(engine::Communicator& comm) {
 
 int agreed_stop = 0;  // the signal every rank agreed to stop on (0: none)
 
+// The training samples and the evaluation samples (null without evaluation data).
+struct DataSources {
+  std::shared_ptr<const models::SampleSource> train, eval;
+};
+
+std::shared_ptr<const models::SampleSource> open_samples(const engine::TrainConfig& tc, const std::string& path,
+                                                         const std::string& format, uint64_t vocab, bool lead) {
+  const uint64_t T = uint64_t(tc.engine.seq_len);
+  if (format != "sft")
+    return std::make_shared<models::TokenWindows>(
+        std::make_shared<models::TokenCorpus>(path, models::parse_token_format(format), vocab), T);
+  auto sft = std::make_shared<models::SftExamples>(path, T, vocab, tc.data_pad_id);
+  if (lead && sft->truncated_examples() > 0)
+    std::cerr << "strata train: warning: " << sft->truncated_examples() << " of " << sft->size() << " examples of "
+              << path << " are longer than seq_len + 1 = " << T + 1 << " tokens and are cut there ("
+              << sft->truncated_loss_tokens() << " response tokens never trained on); raise data.seq_len to keep them\n";
+  return sft;
+}
+
+DataSources open_data(const engine::TrainConfig& tc, uint64_t vocab, bool lead) {
+  DataSources d;
+  d.train = open_samples(tc, tc.data_path, tc.data_format, vocab, lead);
+  if (!tc.eval_path.empty()) d.eval = open_samples(tc, tc.eval_path, tc.eval_format, vocab, lead);
+  if (tc.eval_split > 0) {  // the last samples are held out
+    const uint64_t n = d.train->size(), held = std::max<uint64_t>(1, uint64_t(std::llround(tc.eval_split * double(n))));
+    if (held >= n)
+      throw std::invalid_argument("data.eval_split " + std::to_string(tc.eval_split) + " of the " + std::to_string(n) +
+                                  " samples of " + d.train->description() + " leaves none to train on");
+    d.eval = std::make_shared<models::SampleRange>(d.train, n - held, n);
+    d.train = std::make_shared<models::SampleRange>(d.train, 0, n - held);
+  }
+  if (d.eval && tc.eval_max_samples > 0 && d.eval->size() > uint64_t(tc.eval_max_samples))
+    d.eval = std::make_shared<models::SampleRange>(d.eval, 0, uint64_t(tc.eval_max_samples));
+  return d;
+}
+
 int run_training(const std::vector<std::string>& argv) {
   for (const auto& a : argv)
     if (a == "--help" || a == "-h") {
@@ -383,12 +420,10 @@ int run_training(const std::vector<std::string>& argv) {
       tc.init_from.empty() ? std::make_unique<models::Decoder>(tc.model, tc.init_seed, models::Decoder::Init::kDeferred)
                            : models::load_hf_model(tc.init_from);
   const models::ModelConfig mc = model->config();
-  auto corpus = std::make_shared<models::TokenCorpus>(
-      tc.data_path, models::parse_token_format(tc.data_format), uint64_t(mc.vocab_size));
+  const DataSources data = open_data(tc, uint64_t(mc.vocab_size), comm->rank() == 0);
   const uint64_t global_batch =
       uint64_t(ecp->micro_batch * ecp->grad_accum) * uint64_t(comm->world_size());
-  models::BatchLoader loader(corpus, uint64_t(ecp->seq_len), global_batch, comm->rank(),
-                             comm->world_size(), tc.data_seed);
+  models::BatchLoader loader(data.train, global_batch, comm->rank(), comm->world_size(), tc.data_seed);
 
   if (lead && tc.progress) {
     // A large model spends minutes here: a line that updates on a terminal, else one line per
@@ -496,7 +531,8 @@ int run_training(const std::vector<std::string>& argv) {
           {"optimizer_host_units", eng.optimizer_host_units()}}},
         {"device", device->description()},
         {"device_budget", ec.device_budget},
-        {"data", corpus->description()},
+        {"data", data.train->description()},
+        {"eval_data", data.eval ? data.eval->description() : ""},
         {"resumed_from", resumed_from},
         {"first_step", first_step + 1}};
     write_log(start);
@@ -510,14 +546,77 @@ int run_training(const std::vector<std::string>& argv) {
               << (ec.device_budget == UINT64_MAX ? "unlimited" : format_bytes(ec.device_budget))
               << ", " << format_bytes(m0.device_used) << " of state on it; host state "
               << format_bytes(m0.host_state) << ", NVMe state " << format_bytes(m0.nvme_state)
-              << " per rank\n  data: " << corpus->description()
-              << "\n";
+              << " per rank\n  data: " << data.train->description()
+              << (data.eval ? "\n  evaluation: " + data.eval->description() : std::string()) << "\n";
     if (!resumed_from.empty())
       std::cerr << "  resumed from " << resumed_from << " after step " << first_step << "\n";
   }
 
   const bool tty = isatty(STDERR_FILENO);
+  std::unique_ptr<TensorBoardWriter> tensorboard;
+  if (lead && !tc.tensorboard_dir.empty()) tensorboard = std::make_unique<TensorBoardWriter>(tc.tensorboard_dir);
   at::Tensor ids = at::empty({int64_t(loader.local_batch()), ec.seq_len + 1}, at::kLong);
+  // A Hugging Face model directory of the weights now (collective: every rank gathers), with the
+  // tokenizer and generation config of init_from; run.export_every's go beside run.export.
+  const at::ScalarType export_type =
+      tc.export_dtype != "auto"            ? models::parse_export_dtype(tc.export_dtype)
+      : ec.compute == engine::Precision::kBf16 ? at::kBFloat16
+                                           : at::kFloat;
+  const auto export_model = [&](const std::filesystem::path& dir, bool overwrite) {
+    auto params = eng.gather_parameters();
+    if (!lead) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    models::Decoder out(mc, 0, models::Decoder::Init::kDeferred);  // every weight is copied in
+    at::NoGradGuard no_grad;
+    std::map<std::string, at::Tensor> by_name(params.begin(), params.end());
+    for (auto& [name, t] : out.hf_parameters()) t.copy_(by_name.at(name));
+    params.clear();
+    models::ExportDirectory target(dir, overwrite, kExportOverwriteHint);
+    models::export_hf_model(out, target.tmp(), export_type, tc.export_shard_bytes);
+    const std::vector<std::string> carried =
+        tc.init_from.empty() ? std::vector<std::string>{} : models::copy_tokenizer_files(tc.init_from, target.tmp());
+    target.commit();
+    std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: exported " << dir.string()
+              << " (" << models::hf_dtype_name(export_type) << (carried.empty() ? "" : ", with the tokenizer of init_from")
+              << ", " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
+  };
+  const auto periodic_export_dir = [&](int64_t step) {
+    std::filesystem::path p = std::filesystem::path(tc.export_dir).lexically_normal();
+    if (!p.has_filename()) p = p.parent_path();
+    return std::filesystem::path(p.string() + "-step-" + std::to_string(step));
+  };
+  // The periodic exports' directories are checked now, not after hours of training.
+  for (int64_t k = first_step + 1; tc.export_every > 0 && k < tc.steps; ++k)
+    if (k % tc.export_every == 0) models::ExportDirectory::check(periodic_export_dir(k), tc.export_overwrite, kExportOverwriteHint);
+  // Supervised examples: which targets count (engine.h train_step).
+  at::Tensor loss_mask;
+  if (data.train->masked()) loss_mask = at::empty({int64_t(loader.local_batch()), ec.seq_len}, at::kByte);
+  // The evaluation pass: every sample of the evaluation data once, through the engine's forward.
+  const auto evaluate = [&](int64_t after_step) {
+    if (!data.eval) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const models::EvalBatches batches(data.eval, global_batch, comm->rank(), comm->world_size());
+    at::Tensor eval_ids = at::empty_like(ids);
+    at::Tensor eval_mask = at::empty({int64_t(batches.local_batch()), ec.seq_len}, at::kByte);
+    double loss_sum = 0;
+    uint64_t tokens = 0;
+    for (uint64_t b = 0; b < batches.batches(); ++b) {
+      batches.batch(b, eval_ids.data_ptr<int64_t>(), eval_mask.data_ptr<uint8_t>());
+      const engine::Engine::EvalResult r = eng.evaluate(eval_ids, eval_mask);
+      loss_sum += r.loss_sum;
+      tokens += r.tokens;
+    }
+    const double loss = loss_sum / double(std::max<uint64_t>(tokens, 1));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!lead) return;
+    std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: eval after step "
+              << after_step << ": loss " << loss << " (" << data.eval->size() << " samples, " << tokens
+              << " targets, " << secs << " s)\n";
+    if (log.is_open())
+      write_log({{"event", "eval"}, {"step", after_step}, {"eval_loss", loss}, {"eval_samples", data.eval->size()},
+                 {"eval_tokens", tokens}, {"seconds", secs}});
+    if (tensorboard) tensorboard->scalar("eval/loss", after_step, loss);
+  };
   double tokens_total = 0, seconds_total = 0;
   std::vector<engine::TraceSpan> trace;
   int stopped_by = 0;  // the signal that stopped the run early
@@ -525,10 +624,10 @@ int run_training(const std::vector<std::string>& argv) {
   const engine::LrSchedule schedule = tc.schedule();  // a function of the step: resumes exactly
   for (int64_t s = first_step; s < tc.steps; ++s) {
     if ((stopped_by = agreed_stop_signal(*comm)) != 0) break;
-    loader.next(ids.data_ptr<int64_t>());
+    loader.next(ids.data_ptr<int64_t>(), loss_mask.defined() ? loss_mask.data_ptr<uint8_t>() : nullptr);
     const double lr = engine::scheduled_lr(schedule, ec.lr, s);
     eng.set_learning_rate(lr);
-    const engine::StepResult r = eng.train_step(ids);
+    const engine::StepResult r = eng.train_step(ids, loss_mask);
     const engine::MemoryReport mem = eng.memory();
     tokens_total += double(r.tokens);
     seconds_total += r.seconds;
@@ -541,7 +640,15 @@ int run_training(const std::vector<std::string>& argv) {
       auto spans = eng.take_trace();
       trace.insert(trace.end(), std::make_move_iterator(spans.begin()), std::make_move_iterator(spans.end()));
     }
-    if (!lead) continue;
+    // The evaluation after the step's log line (every rank takes part: it is collective).
+    const bool eval_now = data.eval && ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || s + 1 == tc.steps);
+    // Periodic exports (the last step's is run.export itself, after the loop).
+    const bool export_now = tc.export_every > 0 && (s + 1) % tc.export_every == 0 && s + 1 < tc.steps;
+    if (!lead) {
+      if (eval_now) evaluate(s + 1);
+      if (export_now) export_model(periodic_export_dir(s + 1), tc.export_overwrite);
+      continue;
+    }
     if (ec.profile) std::cerr << (tc.progress && tty ? "\r\033[K" : "") << timeline_line(s + 1, r) << "\n";
     if (log.is_open()) {
       nlohmann::json j = {{"step", s + 1},
@@ -553,6 +660,7 @@ int run_training(const std::vector<std::string>& argv) {
                           {"loss_scale", r.loss_scale},
                           {"seconds", r.seconds},
                           {"tokens", r.tokens},
+                          {"loss_tokens", r.loss_tokens},
                           {"tokens_per_s", double(r.tokens) / r.seconds},
                           {"model_tflops", r.model_tflops},
                           {"device_used", mem.device_used},
@@ -579,6 +687,16 @@ int run_training(const std::vector<std::string>& argv) {
                             {"prefetch", r.timeline.prefetch}}}};
       write_log(j);
     }
+    if (tensorboard) {
+      const int64_t k = s + 1;
+      tensorboard->scalar("train/loss", k, r.loss);
+      tensorboard->scalar("train/lr", k, lr);
+      tensorboard->scalar("train/grad_norm", k, r.grad_norm);
+      tensorboard->scalar("train/tokens_per_s", k, double(r.tokens) / r.seconds);
+      tensorboard->scalar("memory/device_peak_bytes", k, double(mem.device_peak));
+      tensorboard->scalar("memory/host_state_bytes", k, double(mem.host_state));
+      tensorboard->scalar("memory/nvme_state_bytes", k, double(mem.nvme_state));
+    }
     if (tc.progress) {
       char line[512];
       snprintf(line, sizeof line,
@@ -592,7 +710,10 @@ int run_training(const std::vector<std::string>& argv) {
                format_bytes(mem.nvme_state).c_str());
       std::cerr << (tty ? "\r\033[K" : "") << line << (tty ? "" : "\n") << std::flush;
     }
+    if (eval_now) evaluate(s + 1);
+    if (export_now) export_model(periodic_export_dir(s + 1), tc.export_overwrite);
   }
+  if (tensorboard) tensorboard->flush();
   if (lead && tc.progress && tty) std::cerr << "\n";
   if (lead && steps_done > first_step)
     std::cerr << "strata train: " << steps_done - first_step << " steps, "
@@ -622,19 +743,7 @@ int run_training(const std::vector<std::string>& argv) {
     write_trace(path, comm->rank(), trace);
     if (lead) std::cerr << "strata train: trace of " << trace.size() << " spans written to " << path << "\n";
   }
-  if (!tc.export_dir.empty() && stopped_by == 0) {
-    auto params = eng.gather_parameters();  // collective: every rank
-    if (lead) {
-      models::Decoder out(mc, 0);
-      at::NoGradGuard no_grad;
-      std::map<std::string, at::Tensor> by_name(params.begin(), params.end());
-      for (auto& [name, t] : out.hf_parameters()) t.copy_(by_name.at(name));
-      models::ExportDirectory target(tc.export_dir, tc.export_overwrite, kExportOverwriteHint);
-      models::export_hf_model(out, target.tmp());
-      target.commit();
-      std::cerr << "strata train: exported " << tc.export_dir << "\n";
-    }
-  }
+  if (!tc.export_dir.empty() && stopped_by == 0) export_model(tc.export_dir, tc.export_overwrite);
   comm->barrier();
   agreed_stop = stopped_by;
   return stopped_by == 0 ? 0 : 128 + stopped_by;

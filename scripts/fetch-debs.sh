@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Downloads the Debian packages the offline GPU machine lacks (liburing, nlohmann-json, gloo headers) into
+# Downloads the Debian packages the offline GPU machine lacks (liburing, nlohmann-json, gloo headers, libpng) into
 # .deps/debs, to be carried with the device call (carry: [".deps/debs"]), and builds a static fio
 # into .deps/bin/fio (carry: [".deps/bin"]).
 set -euo pipefail
@@ -8,7 +8,8 @@ mkdir -p "$repo/.deps/debs"
 cd "$repo/.deps/debs"
 # apt-get download needs package lists; fetch them once on a machine that never updated.
 [ -n "$(ls -A /var/lib/apt/lists 2>/dev/null | grep -v lock)" ] || apt-get update -qq
-apt-get download liburing-dev liburing2 nlohmann-json3-dev libgloo-dev >/dev/null
+# libpng for `strata plot` (cli/plot.cc); zlib1g-dev for its headers.
+apt-get download liburing-dev liburing2 nlohmann-json3-dev libgloo-dev libpng-dev libpng16-16 zlib1g-dev >/dev/null
 ls -1 "$repo/.deps/debs"
 
 # The GPU machine has no fio either, and the benchmarks compare against it. Build a static fio

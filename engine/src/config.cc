@@ -243,11 +243,31 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
   if (d) {
     Section s(*d, "data", source);
     s.read("path", c.data_path);
+    const auto check_format = [&](const char* key, const std::string& f) {
+      if (f != "bytes" && f != "uint16" && f != "uint32" && f != "sft")
+        s.fail(key, "must be one of bytes, uint16, uint32, sft, not \"" + f + "\"");
+    };
     s.read("format", c.data_format);
-    if (c.data_format != "bytes" && c.data_format != "uint16" && c.data_format != "uint32")
-      s.fail("format", "must be one of bytes, uint16, uint32, not \"" + c.data_format + "\"");
+    check_format("format", c.data_format);
     s.read("seq_len", e.seq_len);
     s.read("seed", c.data_seed);
+    s.read("pad_id", c.data_pad_id);
+    if (c.data_pad_id < 0) s.fail("pad_id", "must be >= 0");
+    s.read("eval_path", c.eval_path);
+    c.eval_format = c.data_format;
+    s.read("eval_format", c.eval_format);
+    check_format("eval_format", c.eval_format);
+    s.read("eval_split", c.eval_split);
+    if (!(c.eval_split >= 0 && c.eval_split < 1)) s.fail("eval_split", "must be in [0, 1)");
+    if (c.eval_split > 0 && !c.eval_path.empty())
+      s.fail("eval_split", "and eval_path both name evaluation data: give one");
+    s.read("eval_every", c.eval_every);
+    if (c.eval_every < 0) s.fail("eval_every", "must be >= 0 (0: only after the last step)");
+    s.read("eval_max_samples", c.eval_max_samples);
+    if (c.eval_max_samples < 0) s.fail("eval_max_samples", "must be >= 0 (0: all)");
+    if ((c.eval_every > 0 || c.eval_max_samples > 0) && c.eval_path.empty() && c.eval_split == 0)
+      s.fail(c.eval_every > 0 ? "eval_every" : "eval_max_samples",
+             "is set but there is no evaluation data: give eval_path or eval_split");
   }
   if (const json* b = top.get("batch")) {
     Section s(*b, "batch", source);
@@ -367,6 +387,16 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("progress", c.progress);
     s.read("export", c.export_dir);
     s.read("export_overwrite", c.export_overwrite);
+    s.read("export_every", c.export_every);
+    if (c.export_every < 0) s.fail("export_every", "must be >= 0 (0: only after the last step)");
+    if (c.export_every > 0 && c.export_dir.empty()) s.fail("export_every", "needs run.export (the exports go beside it)");
+    s.read("export_dtype", c.export_dtype);
+    if (c.export_dtype != "auto" && c.export_dtype != "float32" && c.export_dtype != "bfloat16" &&
+        c.export_dtype != "float16")
+      s.fail("export_dtype", "must be auto, float32, bfloat16 or float16, not \"" + c.export_dtype + "\"");
+    s.read_bytes("export_shard_size", c.export_shard_bytes);
+    if (c.export_shard_bytes == 0) s.fail("export_shard_size", "must be > 0");
+    s.read("tensorboard", c.tensorboard_dir);
     s.read("profile", c.profile_path);
     s.read("checkpoint_dir", c.checkpoint_dir);
     s.read("save_every", c.save_every);
@@ -387,6 +417,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
                                 " exceeds model.max_positions " +
                                 std::to_string(c.model.max_positions));
   try {
+    c.model.check_sequence_length(e.seq_len);  // data.seq_len within a sliding window
     e.validate();
   } catch (const std::exception& ex) {
     throw std::invalid_argument(source + ": " + ex.what());

@@ -38,19 +38,31 @@ Engine::~Engine() {
   impl_->params.reset();  // gathers in flight finish before their buffers go
 }
 
-StepResult Engine::train_step(const at::Tensor& ids) {
+StepResult Engine::train_step(const at::Tensor& ids) { return train_step(ids, at::Tensor()); }
+
+StepResult Engine::train_step(const at::Tensor& ids, const at::Tensor& loss_mask) {
   if (impl_->cfg.plan_only) throw std::logic_error("Engine: constructed with plan_only: it holds no state to train");
-  if (impl_->broken)
-    throw std::runtime_error("Engine: an earlier train_step failed half way; the partitioned state "
-                             "is undefined (restart from a checkpoint)");
-  impl_->check_ids(ids);  // rejected before anything changes
+  impl_->check_usable();
+  impl_->check_ids(ids, loss_mask, impl_->cfg.grad_accum * impl_->cfg.micro_batch);  // rejected before anything changes
   try {
-    return impl_->train_step(ids);
+    return impl_->train_step(ids, loss_mask);
   } catch (...) {
-    impl_->broken = true;
-    impl_->abort_update();  // "backward": it may wait for gradients that will not come
-    impl_->kept_graphs.clear();  // their device memory and reservations go now
-    if (impl_->params) impl_->params->begin_micro_batch();
+    impl_->fail_step();
+    throw;
+  }
+}
+
+Engine::EvalResult Engine::evaluate(const at::Tensor& ids, const at::Tensor& loss_mask) {
+  if (impl_->cfg.plan_only) throw std::logic_error("Engine: constructed with plan_only: it holds no state to evaluate");
+  impl_->check_usable();
+  if (ids.dim() != 2 || ids.size(0) == 0 || ids.size(0) % impl_->cfg.micro_batch != 0)
+    throw std::invalid_argument("evaluate: ids must have a positive multiple of micro_batch = " +
+                                std::to_string(impl_->cfg.micro_batch) + " rows");
+  impl_->check_ids(ids, loss_mask, ids.size(0));
+  try {
+    return impl_->evaluate(ids, loss_mask);
+  } catch (...) {
+    impl_->fail_step();  // gathers may be half done
     throw;
   }
 }

@@ -216,31 +216,53 @@ struct Engine::Impl {
   // compute stream).
   StepTimeline finish_timeline();
 
-  void check_ids(const at::Tensor& ids) const {
-    const int64_t b = cfg.micro_batch, T = cfg.seq_len, A = cfg.grad_accum;
-    if (ids.dim() != 2 || ids.size(0) != A * b || ids.size(1) != T + 1 || ids.scalar_type() != at::kLong)
-      throw std::invalid_argument("train_step: ids must be int64 [grad_accum * micro_batch = " +
-                                  std::to_string(A * b) + ", seq_len + 1 = " + std::to_string(T + 1) + "]");
+  void check_ids(const at::Tensor& ids, const at::Tensor& loss_mask, int64_t rows) const {
+    const int64_t T = cfg.seq_len;
+    if (ids.dim() != 2 || ids.size(0) != rows || ids.size(1) != T + 1 || ids.scalar_type() != at::kLong)
+      throw std::invalid_argument("train_step: ids must be int64 [" + std::to_string(rows) +
+                                  " (grad_accum * micro_batch for a step), seq_len + 1 = " + std::to_string(T + 1) + "]");
+    if (loss_mask.defined() &&
+        (loss_mask.dim() != 2 || loss_mask.size(0) != rows || loss_mask.size(1) != T ||
+         (loss_mask.scalar_type() != at::kByte && loss_mask.scalar_type() != at::kBool)))
+      throw std::invalid_argument("train_step: loss_mask must be uint8 or bool [" + std::to_string(rows) +
+                                  ", seq_len = " + std::to_string(T) + "]");
   }
+  void check_usable() const {
+    if (broken)
+      throw std::runtime_error("Engine: an earlier train_step failed half way; the partitioned state "
+                               "is undefined (restart from a checkpoint)");
+  }
+  // After an exception out of train_step or evaluate: the state is undefined from now on.
+  void fail_step();
 
   // Every exception out of here leaves the state undefined (Engine::train_step marks it broken).
-  StepResult train_step(const at::Tensor& ids);
+  StepResult train_step(const at::Tensor& ids, const at::Tensor& loss_mask);
+  Engine::EvalResult evaluate(const at::Tensor& ids, const at::Tensor& loss_mask);
   // The step's walk over the schedule: its position and what every use adds to.
   struct Pass {
     size_t k = 0;          // the next use, over the whole step
     size_t total = 0;      // uses in the step
-    double denom = 1;      // loss scale x micro-batches x ranks: the gradients' divisor
+    double denom = 1;      // loss scale x micro-batches x ranks (masked: x the global count
+                           // of targets in the loss): the gradients' divisor
+    bool masked = false;   // a loss mask: the head sums its losses (the mean is over the step)
+    double loss_tokens = 0;  // global targets in the loss (masked)
     bool in_backward = false;  // optimizer.overlap "backward"
     at::Tensor loss_sum;   // double on the device, summed in micro-batch order
   };
   struct MicroBatch {
-    at::Tensor inputs, targets;
+    at::Tensor inputs, targets;   // targets out of the loss are kIgnored
     at::Tensor x;                 // the boundary activation going forward
     Device::Reservation x_res;    // its device bytes
     at::Tensor dy;                // the gradient going backward
     bool last = false;            // the step's last micro-batch
   };
-  MicroBatch begin_micro_batch(const at::Tensor& ids_on_device, int64_t m);
+  static constexpr int64_t kIgnored = -100;  // as torch's cross entropy's ignore_index
+  MicroBatch begin_micro_batch(const at::Tensor& ids_on_device, const at::Tensor& mask_on_device, int64_t m);
+  // The host's token ids (and mask) on the device, asynchronously from pinned memory on a GPU.
+  at::Tensor to_device(const at::Tensor& t);
+  // The head's loss of one micro-batch: the token mean, or with a mask the sum over the counted
+  // targets (fp32 logits, as the oracle computes them).
+  at::Tensor head_loss(const at::Tensor& logits, const MicroBatch& mb, bool masked) const;
   void forward_use(Pass& pass, MicroBatch& mb, size_t stage);
   void head_use(Pass& pass, MicroBatch& mb);
   void backward_use(Pass& pass, MicroBatch& mb, size_t stage);

@@ -3,6 +3,11 @@
 // norm, the update and the loss scale.
 #include "engine_impl.h"
 
+#include <ATen/core/Reduction.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/where.h>
+
 namespace strata::engine {
 
 StepTimeline Engine::Impl::finish_timeline() {
@@ -25,27 +30,52 @@ StepTimeline Engine::Impl::finish_timeline() {
 
 // The step reads like the schedule: every micro-batch runs the forward uses, the head and the
 // backward uses; then the norm, the update and the loss scale.
-StepResult Engine::Impl::train_step(const at::Tensor& ids) {
+void Engine::Impl::fail_step() {
+  broken = true;
+  abort_update();       // "backward": it may wait for gradients that will not come
+  kept_graphs.clear();  // their device memory and reservations go now
+  if (params) params->begin_micro_batch();
+}
+
+// The step's token ids go up once, asynchronously from pinned memory, and the loss is summed
+// where it is computed and read once, after the backward: on a GPU, a pageable upload or a
+// loss read per micro-batch would each block the host until the device caught up.
+at::Tensor Engine::Impl::to_device(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  return dev.torch_device().is_cuda() && t.is_cpu() ? t.pin_memory().to(dev.torch_device(), /*non_blocking=*/true)
+                                                    : t.to(dev.torch_device());
+}
+
+at::Tensor Engine::Impl::head_loss(const at::Tensor& logits, const MicroBatch& mb, bool masked) const {
+  const at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
+  if (!masked) return at::cross_entropy_loss(flat, mb.targets);
+  return at::cross_entropy_loss(flat, mb.targets, {}, at::Reduction::Sum, kIgnored);
+}
+
+StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& loss_mask) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t A = cfg.grad_accum;
   const size_t n = stages.size();
   Pass pass;
   pass.total = uses().size() * size_t(A);
   pass.denom = loss_scale * double(A) * comm.world_size();  // the gradients' sum over the global batch
+  pass.masked = loss_mask.defined();
+  if (pass.masked) {
+    // The mean is over the whole global batch's counted targets: their number first.
+    at::Tensor count = at::tensor({double(loss_mask.ne(0).sum().item<int64_t>())}, at::TensorOptions().dtype(at::kDouble));
+    comm.all_reduce(count, ReduceOp::kSum);
+    pass.loss_tokens = count.item<double>();
+    pass.denom = loss_scale * std::max(1.0, pass.loss_tokens);
+  }
   pass.in_backward = updates_in_backward();
-  // The step's token ids go up once, asynchronously from pinned memory, and the loss is summed
-  // where it is computed and read once, after the backward: on a GPU, a pageable upload or a
-  // loss read per micro-batch would each block the host until the device caught up.
-  const at::Tensor ids_on_device = dev.torch_device().is_cuda() && ids.is_cpu()
-                                       ? ids.pin_memory().to(dev.torch_device(), /*non_blocking=*/true)
-                                       : ids.to(dev.torch_device());
+  const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(loss_mask);
   if (cfg.profile) {
     compute_spans.clear();
     step_ref = dev.record_timed(dev.compute_stream());
     step_ref_host = Profiler::Clock::now();
   }
   for (int64_t m = 0; m < A; ++m) {
-    MicroBatch mb = begin_micro_batch(ids_on_device, m);
+    MicroBatch mb = begin_micro_batch(ids_on_device, mask_on_device, m);
     mb.last = m == A - 1;
     for (size_t s = 0; s + 1 < n; ++s) forward_use(pass, mb, s);
     // "backward" overlap: the update starts with the last micro-batch's backward.
@@ -74,18 +104,23 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids) {
   r.step = step;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.tokens = uint64_t(A * cfg.micro_batch * cfg.seq_len) * uint64_t(comm.world_size());
+  r.loss_tokens = pass.masked ? uint64_t(pass.loss_tokens) : r.tokens;
   r.model_tflops = flops_per_token() * double(r.tokens) / r.seconds / 1e12;
   r.timeline = finish_timeline();
   r.timeline.prefetch = depth_used;
   return r;
 }
 
-Engine::Impl::MicroBatch Engine::Impl::begin_micro_batch(const at::Tensor& ids_on_device, int64_t m) {
+Engine::Impl::MicroBatch Engine::Impl::begin_micro_batch(const at::Tensor& ids_on_device,
+                                                          const at::Tensor& mask_on_device, int64_t m) {
   const int64_t b = cfg.micro_batch, T = cfg.seq_len;
   MicroBatch mb;
   const at::Tensor rows = ids_on_device.narrow(0, m * b, b);
   mb.inputs = rows.narrow(1, 0, T).contiguous();
   mb.targets = rows.narrow(1, 1, T).reshape(-1);
+  if (mask_on_device.defined())
+    mb.targets = at::where(mask_on_device.narrow(0, m * b, b).reshape(-1).ne(0), mb.targets,
+                           at::full({}, kIgnored, mb.targets.options()));
   mb.x = mb.inputs;
   activations->begin_micro_batch();
   kept_graphs.clear();
@@ -132,7 +167,7 @@ void Engine::Impl::head_use(Pass& pass, MicroBatch& mb) {
   const auto mark = compute_mark();
   at::Tensor xh = mb.x.detach().requires_grad_(true);
   at::Tensor logits = stages[head]->forward(xh);
-  at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), mb.targets);
+  at::Tensor loss = head_loss(logits, mb, pass.masked);
   torch::autograd::backward({loss * loss_scale});
   compute_span("forward+backward " + partition->unit(head).name, mark);
   const at::Tensor loss_d = loss.detach().to(at::kDouble);  // summed in micro-batch order as the host would
@@ -192,6 +227,41 @@ void Engine::Impl::finish_backward() {
   dev.synchronize(dev.h2d_stream());
 }
 
+// The forward uses and the head of each micro-batch, without autograd: a walk over the first
+// stages.size() uses of the schedule, so that the coordinator gathers, prefetches and releases
+// as in a step's forward; every unit is released after the head.
+Engine::EvalResult Engine::Impl::evaluate(const at::Tensor& ids, const at::Tensor& loss_mask) {
+  at::NoGradGuard no_grad;
+  const size_t n = stages.size(), head = n - 1;
+  const int64_t b = cfg.micro_batch, micro_batches = ids.size(0) / b;
+  const at::Tensor mask = loss_mask.defined() ? loss_mask : at::ones({ids.size(0), cfg.seq_len}, at::kByte);
+  const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(mask);
+  // Waits here are not the next step's: its timeline and the prefetch tuner must not see them.
+  const double waited_before = prof.step.wait_params;
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(dev.torch_device()));
+  for (int64_t m = 0; m < micro_batches; ++m) {
+    MicroBatch mb = begin_micro_batch(ids_on_device, mask_on_device, m);
+    for (size_t s = 0; s < head; ++s) {
+      params->acquire(s);
+      params->prefetch(s, n);
+      at::Tensor y = stages[s]->forward(mb.x);
+      Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + partition->unit(s).name);
+      mb.x = y;
+      mb.x_res = std::move(y_res);
+      params->release_after(s, n);
+    }
+    params->acquire(head);
+    loss_sum += head_loss(stages[head]->forward(mb.x), mb, /*masked=*/true).to(at::kDouble);
+    mb.x = at::Tensor();
+    params->release_after(head, n);
+  }
+  prof.step.wait_params = waited_before;
+  at::Tensor red = at::tensor({loss_sum.item<double>(), double(mask.ne(0).sum().item<int64_t>())},
+                              at::TensorOptions().dtype(at::kDouble));
+  comm.all_reduce(red, ReduceOp::kSum);
+  return {red[0].item<double>(), uint64_t(red[1].item<double>())};
+}
+
 // Global norm and loss in one all-reduce: [local sum of squares, local loss sum], with every
 // rank's wait for parameters and time so far, so that the prefetch decision is the same on
 // every rank (their gathers must stay in step).
@@ -207,7 +277,8 @@ StepResult Engine::Impl::reduce_norm_and_loss(const Pass& pass, std::chrono::ste
   const double loss_sum = pass.loss_sum.item<double>();
   at::Tensor red = at::tensor({sumsq, loss_sum, prof.step.wait_params, elapsed}, at::TensorOptions().dtype(at::kDouble));
   comm.all_reduce(red, ReduceOp::kSum);
-  r.loss = red[1].item<double>() / (double(cfg.grad_accum) * comm.world_size());
+  r.loss = red[1].item<double>() / (pass.masked ? std::max(1.0, pass.loss_tokens)
+                                                 : double(cfg.grad_accum) * comm.world_size());
   r.grad_norm = std::sqrt(red[0].item<double>()) / pass.denom;
   if (cfg.prefetch_auto)
     params->set_depth(prefetch_tuner.next(red[2].item<double>() / std::max(red[3].item<double>(), 1e-9)));

@@ -96,9 +96,12 @@ class Gpt2Head final : public Stage {
 };
 
 // ---------------------------------------------------------------- Llama
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+// RMSNorm as transformers computes it: Llama multiplies by the weight after casting back to the
+// input's dtype; Gemma multiplies by (1 + weight) in fp32 and casts last.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma = false) {
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor var = xf.pow(2).mean(-1, /*keepdim=*/true);
+  if (gemma) return (xf * at::rsqrt(var + eps) * (1.0 + w.to(at::kFloat))).to(x.scalar_type());
   return w * (xf * at::rsqrt(var + eps)).to(x.scalar_type());
 }
 
@@ -126,9 +129,20 @@ at::Tensor rope_inv_freq(const ModelConfig& c) {
 
 class LlamaEmbedding final : public Stage {
  public:
-  explicit LlamaEmbedding(const ModelConfig& c) { wte = add("model.embed_tokens.weight", {c.vocab_size, c.hidden}); }
-  at::Tensor forward(const at::Tensor& ids) override { return at::embedding(wte, ids); }
+  explicit LlamaEmbedding(const ModelConfig& c) : gemma_(c.gemma), hidden_(c.hidden) {
+    wte = add("model.embed_tokens.weight", {c.vocab_size, c.hidden});
+  }
+  at::Tensor forward(const at::Tensor& ids) override {
+    at::Tensor h = at::embedding(wte, ids);
+    // Gemma: times sqrt(hidden) rounded to the embeddings' dtype, as transformers does.
+    if (gemma_) h = h * at::scalar_tensor(std::sqrt(double(hidden_)), h.options()).to(h.scalar_type());
+    return h;
+  }
   at::Tensor wte;
+
+ private:
+  bool gemma_;
+  int64_t hidden_;
 };
 
 class LlamaBlock final : public Stage {
@@ -148,8 +162,8 @@ class LlamaBlock final : public Stage {
       bq = add(p + "self_attn.q_proj.bias", {q});
       bk = add(p + "self_attn.k_proj.bias", {kv});
       bv = add(p + "self_attn.v_proj.bias", {kv});
-      bo = add(p + "self_attn.o_proj.bias", {d});
     }
+    if (c.attention_out_bias) bo = add(p + "self_attn.o_proj.bias", {d});
     post_norm = add(p + "post_attention_layernorm.weight", {d});
     wg = add(p + "mlp.gate_proj.weight", {f, d});
     wu = add(p + "mlp.up_proj.weight", {f, d});
@@ -163,7 +177,8 @@ class LlamaBlock final : public Stage {
 
   at::Tensor forward(const at::Tensor& x) override {
     const int64_t t = x.size(1);
-    at::Tensor h = rms_norm(x, in_norm, c_.norm_eps);
+    c_.check_sequence_length(t);
+    at::Tensor h = rms_norm(x, in_norm, c_.norm_eps, c_.gemma);
     at::Tensor q = split_heads(dense(h, wq, bq), c_.heads, c_.head_dim);
     at::Tensor k = split_heads(dense(h, wk, bk), c_.kv_heads, c_.head_dim);
     at::Tensor v = split_heads(dense(h, wv, bv), c_.kv_heads, c_.head_dim);
@@ -186,8 +201,11 @@ class LlamaBlock final : public Stage {
     }
     at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
     at::Tensor r = x + dense(merge_heads(a), wo, bo);
-    h = rms_norm(r, post_norm, c_.norm_eps);
-    return r + dense(at::silu(dense(h, wg, bg)) * dense(h, wu, bu), wd, bd);
+    h = rms_norm(r, post_norm, c_.norm_eps, c_.gemma);
+    const at::Tensor gate = dense(h, wg, bg);
+    const at::Tensor act = c_.mlp_activation == ModelConfig::Activation::kSilu ? at::silu(gate)
+                           : at::gelu(gate, c_.mlp_activation == ModelConfig::Activation::kGelu ? "none" : "tanh");
+    return r + dense(act * dense(h, wu, bu), wd, bd);
   }
 
  private:
@@ -201,7 +219,7 @@ class LlamaHead final : public Stage {
     norm = add("model.norm.weight", {c.hidden});
     w_ = lm_head_weight(c, tied);
   }
-  at::Tensor forward(const at::Tensor& x) override { return dense(rms_norm(x, norm, c_.norm_eps), w_); }
+  at::Tensor forward(const at::Tensor& x) override { return dense(rms_norm(x, norm, c_.norm_eps, c_.gemma), w_); }
 
  private:
   ModelConfig c_;
@@ -268,7 +286,7 @@ void Decoder::initialize_through(size_t stage) {
     for (auto& [name, t] : all[initialized_]->hf_parameters()) {
       if (t.dim() == 1) {
         if (is_norm_weight(name) && name.ends_with("weight")) {
-          t.fill_(1.0);
+          t.fill_(config_.gemma ? 0.0 : 1.0);  // Gemma's norms scale by (1 + weight)
         } else {
           t.zero_();
         }

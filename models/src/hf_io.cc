@@ -1,5 +1,7 @@
 #include "strata/models/hf_io.h"
 
+#include "strata/models/sharded_safetensors.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -97,30 +99,54 @@ std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir) {
   return model;
 }
 
-void export_hf_model(Decoder& model, const std::filesystem::path& dir) {
+const char* hf_dtype_name(at::ScalarType t) {
+  return t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : t == at::kDouble ? "float64" : "float32";
+}
+
+at::ScalarType parse_export_dtype(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  throw std::invalid_argument("export dtype '" + name + "' is not float32, bfloat16 or float16");
+}
+
+void export_hf_model(Decoder& model, const std::filesystem::path& dir, std::optional<at::ScalarType> dtype,
+                     uint64_t max_shard_bytes) {
   std::filesystem::create_directories(dir);
   const ModelConfig& c = model.config();
   auto params = model.hf_parameters();
+  const at::ScalarType out_type = dtype.value_or(params.front().second.scalar_type());
   std::vector<SafetensorsWriter::Spec> specs;
   for (auto& [name, p] : params) {
     std::vector<int64_t> shape(p.sizes().begin(), p.sizes().end());
     if (is_conv1d(c, name)) std::swap(shape[0], shape[1]);
-    specs.push_back({name, to_st(p.scalar_type()), shape});
+    specs.push_back({name, to_st(out_type), shape});
   }
-  SafetensorsWriter w(dir / "model.safetensors", specs, {{"format", "pt"}});
+  ShardedSafetensorsWriter w(dir, specs, max_shard_bytes, {{"format", "pt"}});
   for (auto& [name, p] : params) {
-    const at::Tensor t = (is_conv1d(c, name) ? p.detach().t() : p.detach()).contiguous().cpu();
+    const at::Tensor t = (is_conv1d(c, name) ? p.detach().t() : p.detach()).to(at::kCPU, out_type).contiguous();
     w.write(name, {static_cast<const std::byte*>(t.data_ptr()), t.nbytes()});
   }
   w.finish();
-  const at::ScalarType t = params.front().second.scalar_type();
-  const char* dtype = t == at::kBFloat16 ? "bfloat16"
-                      : t == at::kHalf     ? "float16"
-                      : t == at::kDouble   ? "float64"
-                                           : "float32";
   std::ofstream cfg(dir / "config.json");
-  cfg << c.to_hf_json(dtype) << "\n";
+  cfg << c.to_hf_json(hf_dtype_name(out_type)) << "\n";
   if (!cfg.flush()) throw std::runtime_error("cannot write " + (dir / "config.json").string());
+}
+
+std::vector<std::string> copy_tokenizer_files(const std::filesystem::path& from, const std::filesystem::path& to) {
+  namespace fs = std::filesystem;
+  static const char* kFiles[] = {"tokenizer.json",     "tokenizer_config.json", "special_tokens_map.json",
+                                 "tokenizer.model",    "vocab.json",            "merges.txt",
+                                 "added_tokens.json",  "chat_template.jinja",   "chat_template.json",
+                                 "generation_config.json"};
+  std::vector<std::string> copied;
+  for (const char* name : kFiles) {
+    std::error_code ec;
+    if (!fs::is_regular_file(from / name, ec)) continue;
+    fs::copy_file(from / name, to / name, fs::copy_options::overwrite_existing);
+    copied.push_back(name);
+  }
+  return copied;
 }
 
 void ExportDirectory::check(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite) {
@@ -158,7 +184,18 @@ ExportDirectory::~ExportDirectory() {
 void ExportDirectory::commit() {
   namespace fs = std::filesystem;
   fs::create_directories(out_);
-  for (const char* name : {"model.safetensors", "config.json"}) fs::rename(tmp_ / name, out_ / name);
+  // Weights of an earlier export in another sharding would sit beside the new ones (transformers
+  // would read the wrong set): they go first.
+  for (const auto& e : fs::directory_iterator(out_)) {
+    const std::string n = e.path().filename().string();
+    const bool weights = n == "model.safetensors" || n == "model.safetensors.index.json" ||
+                         (n.starts_with("model-") && n.ends_with(".safetensors"));
+    if (weights && !fs::exists(tmp_ / n)) fs::remove(e.path());
+  }
+  // Everything written, config.json last (it names the weights' dtype and shapes).
+  for (const auto& e : fs::directory_iterator(tmp_))
+    if (e.path().filename() != "config.json") fs::rename(e.path(), out_ / e.path().filename());
+  fs::rename(tmp_ / "config.json", out_ / "config.json");
   const int fd = ::open(out_.c_str(), O_RDONLY | O_DIRECTORY);
   if (fd < 0 || ::fsync(fd) != 0) {
     const int err = errno;

@@ -107,7 +107,7 @@ int64_t ModelConfig::block_parameters() const {
   }
   return 2 * d                                                    // two RMSNorms
          + d * (q + 2 * kv) + (attention_bias ? q + 2 * kv : 0)  // q, k, v
-         + q * d + (attention_bias ? d : 0)                       // o
+         + q * d + (attention_out_bias ? d : 0)                   // o
          + 3 * d * f + (mlp_bias ? 2 * f + d : 0);                // gate, up, down
 }
 
@@ -116,6 +116,16 @@ int64_t ModelConfig::parameters() const {
   n += arch == Arch::kGpt2 ? max_positions * hidden + 2 * hidden : hidden;  // wpe + ln_f / norm
   if (!tie_embeddings) n += vocab_size * hidden;
   return n;
+}
+
+void ModelConfig::check_sequence_length(int64_t seq_len) const {
+  if (sliding_window > 0 && seq_len > sliding_window)
+    throw std::invalid_argument("model '" + name + "': sequences of " + std::to_string(seq_len) +
+                                " tokens are longer than its sliding attention window of " +
+                                std::to_string(sliding_window) +
+                                " tokens, which Strata does not implement (it computes full causal attention, "
+                                "the same only up to the window): use data.seq_len <= " +
+                                std::to_string(sliding_window));
 }
 
 void ModelConfig::validate() const {
@@ -129,6 +139,10 @@ void ModelConfig::validate() const {
   req(arch != Arch::kLlama || head_dim % 2 == 0, "head_dim must be even for rotary embeddings");
   req(arch == Arch::kLlama || head_dim * heads == hidden, "GPT-2 needs heads * head_dim == hidden");
   req(intermediate > 0 && max_positions > 0, "intermediate and max_positions must be positive");
+  req(arch == Arch::kGpt2 || hf_type == "llama" || hf_type == "mistral" || hf_type == "qwen2" || hf_type == "gemma",
+      "model type '" + hf_type + "' is not one of llama, mistral, qwen2, gemma");
+  req(sliding_window >= 0, "sliding_window must be >= 0");
+  req(arch == Arch::kGpt2 || gemma || mlp_activation == Activation::kSilu, "only gemma's MLP uses GELU");
 }
 
 ModelConfig parse_hf_config(const std::string& text, const std::string& source) {
@@ -159,8 +173,10 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
         get_or<bool>(j, "reorder_and_upcast_attn", false)) {
       throw bad(source, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported");
     }
-  } else if (type == "llama" || type == "mistral") {
+  } else if (type == "llama" || type == "mistral" || type == "qwen2" || type == "gemma") {
     c.arch = Arch::kLlama;
+    c.hf_type = type;
+    c.gemma = type == "gemma";
     c.vocab_size = need<int64_t>(j, "vocab_size", source);
     c.hidden = need<int64_t>(j, "hidden_size", source);
     c.layers = need<int64_t>(j, "num_hidden_layers", source);
@@ -188,17 +204,38 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
         throw bad(source, std::string(key) + ": rope_type '" + rt + "' is not supported (default, llama3)");
       }
     }
-    c.tie_embeddings = get_or<bool>(j, "tie_word_embeddings", false);
-    c.attention_bias = get_or<bool>(j, "attention_bias", false);
-    c.mlp_bias = get_or<bool>(j, "mlp_bias", false);
-    const std::string act = get_or<std::string>(j, "hidden_act", "silu");
-    if (act != "silu") throw bad(source, "hidden_act '" + act + "' is not supported (silu only)");
-    if (type == "mistral" && j.contains("sliding_window") && !j["sliding_window"].is_null()) {
-      throw bad(source, "sliding-window attention is not supported");
+    // Gemma ties its head by default; the others do not.
+    c.tie_embeddings = get_or<bool>(j, "tie_word_embeddings", c.gemma);
+    if (type == "qwen2") {  // q/k/v projections with biases, o_proj without (transformers' Qwen2)
+      c.attention_bias = true;
+      c.attention_out_bias = false;
+    } else {
+      c.attention_bias = c.attention_out_bias = get_or<bool>(j, "attention_bias", false);
     }
+    c.mlp_bias = get_or<bool>(j, "mlp_bias", false);
+    if (c.gemma) {  // transformers 5 applies hidden_act (older versions preferred hidden_activation)
+      const std::string act = get_or<std::string>(j, "hidden_act", "gelu_pytorch_tanh");
+      if (act == "gelu_pytorch_tanh" || act == "gelu_new")
+        c.mlp_activation = ModelConfig::Activation::kGeluTanh;
+      else if (act == "gelu")
+        c.mlp_activation = ModelConfig::Activation::kGelu;
+      else
+        throw bad(source, "hidden_act '" + act + "' is not supported for gemma (gelu_pytorch_tanh, gelu)");
+    } else {
+      const std::string act = get_or<std::string>(j, "hidden_act", "silu");
+      if (act != "silu") throw bad(source, "hidden_act '" + act + "' is not supported (silu only)");
+    }
+    // A sliding window is accepted; sequences longer than it are refused (check_sequence_length).
+    const bool sliding = type == "mistral" || (type == "qwen2" && get_or<bool>(j, "use_sliding_window", false));
+    if (sliding) c.sliding_window = get_or<int64_t>(j, "sliding_window", 0);
+    if (c.sliding_window < 0) throw bad(source, "sliding_window must be >= 0");
   } else {
-    throw bad(source, "model_type '" + type + "' is not supported (gpt2, llama, mistral)");
+    throw bad(source, "model_type '" + type + "' is not supported (gpt2, llama, mistral, qwen2, gemma)");
   }
+  json special = json::object();
+  for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
+    if (j.contains(key) && !j[key].is_null()) special[key] = j[key];
+  if (!special.empty()) c.hf_special_tokens = special.dump();
   c.validate();
   return c;
 }
@@ -221,13 +258,25 @@ std::string ModelConfig::to_hf_json(const std::string& dtype) const {
          {"tie_word_embeddings", tie_embeddings}, {"resid_pdrop", 0.0}, {"embd_pdrop", 0.0},
          {"attn_pdrop", 0.0}};
   } else {
-    j = {{"model_type", "llama"}, {"architectures", {"LlamaForCausalLM"}},
+    static const std::map<std::string, std::string> architecture = {
+        {"llama", "LlamaForCausalLM"}, {"mistral", "MistralForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"},
+        {"gemma", "GemmaForCausalLM"}};
+    j = {{"model_type", hf_type}, {"architectures", {architecture.at(hf_type)}},
          {"vocab_size", vocab_size}, {"hidden_size", hidden}, {"num_hidden_layers", layers},
          {"num_attention_heads", heads}, {"num_key_value_heads", kv_heads},
          {"head_dim", head_dim}, {"intermediate_size", intermediate},
          {"max_position_embeddings", max_positions}, {"rms_norm_eps", norm_eps},
          {"rope_theta", rope_theta}, {"tie_word_embeddings", tie_embeddings},
-         {"attention_bias", attention_bias}, {"mlp_bias", mlp_bias}, {"hidden_act", "silu"}};
+         {"mlp_bias", mlp_bias}};
+    if (hf_type == "qwen2") {
+      j["use_sliding_window"] = sliding_window > 0;
+      if (sliding_window > 0) j["sliding_window"] = sliding_window;
+    } else {
+      j["attention_bias"] = attention_bias;
+    }
+    if (hf_type == "mistral") j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
+    j["hidden_act"] = mlp_activation == Activation::kSilu ? "silu"
+                      : mlp_activation == Activation::kGelu ? "gelu" : "gelu_pytorch_tanh";
     if (llama3_rope.factor != 0) {
       j["rope_scaling"] = {{"rope_type", "llama3"}, {"rope_theta", rope_theta},
                            {"factor", llama3_rope.factor},
@@ -236,6 +285,7 @@ std::string ModelConfig::to_hf_json(const std::string& dtype) const {
                            {"original_max_position_embeddings", llama3_rope.original_max_positions}};
     }
   }
+  if (!hf_special_tokens.empty()) j.update(json::parse(hf_special_tokens));
   j["dtype"] = dtype;
   return j.dump(2);
 }

@@ -1,5 +1,7 @@
 #include "strata/models/token_data.h"
 
+#include "strata/models/safetensors.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -114,9 +116,134 @@ void TokenCorpus::copy(uint64_t begin, uint64_t count, int64_t* out) const {
   for (uint64_t i = 0; i < count; ++i) out[i] = token(begin + i);
 }
 
+TokenWindows::TokenWindows(std::shared_ptr<const TokenCorpus> corpus, uint64_t seq_len)
+    : corpus_(std::move(corpus)), seq_len_(seq_len) {
+  if (seq_len_ == 0) throw std::invalid_argument("data: seq_len must be positive");
+  windows_ = corpus_->size() > seq_len_ ? (corpus_->size() - 1) / seq_len_ : 0;
+  if (windows_ == 0) {
+    throw std::runtime_error("token data " + corpus_->description() + " has " +
+                             std::to_string(corpus_->size()) + " tokens, fewer than one window of " +
+                             std::to_string(seq_len_ + 1));
+  }
+}
+
+void TokenWindows::sample(uint64_t i, int64_t* ids, uint8_t* loss) const {
+  corpus_->copy(i * seq_len_, seq_len_ + 1, ids);
+  if (loss) std::memset(loss, 1, seq_len_);
+}
+
+struct SftExamples::Data {
+  std::unique_ptr<SafetensorsFile> file;
+  const int32_t* tokens = nullptr;
+  const uint8_t* mask = nullptr;
+  const int64_t* offsets = nullptr;
+};
+
+SftExamples::~SftExamples() = default;
+
+SftExamples::SftExamples(const std::filesystem::path& path, uint64_t seq_len, uint64_t vocab_size, int64_t pad_id)
+    : data_(std::make_unique<Data>()), seq_len_(seq_len), pad_id_(pad_id) {
+  const std::string where = "sft data " + path.string();
+  auto fail = [&](const std::string& what) { return std::runtime_error(where + ": " + what); };
+  if (seq_len_ == 0) throw std::invalid_argument("data: seq_len must be positive");
+  try {
+    data_->file = std::make_unique<SafetensorsFile>(path);
+  } catch (const std::exception& e) {
+    throw fail(std::string("cannot be read as safetensors (strata data prepare --chat writes it): ") + e.what());
+  }
+  const SafetensorsFile& f = *data_->file;
+  auto tensor = [&](const char* name, StDType dtype) {
+    if (!f.contains(name)) throw fail(std::string("no tensor \"") + name + "\"");
+    TensorView v = f.get(name);
+    if (v.info->dtype != dtype || v.info->shape.size() != 1)
+      throw fail(std::string("\"") + name + "\" must be a 1-D " + to_string(dtype) + " tensor, not " +
+                 to_string(v.info->dtype) + " with " + std::to_string(v.info->shape.size()) + " dimensions");
+    return v;
+  };
+  const TensorView tokens = tensor("tokens", StDType::kI32), mask = tensor("loss_mask", StDType::kU8),
+                   offsets = tensor("offsets", StDType::kI64);
+  const uint64_t n = tokens.info->numel();
+  if (mask.info->numel() != n)
+    throw fail("\"loss_mask\" has " + std::to_string(mask.info->numel()) + " entries for " + std::to_string(n) + " tokens");
+  if (offsets.info->numel() < 2) throw fail("\"offsets\" holds no example");
+  // Views into the mapping; safetensors data is only byte aligned, so the typed reads copy.
+  data_->tokens = reinterpret_cast<const int32_t*>(tokens.data.data());
+  data_->mask = reinterpret_cast<const uint8_t*>(mask.data.data());
+  data_->offsets = reinterpret_cast<const int64_t*>(offsets.data.data());
+  examples_ = offsets.info->numel() - 1;
+  auto offset = [&](uint64_t e) {
+    int64_t v;
+    std::memcpy(&v, offsets.data.data() + e * 8, 8);
+    return v;
+  };
+  if (offset(0) != 0 || offset(examples_) != int64_t(n))
+    throw fail("\"offsets\" must run from 0 to the token count " + std::to_string(n));
+  uint64_t in_loss = 0;
+  for (uint64_t e = 0; e < examples_; ++e) {
+    const int64_t b = offset(e), x = offset(e + 1);
+    if (x <= b) throw fail("example " + std::to_string(e) + " is empty (offsets must increase)");
+    if (uint64_t(x - b) > seq_len_ + 1) {
+      ++truncated_;
+      for (int64_t i = b + int64_t(seq_len_) + 1; i < x; ++i) truncated_loss_ += data_->mask[i] != 0;
+    }
+  }
+  for (uint64_t i = 0; i < n; ++i) {
+    int32_t id;
+    std::memcpy(&id, tokens.data.data() + i * 4, 4);
+    if (id < 0 || (vocab_size > 0 && uint64_t(id) >= vocab_size))
+      throw fail("token " + std::to_string(i) + " has id " + std::to_string(id) + ", outside the vocabulary of " +
+                 std::to_string(vocab_size));
+    const uint8_t m = data_->mask[i];
+    if (m > 1) throw fail("loss_mask[" + std::to_string(i) + "] is " + std::to_string(m) + " (0 or 1)");
+    in_loss += m;
+  }
+  if (in_loss == 0) throw fail("no token is in the loss (every loss_mask entry is 0)");
+  if (pad_id_ < 0 || (vocab_size > 0 && uint64_t(pad_id_) >= vocab_size))
+    throw fail("padding id " + std::to_string(pad_id_) + " is outside the vocabulary");
+  description_ = path.string() + " (" + std::to_string(examples_) + " examples, " + std::to_string(n) + " tokens, " +
+                 std::to_string(in_loss) + " in the loss)";
+}
+
+void SftExamples::sample(uint64_t i, int64_t* ids, uint8_t* loss) const {
+  if (i >= examples_) throw std::out_of_range("SftExamples: no example " + std::to_string(i));
+  int64_t b, x;
+  std::memcpy(&b, reinterpret_cast<const std::byte*>(data_->offsets) + i * 8, 8);
+  std::memcpy(&x, reinterpret_cast<const std::byte*>(data_->offsets) + (i + 1) * 8, 8);
+  const uint64_t len = std::min<uint64_t>(uint64_t(x - b), seq_len_ + 1);
+  for (uint64_t j = 0; j < seq_len_ + 1; ++j) {
+    int32_t id = int32_t(pad_id_);
+    if (j < len) std::memcpy(&id, reinterpret_cast<const std::byte*>(data_->tokens) + (uint64_t(b) + j) * 4, 4);
+    ids[j] = id;
+  }
+  if (loss)
+    for (uint64_t j = 0; j < seq_len_; ++j) loss[j] = j + 1 < len ? data_->mask[uint64_t(b) + j + 1] : 0;
+}
+
+SampleRange::SampleRange(std::shared_ptr<const SampleSource> source, uint64_t begin, uint64_t end)
+    : source_(std::move(source)), begin_(begin), end_(end) {
+  if (begin_ >= end_ || end_ > source_->size())
+    throw std::invalid_argument("data: samples [" + std::to_string(begin_) + ", " + std::to_string(end_) +
+                                ") are not a non-empty part of the " + std::to_string(source_->size()) + " of " +
+                                source_->description());
+}
+
+void SampleRange::sample(uint64_t i, int64_t* ids, uint8_t* loss) const {
+  if (i >= size()) throw std::out_of_range("SampleRange: no sample " + std::to_string(i));
+  source_->sample(begin_ + i, ids, loss);
+}
+
+std::string SampleRange::description() const {
+  return source_->description() + ", samples " + std::to_string(begin_) + ".." + std::to_string(end_ - 1);
+}
+
 BatchLoader::BatchLoader(std::shared_ptr<const TokenCorpus> corpus, uint64_t seq_len,
                          uint64_t global_batch, int rank, int world_size, uint64_t seed)
-    : corpus_(std::move(corpus)), seq_len_(seq_len), global_batch_(global_batch), seed_(seed),
+    : BatchLoader(std::make_shared<TokenWindows>(std::move(corpus), seq_len), global_batch, rank, world_size,
+                  seed) {}
+
+BatchLoader::BatchLoader(std::shared_ptr<const SampleSource> source, uint64_t global_batch, int rank,
+                         int world_size, uint64_t seed)
+    : source_(std::move(source)), seq_len_(source_->seq_len()), global_batch_(global_batch), seed_(seed),
       rank_(rank), world_(world_size) {
   if (seq_len_ == 0 || global_batch_ == 0) throw std::invalid_argument("data: seq_len and batch must be positive");
   if (world_ <= 0 || rank_ < 0 || rank_ >= world_) throw std::invalid_argument("data: bad rank/world size");
@@ -124,12 +251,8 @@ BatchLoader::BatchLoader(std::shared_ptr<const TokenCorpus> corpus, uint64_t seq
     throw std::invalid_argument("data: global batch " + std::to_string(global_batch_) +
                                 " is not divisible by the world size " + std::to_string(world_));
   }
-  windows_ = corpus_->size() > seq_len_ ? (corpus_->size() - 1) / seq_len_ : 0;
-  if (windows_ == 0) {
-    throw std::runtime_error("token data " + corpus_->description() + " has " +
-                             std::to_string(corpus_->size()) + " tokens, fewer than one window of " +
-                             std::to_string(seq_len_ + 1));
-  }
+  windows_ = source_->size();
+  if (windows_ == 0) throw std::runtime_error("data " + source_->description() + " has no sample");
 }
 
 uint64_t BatchLoader::window_of(uint64_t s) const {
@@ -146,14 +269,13 @@ uint64_t BatchLoader::window_of(uint64_t s) const {
   return perm_[s % windows_];
 }
 
-void BatchLoader::sample(uint64_t s, int64_t* out) const {
-  corpus_->copy(window_of(s) * seq_len_, seq_len_ + 1, out);
-}
+void BatchLoader::sample(uint64_t s, int64_t* out, uint8_t* loss) const { source_->sample(window_of(s), out, loss); }
 
-void BatchLoader::next(int64_t* out) {
+void BatchLoader::next(int64_t* out, uint8_t* loss) {
   const uint64_t local = local_batch();
   const uint64_t first = position_ + static_cast<uint64_t>(rank_) * local;
-  for (uint64_t i = 0; i < local; ++i) sample(first + i, out + i * (seq_len_ + 1));
+  for (uint64_t i = 0; i < local; ++i)
+    sample(first + i, out + i * (seq_len_ + 1), loss ? loss + i * seq_len_ : nullptr);
   position_ += global_batch_;
 }
 
@@ -163,6 +285,26 @@ void BatchLoader::set_position(uint64_t global_samples) {
                                 " is not a multiple of the global batch " + std::to_string(global_batch_));
   }
   position_ = global_samples;
+}
+
+EvalBatches::EvalBatches(std::shared_ptr<const SampleSource> source, uint64_t global_batch, int rank, int world_size)
+    : source_(std::move(source)), global_batch_(global_batch), rank_(rank), world_(world_size) {
+  if (global_batch_ == 0 || world_ <= 0 || global_batch_ % uint64_t(world_) != 0 || rank_ < 0 || rank_ >= world_)
+    throw std::invalid_argument("data: evaluation batch " + std::to_string(global_batch_) + " over " +
+                                std::to_string(world_) + " ranks");
+}
+
+void EvalBatches::batch(uint64_t b, int64_t* ids, uint8_t* loss) const {
+  const uint64_t T = source_->seq_len(), local = local_batch();
+  const uint64_t first = b * global_batch_ + uint64_t(rank_) * local;
+  for (uint64_t i = 0; i < local; ++i) {
+    if (first + i < source_->size()) {
+      source_->sample(first + i, ids + i * (T + 1), loss + i * T);
+    } else {
+      std::fill(ids + i * (T + 1), ids + (i + 1) * (T + 1), int64_t(0));
+      std::memset(loss + i * T, 0, T);
+    }
+  }
 }
 
 }  // namespace strata::models

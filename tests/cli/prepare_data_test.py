@@ -5,7 +5,9 @@ A byte-level BPE tokenizer is trained here, offline, on the license texts; two d
 ASCII, one with multi-byte UTF-8 and no final newline) are tokenized in small pieces; the token
 file must decode back to exactly the documents, with one end-of-sequence id after each, the
 sidecar must agree with it, and `strata train` must train on it. Failures leave no file behind
-and an earlier output untouched.
+and an earlier output untouched. --chat (supervised fine-tuning examples) is checked against a
+hand-rendered ChatML oracle, with and without {% generation %} blocks, against a word-level
+tokenizer without a template, and on malformed lines.
 
 usage: prepare_data_test.py STRATA WORKDIR
 """
@@ -163,6 +165,190 @@ check(r.returncode == 0, f"strata train on the token file (got {r.returncode}: {
 rows = [json.loads(l) for l in open(os.path.join(work, "train.jsonl")) if '"step"' in l] if r.returncode == 0 else []
 check(len(rows) == 3 and all(0 < x["loss"] < 20 for x in rows), f"three steps with finite losses: {rows}")
 check(out in r.stderr, "the run names its data")
+
+# --chat: supervised fine-tuning examples (safetensors). The oracle renders ChatML by hand, keeps
+# the character spans of the assistant turns (content + "<|im_end|>\n") and maps them to tokens
+# through the `tokenizers` offsets; transformers' apply_chat_template must give the same ids.
+from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
+from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
+
+
+def load_sft(path):
+    """The tensors and metadata, after checking what models/src/token_data.cc SftExamples requires."""
+    t = load_file(path)
+    with safe_open(path, "np") as f:
+        md = f.metadata()
+    check(sorted(t) == ["loss_mask", "offsets", "tokens"], f"{path}: exactly tokens, loss_mask, offsets ({sorted(t)})")
+    tokens, mask, offsets = t["tokens"], t["loss_mask"], t["offsets"]
+    check(tokens.dtype.str == "<i4" and mask.dtype.str == "|u1" and offsets.dtype.str == "<i8",
+          f"{path}: dtypes I32, U8, I64 ({tokens.dtype}, {mask.dtype}, {offsets.dtype})")
+    check(tokens.ndim == mask.ndim == offsets.ndim == 1 and len(mask) == len(tokens), f"{path}: 1-D, mask as long as tokens")
+    check(offsets[0] == 0 and offsets[-1] == len(tokens) and all(offsets[1:] > offsets[:-1]),
+          f"{path}: offsets increase strictly from 0 to n")
+    check(set(mask.tolist()) <= {0, 1}, f"{path}: mask values 0 and 1")
+    check(md.get("format") == "strata-sft-1" and md.get("examples") == str(len(offsets) - 1),
+          f"{path}: metadata format and example count ({md})")
+    return [(tokens[a:b].tolist(), mask[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])], md
+
+
+chat_tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+chat_tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chat_tokenizer(name, template, in_config=False):
+    """A transformers model directory: the template in chat_template.jinja (transformers 5's
+    layout) or, in_config, in tokenizer_config.json (transformers 4's)."""
+    d = os.path.join(work, name)
+    hf = PreTrainedTokenizerFast(tokenizer_object=chat_tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = template
+    hf.save_pretrained(d)
+    if in_config:
+        os.unlink(os.path.join(d, "chat_template.jinja"))
+        cfg = json.load(open(os.path.join(d, "tokenizer_config.json")))
+        cfg["chat_template"] = template
+        json.dump(cfg, open(os.path.join(d, "tokenizer_config.json"), "w"))
+    return d
+
+
+chat_dir = chat_tokenizer("chatml", chatml)
+# The same template with {% generation %} blocks: transformers' own assistant mask.
+gen_dir = chat_tokenizer("chatml-generation", chatml.replace(
+    "{{ m['content'] }}<|im_end|>\n",
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}"), in_config=True)
+convs = [
+    {"prompt": "What is the GNU General Public License?", "response": "A free software license."},
+    {"id": 7, "messages": [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Can I copy it?"},
+        {"role": "assistant", "content": " Yes: verbatim copies are allowed.\n\nSee section 4."},
+        {"role": "user", "content": "Et les modifications — naïve question 🙂?"},
+        {"role": "assistant", "content": "Oui, sous conditions (section 5) — 日本語も。"}]},
+    {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                  {"role": "user", "content": "a last question, unanswered"}]},
+]
+chats = os.path.join(work, "chats")
+os.makedirs(chats)
+with open(os.path.join(chats, "a.jsonl"), "w", encoding="utf-8") as f:
+    f.write(json.dumps(convs[0]) + "\n\n   \n" + json.dumps(convs[1], ensure_ascii=False) + "\n")
+with open(os.path.join(chats, "b.jsonl"), "w", encoding="utf-8") as f:
+    f.write(json.dumps(convs[2]))  # no final newline
+hf_chat = AutoTokenizer.from_pretrained(chat_dir)
+sft = os.path.join(work, "out", "train.sft")
+r = run("--chat", "--tokenizer", chat_dir, "--output", sft, chats)
+check(r.returncode == 0, f"--chat with a chat template exits 0 (got {r.returncode}: {r.stderr.strip()[-400:]})")
+got, md = load_sft(sft) if r.returncode == 0 else ([], {})
+check(len(got) == 3 and md.get("tokenizer") == os.path.abspath(chat_dir), f"three examples, the tokenizer named ({md})")
+total_loss = 0
+for k, (conv, (ids, mask)) in enumerate(zip(convs, got)):
+    msgs = conv.get("messages") or [{"role": "user", "content": conv["prompt"]},
+                                    {"role": "assistant", "content": conv["response"]}]
+    text, spans = "", []
+    for m in msgs:
+        text += f"<|im_start|>{m['role']}\n"
+        start = len(text)
+        text += m["content"] + "<|im_end|>\n"
+        if m["role"] == "assistant":
+            spans.append((start, len(text)))
+    check(hf_chat.apply_chat_template(msgs, tokenize=False) == text, f"example {k}: the hand-made ChatML is the template's")
+    enc = chat_tok.encode(text, add_special_tokens=False)
+    inside = [any(a <= s and e <= b for a, b in spans) for s, e in enc.offsets]
+    check(all(i or not any(s < b and a < e for a, b in spans) for i, (s, e) in zip(inside, enc.offsets)),
+          f"example {k}: no token straddles an assistant turn's edge (the oracle is well defined)")
+    check(ids == enc.ids, f"example {k}: tokens are the encoding of the rendered conversation")
+    check(ids == list(hf_chat.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]),
+          f"example {k}: tokens are apply_chat_template's ids")
+    check(mask == [int(i) for i in inside], f"example {k}: loss mask is exactly the assistant turns' tokens")
+    answers = "".join(m["content"] + "<|im_end|>\n" for m in msgs if m["role"] == "assistant")
+    check(chat_tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False) == answers,
+          f"example {k}: the tokens in the loss decode to the responses and their <|im_end|>\\n")
+    total_loss += sum(mask)
+side = json.load(open(sft + ".json")) if r.returncode == 0 else {}
+check(side.get("format") == "sft" and side.get("examples") == 3 and side.get("loss_tokens") == total_loss
+      and side.get("tokens") == sum(len(i) for i, _ in got), f"the sidecar counts examples, tokens and loss tokens ({side})")
+check('"format": "sft"' in r.stdout and "3 examples" in r.stdout, f"prints the summary and config ({r.stdout.strip()})")
+lengths = sorted(len(i) for i, _ in got)
+r = run("--chat", "--tokenizer", gen_dir, "--output", os.path.join(work, "gen.sft"), "--max-tokens", str(lengths[0]), chats)
+check(r.returncode == 0 and f"2 of 3 examples are longer than --max-tokens {lengths[0]}" in r.stdout,
+      f"--max-tokens reports the longer examples and keeps them (got {r.returncode}: {r.stdout.strip()} {r.stderr.strip()[-300:]})")
+gen = load_sft(os.path.join(work, "gen.sft"))[0] if r.returncode == 0 else []
+check(gen == got, "a template with {% generation %} blocks (in tokenizer_config.json) gives the same examples")
+
+# No template: [bos] + prompt + response + eos, the response and eos in the loss. A word-level
+# tokenizer, so the oracle is the vocabulary itself.
+words = "<unk> <s> </s> what is free software ? it respects users freedom . a b".split()
+vocab = {w: i for i, w in enumerate(words)}
+wl = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+wl.pre_tokenizer = pre_tokenizers.Whitespace()
+plain_dir = os.path.join(work, "wordlevel")
+os.makedirs(plain_dir)
+wl.save(os.path.join(plain_dir, "tokenizer.json"))
+json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True},
+          open(os.path.join(plain_dir, "tokenizer_config.json"), "w"))
+plain = [("what is free software ?", "it respects users freedom ."), ("a b", "b unknownword a")]
+with open(os.path.join(work, "plain.jsonl"), "w") as f:
+    f.write(json.dumps({"prompt": plain[0][0], "response": plain[0][1]}) + "\n")
+    f.write(json.dumps({"messages": [{"role": "user", "content": plain[1][0]},
+                                     {"role": "assistant", "content": plain[1][1]}]}) + "\n")
+r = run("--chat", "--tokenizer", plain_dir, "--output", os.path.join(work, "plain.sft"), os.path.join(work, "plain.jsonl"))
+check(r.returncode == 0, f"--chat without a template exits 0 (got {r.returncode}: {r.stderr.strip()[-300:]})")
+got = load_sft(os.path.join(work, "plain.sft"))[0] if r.returncode == 0 else []
+want = []
+for p, a in plain:
+    pi, ai = [vocab.get(w, 0) for w in p.split()], [vocab.get(w, 0) for w in a.split()]
+    want.append(([vocab["<s>"]] + pi + ai + [vocab["</s>"]], [0] * (1 + len(pi)) + [1] * (len(ai) + 1)))
+check(got == want, f"bos + prompt + response + eos, the response and eos in the loss: {got} vs {want}")
+# --no-template on the ChatML tokenizer: its eos (<|im_end|>), no bos (none configured).
+r = run("--chat", "--no-template", "--tokenizer", chat_dir, "--output", os.path.join(work, "nt.sft"),
+        os.path.join(chats, "a.jsonl"))
+check(r.returncode == 1 and "a.jsonl:4: 5 messages" in r.stderr and "need a chat template" in r.stderr,
+      f"--no-template refuses a multi-turn conversation, naming its line (got {r.returncode}: {r.stderr.strip()})")
+one = os.path.join(work, "one.jsonl")
+with open(one, "w") as f:
+    f.write(json.dumps(convs[0]) + "\n")
+r = run("--chat", "--no-template", "--tokenizer", chat_dir, "--output", os.path.join(work, "nt.sft"), one)
+p, a = (chat_tok.encode(convs[0][k], add_special_tokens=False).ids for k in ("prompt", "response"))
+got = load_sft(os.path.join(work, "nt.sft"))[0] if r.returncode == 0 else []
+check(got == [(p + a + [chat_tok.token_to_id("<|im_end|>")], [0] * len(p) + [1] * (len(a) + 1))],
+      f"--no-template: prompt + response + <|im_end|> (got {r.returncode}: {r.stderr.strip()[-300:]})")
+
+# Bad examples: one line naming FILE:LINE and what is wrong; the earlier output stays, no temporary.
+before = open(sft, "rb").read()
+bad = os.path.join(work, "bad.jsonl")
+cases = [
+    (plain_dir, ['{"prompt": "a", "response": "b"}', '{"prompt": "a", "response": '], "bad.jsonl:2: not JSON"),
+    (plain_dir, ['[1, 2]'], "bad.jsonl:1: not a JSON object"),
+    (plain_dir, ['{"prompt": "a"}'], 'bad.jsonl:1: has no "response"'),
+    (plain_dir, ['{"text": "a"}'], 'bad.jsonl:1: needs "messages", or "prompt" and "response"'),
+    (plain_dir, ['', '{"messages": [{"role": "user", "content": "a"}]}'], "bad.jsonl:2: no assistant message"),
+    (chat_dir, ['{"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}'],
+     'bad.jsonl:1: message 2 has role "tool" (system, user or assistant)'),
+    (chat_dir, ['{"messages": [{"role": "user", "content": [{"type": "text"}]}, {"role": "assistant", "content": "b"}]}'],
+     'bad.jsonl:1: message 1 (user) "content" must be a string, not list'),
+    (chat_dir, ['{"prompt": "a", "response": ""}'], 'bad.jsonl:1: "response" is empty'),
+    (plain_dir, ['{"prompt": "a", "response": "  \\t "}'], "bad.jsonl:1: the response tokenizes to no tokens"),
+    (plain_dir, [json.dumps(convs[1])], "bad.jsonl:1: 5 messages (system, user, assistant, user, assistant) need a chat template"),
+    # A template that drops earlier answers (as reasoning templates drop earlier thoughts) breaks
+    # the prefix property the incremental loss mask rests on.
+    (chat_tokenizer("drops-answers", chatml.replace(
+        "{{ m['content'] }}", "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}{% endif %}")),
+     [json.dumps(convs[1])], "bad.jsonl:1: the chat template breaks the prefix property"),
+]
+for tok_path, lines, want in cases:
+    with open(bad, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    r = run("--chat", "--tokenizer", tok_path, "--output", sft, bad)
+    check(r.returncode == 1 and want in r.stderr and r.stderr.strip().count("\n") == 0,
+          f"error {want!r} (got {r.returncode}: {r.stderr.strip()[-300:]})")
+check(open(sft, "rb").read() == before and not os.path.exists(sft + ".tmp"),
+      "failed --chat runs leave the earlier file and no temporary")
+r = run("--chat", "--no-eos", "--tokenizer", chat_dir, "--output", sft, chats)
+check(r.returncode == 1 and "--no-eos does not apply to --chat" in r.stderr, "--no-eos is refused with --chat")
+r = run("--max-tokens", "8", "--tokenizer", tok_dir, "--output", out, docs_dir)
+check(r.returncode == 1 and "--max-tokens needs --chat" in r.stderr, "--max-tokens is refused without --chat")
 
 print(f"prepare_data: {checks[0] - len(failures)} passed, {len(failures)} failed")
 sys.exit(1 if failures else 0)

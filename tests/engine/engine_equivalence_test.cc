@@ -4,6 +4,7 @@
 // processes over Gloo and are checked through their log and exported weights. Also: a rank
 // killed mid-run makes the other fail with a clear error within the timeout.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <signal.h>
@@ -1834,6 +1835,93 @@ TEST(EngineEquivalence, ASwapFailureOnOneRankFailsBothRanksPromptly) {
     EXPECT_NE(err.find("strata-swap-r00001-d0.bin"), std::string::npos) << err;
     expect_survivor_fails(rp, std::chrono::seconds(20));
   }
+}
+
+}  // namespace
+
+namespace {
+
+// Engine::evaluate reads the weights and changes nothing: a run with evaluations between its
+// steps trains bitwise like one without (with the update overlapping the next forward, state on
+// the host and in swap); its loss is the next step's loss on the same ids (the same weights),
+// with and without a loss mask; and a masked step's loss is the mean over the counted targets.
+TEST(EngineEvaluate, ChangesNothingAndIsTheLossTheNextStepReports) {
+  TempDir swap;
+  for (const char* master : {"host", "nvme"}) {
+    json j = tiny_config(true, 3);
+    j["placement"] = {{"master", master}, {"moments", master}};
+    j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+    const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    const se::EngineConfig& e = tc.engine;
+    auto run = [&](bool evaluate, bool masked) {
+      auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+      auto dev = se::Device::create("cpu", 0, 1200 * 1024);
+      se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), e, *comm, *dev);
+      at::Generator g = at::make_generator<at::CPUGeneratorImpl>(5);
+      std::vector<double> losses, eval_losses;
+      for (int s = 0; s < 4; ++s) {
+        const at::Tensor ids = at::randint(0, 256, {e.micro_batch * e.grad_accum, e.seq_len + 1}, g, at::kLong);
+        at::Tensor mask;
+        if (masked) mask = at::rand({ids.size(0), e.seq_len}, g).lt(0.4).to(at::kByte);
+        if (evaluate) {
+          const se::Engine::EvalResult r = eng.evaluate(ids, mask);
+          EXPECT_EQ(r.tokens, uint64_t(masked ? mask.sum().item<int64_t>() : ids.size(0) * e.seq_len));
+          eval_losses.push_back(r.loss_sum / double(r.tokens));
+        }
+        const se::StepResult r = eng.train_step(ids, mask);
+        EXPECT_EQ(r.loss_tokens, masked ? uint64_t(mask.sum().item<int64_t>()) : r.tokens);
+        losses.push_back(r.loss);
+      }
+      std::map<std::string, at::Tensor> params;
+      for (auto& [n, p] : eng.gather_parameters()) params[n] = p;
+      return std::make_tuple(losses, eval_losses, params);
+    };
+    for (bool masked : {false, true}) {
+      const auto [plain_losses, unused, plain_params] = run(false, masked);
+      const auto [losses, eval_losses, params] = run(true, masked);
+      EXPECT_EQ(losses, plain_losses) << master << (masked ? " masked" : "");
+      for (auto& [n, p] : plain_params) EXPECT_TRUE(at::equal(params.at(n), p)) << n;
+      for (size_t s = 0; s < losses.size(); ++s)
+        EXPECT_NEAR(eval_losses[s], losses[s], 1e-6 * losses[s]) << "step " << s + 1;
+    }
+  }
+}
+
+// A masked step equals plain libtorch on the whole global batch with ignored targets: the loss
+// (mean over counted targets) and the AdamW update after clipping.
+TEST(EngineEvaluate, MaskedStepIsTheWholeBatchLossWithIgnoredTargets) {
+  json j = tiny_config(false, 2);
+  j["batch"] = {{"micro_batch", 3}, {"grad_accum", 2}};
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  const se::EngineConfig& e = tc.engine;
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create("cpu", 0, UINT64_MAX);
+  sm::Decoder ref(tc.model, tc.init_seed);
+  se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), e, *comm, *dev);
+  std::vector<at::Tensor> params;
+  for (auto& [n, p] : ref.hf_parameters()) params.push_back(p);
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(e.lr).betas({e.beta1, e.beta2}).eps(e.eps).weight_decay(e.weight_decay));
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(9);
+  for (int s = 0; s < 3; ++s) {
+    const at::Tensor ids = at::randint(0, 256, {e.micro_batch * e.grad_accum, e.seq_len + 1}, g, at::kLong);
+    // Uneven counts per micro-batch (one row with none at all), so a per-micro-batch mean would differ.
+    at::Tensor mask = at::rand({ids.size(0), e.seq_len}, g).lt(0.15 + 0.2 * s).to(at::kByte);
+    mask[1].zero_();
+    const se::StepResult r = eng.train_step(ids, mask);
+    opt.zero_grad();
+    const at::Tensor logits = ref.forward(ids.narrow(1, 0, e.seq_len));
+    const at::Tensor targets = at::where(mask.ne(0), ids.narrow(1, 1, e.seq_len), at::full({}, -100, at::kLong));
+    const at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1), {},
+                                                   at::Reduction::Mean, -100);
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(params, e.clip_grad_norm);
+    opt.step();
+    EXPECT_NEAR(r.loss, loss.item<double>(), 1e-5 * loss.item<double>()) << "step " << s + 1;
+    EXPECT_EQ(r.loss_tokens, uint64_t(mask.sum().item<int64_t>()));
+  }
+  std::map<std::string, at::Tensor> got;
+  for (auto& [n, p] : eng.gather_parameters()) got[n] = p;
+  for (auto& [n, p] : ref.hf_parameters()) EXPECT_LE(relative(got.at(n), p.detach()), 1e-5) << n;
 }
 
 }  // namespace

@@ -127,7 +127,8 @@ TEST_P(HfInterop, BlockByBlockRecomputeGivesTheGradientsOfWholeModelAutograd) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, HfInterop,
-                         ::testing::Values("gpt2", "llama", "llama_tied", "llama3_rope"));
+                         ::testing::Values("gpt2", "llama", "llama_tied", "llama3_rope", "qwen2", "mistral",
+                                           "gemma"));
 
 ModelConfig tiny_llama(int64_t hidden) {
   ModelConfig c = preset("llama-1b");
@@ -223,9 +224,11 @@ TEST(ModelConfig, PresetsHaveThePublishedParameterCounts) {
   EXPECT_EQ(preset("llama-70b").parameters(), 70553706496);
   // And a Strata model built from a config has exactly that many parameters, biases included.
   ModelConfig biased = tiny_llama(32);
-  biased.attention_bias = biased.mlp_bias = true;
+  biased.attention_bias = biased.attention_out_bias = biased.mlp_bias = true;
   biased.head_dim = 16;  // != hidden / heads
-  for (const ModelConfig& c : {preset("gpt2"), tiny_llama(32), biased}) {
+  ModelConfig qwen2 = tiny_llama(32);  // q/k/v biases only
+  qwen2.attention_bias = true;
+  for (const ModelConfig& c : {preset("gpt2"), tiny_llama(32), biased, qwen2}) {
     Decoder d(c);
     int64_t n = 0;
     for (auto& [name, p] : d.hf_parameters()) n += p.numel();

@@ -5,6 +5,7 @@
 #include <numeric>
 #include <set>
 
+#include "strata/models/safetensors.h"
 #include "strata/models/token_data.h"
 #include "test_util.h"
 
@@ -141,6 +142,163 @@ TEST(TokenData, BadInputsAreClearErrors) {
   EXPECT_THROW(BatchLoader(small, 8, 1, 0, 1, 0), std::runtime_error);
   EXPECT_THROW(TokenCorpus(dir / "missing.bin", TokenFormat::kUint16), std::runtime_error);
 }
+
+// A supervised examples file as `strata data prepare --chat` writes it (docs/FORMATS.md).
+struct SftFile {
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<std::vector<uint8_t>> mask;
+  StDType token_type = StDType::kI32;
+};
+
+std::filesystem::path write_sft(const test::TempDir& dir, const std::string& name, const SftFile& f) {
+  std::vector<int32_t> tokens;
+  std::vector<uint8_t> mask;
+  std::vector<int64_t> offsets{0};
+  for (size_t e = 0; e < f.ids.size(); ++e) {
+    tokens.insert(tokens.end(), f.ids[e].begin(), f.ids[e].end());
+    mask.insert(mask.end(), f.mask[e].begin(), f.mask[e].end());
+    offsets.push_back(int64_t(tokens.size()));
+  }
+  SafetensorsWriter w(dir / name,
+                      {{"tokens", f.token_type, {int64_t(tokens.size())}},
+                       {"loss_mask", StDType::kU8, {int64_t(mask.size())}},
+                       {"offsets", StDType::kI64, {int64_t(offsets.size())}}});
+  w.write("tokens", std::as_bytes(std::span(tokens)));
+  w.write("loss_mask", std::as_bytes(std::span(mask)));
+  w.write("offsets", std::as_bytes(std::span(offsets)));
+  w.finish();
+  return dir / name;
+}
+
+TEST(SftData, ExamplesArePaddedOrCutAndTargetJCountsWhenTokenJPlusOneIsInTheLoss) {
+  test::TempDir dir;
+  SftFile f;
+  // Lengths around seq_len + 1 = 7: shorter (padded), exact, longer (cut, with response tokens).
+  f.ids = {{5, 6, 7, 8}, {1, 2, 3, 4, 5, 6, 7}, {9, 9, 8, 8, 7, 7, 6, 6, 5, 5}};
+  f.mask = {{0, 0, 1, 1}, {0, 1, 0, 1, 1, 0, 1}, {0, 0, 0, 1, 1, 1, 1, 1, 1, 0}};
+  const auto path = write_sft(dir, "a.sft", f);
+  SftExamples ex(path, 6, /*vocab=*/10, /*pad_id=*/3);
+  ASSERT_EQ(ex.size(), 3u);
+  EXPECT_TRUE(ex.masked());
+  EXPECT_EQ(ex.truncated_examples(), 1u);
+  EXPECT_EQ(ex.truncated_loss_tokens(), 2u);  // tokens 7 and 8 of the third example
+  std::vector<int64_t> ids(7);
+  std::vector<uint8_t> loss(6);
+  ex.sample(0, ids.data(), loss.data());
+  EXPECT_EQ(ids, (std::vector<int64_t>{5, 6, 7, 8, 3, 3, 3}));
+  EXPECT_EQ(loss, (std::vector<uint8_t>{0, 1, 1, 0, 0, 0}));
+  ex.sample(1, ids.data(), loss.data());
+  EXPECT_EQ(ids, (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(loss, (std::vector<uint8_t>{1, 0, 1, 1, 0, 1}));
+  ex.sample(2, ids.data(), loss.data());
+  EXPECT_EQ(ids, (std::vector<int64_t>{9, 9, 8, 8, 7, 7, 6}));
+  EXPECT_EQ(loss, (std::vector<uint8_t>{0, 0, 1, 1, 1, 1}));
+  EXPECT_THROW(ex.sample(3, ids.data(), loss.data()), std::out_of_range);
+
+  // The loader visits examples like windows: each once per epoch; ranks take their slices.
+  auto src = std::make_shared<SftExamples>(path, 6, 10);
+  BatchLoader l0(src, 2, 0, 2, 1), l1(src, 2, 1, 2, 1);
+  std::multiset<int64_t> firsts;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<int64_t> a(7), b(7);
+    std::vector<uint8_t> ma(6), mb(6);
+    l0.next(a.data(), ma.data());
+    l1.next(b.data(), mb.data());
+    std::vector<int64_t> whole(14);
+    l0.sample(uint64_t(step) * 2, whole.data());
+    l0.sample(uint64_t(step) * 2 + 1, whole.data() + 7);
+    EXPECT_EQ(std::vector<int64_t>(whole.begin(), whole.begin() + 7), a);
+    EXPECT_EQ(std::vector<int64_t>(whole.begin() + 7, whole.end()), b);
+    // Epoch 0 is global samples 0, 1, 2: step 0's two and step 1's first.
+    if (step <= 1) firsts.insert(a[0]);
+    if (step == 0) firsts.insert(b[0]);
+  }
+  EXPECT_EQ(firsts, (std::multiset<int64_t>{1, 5, 9}));  // every example once
+}
+
+TEST(SftData, HeldOutRangesAndEvaluationBatchesCoverEverySampleOnceThenPad) {
+  test::TempDir dir;
+  SftFile f;
+  for (int e = 0; e < 5; ++e) {
+    f.ids.push_back({e + 1, e + 1, e + 1});
+    f.mask.push_back({0, 1, 1});
+  }
+  auto src = std::make_shared<SftExamples>(write_sft(dir, "b.sft", f), 4, 10);
+  auto eval = std::make_shared<SampleRange>(src, 2, 5);  // examples 2, 3, 4
+  ASSERT_EQ(eval->size(), 3u);
+  // Two ranks, a global batch of 2: batches {2, 3} and {4, padding}.
+  EvalBatches r0(eval, 2, 0, 2), r1(eval, 2, 1, 2);
+  ASSERT_EQ(r0.batches(), 2u);
+  std::vector<int64_t> ids(5);
+  std::vector<uint8_t> loss(4);
+  std::vector<int64_t> seen;
+  for (uint64_t b = 0; b < 2; ++b) {
+    for (const EvalBatches* r : {&r0, &r1}) {
+      r->batch(b, ids.data(), loss.data());
+      const int n = std::accumulate(loss.begin(), loss.end(), 0);
+      if (n == 0) {
+        EXPECT_EQ(ids, std::vector<int64_t>(5, 0));  // padding: no target counts
+      } else {
+        EXPECT_EQ(loss, (std::vector<uint8_t>{1, 1, 0, 0}));
+        seen.push_back(ids[0]);
+      }
+    }
+  }
+  EXPECT_EQ(seen, (std::vector<int64_t>{3, 4, 5}));
+  EXPECT_THROW(SampleRange(src, 3, 3), std::invalid_argument);
+  EXPECT_THROW(SampleRange(src, 0, 6), std::invalid_argument);
+}
+
+TEST(SftData, BadFilesAreErrorsNamingTheFileAndTheProblem) {
+  test::TempDir dir;
+  const auto expect_error = [&](const SftFile& f, const std::string& what, uint64_t vocab = 10) {
+    const auto path = write_sft(dir, "bad.sft", f);
+    try {
+      SftExamples ex(path, 4, vocab);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const std::runtime_error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(path.string()), std::string::npos) << m;
+      EXPECT_NE(m.find(what), std::string::npos) << m;
+    }
+  };
+  SftFile ok;
+  ok.ids = {{1, 2, 3}};
+  ok.mask = {{0, 1, 1}};
+  SftFile f = ok;
+  f.ids = {{1, 12, 3}};
+  expect_error(f, "outside the vocabulary");
+  f = ok;
+  f.mask = {{0, 2, 1}};
+  expect_error(f, "(0 or 1)");
+  f = ok;
+  f.mask = {{0, 0, 0}};
+  expect_error(f, "no token is in the loss");
+  f = ok;
+  f.token_type = StDType::kI64;
+  // Written as I64 with the I32 data's bytes: a wrong dtype, whatever the contents.
+  {
+    std::vector<int64_t> tokens{1, 2, 3};
+    std::vector<uint8_t> mask{0, 1, 1};
+    std::vector<int64_t> offsets{0, 3};
+    SafetensorsWriter w(dir / "bad.sft", {{"tokens", StDType::kI64, {3}}, {"loss_mask", StDType::kU8, {3}},
+                                          {"offsets", StDType::kI64, {2}}});
+    w.write("tokens", std::as_bytes(std::span(tokens)));
+    w.write("loss_mask", std::as_bytes(std::span(mask)));
+    w.write("offsets", std::as_bytes(std::span(offsets)));
+    w.finish();
+    EXPECT_THROW(SftExamples(dir / "bad.sft", 4, 10), std::runtime_error);
+  }
+  {
+    std::ofstream(dir / "text.sft") << "not safetensors";
+    EXPECT_THROW(SftExamples(dir / "text.sft", 4, 10), std::runtime_error);
+  }
+  f = ok;
+  f.ids = {{1, 2, 3}, {}};
+  f.mask = {{0, 1, 1}, {}};
+  expect_error(f, "example 1 is empty");
+}
+
 
 TEST(TokenData, DefaultCorpusOfDebianLicenseTextsReadsAsBytes) {
   const std::filesystem::path licenses = "/usr/share/common-licenses";

@@ -11,6 +11,7 @@
 #include "strata/models/hf_io.h"
 #include "strata/models/model_config.h"
 #include "strata/models/safetensors.h"
+#include "strata/models/sharded_safetensors.h"
 
 namespace strata::engine {
 using namespace ckpt;
@@ -19,12 +20,10 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
                                   const std::function<void(uint64_t, uint64_t)>& progress, bool overwrite) {
   fs::path out_dir = out_arg.lexically_normal();  // "hf-model/": the temporary beside it, not in it
   if (!out_dir.has_filename()) out_dir = out_dir.parent_path();
-  at::ScalarType out_type;
-  models::StDType st_type;
-  if (dtype == "float32") out_type = at::kFloat, st_type = models::StDType::kF32;
-  else if (dtype == "bfloat16") out_type = at::kBFloat16, st_type = models::StDType::kBF16;
-  else if (dtype == "float16") out_type = at::kHalf, st_type = models::StDType::kF16;
-  else throw std::invalid_argument("export dtype must be float32, bfloat16 or float16, not '" + dtype + "'");
+  const at::ScalarType out_type = models::parse_export_dtype(dtype);
+  const models::StDType st_type = out_type == at::kFloat      ? models::StDType::kF32
+                                  : out_type == at::kBFloat16 ? models::StDType::kBF16
+                                                              : models::StDType::kF16;
 
   const json m = read_manifest(dir);
   const models::ModelConfig mc = models::parse_hf_config(m["model"].dump(), (dir / "manifest.json").string());
@@ -69,7 +68,7 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   // Refused before any work: an existing, non-empty out_dir without `overwrite`.
   models::ExportDirectory out(out_dir, overwrite, "pass --force to replace its config.json and model.safetensors");
   const fs::path& tmp = out.tmp();
-  models::SafetensorsWriter writer(tmp / "model.safetensors", specs, {{"format", "pt"}});
+  models::ShardedSafetensorsWriter writer(tmp, specs, models::kDefaultShardBytes, {{"format", "pt"}});
   ChunkReader reader(dir, units);
   // Each tensor from the chunks it overlaps, a window of them read at a time; the last chunk
   // read is kept, as it may straddle into the next tensor.

@@ -3,8 +3,8 @@
   hf_oracle.py make DIR
       Saves tiny randomly initialised models with transformers (save_pretrained, safetensors) in
       DIR/gpt2, DIR/llama (grouped-query attention, untied) and DIR/llama_tied (tied embeddings,
-      attention and MLP biases) and DIR/llama3_rope (Llama 3 RoPE scaling, head_dim != hidden /
-      heads), each with expected.safetensors holding input ids and the logits
+      attention and MLP biases), DIR/llama3_rope (Llama 3 RoPE scaling, head_dim != hidden /
+      heads), DIR/qwen2, DIR/mistral (sliding window 16 > the 13 tokens) and DIR/gemma, each with expected.safetensors holding input ids and the logits
       transformers computes for them (fp32).
   hf_oracle.py check MODEL_DIR EXPECTED
       Loads MODEL_DIR with transformers, computes logits for EXPECTED's ids and compares them with
@@ -14,7 +14,9 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (AutoModelForCausalLM, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 TOLERANCE = 1e-5
 
@@ -55,6 +57,22 @@ def make(out):
                                                                   "factor": 8.0, "low_freq_factor": 1.0,
                                                                   "high_freq_factor": 4.0,
                                                                   "original_max_position_embeddings": 64})),
+        # The other Llama-family types users bring: Qwen2 (q/k/v biases, no o_proj bias), Mistral
+        # with a sliding window longer than the test's sequences, Gemma (scaled embeddings,
+        # (1 + w) RMSNorm, GELU-tanh MLP, tied head, head_dim != hidden / heads).
+        "qwen2": Qwen2ForCausalLM(Qwen2Config(vocab_size=83, hidden_size=48, intermediate_size=80,
+                                              num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, max_position_embeddings=64,
+                                              initializer_range=0.2, tie_word_embeddings=False)),
+        "mistral": MistralForCausalLM(MistralConfig(vocab_size=79, hidden_size=48, intermediate_size=80,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=2, max_position_embeddings=64,
+                                                    sliding_window=16, initializer_range=0.2)),
+        "gemma": GemmaForCausalLM(GemmaConfig(vocab_size=71, hidden_size=48, intermediate_size=80,
+                                              num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=1, head_dim=16,
+                                              max_position_embeddings=64, initializer_range=0.2,
+                                              hidden_act="gelu_pytorch_tanh")),
     }
     for i, (name, model) in enumerate(models.items()):
         perturb(model, 100 + i)

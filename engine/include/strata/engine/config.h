@@ -117,13 +117,27 @@ struct TrainConfig {
   std::string init_from;  // Hugging Face model directory, or empty for random init
   uint64_t init_seed = 0;
   std::string data_path = "/usr/share/common-licenses";
-  std::string data_format = "bytes";
+  std::string data_format = "bytes";  // bytes, uint16, uint32 (token windows) or sft (examples)
   uint64_t data_seed = 0;
+  int64_t data_pad_id = 0;  // sft: the id after an example's end (out of the loss)
+  // Evaluation (data.eval_*): a held-out file, or the last eval_split of the training samples;
+  // its loss every eval_every steps (0: only after the last step) over its first
+  // eval_max_samples samples (0: all).
+  std::string eval_path;
+  std::string eval_format;  // default: data_format
+  double eval_split = 0;
+  int64_t eval_every = 0;
+  int64_t eval_max_samples = 0;
+  bool evaluates() const { return !eval_path.empty() || eval_split > 0; }
   int64_t steps = 20;
   std::string log_path = "strata-train.jsonl";
   bool progress = true;
   std::string export_dir;  // Hugging Face safetensors + config.json after the last step
   bool export_overwrite = false;  // a non-empty export_dir is replaced (its other files kept)
+  int64_t export_every = 0;  // also every N steps, into <export_dir>-step-N; 0: only at the end
+  std::string export_dtype = "auto";  // float32, bfloat16, float16; auto: bf16 compute -> bfloat16
+  uint64_t export_shard_bytes = 5000000000;  // models::kDefaultShardBytes: larger exports are sharded
+  std::string tensorboard_dir;  // TensorBoard event files of the run's scalars; empty: none
   std::string profile_path;  // per-step timeline printed, Chrome trace written here; empty: off
   std::string checkpoint_dir;  // root of the checkpoints (checkpoint.h); empty: none
   int64_t save_every = 0;      // save every N steps (and after the last); 0: only after the last

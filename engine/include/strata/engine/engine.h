@@ -109,12 +109,13 @@ class StateHold {
 
 struct StepResult {
   int64_t step = 0;          // optimizer steps taken so far (skipped steps not counted)
-  double loss = 0;           // mean over the global batch
+  double loss = 0;           // mean over the global batch's targets (counted ones, with a mask)
   double grad_norm = 0;      // global 2-norm of the averaged gradient, before clipping
   bool skipped = false;      // overflow (fp16) or non-finite gradient: no update
   double loss_scale = 1;     // fp16 loss scale used for this step (1 otherwise)
   double seconds = 0;
   uint64_t tokens = 0;       // global tokens in the step
+  uint64_t loss_tokens = 0;  // global targets in the loss (tokens without a mask)
   double model_tflops = 0;   // 6 * parameters * tokens (+ attention) per second, all ranks
   StepTimeline timeline;
 };
@@ -140,6 +141,22 @@ class Engine {
   // [grad_accum * micro_batch, seq_len + 1] (inputs and next-token targets), micro-batch m being
   // rows [m * micro_batch, (m + 1) * micro_batch).
   StepResult train_step(const at::Tensor& ids);
+  // The same with a loss mask (supervised fine-tuning): `loss_mask` is uint8 or bool
+  // [grad_accum * micro_batch, seq_len], nonzero where the target ids[:, j + 1] counts. The loss
+  // is then the cross entropy summed over the global batch's counted targets divided by their
+  // number (all ranks, all micro-batches), which is what one forward of the whole global batch
+  // with ignored labels gives; the gradients are those of that loss.
+  StepResult train_step(const at::Tensor& ids, const at::Tensor& loss_mask);
+  // The forward alone over `ids` (int64 [rows, seq_len + 1], rows a multiple of micro_batch,
+  // the same on every rank: a collective) in micro-batches, without autograd and without
+  // touching gradients, optimizer state or the step count; `loss_mask` as for train_step
+  // (undefined: every target counts). Returns the cross entropy summed over every rank's counted
+  // targets, and their number. Waits for the update running behind before gathering a unit.
+  struct EvalResult {
+    double loss_sum = 0;
+    uint64_t tokens = 0;
+  };
+  EvalResult evaluate(const at::Tensor& ids, const at::Tensor& loss_mask);
   // The learning rate of the following steps' updates (optimizer.lr until called; a schedule sets
   // it before each step: lr_schedule.h). An update already launched keeps the rate it had.
   void set_learning_rate(double lr);

@@ -13,6 +13,9 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "strata/models/decoder.h"
 #include "strata/models/safetensors.h"
@@ -29,17 +32,29 @@ void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& checkpoint,
                      const std::string& source);
 // config.json + weights from `dir`.
 std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir);
-// Writes dir/config.json and dir/model.safetensors, streaming one tensor at a time (each in the
-// model's dtype, copied to the CPU one at a time if the model is on a GPU). `dir` is created if
-// missing.
-void export_hf_model(Decoder& model, const std::filesystem::path& dir);
+// transformers' name of a dtype ("float32", "bfloat16", "float16"), and back (throws
+// std::invalid_argument for another name).
+const char* hf_dtype_name(at::ScalarType t);
+at::ScalarType parse_export_dtype(const std::string& name);
+// Writes dir/config.json and the weights (model.safetensors, or shards of at most
+// `max_shard_bytes` with model.safetensors.index.json: sharded_safetensors.h), streaming one
+// tensor at a time, each converted to `dtype` (default: the model's) and copied to the CPU one
+// at a time if the model is on a GPU. `dir` is created if missing.
+void export_hf_model(Decoder& model, const std::filesystem::path& dir, std::optional<at::ScalarType> dtype = {},
+                     uint64_t max_shard_bytes = UINT64_MAX);
+// Copies the tokenizer's files (tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+// tokenizer.model, vocab.json, merges.txt, added_tokens.json, chat templates) and
+// generation_config.json that exist in `from` into `to`; returns their names.
+std::vector<std::string> copy_tokenizer_files(const std::filesystem::path& from, const std::filesystem::path& to);
 
 // A Hugging Face model directory written whole or not at all, the one way every export goes
 // (`strata ckpt export`, `run.export`): the files are written into `<out>.export-tmp` beside it
-// (tmp()), and commit() renames model.safetensors, then config.json, into `out` (so a config.json
-// never describes weights that are not there) and syncs the directory; destroyed uncommitted,
-// the temporary directory goes and `out` is as it was. Other files in `out` (a tokenizer) are
-// kept. Not thread safe; errors are std::runtime_error naming the path.
+// (tmp()), and commit() removes weight files of an earlier export from `out` (model.safetensors,
+// model-*.safetensors, the index) that the new one does not replace, renames every file written,
+// config.json last (so a config.json never describes weights that are not there), and syncs
+// the directory; destroyed uncommitted, the temporary directory goes and `out` is as it was.
+// Other files in `out` (a tokenizer) are kept. Not thread safe; errors are std::runtime_error
+// naming the path.
 class ExportDirectory {
  public:
   // Refuses, before anything is written, an `out` that exists and is not a directory, or a

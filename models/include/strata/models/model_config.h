@@ -25,27 +25,48 @@ struct ModelConfig {
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;  // Llama only
   bool tie_embeddings = true;
-  bool attention_bias = false;  // Llama q/k/v/o biases (Qwen2-style configs set it)
+  // Llama-family variants (model_type llama, mistral, qwen2, gemma), each as transformers
+  // defines it; `hf_type` is the model_type written back on export.
+  std::string hf_type = "llama";
+  bool attention_bias = false;      // q/k/v biases (Llama's attention_bias; always for Qwen2)
+  bool attention_out_bias = false;  // o_proj bias (Llama's attention_bias; never for Qwen2)
   bool mlp_bias = false;
+  // Sliding-window attention (Mistral, Qwen2 with use_sliding_window): a token sees the previous
+  // sliding_window tokens only. Strata computes full causal attention, which is the same thing
+  // for sequences of at most sliding_window tokens; longer ones are refused. 0: none.
+  int64_t sliding_window = 0;
+  // Gemma: embeddings scaled by sqrt(hidden) and RMSNorm weights applied as (1 + w).
+  bool gemma = false;
+  // The gated MLP's activation (Llama family): SiLU, or for Gemma GELU as its hidden_act names
+  // it (the tanh approximation, or exact).
+  enum class Activation { kSilu, kGeluTanh, kGelu };
+  Activation mlp_activation = Activation::kSilu;
   // Llama 3 frequency-dependent RoPE scaling (rope_type "llama3"); off when factor == 0.
   struct Llama3Rope {
     double factor = 0, low_freq_factor = 1, high_freq_factor = 4;
     int64_t original_max_positions = 8192;
   } llama3_rope;
 
+  // The config.json's special token ids (bos_token_id, eos_token_id: an id or a list,
+  // pad_token_id), as a JSON object's text, written back on export unchanged ("" : none).
+  std::string hf_special_tokens;
+
   // Parameter count (embeddings, blocks, head; tied weights counted once).
   int64_t parameters() const;
   int64_t block_parameters() const;
   // Throws std::invalid_argument with the offending field if inconsistent.
   void validate() const;
+  // Throws std::invalid_argument when sequences of `seq_len` tokens would be computed differently
+  // from the model's definition (a sliding window shorter than the sequence).
+  void check_sequence_length(int64_t seq_len) const;
   // The config.json that transformers reads back for this model; `dtype` is the weights' dtype
   // as transformers names it ("float32", "bfloat16", "float16").
   std::string to_hf_json(const std::string& dtype = "float32") const;
 };
 
 // Throws std::invalid_argument naming the file and key for unsupported or missing settings
-// (RoPE scaling other than Llama 3's, activations other than GPT-2's gelu_new and Llama's silu,
-// sliding-window attention).
+// (model types other than gpt2, llama, mistral, qwen2, gemma; RoPE scaling other than Llama 3's;
+// activations other than GPT-2's gelu_new, silu, and Gemma's GELU-tanh).
 ModelConfig load_hf_config(const std::filesystem::path& config_json);
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source);
 

@@ -1,9 +1,11 @@
-// Training data as token windows: flat binary files of uint16 or uint32 token ids, or raw text
-// tokenized byte by byte (ids 0..255), read through a memory map.
+// Training data as samples of seq_len + 1 tokens: windows of a token corpus (flat binary files of
+// uint16 or uint32 token ids, or raw text tokenized byte by byte, ids 0..255, read through a
+// memory map), or supervised fine-tuning examples with a loss mask (SftExamples).
 //
 // Sampling: the corpus is cut into W = floor((tokens - 1) / seq_len) windows of seq_len + 1
 // tokens (inputs and next-token targets), window i starting at token i * seq_len. Epoch e visits
-// the windows in a permutation drawn from (seed, e). Global sample s is window perm_{s / W}[s % W].
+// the windows (or examples) in a permutation drawn from (seed, e). Global sample s is window
+// perm_{s / W}[s % W].
 // A global batch of B samples at step k holds samples k*B .. k*B + B - 1; data-parallel rank r of
 // R takes the contiguous slice r*B/R .. (r+1)*B/R - 1 of it. The loader's whole state is the
 // number of global samples consumed (position()), so a checkpoint restores it at any world size
@@ -49,29 +51,130 @@ class TokenCorpus {
   uint64_t tokens_ = 0;
 };
 
+// Numbered training or evaluation samples: each is seq_len + 1 token ids (inputs and next-token
+// targets) and seq_len flags saying which targets count in the loss.
+// Thread safety: implementations are immutable after construction.
+class SampleSource {
+ public:
+  virtual ~SampleSource() = default;
+  virtual uint64_t size() const = 0;     // samples
+  virtual uint64_t seq_len() const = 0;
+  // Sample i into ids[0, seq_len + 1) and, when `loss` is not null, loss[j] = 1 when target
+  // ids[j + 1] counts in the loss, else 0.
+  virtual void sample(uint64_t i, int64_t* ids, uint8_t* loss) const = 0;
+  // Whether any target may be out of the loss (else every flag is 1).
+  virtual bool masked() const = 0;
+  virtual std::string description() const = 0;
+};
+
+// The corpus cut into floor((tokens - 1) / seq_len) windows, window i starting at token
+// i * seq_len; every target counts. Throws std::runtime_error when not even one window fits.
+class TokenWindows final : public SampleSource {
+ public:
+  TokenWindows(std::shared_ptr<const TokenCorpus> corpus, uint64_t seq_len);
+  uint64_t size() const override { return windows_; }
+  uint64_t seq_len() const override { return seq_len_; }
+  void sample(uint64_t i, int64_t* ids, uint8_t* loss) const override;
+  bool masked() const override { return false; }
+  std::string description() const override { return corpus_->description(); }
+
+ private:
+  std::shared_ptr<const TokenCorpus> corpus_;
+  uint64_t seq_len_, windows_;
+};
+
+// Supervised fine-tuning examples (data.format "sft"): a safetensors file (docs/FORMATS.md,
+// written by `strata data prepare --chat`) holding "tokens" (I32 [n]), "loss_mask" (U8 [n]: 1
+// where the token is part of a response, a target the loss learns) and "offsets" (I64
+// [examples + 1]: example e is tokens [offsets[e], offsets[e + 1])). One example is one sample,
+// never packed with another: its first seq_len + 1 tokens, then padding (id `pad_id`, out of the
+// loss) to seq_len + 1. Target j counts when loss_mask of token j + 1 is 1.
+// Errors: std::runtime_error naming the file (not safetensors, a tensor missing or of the wrong
+// dtype or shape, offsets not increasing from 0 to n, a token id < 0 or >= vocab_size, a mask
+// value other than 0 and 1, no example with a target in the loss).
+class SftExamples final : public SampleSource {
+ public:
+  SftExamples(const std::filesystem::path& path, uint64_t seq_len, uint64_t vocab_size = 0, int64_t pad_id = 0);
+  ~SftExamples() override;
+  uint64_t size() const override { return examples_; }
+  uint64_t seq_len() const override { return seq_len_; }
+  void sample(uint64_t i, int64_t* ids, uint8_t* loss) const override;
+  bool masked() const override { return true; }
+  std::string description() const override { return description_; }
+  // Examples longer than seq_len + 1 tokens (cut), and the response tokens cut with them.
+  uint64_t truncated_examples() const { return truncated_; }
+  uint64_t truncated_loss_tokens() const { return truncated_loss_; }
+
+ private:
+  struct Data;
+  std::unique_ptr<Data> data_;
+  uint64_t seq_len_, examples_ = 0, truncated_ = 0, truncated_loss_ = 0;
+  int64_t pad_id_;
+  std::string description_;
+};
+
+// Samples [begin, end) of another source, renumbered from 0: a held-out split (data.eval_split
+// keeps the last part of a source for evaluation and trains on the rest).
+class SampleRange final : public SampleSource {
+ public:
+  SampleRange(std::shared_ptr<const SampleSource> source, uint64_t begin, uint64_t end);
+  uint64_t size() const override { return end_ - begin_; }
+  uint64_t seq_len() const override { return source_->seq_len(); }
+  void sample(uint64_t i, int64_t* ids, uint8_t* loss) const override;
+  bool masked() const override { return source_->masked(); }
+  std::string description() const override;
+
+ private:
+  std::shared_ptr<const SampleSource> source_;
+  uint64_t begin_, end_;
+};
+
+// Global sample s of the training stream is sample perm_{s / N}[s % N] of the source (N its
+// size), epoch e's permutation drawn from (seed, e).
 class BatchLoader {
  public:
+  BatchLoader(std::shared_ptr<const SampleSource> source, uint64_t global_batch, int rank, int world_size,
+              uint64_t seed);
+  // The corpus's windows (TokenWindows).
   BatchLoader(std::shared_ptr<const TokenCorpus> corpus, uint64_t seq_len, uint64_t global_batch,
               int rank, int world_size, uint64_t seed);
 
   uint64_t windows_per_epoch() const { return windows_; }
   uint64_t local_batch() const { return global_batch_ / world_; }
-  // Window of global sample s: seq_len + 1 token ids.
-  void sample(uint64_t s, int64_t* out) const;
-  // This rank's slice of the next global batch: local_batch() rows of seq_len + 1 ids, row-major.
-  void next(int64_t* out);
+  const SampleSource& source() const { return *source_; }
+  // Global sample s: seq_len + 1 token ids (and seq_len loss flags when `loss` is not null).
+  void sample(uint64_t s, int64_t* out, uint8_t* loss = nullptr) const;
+  // This rank's slice of the next global batch: local_batch() rows of seq_len + 1 ids, row-major
+  // (and of seq_len loss flags when `loss` is not null).
+  void next(int64_t* out, uint8_t* loss = nullptr);
   uint64_t position() const { return position_; }  // global samples consumed
   void set_position(uint64_t global_samples);        // must be a multiple of the global batch
 
  private:
   uint64_t window_of(uint64_t s) const;
 
-  std::shared_ptr<const TokenCorpus> corpus_;
+  std::shared_ptr<const SampleSource> source_;
   uint64_t seq_len_, global_batch_, seed_, windows_;
   int rank_, world_;
   uint64_t position_ = 0;
   mutable uint64_t cached_epoch_ = UINT64_MAX;
   mutable std::vector<uint64_t> perm_;
+};
+
+// The evaluation pass over a whole source, in order, each sample once: batch b (of batches())
+// holds samples b*B .. b*B + B - 1 (B = global_batch), rank r its slice as BatchLoader; rows past
+// the end are padding, entirely out of the loss.
+class EvalBatches {
+ public:
+  EvalBatches(std::shared_ptr<const SampleSource> source, uint64_t global_batch, int rank, int world_size);
+  uint64_t batches() const { return (source_->size() + global_batch_ - 1) / global_batch_; }
+  uint64_t local_batch() const { return global_batch_ / world_; }
+  void batch(uint64_t b, int64_t* ids, uint8_t* loss) const;
+
+ private:
+  std::shared_ptr<const SampleSource> source_;
+  uint64_t global_batch_;
+  int rank_, world_;
 };
 
 }  // namespace strata::models

@@ -1,0 +1,68 @@
+// A Hugging Face weights set written tensor by tensor: one model.safetensors, or when the
+// tensors' bytes exceed the shard limit, model-00001-of-0000N.safetensors ... with
+// model.safetensors.index.json ({"metadata": {"total_size": bytes}, "weight_map": {tensor: file}})
+// as transformers' save_pretrained writes them and from_pretrained (and SafetensorsCheckpoint)
+// reads them. Shards are cut as transformers cuts them: tensors in the given order, a new shard
+// when the next tensor would take the current one past the limit (a tensor larger than the
+// limit gets a shard of its own).
+//
+// Ownership and errors as SafetensorsWriter (each shard appears at its finish, via a temporary
+// name; destroyed unfinished, no shard is left half written). Not thread safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "strata/models/safetensors.h"
+
+namespace strata::models {
+
+class ShardedSafetensorsWriter {
+ public:
+  ShardedSafetensorsWriter(const std::filesystem::path& dir, std::vector<SafetensorsWriter::Spec> specs,
+                           uint64_t max_shard_bytes, const std::map<std::string, std::string>& metadata = {});
+  ~ShardedSafetensorsWriter();
+  ShardedSafetensorsWriter(const ShardedSafetensorsWriter&) = delete;
+  ShardedSafetensorsWriter& operator=(const ShardedSafetensorsWriter&) = delete;
+
+  // Bytes of the current tensor, in the declared order (as SafetensorsWriter::append).
+  void append(std::span<const std::byte> bytes);
+  // The whole of tensor `name`, which must be the next one.
+  void write(const std::string& name, std::span<const std::byte> bytes);
+  // Finishes the last shard and writes the index (when sharded). Throws SafetensorsError naming
+  // the first tensor not fully written.
+  void finish();
+  // The file names written into `dir` (shards, then the index when there is one).
+  const std::vector<std::string>& files() const { return files_; }
+  size_t shards() const { return shard_specs_.size(); }
+
+ private:
+  void open_shard(size_t i);
+
+  std::filesystem::path dir_;
+  std::map<std::string, std::string> metadata_;
+  std::vector<std::vector<SafetensorsWriter::Spec>> shard_specs_;
+  std::vector<uint64_t> shard_bytes_;
+  std::vector<std::string> files_;
+  std::vector<std::string> order_;  // tensor names in the declared order
+  size_t shard_ = 0, next_tensor_ = 0;
+  uint64_t left_in_shard_ = 0, total_bytes_ = 0;
+  std::unique_ptr<SafetensorsWriter> writer_;
+  bool finished_ = false;
+};
+
+// transformers' default shard limit (save_pretrained's max_shard_size "5GB"): run.export_shard_size
+// and `strata ckpt export` start from it.
+inline constexpr uint64_t kDefaultShardBytes = 5'000'000'000;
+
+// The shard file names transformers uses: model-00001-of-00003.safetensors, or
+// model.safetensors for one shard.
+std::string shard_file_name(size_t index, size_t count);
+
+}  // namespace strata::models
