@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <span>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "strata/models/safetensors.h"
+#include "strata/models/sharded_safetensors.h"
 #include "test_util.h"
 
 namespace strata::models {
@@ -815,6 +818,79 @@ TEST_F(StOracleWriter, TheOracleDetectsAMismatch) {
   EXPECT_HAS(log, files[0].string() + ": ok, 2 tensors");
   EXPECT_HAS(log, files[1].string() + ": b: torch bytes differ");
   EXPECT_EQ(log.find(files[1].string() + ": a:"), std::string::npos) << log;
+}
+
+}  // namespace
+}  // namespace strata::models
+
+namespace strata::models {
+namespace {
+
+// Shards are cut as transformers cuts them (a new one when the next tensor would pass the limit,
+// a tensor above the limit alone), the index maps every tensor to its file and states the total,
+// the bytes read back through the index are the bytes written (appended in pieces that cross
+// shard boundaries), and one shard is a plain model.safetensors without an index.
+TEST(ShardedSafetensors, CutsLikeTransformersAndReadsBackThroughTheIndex) {
+  test::TempDir dir;
+  // F32 tensors of 40, 24, 100 (above the limit), 8, 8, 36 bytes; limit 48.
+  const std::vector<SafetensorsWriter::Spec> specs = {{"a", StDType::kF32, {10}}, {"b", StDType::kF32, {2, 3}},
+                                                      {"c", StDType::kF32, {25}}, {"d", StDType::kF32, {2}},
+                                                      {"e", StDType::kF32, {2}},  {"f", StDType::kF32, {9}}};
+  std::vector<float> all;
+  for (int i = 0; i < 10 + 6 + 25 + 2 + 2 + 9; ++i) all.push_back(float(i) * 0.5f - 3.0f);
+  {
+    ShardedSafetensorsWriter w(dir.path(), specs, 48, {{"format", "pt"}});
+    EXPECT_EQ(w.shards(), 5u);  // {a}, {b}, {c}, {d, e}, {f}
+    const auto bytes = std::as_bytes(std::span(all));
+    for (size_t at = 0; at < bytes.size(); at += 7) w.append(bytes.subspan(at, std::min<size_t>(7, bytes.size() - at)));
+    w.finish();
+    EXPECT_EQ(w.files().back(), "model.safetensors.index.json");
+  }
+  const nlohmann::json index = nlohmann::json::parse(std::ifstream(dir / "model.safetensors.index.json"));
+  EXPECT_EQ(index["metadata"]["total_size"], all.size() * 4);
+  const std::map<std::string, std::string> want = {
+      {"a", "model-00001-of-00005.safetensors"}, {"b", "model-00002-of-00005.safetensors"},
+      {"c", "model-00003-of-00005.safetensors"}, {"d", "model-00004-of-00005.safetensors"},
+      {"e", "model-00004-of-00005.safetensors"}, {"f", "model-00005-of-00005.safetensors"}};
+  const auto weight_map = index["weight_map"].get<std::map<std::string, std::string>>();
+  EXPECT_EQ(weight_map, want);
+  SafetensorsCheckpoint ck(dir.path());
+  size_t offset = 0;
+  for (const auto& spec : specs) {
+    const TensorView v = ck.get(spec.name);
+    ASSERT_EQ(v.data.size() % 4, 0u);
+    std::vector<float> got(v.data.size() / 4);
+    std::memcpy(got.data(), v.data.data(), v.data.size());
+    EXPECT_EQ(got, std::vector<float>(all.begin() + long(offset), all.begin() + long(offset + got.size()))) << spec.name;
+    offset += got.size();
+  }
+  EXPECT_EQ(offset, all.size());
+
+  test::TempDir one;
+  {
+    ShardedSafetensorsWriter w(one.path(), specs, 1 << 20);
+    for (size_t i = 0, off = 0; i < specs.size(); ++i) {
+      size_t n = 1;
+      for (int64_t d : specs[i].shape) n *= size_t(d);
+      w.write(specs[i].name, std::as_bytes(std::span(all).subspan(off, n)));
+      off += n;
+    }
+    EXPECT_THROW(w.write("a", {}), SafetensorsError);  // not the next tensor
+    w.finish();
+  }
+  EXPECT_TRUE(std::filesystem::exists(one / "model.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(one / "model.safetensors.index.json"));
+  EXPECT_EQ(SafetensorsFile(one / "model.safetensors").tensors().size(), specs.size());
+  // An unfinished writer leaves no shard half written: the complete ones stay (an export's
+  // temporary directory goes as a whole), the one in progress goes.
+  test::TempDir cut;
+  {
+    ShardedSafetensorsWriter w(cut.path(), specs, 48);
+    w.append(std::as_bytes(std::span(all).subspan(0, 12)));  // all of "a" (shard 1), 8 bytes of "b"
+  }
+  EXPECT_TRUE(std::filesystem::exists(cut / "model-00001-of-00005.safetensors"));
+  std::filesystem::remove(cut / "model-00001-of-00005.safetensors");
+  for (const auto& e : std::filesystem::directory_iterator(cut.path())) ADD_FAILURE() << "left behind: " << e.path();
 }
 
 }  // namespace

@@ -6,8 +6,10 @@
 // when the next tensor would take the current one past the limit (a tensor larger than the
 // limit gets a shard of its own).
 //
-// Ownership and errors as SafetensorsWriter (each shard appears at its finish, via a temporary
-// name; destroyed unfinished, no shard is left half written). Not thread safe.
+// Ownership and errors as SafetensorsWriter (each shard appears complete, via a temporary name,
+// once its last tensor is written; destroyed unfinished, the shard in progress goes and the
+// complete ones stay: exports write into a temporary directory that goes as a whole). Not thread
+// safe.
 #pragma once
 
 #include <cstddef>
