@@ -246,6 +246,27 @@ TEST(ModelConfig, UnsupportedSettingsAreClearErrors) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("cfg.json: rope_scaling: rope_type 'yarn'"), std::string::npos) << e.what();
   }
+  // A sliding window is accepted, and sequences longer than it are refused, naming it; Qwen2's
+  // window applies only with use_sliding_window.
+  const std::string mistral = R"({"model_type": "mistral", "vocab_size": 10, "hidden_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16, "sliding_window": 16})";
+  const ModelConfig m = parse_hf_config(mistral, "m.json");
+  EXPECT_EQ(m.sliding_window, 16);
+  EXPECT_NO_THROW(m.check_sequence_length(16));
+  try {
+    m.check_sequence_length(17);
+    ADD_FAILURE() << "a sequence longer than the window was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("sliding attention window of 16"), std::string::npos) << e.what();
+  }
+  const std::string qwen = R"({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+      "num_attention_heads": 2, "intermediate_size": 16, "sliding_window": 4, "use_sliding_window": false})";
+  EXPECT_EQ(parse_hf_config(qwen, "q.json").sliding_window, 0);
+  const ModelConfig q = parse_hf_config(qwen, "q.json");
+  EXPECT_TRUE(q.attention_bias);
+  EXPECT_FALSE(q.attention_out_bias);
+  EXPECT_THROW(parse_hf_config(R"({"model_type": "gemma", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+      "num_attention_heads": 2, "intermediate_size": 16, "hidden_act": "relu"})", "g.json"), std::invalid_argument);
   EXPECT_THROW(parse_hf_config(R"({"model_type": "bert"})", "x"), std::invalid_argument);
   EXPECT_THROW(parse_hf_config(R"({"model_type": "gpt2", "n_embd": 8})", "x"), std::invalid_argument);
   EXPECT_THROW(parse_hf_config("{not json", "x"), std::invalid_argument);

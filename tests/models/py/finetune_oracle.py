@@ -18,7 +18,9 @@ Cases:
   qwen2, mistral, gemma
                   the model families: Qwen2 (q/k/v biases, no o bias), Mistral with a sliding
                   window larger than the sequence, Gemma (scaled embeddings, (1 + w) RMSNorm,
-                  GELU-tanh MLP, tied head), each trained on supervised examples.
+                  GELU-tanh MLP, tied head), each trained on supervised examples. Mistral's run
+                  also exports every 2 steps (run.export_every: the weights after step 2) in
+                  shards of 24 KB (with the index); Gemma's exports bfloat16 (run.export_dtype).
 
 Every global batch holds the whole training set (examples == global batch), so the order in which
 Strata's loader visits them changes only the floating-point summation order.
@@ -113,6 +115,36 @@ def mean_loss(model, ids, labels):
                                              reduction="sum") / (labels[:, 1:] != -100).sum()
 
 
+def same_weights(export_dir, model, tol, what, dtype=torch.float32):
+    """Whether export_dir's weights (sharded or not) are `model`'s in `dtype`: per tensor
+    ||diff|| / ||ref|| <= tol. Prints what differs."""
+    from safetensors import safe_open
+    index = os.path.join(export_dir, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    got = {}
+    for f in files:
+        with safe_open(os.path.join(export_dir, f), "pt") as st:
+            for k in st.keys():
+                got[k] = st.get_tensor(k)
+    ok = True
+    state = model.state_dict()
+    for name, ref in state.items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        if name not in got:
+            print(f"FAIL: {what}: no {name}")
+            return False
+        if got[name].dtype != dtype:
+            print(f"FAIL: {what}: {name} is {got[name].dtype}, not {dtype}")
+            ok = False
+        e = float((got[name].float() - ref.float()).norm() / max(ref.float().norm(), 1e-30))
+        if e > tol:
+            print(f"FAIL: {what}: {name} differs by {e:.3g}")
+            ok = False
+    print(f"{what}: {len(files)} file(s), {'equal' if ok else 'different'}")
+    return ok
+
+
 def rel(a, b):
     return float((a - b).abs().max() / max(b.abs().max(), 1e-30))
 
@@ -137,6 +169,12 @@ def main():
            "device": {"budget": "64MiB"},
            "run": {"steps": STEPS, "progress": False, "log": os.path.join(work, "log.jsonl"),
                    "export": os.path.join(work, "export"), "export_overwrite": True}}
+    # The exports: mistral's every 2 steps and in shards of at most 24 KB (as transformers cuts
+    # them, with the index); gemma's in bfloat16.
+    if case == "mistral":
+        cfg["run"].update({"export_every": 2, "export_shard_size": "24KB"})
+    if case == "gemma":
+        cfg["run"]["export_dtype"] = "bfloat16"
     if case == "eval-split":
         windows = global_batch + 3  # 3 held out
         tokens = rng.integers(0, vocab, size=windows * SEQ + 1).astype(np.uint32)
@@ -176,7 +214,10 @@ def main():
                             lr=lr, betas=BETAS, eps=EPS)
     ok = True
     ref_losses, ref_evals = [], []
+    periodic = os.path.join(work, "export-step-2")
     for s in range(STEPS):
+        if case == "mistral" and s == 2:  # the export after step 2: the weights then
+            ok &= same_weights(periodic, model, 1e-5, "the export after step 2")
         if train is not None:
             ids, labels = sft_batch(train)
             opt.zero_grad()
@@ -199,8 +240,28 @@ def main():
     if len(got_eval) != len(want_eval) or any(abs(a - b) > TOL * abs(b) for a, b in zip(got_eval, want_eval)):
         print("FAIL: evaluation losses differ")
         ok = False
-    exported = load_file(os.path.join(work, "export", "model.safetensors"))
+    if case == "mistral":
+        index = os.path.join(work, "export", "model.safetensors.index.json")
+        shards = len(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else 1
+        if shards < 2:
+            print("FAIL: the export is not sharded at 24 KB")
+            ok = False
+    if case == "gemma":
+        # bfloat16: the fp32 weights rounded (Strata's and transformers' fp32 weights differ by
+        # ~1e-6, which can flip a rounding: 2^-8 relative at most per element).
+        ok &= same_weights(os.path.join(work, "export"), model, 4e-3, "the bfloat16 export", torch.bfloat16)
+        if json.load(open(os.path.join(work, "export", "config.json"))).get("dtype") != "bfloat16":
+            print("FAIL: config.json does not say bfloat16")
+            ok = False
+    exported = {}
+    from safetensors import safe_open
+    for f in os.listdir(os.path.join(work, "export")):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(work, "export", f), "pt") as st:
+                for k in st.keys():
+                    exported[k] = st.get_tensor(k).float()
     state = {k: v for k, v in model.state_dict().items()}
+    weight_tol = 4e-3 if case == "gemma" else TOL
     # Per tensor ||diff|| / ||ref|| (as the engine's equivalence tests): Adam divides each
     # element's step by its own gradient scale, so elements with tiny gradients (a bias) differ
     # by more than the summation order alone in an elementwise max.
@@ -218,19 +279,28 @@ def main():
         print("FAIL: not exported:", missing)
         ok = False
     print(f"weights: worst relative error {worst:.3g} ({worst_name})")
-    if worst > TOL:
+    if worst > weight_tol:
         print("FAIL: weights differ")
         ok = False
     # The export loads in transformers as the same family with the same logits.
     from transformers import AutoModelForCausalLM
-    back = AutoModelForCausalLM.from_pretrained(os.path.join(work, "export"), dtype=torch.float32)
+    back = AutoModelForCausalLM.from_pretrained(os.path.join(work, "export"), dtype=torch.float32)  # shards too
     if type(back) is not type(model):
         print(f"FAIL: export loads as {type(back).__name__}, not {type(model).__name__}")
         ok = False
+    ref = model
+    if case == "gemma":  # the reference's weights rounded to bfloat16 as the export's are
+        import copy
+        ref = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
     with torch.no_grad():
-        e = rel(back(input_ids=eval_ids).logits, model(input_ids=eval_ids).logits)
+        e = rel(back(input_ids=eval_ids).logits, ref(input_ids=eval_ids).logits)
     print(f"export logits: relative error {e:.3g}")
-    if e > TOL:
+    # bfloat16: a rounding flipped by the ~1e-6 difference of the fp32 weights moves an element
+    # by 2^-8 of itself.
+    if e > (1e-3 if case == "gemma" else TOL):
         print("FAIL: the export's logits differ")
         ok = False
     print("OK" if ok else "FAILED")
