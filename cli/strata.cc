@@ -42,10 +42,11 @@ commands:
                a PNG of a run's log: loss and eval loss, learning rate, tokens/s, memory
   ckpt inspect DIR   summary of a checkpoint (DIR: a checkpoint, or a root with `latest`)
   ckpt verify DIR    read every chunk of a checkpoint and check its CRC32C and coverage
-  ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force]
+  ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR]
                      stream the master weights into a Hugging Face model directory
-                     (config.json + model.safetensors) that transformers loads; a non-empty
-                     OUT needs --force (its other files, e.g. a tokenizer, are kept)
+                     (config.json + safetensors, sharded above 5 GB) that transformers loads,
+                     with MODEL_DIR's tokenizer files; a non-empty OUT needs --force (its
+                     other files, e.g. a tokenizer, are kept)
   bench io     bandwidth of the NVMe I/O engine beside fio (same file system, block size,
                queue depth), sequential and random, read and write
   bench adam   CPU Adam kernel beside PyTorch's fused AdamW, torch::optim::AdamW and the
@@ -274,20 +275,22 @@ std::filesystem::path checkpoint_arg(const std::string& arg) {
 }
 
 int ckpt_export(const std::vector<std::string>& argv) {
-  std::string dtype = "float32";
+  std::string dtype = "float32", tokenizer_from;
   bool force = false;
   std::vector<std::string> pos;
   for (size_t i = 0; i < argv.size(); ++i) {
     if (argv[i] == "--force") force = true;
     else if (argv[i] == "--dtype" && i + 1 < argv.size()) dtype = argv[++i];
     else if (argv[i].starts_with("--dtype=")) dtype = argv[i].substr(8);
+    else if (argv[i] == "--tokenizer-from" && i + 1 < argv.size()) tokenizer_from = argv[++i];
+    else if (argv[i].starts_with("--tokenizer-from=")) tokenizer_from = argv[i].substr(17);
     else if (argv[i].starts_with("-")) {
       std::cerr << "strata ckpt export: unknown option " << argv[i] << "\n";
       return 2;
     } else pos.push_back(argv[i]);
   }
   if (pos.size() != 2) {
-    std::cerr << "usage: strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force]\n";
+    std::cerr << "usage: strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR]\n";
     return 2;
   }
   const std::filesystem::path dir = checkpoint_arg(pos[0]);
@@ -295,7 +298,7 @@ int ckpt_export(const std::vector<std::string>& argv) {
   const bool tty = isatty(STDERR_FILENO);
   const auto r = strata::engine::export_checkpoint_hf(dir, pos[1], dtype, [&](uint64_t done, uint64_t total) {
     if (tty) std::cerr << "\rexport " << done * 100 / std::max<uint64_t>(total, 1) << "% (" << done << " / " << total << " bytes)" << std::flush;
-  }, force);
+  }, force, tokenizer_from);
   if (tty) std::cerr << "\n";
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::cout << "exported " << dir.string() << " to " << pos[1] << ": " << r.tensors << " tensors, " << r.bytes
@@ -306,7 +309,7 @@ int ckpt_export(const std::vector<std::string>& argv) {
 int ckpt(const std::vector<std::string>& argv) {
   if (!argv.empty() && argv[0] == "export") return ckpt_export({argv.begin() + 1, argv.end()});
   if (argv.size() != 2 || (argv[0] != "inspect" && argv[0] != "verify")) {
-    std::cerr << "usage: strata ckpt inspect|verify DIR\n       strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force]\n";
+    std::cerr << "usage: strata ckpt inspect|verify DIR\n       strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR]\n";
     return 2;
   }
   const std::filesystem::path dir = checkpoint_arg(argv[1]);

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -363,6 +364,8 @@ int run_training(const std::vector<std::string>& argv) {
   if (args.has("resume")) tc.resume = true;
   if (args.has("allow-batch-change")) tc.allow_batch_change = true;
   if (args.has("export-overwrite")) tc.export_overwrite = true;
+  if (tc.export_every > 0 && tc.export_dir.empty())
+    throw std::invalid_argument("run.export_every needs run.export (or --export): the exports go beside it");
   if (args.has("profile")) tc.profile_path = args.get("profile", "");
   if (args.has("device-budget")) tc.engine.device_budget = engine::parse_bytes(args.get("device-budget", ""));
   if (args.has("host-budget")) tc.engine.host_budget = engine::parse_bytes(args.get("host-budget", ""));
@@ -396,6 +399,7 @@ int run_training(const std::vector<std::string>& argv) {
   }
   const engine::EngineConfig* ecp = &tc.engine;  // until the engine resolves "auto" placements
   if (!tc.checkpoint_dir.empty()) check_writable(tc.checkpoint_dir, "checkpoint directory");
+  if (!tc.tensorboard_dir.empty()) check_writable(tc.tensorboard_dir, "TensorBoard directory");
   if (!tc.export_dir.empty()) {
     models::ExportDirectory::check(tc.export_dir, tc.export_overwrite, kExportOverwriteHint);
     check_writable(models::ExportDirectory::temporary(tc.export_dir).parent_path(), "the export's parent directory");
@@ -562,8 +566,8 @@ int run_training(const std::vector<std::string>& argv) {
       tc.export_dtype != "auto"            ? models::parse_export_dtype(tc.export_dtype)
       : ec.compute == engine::Precision::kBf16 ? at::kBFloat16
                                            : at::kFloat;
-  const auto export_model = [&](const std::filesystem::path& dir, bool overwrite) {
-    auto params = eng.gather_parameters();
+  const auto write_export = [&](const std::filesystem::path& dir, bool overwrite) {
+    auto params = eng.gather_parameters();  // collective: every rank
     if (!lead) return;
     const auto t0 = std::chrono::steady_clock::now();
     models::Decoder out(mc, 0, models::Decoder::Init::kDeferred);  // every weight is copied in
@@ -580,14 +584,33 @@ int run_training(const std::vector<std::string>& argv) {
               << " (" << models::hf_dtype_name(export_type) << (carried.empty() ? "" : ", with the tokenizer of init_from")
               << ", " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
   };
+  // Every rank waits for rank 0's write (within distributed.timeout_s) and learns whether it
+  // failed, so that a failed export stops every rank at once instead of leaving them in the next
+  // step's collectives.
+  const auto export_model = [&](const std::filesystem::path& dir, bool overwrite) {
+    std::string failure;
+    try {
+      write_export(dir, overwrite);
+    } catch (const engine::CommError&) {
+      throw;  // a peer is gone: nothing to agree on
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    at::Tensor failed = at::tensor({failure.empty() ? 0.0 : 1.0}, at::TensorOptions().dtype(at::kDouble));
+    comm->all_reduce(failed, engine::ReduceOp::kSum);
+    if (failed.item<double>() > 0)
+      throw std::runtime_error(!failure.empty() ? failure : "the export on rank 0 failed (rank 0 says why)");
+  };
   const auto periodic_export_dir = [&](int64_t step) {
     std::filesystem::path p = std::filesystem::path(tc.export_dir).lexically_normal();
     if (!p.has_filename()) p = p.parent_path();
     return std::filesystem::path(p.string() + "-step-" + std::to_string(step));
   };
-  // The periodic exports' directories are checked now, not after hours of training.
+  // The periodic exports' directories are checked now, not after hours of training. A resumed
+  // run replaces those past its checkpoint: the interrupted run's, of the same weights.
+  const bool replace_periodic = tc.export_overwrite || first_step > 0;
   for (int64_t k = first_step + 1; tc.export_every > 0 && k < tc.steps; ++k)
-    if (k % tc.export_every == 0) models::ExportDirectory::check(periodic_export_dir(k), tc.export_overwrite, kExportOverwriteHint);
+    if (k % tc.export_every == 0) models::ExportDirectory::check(periodic_export_dir(k), replace_periodic, kExportOverwriteHint);
   // Supervised examples: which targets count (engine.h train_step).
   at::Tensor loss_mask;
   if (data.train->masked()) loss_mask = at::empty({int64_t(loader.local_batch()), ec.seq_len}, at::kByte);
@@ -606,7 +629,7 @@ int run_training(const std::vector<std::string>& argv) {
       loss_sum += r.loss_sum;
       tokens += r.tokens;
     }
-    const double loss = loss_sum / double(std::max<uint64_t>(tokens, 1));
+    const double loss = tokens > 0 ? loss_sum / double(tokens) : std::numeric_limits<double>::quiet_NaN();
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!lead) return;
     std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: eval after step "
@@ -646,7 +669,7 @@ int run_training(const std::vector<std::string>& argv) {
     const bool export_now = tc.export_every > 0 && (s + 1) % tc.export_every == 0 && s + 1 < tc.steps;
     if (!lead) {
       if (eval_now) evaluate(s + 1);
-      if (export_now) export_model(periodic_export_dir(s + 1), tc.export_overwrite);
+      if (export_now) export_model(periodic_export_dir(s + 1), replace_periodic);
       continue;
     }
     if (ec.profile) std::cerr << (tc.progress && tty ? "\r\033[K" : "") << timeline_line(s + 1, r) << "\n";
@@ -711,7 +734,7 @@ int run_training(const std::vector<std::string>& argv) {
       std::cerr << (tty ? "\r\033[K" : "") << line << (tty ? "" : "\n") << std::flush;
     }
     if (eval_now) evaluate(s + 1);
-    if (export_now) export_model(periodic_export_dir(s + 1), tc.export_overwrite);
+    if (export_now) export_model(periodic_export_dir(s + 1), replace_periodic);
   }
   if (tensorboard) tensorboard->flush();
   if (lead && tc.progress && tty) std::cerr << "\n";

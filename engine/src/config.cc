@@ -389,7 +389,6 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("export_overwrite", c.export_overwrite);
     s.read("export_every", c.export_every);
     if (c.export_every < 0) s.fail("export_every", "must be >= 0 (0: only after the last step)");
-    if (c.export_every > 0 && c.export_dir.empty()) s.fail("export_every", "needs run.export (the exports go beside it)");
     s.read("export_dtype", c.export_dtype);
     if (c.export_dtype != "auto" && c.export_dtype != "float32" && c.export_dtype != "bfloat16" &&
         c.export_dtype != "float16")

@@ -33,6 +33,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -242,10 +243,11 @@ struct Engine::Impl {
   struct Pass {
     size_t k = 0;          // the next use, over the whole step
     size_t total = 0;      // uses in the step
-    double denom = 1;      // loss scale x micro-batches x ranks (masked: x the global count
-                           // of targets in the loss): the gradients' divisor
+    double denom = 1;      // loss scale x micro-batches x ranks (masked: the loss scale, the
+                           // count is in head_scale): the gradients' divisor
     bool masked = false;   // a loss mask: the head sums its losses (the mean is over the step)
     double loss_tokens = 0;  // global targets in the loss (masked)
+    double head_scale = 1;   // the head's backward seed: the loss scale (masked: / loss_tokens)
     bool in_backward = false;  // optimizer.overlap "backward"
     at::Tensor loss_sum;   // double on the device, summed in micro-batch order
   };
@@ -268,6 +270,7 @@ struct Engine::Impl {
   void backward_use(Pass& pass, MicroBatch& mb, size_t stage);
   void finish_backward();
   StepResult reduce_norm_and_loss(const Pass& pass, std::chrono::steady_clock::time_point t0);
+  StepResult skipped_step(std::chrono::steady_clock::time_point t0);
   void apply_update(const Pass& pass, const StepResult& r);
   void update_loss_scale(bool skipped);
 

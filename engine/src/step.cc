@@ -59,13 +59,18 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
   Pass pass;
   pass.total = uses().size() * size_t(A);
   pass.denom = loss_scale * double(A) * comm.world_size();  // the gradients' sum over the global batch
+  pass.head_scale = loss_scale;
   pass.masked = loss_mask.defined();
   if (pass.masked) {
-    // The mean is over the whole global batch's counted targets: their number first.
+    // The mean is over the whole global batch's counted targets: their number first. The head
+    // backpropagates its sum divided by it (times the loss scale), so that fp16 gradients have
+    // the magnitude of a mean's.
     at::Tensor count = at::tensor({double(loss_mask.ne(0).sum().item<int64_t>())}, at::TensorOptions().dtype(at::kDouble));
     comm.all_reduce(count, ReduceOp::kSum);
     pass.loss_tokens = count.item<double>();
-    pass.denom = loss_scale * std::max(1.0, pass.loss_tokens);
+    if (pass.loss_tokens == 0) return skipped_step(t0);  // nothing to learn from: no update
+    pass.head_scale = loss_scale / pass.loss_tokens;
+    pass.denom = loss_scale;
   }
   pass.in_backward = updates_in_backward();
   const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(loss_mask);
@@ -168,7 +173,7 @@ void Engine::Impl::head_use(Pass& pass, MicroBatch& mb) {
   at::Tensor xh = mb.x.detach().requires_grad_(true);
   at::Tensor logits = stages[head]->forward(xh);
   at::Tensor loss = head_loss(logits, mb, pass.masked);
-  torch::autograd::backward({loss * loss_scale});
+  torch::autograd::backward({loss * pass.head_scale});
   compute_span("forward+backward " + partition->unit(head).name, mark);
   const at::Tensor loss_d = loss.detach().to(at::kDouble);  // summed in micro-batch order as the host would
   pass.loss_sum = pass.loss_sum.defined() ? pass.loss_sum + loss_d : loss_d;
@@ -227,6 +232,21 @@ void Engine::Impl::finish_backward() {
   dev.synchronize(dev.h2d_stream());
 }
 
+// A step whose global batch has no target in the loss: no forward, no update (the optimizer's
+// step count and the loss scale stay); the loss is NaN, as a mean over nothing.
+StepResult Engine::Impl::skipped_step(std::chrono::steady_clock::time_point t0) {
+  StepResult r;
+  r.step = step;
+  r.loss = std::numeric_limits<double>::quiet_NaN();
+  r.skipped = true;
+  r.loss_scale = loss_scale;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.tokens = uint64_t(cfg.grad_accum * cfg.micro_batch * cfg.seq_len) * uint64_t(comm.world_size());
+  r.loss_tokens = 0;
+  r.timeline = prof.take_step();
+  return r;
+}
+
 // The forward uses and the head of each micro-batch, without autograd: a walk over the first
 // stages.size() uses of the schedule, so that the coordinator gathers, prefetches and releases
 // as in a step's forward; every unit is released after the head.
@@ -277,8 +297,7 @@ StepResult Engine::Impl::reduce_norm_and_loss(const Pass& pass, std::chrono::ste
   const double loss_sum = pass.loss_sum.item<double>();
   at::Tensor red = at::tensor({sumsq, loss_sum, prof.step.wait_params, elapsed}, at::TensorOptions().dtype(at::kDouble));
   comm.all_reduce(red, ReduceOp::kSum);
-  r.loss = red[1].item<double>() / (pass.masked ? std::max(1.0, pass.loss_tokens)
-                                                 : double(cfg.grad_accum) * comm.world_size());
+  r.loss = red[1].item<double>() / (pass.masked ? pass.loss_tokens : double(cfg.grad_accum) * comm.world_size());
   r.grad_norm = std::sqrt(red[0].item<double>()) / pass.denom;
   if (cfg.prefetch_auto)
     params->set_depth(prefetch_tuner.next(red[2].item<double>() / std::max(red[3].item<double>(), 1e-9)));

@@ -181,18 +181,42 @@ ExportDirectory::~ExportDirectory() {
   if (!committed_) std::filesystem::remove_all(tmp_, ignored);
 }
 
+namespace {
+// A weights file of an export: model.safetensors, its index, or a shard as transformers names
+// them (model-00001-of-00003.safetensors); other files (model-lora.safetensors) are not ours.
+bool is_export_weights(const std::string& n) {
+  if (n == "model.safetensors" || n == "model.safetensors.index.json") return true;
+  if (n.size() != std::string("model-00001-of-00003.safetensors").size() || !n.starts_with("model-") ||
+      !n.ends_with(".safetensors") || n.substr(11, 4) != "-of-")
+    return false;
+  for (size_t i : {6u, 7u, 8u, 9u, 10u, 15u, 16u, 17u, 18u, 19u})
+    if (n[i] < '0' || n[i] > '9') return false;
+  return true;
+}
+}  // namespace
+
 void ExportDirectory::commit() {
   namespace fs = std::filesystem;
+  // Every file's data on disk first (the shards are already): a failure here leaves `out` as it
+  // was.
+  for (const auto& e : fs::directory_iterator(tmp_)) {
+    const int f = ::open(e.path().c_str(), O_RDONLY);
+    if (f < 0 || ::fsync(f) != 0) {
+      const int err = errno;
+      if (f >= 0) ::close(f);
+      throw std::runtime_error("export: cannot sync " + e.path().string() + ": " + std::strerror(err));
+    }
+    ::close(f);
+  }
   fs::create_directories(out_);
-  // Weights of an earlier export in another sharding would sit beside the new ones (transformers
-  // would read the wrong set): they go first.
+  // From here a crash leaves no config.json describing weights that are not there: the old
+  // config goes first, then weight files of an earlier export in another sharding (transformers
+  // would read the wrong set), then the new files arrive, config.json last.
+  fs::remove(out_ / "config.json");
   for (const auto& e : fs::directory_iterator(out_)) {
     const std::string n = e.path().filename().string();
-    const bool weights = n == "model.safetensors" || n == "model.safetensors.index.json" ||
-                         (n.starts_with("model-") && n.ends_with(".safetensors"));
-    if (weights && !fs::exists(tmp_ / n)) fs::remove(e.path());
+    if (is_export_weights(n) && !fs::exists(tmp_ / n)) fs::remove(e.path());
   }
-  // Everything written, config.json last (it names the weights' dtype and shapes).
   for (const auto& e : fs::directory_iterator(tmp_))
     if (e.path().filename() != "config.json") fs::rename(e.path(), out_ / e.path().filename());
   fs::rename(tmp_ / "config.json", out_ / "config.json");

@@ -143,6 +143,10 @@ void ModelConfig::validate() const {
       "model type '" + hf_type + "' is not one of llama, mistral, qwen2, gemma");
   req(sliding_window >= 0, "sliding_window must be >= 0");
   req(arch == Arch::kGpt2 || gemma || mlp_activation == Activation::kSilu, "only gemma's MLP uses GELU");
+  // config.json's attention_bias means q/k/v and o biases together, except for Qwen2.
+  req(arch == Arch::kGpt2 || hf_type == "qwen2" || attention_bias == attention_out_bias,
+      "q/k/v biases without an o_proj bias (or the reverse) exist only for qwen2");
+  req(hf_type != "qwen2" || (attention_bias && !attention_out_bias), "qwen2 has q/k/v biases and no o_proj bias");
 }
 
 ModelConfig parse_hf_config(const std::string& text, const std::string& source) {
@@ -226,8 +230,12 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
       if (act != "silu") throw bad(source, "hidden_act '" + act + "' is not supported (silu only)");
     }
     // A sliding window is accepted; sequences longer than it are refused (check_sequence_length).
-    const bool sliding = type == "mistral" || (type == "qwen2" && get_or<bool>(j, "use_sliding_window", false));
-    if (sliding) c.sliding_window = get_or<int64_t>(j, "sliding_window", 0);
+    // Mistral's window is 4096 when the key is absent (transformers' MistralConfig default) and
+    // none when it is null; Qwen2's applies only with use_sliding_window.
+    if (type == "mistral")
+      c.sliding_window = !j.contains("sliding_window") ? 4096 : get_or<int64_t>(j, "sliding_window", 0);
+    else if (type == "qwen2" && get_or<bool>(j, "use_sliding_window", false))
+      c.sliding_window = get_or<int64_t>(j, "sliding_window", 0);
     if (c.sliding_window < 0) throw bad(source, "sliding_window must be >= 0");
   } else {
     throw bad(source, "model_type '" + type + "' is not supported (gpt2, llama, mistral, qwen2, gemma)");

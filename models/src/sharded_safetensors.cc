@@ -23,59 +23,96 @@ ShardedSafetensorsWriter::ShardedSafetensorsWriter(const std::filesystem::path& 
     : dir_(dir), metadata_(metadata) {
   if (max_shard_bytes == 0) throw SafetensorsError("ShardedSafetensorsWriter: the shard limit must be > 0");
   if (specs.empty()) throw SafetensorsError("ShardedSafetensorsWriter: no tensors to write to " + dir.string());
-  for (auto& spec : specs) {
-    uint64_t bytes = st_dtype_bytes(spec.dtype);
-    for (int64_t d : spec.shape) bytes *= uint64_t(d);
-    if (shard_specs_.empty() || (shard_bytes_.back() > 0 && shard_bytes_.back() + bytes > max_shard_bytes)) {
-      shard_specs_.emplace_back();
-      shard_bytes_.push_back(0);
-    }
-    order_.push_back(spec.name);
-    shard_specs_.back().push_back(std::move(spec));
-    shard_bytes_.back() += bytes;
+  // huggingface_hub's split_state_dict_into_shards: a tensor above the limit is a shard of its
+  // own, appended when it comes; the others fill the shard in progress, which is appended when
+  // the next one would pass the limit, and at the end.
+  std::vector<size_t> current;
+  uint64_t current_bytes = 0;
+  std::vector<std::vector<size_t>> shards;
+  for (size_t t = 0; t < specs.size(); ++t) {
+    uint64_t bytes = st_dtype_bytes(specs[t].dtype);
+    for (int64_t d : specs[t].shape) bytes *= uint64_t(d);
+    tensor_bytes_.push_back(bytes);
     total_bytes_ += bytes;
+    if (bytes > max_shard_bytes) {
+      shards.push_back({t});
+      continue;
+    }
+    if (current_bytes + bytes > max_shard_bytes) {
+      shards.push_back(std::move(current));
+      current.clear();
+      current_bytes = 0;
+    }
+    current.push_back(t);
+    current_bytes += bytes;
   }
-  for (size_t i = 0; i < shard_specs_.size(); ++i) files_.push_back(shard_file_name(i, shard_specs_.size()));
-  if (shard_specs_.size() > 1) files_.push_back("model.safetensors.index.json");
-  open_shard(0);
+  if (!current.empty()) shards.push_back(std::move(current));
+  shard_of_.resize(specs.size());
+  for (size_t i = 0; i < shards.size(); ++i) {
+    shard_specs_.emplace_back();
+    for (size_t t : shards[i]) {
+      shard_of_[t] = i;
+      shard_specs_[i].push_back(specs[t]);
+    }
+    last_of_shard_.push_back(shards[i].back());
+    files_.push_back(shard_file_name(i, shards.size()));
+  }
+  for (const auto& spec : specs) order_.push_back(spec.name);
+  if (shards.size() > 1) files_.push_back("model.safetensors.index.json");
+  writers_.resize(shards.size());
+  begin_tensor(0);
 }
 
 ShardedSafetensorsWriter::~ShardedSafetensorsWriter() = default;
 
-void ShardedSafetensorsWriter::open_shard(size_t i) {
-  shard_ = i;
-  left_in_shard_ = shard_bytes_[i];
-  writer_ = std::make_unique<SafetensorsWriter>(dir_ / files_[i], shard_specs_[i], metadata_);
+// Tensor t is next: its shard's writer opened if this is the shard's first tensor; zero-byte
+// tensors are complete at once.
+void ShardedSafetensorsWriter::begin_tensor(size_t t) {
+  for (tensor_ = t; tensor_ < order_.size(); ++tensor_) {
+    const size_t sh = shard_of_[tensor_];
+    if (!writers_[sh]) writers_[sh] = std::make_unique<SafetensorsWriter>(dir_ / files_[sh], shard_specs_[sh], metadata_);
+    left_in_tensor_ = tensor_bytes_[tensor_];
+    if (left_in_tensor_ > 0) return;
+    end_tensor();
+  }
+}
+
+void ShardedSafetensorsWriter::end_tensor() {
+  const size_t sh = shard_of_[tensor_];
+  if (last_of_shard_[sh] == tensor_) {
+    writers_[sh]->finish();
+    writers_[sh].reset();
+    ++finished_shards_;
+  }
 }
 
 void ShardedSafetensorsWriter::append(std::span<const std::byte> bytes) {
   while (!bytes.empty()) {
-    if (left_in_shard_ == 0) {
-      if (shard_ + 1 >= shard_specs_.size())
-        throw SafetensorsError(dir_.string() + ": more bytes than the declared tensors hold");
-      writer_->finish();
-      open_shard(shard_ + 1);
-    }
-    const size_t n = size_t(std::min<uint64_t>(bytes.size(), left_in_shard_));
-    writer_->append(bytes.first(n));
-    left_in_shard_ -= n;
+    if (tensor_ >= order_.size()) throw SafetensorsError(dir_.string() + ": more bytes than the declared tensors hold");
+    const size_t n = size_t(std::min<uint64_t>(bytes.size(), left_in_tensor_));
+    writers_[shard_of_[tensor_]]->append(bytes.first(n));
+    left_in_tensor_ -= n;
     bytes = bytes.subspan(n);
+    if (left_in_tensor_ == 0) {
+      end_tensor();
+      begin_tensor(tensor_ + 1);
+    }
   }
 }
 
 void ShardedSafetensorsWriter::write(const std::string& name, std::span<const std::byte> bytes) {
-  if (next_tensor_ >= order_.size() || order_[next_tensor_] != name)
+  if (tensor_ >= order_.size() || order_[tensor_] != name || left_in_tensor_ != tensor_bytes_[tensor_])
     throw SafetensorsError(dir_.string() + ": tensor " + name + " is not the next one to write (" +
-                           (next_tensor_ < order_.size() ? order_[next_tensor_] : std::string("none left")) + ")");
-  ++next_tensor_;
-  append(bytes);  // a zero-byte tensor is complete once the bytes before it are
+                           (tensor_ < order_.size() ? order_[tensor_] : std::string("none left")) + ")");
+  if (bytes.size() != tensor_bytes_[tensor_])
+    throw SafetensorsError(dir_.string() + ": tensor " + name + " holds " + std::to_string(tensor_bytes_[tensor_]) +
+                           " bytes, not " + std::to_string(bytes.size()));
+  append(bytes);
 }
 
 void ShardedSafetensorsWriter::finish() {
   if (finished_) return;
-  writer_->finish();
-  if (shard_ + 1 != shard_specs_.size())
-    throw SafetensorsError(dir_.string() + ": tensor " + shard_specs_[shard_ + 1].front().name + " was not written");
+  if (tensor_ < order_.size()) throw SafetensorsError(dir_.string() + ": tensor " + order_[tensor_] + " was not written");
   if (shard_specs_.size() > 1) {
     nlohmann::json index = {{"metadata", {{"total_size", total_bytes_}}}, {"weight_map", nlohmann::json::object()}};
     for (size_t i = 0; i < shard_specs_.size(); ++i)

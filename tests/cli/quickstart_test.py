@@ -13,7 +13,8 @@ as stopped by SIGINT after saving a checkpoint, and the `--resume` line must go 
   examples form every global batch; AdamW with weight decay off for norms, clipping, transformers'
   cosine schedule with warmup and a floor), fp32, 1e-5 relative for losses, 1e-4 for logits after
   16 steps;
-- the export holds the tokenizer, generation_config.json and the special token ids;
+- the export holds the tokenizer, generation_config.json and the special token ids, and
+  `strata ckpt export --tokenizer-from` of the last checkpoint gives the same model;
 - TensorBoard's reader finds train/loss for all 16 steps and eval/loss; the plot is a PNG of
   1200 x 900 that is not blank.
 Exit 0 when all hold.
@@ -72,7 +73,9 @@ def main():
             continue
         print("$", line, flush=True)
         if "Ctrl-C" in line:
-            p = subprocess.Popen(["bash", "-c", script], cwd=work, env=env)
+            # Its own process group, signalled whole, as a terminal's Ctrl-C is (whether or not
+            # bash execs the command).
+            p = subprocess.Popen(["bash", "-c", script], cwd=work, env=env, start_new_session=True)
             t0 = time.time()
             while time.time() - t0 < 300:
                 steps = []
@@ -85,7 +88,10 @@ def main():
                 if steps and max(steps) >= 5 or p.poll() is not None:
                     break
                 time.sleep(0.005)
-            p.send_signal(signal.SIGINT)
+            if p.poll() is not None:
+                print(f"FAIL: the run ended (exit {p.returncode}) before it could be interrupted at step 5")
+                return 1
+            os.killpg(p.pid, signal.SIGINT)
             rc = p.wait(timeout=300)
             # 130 through a shell; -2 where the process (bash exec'd the last command) ends
             # itself with the signal, as a program stopped by SIGINT should.
@@ -170,6 +176,19 @@ def main():
             print(f"FAIL: config.json {k} {out_cfg.get(k)} != {src_cfg.get(k)}")
             ok = False
 
+    # The last checkpoint exported by `strata ckpt export --tokenizer-from` is the run's export.
+    again = os.path.join(qs, "from-checkpoint")
+    r = subprocess.run([strata, "ckpt", "export", os.path.join(qs, "ckpt"), again, "--tokenizer-from",
+                        os.path.join(qs, "tiny-llama")], capture_output=True, text=True)
+    if r.returncode != 0:
+        print("FAIL: strata ckpt export:", r.stderr)
+        ok = False
+    else:
+        with torch.no_grad():
+            c = AutoModelForCausalLM.from_pretrained(again, dtype=torch.float32)(input_ids=eval_ids).logits
+        if not torch.equal(c, a) or not os.path.isfile(os.path.join(again, "tokenizer.json")):
+            print("FAIL: the checkpoint's export differs from the run's, or has no tokenizer")
+            ok = False
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     tb_steps, tb_eval = set(), set()
     tb = os.path.join(qs, "tensorboard")

@@ -1933,10 +1933,18 @@ TEST(EngineEvaluate, MaskedStepIsTheWholeBatchLossWithIgnoredTargets) {
   }
   std::map<std::string, at::Tensor> got;
   for (auto& [n, p] : eng.gather_parameters()) got[n] = p;
-  // The engine backpropagates the summed loss and divides by the count in the optimizer, the
-  // reference backpropagates loss / count: the same gradient up to rounding (checked above by
-  // its norm), which Adam's per-element normalization amplifies over three steps to ~1e-5.
+  // Both backpropagate each micro-batch's summed loss / count; the engine's recompute and
+  // reduce-scatter sum in another order, a rounding difference (the gradient norm agrees above)
+  // that Adam's per-element normalization amplifies over three steps to ~1e-5.
   for (auto& [n, p] : ref.hf_parameters()) EXPECT_LE(relative(got.at(n), p.detach()), 5e-5) << n;
+  // A global batch with no counted target is skipped: NaN loss, no update, the step count kept.
+  const at::Tensor ids = at::randint(0, 256, {e.micro_batch * e.grad_accum, e.seq_len + 1}, g, at::kLong);
+  const se::StepResult r = eng.train_step(ids, at::zeros({ids.size(0), e.seq_len}, at::kByte));
+  EXPECT_TRUE(r.skipped);
+  EXPECT_TRUE(std::isnan(r.loss));
+  EXPECT_EQ(r.step, 3);
+  for (auto& [n, p] : eng.gather_parameters()) EXPECT_TRUE(at::equal(p, got.at(n))) << n;
+  EXPECT_EQ(eng.train_step(ids, at::ones({ids.size(0), e.seq_len}, at::kByte)).step, 4);
 }
 
 }  // namespace

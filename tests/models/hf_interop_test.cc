@@ -227,6 +227,7 @@ TEST(ModelConfig, PresetsHaveThePublishedParameterCounts) {
   biased.attention_bias = biased.attention_out_bias = biased.mlp_bias = true;
   biased.head_dim = 16;  // != hidden / heads
   ModelConfig qwen2 = tiny_llama(32);  // q/k/v biases only
+  qwen2.hf_type = "qwen2";
   qwen2.attention_bias = true;
   for (const ModelConfig& c : {preset("gpt2"), tiny_llama(32), biased, qwen2}) {
     Decoder d(c);
@@ -251,6 +252,11 @@ TEST(ModelConfig, UnsupportedSettingsAreClearErrors) {
   const std::string mistral = R"({"model_type": "mistral", "vocab_size": 10, "hidden_size": 8,
       "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16, "sliding_window": 16})";
   const ModelConfig m = parse_hf_config(mistral, "m.json");
+  // transformers' MistralConfig: 4096 when the key is absent, no window when it is null.
+  const std::string base = R"({"model_type": "mistral", "vocab_size": 10, "hidden_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16)";
+  EXPECT_EQ(parse_hf_config(base + "}", "m.json").sliding_window, 4096);
+  EXPECT_EQ(parse_hf_config(base + R"(, "sliding_window": null})", "m.json").sliding_window, 0);
   EXPECT_EQ(m.sliding_window, 16);
   EXPECT_NO_THROW(m.check_sequence_length(16));
   try {

@@ -826,10 +826,12 @@ TEST_F(StOracleWriter, TheOracleDetectsAMismatch) {
 namespace strata::models {
 namespace {
 
-// Shards are cut as transformers cuts them (a new one when the next tensor would pass the limit,
-// a tensor above the limit alone), the index maps every tensor to its file and states the total,
-// the bytes read back through the index are the bytes written (appended in pieces that cross
-// shard boundaries), and one shard is a plain model.safetensors without an index.
+// Shards are cut as transformers cuts them (huggingface_hub's split_state_dict_into_shards: the
+// shard in progress closes when the next tensor would pass the limit, a tensor above the limit
+// is a shard of its own numbered when it comes), the index maps every tensor to its file and
+// states the total, the bytes read back through the index are the bytes written (appended in
+// pieces that cross tensor and shard boundaries, two shards open at once), and one shard is a
+// plain model.safetensors without an index.
 TEST(ShardedSafetensors, CutsLikeTransformersAndReadsBackThroughTheIndex) {
   test::TempDir dir;
   // F32 tensors of 40, 24, 100 (above the limit), 8, 8, 36 bytes; limit 48.
@@ -840,7 +842,7 @@ TEST(ShardedSafetensors, CutsLikeTransformersAndReadsBackThroughTheIndex) {
   for (int i = 0; i < 10 + 6 + 25 + 2 + 2 + 9; ++i) all.push_back(float(i) * 0.5f - 3.0f);
   {
     ShardedSafetensorsWriter w(dir.path(), specs, 48, {{"format", "pt"}});
-    EXPECT_EQ(w.shards(), 5u);  // {a}, {b}, {c}, {d, e}, {f}
+    EXPECT_EQ(w.shards(), 4u);  // {a}, {c}, {b, d, e}, {f}
     const auto bytes = std::as_bytes(std::span(all));
     for (size_t at = 0; at < bytes.size(); at += 7) w.append(bytes.subspan(at, std::min<size_t>(7, bytes.size() - at)));
     w.finish();
@@ -849,9 +851,9 @@ TEST(ShardedSafetensors, CutsLikeTransformersAndReadsBackThroughTheIndex) {
   const nlohmann::json index = nlohmann::json::parse(std::ifstream(dir / "model.safetensors.index.json"));
   EXPECT_EQ(index["metadata"]["total_size"], all.size() * 4);
   const std::map<std::string, std::string> want = {
-      {"a", "model-00001-of-00005.safetensors"}, {"b", "model-00002-of-00005.safetensors"},
-      {"c", "model-00003-of-00005.safetensors"}, {"d", "model-00004-of-00005.safetensors"},
-      {"e", "model-00004-of-00005.safetensors"}, {"f", "model-00005-of-00005.safetensors"}};
+      {"a", "model-00001-of-00004.safetensors"}, {"b", "model-00003-of-00004.safetensors"},
+      {"c", "model-00002-of-00004.safetensors"}, {"d", "model-00003-of-00004.safetensors"},
+      {"e", "model-00003-of-00004.safetensors"}, {"f", "model-00004-of-00004.safetensors"}};
   const auto weight_map = index["weight_map"].get<std::map<std::string, std::string>>();
   EXPECT_EQ(weight_map, want);
   SafetensorsCheckpoint ck(dir.path());
@@ -888,8 +890,8 @@ TEST(ShardedSafetensors, CutsLikeTransformersAndReadsBackThroughTheIndex) {
     ShardedSafetensorsWriter w(cut.path(), specs, 48);
     w.append(std::as_bytes(std::span(all).subspan(0, 12)));  // all of "a" (shard 1), 8 bytes of "b"
   }
-  EXPECT_TRUE(std::filesystem::exists(cut / "model-00001-of-00005.safetensors"));
-  std::filesystem::remove(cut / "model-00001-of-00005.safetensors");
+  EXPECT_TRUE(std::filesystem::exists(cut / "model-00001-of-00004.safetensors"));
+  std::filesystem::remove(cut / "model-00001-of-00004.safetensors");
   for (const auto& e : std::filesystem::directory_iterator(cut.path())) ADD_FAILURE() << "left behind: " << e.path();
 }
 

@@ -17,7 +17,11 @@ namespace strata::engine {
 using namespace ckpt;
 
 ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, const std::string& dtype,
-                                  const std::function<void(uint64_t, uint64_t)>& progress, bool overwrite) {
+                                  const std::function<void(uint64_t, uint64_t)>& progress, bool overwrite,
+                                  const fs::path& tokenizer_from) {
+  if (!tokenizer_from.empty() && !fs::is_regular_file(tokenizer_from / "config.json") &&
+      !fs::is_regular_file(tokenizer_from / "tokenizer.json") && !fs::is_regular_file(tokenizer_from / "tokenizer_config.json"))
+    throw std::invalid_argument("export: " + tokenizer_from.string() + " is not a Hugging Face model or tokenizer directory");
   fs::path out_dir = out_arg.lexically_normal();  // "hf-model/": the temporary beside it, not in it
   if (!out_dir.has_filename()) out_dir = out_dir.parent_path();
   const at::ScalarType out_type = models::parse_export_dtype(dtype);
@@ -118,6 +122,7 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   }
   writer.finish();
   write_atomically(tmp / "config.json", mc.to_hf_json(dtype) + "\n");
+  if (!tokenizer_from.empty()) models::copy_tokenizer_files(tokenizer_from, tmp);
   out.commit();
   return result;
 }

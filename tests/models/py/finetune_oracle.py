@@ -246,6 +246,23 @@ def main():
         if shards < 2:
             print("FAIL: the export is not sharded at 24 KB")
             ok = False
+        else:
+            # The same grouping as huggingface_hub's splitter given the tensors in the order
+            # Strata writes them (the schedule's: embedding, each block's tensors, final norm, head).
+            from huggingface_hub import split_torch_state_dict_into_shards
+            sd = model.state_dict()
+            order = ["model.embed_tokens.weight"]
+            for i in range(model.config.num_hidden_layers):
+                p = f"model.layers.{i}."
+                order += [p + "input_layernorm.weight"] + [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+                order += [p + "post_attention_layernorm.weight"] + [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+            order += ["model.norm.weight", "lm_head.weight"]
+            split = split_torch_state_dict_into_shards({k: sd[k] for k in order}, max_shard_size=24000)
+            want = split.tensor_to_filename
+            got_map = json.load(open(index))["weight_map"]
+            if got_map != want:
+                print("FAIL: shards differ from huggingface_hub's:", got_map, want)
+                ok = False
     if case == "gemma":
         # bfloat16: the fp32 weights rounded (Strata's and transformers' fp32 weights differ by
         # ~1e-6, which can flip a rounding: 2^-8 relative at most per element).

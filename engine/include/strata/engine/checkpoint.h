@@ -131,12 +131,14 @@ struct ExportResult {
 // The files are written into a temporary directory beside out_dir (`<out_dir>.export-tmp`) and
 // renamed into out_dir once complete, so a failed export leaves out_dir as it was. An out_dir that
 // exists and is not empty is refused (std::runtime_error naming what is in it) unless
-// `overwrite`: then config.json and model.safetensors are replaced and every other file there (a
-// tokenizer, say) is kept.
+// `overwrite`: then config.json and the weights are replaced and every other file there (a
+// tokenizer, say) is kept. Weights above models::kDefaultShardBytes are sharded with an index.
+// `tokenizer_from` (a Hugging Face model directory, e.g. the run's model.init_from): its
+// tokenizer files and generation_config.json are copied in (models::copy_tokenizer_files).
 ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
                                   const std::filesystem::path& out_dir, const std::string& dtype,
                                   const std::function<void(uint64_t, uint64_t)>& progress = {},
-                                  bool overwrite = false);
+                                  bool overwrite = false, const std::filesystem::path& tokenizer_from = {});
 
 // Collective: deletes all but the `keep` newest checkpoints under `root` (by name order; the
 // latest is always kept). Rank 0 un-commits each (removes its manifest) first; each rank then

@@ -145,13 +145,17 @@ class Engine {
   // [grad_accum * micro_batch, seq_len], nonzero where the target ids[:, j + 1] counts. The loss
   // is then the cross entropy summed over the global batch's counted targets divided by their
   // number (all ranks, all micro-batches), which is what one forward of the whole global batch
-  // with ignored labels gives; the gradients are those of that loss.
+  // with ignored labels gives; the gradients are those of that loss. Every rank passes a mask or
+  // none (the count is a collective). A global batch without any counted target is skipped: no
+  // forward and no update, StepResult::skipped with a NaN loss.
   StepResult train_step(const at::Tensor& ids, const at::Tensor& loss_mask);
   // The forward alone over `ids` (int64 [rows, seq_len + 1], rows a multiple of micro_batch,
   // the same on every rank: a collective) in micro-batches, without autograd and without
   // touching gradients, optimizer state or the step count; `loss_mask` as for train_step
-  // (undefined: every target counts). Returns the cross entropy summed over every rank's counted
-  // targets, and their number. Waits for the update running behind before gathering a unit.
+  // (undefined: every target counts; a mask on every rank or none). Returns the cross entropy
+  // summed over every rank's counted targets, and their number. Waits for the update running
+  // behind before gathering a unit. Its transfers count in the next step's timeline, as anything
+  // between steps does.
   struct EvalResult {
     double loss_sum = 0;
     uint64_t tokens = 0;

@@ -49,12 +49,13 @@ std::vector<std::string> copy_tokenizer_files(const std::filesystem::path& from,
 
 // A Hugging Face model directory written whole or not at all, the one way every export goes
 // (`strata ckpt export`, `run.export`): the files are written into `<out>.export-tmp` beside it
-// (tmp()), and commit() removes weight files of an earlier export from `out` (model.safetensors,
-// model-*.safetensors, the index) that the new one does not replace, renames every file written,
-// config.json last (so a config.json never describes weights that are not there), and syncs
-// the directory; destroyed uncommitted, the temporary directory goes and `out` is as it was.
-// Other files in `out` (a tokenizer) are kept. Not thread safe; errors are std::runtime_error
-// naming the path.
+// (tmp()), and commit() syncs every file written, then removes `out`'s config.json and the weight
+// files of an earlier export (model.safetensors, model-NNNNN-of-NNNNN.safetensors, the index)
+// that the new one does not replace, renames the new files in, config.json last (so a
+// config.json never describes weights that are not there), and syncs the directory; a failure
+// before the removal, or destruction uncommitted, leaves `out` as it was. Files written into
+// tmp() replace theirs in `out` (a tokenizer copied from the source model); other files in `out`
+// are kept. Not thread safe; errors are std::runtime_error naming the path.
 class ExportDirectory {
  public:
   // Refuses, before anything is written, an `out` that exists and is not a directory, or a

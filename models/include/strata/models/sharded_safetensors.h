@@ -2,9 +2,10 @@
 // tensors' bytes exceed the shard limit, model-00001-of-0000N.safetensors ... with
 // model.safetensors.index.json ({"metadata": {"total_size": bytes}, "weight_map": {tensor: file}})
 // as transformers' save_pretrained writes them and from_pretrained (and SafetensorsCheckpoint)
-// reads them. Shards are cut as transformers cuts them: tensors in the given order, a new shard
-// when the next tensor would take the current one past the limit (a tensor larger than the
-// limit gets a shard of its own).
+// reads them. Shards are cut as transformers cuts them (huggingface_hub's
+// split_state_dict_into_shards): tensors in the given order fill the shard in progress, which
+// is closed when the next tensor would take it past the limit; a tensor larger than the limit is
+// a shard of its own, numbered when it comes (so at most two shards are open at once).
 //
 // Ownership and errors as SafetensorsWriter (each shard appears complete, via a temporary name,
 // once its last tensor is written; destroyed unfinished, the shard in progress goes and the
@@ -45,17 +46,20 @@ class ShardedSafetensorsWriter {
   size_t shards() const { return shard_specs_.size(); }
 
  private:
-  void open_shard(size_t i);
+  void begin_tensor(size_t t);
+  void end_tensor();
 
   std::filesystem::path dir_;
   std::map<std::string, std::string> metadata_;
   std::vector<std::vector<SafetensorsWriter::Spec>> shard_specs_;
-  std::vector<uint64_t> shard_bytes_;
+  std::vector<size_t> shard_of_;       // by tensor
+  std::vector<size_t> last_of_shard_;  // the tensor that completes each shard
+  std::vector<uint64_t> tensor_bytes_;
   std::vector<std::string> files_;
   std::vector<std::string> order_;  // tensor names in the declared order
-  size_t shard_ = 0, next_tensor_ = 0;
-  uint64_t left_in_shard_ = 0, total_bytes_ = 0;
-  std::unique_ptr<SafetensorsWriter> writer_;
+  std::vector<std::unique_ptr<SafetensorsWriter>> writers_;  // by shard; open while in progress
+  size_t tensor_ = 0, finished_shards_ = 0;
+  uint64_t left_in_tensor_ = 0, total_bytes_ = 0;
   bool finished_ = false;
 };
 
