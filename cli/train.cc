@@ -445,13 +445,22 @@ int run_training(const std::vector<std::string>& argv) {
   engine::Engine eng(std::move(model), tc.engine, *comm, *device);
   const engine::EngineConfig& ec = eng.config();
   // Room for one checkpoint (fp32 master weights and two Adam moments: every rank's files in
-  // one directory) and for the fp32 export, with the swap files already reserved.
+  // one directory), with the swap files already reserved.
   if (!tc.checkpoint_dir.empty())
     check_free_space(tc.checkpoint_dir, uint64_t(mc.parameters()) * engine::Engine::kStateKinds * 4,
                      "checkpoint directory");
-  if (!tc.export_dir.empty() && lead)
-    check_free_space(models::ExportDirectory::temporary(tc.export_dir).parent_path(), uint64_t(mc.parameters()) * 4,
-                     "the export's parent directory");
+  const at::ScalarType export_type =
+      tc.export_dtype != "auto"                ? models::parse_export_dtype(tc.export_dtype)
+      : ec.compute == engine::Precision::kBf16 ? at::kBFloat16
+                                               : at::kFloat;
+  // And for every export the run may write (the periodic ones stay), in the export's dtype.
+  if (!tc.export_dir.empty() && lead) {
+    const uint64_t exports = 1 + (tc.export_every > 0 && tc.steps > 0 ? uint64_t((tc.steps - 1) / tc.export_every) : 0);
+    check_free_space(models::ExportDirectory::temporary(tc.export_dir).parent_path(),
+                     uint64_t(mc.parameters()) * uint64_t(at::elementSize(export_type)) * exports,
+                     exports == 1 ? "the export's parent directory"
+                                  : "the export's parent directory (" + std::to_string(exports) + " exports)");
+  }
   const engine::MemoryReport m0 = eng.memory();
 
   int64_t first_step = 0;
@@ -562,10 +571,6 @@ int run_training(const std::vector<std::string>& argv) {
   at::Tensor ids = at::empty({int64_t(loader.local_batch()), ec.seq_len + 1}, at::kLong);
   // A Hugging Face model directory of the weights now (collective: every rank gathers), with the
   // tokenizer and generation config of init_from; run.export_every's go beside run.export.
-  const at::ScalarType export_type =
-      tc.export_dtype != "auto"            ? models::parse_export_dtype(tc.export_dtype)
-      : ec.compute == engine::Precision::kBf16 ? at::kBFloat16
-                                           : at::kFloat;
   const auto write_export = [&](const std::filesystem::path& dir, bool overwrite) {
     auto params = eng.gather_parameters();  // collective: every rank
     if (!lead) return;
