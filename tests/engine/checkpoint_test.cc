@@ -771,6 +771,23 @@ TEST(Checkpoint, OutputLocationsAreCheckedBeforeTheFirstStep) {
   EXPECT_EQ(read_file(dir / "model" / "tokenizer.json"), "{}");
   EXPECT_EQ(sm::load_hf_model(dir / "model")->config().layers, 3);
   EXPECT_FALSE(std::filesystem::exists(dir / "model.export-tmp"));
+
+  // Periodic exports stay, so the room checked is for all of them: one fits in the 1 MiB
+  // filesystem, the three of run.export_every 1 over 3 steps do not.
+  json every = tiny_llama(3);
+  every["run"]["export_every"] = 1;
+  std::ofstream(dir / "every.json") << every.dump(2);
+  const uint64_t one = uint64_t(se::parse_train_config(every.dump(), "t").model.parameters()) * 4;
+  ASSERT_LT(one, 1u << 20);
+  ASSERT_GT(3 * one, 1u << 20);
+  std::filesystem::create_directories(dir / "mib");
+  const auto txt = dir / "every.txt";
+  EXPECT_NE(run_quiet("unshare -m sh -c 'mount -t tmpfs -o size=1m tmpfs " + d + "/mib && " + STRATA_BIN +
+                          " train --config " + d + "/every.json --no-progress --log \"\" --export " + d + "/mib/model'",
+                      txt),
+            0);
+  out = read_file(txt);
+  EXPECT_NE(out.find("the export's parent directory (3 exports) " + d + "/mib has "), std::string::npos) << out;
 }
 
 // A learning-rate schedule is a function of the step, which checkpoints hold: stopped and
