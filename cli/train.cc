@@ -607,9 +607,7 @@ int run_training(const std::vector<std::string>& argv) {
       throw std::runtime_error(!failure.empty() ? failure : "the export on rank 0 failed (rank 0 says why)");
   };
   const auto periodic_export_dir = [&](int64_t step) {
-    std::filesystem::path p = std::filesystem::path(tc.export_dir).lexically_normal();
-    if (!p.has_filename()) p = p.parent_path();
-    return std::filesystem::path(p.string() + "-step-" + std::to_string(step));
+    return models::ExportDirectory::beside(tc.export_dir, "-step-" + std::to_string(step));
   };
   // The periodic exports' directories are checked now, not after hours of training. A resumed
   // run replaces those past its checkpoint: the interrupted run's, of the same weights.

@@ -63,6 +63,16 @@ def fail(msg):
     sys.exit(1)
 
 
+def commit(tmp, output, meta):
+    """Renames the finished `tmp` to `output` and writes its sidecar OUTPUT.json beside it, each
+    complete under its final name or not there."""
+    with open(output + ".json.tmp", "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, output)
+    os.replace(output + ".json.tmp", output + ".json")
+
+
 def load_tokenizer(path):
     """A `tokenizers.Tokenizer` (no truncation, no padding), its end-of-sequence id (None if it
     has none) and its vocabulary size."""
@@ -402,11 +412,7 @@ def prepare_chat(a):
     if a.max_tokens is not None:
         meta["max_tokens"] = a.max_tokens
         meta["longer_than_max_tokens"] = over
-    with open(a.output + ".json.tmp", "w") as f:
-        json.dump(meta, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, a.output)
-    os.replace(a.output + ".json.tmp", a.output + ".json")
+    commit(tmp, a.output, meta)
     s = time.monotonic() - t0
     print(f"wrote {a.output}: {examples} examples, {len(tokens)} tokens ({loss_tokens} in the loss, longest example "
           f"{longest}) with the {fmt.name} formatting from {len(files)} file(s), {total} bytes, in {s:.1f} s")
@@ -513,11 +519,7 @@ def main():
         "inputs": [os.path.abspath(f) for f in files],
         "text_bytes": total,
     }
-    with open(a.output + ".json.tmp", "w") as f:
-        json.dump(meta, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, a.output)
-    os.replace(a.output + ".json.tmp", a.output + ".json")
+    commit(tmp, a.output, meta)
     s = time.monotonic() - t0
     print(f"wrote {a.output}: {tokens} tokens ({fmt}) from {len(files)} file(s), {total} bytes of text in {s:.1f} s")
     print(f'config: "data": {{"path": "{a.output}", "format": "{fmt}"}} (model.vocab_size >= {vocab})')

@@ -163,10 +163,10 @@ void ExportDirectory::check(const std::filesystem::path& out, bool overwrite, co
                            how_to_overwrite);
 }
 
-std::filesystem::path ExportDirectory::temporary(const std::filesystem::path& out) {
+std::filesystem::path ExportDirectory::beside(const std::filesystem::path& out, const std::string& suffix) {
   std::filesystem::path p = std::filesystem::absolute(out).lexically_normal();
   if (p.filename().empty()) p = p.parent_path();
-  return p.string() + ".export-tmp";
+  return p.string() + suffix;
 }
 
 ExportDirectory::ExportDirectory(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite)

@@ -82,7 +82,6 @@ void ShardedSafetensorsWriter::end_tensor() {
   if (last_of_shard_[sh] == tensor_) {
     writers_[sh]->finish();
     writers_[sh].reset();
-    ++finished_shards_;
   }
 }
 

@@ -132,11 +132,20 @@ void TokenWindows::sample(uint64_t i, int64_t* ids, uint8_t* loss) const {
   if (loss) std::memset(loss, 1, seq_len_);
 }
 
+// Views into the mapping; safetensors data is only byte aligned, so the typed reads copy.
 struct SftExamples::Data {
   std::unique_ptr<SafetensorsFile> file;
-  const int32_t* tokens = nullptr;
+  const std::byte* tokens = nullptr;
   const uint8_t* mask = nullptr;
-  const int64_t* offsets = nullptr;
+  const std::byte* offsets = nullptr;
+  int32_t token(uint64_t i) const { return read<int32_t>(tokens, i); }
+  int64_t offset(uint64_t e) const { return read<int64_t>(offsets, e); }
+  template <class T>
+  static T read(const std::byte* base, uint64_t i) {
+    T v;
+    std::memcpy(&v, base + i * sizeof(T), sizeof(T));
+    return v;
+  }
 };
 
 SftExamples::~SftExamples() = default;
@@ -166,16 +175,11 @@ SftExamples::SftExamples(const std::filesystem::path& path, uint64_t seq_len, ui
   if (mask.info->numel() != n)
     throw fail("\"loss_mask\" has " + std::to_string(mask.info->numel()) + " entries for " + std::to_string(n) + " tokens");
   if (offsets.info->numel() < 2) throw fail("\"offsets\" holds no example");
-  // Views into the mapping; safetensors data is only byte aligned, so the typed reads copy.
-  data_->tokens = reinterpret_cast<const int32_t*>(tokens.data.data());
+  data_->tokens = tokens.data.data();
   data_->mask = reinterpret_cast<const uint8_t*>(mask.data.data());
-  data_->offsets = reinterpret_cast<const int64_t*>(offsets.data.data());
+  data_->offsets = offsets.data.data();
   examples_ = offsets.info->numel() - 1;
-  auto offset = [&](uint64_t e) {
-    int64_t v;
-    std::memcpy(&v, offsets.data.data() + e * 8, 8);
-    return v;
-  };
+  const auto offset = [&](uint64_t e) { return data_->offset(e); };
   if (offset(0) != 0 || offset(examples_) != int64_t(n))
     throw fail("\"offsets\" must run from 0 to the token count " + std::to_string(n));
   uint64_t in_loss = 0;
@@ -188,8 +192,7 @@ SftExamples::SftExamples(const std::filesystem::path& path, uint64_t seq_len, ui
     }
   }
   for (uint64_t i = 0; i < n; ++i) {
-    int32_t id;
-    std::memcpy(&id, tokens.data.data() + i * 4, 4);
+    const int32_t id = data_->token(i);
     if (id < 0 || (vocab_size > 0 && uint64_t(id) >= vocab_size))
       throw fail("token " + std::to_string(i) + " has id " + std::to_string(id) + ", outside the vocabulary of " +
                  std::to_string(vocab_size));
@@ -206,17 +209,11 @@ SftExamples::SftExamples(const std::filesystem::path& path, uint64_t seq_len, ui
 
 void SftExamples::sample(uint64_t i, int64_t* ids, uint8_t* loss) const {
   if (i >= examples_) throw std::out_of_range("SftExamples: no example " + std::to_string(i));
-  int64_t b, x;
-  std::memcpy(&b, reinterpret_cast<const std::byte*>(data_->offsets) + i * 8, 8);
-  std::memcpy(&x, reinterpret_cast<const std::byte*>(data_->offsets) + (i + 1) * 8, 8);
-  const uint64_t len = std::min<uint64_t>(uint64_t(x - b), seq_len_ + 1);
-  for (uint64_t j = 0; j < seq_len_ + 1; ++j) {
-    int32_t id = int32_t(pad_id_);
-    if (j < len) std::memcpy(&id, reinterpret_cast<const std::byte*>(data_->tokens) + (uint64_t(b) + j) * 4, 4);
-    ids[j] = id;
-  }
+  const uint64_t b = uint64_t(data_->offset(i));
+  const uint64_t len = std::min<uint64_t>(uint64_t(data_->offset(i + 1)) - b, seq_len_ + 1);
+  for (uint64_t j = 0; j < seq_len_ + 1; ++j) ids[j] = j < len ? data_->token(b + j) : pad_id_;
   if (loss)
-    for (uint64_t j = 0; j < seq_len_; ++j) loss[j] = j + 1 < len ? data_->mask[uint64_t(b) + j + 1] : 0;
+    for (uint64_t j = 0; j < seq_len_; ++j) loss[j] = j + 1 < len ? data_->mask[b + j + 1] : 0;
 }
 
 SampleRange::SampleRange(std::shared_ptr<const SampleSource> source, uint64_t begin, uint64_t end)

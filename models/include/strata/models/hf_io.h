@@ -64,8 +64,11 @@ class ExportDirectory {
   // exports only after hours of training.
   static void check(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite);
   ExportDirectory(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite);
-  // `<out>.export-tmp` (a trailing '/' of `out` ignored): its parent must be writable.
-  static std::filesystem::path temporary(const std::filesystem::path& out);
+  // `<out><suffix>` beside `out`, absolute (a trailing '/' of `out` ignored): run.export_every's
+  // `<out>-step-N`, and temporary().
+  static std::filesystem::path beside(const std::filesystem::path& out, const std::string& suffix);
+  // beside(out, ".export-tmp"): its parent must be writable.
+  static std::filesystem::path temporary(const std::filesystem::path& out) { return beside(out, ".export-tmp"); }
   ExportDirectory(const ExportDirectory&) = delete;
   ExportDirectory& operator=(const ExportDirectory&) = delete;
   ~ExportDirectory();

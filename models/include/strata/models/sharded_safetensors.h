@@ -58,7 +58,7 @@ class ShardedSafetensorsWriter {
   std::vector<std::string> files_;
   std::vector<std::string> order_;  // tensor names in the declared order
   std::vector<std::unique_ptr<SafetensorsWriter>> writers_;  // by shard; open while in progress
-  size_t tensor_ = 0, finished_shards_ = 0;
+  size_t tensor_ = 0;
   uint64_t left_in_tensor_ = 0, total_bytes_ = 0;
   bool finished_ = false;
 };
