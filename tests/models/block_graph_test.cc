@@ -3,61 +3,14 @@
 // allocated afterwards (the output aside) is the graph's saved tensors. The estimate must not be
 // below it (the engine budgets kept graphs with it) nor far above it (or it wastes the budget).
 #include <ATen/ATen.h>
-#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
 
-#include <atomic>
-#include <mutex>
-#include <unordered_map>
-
+#include "counting_allocator.h"
 #include "strata/models/decoder.h"
 
 namespace strata::models {
 namespace {
-
-// Wraps the default CPU allocator and counts the bytes alive. A DataPtr's context is its data
-// pointer itself (the size is looked up), as Allocator::raw_allocate requires: oneDNN's bf16
-// kernels take their scratch memory through it on CPUs with AVX-512 BF16.
-class CountingAllocator final : public c10::Allocator {
- public:
-  CountingAllocator() { instance = this; }
-  c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = inner_->allocate(n);
-    void* data = inner.get();
-    if (!data) return inner;  // zero bytes: nothing to count
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      blocks_.emplace(data, Block{std::move(inner), n});
-    }
-    live_ += int64_t(n);
-    return {data, data, &release, c10::Device(c10::kCPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-  void copy_data(void* dst, const void* src, size_t n) const override { default_copy_data(dst, src, n); }
-  int64_t live() const { return live_.load(); }
-
- private:
-  struct Block {
-    c10::DataPtr inner;
-    size_t bytes;
-  };
-  static void release(void* p) {
-    Block b;
-    {
-      std::lock_guard<std::mutex> lock(instance->mu_);
-      auto it = instance->blocks_.find(p);
-      b = std::move(it->second);
-      instance->blocks_.erase(it);
-    }
-    instance->live_ -= int64_t(b.bytes);
-  }  // b.inner frees the memory
-  static inline CountingAllocator* instance = nullptr;
-  c10::Allocator* inner_ = c10::GetDefaultCPUAllocator();
-  std::mutex mu_;
-  std::unordered_map<void*, Block> blocks_;
-  std::atomic<int64_t> live_{0};
-};
 
 struct Case {
   Arch arch;
@@ -83,15 +36,12 @@ TEST_P(BlockGraph, EstimateBoundsWhatAutogradKeeps) {
   m.to(k.dtype);
   at::Tensor x = at::randn({k.batch, k.seq, k.hidden}).to(k.dtype).requires_grad_(true);
 
-  static CountingAllocator counting;
-  c10::Allocator* before_alloc = c10::GetCPUAllocator();
-  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  test::CountingAllocator& counting = test::CountingAllocator::install();
   const int64_t before = counting.live();
   at::Tensor y = m.block(0).forward(x);
   const int64_t kept = counting.live() - before - int64_t(y.nbytes()) + int64_t(x.nbytes());
   y.backward(at::ones_like(y));  // the graph is real: it runs
   y = at::Tensor();
-  c10::SetCPUAllocator(before_alloc, 100);
 
   const double tokens = double(k.batch * k.seq);
   const double estimate = double(m.block_graph_bytes_per_token(c10::elementSize(k.dtype))) * tokens;

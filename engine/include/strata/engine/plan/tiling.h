@@ -1,0 +1,38 @@
+// How the LM head's logits [tokens, vocab] are cut into tiles (token chunks x vocabulary tiles),
+// and the device bytes the head's loss needs for a cut: the one rule that the engine's loss
+// (tiling::linear_cross_entropy_sum gets the chunk and tile sizes), the memory model and
+// `--plan` use. No libtorch.
+// Thread safety: pure functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace strata::engine::plan {
+
+struct LogitsTiling {
+  uint64_t token_chunk = 0;  // tokens a tile covers (0: not cut, as token_chunk == tokens)
+  uint64_t vocab_tile = 0;   // vocabulary rows a tile covers (0: not cut)
+  bool tiled(uint64_t tokens, uint64_t vocab) const {
+    return (token_chunk && token_chunk < tokens) || (vocab_tile && vocab_tile < vocab);
+  }
+  uint64_t tiles(uint64_t tokens, uint64_t vocab) const;
+};
+
+// At least `count` tiles (>= 1; 1: the logits whole), as few over as the division allows. The
+// vocabulary is cut first (each weight tile is then read once a pass); tokens only once a
+// vocabulary tile would be narrower than the token chunk, so tiles stay near square and their
+// matmuls large. `count` beyond tokens x vocab is clamped.
+LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count);
+
+// Device bytes the head's loss holds beside its input and the weight's gradient: untiled, the
+// fp32 logits, their fp32 gradient and the compute-dtype gradient (tokens x vocab x (8 +
+// compute_bytes)); tiled, one tile of those, plus the fp32 input gradient, one fp32 weight-gradient
+// tile and 16 bytes a token (log-sum-exp, running maximum and sum, target logit).
+uint64_t head_scratch_bytes(uint64_t tokens, uint64_t vocab, uint64_t hidden, uint64_t compute_bytes,
+                            const LogitsTiling& t);
+
+// "8 tiles of 2048 tokens x 16032 vocabulary rows" or "untiled".
+std::string describe(const LogitsTiling& t, uint64_t tokens, uint64_t vocab);
+
+}  // namespace strata::engine::plan

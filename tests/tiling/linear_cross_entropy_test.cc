@@ -1,0 +1,184 @@
+// The tiled LM-head loss against the untiled one (at::linear, then at::cross_entropy_loss) on
+// random inputs of awkward sizes, every way of cutting them; the peak memory of both measured by
+// a counting allocator; and the plan's rule for cutting the logits.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/autograd.h>
+
+#include <tuple>
+
+#include "counting_allocator.h"
+#include "strata/engine/plan/tiling.h"
+#include "strata/tiling/linear_cross_entropy.h"
+
+namespace strata::tiling {
+namespace {
+
+using engine::plan::head_scratch_bytes;
+using engine::plan::logits_tiling;
+using engine::plan::LogitsTiling;
+
+struct Result {
+  at::Tensor loss, grad_h, grad_w;
+};
+
+at::Tensor random_targets(int64_t tokens, int64_t vocab, double ignored, uint64_t seed) {
+  at::Generator g = at::detail::createCPUGenerator(seed);
+  at::Tensor t = at::randint(vocab, {tokens}, g, at::kLong);
+  if (ignored > 0) t.masked_fill_(at::rand({tokens}, g).lt(ignored), -100);
+  return t;
+}
+
+// Loss and gradients of h and w for the loss's gradient `scale`.
+template <typename Loss>
+Result run(const at::Tensor& h0, const at::Tensor& w0, double scale, Loss&& loss_of) {
+  at::Tensor h = h0.detach().clone().requires_grad_(true), w = w0.detach().clone().requires_grad_(true);
+  at::Tensor loss = loss_of(h, w);
+  torch::autograd::backward({loss * scale});
+  return {loss.detach(), h.grad(), w.grad()};
+}
+
+Result untiled(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, double scale) {
+  return run(h, w, scale, [&](const at::Tensor& hh, const at::Tensor& ww) {
+    return at::cross_entropy_loss(at::linear(hh, ww).to(at::kFloat), targets, {}, at::Reduction::Sum, -100);
+  });
+}
+
+Result tiled(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, double scale, int64_t chunk,
+             int64_t tile) {
+  return run(h, w, scale, [&](const at::Tensor& hh, const at::Tensor& ww) {
+    return linear_cross_entropy_sum(hh, ww, targets, chunk, tile);
+  });
+}
+
+double rel(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = b.to(at::kDouble).abs().max().item<double>();
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / std::max(scale, 1e-30);
+}
+
+class Cuts : public ::testing::TestWithParam<std::tuple<int64_t, int64_t>> {};
+
+TEST_P(Cuts, EqualsTheUntiledLossAndGradients) {
+  const auto [chunk, tile] = GetParam();
+  const int64_t tokens = 53, vocab = 211, hidden = 19;
+  at::manual_seed(7);
+  const at::Tensor h = at::randn({tokens, hidden}), w = at::randn({vocab, hidden}) * 0.5;
+  const at::Tensor targets = random_targets(tokens, vocab, 0.2, 11);
+  const Result ref = untiled(h, w, targets, 0.37), got = tiled(h, w, targets, 0.37, chunk, tile);
+  EXPECT_LE(rel(got.loss, ref.loss), 1e-6);
+  EXPECT_LE(rel(got.grad_h, ref.grad_h), 1e-5);
+  EXPECT_LE(rel(got.grad_w, ref.grad_w), 1e-5);
+  // Ignored rows: no gradient at all.
+  const at::Tensor ignored = targets.eq(-100);
+  ASSERT_GT(ignored.sum().item<int64_t>(), 0);
+  EXPECT_EQ(got.grad_h.index({ignored}).abs().max().item<float>(), 0.0f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiles, Cuts,
+                         ::testing::Values(std::tuple<int64_t, int64_t>{53, 211}, std::tuple<int64_t, int64_t>{7, 23},
+                                           std::tuple<int64_t, int64_t>{1, 211}, std::tuple<int64_t, int64_t>{53, 1},
+                                           std::tuple<int64_t, int64_t>{16, 64}, std::tuple<int64_t, int64_t>{100, 500},
+                                           std::tuple<int64_t, int64_t>{13, 210}),
+                         [](const auto& i) {
+                           return std::to_string(std::get<0>(i.param)) + "x" + std::to_string(std::get<1>(i.param));
+                         });
+
+// bf16 inputs: the tiled loss narrows and widens where the untiled one does, so it stays within
+// bf16's rounding of it (the input gradient is summed over tiles in fp32, the untiled one in one
+// bf16 matmul).
+TEST(LinearCrossEntropy, Bf16StaysWithinRoundingOfTheUntiled) {
+  at::manual_seed(3);
+  const at::Tensor h = at::randn({96, 32}).to(at::kBFloat16), w = (at::randn({333, 32}) * 0.3).to(at::kBFloat16);
+  const at::Tensor targets = random_targets(96, 333, 0.1, 5);
+  const Result ref = untiled(h, w, targets, 1.0), got = tiled(h, w, targets, 1.0, 17, 40);
+  EXPECT_EQ(got.grad_h.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(got.grad_w.scalar_type(), at::kBFloat16);
+  EXPECT_LE(rel(got.loss, ref.loss), 1e-5);
+  EXPECT_LE(rel(got.grad_h, ref.grad_h), 2e-2);
+  EXPECT_LE(rel(got.grad_w, ref.grad_w), 2e-2);
+}
+
+TEST(LinearCrossEntropy, WithoutGradientsAndEverythingIgnored) {
+  at::manual_seed(1);
+  const at::Tensor h = at::randn({10, 8}), w = at::randn({30, 8});
+  const at::Tensor targets = random_targets(10, 30, 0, 2);
+  at::NoGradGuard no_grad;
+  EXPECT_LE(rel(linear_cross_entropy_sum(h, w, targets, 3, 7),
+                at::cross_entropy_loss(at::linear(h, w), targets, {}, at::Reduction::Sum)),
+            1e-6);
+  EXPECT_EQ(linear_cross_entropy_sum(h, w, at::full({10}, -100, at::kLong), 3, 7).item<float>(), 0.0f);
+}
+
+TEST(LinearCrossEntropy, RefusesBadInput) {
+  const at::Tensor h = at::randn({4, 8}), w = at::randn({30, 8});
+  EXPECT_THROW(linear_cross_entropy_sum(h, w, at::tensor({1, 2, 30, 0}, at::kLong), 2, 8), std::invalid_argument);
+  EXPECT_THROW(linear_cross_entropy_sum(h, w, at::tensor({1, 2, -5, 0}, at::kLong), 2, 8), std::invalid_argument);
+  EXPECT_THROW(linear_cross_entropy_sum(h, at::randn({30, 7}), at::zeros({4}, at::kLong), 2, 8), std::invalid_argument);
+  EXPECT_THROW(linear_cross_entropy_sum(h, w, at::zeros({3}, at::kLong), 2, 8), std::invalid_argument);
+  EXPECT_THROW(linear_cross_entropy_sum(h, w, at::zeros({4}, at::kLong), 0, 8), std::invalid_argument);
+  EXPECT_THROW(linear_cross_entropy_sum(h, w.to(at::kBFloat16), at::zeros({4}, at::kLong), 2, 8), std::invalid_argument);
+}
+
+// The case, 128K vocabulary x 16K tokens, scaled down with the ratio kept (16K x 2K,
+// hidden 64, fp32): the head's forward and backward peak, measured by the counting allocator
+// beside the inputs, tiled into 64 tiles is at most 1/16 of the untiled one's; loss and
+// gradients agree to 1e-5, and the plan's byte count bounds what the tiled loss holds beside the
+// weight's gradient (which autograd returns either way).
+TEST(LinearCrossEntropy, PeakMemoryIsOneTileNotTheLogits) {
+  const int64_t tokens = 2048, vocab = 16384, hidden = 64;
+  at::manual_seed(9);
+  const at::Tensor h = at::randn({tokens, hidden}), w = at::randn({vocab, hidden}) * 0.1;
+  const at::Tensor targets = random_targets(tokens, vocab, 0, 4);
+  test::CountingAllocator& counting = test::CountingAllocator::install();
+  const LogitsTiling cut = logits_tiling(tokens, vocab, 64);
+  ASSERT_GE(cut.tiles(tokens, vocab), 64u);
+
+  const auto peak_of = [&](auto&& f) {
+    const int64_t before = counting.live();
+    counting.reset_peak();
+    Result r = f();
+    const int64_t peak = counting.peak() - before;
+    return std::pair<Result, int64_t>{std::move(r), peak};
+  };
+  auto [ref, untiled_peak] = peak_of([&] { return untiled(h, w, targets, 1.0); });
+  auto [got, tiled_peak] =
+      peak_of([&] { return tiled(h, w, targets, 1.0, int64_t(cut.token_chunk), int64_t(cut.vocab_tile)); });
+  const int64_t logits = tokens * vocab * 4;
+  RecordProperty("untiled_peak", std::to_string(untiled_peak));
+  RecordProperty("tiled_peak", std::to_string(tiled_peak));
+  std::printf("head forward+backward peak: untiled %.1f MiB (logits %.1f MiB), %s %.2f MiB\n", untiled_peak / 1048576.0,
+              logits / 1048576.0, engine::plan::describe(cut, tokens, vocab).c_str(), tiled_peak / 1048576.0);
+  EXPECT_GE(untiled_peak, logits);  // the untiled head really holds its logits
+  EXPECT_LE(tiled_peak * 16, untiled_peak);
+  const int64_t copies = 3 * tokens * hidden * 4 + vocab * hidden * 4;  // the clones of h, w and w's gradient
+  EXPECT_LE(tiled_peak, copies + int64_t(head_scratch_bytes(tokens, vocab, hidden, 4, cut)) * 5 / 4);
+  EXPECT_LE(rel(got.loss, ref.loss), 1e-5);
+  EXPECT_LE(rel(got.grad_h, ref.grad_h), 1e-5);
+  EXPECT_LE(rel(got.grad_w, ref.grad_w), 1e-5);
+}
+
+TEST(LogitsTilingRule, CutsTheVocabularyFirstAndCoversEveryCount) {
+  const LogitsTiling none = logits_tiling(16384, 131072, 1);
+  EXPECT_FALSE(none.tiled(16384, 131072));
+  EXPECT_EQ(none.tiles(16384, 131072), 1u);
+  const LogitsTiling sixteen = logits_tiling(16384, 131072, 16);
+  EXPECT_EQ(sixteen.token_chunk, 16384u);  // the vocabulary alone takes 16 cuts
+  EXPECT_EQ(sixteen.vocab_tile, 8192u);
+  const LogitsTiling many = logits_tiling(16384, 131072, 1024);
+  EXPECT_LT(many.token_chunk, 16384u);  // then tokens too
+  for (uint64_t tokens : {1ull, 7ull, 300ull, 4096ull})
+    for (uint64_t vocab : {1ull, 13ull, 5000ull, 50257ull})
+      for (uint64_t count : {1ull, 2ull, 3ull, 17ull, 64ull, 1000ull, 1ull << 40}) {
+        const LogitsTiling t = logits_tiling(tokens, vocab, count);
+        const uint64_t n = t.tiles(tokens, vocab);
+        EXPECT_GE(n, std::min(count, tokens * vocab)) << tokens << " " << vocab << " " << count;
+        EXPECT_GE(t.token_chunk, 1u);
+        EXPECT_GE(t.vocab_tile, 1u);
+        // No tile more than twice the even share of the logits (rounding of both cuts).
+        EXPECT_LE(t.token_chunk * t.vocab_tile, 2 * (tokens * vocab) / std::min(count, tokens * vocab) + tokens + vocab)
+            << tokens << " " << vocab << " " << count;
+      }
+}
+
+}  // namespace
+}  // namespace strata::tiling

@@ -1,0 +1,36 @@
+// The LM head's cross entropy without its logits: the loss of `hidden @ weight^T` against
+// `targets`, computed tile by tile over token chunks x vocabulary tiles with an online
+// log-sum-exp, so that no more than one chunk's tile of logits exists at a time (forward and
+// backward). The backward recomputes each tile's logits from `hidden` and `weight` and
+// accumulates the input's gradient (fp32, over the vocabulary tiles) and the tile's weight
+// gradient (fp32, over the token chunks).
+//
+// Numbers: each tile's logits are computed in the inputs' dtype and widened to fp32, as the
+// untiled head computes `at::linear(...).to(kFloat)`, and the softmax gradient is narrowed to the
+// inputs' dtype before its matmuls, as autograd does through that cast; only the summation order
+// differs from the untiled loss (tests/tiling/linear_cross_entropy_test.cc: 1e-5 relative in
+// fp32).
+//
+// Memory beside the inputs and the gradients autograd returns: one tile of fp32 logits (reused as
+// its softmax gradient) and its narrowed copy, the fp32 input gradient [tokens, hidden], one fp32
+// weight-gradient tile [vocab_tile, hidden], and four fp32 numbers a token
+// (plan::head_scratch_bytes counts exactly these terms).
+//
+// Thread safety: a pure function of its arguments; autograd may run it on any thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace strata::tiling {
+
+// Sum over the rows of `hidden` [tokens, hidden] whose target ([tokens], int64) is not
+// `ignore_index` of -log softmax(hidden @ weight^T)[target]; weight is [vocab, hidden] in the same
+// dtype. Differentiable in `hidden` and `weight` (autograd). `token_chunk` and `vocab_tile` (>= 1)
+// are the tile's rows and columns; the last ones may be shorter. Throws std::invalid_argument on
+// mismatched shapes or dtypes, and on a target outside [0, vocab) that is not ignore_index.
+at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                                    int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index = -100);
+
+}  // namespace strata::tiling

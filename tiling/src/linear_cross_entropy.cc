@@ -1,0 +1,115 @@
+#include "strata/tiling/linear_cross_entropy.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace strata::tiling {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct Tiles {
+  int64_t tokens, vocab, chunk, tile;
+  template <typename F>
+  void each(F&& f) const {  // vocabulary tiles outside: each weight tile is read once a pass
+    for (int64_t v0 = 0; v0 < vocab; v0 += tile)
+      for (int64_t n0 = 0; n0 < tokens; n0 += chunk) f(v0, std::min(tile, vocab - v0), n0, std::min(chunk, tokens - n0));
+  }
+};
+
+// One tile's logits in fp32: computed in the inputs' dtype, then widened (as the untiled head).
+at::Tensor tile_logits(const at::Tensor& h, const at::Tensor& w, int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
+  return at::matmul(h.narrow(0, n0, nt), w.narrow(0, v0, vt).t()).to(at::kFloat);
+}
+
+class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                            const at::Tensor& targets, int64_t chunk, int64_t tile, int64_t ignore_index) {
+    const Tiles t{hidden.size(0), weight.size(0), chunk, tile};
+    const auto f32 = hidden.options().dtype(at::kFloat);
+    at::Tensor running_max = at::full({t.tokens}, -std::numeric_limits<float>::infinity(), f32);
+    at::Tensor sum_exp = at::zeros({t.tokens}, f32), target_logit = at::zeros({t.tokens}, f32);
+    t.each([&](int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
+      at::Tensor l = tile_logits(hidden, weight, v0, vt, n0, nt);
+      at::Tensor m = running_max.narrow(0, n0, nt), s = sum_exp.narrow(0, n0, nt);
+      const at::Tensor tg = targets.narrow(0, n0, nt);
+      const at::Tensor here = tg.ge(v0).logical_and(tg.lt(v0 + vt));
+      const at::Tensor picked = l.gather(1, (tg - v0).clamp(0, vt - 1).unsqueeze(1)).squeeze(1);
+      target_logit.narrow(0, n0, nt).add_(at::where(here, picked, at::zeros({}, f32)));
+      const at::Tensor m_new = at::maximum(m, std::get<0>(l.max(1)));
+      s.mul_(at::exp(m - m_new)).add_(l.sub_(m_new.unsqueeze(1)).exp_().sum(1));
+      m.copy_(m_new);
+    });
+    at::Tensor lse = running_max.add_(sum_exp.log_());
+    const at::Tensor counted = targets.ne(ignore_index);
+    at::Tensor loss = at::where(counted, lse - target_logit, at::zeros({}, f32)).sum();
+    ctx->save_for_backward({hidden, weight, targets, lse});
+    ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["tile"] = tile;
+    ctx->saved_data["ignore"] = ignore_index;
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
+    const Tiles t{hidden.size(0), weight.size(0), ctx->saved_data["chunk"].toInt(), ctx->saved_data["tile"].toInt()};
+    const int64_t ignore_index = ctx->saved_data["ignore"].toInt();
+    const auto f32 = hidden.options().dtype(at::kFloat);
+    // d loss / d logit = (softmax - onehot(target)) * grad, on counted rows only.
+    const at::Tensor row_scale = targets.ne(ignore_index).to(at::kFloat) * grad_out[0].to(at::kFloat);
+    const bool need_h = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    at::Tensor grad_h = need_h ? at::zeros({t.tokens, hidden.size(1)}, f32) : at::Tensor();
+    at::Tensor grad_w = need_w ? at::empty_like(weight) : at::Tensor();
+    at::Tensor grad_w_tile;
+    int64_t tile_begin = -1;
+    const auto flush = [&] {
+      if (need_w && tile_begin >= 0) grad_w.narrow(0, tile_begin, grad_w_tile.size(0)).copy_(grad_w_tile);
+    };
+    t.each([&](int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
+      if (v0 != tile_begin) {
+        flush();
+        tile_begin = v0;
+        if (need_w) grad_w_tile = at::zeros({vt, hidden.size(1)}, f32);
+      }
+      at::Tensor p = tile_logits(hidden, weight, v0, vt, n0, nt);
+      p.sub_(lse.narrow(0, n0, nt).unsqueeze(1)).exp_();  // softmax over the whole vocabulary
+      const at::Tensor tg = targets.narrow(0, n0, nt);
+      const at::Tensor here = tg.ge(v0).logical_and(tg.lt(v0 + vt));
+      const at::Tensor col = (tg - v0).clamp(0, vt - 1).unsqueeze(1);
+      p.scatter_(1, col, p.gather(1, col) - here.to(at::kFloat).unsqueeze(1));
+      p.mul_(row_scale.narrow(0, n0, nt).unsqueeze(1));
+      const at::Tensor g = p.to(hidden.scalar_type());  // as autograd narrows through the cast
+      p = at::Tensor();
+      if (need_h) grad_h.narrow(0, n0, nt).add_(at::matmul(g, weight.narrow(0, v0, vt)));
+      if (need_w) grad_w_tile.add_(at::matmul(g.t(), hidden.narrow(0, n0, nt)));
+    });
+    flush();
+    return {need_h ? grad_h.to(hidden.scalar_type()) : at::Tensor(), grad_w, at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                                    int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index) {
+  const auto bad = [](const std::string& m) { throw std::invalid_argument("linear_cross_entropy_sum: " + m); };
+  if (hidden.dim() != 2 || weight.dim() != 2 || targets.dim() != 1) bad("hidden [tokens, hidden], weight [vocab, hidden] and targets [tokens] expected");
+  if (hidden.size(1) != weight.size(1)) bad("hidden has " + std::to_string(hidden.size(1)) + " features, the weight " + std::to_string(weight.size(1)));
+  if (targets.size(0) != hidden.size(0)) bad(std::to_string(targets.size(0)) + " targets for " + std::to_string(hidden.size(0)) + " tokens");
+  if (hidden.scalar_type() != weight.scalar_type()) bad("hidden and weight must have one dtype");
+  if (targets.scalar_type() != at::kLong) bad("targets must be int64");
+  if (token_chunk < 1 || vocab_tile < 1) bad("token_chunk and vocab_tile must be at least 1");
+  const at::Tensor out_of_range = targets.ne(ignore_index).logical_and(targets.lt(0).logical_or(targets.ge(weight.size(0))));
+  if (out_of_range.any().item<bool>()) bad("a target is outside [0, " + std::to_string(weight.size(0)) + ")");
+  return LinearCrossEntropy::apply(hidden, weight, targets, token_chunk, vocab_tile, ignore_index);
+}
+
+}  // namespace strata::tiling
