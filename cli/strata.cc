@@ -18,7 +18,9 @@
 #include "step_bench.h"
 #include "ckpt_bench.h"
 #include "train_bench.h"
+#include "tiling_bench.h"
 #include "plot.h"
+#include "strata/engine/device.h"
 #include "train.h"
 #include "strata/engine/build_info.h"
 #include "strata/engine/checkpoint.h"
@@ -55,6 +57,8 @@ commands:
   bench ckpt   checkpoint save/restore bandwidth beside fio and torch::save/torch::load
   bench train  step time of `strata train` configurations beside plain PyTorch and FSDP2
                with CPU offload on the same GPT shape (bench/train_baseline.py)
+  bench tiling the tiled LM head beside the untiled one: step-time overhead where both fit,
+               and the largest vocabulary x tokens that trains in one device budget
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
   help         this text
 
@@ -165,6 +169,55 @@ recomputed. Timed round-robin; medians; final JSON line.
   --recompute R  placement.recompute: auto (default), none, all, or the number of blocks
                  recomputed
 )";
+
+constexpr const char* kBenchTilingUsage = R"(usage: strata bench tiling [options]
+
+The engine's LM head with its logits cut into tiles (placement.tiling) beside the same engine
+with them whole, in one run, fp32 on the host device:
+  (a) the step time of a model that fits both ways, tiled vs whole (target: at most 10% more);
+  (b) in one device budget, the largest vocabulary (doubling from 256) for which the engine
+      constructs and runs a training step of --capacity-tokens tokens, untiled vs tiling "auto",
+      as logits elements (target: at least 16x). The blocks are not tiled yet.
+A JSON line per part; the last one is (b).
+
+  --layers N            (a) transformer blocks (default 2)
+  --hidden N            (a) model width (default 256)
+  --heads N             (a) attention heads (default 4)
+  --vocab N             (a) vocabulary (default 32768)
+  --seq N               (a) tokens per sequence (default 256)
+  --batch N             (a) sequences per step (default 4)
+  --tiles N             (a) the head's tiles (default 16)
+  --steps N             (a) timed steps per side (default 5)
+  --budget BYTES        (b) the device budget (default 64MiB)
+  --capacity-hidden N   (b) model width (default 64)
+  --capacity-tokens N   (b) tokens per step (default 4096)
+  --threads N           threads for libtorch and the kernels (default: all)
+)";
+
+int bench_tiling(const std::vector<std::string>& argv) {
+  for (const auto& a : argv)
+    if (a == "--help" || a == "-h") {
+      std::cout << kBenchTilingUsage;
+      return 0;
+    }
+  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "tiles", "steps", "budget",
+                                "capacity-hidden", "capacity-tokens", "threads"}, {});
+  strata::bench::TilingBenchOptions o;
+  o.layers = args.count("layers", unsigned(o.layers));
+  o.hidden = args.count("hidden", unsigned(o.hidden));
+  o.heads = args.count("heads", unsigned(o.heads));
+  o.vocab = args.count("vocab", unsigned(o.vocab));
+  o.seq = args.count("seq", unsigned(o.seq));
+  o.batch = args.count("batch", unsigned(o.batch));
+  o.tiles = args.count("tiles", unsigned(o.tiles));
+  o.steps = args.count("steps", o.steps);
+  if (args.has("budget")) o.budget = strata::engine::parse_bytes(args.get("budget", ""));
+  o.capacity_hidden = args.count("capacity-hidden", unsigned(o.capacity_hidden));
+  o.capacity_tokens = args.count("capacity-tokens", unsigned(o.capacity_tokens));
+  o.threads = args.count("threads", o.threads);
+  strata::bench::run_tiling_bench(o);
+  return 0;
+}
 
 int bench_step(const std::vector<std::string>& argv) {
   for (const auto& a : argv)
@@ -367,7 +420,8 @@ int main(int argc, char** argv) {
       if (args.size() >= 2 && args[1] == "step") return bench_step({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "ckpt") return bench_ckpt({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "train") return bench_train({args.begin() + 2, args.end()});
-      std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt, train)\n";
+      if (args.size() >= 2 && args[1] == "tiling") return bench_tiling({args.begin() + 2, args.end()});
+      std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt, train, tiling)\n";
       return 2;
     }
     std::cerr << "strata: unknown command '" << args[0] << "'\n\n" << kUsage;

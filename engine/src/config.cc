@@ -347,6 +347,27 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
         s.fail("recompute", "must be \"all\", \"none\", \"auto\" or the number of blocks recomputed (an "
                             "integer >= 0), not " + v->dump());
     }
+    // "auto", "off", or per layer kind: {"head": "auto" | "off" | tiles}. Only the head is tiled
+    // so far; other kinds are refused rather than ignored.
+    if (const json* v = s.get("tiling")) {
+      const auto count = [&](const json& x, const std::string& key) -> uint64_t {
+        if (x == "auto") return EngineConfig::kTilesAuto;
+        if (x == "off") return 1;
+        if (x.is_number_integer() && x.get<int64_t>() >= 1) return x.get<uint64_t>();
+        s.fail(key, "must be \"auto\", \"off\" or a number of tiles >= 1, not " + x.dump());
+        return 0;
+      };
+      if (v->is_string()) {
+        e.head_tiles = count(*v, "tiling");
+      } else if (v->is_object()) {
+        for (auto it = v->begin(); it != v->end(); ++it)
+          if (it.key() == "head") e.head_tiles = count(it.value(), "tiling.head");
+          else s.fail("tiling." + it.key(), "is not a layer kind that is tiled: only \"head\" is (the blocks' "
+                                            "tiles are not built yet)");
+      } else {
+        s.fail("tiling", "must be \"auto\", \"off\" or an object {\"head\": tiles}, not " + v->dump());
+      }
+    }
   }
   if (const json* d = top.get("device")) {
     Section s(*d, "device", source);

@@ -63,7 +63,6 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   sizes.hidden = uint64_t(mc.hidden);
   sizes.vocab = uint64_t(mc.vocab_size);
   sizes.graph_bytes = sizes.tokens * model->block_graph_bytes_per_token(c10::elementSize(cdt));
-  memory = std::make_unique<plan::MemoryModel>(*schedule, std::move(sizes));
   const size_t blocks = schedule->blocks();
   // "auto" decides below, once the state is allocated; until then the working set assumes
   // every block is recomputed.
@@ -77,10 +76,20 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   std::vector<uint64_t> shard_numel;
   for (const UnitLayout& L : partition->units()) shard_numel.push_back(L.shard_numel);
   const StateBytes need = state_bytes(shard_numel, c10::elementSize(cdt), transient_limit);
+  // The head's tiles first: the working set every later decision plans with depends on them.
+  const uint64_t explicit_on_device =
+      (cfg.params == Placement::kDevice ? need.params : 0) + (cfg.grads == Placement::kDevice ? need.grads : 0) +
+      (cfg.master == Placement::kDevice ? need.master + need.moments : 0);
+  head_tiles = resolve_head_tiles(cfg, *schedule, sizes, choice, explicit_on_device, usable_device(), agreement());
+  sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab, head_tiles);
+  memory = std::make_unique<plan::MemoryModel>(*schedule, std::move(sizes));
   const PlacementPlan resolved = resolve_placement(
       cfg, *memory, choice, need, usable_device(),
       [this](uint64_t device) { return machine_budgets(cfg, device, local_ranks()); }, agreement(), placement_report);
   choice.params_staged = resolved.params != Placement::kDevice;
+  placement_report += "; head logits " + plan::describe(memory->sizes().logits, memory->sizes().tokens,
+                                                        memory->sizes().vocab) +
+                      " (" + format_bytes(memory->head_loss_bytes()) + " for the loss)";
   const bool grads_transient = resolved.grads_transient;
   // The second parameter group: each unit's shard ranges exempt from weight decay.
   std::vector<runtime::Optimizer::Ranges> no_decay(partition->num_units());
@@ -99,7 +108,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
     check_working_set(cfg, *memory, choice, planned_device_bytes(resolved, need, c10::elementSize(cdt)),
                       dev.budget(), [this](size_t u) { return partition->unit(u).name; });
     placement_report += "; plan only (recompute and activation checkpoints are decided once the state is allocated)";
-    effective = effective_config(cfg, {resolved, choice, placement_report});
+    effective = effective_config(cfg, {resolved, choice, head_tiles, placement_report});
     return;
   }
 
@@ -155,7 +164,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   }
   check_working_set(cfg, *memory, choice, base_bytes, dev.budget(),
                     [this](size_t u) { return partition->unit(u).name; });
-  effective = effective_config(cfg, {state->plan(), choice, placement_report});
+  effective = effective_config(cfg, {state->plan(), choice, head_tiles, placement_report});
 }
 
 void Engine::Impl::place_activations() {

@@ -96,6 +96,7 @@ struct Engine::Impl {
   std::unique_ptr<plan::Schedule> schedule;
   std::unique_ptr<plan::MemoryModel> memory;
   plan::Choices choice;
+  uint64_t head_tiles = 1;  // the head's logits tiles asked for (memory->sizes().logits is the cut)
   const std::vector<size_t>& stage_units(size_t s) const { return schedule->units_of(s); }
   const std::vector<Use>& uses() const { return schedule->uses(); }
   uint64_t base_bytes = 0;  // device-placed state, allocated at construction
@@ -262,9 +263,10 @@ struct Engine::Impl {
   MicroBatch begin_micro_batch(const at::Tensor& ids_on_device, const at::Tensor& mask_on_device, int64_t m);
   // The host's token ids (and mask) on the device, asynchronously from pinned memory on a GPU.
   at::Tensor to_device(const at::Tensor& t);
-  // The head's loss of one micro-batch: the token mean, or with a mask the sum over the counted
-  // targets (fp32 logits, as the oracle computes them).
-  at::Tensor head_loss(const at::Tensor& logits, const MicroBatch& mb, bool masked) const;
+  // The head's loss of one micro-batch from the head's input: the token mean, or with a mask the
+  // sum over the counted targets (fp32 logits, as the oracle computes them); with the logits
+  // tiled (memory->sizes().logits), tile by tile (tiling::linear_cross_entropy_sum).
+  at::Tensor head_loss(const at::Tensor& x, const MicroBatch& mb, bool masked) const;
   void forward_use(Pass& pass, MicroBatch& mb, size_t stage);
   void head_use(Pass& pass, MicroBatch& mb);
   void backward_use(Pass& pass, MicroBatch& mb, size_t stage);

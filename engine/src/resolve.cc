@@ -47,6 +47,28 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
 
 }  // namespace
 
+uint64_t resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
+                            const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree) {
+  if (cfg.head_tiles != EngineConfig::kTilesAuto) return cfg.head_tiles;
+  const uint64_t most = std::max<uint64_t>(1, sizes.tokens * sizes.vocab);
+  const auto fits = [&](uint64_t count) {
+    plan::ModelSizes s = sizes;
+    s.logits = plan::logits_tiling(s.tokens, s.vocab, count);
+    return usable == UINT64_MAX || base + plan::MemoryModel(schedule, s).working_set(choice) <= usable;
+  };
+  uint64_t count = 1;
+  while (count < most && !fits(count)) count = std::min(most, count * 2);
+  if (count > 1 && fits(count)) {  // the fewest in (count / 2, count]
+    uint64_t lo = count / 2, hi = count;  // fits(lo) is false, fits(hi) true
+    while (hi - lo > 1) {
+      const uint64_t mid = lo + (hi - lo) / 2;
+      (fits(mid) ? hi : lo) = mid;
+    }
+    count = hi;
+  }
+  return uint64_t(agree({int64_t(count)})[0]);
+}
+
 PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
                                 const StateBytes& need, uint64_t usable_device,
                                 const std::function<TierBudgets(uint64_t)>& budgets_for, const Agree& agree,
@@ -154,6 +176,7 @@ EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r) {
   e.moments = r.placement.moments;
   e.activations = r.working_set.activations;
   e.recompute_blocks = int(r.working_set.recomputed);
+  e.head_tiles = r.head_tiles;
   return e;
 }
 
@@ -174,6 +197,12 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
       add("lower batch.micro_batch or data.seq_len (the activations of " + std::to_string(cfg.micro_batch) + " x " +
           std::to_string(cfg.seq_len) + " = " + std::to_string(cfg.micro_batch * cfg.seq_len) +
           " tokens a micro-batch are part of the " + format_bytes(scratch) + ")");
+    const plan::ModelSizes& sz = mm.sizes();
+    const uint64_t head_loss = mm.head_loss_bytes();
+    if (2 * head_loss > scratch && sz.logits.tiles(sz.tokens, sz.vocab) < sz.tokens * sz.vocab)
+      add("cut the head's logits into more tiles (placement.tiling; the head's loss, " +
+          plan::describe(sz.logits, sz.tokens, sz.vocab) + ", takes " + format_bytes(head_loss) + " of the " +
+          format_bytes(scratch) + ")");
     if (checkpoints > 0) add("place activation checkpoints on the host (placement.activations)");
     if (held > 0) add("recompute more blocks (placement.recompute)");
     if (base > 0) add("place state on the host (the placement of params, grads, master and moments)");

@@ -3,6 +3,8 @@
 // changed: the decisions live in `Resolved`, immutable once construction ends, and
 // effective_config() shows them as a configuration with nothing left "auto".
 //
+//   resolve_head_tiles   placement.tiling "auto": how many tiles the head's logits are cut into
+//                        (before the rest: the working set it gives is what they plan with)
 //   resolve_placement    each state kind's tier and the optimizer group's split by unit (the
 //                        placement table the state store is built on: StateStore::placement)
 //   resolve_recompute    recompute "auto": how many blocks keep their graphs (needs the
@@ -34,12 +36,22 @@ using Agree = std::function<std::vector<int64_t>(const std::vector<int64_t>&)>;
 struct Resolved {
   PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
   plan::Choices working_set;  // recomputed, activations, prefetch (auto: its start), params_staged
+  uint64_t head_tiles = 1;    // the head's logits tiles asked for (plan::logits_tiling)
   std::string report;         // the placement line (`--plan`, the log)
 };
 
 // This rank's bytes of each kind (StateBytes) from the units' shard sizes, with `transient_buffers`
 // gradient buffers of the largest shard for gradients that are not stored.
 StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t compute_bytes, size_t transient_buffers);
+
+// The head's logits tiles: the configured count, or for "auto" the fewest (doubling, then the
+// fewest between the last two) for which `base` (the state the configuration puts on the device
+// explicitly) plus the working set under `choice` (the configuration's explicit choices, the
+// leanest automatic ones) fits `usable`; when none does, the most (one token x one vocabulary
+// row each, and construction's budget check names what still does not fit). Agreed: every rank
+// takes the most tiles any rank needs (their losses are then computed alike).
+uint64_t resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
+                            const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree);
 
 // The kinds' tiers and the split: the configuration's explicit ones kept, "auto" ones planned
 // within `budgets(device_bytes_for_state)` (machine_budgets), where the device keeps room for

@@ -8,6 +8,8 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/where.h>
 
+#include "strata/tiling/linear_cross_entropy.h"
+
 namespace strata::engine {
 
 StepTimeline Engine::Impl::finish_timeline() {
@@ -46,7 +48,17 @@ at::Tensor Engine::Impl::to_device(const at::Tensor& t) {
                                                     : t.to(dev.torch_device());
 }
 
-at::Tensor Engine::Impl::head_loss(const at::Tensor& logits, const MicroBatch& mb, bool masked) const {
+at::Tensor Engine::Impl::head_loss(const at::Tensor& x, const MicroBatch& mb, bool masked) const {
+  models::HeadStage& head = model->head();
+  const plan::ModelSizes& s = memory->sizes();
+  if (s.logits.tiled(s.tokens, s.vocab)) {
+    const at::Tensor h = head.normed(x);
+    const at::Tensor sum = tiling::linear_cross_entropy_sum(h.reshape({-1, h.size(-1)}), head.lm_weight(), mb.targets,
+                                                            int64_t(s.logits.token_chunk), int64_t(s.logits.vocab_tile),
+                                                            kIgnored);
+    return masked ? sum : sum / double(mb.targets.numel());
+  }
+  const at::Tensor logits = head.forward(x);
   const at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
   if (!masked) return at::cross_entropy_loss(flat, mb.targets);
   return at::cross_entropy_loss(flat, mb.targets, {}, at::Reduction::Sum, kIgnored);
@@ -171,8 +183,7 @@ void Engine::Impl::head_use(Pass& pass, MicroBatch& mb) {
   params->prefetch(k, pass.total);
   const auto mark = compute_mark();
   at::Tensor xh = mb.x.detach().requires_grad_(true);
-  at::Tensor logits = stages[head]->forward(xh);
-  at::Tensor loss = head_loss(logits, mb, pass.masked);
+  at::Tensor loss = head_loss(xh, mb, pass.masked);
   torch::autograd::backward({loss * pass.head_scale});
   compute_span("forward+backward " + partition->unit(head).name, mark);
   const at::Tensor loss_d = loss.detach().to(at::kDouble);  // summed in micro-batch order as the host would
@@ -271,7 +282,7 @@ Engine::EvalResult Engine::Impl::evaluate(const at::Tensor& ids, const at::Tenso
       params->release_after(s, n);
     }
     params->acquire(head);
-    loss_sum += head_loss(stages[head]->forward(mb.x), mb, /*masked=*/true).to(at::kDouble);
+    loss_sum += head_loss(mb.x, mb, /*masked=*/true).to(at::kDouble);
     mb.x = at::Tensor();
     params->release_after(head, n);
   }

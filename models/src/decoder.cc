@@ -79,16 +79,15 @@ class Gpt2Block final : public Stage {
       mproj_b;
 };
 
-class Gpt2Head final : public Stage {
+class Gpt2Head final : public HeadStage {
  public:
   Gpt2Head(const ModelConfig& c, const at::Tensor& tied_wte) : c_(c), wte_(tied_wte) {
     lnf_w = add("transformer.ln_f.weight", {c.hidden});
     lnf_b = add("transformer.ln_f.bias", {c.hidden});
     wte_ = lm_head_weight(c, tied_wte);
   }
-  at::Tensor forward(const at::Tensor& x) override {
-    return dense(at::layer_norm(x, {c_.hidden}, lnf_w, lnf_b, c_.norm_eps), wte_);
-  }
+  at::Tensor normed(const at::Tensor& x) override { return at::layer_norm(x, {c_.hidden}, lnf_w, lnf_b, c_.norm_eps); }
+  const at::Tensor& lm_weight() const override { return wte_; }
 
  private:
   ModelConfig c_;
@@ -213,13 +212,14 @@ class LlamaBlock final : public Stage {
   at::Tensor in_norm, wq, wk, wv, wo, bq, bk, bv, bo, post_norm, wg, wu, wd, bg, bu, bd;
 };
 
-class LlamaHead final : public Stage {
+class LlamaHead final : public HeadStage {
  public:
   LlamaHead(const ModelConfig& c, const at::Tensor& tied) : c_(c), w_(tied) {
     norm = add("model.norm.weight", {c.hidden});
     w_ = lm_head_weight(c, tied);
   }
-  at::Tensor forward(const at::Tensor& x) override { return dense(rms_norm(x, norm, c_.norm_eps, c_.gemma), w_); }
+  at::Tensor normed(const at::Tensor& x) override { return rms_norm(x, norm, c_.norm_eps, c_.gemma); }
+  const at::Tensor& lm_weight() const override { return w_; }
 
  private:
   ModelConfig c_;
@@ -231,6 +231,8 @@ bool is_norm_weight(const std::string& n) {
 }
 
 }  // namespace
+
+at::Tensor HeadStage::forward(const at::Tensor& x) { return dense(normed(x), lm_weight()); }
 
 at::Tensor Stage::add(const std::string& hf_name, std::vector<int64_t> shape) {
   at::Tensor t = register_parameter(module_name(hf_name), at::empty(shape, at::kFloat));

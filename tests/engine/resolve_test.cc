@@ -228,5 +228,41 @@ TEST(EffectiveConfig, ShowsEveryResolvedChoiceAndKeepsTheRest) {
   EXPECT_EQ(cfg.master, Placement::kAuto) << "the given configuration is untouched";
 }
 
+// placement.tiling "auto": the fewest head tiles whose working set fits, exactly (one fewer does
+// not), with the explicit device state counted; a peer needing more tiles wins; an explicit count
+// is kept; a budget that nothing fits gets the most tiles (construction's check then names it).
+TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
+  plan::ModelSizes z = Model::sizes();
+  z.tokens = 512;
+  z.vocab = 3001;  // the logits dominate: 512 x 3001 x 10 bytes
+  const plan::Schedule schedule{{{0}, {1}, {2}, {3}, {4, 0}}, 5};
+  plan::Choices lean;
+  lean.recomputed = 3;
+  const auto working = [&](uint64_t count) {
+    plan::ModelSizes s = z;
+    s.logits = plan::logits_tiling(s.tokens, s.vocab, count);
+    return plan::MemoryModel(schedule, s).working_set(lean);
+  };
+  EngineConfig c = all_auto();
+  const uint64_t base = 4096;
+  for (uint64_t want : {2ull, 3ull, 7ull, 40ull}) {
+    const uint64_t usable = base + working(want);
+    Peer alone;
+    const uint64_t got = resolve_head_tiles(c, schedule, z, lean, base, usable, alone.agree());
+    EXPECT_LE(base + working(got), usable) << want;
+    EXPECT_GT(base + working(got - 1), usable) << want << ": " << got - 1 << " tiles fit too";
+    EXPECT_LE(got, want);
+    Peer more{{int64_t(got) + 5}};
+    EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, base, usable, more.agree()), got + 5);
+  }
+  Peer alone;
+  EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, UINT64_MAX, alone.agree()), 1u);  // no limit: untiled
+  EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree()), z.tokens * z.vocab);
+  c.head_tiles = 6;
+  const int calls = alone.calls;
+  EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree()), 6u);
+  EXPECT_EQ(alone.calls, calls) << "an explicit count needs no agreement";
+}
+
 }  // namespace
 }  // namespace strata::engine

@@ -65,9 +65,11 @@ TEST_P(Cuts, EqualsTheUntiledLossAndGradients) {
   const at::Tensor h = at::randn({tokens, hidden}), w = at::randn({vocab, hidden}) * 0.5;
   const at::Tensor targets = random_targets(tokens, vocab, 0.2, 11);
   const Result ref = untiled(h, w, targets, 0.37), got = tiled(h, w, targets, 0.37, chunk, tile);
+  // Measured: 9e-8 for the loss, 3e-7 to 6e-7 for the gradients (rounding: the untiled loss is
+  // that far from an fp64 one too).
   EXPECT_LE(rel(got.loss, ref.loss), 1e-6);
-  EXPECT_LE(rel(got.grad_h, ref.grad_h), 1e-5);
-  EXPECT_LE(rel(got.grad_w, ref.grad_w), 1e-5);
+  EXPECT_LE(rel(got.grad_h, ref.grad_h), 2e-6);
+  EXPECT_LE(rel(got.grad_w, ref.grad_w), 2e-6);
   // Ignored rows: no gradient at all.
   const at::Tensor ignored = targets.eq(-100);
   ASSERT_GT(ignored.sum().item<int64_t>(), 0);

@@ -12,7 +12,7 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
   // Per use: 4 boundary activations, the gradient buffers of the units a backward use touches
   // (fp32 full, a bf16 copy when reducing in bf16, the reduced fp32 shard), the head's logits.
   const uint64_t act = activation_bytes();
-  const uint64_t logits = sizes_.tokens * sizes_.vocab * (4 + 4 + sizes_.compute_bytes);
+  const uint64_t logits = head_loss_bytes();
   for (const Use& use : schedule_.uses()) {
     uint64_t grads = 0;
     if (use.kind != Use::kForward)
@@ -21,6 +21,10 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
     largest_use_scratch_ = std::max(largest_use_scratch_, 4 * act + grads + (use.kind == Use::kHead ? logits : 0));
   }
   // scratch() adds one checkpoint on its way back when checkpoints live off the device.
+}
+
+uint64_t MemoryModel::head_loss_bytes() const {
+  return head_scratch_bytes(sizes_.tokens, sizes_.vocab, sizes_.hidden, sizes_.compute_bytes, sizes_.logits);
 }
 
 uint64_t MemoryModel::unit_bytes(size_t u, const Choices& c) const {

@@ -73,6 +73,12 @@ struct EngineConfig {
   // device budget holds beside the state and the working set (Engine::recomputed_blocks()).
   static constexpr int kRecomputeAll = 1 << 30, kRecomputeAuto = -1;
   int recompute_blocks = kRecomputeAll;
+  // placement.tiling: the LM head's logits [micro_batch x seq_len, vocab] cut into at least this
+  // many tiles (token chunks x vocabulary tiles, plan::logits_tiling), so that the loss never
+  // holds more than one tile of them. kTilesAuto: the fewest that let the working set fit the
+  // device (Engine::config() shows the count chosen); 1: untiled.
+  static constexpr uint64_t kTilesAuto = 0;
+  uint64_t head_tiles = kTilesAuto;
   std::vector<std::string> nvme_dirs;     // swap directories (one per drive) for "nvme" placement
   unsigned io_queue_depth = 32;           // NVMe requests in flight
   // Construction progress (not in the JSON configuration): called on the constructing thread

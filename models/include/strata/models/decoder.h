@@ -41,6 +41,17 @@ class Stage : public torch::nn::Module {
   std::vector<std::pair<std::string, at::Tensor>> params_;
 };
 
+// The head: the final norm, then the LM head. The engine's tiled loss uses the two parts apart
+// (the logits are never formed whole); forward() is lm_head(normed(x)).
+class HeadStage : public Stage {
+ public:
+  // The final norm's output [..., hidden], in the parameters' dtype.
+  virtual at::Tensor normed(const at::Tensor& x) = 0;
+  // The LM head's weight [vocab, hidden] (the tied embedding when tied).
+  virtual const at::Tensor& lm_weight() const = 0;
+  at::Tensor forward(const at::Tensor& x) override;
+};
+
 class Decoder {
  public:
   // Random initialization from `seed`, in fp32 on the CPU: weights normal(0, 0.02), norm weights
@@ -59,7 +70,7 @@ class Decoder {
   Stage& embedding() { return *embed_; }
   Stage& block(size_t i) { return *blocks_.at(i); }
   size_t num_blocks() const { return blocks_.size(); }
-  Stage& head() { return *head_; }
+  HeadStage& head() { return *head_; }
   // All stages in schedule order: embedding, blocks..., head.
   std::vector<Stage*> stages();
 
@@ -80,7 +91,7 @@ class Decoder {
   ModelConfig config_;
   std::shared_ptr<Stage> embed_;
   std::vector<std::shared_ptr<Stage>> blocks_;
-  std::shared_ptr<Stage> head_;
+  std::shared_ptr<HeadStage> head_;
   at::Generator init_gen_;
   size_t initialized_ = 0;  // stages [0, initialized_) hold their initial values
 };

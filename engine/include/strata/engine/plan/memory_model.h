@@ -12,8 +12,9 @@
 //   scratch             the largest use's boundary activations (4 per use: input, output and
 //                       their gradients), the fp32 gradient buffers of the units a backward use
 //                       touches (plus a bf16 copy when reducing in bf16, plus the reduced shard),
-//                       the head's fp32 logits and their gradient; plus one activation
-//                       checkpoint coming back when checkpoints live off the device
+//                       the head's loss (head_scratch_bytes: the fp32 logits and their gradients,
+//                       or one tile of them when tiled); plus one activation checkpoint coming
+//                       back when checkpoints live off the device
 //   device checkpoints  every recomputed block's input, when checkpoints live on the device
 //   held_at(u)          blocks kept without recompute: each one's autograd graph from its forward
 //                       to its backward, and its gathered units until then
@@ -29,6 +30,7 @@
 
 #include "strata/engine/config.h"
 #include "strata/engine/plan/schedule.h"
+#include "strata/engine/plan/tiling.h"
 
 namespace strata::engine::plan {
 
@@ -41,6 +43,7 @@ struct ModelSizes {
   uint64_t tokens = 0;                 // micro_batch * seq_len
   uint64_t hidden = 0, vocab = 0;
   uint64_t graph_bytes = 0;            // one kept block's autograd graph at `tokens`
+  LogitsTiling logits;                 // the head's loss: its tiles of the logits (default: untiled)
 };
 
 // The decisions the working set depends on.
@@ -78,6 +81,8 @@ class MemoryModel {
   uint64_t scratch(const Choices& c) const {
     return largest_use_scratch_ + (c.activations != Placement::kDevice ? activation_bytes() : 0);
   }
+  // The head's loss: its part of the head use's scratch (plan/tiling.h).
+  uint64_t head_loss_bytes() const;
   uint64_t held_at(const Use& use, const Choices& c) const;
   uint64_t peak_held(const Choices& c) const;
   // What running `use` needs beside the device-placed state, no unit gathered ahead.

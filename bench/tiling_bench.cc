@@ -1,0 +1,135 @@
+#include "tiling_bench.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "strata/engine/comm.h"
+#include "strata/engine/device.h"
+#include "strata/engine/engine.h"
+#include "strata/engine/plan/tiling.h"
+#include "timing.h"
+
+namespace strata::bench {
+namespace {
+
+models::ModelConfig gpt(int64_t layers, int64_t hidden, int64_t heads, int64_t vocab, int64_t seq) {
+  models::ModelConfig c = models::preset("gpt2");
+  c.name = "gpt2-tiling-bench";
+  c.layers = layers;
+  c.hidden = hidden;
+  c.heads = c.kv_heads = heads;
+  c.head_dim = hidden / heads;
+  c.intermediate = 4 * hidden;
+  c.vocab_size = vocab;
+  c.max_positions = std::max<int64_t>(seq, 64);
+  c.validate();
+  return c;
+}
+
+engine::EngineConfig engine_config(int64_t batch, int64_t seq, uint64_t head_tiles, unsigned threads) {
+  engine::EngineConfig e;
+  e.micro_batch = batch;
+  e.seq_len = seq;
+  e.lr = 1e-4;
+  e.cpu_threads = threads;
+  e.head_tiles = head_tiles;
+  return e;
+}
+
+// One training step of `c` within `budget` bytes on the host device: true if the engine is
+// constructed (every use fits) and the step runs; the head's tiles chosen are returned.
+bool trains_in(const models::ModelConfig& c, const engine::EngineConfig& e, uint64_t budget, uint64_t* tiles,
+               engine::Communicator& comm) {
+  try {
+    auto dev = engine::Device::create_host(budget);
+    engine::Engine eng(std::make_unique<models::Decoder>(c, 1, models::Decoder::Init::kDeferred), e, comm, *dev);
+    *tiles = eng.config().head_tiles;
+    const at::Tensor ids = at::randint(0, c.vocab_size, {e.micro_batch, e.seq_len + 1}, at::kLong);
+    const engine::StepResult r = eng.train_step(ids);
+    return std::isfinite(r.loss) && dev->peak() <= budget;
+  } catch (const engine::BudgetExceeded&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+void run_tiling_bench(const TilingBenchOptions& o) {
+  const unsigned threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
+  at::set_num_threads(int(threads));
+  auto comm = engine::Communicator::create(engine::DistEnv{}, std::chrono::seconds(60));
+
+  // (a) Overhead where both fit.
+  {
+    const models::ModelConfig c = gpt(o.layers, o.hidden, o.heads, o.vocab, o.seq);
+    auto dev_whole = engine::Device::create_host(UINT64_MAX), dev_cut = engine::Device::create_host(UINT64_MAX);
+    engine::Engine whole(std::make_unique<models::Decoder>(c, 1), engine_config(o.batch, o.seq, 1, threads), *comm,
+                         *dev_whole);
+    engine::Engine cut(std::make_unique<models::Decoder>(c, 1), engine_config(o.batch, o.seq, o.tiles, threads), *comm,
+                       *dev_cut);
+    const uint64_t tokens = uint64_t(o.batch * o.seq), vocab = uint64_t(o.vocab);
+    const std::string cut_desc = engine::plan::describe(cut.memory_model().sizes().logits, tokens, vocab);
+    std::cerr << "bench tiling (a): " << c.parameters() / 1e6 << "M parameters (" << o.layers << " x " << o.hidden
+              << ", vocab " << o.vocab << "), batch " << o.batch << " x " << o.seq << ", fp32, " << threads
+              << " threads; head logits whole vs " << cut_desc << std::endl;
+    const at::Tensor ids = at::randint(0, o.vocab, {o.batch, o.seq + 1}, at::kLong);
+    const std::vector<double> sec =
+        median_seconds(o.steps, {[&] { whole.train_step(ids); }, [&] { cut.train_step(ids); }});
+    nlohmann::json line = {{"metric", "train_step_seconds_head_tiled"},
+                           {"value", sec[1]},
+                           {"baseline", "the same engine step with the head's logits whole"},
+                           {"baseline_value", sec[0]},
+                           {"ratio", sec[1] / sec[0]},
+                           {"overhead", sec[1] / sec[0] - 1},
+                           {"target_ratio_at_most", 1.10},
+                           {"tiling", cut_desc},
+                           {"head_loss_bytes_whole", whole.memory_model().head_loss_bytes()},
+                           {"head_loss_bytes_tiled", cut.memory_model().head_loss_bytes()},
+                           {"parameters", c.parameters()},
+                           {"threads", threads}};
+    std::cout << line.dump() << std::endl;
+  }
+
+  // (b) Capacity in one budget: the largest vocabulary (doubling from 256) that trains.
+  {
+    const int64_t T = o.capacity_tokens;
+    const auto largest = [&](uint64_t head_tiles, uint64_t* tiles_used) {
+      int64_t best = 0;
+      for (int64_t vocab = 256; vocab <= (int64_t(1) << 26); vocab *= 2) {
+        uint64_t tiles = 0;
+        const models::ModelConfig c = gpt(1, o.capacity_hidden, 4, vocab, T);
+        if (!trains_in(c, engine_config(1, T, head_tiles, threads), o.budget, &tiles, *comm)) break;
+        best = vocab;
+        *tiles_used = tiles;
+        std::cerr << "bench tiling (b): vocabulary " << vocab << " trains in " << engine::format_bytes(o.budget)
+                  << (head_tiles == 1 ? " untiled" : " with " + std::to_string(tiles) + " head tiles") << std::endl;
+      }
+      return best;
+    };
+    uint64_t whole_tiles = 1, auto_tiles = 1;
+    const int64_t whole = largest(1, &whole_tiles), tiled = largest(engine::EngineConfig::kTilesAuto, &auto_tiles);
+    const double whole_logits = double(T) * double(whole), tiled_logits = double(T) * double(tiled);
+    nlohmann::json line = {
+        {"metric", "largest_logits_elements_in_budget"},
+        {"value", tiled_logits},
+        {"baseline", "the same engine with the head untiled (placement.tiling \"off\")"},
+        {"baseline_value", whole_logits},
+        {"ratio", whole_logits > 0 ? tiled_logits / whole_logits : 0.0},
+        {"target_ratio_at_least", 16},
+        {"budget_bytes", o.budget},
+        {"tokens", T},
+        {"hidden", o.capacity_hidden},
+        {"largest_vocab_untiled", whole},
+        {"largest_vocab_tiled", tiled},
+        {"head_tiles_at_largest", auto_tiles},
+        {"blocks_tiled", false},
+        {"threads", threads}};
+    std::cout << line.dump() << std::endl;
+  }
+}
+
+}  // namespace strata::bench

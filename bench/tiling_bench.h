@@ -1,0 +1,29 @@
+// `strata bench tiling`: the engine's tiled LM head beside the untiled one, in the same run.
+//   (a) overhead: the step time of one model that fits both ways, the head's logits cut into
+//       `tiles` tiles vs whole (target: at most 10% slower);
+//   (b) capacity: in one fixed device budget, the largest vocabulary (doubling) for which the
+//       engine constructs and runs a training step, untiled vs placement.tiling "auto"; reported
+//       as logits elements (tokens x vocabulary), the ratio being the gain (target: >= 16x).
+// The blocks' tiles (largest hidden size) are not built yet, so nothing is reported for them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace strata::bench {
+
+struct TilingBenchOptions {
+  // (a): a GPT-2 shape whose head is a large part of the step.
+  int64_t layers = 2, hidden = 256, heads = 4, vocab = 32768, seq = 256, batch = 4;
+  uint64_t tiles = 16;
+  unsigned steps = 5;  // timed steps per side, round-robin, median reported
+  // (b): the budget, hidden size and tokens of the capacity search.
+  uint64_t budget = 64ull << 20;
+  int64_t capacity_hidden = 64, capacity_tokens = 4096;
+  unsigned threads = 0;  // 0: every hardware thread
+};
+
+// Prints a JSON line per part; the last one (capacity) is the summary.
+void run_tiling_bench(const TilingBenchOptions& options);
+
+}  // namespace strata::bench

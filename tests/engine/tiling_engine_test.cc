@@ -1,0 +1,210 @@
+// The head's logits tiled inside the engine (placement.tiling): training with the loss computed
+// tile by tile equals plain libtorch's whole-logits training (1e-5 relative over 5 steps) for
+// tied and untied heads, state on the host and in swap, every optimizer overlap mode, at 1, 2 and
+// 4 ranks; "auto" cuts the head exactly when its logits do not fit the device budget, where
+// "off" fails naming placement.tiling; masked (supervised) steps and evaluation give the untiled
+// numbers; the configuration's forms are parsed and bad ones refused.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <string>
+
+#include "equivalence.h"
+#include "launched.h"
+#include "strata/engine/device.h"
+#include "strata/engine/plan/tiling.h"
+#include "test_util.h"
+
+namespace se = strata::engine;
+namespace sm = strata::models;
+using nlohmann::json;
+using namespace strata::test;
+
+namespace {
+
+se::TrainConfig parsed(const json& j) { return se::parse_train_config(j.dump(), "test"); }
+
+// tiny_config at a learning rate of 1e-3: at its 3e-3, five Adam steps of this tiny model turn
+// any reordering of a sum into weight differences near 1e-5 (measured: the untiled engine at 4
+// ranks, whose reduce-scatter sums in another order, ends 8.5e-6 from one process), which would
+// hide what the tiled loss adds.
+json tiling_config(bool llama, int64_t layers) {
+  json j = tiny_config(llama, layers);
+  j["optimizer"]["lr"] = 1e-3;
+  j["run"]["steps"] = 5;
+  return j;
+}
+
+struct HeadCase {
+  std::string name;
+  bool llama;
+  uint64_t tiles;
+  json placement;  // merged into "placement"
+  std::string overlap;
+};
+
+class TiledHead : public ::testing::TestWithParam<HeadCase> {};
+
+TEST_P(TiledHead, TrainsAsLibtorchDoesWithWholeLogits) {
+  const HeadCase& k = GetParam();
+  TempDir swap;
+  json j = tiling_config(k.llama, 3);
+  j["placement"] = k.placement;
+  j["placement"]["tiling"] = {{"head", k.tiles}};
+  j["optimizer"]["overlap"] = k.overlap;
+  if (k.overlap == "backward") j["optimizer"].erase("clip_grad_norm");  // not known until the end
+  if (k.placement.dump().find("nvme") != std::string::npos)
+    j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  const se::TrainConfig tc = parsed(j);
+  uint64_t peak = 0;
+  expect_close(run_in_process(tc, UINT64_MAX, &peak), reference(tc, 1), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, TiledHead,
+    ::testing::Values(HeadCase{"gpt2_tied_5_tiles", false, 5, json::object(), "forward"},
+                      HeadCase{"llama_37_tiles_serial", true, 37, json::object(), "off"},
+                      HeadCase{"llama_6_tiles_state_in_swap", true, 6,
+                               {{"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}}, "forward"},
+                      HeadCase{"gpt2_3_tiles_update_in_backward", false, 3, json::object(), "backward"},
+                      HeadCase{"llama_4_tiles_kept_graphs_device_checkpoints", true, 4,
+                               {{"recompute", 1}, {"activations", "device"}}, "forward"}),
+    [](const ::testing::TestParamInfo<HeadCase>& i) { return i.param.name; });
+
+// Several ranks: each rank's head computes its own micro-batches' loss tile by tile. Checked
+// against the untiled head at the same rank count, whose reduce-scatters sum alike, so that only
+// the head differs (the untiled engine against libtorch at several ranks is
+// engine_equivalence_test.cc's; at 4 ranks with one sequence a micro-batch, the first block's
+// o_proj of the untiled run ends 1.3e-5 from libtorch's, from the reduction order alone).
+TEST(TiledHead, TwoAndFourRanksMatchTheUntiledHead) {
+  for (int ranks : {2, 4}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks");
+    TempDir whole_dir, cut_dir, swap;
+    json j = tiling_config(ranks == 4, 3);
+    if (ranks == 4) {
+      j["placement"] = {{"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
+      j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+    }
+    json whole = j, cut = j;
+    whole["placement"]["tiling"] = "off";
+    cut["placement"]["tiling"] = {{"head", 9}};
+    const se::TrainConfig tc = parsed(j);
+    expect_close(run_launched(tc, cut, ranks, cut_dir), run_launched(tc, whole, ranks, whole_dir), 1e-5);
+    EXPECT_NE(read_file(cut_dir / "out.txt").find("head logits 9 tiles"), std::string::npos)
+        << read_file(cut_dir / "out.txt");
+  }
+}
+
+// A head whose logits dominate (vocabulary 4096, 4 x 64 tokens: 12 MiB of fp32 logits and their
+// gradients beside about 1 MiB of weights): with a budget between the tiled and the untiled
+// working sets, "off" is refused with the remedy named, and "auto" cuts the logits into the
+// fewest tiles that fit, trains within the budget and matches libtorch.
+TEST(TiledHead, AutoCutsTheLogitsExactlyWhenTheyDoNotFit) {
+  json j = tiling_config(false, 2);
+  j["model"]["vocab_size"] = 4096;
+  j["model"]["max_positions"] = 64;
+  j["data"]["seq_len"] = 64;
+  j["batch"] = {{"micro_batch", 4}, {"grad_accum", 1}};
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  const auto working_set = [&](const json& jj, uint64_t budget, uint64_t* tiles) {
+    const se::TrainConfig tc = parsed(jj);
+    auto dev = se::Device::create("cpu", 0, budget);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), tc.engine,
+                   *comm, *dev);
+    if (tiles) *tiles = eng.config().head_tiles;
+    return eng.memory_model().working_set(eng.working_set_choices()) + eng.device_state_bytes();
+  };
+  json off = j, auto_ = j;
+  off["placement"] = {{"tiling", "off"}};
+  uint64_t tiles = 0;
+  const uint64_t untiled = working_set(off, UINT64_MAX, &tiles);
+  EXPECT_EQ(tiles, 1u);
+  EXPECT_EQ(working_set(auto_, UINT64_MAX, &tiles), untiled);
+  EXPECT_EQ(tiles, 1u) << "an unlimited budget needs no tiles";
+  json sixteen = j;
+  sixteen["placement"] = {{"tiling", {{"head", 16}}}};
+  const uint64_t tiled = working_set(sixteen, UINT64_MAX, nullptr);
+  ASSERT_LT(2 * tiled, untiled) << "the logits must dominate the working set";
+  const uint64_t budget = (tiled + untiled) / 2;
+
+  try {
+    working_set(off, budget, nullptr);
+    ADD_FAILURE() << "the untiled head fits " << budget;
+  } catch (const se::BudgetExceeded& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("placement.tiling"), std::string::npos) << m;
+    EXPECT_NE(m.find("the head's loss, untiled"), std::string::npos) << m;
+  }
+  EXPECT_LE(working_set(auto_, budget, &tiles), budget);
+  EXPECT_GT(tiles, 1u);
+  EXPECT_LE(tiles, 16u);
+  json fewer = j;
+  fewer["placement"] = {{"tiling", {{"head", tiles - 1}}}};
+  EXPECT_GT(working_set(fewer, UINT64_MAX, nullptr), budget) << tiles - 1 << " tiles fit too";
+
+  j["device"] = {{"budget", budget}};
+  const se::TrainConfig tc = parsed(j);
+  uint64_t peak = 0;
+  const Trajectory got = run_in_process(tc, budget, &peak);
+  EXPECT_LE(peak, budget);
+  expect_close(got, reference(tc, 1), 1e-5);
+}
+
+// Supervised steps (a loss mask) and evaluation: the tiled head sums the same counted targets.
+TEST(TiledHead, MaskedStepsAndEvaluationEqualTheUntiledHead) {
+  json j = tiny_config(true, 2);
+  j["batch"] = {{"micro_batch", 3}, {"grad_accum", 2}};
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  const auto engine = [&](uint64_t tiles, std::unique_ptr<se::Device>& dev) {
+    json jj = j;
+    jj["placement"] = {{"tiling", {{"head", tiles}}}};
+    const se::TrainConfig tc = parsed(jj);
+    dev = se::Device::create("cpu", 0, UINT64_MAX);
+    return std::make_unique<se::Engine>(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+  };
+  std::unique_ptr<se::Device> d1, d2;
+  auto whole = engine(1, d1), cut = engine(13, d2);
+  EXPECT_EQ(cut->config().head_tiles, 13u);
+  at::Generator g = at::detail::createCPUGenerator(5);
+  const int64_t rows = 6, T = 24;
+  for (int s = 0; s < 3; ++s) {
+    const at::Tensor ids = at::randint(0, 256, {rows, T + 1}, g, at::kLong);
+    at::Tensor mask = at::rand({rows, T}, g).lt(0.6).to(at::kByte);
+    mask[2].zero_();
+    const se::Engine::EvalResult a = whole->evaluate(ids, mask), b = cut->evaluate(ids, mask);
+    EXPECT_EQ(a.tokens, b.tokens);
+    EXPECT_NEAR(b.loss_sum, a.loss_sum, 1e-6 * a.loss_sum) << "evaluation " << s;
+    const se::StepResult ra = whole->train_step(ids, mask), rb = cut->train_step(ids, mask);
+    EXPECT_NEAR(rb.loss, ra.loss, 1e-6 * ra.loss) << "step " << s;
+    EXPECT_NEAR(rb.grad_norm, ra.grad_norm, 1e-5 * ra.grad_norm) << "step " << s;
+  }
+  std::map<std::string, at::Tensor> w;
+  for (auto& [n, p] : whole->gather_parameters()) w[n] = p;
+  for (auto& [n, p] : cut->gather_parameters()) EXPECT_LE(relative(p, w.at(n)), 1e-5) << n;
+}
+
+TEST(TilingConfig, ParsesEveryFormAndRefusesTheRest) {
+  const auto tiles = [](const std::string& v) {
+    return se::parse_train_config(R"({"placement": {"tiling": )" + v + "}}", "t.json").engine.head_tiles;
+  };
+  EXPECT_EQ(se::parse_train_config("{}", "t.json").engine.head_tiles, se::EngineConfig::kTilesAuto);
+  EXPECT_EQ(tiles(R"("auto")"), se::EngineConfig::kTilesAuto);
+  EXPECT_EQ(tiles(R"("off")"), 1u);
+  EXPECT_EQ(tiles(R"({"head": 12})"), 12u);
+  EXPECT_EQ(tiles(R"({"head": "off"})"), 1u);
+  EXPECT_EQ(tiles(R"({"head": "auto"})"), se::EngineConfig::kTilesAuto);
+  for (const std::string bad : {R"("on")", R"(4)", R"({"head": 0})", R"({"head": -3})", R"({"head": 2.5})",
+                                R"({"mlp": 4})", R"([1])"}) {
+    try {
+      tiles(bad);
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("placement.tiling"), std::string::npos) << bad << ": " << e.what();
+    }
+  }
+}
+
+}  // namespace
