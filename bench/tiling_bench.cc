@@ -30,8 +30,12 @@ models::ModelConfig gpt(int64_t layers, int64_t hidden, int64_t heads, int64_t v
   return c;
 }
 
-engine::EngineConfig engine_config(int64_t batch, int64_t seq, uint64_t head_tiles, unsigned threads) {
+engine::EngineConfig engine_config(const TilingBenchOptions& o, int64_t batch, int64_t seq, uint64_t head_tiles,
+                                   unsigned threads) {
   engine::EngineConfig e;
+  e.device = o.device;
+  if (o.compute == "bf16") e.compute = engine::Precision::kBf16;
+  else if (o.compute != "fp32") throw std::invalid_argument("bench tiling: --compute must be fp32 or bf16, not " + o.compute);
   e.micro_batch = batch;
   e.seq_len = seq;
   e.lr = 1e-4;
@@ -45,7 +49,7 @@ engine::EngineConfig engine_config(int64_t batch, int64_t seq, uint64_t head_til
 bool trains_in(const models::ModelConfig& c, const engine::EngineConfig& e, uint64_t budget, uint64_t* tiles,
                engine::Communicator& comm) {
   try {
-    auto dev = engine::Device::create_host(budget);
+    auto dev = engine::Device::create(e.device, 0, budget);
     engine::Engine eng(std::make_unique<models::Decoder>(c, 1, models::Decoder::Init::kDeferred), e, comm, *dev);
     *tiles = eng.config().head_tiles;
     const at::Tensor ids = at::randint(0, c.vocab_size, {e.micro_batch, e.seq_len + 1}, at::kLong);
@@ -66,16 +70,17 @@ void run_tiling_bench(const TilingBenchOptions& o) {
   // (a) Overhead where both fit.
   {
     const models::ModelConfig c = gpt(o.layers, o.hidden, o.heads, o.vocab, o.seq);
-    auto dev_whole = engine::Device::create_host(UINT64_MAX), dev_cut = engine::Device::create_host(UINT64_MAX);
-    engine::Engine whole(std::make_unique<models::Decoder>(c, 1), engine_config(o.batch, o.seq, 1, threads), *comm,
+    auto dev_whole = engine::Device::create(o.device, 0, UINT64_MAX), dev_cut = engine::Device::create(o.device, 0, UINT64_MAX);
+    engine::Engine whole(std::make_unique<models::Decoder>(c, 1), engine_config(o, o.batch, o.seq, 1, threads), *comm,
                          *dev_whole);
-    engine::Engine cut(std::make_unique<models::Decoder>(c, 1), engine_config(o.batch, o.seq, o.tiles, threads), *comm,
-                       *dev_cut);
+    engine::Engine cut(std::make_unique<models::Decoder>(c, 1), engine_config(o, o.batch, o.seq, o.tiles, threads),
+                       *comm, *dev_cut);
     const uint64_t tokens = uint64_t(o.batch * o.seq), vocab = uint64_t(o.vocab);
     const std::string cut_desc = engine::plan::describe(cut.memory_model().sizes().logits, tokens, vocab);
     std::cerr << "bench tiling (a): " << c.parameters() / 1e6 << "M parameters (" << o.layers << " x " << o.hidden
-              << ", vocab " << o.vocab << "), batch " << o.batch << " x " << o.seq << ", fp32, " << threads
-              << " threads; head logits whole vs " << cut_desc << std::endl;
+              << ", vocab " << o.vocab << "), batch " << o.batch << " x " << o.seq << ", " << o.compute << " on "
+              << dev_whole->description() << ", " << threads << " threads; head logits whole vs " << cut_desc
+              << std::endl;
     const at::Tensor ids = at::randint(0, o.vocab, {o.batch, o.seq + 1}, at::kLong);
     const std::vector<double> sec =
         median_seconds(o.steps, {[&] { whole.train_step(ids); }, [&] { cut.train_step(ids); }});
@@ -90,6 +95,8 @@ void run_tiling_bench(const TilingBenchOptions& o) {
                            {"head_loss_bytes_whole", whole.memory_model().head_loss_bytes()},
                            {"head_loss_bytes_tiled", cut.memory_model().head_loss_bytes()},
                            {"parameters", c.parameters()},
+                           {"device", dev_whole->description()},
+                           {"compute", o.compute},
                            {"threads", threads}};
     std::cout << line.dump() << std::endl;
   }
@@ -102,7 +109,7 @@ void run_tiling_bench(const TilingBenchOptions& o) {
       for (int64_t vocab = 256; vocab <= (int64_t(1) << 26); vocab *= 2) {
         uint64_t tiles = 0;
         const models::ModelConfig c = gpt(1, o.capacity_hidden, 4, vocab, T);
-        if (!trains_in(c, engine_config(1, T, head_tiles, threads), o.budget, &tiles, *comm)) break;
+        if (!trains_in(c, engine_config(o, 1, T, head_tiles, threads), o.budget, &tiles, *comm)) break;
         best = vocab;
         *tiles_used = tiles;
         std::cerr << "bench tiling (b): vocabulary " << vocab << " trains in " << engine::format_bytes(o.budget)
@@ -127,6 +134,8 @@ void run_tiling_bench(const TilingBenchOptions& o) {
         {"largest_vocab_tiled", tiled},
         {"head_tiles_at_largest", auto_tiles},
         {"blocks_tiled", false},
+        {"device", o.device},
+        {"compute", o.compute},
         {"threads", threads}};
     std::cout << line.dump() << std::endl;
   }

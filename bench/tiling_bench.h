@@ -21,6 +21,8 @@ struct TilingBenchOptions {
   uint64_t budget = 64ull << 20;
   int64_t capacity_hidden = 64, capacity_tokens = 4096;
   unsigned threads = 0;  // 0: every hardware thread
+  std::string device = "cpu";     // "cpu" (the host device) or "cuda" (GPU 0)
+  std::string compute = "fp32";   // precision.compute: fp32 or bf16
 };
 
 // Prints a JSON line per part; the last one (capacity) is the summary.

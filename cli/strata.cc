@@ -192,6 +192,8 @@ A JSON line per part; the last one is (b).
   --capacity-hidden N   (b) model width (default 64)
   --capacity-tokens N   (b) tokens per step (default 4096)
   --threads N           threads for libtorch and the kernels (default: all)
+  --device D            cpu (default: the host device) or cuda
+  --compute P           precision.compute: fp32 (default) or bf16
 )";
 
 int bench_tiling(const std::vector<std::string>& argv) {
@@ -201,7 +203,7 @@ int bench_tiling(const std::vector<std::string>& argv) {
       return 0;
     }
   strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "tiles", "steps", "budget",
-                                "capacity-hidden", "capacity-tokens", "threads"}, {});
+                                "capacity-hidden", "capacity-tokens", "threads", "device", "compute"}, {});
   strata::bench::TilingBenchOptions o;
   o.layers = args.count("layers", unsigned(o.layers));
   o.hidden = args.count("hidden", unsigned(o.hidden));
@@ -215,6 +217,8 @@ int bench_tiling(const std::vector<std::string>& argv) {
   o.capacity_hidden = args.count("capacity-hidden", unsigned(o.capacity_hidden));
   o.capacity_tokens = args.count("capacity-tokens", unsigned(o.capacity_tokens));
   o.threads = args.count("threads", o.threads);
+  o.device = args.get("device", o.device);
+  o.compute = args.get("compute", o.compute);
   strata::bench::run_tiling_bench(o);
   return 0;
 }

@@ -50,22 +50,30 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
 uint64_t resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
                             const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree) {
   if (cfg.head_tiles != EngineConfig::kTilesAuto) return cfg.head_tiles;
-  const uint64_t most = std::max<uint64_t>(1, sizes.tokens * sizes.vocab);
   const auto fits = [&](uint64_t count) {
     plan::ModelSizes s = sizes;
     s.logits = plan::logits_tiling(s.tokens, s.vocab, count);
     return usable == UINT64_MAX || base + plan::MemoryModel(schedule, s).working_set(choice) <= usable;
   };
-  uint64_t count = 1;
-  while (count < most && !fits(count)) count = std::min(most, count * 2);
-  if (count > 1 && fits(count)) {  // the fewest in (count / 2, count]
-    uint64_t lo = count / 2, hi = count;  // fits(lo) is false, fits(hi) true
-    while (hi - lo > 1) {
-      const uint64_t mid = lo + (hi - lo) / 2;
-      (fits(mid) ? hi : lo) = mid;
+  // The cut's bytes are not monotone in the count (a count that adds a token chunk can leave
+  // wider tiles than one fewer), so every count is tried in order up to kScanned; beyond, doubling
+  // and a binary search give about the fewest.
+  constexpr uint64_t kScanned = 4096;
+  const uint64_t most = std::max<uint64_t>(1, plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab));
+  uint64_t count = 0;
+  for (uint64_t c = 1; c <= std::min(most, kScanned) && !count; ++c)
+    if (fits(c)) count = c;
+  if (!count && most > kScanned) {
+    uint64_t hi = kScanned;
+    while (hi < most && !fits(hi)) hi = std::min(most, hi * 2);
+    if (fits(hi)) {
+      uint64_t lo = hi / 2;  // did not fit
+      while (hi - lo > 1) (fits(lo + (hi - lo) / 2) ? hi : lo) = lo + (hi - lo) / 2;
+      count = hi;
     }
-    count = hi;
   }
+  // Nothing fits: the smallest tiles "auto" cuts; construction's budget check names what is left.
+  if (!count) count = most;
   return uint64_t(agree({int64_t(count)})[0]);
 }
 
@@ -200,9 +208,11 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
     const plan::ModelSizes& sz = mm.sizes();
     const uint64_t head_loss = mm.head_loss_bytes();
     if (2 * head_loss > scratch && sz.logits.tiles(sz.tokens, sz.vocab) < sz.tokens * sz.vocab)
-      add("cut the head's logits into more tiles (placement.tiling; the head's loss, " +
-          plan::describe(sz.logits, sz.tokens, sz.vocab) + ", takes " + format_bytes(head_loss) + " of the " +
-          format_bytes(scratch) + ")");
+      // No ", " inside a remedy: the last one before the final remedy becomes " or ".
+      add("cut the head's logits into more tiles (placement.tiling; the head's loss takes " + format_bytes(head_loss) +
+          " of the " + format_bytes(scratch) + " " +
+          (sz.logits.tiled(sz.tokens, sz.vocab) ? "in " + plan::describe(sz.logits, sz.tokens, sz.vocab) : "untiled") +
+          ")");
     if (checkpoints > 0) add("place activation checkpoints on the host (placement.activations)");
     if (held > 0) add("recompute more blocks (placement.recompute)");
     if (base > 0) add("place state on the host (the placement of params, grads, master and moments)");

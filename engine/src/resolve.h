@@ -44,12 +44,12 @@ struct Resolved {
 // gradient buffers of the largest shard for gradients that are not stored.
 StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t compute_bytes, size_t transient_buffers);
 
-// The head's logits tiles: the configured count, or for "auto" the fewest (doubling, then the
-// fewest between the last two) for which `base` (the state the configuration puts on the device
-// explicitly) plus the working set under `choice` (the configuration's explicit choices, the
-// leanest automatic ones) fits `usable`; when none does, the most (one token x one vocabulary
-// row each, and construction's budget check names what still does not fit). Agreed: every rank
-// takes the most tiles any rank needs (their losses are then computed alike).
+// The head's logits tiles: the configured count, or for "auto" the fewest for which `base` (the
+// state the configuration puts on the device explicitly) plus the working set under `choice` (the
+// configuration's explicit choices, the leanest automatic ones) fits `usable` (every count up to
+// 4096 tried in order, beyond that about the fewest), up to plan::max_auto_logits_tiles; when none
+// fits, that most (construction's budget check then names what still does not fit). Agreed:
+// every rank takes the most tiles any rank needs (their losses are then computed alike).
 uint64_t resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
                             const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree);
 

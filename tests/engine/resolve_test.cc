@@ -245,19 +245,22 @@ TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
   };
   EngineConfig c = all_auto();
   const uint64_t base = 4096;
-  for (uint64_t want : {2ull, 3ull, 7ull, 40ull}) {
+  for (uint64_t want : {2ull, 3ull, 7ull, 20ull}) {
     const uint64_t usable = base + working(want);
     Peer alone;
     const uint64_t got = resolve_head_tiles(c, schedule, z, lean, base, usable, alone.agree());
     EXPECT_LE(base + working(got), usable) << want;
-    EXPECT_GT(base + working(got - 1), usable) << want << ": " << got - 1 << " tiles fit too";
+    for (uint64_t fewer = 1; fewer < got; ++fewer)
+      EXPECT_GT(base + working(fewer), usable) << want << ": " << fewer << " tiles fit too";
     EXPECT_LE(got, want);
     Peer more{{int64_t(got) + 5}};
     EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, base, usable, more.agree()), got + 5);
   }
   Peer alone;
   EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, UINT64_MAX, alone.agree()), 1u);  // no limit: untiled
-  EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree()), z.tokens * z.vocab);
+  // Nothing fits: the smallest tiles "auto" cuts (64 tokens x 1024 rows: 8 x 3 of them here).
+  EXPECT_EQ(plan::max_auto_logits_tiles(z.tokens, z.vocab), 8u * 3u);
+  EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree()), 24u);
   c.head_tiles = 6;
   const int calls = alone.calls;
   EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree()), 6u);

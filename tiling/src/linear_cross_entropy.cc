@@ -41,14 +41,14 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
       const at::Tensor tg = targets.narrow(0, n0, nt);
       const at::Tensor here = tg.ge(v0).logical_and(tg.lt(v0 + vt));
       const at::Tensor picked = l.gather(1, (tg - v0).clamp(0, vt - 1).unsqueeze(1)).squeeze(1);
-      target_logit.narrow(0, n0, nt).add_(at::where(here, picked, at::zeros({}, f32)));
+      target_logit.narrow(0, n0, nt).add_(at::where(here, picked, 0.0));
       const at::Tensor m_new = at::maximum(m, std::get<0>(l.max(1)));
       s.mul_(at::exp(m - m_new)).add_(l.sub_(m_new.unsqueeze(1)).exp_().sum(1));
       m.copy_(m_new);
     });
     at::Tensor lse = running_max.add_(sum_exp.log_());
     const at::Tensor counted = targets.ne(ignore_index);
-    at::Tensor loss = at::where(counted, lse - target_logit, at::zeros({}, f32)).sum();
+    at::Tensor loss = at::where(counted, lse - target_logit, 0.0).sum();
     ctx->save_for_backward({hidden, weight, targets, lse});
     ctx->saved_data["chunk"] = chunk;
     ctx->saved_data["tile"] = tile;
@@ -66,7 +66,8 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
     const at::Tensor row_scale = targets.ne(ignore_index).to(at::kFloat) * grad_out[0].to(at::kFloat);
     const bool need_h = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     at::Tensor grad_h = need_h ? at::zeros({t.tokens, hidden.size(1)}, f32) : at::Tensor();
-    at::Tensor grad_w = need_w ? at::empty_like(weight) : at::Tensor();
+    // Every row is written tile by tile, unless there are no tokens at all.
+    at::Tensor grad_w = !need_w ? at::Tensor() : t.tokens ? at::empty_like(weight) : at::zeros_like(weight);
     at::Tensor grad_w_tile;
     int64_t tile_begin = -1;
     const auto flush = [&] {
@@ -107,8 +108,16 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
   if (hidden.scalar_type() != weight.scalar_type()) bad("hidden and weight must have one dtype");
   if (targets.scalar_type() != at::kLong) bad("targets must be int64");
   if (token_chunk < 1 || vocab_tile < 1) bad("token_chunk and vocab_tile must be at least 1");
-  const at::Tensor out_of_range = targets.ne(ignore_index).logical_and(targets.lt(0).logical_or(targets.ge(weight.size(0))));
-  if (out_of_range.any().item<bool>()) bad("a target is outside [0, " + std::to_string(weight.size(0)) + ")");
+  // On a GPU, reading the check on the host would block it once a micro-batch: the device asserts
+  // instead (a fatal device error, as the untiled loss's own target check is there).
+  const at::Tensor out_of_range =
+      targets.ne(ignore_index).logical_and(targets.lt(0).logical_or(targets.ge(weight.size(0))));
+  const std::string range = "a target is outside [0, " + std::to_string(weight.size(0)) + ")";
+  if (targets.is_cpu()) {
+    if (out_of_range.any().item<bool>()) bad(range);
+  } else {
+    at::_assert_async(out_of_range.any().logical_not(), "linear_cross_entropy_sum: " + range);
+  }
   return LinearCrossEntropy::apply(hidden, weight, targets, token_chunk, vocab_tile, ignore_index);
 }
 

@@ -6,13 +6,6 @@
 namespace strata::engine::plan {
 namespace {
 uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
-// The size that cuts n into `pieces` (>= 1) pieces: the even ceil(n / pieces) when that gives as
-// many, else the largest size that gives at least as many.
-uint64_t piece_size(uint64_t n, uint64_t pieces) {
-  const uint64_t even = ceil_div(n, pieces);
-  if (pieces <= 1 || ceil_div(n, even) >= pieces) return even;
-  return std::max<uint64_t>(1, ceil_div(n, pieces - 1) - 1);
-}
 }  // namespace
 
 uint64_t LogitsTiling::tiles(uint64_t tokens, uint64_t vocab) const {
@@ -21,22 +14,40 @@ uint64_t LogitsTiling::tiles(uint64_t tokens, uint64_t vocab) const {
 }
 
 LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count) {
-  if (tokens == 0 || vocab == 0) return {tokens, vocab};
-  count = std::clamp<uint64_t>(count, 1, tokens * vocab);
+  if (tokens == 0 || vocab == 0 || count <= 1) return {tokens, vocab};
+  count = std::min(count, tokens * vocab);
   // Chunks of tokens: about sqrt(count * tokens / vocab), so that a tile's sides compare as the
-  // whole's do; at least 1, and only as many as the vocabulary cannot take alone.
+  // whole's do; at least 1, at most the count, and only as many as the vocabulary cannot take
+  // alone.
   uint64_t chunks = uint64_t(std::llround(std::sqrt(double(count) * double(tokens) / double(vocab))));
-  chunks = std::clamp<uint64_t>(chunks, 1, tokens);
-  uint64_t pieces = std::min(vocab, ceil_div(count, chunks));
+  chunks = std::clamp<uint64_t>(chunks, 1, std::min(tokens, count));
+  const uint64_t pieces = std::min(vocab, ceil_div(count, chunks));
   if (pieces * chunks < count) chunks = std::min(tokens, ceil_div(count, pieces));
-  return {piece_size(tokens, chunks), piece_size(vocab, pieces)};
+  // Even sizes; cutting n into ceil(n / size) pieces may give fewer than asked: then one more
+  // vocabulary piece at a time (tokens once the vocabulary is cut to single rows) until the count
+  // is reached.
+  LogitsTiling t{ceil_div(tokens, chunks), ceil_div(vocab, pieces)};
+  // Each turn shrinks a side by at least one, so the loop ends (at 1 x 1 tiles at the latest).
+  const auto shrink = [](uint64_t n, uint64_t size) {
+    return std::min(size - 1, ceil_div(n, ceil_div(n, size) + 1));
+  };
+  while (t.tiles(tokens, vocab) < count) {
+    if (t.vocab_tile > 1) t.vocab_tile = shrink(vocab, t.vocab_tile);
+    else t.token_chunk = shrink(tokens, t.token_chunk);
+  }
+  return t;
+}
+
+uint64_t max_auto_logits_tiles(uint64_t tokens, uint64_t vocab) {
+  return ceil_div(tokens, std::min(tokens, kMinTileTokens)) * ceil_div(vocab, std::min(vocab, kMinTileVocab));
 }
 
 uint64_t head_scratch_bytes(uint64_t tokens, uint64_t vocab, uint64_t hidden, uint64_t compute_bytes,
                             const LogitsTiling& t) {
   if (!t.tiled(tokens, vocab)) return tokens * vocab * (8 + compute_bytes);
-  return t.token_chunk * t.vocab_tile * (8 + compute_bytes) + tokens * hidden * 4 + t.vocab_tile * hidden * 4 +
-         tokens * 16;
+  const uint64_t chunk = std::min(t.token_chunk, tokens), tile = std::min(t.vocab_tile, vocab);
+  return chunk * tile * (4 + compute_bytes) + std::max(chunk, tile) * hidden * compute_bytes + tokens * hidden * 4 +
+         tile * hidden * 4 + tokens * 16;
 }
 
 std::string describe(const LogitsTiling& t, uint64_t tokens, uint64_t vocab) {

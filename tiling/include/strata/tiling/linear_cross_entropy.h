@@ -7,14 +7,17 @@
 //
 // Numbers: each tile's logits are computed in the inputs' dtype and widened to fp32, as the
 // untiled head computes `at::linear(...).to(kFloat)`, and the softmax gradient is narrowed to the
-// inputs' dtype before its matmuls, as autograd does through that cast; only the summation order
-// differs from the untiled loss (tests/tiling/linear_cross_entropy_test.cc: 1e-5 relative in
-// fp32).
+// inputs' dtype before its matmuls, as autograd does through that cast. In fp32 only the order
+// of sums differs from the untiled loss (tests/tiling/linear_cross_entropy_test.cc: loss 1e-7,
+// gradients 6e-7 relative). In bf16/fp16 the input gradient also differs by rounding: each
+// tile's product is rounded to the inputs' dtype before the tiles are summed in fp32, where the
+// untiled head rounds one product over the whole vocabulary (tested within 2e-2).
 //
 // Memory beside the inputs and the gradients autograd returns: one tile of fp32 logits (reused as
-// its softmax gradient) and its narrowed copy, the fp32 input gradient [tokens, hidden], one fp32
-// weight-gradient tile [vocab_tile, hidden], and four fp32 numbers a token
-// (plan::head_scratch_bytes counts exactly these terms).
+// its softmax gradient) with its copy in the inputs' dtype, one matmul product of the backward
+// ([token_chunk or vocab_tile, hidden]), the fp32 input gradient [tokens, hidden], one fp32
+// weight-gradient tile [vocab_tile, hidden], and four fp32 numbers a token; plan::head_scratch_bytes
+// bounds these (and the memory model counts it).
 //
 // Thread safety: a pure function of its arguments; autograd may run it on any thread.
 #pragma once
@@ -29,7 +32,8 @@ namespace strata::tiling {
 // `ignore_index` of -log softmax(hidden @ weight^T)[target]; weight is [vocab, hidden] in the same
 // dtype. Differentiable in `hidden` and `weight` (autograd). `token_chunk` and `vocab_tile` (>= 1)
 // are the tile's rows and columns; the last ones may be shorter. Throws std::invalid_argument on
-// mismatched shapes or dtypes, and on a target outside [0, vocab) that is not ignore_index.
+// mismatched shapes or dtypes, and on a target outside [0, vocab) that is not ignore_index (on a
+// GPU a device-side assert instead, so that the host is not blocked).
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                     int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index = -100);
 

@@ -19,16 +19,26 @@ struct LogitsTiling {
   uint64_t tiles(uint64_t tokens, uint64_t vocab) const;
 };
 
-// At least `count` tiles (>= 1; 1: the logits whole), as few over as the division allows. The
+// At least `count` tiles (1: the logits whole), as few over as the division allows. The
 // vocabulary is cut first (each weight tile is then read once a pass); tokens only once a
 // vocabulary tile would be narrower than the token chunk, so tiles stay near square and their
 // matmuls large. `count` beyond tokens x vocab is clamped.
 LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count);
 
+// The most tiles placement.tiling "auto" considers: tiles of at least kMinTileTokens tokens x
+// kMinTileVocab vocabulary rows (or the whole of a smaller side). Smaller tiles would spend more
+// on per-tile overhead than they save; an explicit count may still ask for them.
+constexpr uint64_t kMinTileTokens = 64, kMinTileVocab = 1024;
+uint64_t max_auto_logits_tiles(uint64_t tokens, uint64_t vocab);
+
 // Device bytes the head's loss holds beside its input and the weight's gradient: untiled, the
 // fp32 logits, their fp32 gradient and the compute-dtype gradient (tokens x vocab x (8 +
-// compute_bytes)); tiled, one tile of those, plus the fp32 input gradient, one fp32 weight-gradient
-// tile and 16 bytes a token (log-sum-exp, running maximum and sum, target logit).
+// compute_bytes)); tiled, one tile of fp32 logits with its compute-dtype copy (the matmul's
+// output in the forward, the narrowed gradient in the backward: chunk x tile x (4 +
+// compute_bytes), an upper bound in fp32 where the two are one tensor), one matmul product of
+// the backward in the compute dtype (max(chunk, tile) x hidden), the fp32 input gradient, one
+// fp32 weight-gradient tile and 16 bytes a token (log-sum-exp, running maximum and sum, target
+// logit).
 uint64_t head_scratch_bytes(uint64_t tokens, uint64_t vocab, uint64_t hidden, uint64_t compute_bytes,
                             const LogitsTiling& t);
 
