@@ -1,7 +1,8 @@
 // `strata launch -n N [--port P] -- command ...`: runs N copies of a command on this node with
 // the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-// MASTER_PORT). When one rank fails, the others are terminated (SIGTERM, then SIGKILL after 10
-// s) and the launcher exits with the failing rank's status. SIGINT, SIGTERM and SIGUSR1 that a
+// MASTER_PORT). When one rank fails, the others are terminated (SIGTERM tagged with the failed
+// rank, kPeerFailedTag in train.h; then SIGKILL after 10 s, said on stderr) and the launcher
+// exits with the failing rank's status. SIGINT, SIGTERM and SIGUSR1 that a
 // process sends to the launcher are passed on to every rank, as often as they came (a terminal's
 // Ctrl-C reaches the ranks directly: they share the launcher's process group); a rank that then
 // ends with 128 + that signal, or by it, is not a failure. A rank whose launcher dies gets
@@ -148,8 +149,11 @@ int launch_main(const std::vector<std::string>& argv) {
     }
     if (pid == 0) {  // nothing ended: when stopping, kill at the deadline
       if (std::chrono::steady_clock::now() > stop_deadline) {
-        for (pid_t p : pids)
-          if (p > 0) kill(p, SIGKILL);
+        for (size_t r = 0; r < pids.size(); ++r)
+          if (pids[r] > 0) {
+            std::cerr << "strata launch: rank " << r << " is still running 10 s after SIGTERM: killing it (SIGKILL)\n";
+            kill(pids[r], SIGKILL);
+          }
         stop_deadline = std::chrono::steady_clock::time_point::max();
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -177,7 +181,11 @@ int launch_main(const std::vector<std::string>& argv) {
       stopping = true;
       stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
       for (pid_t p : pids)
-        if (p > 0) kill(p, SIGTERM);
+        if (p > 0) {
+          union sigval failed_rank {};
+          failed_rank.sival_int = kPeerFailedTag | int(rank & 0xffff);
+          sigqueue(p, SIGTERM, failed_rank);
+        }
     }
   }
   if (died_by_sigint) {  // as the ranks did: the cooperative exit a shell expects

@@ -285,8 +285,16 @@ void catch_stop_signals() {
     pthread_sigmask(SIG_BLOCK, &set, nullptr);  // threads started from here on inherit it
     std::thread([set] {
       for (;;) {
-        int sig = 0;
-        if (sigwait(&set, &sig) != 0) continue;
+        siginfo_t info{};
+        const int sig = sigwaitinfo(&set, &info);
+        if (sig < 0) continue;
+        if (sig == SIGTERM && info.si_code == SI_QUEUE && (info.si_value.sival_int & 0xffff0000) == kPeerFailedTag) {
+          // From `strata launch`: a rank failed, so no step can finish. A save under way is
+          // abandoned; the last committed checkpoint stays loadable (the commit protocol).
+          std::cerr << "strata train: rank " << (info.si_value.sival_int & 0xffff)
+                    << " failed (strata launch): exiting\n" << std::flush;
+          die_by(SIGTERM);
+        }
         const int before = stop_signal.load();
         if (note_stop_signal(sig) && stop_messages.load())
           std::cerr << "\nstrata train: " << signal_name(sig) << ": stopping after the current step"
@@ -417,6 +425,14 @@ int run_training(const std::vector<std::string>& argv) {
   }
   auto comm = engine::Communicator::create(
       env, std::chrono::milliseconds(int64_t(ecp->timeout_s * 1000)), ecp->device == "cuda");
+  // A failed collective ends this rank at once, with the error: the world is broken, and
+  // unwinding would first join threads (an asynchronous save, the updater) that may wait on
+  // peers until the timeout, printing nothing meanwhile. The log is flushed line by line and the
+  // last committed checkpoint stays loadable.
+  comm->set_failure_handler([rank = comm->rank()](const std::string& what) {
+    std::cerr << "strata: error: rank " << rank << ": " << what << "\n" << std::flush;
+    _exit(1);
+  });
   const bool lead = comm->rank() == 0;
   auto device = engine::Device::create(ecp->device, env.local_rank, ecp->device_budget);
 

@@ -97,17 +97,18 @@ class GlooComm final : public Communicator {
   }
 
   struct GlooWork : Work {
-    GlooWork(c10::intrusive_ptr<c10d::Work> w, std::string what) : w(std::move(w)), what(std::move(what)) {}
+    GlooWork(c10::intrusive_ptr<c10d::Work> w, std::string what, std::shared_ptr<const FailureHandler> on_failure)
+        : w(std::move(w)), what(std::move(what)), on_failure(std::move(on_failure)) {}
     void wait() override {
       try {
         w->wait();
       } catch (const std::exception& e) {
-        throw CommError(what + " failed: " + first_line(e.what()) +
-                        " (a peer rank died or timed out)");
+        fail(what + " failed: " + first_line(e.what()) + " (a peer rank died or timed out)", on_failure);
       }
     }
     c10::intrusive_ptr<c10d::Work> w;
     std::string what;
+    std::shared_ptr<const FailureHandler> on_failure;
   };
 
   std::unique_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in) override {
@@ -143,6 +144,10 @@ class GlooComm final : public Communicator {
   }
 
  private:
+  [[noreturn]] static void fail(const std::string& message, const std::shared_ptr<const FailureHandler>& on_failure) {
+    if (on_failure && *on_failure) (*on_failure)(message);
+    throw CommError(message);
+  }
   static std::string first_line(const std::string& s) {
     auto n = s.find('\n');
     return n == std::string::npos ? s : s.substr(0, n);
@@ -152,9 +157,9 @@ class GlooComm final : public Communicator {
     const std::string what = std::string(op) + " on rank " + std::to_string(rank()) + " of " +
                              std::to_string(world_size());
     try {
-      return std::make_unique<GlooWork>(issue(), what);
+      return std::make_unique<GlooWork>(issue(), what, failure_handler());
     } catch (const std::exception& e) {
-      throw CommError(what + " failed: " + first_line(e.what()));
+      fail(what + " failed: " + first_line(e.what()), failure_handler());
     }
   }
 

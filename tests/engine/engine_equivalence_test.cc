@@ -1742,6 +1742,39 @@ TEST(EngineEquivalence, KilledRankMakesTheOtherFailWithinTheTimeout) {
   expect_survivor_fails(rp, std::chrono::seconds(15));
 }
 
+// Three ranks saving a checkpoint after every step, in the background; one is killed with -9
+// at a moment that varies by trial (each rank in turn, at once or some milliseconds into the
+// next step or save). Every survivor exits non-zero on its own (no launcher here) well within
+// the collective timeout, saying so: a failed collective ends the process at once
+// (Communicator::set_failure_handler in strata train) instead of unwinding into joins of
+// threads that wait on the broken world, which printed nothing until the timeout.
+TEST(EngineEquivalence, ARankKilledDuringAsynchronousSavesFailsEverySurvivorPromptly) {
+  for (int trial = 0; trial < 3; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    TempDir dir;
+    json j = tiny_config(false, 3);
+    j["run"]["steps"] = 100000;
+    j["run"]["save_every"] = 1;
+    j["run"]["checkpoint_dir"] = (dir / "ckpt").string();
+    j["distributed"] = {{"timeout_s", 20}};
+    RankProcesses rp = start_ranks(j, 3, dir);
+    if (!wait_for_training(rp, 4)) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(37 * trial));
+    const int victim = (trial + 1) % 3;
+    kill(rp.pids[victim], SIGKILL);
+    ASSERT_TRUE(rp.wait_exit(victim, std::chrono::seconds(10)));
+    for (int r = 0; r < 3; ++r) {
+      if (r == victim) continue;
+      const std::optional<int> status = rp.wait_exit(r, std::chrono::seconds(12));
+      ASSERT_TRUE(status) << "rank " << r << " still running 12 s after rank " << victim << " was killed:\n"
+                          << rp.err(r);
+      const std::string err = rp.err(r);
+      EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0) << err;
+      EXPECT_NE(err.find("strata: error: rank " + std::to_string(r) + ":"), std::string::npos) << err;
+    }
+  }
+}
+
 // A rank whose swap fails under it (its swap file truncated, as a failing drive might leave it)
 // fails its step naming the partition and itself, exits, and the other rank fails within
 // seconds, not after distributed.timeout_s: in every overlap mode, with the optimizer reading

@@ -99,11 +99,23 @@ class Communicator {
   virtual void broadcast(const at::Tensor& t, int root) = 0;
   virtual void barrier() = 0;
 
+  // Called with the error's message on whichever thread sees a collective fail, just before
+  // CommError is thrown there. A program whose other threads may be waiting on peers (an
+  // asynchronous save's collectives, the updater) can end the process here: otherwise the error
+  // is reported only after unwinding, and unwinding joins threads that wait on the broken
+  // world, possibly until the timeout (`strata train` exits here: docs/CONFIG.md). Set it before
+  // the first collective; not called for a failed rendezvous (create() throws then).
+  using FailureHandler = std::function<void(const std::string& what)>;
+  void set_failure_handler(FailureHandler h) { on_failure_ = std::make_shared<const FailureHandler>(std::move(h)); }
+
  protected:
   Communicator(int rank, int world) : rank_(rank), world_(world) {}
+  // The handler as set (a copy a Work can hold); null when none.
+  std::shared_ptr<const FailureHandler> failure_handler() const { return on_failure_; }
 
  private:
   int rank_, world_;
+  std::shared_ptr<const FailureHandler> on_failure_;
 };
 
 }  // namespace strata::engine
