@@ -7,11 +7,15 @@
 #endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <exception>
+#include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -53,6 +57,47 @@ class LocalComm final : public Communicator {
   void barrier() override {}
 };
 
+// Every rank's host and process id, exchanged through the store at rendezvous, so that a rank
+// whose collective failed can say which peers on its own host are gone (the error Gloo gives
+// names a socket address, not a rank).
+struct Peer {
+  std::string host;
+  long pid = 0;
+};
+
+std::string this_host() {
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  return name;
+}
+
+// A process that no longer exists, or has ended and waits to be reaped (a zombie).
+bool process_gone(long pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const size_t close = line.rfind(')');  // the command name may hold spaces and parentheses
+  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] == 'Z' || line[close + 2] == 'X';
+}
+
+// "; rank 2 (pid 1234 on this host) is gone", or "" when no peer on this host is gone.
+// A killed process closes its sockets before it becomes a zombie: the error can come first, so
+// the check is repeated for up to 0.2 s while no peer looks gone (an error path: the wait is
+// cheap there).
+std::string gone_peers(const std::vector<Peer>& peers, int self) {
+  const std::string here = this_host();
+  std::string gone;
+  for (int attempt = 0; attempt < 10 && gone.empty(); ++attempt) {
+    if (attempt > 0) usleep(20000);
+    for (size_t r = 0; r < peers.size(); ++r)
+      if (int(r) != self && peers[r].host == here && peers[r].pid > 0 && process_gone(peers[r].pid))
+        gone += (gone.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " (pid " +
+                std::to_string(peers[r].pid) + " on this host)";
+  }
+  if (gone.empty()) return "";
+  return "; " + gone + (gone.find(", ") == std::string::npos ? " is" : " are") + " gone";
+}
+
 // Gloo for CPU tensors and, when asked for, NCCL for CUDA tensors (its unique id travels through
 // the store), each under its own key prefix in the one TCPStore.
 class GlooComm final : public Communicator {
@@ -67,6 +112,18 @@ class GlooComm final : public Communicator {
       opts.waitWorkers = true;
       opts.timeout = timeout;
       store_ = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+      {
+        const std::string me = this_host() + " " + std::to_string(long(getpid()));
+        store_->set("strata/peer/" + std::to_string(env.rank), std::vector<uint8_t>(me.begin(), me.end()));
+        auto peers = std::make_shared<std::vector<Peer>>(size_t(env.world_size));
+        for (int r = 0; r < env.world_size; ++r) {
+          const std::vector<uint8_t> v = store_->get("strata/peer/" + std::to_string(r));
+          const std::string s(v.begin(), v.end());
+          const size_t space = s.rfind(' ');
+          (*peers)[size_t(r)] = {s.substr(0, space), std::atol(s.c_str() + space + 1)};
+        }
+        peers_ = std::move(peers);
+      }
       auto pg_opts = c10d::ProcessGroupGloo::Options::create(timeout);
       // Single node (loopback master): loopback. Otherwise this host's own address, as
       // torch.distributed does (GLOO_SOCKET_IFNAME picks the interface).
@@ -97,18 +154,24 @@ class GlooComm final : public Communicator {
   }
 
   struct GlooWork : Work {
-    GlooWork(c10::intrusive_ptr<c10d::Work> w, std::string what, std::shared_ptr<const FailureHandler> on_failure)
-        : w(std::move(w)), what(std::move(what)), on_failure(std::move(on_failure)) {}
+    GlooWork(c10::intrusive_ptr<c10d::Work> w, std::string what, std::shared_ptr<const FailureHandler> on_failure,
+             std::shared_ptr<const std::vector<Peer>> peers, int self)
+        : w(std::move(w)), what(std::move(what)), on_failure(std::move(on_failure)), peers(std::move(peers)),
+          self(self) {}
     void wait() override {
       try {
         w->wait();
       } catch (const std::exception& e) {
-        fail(what + " failed: " + first_line(e.what()) + " (a peer rank died or timed out)", on_failure);
+        fail(what + " failed: " + first_line(e.what()) + " (a peer rank died or timed out" +
+                 (peers ? gone_peers(*peers, self) : "") + ")",
+             on_failure);
       }
     }
     c10::intrusive_ptr<c10d::Work> w;
     std::string what;
     std::shared_ptr<const FailureHandler> on_failure;
+    std::shared_ptr<const std::vector<Peer>> peers;
+    int self;
   };
 
   std::unique_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in) override {
@@ -157,7 +220,7 @@ class GlooComm final : public Communicator {
     const std::string what = std::string(op) + " on rank " + std::to_string(rank()) + " of " +
                              std::to_string(world_size());
     try {
-      return std::make_unique<GlooWork>(issue(), what, failure_handler());
+      return std::make_unique<GlooWork>(issue(), what, failure_handler(), peers_, rank());
     } catch (const std::exception& e) {
       fail(what + " failed: " + first_line(e.what()), failure_handler());
     }
@@ -170,6 +233,7 @@ class GlooComm final : public Communicator {
   }
 
   c10::intrusive_ptr<c10d::TCPStore> store_;
+  std::shared_ptr<const std::vector<Peer>> peers_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
 };

@@ -1745,7 +1745,8 @@ TEST(EngineEquivalence, KilledRankMakesTheOtherFailWithinTheTimeout) {
 // Three ranks saving a checkpoint after every step, in the background; one is killed with -9
 // at a moment that varies by trial (each rank in turn, at once or some milliseconds into the
 // next step or save). Every survivor exits non-zero on its own (no launcher here) well within
-// the collective timeout, saying so: a failed collective ends the process at once
+// the collective timeout, saying so and naming the dead rank: a failed collective ends the
+// process at once
 // (Communicator::set_failure_handler in strata train) instead of unwinding into joins of
 // threads that wait on the broken world, which printed nothing until the timeout.
 TEST(EngineEquivalence, ARankKilledDuringAsynchronousSavesFailsEverySurvivorPromptly) {
@@ -1761,7 +1762,8 @@ TEST(EngineEquivalence, ARankKilledDuringAsynchronousSavesFailsEverySurvivorProm
     if (!wait_for_training(rp, 4)) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(37 * trial));
     const int victim = (trial + 1) % 3;
-    kill(rp.pids[victim], SIGKILL);
+    const pid_t victim_pid = rp.pids[victim];
+    kill(victim_pid, SIGKILL);
     ASSERT_TRUE(rp.wait_exit(victim, std::chrono::seconds(10)));
     for (int r = 0; r < 3; ++r) {
       if (r == victim) continue;
@@ -1771,6 +1773,12 @@ TEST(EngineEquivalence, ARankKilledDuringAsynchronousSavesFailsEverySurvivorProm
       const std::string err = rp.err(r);
       EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0) << err;
       EXPECT_NE(err.find("strata: error: rank " + std::to_string(r) + ":"), std::string::npos) << err;
+      // The dead rank named among the gone (a survivor that failed later may also name the
+      // survivor that exited before it), whichever peer the error came from.
+      EXPECT_NE(err.find("rank " + std::to_string(victim) + " (pid " + std::to_string(victim_pid) + " on this host)"),
+                std::string::npos)
+          << err;
+      EXPECT_NE(err.find(" gone)"), std::string::npos) << err;
     }
   }
 }
