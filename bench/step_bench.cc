@@ -11,6 +11,7 @@
 #include "strata/engine/comm.h"
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"
+#include "bench_model.h"
 #include "timing.h"
 
 namespace strata::bench {
@@ -77,16 +78,7 @@ class PlainTrainer {
 void run_step_bench(const StepBenchOptions& o) {
   const unsigned threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
   at::set_num_threads(int(threads));
-  models::ModelConfig c = models::preset("gpt2");
-  c.name = "gpt2-bench";
-  c.layers = o.layers;
-  c.hidden = o.hidden;
-  c.heads = c.kv_heads = o.heads;
-  c.head_dim = o.hidden / o.heads;
-  c.intermediate = 4 * o.hidden;
-  c.vocab_size = o.vocab;
-  c.max_positions = std::max<int64_t>(o.seq, 64);
-  c.validate();
+  const models::ModelConfig c = gpt2_shape("gpt2-bench", o.layers, o.hidden, o.heads, o.vocab, o.seq);
 
   engine::EngineConfig e;
   e.micro_batch = o.batch;

@@ -11,24 +11,11 @@
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"
 #include "strata/engine/plan/tiling.h"
+#include "bench_model.h"
 #include "timing.h"
 
 namespace strata::bench {
 namespace {
-
-models::ModelConfig gpt(int64_t layers, int64_t hidden, int64_t heads, int64_t vocab, int64_t seq) {
-  models::ModelConfig c = models::preset("gpt2");
-  c.name = "gpt2-tiling-bench";
-  c.layers = layers;
-  c.hidden = hidden;
-  c.heads = c.kv_heads = heads;
-  c.head_dim = hidden / heads;
-  c.intermediate = 4 * hidden;
-  c.vocab_size = vocab;
-  c.max_positions = std::max<int64_t>(seq, 64);
-  c.validate();
-  return c;
-}
 
 engine::EngineConfig engine_config(const TilingBenchOptions& o, int64_t batch, int64_t seq, uint64_t head_tiles,
                                    unsigned threads) {
@@ -69,7 +56,7 @@ void run_tiling_bench(const TilingBenchOptions& o) {
 
   // (a) Overhead where both fit.
   {
-    const models::ModelConfig c = gpt(o.layers, o.hidden, o.heads, o.vocab, o.seq);
+    const models::ModelConfig c = gpt2_shape("gpt2-tiling-bench", o.layers, o.hidden, o.heads, o.vocab, o.seq);
     auto dev_whole = engine::Device::create(o.device, 0, UINT64_MAX), dev_cut = engine::Device::create(o.device, 0, UINT64_MAX);
     engine::Engine whole(std::make_unique<models::Decoder>(c, 1), engine_config(o, o.batch, o.seq, 1, threads), *comm,
                          *dev_whole);
@@ -108,7 +95,7 @@ void run_tiling_bench(const TilingBenchOptions& o) {
       int64_t best = 0;
       for (int64_t vocab = 256; vocab <= (int64_t(1) << 26); vocab *= 2) {
         uint64_t tiles = 0;
-        const models::ModelConfig c = gpt(1, o.capacity_hidden, 4, vocab, T);
+        const models::ModelConfig c = gpt2_shape("gpt2-tiling-bench", 1, o.capacity_hidden, 4, vocab, T);
         if (!trains_in(c, engine_config(o, 1, T, head_tiles, threads), o.budget, &tiles, *comm)) break;
         best = vocab;
         *tiles_used = tiles;
