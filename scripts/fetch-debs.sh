@@ -9,7 +9,9 @@ cd "$repo/.deps/debs"
 # apt-get download needs package lists; fetch them once on a machine that never updated.
 [ -n "$(ls -A /var/lib/apt/lists 2>/dev/null | grep -v lock)" ] || apt-get update -qq
 # libpng for `strata plot` (cli/plot.cc); zlib1g-dev for its headers.
-apt-get download liburing-dev liburing2 nlohmann-json3-dev libgloo-dev libpng-dev libpng16-16 zlib1g-dev >/dev/null
+# libssl-dev (SigV4 and TLS) and the Boost headers (the S3 driver), new with object storage.
+apt-get download liburing-dev liburing2 nlohmann-json3-dev libgloo-dev libpng-dev libpng16-16 zlib1g-dev \
+  libssl-dev libssl3 libboost1.74-dev libboost-dev >/dev/null
 ls -1 "$repo/.deps/debs"
 
 # The GPU machine has no fio either, and the benchmarks compare against it. Build a static fio

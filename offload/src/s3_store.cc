@@ -1,0 +1,687 @@
+// The S3 driver: an ObjectStore on a bucket and key prefix, over HTTP/1.1 with Boost.Beast.
+//
+// Protocol (how the guarantees of object_store.h are met on S3 and its look-alikes):
+//   - put is one PutObject with the payload's SHA-256 signed (an S3 PUT replaces atomically);
+//   - put_if_absent is PutObject with "If-None-Match: *" (412 when the key exists). When an
+//     attempt was retried (its answer lost to a dropped connection or a timeout), a 412 may be
+//     this call's own earlier success: the driver then reads the object and reports success
+//     exactly when the bytes are this call's;
+//   - get is a ranged GET; an answer shorter than asked (S3 cuts a range at the object's end) is
+//     kInvalidArgument, never a short read;
+//   - list is ListObjectsV2 with continuation tokens, list_page_keys per page;
+//   - a multipart upload is Create/UploadPart/Complete/AbortMultipartUpload. A 200 answer to
+//     Complete that carries an <Error> is an error (S3 sends those). An empty ETag in Complete's
+//     answer (RGW 16.2 does that) is filled in with a HEAD. A Complete retried after its answer
+//     was lost may find the upload gone (NoSuchUpload): it then counts as done when HEAD shows an
+//     object of the parts' total size;
+//   - retries: network errors, timeouts, HTTP 5xx and 429, and the codes SlowDown,
+//     RequestTimeout, InternalError and ConditionalRequestConflict are retried up to
+//     max_attempts times with full-jitter exponential backoff; each attempt is signed afresh.
+//     A request on a pooled keep-alive connection that the server closed meanwhile is resent
+//     once on a new connection without counting as an attempt;
+//   - threads: the store holds a pool of idle connections; a request takes one (or opens one),
+//     drives it on the calling thread with its own io_context (so timeouts are Asio deadlines),
+//     and puts it back when the answer allowed keep-alive. Any number of threads may call at once;
+//     concurrency is the callers' (put_object / get_object run parts on several threads).
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/ssl.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
+#include <boost/property_tree/ptree.hpp>
+#include <boost/property_tree/xml_parser.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "strata/offload/s3.h"
+
+namespace strata::offload {
+
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace ssl = asio::ssl;
+using tcp = asio::ip::tcp;
+using Kind = ObjectStoreError::Kind;
+using Query = std::vector<std::pair<std::string, std::string>>;
+using Headers = std::map<std::string, std::string>;
+
+// A failure below HTTP: no answer (connect, send, receive, timeout).
+struct TransportError {
+  std::string message;
+  bool before_response = false;  // nothing of an answer arrived
+};
+
+struct Response {
+  int status = 0;
+  Headers headers;  // lower-case names
+  std::string body;
+  int attempts = 1;
+  std::string header(const char* name) const {
+    const auto it = headers.find(name);
+    return it == headers.end() ? "" : it->second;
+  }
+};
+
+struct Endpoint {
+  bool tls = false;
+  std::string host;  // without port
+  std::string port;
+  bool default_port = true;
+};
+
+Endpoint parse_endpoint(const std::string& url) {
+  Endpoint e;
+  std::string rest;
+  if (url.starts_with("https://")) {
+    e.tls = true;
+    rest = url.substr(8);
+  } else if (url.starts_with("http://")) {
+    rest = url.substr(7);
+  } else {
+    throw ObjectStoreError(Kind::kInvalidArgument,
+                           "S3 endpoint '" + url + "' must start with http:// or https://");
+  }
+  if (const size_t slash = rest.find('/'); slash != std::string::npos) {
+    if (rest.substr(slash) != "/") {
+      throw ObjectStoreError(Kind::kInvalidArgument,
+                             "S3 endpoint '" + url + "' has a path; give scheme://host[:port]");
+    }
+    rest.resize(slash);
+  }
+  const size_t colon = rest.rfind(':');
+  if (colon != std::string::npos && rest.find(']') == std::string::npos) {
+    e.host = rest.substr(0, colon);
+    e.port = rest.substr(colon + 1);
+    e.default_port = e.port == (e.tls ? "443" : "80");
+  } else {
+    e.host = rest;
+    e.port = e.tls ? "443" : "80";
+  }
+  if (e.host.empty()) throw ObjectStoreError(Kind::kInvalidArgument, "S3 endpoint '" + url + "' has no host");
+  return e;
+}
+
+struct Connection {
+  explicit Connection(ssl::context* tls_context) {
+    if (tls_context) {
+      tls.emplace(ioc, *tls_context);
+    } else {
+      tcp_stream.emplace(ioc);
+    }
+  }
+  beast::tcp_stream& lowest() { return tls ? beast::get_lowest_layer(*tls) : *tcp_stream; }
+
+  asio::io_context ioc;
+  std::optional<beast::tcp_stream> tcp_stream;
+  std::optional<beast::ssl_stream<beast::tcp_stream>> tls;
+  beast::flat_buffer buffer;
+};
+
+// Runs the posted operations to completion on the calling thread.
+void run(Connection& c) {
+  c.ioc.restart();
+  c.ioc.run();
+}
+
+template <class Stream>
+beast::error_code exchange_on(Connection& c, Stream& stream,
+                              http::request<http::span_body<const char>>& request,
+                              http::response_parser<http::string_body>& parser,
+                              std::chrono::milliseconds timeout, bool* got_bytes) {
+  beast::error_code result;
+  c.lowest().expires_after(timeout);
+  http::async_write(stream, request, [&](beast::error_code ec, size_t) {
+    if (ec) {
+      result = ec;
+      return;
+    }
+    http::async_read(stream, c.buffer, parser, [&](beast::error_code ec2, size_t bytes) {
+      result = ec2;
+      *got_bytes = bytes > 0 || parser.got_some();
+    });
+  });
+  run(c);
+  return result;
+}
+
+class HttpPool {
+ public:
+  HttpPool(Endpoint endpoint, const S3Options& options)
+      : endpoint_(std::move(endpoint)), options_(options) {
+    if (endpoint_.tls) {
+      tls_context_.emplace(ssl::context::tls_client);
+      if (options_.verify_tls) {
+        tls_context_->set_default_verify_paths();
+        tls_context_->set_verify_mode(ssl::verify_peer);
+      } else {
+        tls_context_->set_verify_mode(ssl::verify_none);
+      }
+    }
+  }
+
+  // One attempt: sends the request and reads the whole answer. Throws TransportError.
+  // `reused` tells whether a pooled connection carried it.
+  Response exchange(const std::string& method, const std::string& host, const std::string& target,
+                    const Headers& headers, std::span<const std::byte> body, bool* reused) {
+    std::unique_ptr<Connection> c = take(reused);
+    if (!c) c = connect(host);
+    http::request<http::span_body<const char>> request;
+    request.method_string(method);
+    request.target(target);
+    request.version(11);
+    request.set(http::field::host, host);
+    request.set(http::field::user_agent, "strata/0.1");
+    for (const auto& [name, value] : headers) request.set(name, value);
+    request.body() = {reinterpret_cast<const char*>(body.data()), body.size()};
+    if (method == "PUT" || method == "POST" || !body.empty()) {
+      request.content_length(body.size());
+    }
+    request.keep_alive(options_.reuse_connections);
+
+    http::response_parser<http::string_body> parser;
+    parser.body_limit(std::numeric_limits<std::uint64_t>::max());  // boost::none is broken in 1.74
+    if (method == "HEAD") parser.skip(true);
+    bool got_bytes = false;
+    const beast::error_code ec =
+        c->tls ? exchange_on(*c, *c->tls, request, parser, options_.request_timeout, &got_bytes)
+               : exchange_on(*c, *c->tcp_stream, request, parser, options_.request_timeout, &got_bytes);
+    if (ec) {
+      const std::string what = ec == beast::error::timeout
+                                   ? "no answer within " +
+                                         std::to_string(options_.request_timeout.count()) + " ms"
+                                   : ec.message();
+      throw TransportError{method + " to " + host + ": " + what, !got_bytes};
+    }
+    Response response;
+    const auto& message = parser.get();
+    response.status = static_cast<int>(message.result_int());
+    for (const auto& field : message) {
+      std::string name(field.name_string());
+      std::transform(name.begin(), name.end(), name.begin(), ::tolower);
+      response.headers[name] = std::string(field.value());
+    }
+    response.body = std::move(parser.release().body());
+    if (options_.reuse_connections && message.keep_alive()) {
+      c->buffer.clear();
+      give_back(std::move(c));
+    }
+    return response;
+  }
+
+ private:
+  std::unique_ptr<Connection> take(bool* reused) {
+    std::lock_guard lock(mu_);
+    *reused = !idle_.empty();
+    if (idle_.empty()) return nullptr;
+    auto c = std::move(idle_.back());
+    idle_.pop_back();
+    return c;
+  }
+
+  void give_back(std::unique_ptr<Connection> c) {
+    std::lock_guard lock(mu_);
+    if (idle_.size() < 64) idle_.push_back(std::move(c));
+  }
+
+  std::unique_ptr<Connection> connect(const std::string& host_header) {
+    auto c = std::make_unique<Connection>(tls_context_ ? &*tls_context_ : nullptr);
+    // The host to reach is the Host header's (virtual-hosted names the bucket there) without port.
+    std::string host = host_header;
+    if (!endpoint_.default_port) host.resize(host.size() - endpoint_.port.size() - 1);
+    tcp::resolver resolver(c->ioc);
+    beast::error_code ec;
+    const auto addresses = resolver.resolve(host, endpoint_.port, ec);
+    if (ec) throw TransportError{"resolve " + host + ": " + ec.message(), true};
+    c->lowest().expires_after(options_.connect_timeout);
+    c->lowest().async_connect(addresses, [&](beast::error_code e, const tcp::endpoint&) { ec = e; });
+    run(*c);
+    if (ec) {
+      throw TransportError{"connect to " + host + ":" + endpoint_.port + ": " +
+                               (ec == beast::error::timeout ? "timed out" : ec.message()),
+                           true};
+    }
+    if (c->tls) {
+      if (!SSL_set_tlsext_host_name(c->tls->native_handle(), host.c_str())) {
+        throw TransportError{"TLS to " + host + ": cannot set the server name", true};
+      }
+      if (options_.verify_tls) c->tls->set_verify_callback(ssl::host_name_verification(host));
+      c->lowest().expires_after(options_.connect_timeout);
+      c->tls->async_handshake(ssl::stream_base::client, [&](beast::error_code e) { ec = e; });
+      run(*c);
+      if (ec) throw TransportError{"TLS handshake with " + host + ": " + ec.message(), true};
+    }
+    return c;
+  }
+
+  Endpoint endpoint_;
+  S3Options options_;
+  std::optional<ssl::context> tls_context_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Connection>> idle_;
+};
+
+// The first child element `name` of an XML document's root, or "".
+struct Xml {
+  boost::property_tree::ptree tree;
+  static std::optional<Xml> parse(const std::string& body) {
+    if (body.empty()) return std::nullopt;
+    try {
+      Xml xml;
+      std::istringstream in(body);
+      boost::property_tree::read_xml(in, xml.tree);
+      return xml;
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+  }
+};
+
+struct S3ErrorInfo {
+  std::string code, message, request_id;
+};
+
+S3ErrorInfo error_info(const Response& r) {
+  S3ErrorInfo info;
+  info.request_id = r.header("x-amz-request-id");
+  if (auto xml = Xml::parse(r.body)) {
+    if (auto error = xml->tree.get_child_optional("Error")) {
+      info.code = error->get("Code", "");
+      info.message = error->get("Message", "");
+      if (info.request_id.empty()) info.request_id = error->get("RequestId", "");
+    }
+  }
+  if (info.code.empty()) {
+    switch (r.status) {
+      case 403: info.code = "AccessDenied"; break;
+      case 404: info.code = "NotFound"; break;
+      case 412: info.code = "PreconditionFailed"; break;
+      default: break;
+    }
+  }
+  return info;
+}
+
+bool retryable(int status, const std::string& code) {
+  return status >= 500 || status == 429 || code == "SlowDown" || code == "RequestTimeout" ||
+         code == "InternalError" || code == "ConditionalRequestConflict";
+}
+
+Kind kind_of(int status, const std::string& code) {
+  if (code == "QuotaExceeded" || code == "EntityTooLarge" || code == "InsufficientCapacity") {
+    return Kind::kNoSpace;
+  }
+  if (status == 404) return Kind::kNotFound;
+  if (status == 403 || status == 401) return Kind::kAccessDenied;
+  if (status == 412) return Kind::kPreconditionFailed;
+  if (status == 400 || status == 416 || status == 411) return Kind::kInvalidArgument;
+  if (status >= 500 || status == 429) return Kind::kUnavailable;
+  return Kind::kOther;
+}
+
+std::chrono::milliseconds backoff(const S3Options& o, int attempt) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  const double cap = std::min<double>(static_cast<double>(o.backoff_cap.count()),
+                                      static_cast<double>(o.backoff_base.count()) *
+                                          static_cast<double>(1ull << std::min(attempt, 20)));
+  return std::chrono::milliseconds(
+      static_cast<int64_t>(std::uniform_real_distribution<double>(0, cap)(rng)));
+}
+
+class S3Store;
+
+class S3Upload final : public MultipartUpload {
+ public:
+  S3Upload(S3Store& store, std::string key, std::string upload_id)
+      : store_(store), key_(std::move(key)), upload_id_(std::move(upload_id)) {}
+  ~S3Upload() override {
+    try {
+      abort();
+    } catch (...) {
+    }
+  }
+  void put_part(int number, std::span<const std::byte> data) override;
+  ObjectInfo complete() override;
+  void abort() override;
+
+ private:
+  S3Store& store_;
+  std::string key_;
+  std::string upload_id_;
+  std::mutex mu_;
+  std::map<int, std::pair<std::string, uint64_t>> parts_;  // number -> (etag, bytes)
+  bool finished_ = false;
+};
+
+class S3Store final : public ObjectStore {
+ public:
+  S3Store(std::string bucket, std::string prefix, S3Options options)
+      : bucket_(std::move(bucket)), prefix_(std::move(prefix)), options_(std::move(options)),
+        endpoint_(parse_endpoint(options_.endpoint)), pool_(endpoint_, options_) {
+    if (options_.unsigned_payload && !endpoint_.tls) {
+      throw ObjectStoreError(Kind::kInvalidArgument,
+                             "S3: unsigned payloads need https; " + options_.endpoint + " is http");
+    }
+    if (options_.max_attempts < 1) options_.max_attempts = 1;
+    const bool amazon = endpoint_.host.ends_with(".amazonaws.com");
+    virtual_hosted_ = options_.addressing == S3Options::Addressing::kVirtual ||
+                      (options_.addressing == S3Options::Addressing::kAuto && amazon &&
+                       bucket_.find('.') == std::string::npos);
+  }
+
+  std::string url() const override {
+    return "s3://" + bucket_ + (prefix_.empty() ? "" : "/" + prefix_);
+  }
+  uint64_t min_part_bytes() const override { return 5ull << 20; }
+
+  void put(const std::string& key, std::span<const std::byte> data) override {
+    check_object_key(key);
+    expect(send("PutObject", key, "PUT", object_path(key), {}, {}, data), {200}, "PutObject", key);
+  }
+
+  bool put_if_absent(const std::string& key, std::span<const std::byte> data) override {
+    check_object_key(key);
+    const Response r =
+        send("PutObject", key, "PUT", object_path(key), {}, {{"If-None-Match", "*"}}, data);
+    if (r.status == 200) return true;
+    if (r.status != 412) expect(r, {200}, "PutObject (create-only)", key);
+    if (r.attempts == 1) return false;
+    // A retried create-only write: the earlier attempt may have been the one that created it.
+    const auto info = head(key);
+    if (!info || info->size != data.size()) return false;
+    std::vector<std::byte> now(data.size());
+    get(key, 0, now);
+    return std::equal(now.begin(), now.end(), data.begin(), data.end());
+  }
+
+  std::optional<ObjectInfo> head(const std::string& key) override {
+    check_object_key(key);
+    const Response r = send("HeadObject", key, "HEAD", object_path(key), {}, {}, {});
+    if (r.status == 404) return std::nullopt;
+    expect(r, {200}, "HeadObject", key);
+    return ObjectInfo{key, std::stoull(r.header("content-length").empty() ? "0" : r.header("content-length")),
+                      unquote(r.header("etag"))};
+  }
+
+  void get(const std::string& key, uint64_t offset, std::span<std::byte> out) override {
+    check_object_key(key);
+    if (out.empty()) {
+      const auto info = head(key);
+      if (!info) fail_not_found("GetObject", key);
+      if (offset > info->size) past_end(key, offset, 0, std::to_string(info->size));
+      return;
+    }
+    const std::string range =
+        "bytes=" + std::to_string(offset) + "-" + std::to_string(offset + out.size() - 1);
+    const Response r = send("GetObject", key, "GET", object_path(key), {}, {{"Range", range}}, {});
+    if (r.status == 416) past_end(key, offset, out.size(), total_of(r.header("content-range")));
+    expect(r, {200, 206}, "GetObject", key);
+    if (r.body.size() != out.size() || (r.status == 200 && offset != 0)) {
+      past_end(key, offset, out.size(), total_of(r.header("content-range")));
+    }
+    std::memcpy(out.data(), r.body.data(), out.size());
+  }
+
+  std::vector<ObjectInfo> list(const std::string& prefix) override {
+    std::vector<ObjectInfo> out;
+    const std::string full = full_key_prefix() + prefix;
+    std::string token;
+    for (;;) {
+      Query query{{"list-type", "2"}, {"prefix", full},
+                  {"max-keys", std::to_string(std::max(1, options_.list_page_keys))}};
+      if (!token.empty()) query.emplace_back("continuation-token", token);
+      const Response r = send("ListObjectsV2", prefix, "GET", bucket_path(), query, {}, {});
+      expect(r, {200}, "ListObjectsV2", prefix);
+      const auto xml = Xml::parse(r.body);
+      const auto result = xml ? xml->tree.get_child_optional("ListBucketResult") : boost::none;
+      if (!result) bad_answer("ListObjectsV2", prefix, r);
+      for (const auto& [name, child] : *result) {
+        if (name != "Contents") continue;
+        const std::string key = child.get("Key", "");
+        if (!key.starts_with(full_key_prefix())) continue;
+        out.push_back(ObjectInfo{key.substr(full_key_prefix().size()), child.get<uint64_t>("Size", 0),
+                                 unquote(child.get("ETag", ""))});
+      }
+      if (result->get("IsTruncated", "false") != "true") break;
+      token = result->get("NextContinuationToken", "");
+      if (token.empty()) bad_answer("ListObjectsV2 (truncated without a continuation token)", prefix, r);
+    }
+    std::sort(out.begin(), out.end(),
+              [](const ObjectInfo& a, const ObjectInfo& b) { return a.key < b.key; });
+    return out;
+  }
+
+  void remove(const std::string& key) override {
+    check_object_key(key);
+    const Response r = send("DeleteObject", key, "DELETE", object_path(key), {}, {}, {});
+    if (r.status == 404) return;
+    expect(r, {200, 204}, "DeleteObject", key);
+  }
+
+  std::unique_ptr<MultipartUpload> start_multipart(const std::string& key) override {
+    check_object_key(key);
+    const Response r =
+        send("CreateMultipartUpload", key, "POST", object_path(key), {{"uploads", ""}}, {}, {});
+    expect(r, {200}, "CreateMultipartUpload", key);
+    const auto xml = Xml::parse(r.body);
+    const std::string id = xml ? xml->tree.get("InitiateMultipartUploadResult.UploadId", "") : "";
+    if (id.empty()) bad_answer("CreateMultipartUpload (no UploadId)", key, r);
+    return std::make_unique<S3Upload>(*this, key, id);
+  }
+
+  // --- shared with S3Upload ---
+
+  std::string object_path(const std::string& key) const {
+    return bucket_path() + (bucket_path() == "/" ? "" : "/") + full_key_prefix() + key;
+  }
+
+  // Sends with retries; returns the final answer (whatever its status) unless every attempt
+  // failed to get one or the last one was a retryable error. A 200 whose body is an <Error>
+  // (S3 does that for CompleteMultipartUpload) counts as that error when `error_in_body`.
+  Response send(const char* op, const std::string& key, const std::string& method,
+                const std::string& path, const Query& query, const Headers& headers,
+                std::span<const std::byte> body, bool error_in_body = false) {
+    const std::string host = virtual_hosted_ ? bucket_ + "." + host_header() : host_header();
+    std::string target = s3_uri_encode(path, true);
+    for (size_t i = 0; i < query.size(); ++i) {
+      target += (i ? "&" : "?") + s3_uri_encode(query[i].first, false) + "=" +
+                s3_uri_encode(query[i].second, false);
+    }
+    const std::string payload_hash = options_.unsigned_payload
+                                         ? "UNSIGNED-PAYLOAD"
+                                         : sha256_hex(body.data(), body.size());
+    std::string last_error;
+    bool resent_stale = false;
+    for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
+      if (attempt > 0) std::this_thread::sleep_for(backoff(options_, attempt - 1));
+      S3Request request{method, host, path, query, headers, payload_hash};
+      s3_sign(request, options_.credentials, options_.region, s3_amz_date_now());
+      bool reused = false;
+      try {
+        Response r = pool_.exchange(method, host, target, request.headers, body, &reused);
+        r.attempts = attempt + 1;
+        S3ErrorInfo info;
+        const bool body_error = error_in_body && r.status == 200 &&
+                                r.body.find("<Error>") != std::string::npos;
+        if (r.status >= 300 || body_error) info = error_info(r);
+        if (!retryable(body_error ? 500 : r.status, info.code)) return r;
+        last_error = describe_status(r, info);
+      } catch (const TransportError& e) {
+        // A keep-alive connection the server had closed: resend once, not an attempt.
+        if (reused && e.before_response && !resent_stale) {
+          resent_stale = true;
+          --attempt;
+          continue;
+        }
+        last_error = e.message;
+      }
+    }
+    throw ObjectStoreError(Kind::kUnavailable,
+                           std::string(op) + " " + url_of(key) + ": failed after " +
+                               std::to_string(options_.max_attempts) + " attempts; last: " + last_error);
+  }
+
+  [[noreturn]] void fail_status(const Response& r, const char* op, const std::string& key) const {
+    const S3ErrorInfo info = error_info(r);
+    throw ObjectStoreError(kind_of(r.status, info.code),
+                           std::string(op) + " " + url_of(key) + ": " + describe_status(r, info),
+                           r.status, info.code, info.request_id);
+  }
+
+  void expect(const Response& r, std::initializer_list<int> ok, const char* op,
+              const std::string& key) const {
+    if (std::find(ok.begin(), ok.end(), r.status) == ok.end()) fail_status(r, op, key);
+  }
+
+  [[noreturn]] void bad_answer(const char* op, const std::string& key, const Response& r) const {
+    throw ObjectStoreError(Kind::kOther, std::string(op) + " " + url_of(key) +
+                                             ": unexpected answer (HTTP " + std::to_string(r.status) +
+                                             "): " + r.body.substr(0, 300),
+                           r.status, "", r.header("x-amz-request-id"));
+  }
+
+  static std::string unquote(std::string s) {
+    if (s.size() >= 2 && s.front() == '"' && s.back() == '"') s = s.substr(1, s.size() - 2);
+    return s;
+  }
+
+ private:
+  static std::string describe_status(const Response& r, const S3ErrorInfo& info) {
+    std::string text = "HTTP " + std::to_string(r.status);
+    if (!info.code.empty()) text += " " + info.code;
+    if (!info.message.empty()) text += " (" + info.message + ")";
+    if (!info.request_id.empty()) text += ", request id " + info.request_id;
+    return text;
+  }
+
+  [[noreturn]] void fail_not_found(const char* op, const std::string& key) const {
+    throw ObjectStoreError(Kind::kNotFound, std::string(op) + " " + url_of(key) + ": no such key",
+                           404, "NoSuchKey");
+  }
+
+  [[noreturn]] void past_end(const std::string& key, uint64_t offset, uint64_t size,
+                             const std::string& total) const {
+    throw ObjectStoreError(Kind::kInvalidArgument,
+                           "GetObject " + url_of(key) + ": bytes [" + std::to_string(offset) + ", " +
+                               std::to_string(offset + size) + ") are past the end of a " +
+                               (total.empty() ? std::string("shorter") : total + "-byte") + " object");
+  }
+
+  static std::string total_of(const std::string& content_range) {
+    const size_t slash = content_range.rfind('/');
+    return slash == std::string::npos ? "" : content_range.substr(slash + 1);
+  }
+
+  std::string host_header() const {
+    return endpoint_.default_port ? endpoint_.host : endpoint_.host + ":" + endpoint_.port;
+  }
+  std::string bucket_path() const { return virtual_hosted_ ? "/" : "/" + bucket_; }
+  std::string full_key_prefix() const { return prefix_.empty() ? "" : prefix_ + "/"; }
+
+  std::string bucket_;
+  std::string prefix_;
+  S3Options options_;
+  Endpoint endpoint_;
+  HttpPool pool_;
+  bool virtual_hosted_ = false;
+};
+
+void S3Upload::put_part(int number, std::span<const std::byte> data) {
+  if (number < 1 || number > 10000) {
+    throw ObjectStoreError(Kind::kInvalidArgument, "UploadPart " + store_.url_of(key_) +
+                                                       ": part number " + std::to_string(number) +
+                                                       " is outside 1..10000");
+  }
+  const Response r = store_.send(
+      "UploadPart", key_, "PUT", store_.object_path(key_),
+      {{"partNumber", std::to_string(number)}, {"uploadId", upload_id_}}, {}, data);
+  store_.expect(r, {200}, "UploadPart", key_);
+  const std::string etag = r.header("etag");
+  if (etag.empty()) store_.bad_answer("UploadPart (no ETag)", key_, r);
+  std::lock_guard lock(mu_);
+  parts_[number] = {etag, data.size()};
+}
+
+ObjectInfo S3Upload::complete() {
+  std::lock_guard lock(mu_);
+  if (finished_) {
+    throw ObjectStoreError(Kind::kInvalidArgument, "CompleteMultipartUpload " + store_.url_of(key_) +
+                                                       ": the upload was already finished");
+  }
+  if (parts_.empty() || parts_.rbegin()->first != int(parts_.size())) {
+    throw ObjectStoreError(Kind::kInvalidArgument,
+                           "CompleteMultipartUpload " + store_.url_of(key_) + ": parts 1.." +
+                               std::to_string(parts_.empty() ? 0 : parts_.rbegin()->first) +
+                               " are not all there (" + std::to_string(parts_.size()) + " uploaded)");
+  }
+  std::string xml = "<CompleteMultipartUpload>";
+  uint64_t total = 0;
+  for (const auto& [number, part] : parts_) {
+    xml += "<Part><PartNumber>" + std::to_string(number) + "</PartNumber><ETag>" + part.first +
+           "</ETag></Part>";
+    total += part.second;
+  }
+  xml += "</CompleteMultipartUpload>";
+  const Response r = store_.send("CompleteMultipartUpload", key_, "POST", store_.object_path(key_),
+                                 {{"uploadId", upload_id_}}, {{"Content-Type", "application/xml"}},
+                                 std::as_bytes(std::span(xml)), /*error_in_body=*/true);
+  if (r.status == 404 && r.attempts > 1 && error_info(r).code == "NoSuchUpload") {
+    // The answer to an earlier attempt was lost; the upload completed then if the object is there.
+    if (auto info = store_.head(key_); info && info->size == total) {
+      finished_ = true;
+      return *info;
+    }
+  }
+  store_.expect(r, {200}, "CompleteMultipartUpload", key_);
+  if (r.body.find("<Error>") != std::string::npos) store_.fail_status(r, "CompleteMultipartUpload", key_);
+  finished_ = true;
+  std::string etag;
+  if (auto parsed = Xml::parse(r.body)) etag = parsed->tree.get("CompleteMultipartUploadResult.ETag", "");
+  if (etag.empty()) {
+    // RGW 16.2 answers Complete with an empty <ETag>; HEAD has it.
+    if (auto info = store_.head(key_)) return *info;
+    store_.bad_answer("CompleteMultipartUpload (the object is not there afterwards)", key_, r);
+  }
+  return ObjectInfo{key_, total, S3Store::unquote(etag)};
+}
+
+void S3Upload::abort() {
+  std::lock_guard lock(mu_);
+  if (finished_) return;
+  finished_ = true;
+  const Response r = store_.send("AbortMultipartUpload", key_, "DELETE", store_.object_path(key_),
+                                 {{"uploadId", upload_id_}}, {}, {});
+  if (r.status == 404) return;
+  store_.expect(r, {200, 204}, "AbortMultipartUpload", key_);
+}
+
+}  // namespace
+
+std::unique_ptr<ObjectStore> open_s3_store(const std::string& bucket, const std::string& prefix,
+                                           const S3Options& options) {
+  if (bucket.empty()) throw ObjectStoreError(Kind::kInvalidArgument, "S3: empty bucket name");
+  if (!prefix.empty()) check_object_key(prefix);
+  return std::make_unique<S3Store>(bucket, prefix, options);
+}
+
+void s3_create_bucket(const std::string& bucket, const S3Options& options) {
+  S3Options path_style = options;
+  path_style.addressing = S3Options::Addressing::kPath;
+  S3Store store(bucket, "", path_style);
+  const Response r = store.send("CreateBucket", "", "PUT", "/" + bucket, {}, {}, {});
+  if (r.status == 200) return;
+  if (r.status == 409 && error_info(r).code == "BucketAlreadyOwnedByYou") return;
+  store.fail_status(r, "CreateBucket", "");
+}
+
+}  // namespace strata::offload
