@@ -1,5 +1,12 @@
 #include "strata/offload/object_store.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <algorithm>
 #include <atomic>
 #include <exception>
@@ -78,37 +85,118 @@ std::vector<std::byte> ObjectStore::get_all(const std::string& key) {
   return bytes;
 }
 
-ObjectInfo put_object(ObjectStore& store, const std::string& key, std::span<const std::byte> data,
-                      const TransferOptions& options) {
+namespace {
+
+// The one upload loop of put_object and put_file: `total` bytes as one put when they fit in a
+// part, else a multipart upload; `bytes(begin, size, scratch)` gives a piece's bytes (a view of
+// the caller's memory, or read into `scratch`), and `report(size)` counts each piece sent.
+using PieceSource = std::function<std::span<const std::byte>(uint64_t begin, uint64_t size,
+                                                             std::vector<std::byte>& scratch)>;
+ObjectInfo upload(ObjectStore& store, const std::string& key, uint64_t total, const TransferOptions& options,
+                  const PieceSource& bytes, const std::function<void(uint64_t)>& report) {
   const uint64_t part = std::max<uint64_t>({options.part_bytes, store.min_part_bytes(), 1});
-  if (data.size() <= part) {
-    store.put(key, data);
-    return ObjectInfo{key, data.size(), {}};
+  if (total <= part) {
+    std::vector<std::byte> scratch;
+    store.put(key, bytes(0, total, scratch));
+    report(total);
+    return ObjectInfo{key, total, {}};
   }
-  const size_t parts = (data.size() + part - 1) / part;
+  const size_t parts = (total + part - 1) / part;
   if (parts > 10000) {
     throw ObjectStoreError(ObjectStoreError::Kind::kInvalidArgument,
-                           "put " + store.url_of(key) + ": " + std::to_string(data.size()) +
-                               " bytes need " + std::to_string(parts) +
-                               " parts of " + std::to_string(part) + " bytes; at most 10000");
+                           "put " + store.url_of(key) + ": " + std::to_string(total) + " bytes need " +
+                               std::to_string(parts) + " parts of " + std::to_string(part) +
+                               " bytes; at most 10000 (raise the part size)");
   }
-  auto upload = store.start_multipart(key);
+  auto multipart = store.start_multipart(key);
   try {
     run_parallel(parts, options.concurrency, [&](size_t i) {
       const uint64_t begin = i * part;
-      const uint64_t size = std::min<uint64_t>(part, data.size() - begin);
-      upload->put_part(static_cast<int>(i + 1), data.subspan(begin, size));
+      const uint64_t size = std::min<uint64_t>(part, total - begin);
+      std::vector<std::byte> scratch;
+      multipart->put_part(static_cast<int>(i + 1), bytes(begin, size, scratch));
+      report(size);
     });
-    return upload->complete();
+    return multipart->complete();
   } catch (...) {
     try {
-      upload->abort();
+      multipart->abort();
     } catch (...) {
       // The first error is the one to report; an abort that fails leaves parts the store's
       // lifecycle rules (or a later abort) remove, never a visible object.
     }
     throw;
   }
+}
+
+}  // namespace
+
+ObjectInfo put_object(ObjectStore& store, const std::string& key, std::span<const std::byte> data,
+                      const TransferOptions& options) {
+  return upload(
+      store, key, data.size(), options,
+      [&](uint64_t begin, uint64_t size, std::vector<std::byte>&) { return data.subspan(begin, size); },
+      [](uint64_t) {});
+}
+
+namespace {
+
+class ReadOnlyFile {
+ public:
+  explicit ReadOnlyFile(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
+    if (fd_ < 0) fail("open");
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) fail("fstat");
+    size_ = static_cast<uint64_t>(st.st_size);
+  }
+  ReadOnlyFile(const ReadOnlyFile&) = delete;
+  ReadOnlyFile& operator=(const ReadOnlyFile&) = delete;
+  ~ReadOnlyFile() { ::close(fd_); }
+  uint64_t size() const { return size_; }
+  void read(uint64_t offset, std::span<std::byte> out) const {
+    size_t done = 0;
+    while (done < out.size()) {
+      const ssize_t n = ::pread(fd_, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail("pread");
+      if (n == 0) {
+        errno = EIO;
+        fail("pread (the file shrank while being uploaded)");
+      }
+      done += static_cast<size_t>(n);
+    }
+  }
+
+ private:
+  [[noreturn]] void fail(const char* what) const {
+    throw ObjectStoreError(errno == ENOENT ? ObjectStoreError::Kind::kNotFound : ObjectStoreError::Kind::kOther,
+                           std::string("upload: ") + what + " " + path_ + ": " + std::strerror(errno));
+  }
+  std::string path_;
+  int fd_;
+  uint64_t size_ = 0;
+};
+
+}  // namespace
+
+ObjectInfo put_file(ObjectStore& store, const std::string& key, const std::string& path,
+                    const TransferOptions& options, const std::function<void(uint64_t)>& progress) {
+  const ReadOnlyFile file(path);
+  std::mutex progress_mu;
+  uint64_t uploaded = 0;
+  return upload(
+      store, key, file.size(), options,
+      [&](uint64_t begin, uint64_t size, std::vector<std::byte>& scratch) {
+        scratch.resize(size);
+        file.read(begin, scratch);
+        return std::span<const std::byte>(scratch);
+      },
+      [&](uint64_t size) {
+        if (!progress) return;
+        std::lock_guard lock(progress_mu);
+        uploaded += size;
+        progress(uploaded);
+      });
 }
 
 void get_object(ObjectStore& store, const std::string& key, uint64_t offset,
@@ -128,7 +216,37 @@ void get_object(ObjectStore& store, const std::string& key, uint64_t offset,
 
 bool is_s3_url(std::string_view url) { return url.starts_with("s3://"); }
 
+namespace {
+
+using Opener = std::function<std::unique_ptr<ObjectStore>(const std::string&)>;
+
+struct Schemes {
+  std::mutex mu;
+  std::vector<std::pair<std::string, Opener>> openers;
+};
+Schemes& schemes() {
+  static Schemes s;
+  return s;
+}
+
+const Opener* registered(std::string_view url) {
+  std::lock_guard lock(schemes().mu);
+  for (const auto& [scheme, open] : schemes().openers)
+    if (url.starts_with(scheme)) return &open;
+  return nullptr;
+}
+
+}  // namespace
+
+void register_object_store_scheme(const std::string& scheme, Opener open) {
+  std::lock_guard lock(schemes().mu);
+  schemes().openers.emplace_back(scheme, std::move(open));
+}
+
+bool is_object_store_url(std::string_view url) { return is_s3_url(url) || registered(url) != nullptr; }
+
 std::unique_ptr<ObjectStore> open_object_store(const std::string& url) {
+  if (const Opener* open = registered(url)) return (*open)(url);
   if (!is_s3_url(url)) return open_file_store(url);
   std::string rest = url.substr(5);
   while (!rest.empty() && rest.back() == '/') rest.pop_back();

@@ -31,24 +31,19 @@
 #include "strata/models/token_data.h"
 #include "strata/offload/crc32c.h"
 #include "strata/offload/fault_injection.h"
+#include "checkpoint_trainer.h"
 #include "test_util.h"
 
 namespace se = strata::engine;
 namespace sm = strata::models;
 using nlohmann::json;
 using strata::test::TempDir;
+using strata::test::Losses;
+using strata::test::Trainer;
+using strata::test::expect_bitwise;
+using strata::test::tiny_llama;
 
 namespace {
-
-json tiny_llama(int64_t steps) {
-  return {{"model", {{"preset", "llama-1b"}, {"layers", 3}, {"hidden", 64}, {"heads", 4},
-                     {"kv_heads", 2}, {"intermediate", 96}, {"vocab_size", 256},
-                     {"tie_embeddings", false}, {"seed", 11}}},
-          {"data", {{"seq_len", 24}, {"seed", 5}}},
-          {"batch", {{"micro_batch", 2}, {"grad_accum", 2}}},
-          {"optimizer", {{"lr", 3e-3}, {"weight_decay", 0.05}, {"clip_grad_norm", 1.0}}},
-          {"run", {{"steps", steps}, {"progress", false}}}};
-}
 
 TEST(Crc32c, KnownValueAndIncremental) {
   const std::string s = "123456789";
@@ -61,69 +56,6 @@ TEST(Crc32c, KnownValueAndIncremental) {
   EXPECT_EQ(whole, parts);
   big[5000] ^= 1;
   EXPECT_NE(strata::offload::crc32c(big.data(), big.size()), whole);
-}
-
-struct Losses {
-  std::vector<double> losses;
-  std::vector<uint64_t> nvme_reads;  // bytes the engine read from swap in each step
-  std::vector<double> wait_checkpoint;  // seconds the update waited for a save's writer
-  std::vector<std::pair<std::string, at::Tensor>> params;
-};
-
-// One in-process rank: optionally loads `load_from`, trains steps [from, to), optionally saves.
-class Trainer {
- public:
-  explicit Trainer(const se::TrainConfig& tc)
-      : tc_(tc),
-        comm_(se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30))),
-        dev_(se::Device::create_host(UINT64_MAX)),
-        corpus_(std::make_shared<sm::TokenCorpus>(tc.data_path, sm::parse_token_format(tc.data_format),
-                                                  uint64_t(tc.model.vocab_size))),
-        loader_(corpus_, uint64_t(tc.engine.seq_len),
-                uint64_t(tc.engine.micro_batch * tc.engine.grad_accum), 0, 1, tc.data_seed),
-        eng_(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm_, *dev_) {}
-
-  void train(int64_t steps, Losses& run) {
-    at::Tensor ids = at::empty({tc_.engine.micro_batch * tc_.engine.grad_accum, tc_.engine.seq_len + 1}, at::kLong);
-    for (int64_t s = 0; s < steps; ++s) {
-      loader_.next(ids.data_ptr<int64_t>());
-      const se::StepResult r = eng_.train_step(ids);
-      run.losses.push_back(r.loss);
-      run.nvme_reads.push_back(r.timeline.nvme_read_bytes);
-      run.wait_checkpoint.push_back(r.timeline.wait_checkpoint);
-      ++done_;
-    }
-  }
-  void save(const std::filesystem::path& root, const std::string& name) {
-    se::save_checkpoint(eng_, *comm_, root, name, {done_, loader_.position()});
-  }
-  void load(const std::filesystem::path& dir) {
-    const se::CheckpointMeta m = se::load_checkpoint(eng_, *comm_, dir);
-    loader_.set_position(m.samples_consumed);
-    done_ = m.train_steps;
-  }
-  std::vector<std::pair<std::string, at::Tensor>> params() { return eng_.gather_parameters(); }
-  se::Engine& engine() { return eng_; }
-  se::Communicator& comm() { return *comm_; }
-  se::CheckpointMeta meta() { return {done_, loader_.position()}; }
-
- private:
-  se::TrainConfig tc_;
-  std::unique_ptr<se::Communicator> comm_;
-  std::unique_ptr<se::Device> dev_;
-  std::shared_ptr<sm::TokenCorpus> corpus_;
-  sm::BatchLoader loader_;
-  se::Engine eng_;
-  int64_t done_ = 0;
-};
-
-void expect_bitwise(const std::vector<std::pair<std::string, at::Tensor>>& a,
-                    const std::vector<std::pair<std::string, at::Tensor>>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_EQ(a[i].first, b[i].first);
-    EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
-  }
 }
 
 void exact_resume(const json& cfg) {

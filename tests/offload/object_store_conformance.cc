@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <fstream>
 #include <random>
 #include <set>
 #include <thread>
@@ -214,6 +215,17 @@ TEST_P(ObjectStoreConformance, LargeTransfersInConcurrentPartsRoundTrip) {
   std::vector<std::byte> middle(options.part_bytes * 2 + 3);
   get_object(*store, "large", 1001, middle, options);
   EXPECT_TRUE(std::equal(middle.begin(), middle.end(), data.begin() + 1001));
+  // The same bytes from a file, read part by part as the upload goes.
+  strata::test::TempDir dir;
+  const std::string path = (dir / "data.bin").string();
+  {
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+  }
+  uint64_t last_progress = 0;
+  put_file(*store, "from-file", path, options, [&](uint64_t done) { last_progress = done; });
+  EXPECT_EQ(last_progress, data.size());
+  EXPECT_EQ(store->get_all("from-file"), data);
   // Small objects go in one put.
   put_object(*store, "small", random_bytes(10, 1), options);
   EXPECT_EQ(store->get_all("small"), random_bytes(10, 1));

@@ -2,8 +2,7 @@
 // conformance suite, errors, retries through a fault-injecting proxy of our own, and the request
 // signatures against botocore's signer.
 //
-// The server: ctest starts one for all these tests (fixture "s3", tests/CMakeLists.txt) and
-// passes its variables file in STRATA_S3_ENV; run by hand without it, the binary starts its own.
+// The server: tests/common/s3_server.h.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -21,6 +20,7 @@
 #include <thread>
 
 #include "object_store_conformance.h"
+#include "s3_server.h"
 #include "strata/offload/s3.h"
 #include "test_util.h"
 
@@ -30,47 +30,9 @@ namespace {
 using strata::test::random_bytes;
 using test::ObjectStoreConformance;
 using Kind = ObjectStoreError::Kind;
-const char* kBucket = "strata-test";
+const char* kBucket = strata::test::kS3Bucket;
 
-std::map<std::string, std::string> parse_vars(const std::string& line) {
-  std::map<std::string, std::string> vars;
-  std::istringstream in(line);
-  std::string word;
-  while (in >> word) {
-    const size_t eq = word.find('=');
-    if (eq != std::string::npos) vars[word.substr(0, eq)] = word.substr(eq + 1);
-  }
-  return vars;
-}
-
-// The server's options, once per process; starts a private server when ctest gave none.
-const S3Options& server() {
-  static S3Options options = [] {
-    std::string env_file;
-    if (const char* given = std::getenv("STRATA_S3_ENV")) {
-      env_file = given;
-    } else {
-      static strata::test::TempDir dir;
-      const std::string script = std::string(STRATA_SOURCE_DIR) + "/scripts/s3-server.sh";
-      const std::string start = script + " start " + (dir / "s3").string() + " 0 >/dev/null";
-      if (std::system(start.c_str()) != 0) throw std::runtime_error("could not start: " + start);
-      env_file = (dir / "s3/env").string();
-      std::atexit([] {
-        std::system((std::string(STRATA_SOURCE_DIR) + "/scripts/s3-server.sh stop " +
-                     (dir / "s3").string()).c_str());
-      });
-    }
-    std::ifstream in(env_file);
-    std::string line;
-    if (!std::getline(in, line)) throw std::runtime_error("no S3 server variables in " + env_file);
-    auto vars = parse_vars(line);
-    std::map<std::string, std::string> env = vars;
-    S3Options o = s3_options_from_environment(&env, "/nonexistent");
-    s3_create_bucket(kBucket, o);
-    return o;
-  }();
-  return options;
-}
+const S3Options& server() { return strata::test::s3_server(); }
 
 std::string unique(const std::string& tag) {
   static std::atomic<int> n{0};
@@ -120,10 +82,7 @@ TEST(S3Store, AMissingBucketIsNotFound) {
 }
 
 TEST(S3Store, OpensFromAnS3UrlWithTheEnvironmentsOptions) {
-  const S3Options& o = server();
-  setenv("AWS_ENDPOINT_URL", o.endpoint.c_str(), 1);
-  setenv("AWS_ACCESS_KEY_ID", o.credentials.access_key_id.c_str(), 1);
-  setenv("AWS_SECRET_ACCESS_KEY", o.credentials.secret_access_key.c_str(), 1);
+  const S3Options& o = server();  // also exports AWS_ENDPOINT_URL and the credentials
   const std::string prefix = unique("by-url");
   auto store = open_object_store(std::string("s3://") + kBucket + "/" + prefix + "/");
   EXPECT_EQ(store->url(), std::string("s3://") + kBucket + "/" + prefix);

@@ -1,19 +1,31 @@
 #include "checkpoint/chunk_reader.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <deque>
+#include <mutex>
 #include <span>
 #include <stdexcept>
+#include <thread>
 
 #include "strata/offload/crc32c.h"
 
 namespace strata::engine::ckpt {
 
-ChunkReader::ChunkReader(fs::path dir, const json& units)
-    : dir_(std::move(dir)), units_(units), io_(offload::IoEngine::create()) {}
+ChunkReader::ChunkReader(fs::path location, const json& manifest)
+    : dir_(std::move(location)), units_(manifest["units"]), data_prefix_(data_prefix(manifest)) {
+  if (is_object_location(dir_)) {
+    ObjectLocation at = open_object_location(dir_);
+    store_ = std::move(at.store);
+    object_name_ = std::move(at.name);
+  } else {
+    io_ = offload::IoEngine::create();
+  }
+}
 
 offload::File& ChunkReader::file(const json& chunk) {
-  const std::string name = chunk["file"].get<std::string>();
+  const std::string name = data_prefix_ + chunk["file"].get<std::string>();
   auto it = files_.find(name);
   if (it == files_.end()) {
     if (!fs::exists(dir_ / name))
@@ -23,7 +35,59 @@ offload::File& ChunkReader::file(const json& chunk) {
   return it->second;
 }
 
+void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window) {
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  std::string error;
+  auto worker = [&] {
+    for (;;) {
+      const size_t i = next.fetch_add(1);
+      if (i >= batch.size()) return;
+      {
+        std::lock_guard lock(mu);
+        if (!error.empty()) return;
+      }
+      const json& c = *batch[i].chunk;
+      const uint64_t bytes = c["numel"].get<uint64_t>() * 4;
+      const std::string key = object_name_ + "/" + data_prefix_ + c["file"].get<std::string>();
+      std::string failure;
+      for (int attempt = 0;; ++attempt) {
+        try {
+          store_->get(key, c["offset"].get<uint64_t>(), {reinterpret_cast<std::byte*>(batch[i].dst), bytes});
+          if (offload::crc32c(batch[i].dst, bytes) != c["crc32c"].get<uint32_t>())
+            failure = "checkpoint " + dir_.string() + ": chunk " + chunk_name(c, units_) + " is corrupt (CRC32C mismatch)";
+          break;
+        } catch (const offload::ObjectStoreError& e) {
+          // The manifest commits only after every data object was uploaded: a missing one is a
+          // store that lags (retried), or data deleted since (an error after the retries).
+          if (e.kind() == offload::ObjectStoreError::Kind::kNotFound && attempt < 4) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(250 << attempt));
+            continue;
+          }
+          failure = "checkpoint " + dir_.string() + ": cannot read chunk " + chunk_name(c, units_) + ": " + e.what();
+          break;
+        }
+      }
+      if (!failure.empty()) {
+        std::lock_guard lock(mu);
+        if (error.empty()) error = failure;
+        return;
+      }
+    }
+  };
+  const size_t threads = std::min<size_t>({std::max<size_t>(window, 1), batch.size(), 16});
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+  if (!error.empty()) throw std::runtime_error(error);
+}
+
 void ChunkReader::read(const std::vector<Request>& batch, size_t window) {
+  if (store_) {
+    read_objects(batch, window);
+    return;
+  }
   struct InFlight {
     const Request* request;
     offload::IoFuture done;

@@ -1,12 +1,15 @@
-// The one way a checkpoint's chunks are read back (load, verify, export): data files opened on
-// first use, a batch of chunks read concurrently through one I/O engine, each checked against
-// its CRC32C.
+// The one way a checkpoint's chunks are read back (load, verify, export): from a directory, data
+// files opened on first use and a batch of chunks read concurrently through one I/O engine; from
+// object storage, ranged GETs of the chunks' bytes on up to `window` threads. Each chunk is
+// checked against its CRC32C.
 //
-// Ownership: the reader owns its I/O engine and open files; the manifest's JSON (`units`, the
-// chunks passed to read()) must outlive it. Destinations belong to the caller.
+// Ownership: the reader owns its I/O engine, open files and store client; the manifest's JSON
+// (the chunks passed to read()) must outlive it. Destinations belong to the caller.
 // Errors: std::runtime_error naming the checkpoint and the chunk (file, offset, unit, kind,
-// elements): a missing data file, a failed or short read, a CRC mismatch. read() waits for every
-// read of its batch before it returns or throws, so no read lands in memory the caller frees.
+// elements): a missing data file or object, a failed or short read, a CRC mismatch. read() waits
+// for every read of its batch before it returns or throws, so no read lands in memory the caller
+// frees. A data object that a committed manifest names but the store does not show yet (a store
+// weaker than read-after-write) is asked for again for up to about 4 s before that is an error.
 // Thread safety: one thread at a time.
 #pragma once
 
@@ -19,12 +22,14 @@
 #include "checkpoint/format.h"
 #include "strata/offload/file.h"
 #include "strata/offload/io_engine.h"
+#include "strata/offload/object_store.h"
 
 namespace strata::engine::ckpt {
 
 class ChunkReader {
  public:
-  ChunkReader(fs::path dir, const json& units);
+  // `location`: the checkpoint's directory or object URL; `manifest`: its manifest.
+  ChunkReader(fs::path location, const json& manifest);
 
   // One chunk into `dst`: numel x 4 bytes (page-aligned memory is read with direct I/O).
   struct Request {
@@ -38,11 +43,15 @@ class ChunkReader {
 
  private:
   offload::File& file(const json& chunk);
+  void read_objects(const std::vector<Request>& batch, size_t window);
 
   fs::path dir_;
   const json& units_;
+  std::string data_prefix_;  // "<save id>/" for uploaded checkpoints
   std::unique_ptr<offload::IoEngine> io_;
   std::map<std::string, offload::File> files_;
+  std::unique_ptr<offload::ObjectStore> store_;  // set for an object location
+  std::string object_name_;
 };
 
 }  // namespace strata::engine::ckpt

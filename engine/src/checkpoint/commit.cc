@@ -31,8 +31,6 @@
 namespace strata::engine {
 namespace ckpt {
 
-namespace {
-
 // Every rank's string, in rank order, through the communicator (also a barrier).
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
   at::Tensor len = at::empty({1}, at::kLong);
@@ -54,8 +52,6 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
   }
   return out;
 }
-
-}  // namespace
 
 // Step 0 (collective): un-commit an existing checkpoint of this name.
 void uncommit_existing(Communicator& comm, const fs::path& root, const std::string& name) {

@@ -4,11 +4,15 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "checkpoint/format.h"
 #include "strata/engine/comm.h"
 
 namespace strata::engine::ckpt {
+
+// Every rank's string, in rank order, through the communicator (also a barrier).
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine);
 
 // Step 0: un-commits an existing checkpoint <root>/<name> (refuses the latest one).
 void uncommit_existing(Communicator& comm, const fs::path& root, const std::string& name);

@@ -73,7 +73,7 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   models::ExportDirectory out(out_dir, overwrite, "pass --force to replace its config.json and model.safetensors");
   const fs::path& tmp = out.tmp();
   models::ShardedSafetensorsWriter writer(tmp, specs, models::kDefaultShardBytes, {{"format", "pt"}});
-  ChunkReader reader(dir, units);
+  ChunkReader reader(dir, m);
   // Each tensor from the chunks it overlaps, a window of them read at a time; the last chunk
   // read is kept, as it may straddle into the next tensor.
   constexpr size_t kWindow = 16;  // chunks in flight: 64 MiB

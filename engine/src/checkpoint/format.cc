@@ -91,21 +91,55 @@ at::Tensor aligned_floats(int64_t n) {
   return at::from_blob(p, {n}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kFloat));
 }
 
+bool is_object_location(const fs::path& location) { return offload::is_object_store_url(location.string()); }
+
+ObjectLocation open_object_location(const fs::path& location) {
+  const std::string url = location.string();
+  const size_t slash = url.rfind('/');
+  // "<scheme>://<store>/<name>": a name after the last '/', and a store before it.
+  if (!is_object_location(location) || slash == std::string::npos || slash == 0 || slash + 1 >= url.size() ||
+      url[slash - 1] == '/')
+    throw std::runtime_error("checkpoint " + url + ": expected s3://bucket[/prefix]/<checkpoint name>");
+  return {offload::open_object_store(url.substr(0, slash)), url.substr(slash + 1)};
+}
+
+std::string data_prefix(const json& manifest) {
+  if (!manifest.contains("store")) return "";
+  return manifest["store"].at("save_id").get<std::string>() + "/";
+}
+
+json parse_manifest(const std::string& text, const std::string& where) {
+  json m;
+  try {
+    m = json::parse(text);
+  } catch (const json::exception& e) {
+    throw std::runtime_error("checkpoint " + where + " is not valid JSON: " + e.what());
+  }
+  if (m.value("format", 0) != kFormatVersion || m.value("kind", "") != "strata-checkpoint")
+    throw std::runtime_error("checkpoint " + where + ": not a Strata checkpoint of format " +
+                             std::to_string(kFormatVersion));
+  return m;
+}
+
 json read_manifest(const fs::path& dir) {
+  if (is_object_location(dir)) {
+    ObjectLocation at = open_object_location(dir);
+    std::vector<std::byte> bytes;
+    try {
+      bytes = at.store->get_all(at.name + "/manifest.json");
+    } catch (const offload::ObjectStoreError& e) {
+      if (e.kind() != offload::ObjectStoreError::Kind::kNotFound) throw;
+      throw std::runtime_error("checkpoint " + dir.string() +
+                               " has no manifest.json: it was never committed (or is not a checkpoint)");
+    }
+    return parse_manifest(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+                          dir.string() + "/manifest.json");
+  }
   const fs::path manifest_path = dir / "manifest.json";
   if (!fs::exists(manifest_path))
     throw std::runtime_error("checkpoint " + dir.string() +
                              " has no manifest.json: it was never committed (or is not a checkpoint)");
-  json m;
-  try {
-    m = json::parse(read_text(manifest_path));
-  } catch (const json::exception& e) {
-    throw std::runtime_error("checkpoint " + manifest_path.string() + " is not valid JSON: " + e.what());
-  }
-  if (m.value("format", 0) != kFormatVersion || m.value("kind", "") != "strata-checkpoint")
-    throw std::runtime_error("checkpoint " + dir.string() + ": not a Strata checkpoint of format " +
-                             std::to_string(kFormatVersion));
-  return m;
+  return parse_manifest(read_text(manifest_path), manifest_path.string());
 }
 
 int kind_index(const json& c, const fs::path& dir) {
@@ -151,7 +185,7 @@ using namespace ckpt;
 uint64_t verify_checkpoint(const fs::path& dir) {
   const json m = read_manifest(dir);
   const json& units = m["units"];
-  ChunkReader reader(dir, units);
+  ChunkReader reader(dir, m);
   // Every chunk read and checked, a window of them at a time (one buffer each).
   constexpr size_t kWindow = 16;
   std::vector<at::Tensor> buffers;

@@ -16,9 +16,11 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 
 #include "strata/engine/partition.h"
+#include "strata/offload/object_store.h"
 
 namespace strata::engine::ckpt {
 
@@ -47,9 +49,24 @@ json partition_json(const Partition& part);
 // A page-aligned fp32 host tensor, so that the I/O engine can move it with O_DIRECT.
 at::Tensor aligned_floats(int64_t n);
 
-// The manifest of a committed checkpoint directory; throws naming what is wrong (never
-// committed, not JSON, another format).
+// A checkpoint's location is a directory or, for one uploaded to object storage
+// (checkpoint_store.h), "<store URL>/<name>" with an s3:// (or registered) store URL: every
+// reader below takes either. (fs::path carries the URL unchanged; it is never normalized.)
+bool is_object_location(const fs::path& location);
+struct ObjectLocation {
+  std::unique_ptr<offload::ObjectStore> store;  // the store the checkpoint is in
+  std::string name;                             // the checkpoint's name there
+};
+ObjectLocation open_object_location(const fs::path& location);
+// Where a manifest's data files are, relative to the checkpoint: "<save id>/" in one uploaded to
+// an object store, "" in one saved locally.
+std::string data_prefix(const json& manifest);
+
+// The manifest of a committed checkpoint; throws naming what is wrong (never committed, not
+// JSON, another format).
 json read_manifest(const fs::path& dir);
+// Parses and checks a manifest's text (`where` names it in errors).
+json parse_manifest(const std::string& text, const std::string& where);
 // Index of a chunk's state kind; throws for an unknown one.
 int kind_index(const json& chunk, const fs::path& dir);
 // "rank-00001.data at offset 8192 (unit block.0, master, elements 0+1024)".

@@ -33,7 +33,7 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
   // slices stored back. A chunk wholly inside this rank's range is read straight into the
   // (page-aligned) host slice; others go through a buffer and only their overlap is copied.
   const int rank = comm.rank();
-  ChunkReader reader(dir, units);
+  ChunkReader reader(dir, m);
   const std::vector<std::vector<const json*>> unit_chunks = chunks_by_unit(m, dir);
   std::vector<uint64_t> covered(part.num_units() * kStateKinds, 0);
   for (size_t u = 0; u < part.num_units(); ++u) {

@@ -24,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -125,13 +126,28 @@ ObjectInfo put_object(ObjectStore& store, const std::string& key, std::span<cons
 void get_object(ObjectStore& store, const std::string& key, uint64_t offset,
                 std::span<std::byte> out, const TransferOptions& options = {});
 
+// Uploads the file at `path` as one object in parts read from the file as they go (memory:
+// concurrency x part_bytes), like put_object. `progress`, if set, is called (from any of the
+// transfer threads, serialized) with the bytes uploaded so far. A file that cannot be read is an
+// ObjectStoreError naming it.
+ObjectInfo put_file(ObjectStore& store, const std::string& key, const std::string& path,
+                    const TransferOptions& options = {},
+                    const std::function<void(uint64_t)>& progress = {});
+
 // Throws ObjectStoreError(kInvalidArgument) naming the key and the rule it breaks.
 void check_object_key(std::string_view key);
 
 bool is_s3_url(std::string_view url);  // starts with "s3://"
+// True for an s3:// URL and for a URL of a registered scheme (below); false for a plain path.
+bool is_object_store_url(std::string_view url);
 // Opens the store a URL names: "s3://bucket[/prefix]" with the S3 options resolved from the
-// environment and ~/.aws (s3.h), or a directory path (created if missing).
+// environment and ~/.aws (s3.h), a URL of a registered scheme, or a directory path (created if
+// missing).
 std::unique_ptr<ObjectStore> open_object_store(const std::string& url);
+// Makes open_object_store hand URLs that start with `scheme` ("lagging://") to `open`: how tests
+// put a store with injected faults under code that opens stores by URL. Thread safe.
+void register_object_store_scheme(const std::string& scheme,
+                                  std::function<std::unique_ptr<ObjectStore>(const std::string& url)> open);
 // The file driver on `directory` (created if missing). Its protocol is written in file_store.cc.
 std::unique_ptr<ObjectStore> open_file_store(const std::string& directory);
 
