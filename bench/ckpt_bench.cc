@@ -10,9 +10,12 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "bench_model.h"
 #include "io_bench.h"
+#include "shell.h"
 #include "timing.h"
 #include "strata/engine/checkpoint.h"
+#include "strata/engine/checkpoint_store.h"
 #include "strata/engine/comm.h"
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"
@@ -51,11 +54,78 @@ void remove_flat_dir(const fs::path& d) {
   ::rmdir(d.c_str());
 }
 
+// Tiered saves: the save as the training loop does it (asynchronous local save, then the
+// upload), the upload's and the restore's bandwidth, beside boto3 on the same data file.
+void run_store_bench(const CkptBenchOptions& o, engine::Engine& eng, engine::Communicator& comm, double bytes) {
+  const offload::TransferOptions transfer;  // the defaults a run uses
+  std::vector<double> blocked, upload, restore, b_up, b_down;
+  const fs::path root = o.dir / "tiered";
+  for (unsigned round = 0; round < o.rounds; ++round) {
+    std::cerr << "bench ckpt: store round " << round + 1 << "/" << o.rounds << std::endl;
+    const std::string name = "bench-" + std::to_string(::getpid()) + "-" + std::to_string(round);
+    engine::AsyncCheckpointer async(comm);
+    engine::CheckpointUploader up(comm, o.store, transfer);
+    double b = async.start(eng, root, name, {0, 0});
+    const auto dir = async.finish();  // a run goes on training meanwhile; here it waits
+    if (!dir) throw std::runtime_error("bench ckpt: the local save did not commit");
+    auto t0 = Clock::now();
+    up.start(*dir);
+    b += seconds_since(t0);
+    blocked.push_back(b);
+    const auto url = up.finish();
+    if (!url) throw std::runtime_error("bench ckpt: " + up.last_error());
+    upload.push_back(double(up.last_bytes()) / up.last_seconds() / 1e6);
+    t0 = Clock::now();
+    engine::load_checkpoint(eng, comm, *url);
+    restore.push_back(bytes / seconds_since(t0) / 1e6);
+
+    const fs::path data = *dir / "rank-00000.data";
+    const std::string cmd = shell_quote(o.python) + " " + shell_quote(o.baseline_script) + " --file " +
+                            shell_quote(data.string()) + " --url " + shell_quote(o.store + "/boto3-" + name) +
+                            " --part-bytes " + std::to_string(transfer.part_bytes) + " --concurrency " +
+                            std::to_string(transfer.concurrency);
+    const nlohmann::json r = nlohmann::json::parse(run_capture(cmd, "bench ckpt"));
+    b_up.push_back(r["bytes"].get<double>() / r["upload_s"].get<double>() / 1e6);
+    b_down.push_back(r["bytes"].get<double>() / r["download_s"].get<double>() / 1e6);
+
+    engine::prune_stored_checkpoints(comm, o.store, 1);  // keeps this round's, removed next
+    remove_flat_dir(*dir);
+    ::unlink((root / "latest").c_str());
+  }
+  // The last round's stored checkpoint goes too.
+  {
+    auto store = offload::open_object_store(o.store);
+    for (const auto& obj : store->list("bench-" + std::to_string(::getpid()) + "-")) {
+      if (obj.key.ends_with("/manifest.json")) store->remove(obj.key);
+    }
+    for (const auto& obj : store->list("bench-" + std::to_string(::getpid()) + "-")) store->remove(obj.key);
+  }
+  auto ratio = [](double a, double c) { return c > 0 ? a / c : 0.0; };
+  const double u = median(upload), r = median(restore), bu = median(b_up), bd = median(b_down);
+  nlohmann::json j = {
+      {"metric", "checkpoint_store_MBps"},
+      {"store", o.store},
+      {"bytes", bytes},
+      {"rounds", o.rounds},
+      {"part_bytes", transfer.part_bytes},
+      {"concurrency", transfer.concurrency},
+      {"value", {{"save", u}, {"restore", r}}},
+      {"baseline", "boto3 transfer manager, same data file, part size and concurrency (upload_file, download_fileobj)"},
+      {"baseline_value", {{"save", bu}, {"restore", bd}}},
+      {"ratio", {{"save", ratio(u, bu)}, {"restore", ratio(r, bd)}}},
+      {"tiered_blocked_s", median(blocked)},
+      {"tiered_blocked_target_s", 0.5},
+      {"runs_MBps", {{"save", upload}, {"restore", restore}, {"boto3_save", b_up}, {"boto3_restore", b_down}}}};
+  std::cout << j.dump() << std::endl;
+}
+
 }  // namespace
 
 void run_ckpt_bench(const CkptBenchOptions& o) {
   fs::create_directories(o.dir);
-  models::ModelConfig mc = models::preset(o.preset);
+  models::ModelConfig mc = o.hidden > 0 ? gpt2_shape("gpt2-" + std::to_string(o.hidden), o.layers > 0 ? o.layers : 12,
+                                                    o.hidden, std::max<int64_t>(1, o.hidden / 64), o.vocab, 1024)
+                                         : models::preset(o.preset);
   if (o.layers > 0) mc.layers = o.layers;
   engine::EngineConfig ec;
   auto comm = engine::Communicator::create(engine::DistEnv{}, std::chrono::seconds(60));
@@ -69,6 +139,10 @@ void run_ckpt_bench(const CkptBenchOptions& o) {
     eng.state_slice(u, engine::Engine::StateKind::kExpAvgSq).uniform_(0, 1e-6);
   }
   const double bytes = double(mc.parameters()) * 12;
+  if (!o.store.empty()) {
+    run_store_bench(o, eng, *comm, bytes);
+    return;
+  }
   const uint64_t fio_bytes = uint64_t(bytes) / (1 << 20) * (1 << 20);
   const bool with_fio = o.fio != "none";
   const fs::path root = o.dir / "strata";

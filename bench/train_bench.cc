@@ -22,23 +22,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-// Runs `command` through the shell; its stderr passes through, its stdout is returned.
-std::string run(const std::string& command) {
-  std::cerr << "bench train: " << command << std::endl;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (!pipe) throw std::runtime_error("bench train: cannot run " + command);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
-  const int status = pclose(pipe);
-  if (status != 0)
-    throw std::runtime_error("bench train: failed (" +
-                             (WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status))
-                                                  : "exit " + std::to_string(WEXITSTATUS(status))) +
-                             "): " + command);
-  return out;
-}
+std::string run(const std::string& command) { return run_capture(command, "bench train"); }
 
 // What the baselines must reproduce of a configuration.
 struct Shape {

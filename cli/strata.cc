@@ -24,6 +24,8 @@
 #include "train.h"
 #include "strata/engine/build_info.h"
 #include "strata/engine/checkpoint.h"
+#include "strata/engine/checkpoint_store.h"
+#include "strata/offload/object_store.h"
 
 namespace {
 
@@ -42,7 +44,8 @@ commands:
                tokenizer's chat template, loss on the responses only (data.format sft)
   plot LOG.jsonl -o OUT.png
                a PNG of a run's log: loss and eval loss, learning rate, tokens/s, memory
-  ckpt inspect DIR   summary of a checkpoint (DIR: a checkpoint, or a root with `latest`)
+  ckpt inspect DIR   summary of a checkpoint (DIR: a checkpoint, or a root with `latest`; or
+                     s3://bucket/prefix[/step-N]: a stored checkpoint, or a store's newest)
   ckpt verify DIR    read every chunk of a checkpoint and check its CRC32C and coverage
   ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR]
                      stream the master weights into a Hugging Face model directory
@@ -250,25 +253,38 @@ int bench_step(const std::vector<std::string>& argv) {
 
 }  // namespace
 
+std::string python_interpreter();
+
 int bench_ckpt(const std::vector<std::string>& argv) {
   for (const auto& a : argv)
     if (a == "--help" || a == "-h") {
-      std::cout << "usage: strata bench ckpt [--dir PATH] [--preset NAME] [--layers N] [--rounds N]\n"
-                   "                         [--fio PATH|none]\n\n"
+      std::cout << "usage: strata bench ckpt [--dir PATH] [--preset NAME] [--layers N] [--hidden N --vocab N] [--rounds N]\n"
+                   "                         [--fio PATH|none] [--store s3://bucket/prefix [--python PATH]]\n\n"
                    "Saves and restores the fp32 master and moments of an engine holding the model\n"
                    "(default gpt2, 124M parameters: 1.5 GB) in PATH (default strata-bench-ckpt),\n"
                    "beside fio's sequential write (+ fsync) / read (1 MiB, QD32) and\n"
-                   "torch::save/torch::load, every side once per round (default 3 rounds, medians).\n";
+                   "torch::save/torch::load, every side once per round (default 3 rounds, medians).\n"
+                   "With --store: tiered saves instead: the upload of a committed checkpoint to the\n"
+                   "store and the restore from it, beside boto3's transfer manager on the same data\n"
+                   "file (same part size and concurrency; --python: an interpreter with boto3, default\n"
+                   "$STRATA_PYTHON or the setup's), and the seconds a tiered save blocks training.\n";
       return 0;
     }
-  strata::cli::Args args(argv, {"dir", "preset", "layers", "fio", "rounds"}, {});
+  strata::cli::Args args(argv, {"dir", "preset", "layers", "hidden", "vocab", "fio", "rounds", "store", "python"}, {});
   strata::bench::CkptBenchOptions o;
   o.dir = args.get("dir", o.dir.string());
   o.preset = args.get("preset", o.preset);
   o.layers = args.count("layers", 0);
+  o.hidden = args.count("hidden", 0);
+  o.vocab = args.count("vocab", o.vocab);
   o.fio = args.get("fio", o.fio);
   o.rounds = unsigned(args.count("rounds", o.rounds));
   if (o.rounds == 0) throw std::invalid_argument("bench ckpt: --rounds must be at least 1");
+  o.store = args.get("store", "");
+  if (!o.store.empty() && !strata::offload::is_object_store_url(o.store))
+    throw std::invalid_argument("bench ckpt: --store must be an object-store URL (s3://bucket/prefix)");
+  o.python = args.get("python", python_interpreter());
+  o.baseline_script = STRATA_SOURCE_DIR "/bench/s3_baseline.py";
   strata::bench::run_ckpt_bench(o);
   return 0;
 }
@@ -323,8 +339,19 @@ int bench_train(const std::vector<std::string>& argv) {
   return 0;
 }
 
-// A checkpoint directory, or the one a checkpoint root's `latest` names.
+// A checkpoint directory, or the one a checkpoint root's `latest` names; in an object store
+// (s3://...), a checkpoint's URL, or the newest committed one of a store's URL.
 std::filesystem::path checkpoint_arg(const std::string& arg) {
+  if (strata::offload::is_object_store_url(arg)) {
+    try {
+      strata::engine::read_checkpoint_meta(arg);
+      return arg;
+    } catch (const std::runtime_error&) {
+      // not a checkpoint: perhaps the store holding them
+    }
+    if (auto newest = strata::engine::newest_stored_checkpoint(arg)) return *newest;
+    throw std::runtime_error(arg + " is neither a committed checkpoint nor an object store holding one");
+  }
   if (std::filesystem::exists(std::filesystem::path(arg) / "manifest.json")) return arg;
   if (auto latest = strata::engine::latest_checkpoint(arg)) return *latest;
   throw std::runtime_error(arg + " is neither a committed checkpoint nor a checkpoint root with a "

@@ -2,6 +2,8 @@
 
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/empty.h>
+
+#include <functional>
 #include <c10/core/GradMode.h>
 #include <nlohmann/json.hpp>
 
@@ -29,6 +31,8 @@
 
 #include "args.h"
 #include "strata/engine/checkpoint.h"
+#include "strata/engine/checkpoint_store.h"
+#include "strata/offload/object_store.h"
 #include "strata/engine/comm.h"
 #include "strata/engine/config.h"
 #include "strata/engine/device.h"
@@ -47,6 +51,26 @@ constexpr const char* kExportOverwriteHint =
 // Output locations are tried before the first step: a read-only or missing directory found at
 // the first save, or at the export after the last step, would cost the run. Creates `dir` if
 // missing and writes, syncs and removes a probe file in it; throws naming `what` and the error.
+// An object-store checkpoint_dir (--checkpoint-dir s3://...) means tiered saves: checkpoints are
+// saved in a local directory and uploaded to the store in the background. The local directory:
+// run.checkpoint_local_dir, else $STRATA_CACHE (default ~/.cache/strata)/checkpoints/<URL after
+// its scheme>.
+void tier_checkpoints(engine::TrainConfig& tc) {
+  if (!offload::is_object_store_url(tc.checkpoint_dir)) return;
+  if (!tc.checkpoint_upload.empty() && tc.checkpoint_upload != tc.checkpoint_dir)
+    throw std::invalid_argument("run.checkpoint_dir " + tc.checkpoint_dir + " and run.checkpoint_upload " +
+                                tc.checkpoint_upload + " name two stores; give one");
+  tc.checkpoint_upload = tc.checkpoint_dir;
+  if (!tc.checkpoint_local_dir.empty()) {
+    tc.checkpoint_dir = tc.checkpoint_local_dir;
+    return;
+  }
+  const char* cache = std::getenv("STRATA_CACHE");
+  const char* home = std::getenv("HOME");
+  const std::string base = cache && *cache ? std::string(cache) : std::string(home ? home : "/tmp") + "/.cache/strata";
+  tc.checkpoint_dir = base + "/checkpoints/" + tc.checkpoint_upload.substr(tc.checkpoint_upload.find("://") + 3);
+}
+
 void check_writable(const std::filesystem::path& dir, const std::string& what) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
@@ -93,12 +117,18 @@ Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER
   --log PATH         override run.log (JSON lines, one per step; written by rank 0)
   --export DIR       override run.export (Hugging Face safetensors + config.json at the end)
   --checkpoint-dir D override run.checkpoint_dir (save after the last step, and every
-                     run.save_every steps)
+                     run.save_every steps); an s3://bucket/prefix URL: tiered saves, each
+                     checkpoint saved in run.checkpoint_local_dir and uploaded in the background
+  --checkpoint-upload URL
+                     override run.checkpoint_upload: upload every committed checkpoint to this
+                     object store (s3://bucket/prefix or a directory) in the background
   --resume           start from the checkpoint <checkpoint dir>/latest names (at any world
-                     size); a directory without any committed checkpoint starts at step 0 (said
-                     so); one whose `latest` cannot be followed is an error saying what is there
-  --resume-from DIR  start from this committed checkpoint directory (the checkpoint directory
-                     is then its parent unless --checkpoint-dir names another)
+                     size), or from the newest in the upload store when that one is newer; a
+                     directory without any committed checkpoint starts at step 0 (said so); one
+                     whose `latest` cannot be followed is an error saying what is there
+  --resume-from DIR  start from this committed checkpoint directory or stored checkpoint URL
+                     (s3://bucket/prefix/step-N; the checkpoint directory is then its parent
+                     unless --checkpoint-dir names another)
   --export-overwrite replace config.json and model.safetensors of a non-empty export directory
                      (otherwise refused before the first step)
   --allow-batch-change
@@ -360,7 +390,8 @@ int run_training(const std::vector<std::string>& argv) {
       std::cout << kTrainUsage;
       return 0;
     }
-  Args args(argv, {"config", "steps", "log", "export", "checkpoint-dir", "resume-from", "profile", "device-budget", "host-budget", "nvme-budget"},
+  Args args(argv, {"config", "steps", "log", "export", "checkpoint-dir", "checkpoint-upload", "resume-from", "profile",
+                   "device-budget", "host-budget", "nvme-budget"},
             {"no-progress", "resume", "plan", "allow-batch-change", "export-overwrite"});
   engine::TrainConfig tc = args.has("config") ? engine::load_train_config(args.get("config", ""))
                                                 : engine::parse_train_config("{}", "(defaults)");
@@ -369,6 +400,7 @@ int run_training(const std::vector<std::string>& argv) {
   if (args.has("export")) tc.export_dir = args.get("export", "");
   if (args.has("no-progress")) tc.progress = false;
   if (args.has("checkpoint-dir")) tc.checkpoint_dir = args.get("checkpoint-dir", "");
+  if (args.has("checkpoint-upload")) tc.checkpoint_upload = args.get("checkpoint-upload", "");
   if (args.has("resume")) tc.resume = true;
   if (args.has("allow-batch-change")) tc.allow_batch_change = true;
   if (args.has("export-overwrite")) tc.export_overwrite = true;
@@ -383,18 +415,29 @@ int run_training(const std::vector<std::string>& argv) {
   tc.engine.profile = !tc.profile_path.empty();
   if (tc.resume && tc.checkpoint_dir.empty() && !args.has("resume-from"))
     throw std::invalid_argument("--resume needs a checkpoint directory (--checkpoint-dir or run.checkpoint_dir)");
+  tier_checkpoints(tc);
   // What this run starts from, decided before anything is built; a committed checkpoint is never
-  // overwritten by a run that did not load it.
+  // overwritten by a run that did not load it. `resume_dir` is a directory or a stored checkpoint's URL.
   std::optional<std::filesystem::path> resume_dir;
   bool fresh_under_resume = false;
   if (args.has("resume-from")) {
     resume_dir = std::filesystem::path(args.get("resume-from", ""));
-    if (!std::filesystem::exists(*resume_dir / "manifest.json"))
+    if (offload::is_object_store_url(resume_dir->string()))
+      engine::read_checkpoint_meta(*resume_dir);  // throws, saying why, unless committed
+    else if (!std::filesystem::exists(*resume_dir / "manifest.json"))
       throw std::invalid_argument("--resume-from " + resume_dir->string() +
                                   ": not a committed checkpoint directory (no manifest.json)");
     if (tc.checkpoint_dir.empty()) tc.checkpoint_dir = resume_dir->parent_path().string();
+    tier_checkpoints(tc);
   } else if (tc.resume) {
     resume_dir = engine::resume_point(tc.checkpoint_dir);
+    if (!tc.checkpoint_upload.empty()) {
+      // The store may hold a newer one (saved on another machine, or the local copy pruned).
+      const auto stored = engine::newest_stored_checkpoint(tc.checkpoint_upload);
+      if (stored && (!resume_dir || engine::read_checkpoint_meta(*stored).train_steps >
+                                        engine::read_checkpoint_meta(*resume_dir).train_steps))
+        resume_dir = std::filesystem::path(*stored);
+    }
     fresh_under_resume = !resume_dir;
   } else if (!tc.checkpoint_dir.empty()) {
     const auto committed = engine::committed_checkpoints(tc.checkpoint_dir);
@@ -404,6 +447,14 @@ int run_training(const std::vector<std::string>& argv) {
                                   committed.back().filename().string() +
                                   "): continue from them with --resume (or --resume-from DIR), or give "
                                   "another --checkpoint-dir; a run that did not load them would overwrite them");
+    if (!tc.checkpoint_upload.empty()) {
+      const auto stored = engine::stored_checkpoints(tc.checkpoint_upload);
+      if (!stored.empty())
+        throw std::invalid_argument("the checkpoint store " + tc.checkpoint_upload + " already holds " +
+                                    std::to_string(stored.size()) + " committed checkpoint(s) (the newest " +
+                                    stored.back() + "): continue from them with --resume, or upload elsewhere; a "
+                                    "run that did not load them would replace them");
+    }
   }
   const engine::EngineConfig* ecp = &tc.engine;  // until the engine resolves "auto" placements
   if (!tc.checkpoint_dir.empty()) check_writable(tc.checkpoint_dir, "checkpoint directory");
@@ -434,6 +485,20 @@ int run_training(const std::vector<std::string>& argv) {
     _exit(1);
   });
   const bool lead = comm->rank() == 0;
+  if (resume_dir) {
+    // Every rank chose on its own; a store that lags behind its writes could show them different
+    // newest checkpoints. Same string on every rank: max(h) == -max(-h).
+    const int64_t h = int64_t(std::hash<std::string>{}(resume_dir->string()) >> 1);
+    at::Tensor both = at::empty({2}, at::kLong);
+    both[0] = h;
+    both[1] = -h;
+    comm->all_reduce(both, engine::ReduceOp::kMax);
+    if (both[0].item<int64_t>() != -both[1].item<int64_t>())
+      throw std::runtime_error("the ranks chose different checkpoints to resume from (this rank: " +
+                               resume_dir->string() +
+                               "); the checkpoint store shows them different newest checkpoints: try again, "
+                               "or name one with --resume-from");
+  }
   auto device = engine::Device::create(ecp->device, env.local_rank, ecp->device_budget);
 
   std::unique_ptr<models::Decoder> model =
@@ -496,11 +561,40 @@ int run_training(const std::vector<std::string>& argv) {
   engine::CheckpointOptions ckpt_options;
   ckpt_options.staging_bytes = tc.checkpoint_staging;
   engine::AsyncCheckpointer checkpointer(*comm, ckpt_options);
+  // Tiered saves: every committed checkpoint goes up to the store in the background.
+  std::unique_ptr<engine::CheckpointUploader> uploader;
+  if (!tc.checkpoint_upload.empty()) {
+    uploader = std::make_unique<engine::CheckpointUploader>(*comm, tc.checkpoint_upload);
+    if (lead)
+      std::cerr << "strata train: checkpoints are saved in " << tc.checkpoint_dir << " and uploaded to "
+                << uploader->store_url() << "\n";
+  }
+  const auto uploaded = [&](const std::optional<std::string>& url) {
+    if (!uploader) return;
+    const std::string nl = tc.progress && isatty(STDERR_FILENO) ? "\n" : "";
+    if (!url) {
+      if (!uploader->last_error().empty() && lead) std::cerr << nl << "strata train: warning: " << uploader->last_error() << "\n";
+      return;
+    }
+    if (lead) {
+      std::cerr << nl << "strata train: uploaded " << *url << " (" << double(uploader->last_bytes()) / (1 << 20)
+                << " MiB from this rank in " << uploader->last_seconds() << " s)\n";
+      if (!uploader->last_warning().empty()) std::cerr << "strata train: warning: " << uploader->last_warning() << "\n";
+    }
+    if (tc.keep_uploaded_checkpoints > 0)
+      engine::prune_stored_checkpoints(*comm, tc.checkpoint_upload, size_t(tc.keep_uploaded_checkpoints));
+  };
   auto committed = [&](const std::optional<std::filesystem::path>& dir) {
     if (!dir) return;
     if (lead)
       std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\n" : "") << "strata train: committed "
                 << dir->string() << "\n";
+    if (uploader) {
+      // An upload still in flight is finished (and committed) first; then this one starts,
+      // before pruning, which never removes the checkpoint being uploaded (the newest).
+      if (uploader->in_flight()) uploaded(uploader->finish());
+      uploader->start(*dir);
+    }
     if (tc.keep_checkpoints > 0)
       engine::prune_checkpoints(*comm, tc.checkpoint_dir, size_t(tc.keep_checkpoints));
   };
@@ -676,6 +770,7 @@ int run_training(const std::vector<std::string>& argv) {
     seconds_total += r.seconds;
     steps_done = s + 1;
     committed(checkpointer.poll());
+    if (uploader) uploaded(uploader->poll());
     const bool save_now = !tc.checkpoint_dir.empty() &&
                           (s + 1 == tc.steps || (tc.save_every > 0 && (s + 1) % tc.save_every == 0));
     if (save_now) save(s + 1, !tc.async_checkpoint);
@@ -767,6 +862,12 @@ int run_training(const std::vector<std::string>& argv) {
     // Every rank stops after the same step; what a checkpoint directory can keep is kept.
     const bool keep = !tc.checkpoint_dir.empty() && steps_done > saved_through;
     if (keep) save(steps_done, /*synchronous=*/true);
+  }
+  if (uploader && uploader->in_flight()) {
+    if (lead) std::cerr << "strata train: waiting for the upload to " << uploader->store_url() << "\n";
+    uploaded(uploader->finish());
+  }
+  if (stopped_by != 0) {
     if (lead) {
       std::cerr << "strata train: stopped by " << signal_name(stopped_by) << " after step " << steps_done << " of "
                 << tc.steps;

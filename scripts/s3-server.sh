@@ -12,8 +12,9 @@
 # (STRATA_S3_START_TIMEOUT, default 90 s) and a failed start prints the logs' tails and cleans up.
 # PORT must be outside 6800-7300 (the OSD's range). The packages (ceph-mon ceph-osd ceph-common
 # radosgw) are installed by scripts/setup.sh.
+# The bucket STRATA_S3_BUCKET (default strata-test) is created.
 # Environment: STRATA_S3_MEMSTORE_MB (store capacity, default 2048: a full store is one of the
-# faults the tests make).
+# faults the tests make), STRATA_S3_BUCKET.
 set -euo pipefail
 
 usage() { echo "usage: $0 start DIR PORT | stop DIR" >&2; exit 2; }
@@ -173,6 +174,11 @@ until [[ $(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "http://127.0.0.1
   (($(date +%s) < deadline)) || die "radosgw does not answer on 127.0.0.1:$port"
   sleep 0.2
 done
+# The tests' bucket (curl signs with SigV4 itself).
+curl -sf --aws-sigv4 "aws:amz:us-east-1:s3" --user "$key_id:$secret" -X PUT \
+  -H "x-amz-content-sha256: e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855" \
+  "http://127.0.0.1:$port/${STRATA_S3_BUCKET:-strata-test}" >/dev/null ||
+  die "could not create the bucket ${STRATA_S3_BUCKET:-strata-test}"
 vars="AWS_ENDPOINT_URL=http://127.0.0.1:$port AWS_ACCESS_KEY_ID=$key_id AWS_SECRET_ACCESS_KEY=$secret AWS_REGION=us-east-1"
 echo "$vars" >"$dir/env"
 echo "$vars"

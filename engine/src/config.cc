@@ -425,11 +425,16 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("keep_checkpoints", c.keep_checkpoints);
     s.read("async_checkpoint", c.async_checkpoint);
     s.read_bytes("checkpoint_staging", c.checkpoint_staging);
+    s.read("checkpoint_upload", c.checkpoint_upload);
+    s.read("checkpoint_local_dir", c.checkpoint_local_dir);
+    s.read("keep_uploaded_checkpoints", c.keep_uploaded_checkpoints);
   }
   if (c.steps < 0) throw std::invalid_argument(source + ": run.steps must be >= 0");
   if (c.save_every < 0) throw std::invalid_argument(source + ": run.save_every must be >= 0");
   if (c.keep_checkpoints < 0)
     throw std::invalid_argument(source + ": run.keep_checkpoints must be >= 0 (0: keep all)");
+  if (c.keep_uploaded_checkpoints < 0)
+    throw std::invalid_argument(source + ": run.keep_uploaded_checkpoints must be >= 0 (0: keep all)");
   if (c.resume && c.checkpoint_dir.empty())
     throw std::invalid_argument(source + ": run.resume needs run.checkpoint_dir");
   if (e.seq_len > c.model.max_positions && c.model.arch == models::Arch::kGpt2)

@@ -20,13 +20,14 @@
 //     A request on a pooled keep-alive connection that the server closed meanwhile is resent
 //     once on a new connection without counting as an attempt;
 //   - threads: the store holds a pool of idle connections; a request takes one (or opens one),
-//     drives it on the calling thread with its own io_context (so timeouts are Asio deadlines),
+//     drives it on the calling thread with its own io_context (a deadline timer per operation),
 //     and puts it back when the answer allowed keep-alive. Any number of threads may call at once;
 //     concurrency is the callers' (put_object / get_object run parts on several threads).
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ssl.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
@@ -112,26 +113,42 @@ Endpoint parse_endpoint(const std::string& url) {
   return e;
 }
 
+// A connection owns its io_context; the calling thread runs it for each exchange. One deadline
+// timer per operation (not per socket read: a timer re-armed on every 64 KiB read costs a
+// timerfd_settime each time, a tenth of a download's CPU) closes the socket when it expires.
 struct Connection {
-  explicit Connection(ssl::context* tls_context) {
+  explicit Connection(ssl::context* tls_context) : deadline(ioc) {
     if (tls_context) {
       tls.emplace(ioc, *tls_context);
     } else {
-      tcp_stream.emplace(ioc);
+      socket.emplace(ioc);
     }
   }
-  beast::tcp_stream& lowest() { return tls ? beast::get_lowest_layer(*tls) : *tcp_stream; }
+  tcp::socket& lowest() { return tls ? tls->next_layer() : *socket; }
 
   asio::io_context ioc;
-  std::optional<beast::tcp_stream> tcp_stream;
-  std::optional<beast::ssl_stream<beast::tcp_stream>> tls;
+  std::optional<tcp::socket> socket;
+  std::optional<ssl::stream<tcp::socket>> tls;
+  asio::steady_timer deadline;
   beast::flat_buffer buffer;
 };
 
-// Runs the posted operations to completion on the calling thread.
-void run(Connection& c) {
+// Runs the operations `start` posts on the calling thread until they call `done` (which cancels
+// the deadline) or `timeout` passes (the socket is closed: they fail). True if it timed out.
+template <class Start>
+bool run_with_deadline(Connection& c, std::chrono::milliseconds timeout, Start start) {
+  bool timed_out = false;
+  c.deadline.expires_after(timeout);
+  c.deadline.async_wait([&](const boost::system::error_code& ec) {
+    if (ec) return;  // cancelled: the operation finished first
+    timed_out = true;
+    boost::system::error_code ignored;
+    c.lowest().close(ignored);
+  });
+  start([&c] { c.deadline.cancel(); });
   c.ioc.restart();
   c.ioc.run();
+  return timed_out;
 }
 
 template <class Stream>
@@ -140,19 +157,21 @@ beast::error_code exchange_on(Connection& c, Stream& stream,
                               http::response_parser<http::string_body>& parser,
                               std::chrono::milliseconds timeout, bool* got_bytes) {
   beast::error_code result;
-  c.lowest().expires_after(timeout);
-  http::async_write(stream, request, [&](beast::error_code ec, size_t) {
-    if (ec) {
-      result = ec;
-      return;
-    }
-    http::async_read(stream, c.buffer, parser, [&](beast::error_code ec2, size_t bytes) {
-      result = ec2;
-      *got_bytes = bytes > 0 || parser.got_some();
+  const bool timed_out = run_with_deadline(c, timeout, [&](auto done) {
+    http::async_write(stream, request, [&, done](beast::error_code ec, size_t) {
+      if (ec) {
+        result = ec;
+        done();
+        return;
+      }
+      http::async_read(stream, c.buffer, parser, [&, done](beast::error_code ec2, size_t bytes) {
+        result = ec2;
+        *got_bytes = bytes > 0 || parser.got_some();
+        done();
+      });
     });
   });
-  run(c);
-  return result;
+  return timed_out ? beast::error_code(beast::error::timeout) : result;
 }
 
 class HttpPool {
@@ -195,7 +214,7 @@ class HttpPool {
     bool got_bytes = false;
     const beast::error_code ec =
         c->tls ? exchange_on(*c, *c->tls, request, parser, options_.request_timeout, &got_bytes)
-               : exchange_on(*c, *c->tcp_stream, request, parser, options_.request_timeout, &got_bytes);
+               : exchange_on(*c, *c->socket, request, parser, options_.request_timeout, &got_bytes);
     if (ec) {
       const std::string what = ec == beast::error::timeout
                                    ? "no answer within " +
@@ -243,9 +262,13 @@ class HttpPool {
     beast::error_code ec;
     const auto addresses = resolver.resolve(host, endpoint_.port, ec);
     if (ec) throw TransportError{"resolve " + host + ": " + ec.message(), true};
-    c->lowest().expires_after(options_.connect_timeout);
-    c->lowest().async_connect(addresses, [&](beast::error_code e, const tcp::endpoint&) { ec = e; });
-    run(*c);
+    const bool connect_timed_out = run_with_deadline(*c, options_.connect_timeout, [&](auto done) {
+      asio::async_connect(c->lowest(), addresses, [&, done](beast::error_code e, const tcp::endpoint&) {
+        ec = e;
+        done();
+      });
+    });
+    if (connect_timed_out) ec = beast::error::timeout;
     if (ec) {
       throw TransportError{"connect to " + host + ":" + endpoint_.port + ": " +
                                (ec == beast::error::timeout ? "timed out" : ec.message()),
@@ -256,9 +279,13 @@ class HttpPool {
         throw TransportError{"TLS to " + host + ": cannot set the server name", true};
       }
       if (options_.verify_tls) c->tls->set_verify_callback(ssl::host_name_verification(host));
-      c->lowest().expires_after(options_.connect_timeout);
-      c->tls->async_handshake(ssl::stream_base::client, [&](beast::error_code e) { ec = e; });
-      run(*c);
+      const bool handshake_timed_out = run_with_deadline(*c, options_.connect_timeout, [&](auto done) {
+        c->tls->async_handshake(ssl::stream_base::client, [&, done](beast::error_code e) {
+          ec = e;
+          done();
+        });
+      });
+      if (handshake_timed_out) ec = beast::error::timeout;
       if (ec) throw TransportError{"TLS handshake with " + host + ": " + ec.message(), true};
     }
     return c;

@@ -1,7 +1,15 @@
 # Runs `strata <ARGS>` (a benchmark) and checks its final JSON line: metric == METRIC, and for each
 # key in KEYS a positive value and baseline_value with ratio == value / baseline_value.
 # Numbers, not speed: speed targets live in the benchmarks and docs/PERFORMANCE.md.
-execute_process(COMMAND ${STRATA} ${ARGS} OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+# ENV_FILE (optional): a line of NAME=VALUE words (scripts/s3-server.sh's) to run it with.
+set(env_prefix "")
+if(ENV_FILE)
+  file(READ "${ENV_FILE}" env_line)
+  string(STRIP "${env_line}" env_line)
+  string(REPLACE " " ";" env_prefix "${env_line}")
+  list(PREPEND env_prefix ${CMAKE_COMMAND} -E env)
+endif()
+execute_process(COMMAND ${env_prefix} ${STRATA} ${ARGS} OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "strata ${ARGS} failed (${rc}):\n${err}\n${out}")
 endif()

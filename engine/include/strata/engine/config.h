@@ -152,6 +152,12 @@ struct TrainConfig {
   int64_t keep_checkpoints = 0;  // keep only the N newest checkpoints; 0: keep all
   bool async_checkpoint = true;  // write in the background; the step blocks for the snapshot
   uint64_t checkpoint_staging = 0;  // CheckpointOptions::staging_bytes (0: from MemAvailable)
+  // Tiered saves (checkpoint_store.h): each committed checkpoint is also uploaded to this object
+  // store URL in the background; empty: none. A checkpoint_dir that is an object-store URL means
+  // this, with the local copies in checkpoint_local_dir.
+  std::string checkpoint_upload;
+  std::string checkpoint_local_dir;  // local side of an s3:// checkpoint_dir; empty: a default
+  int64_t keep_uploaded_checkpoints = 0;  // keep only the N newest in the store; 0: keep all
   EngineConfig engine;
 };
 
