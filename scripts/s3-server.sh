@@ -3,7 +3,11 @@
 # one-node Ceph cluster (one monitor, one OSD on the in-memory memstore), all on 127.0.0.1.
 #
 #   scripts/s3-server.sh start DIR PORT   # PORT 0: a free one. Prints one line of variables, also written to DIR/env:
-#                                         # AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION
+#                                         # AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION,
+#                                         # STRATA_S3_HTTPS_ENDPOINT (the same server over https, on a
+#                                         # free port, with a self-signed certificate) and STRATA_S3_CA
+#                                         # (that certificate, to pass as AWS_CA_BUNDLE), STRATA_S3_DIR
+#                                         # (DIR: radosgw-admin -c DIR/ceph.conf -n client.rgw ...)
 #   scripts/s3-server.sh stop DIR         # stops exactly what `start DIR` started, removes DIR
 #
 # Everything (config, keys, data, logs, pids) lives in DIR; nothing else is touched. The daemons
@@ -88,6 +92,7 @@ mkdir -p "$dir"/{run,log,mon,osd/0}
 listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 listening "$port" && die "something already listens on 127.0.0.1:$port"
 mon_port=$(free_port)
+tls_port=$(free_port)
 
 on_exit() {
   local rc=$?
@@ -97,6 +102,13 @@ on_exit() {
   stop_all "$dir"
 }
 trap on_exit EXIT
+
+# https on a second port, with a self-signed certificate for 127.0.0.1 and localhost.
+mkdir -p "$dir/tls"
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 3 \
+  -keyout "$dir/tls/key.pem" -out "$dir/tls/cert.pem" -subj /CN=localhost \
+  -addext "subjectAltName=DNS:localhost,IP:127.0.0.1" >"$dir/log/openssl.log" 2>&1 ||
+  die "openssl could not make the test certificate (see $dir/log/openssl.log)"
 
 conf=$dir/ceph.conf
 fsid=$(cat /proc/sys/kernel/random/uuid)
@@ -134,7 +146,7 @@ keyring = $dir/osd/\$id/keyring
 osd objectstore = memstore
 memstore device bytes = $((${STRATA_S3_MEMSTORE_MB:-2048} * 1024 * 1024))
 [client.rgw]
-rgw frontends = beast endpoint=127.0.0.1:$port
+rgw frontends = beast endpoint=127.0.0.1:$port ssl_endpoint=127.0.0.1:$tls_port ssl_certificate=$dir/tls/cert.pem ssl_private_key=$dir/tls/key.pem
 rgw dns name = localhost
 rgw enable usage log = false
 # Deleted objects are reclaimed after 30 s instead of 2 h (memstore keeps them in RAM).
@@ -180,5 +192,6 @@ curl -sf --aws-sigv4 "aws:amz:us-east-1:s3" --user "$key_id:$secret" -X PUT \
   "http://127.0.0.1:$port/${STRATA_S3_BUCKET:-strata-test}" >/dev/null ||
   die "could not create the bucket ${STRATA_S3_BUCKET:-strata-test}"
 vars="AWS_ENDPOINT_URL=http://127.0.0.1:$port AWS_ACCESS_KEY_ID=$key_id AWS_SECRET_ACCESS_KEY=$secret AWS_REGION=us-east-1"
+vars+=" STRATA_S3_HTTPS_ENDPOINT=https://127.0.0.1:$tls_port STRATA_S3_CA=$dir/tls/cert.pem STRATA_S3_DIR=$dir"
 echo "$vars" >"$dir/env"
 echo "$vars"

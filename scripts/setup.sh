@@ -17,7 +17,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 # --- Debian packages -------------------------------------------------------------------------
 debs=(build-essential cmake ninja-build ccache pkg-config git
       liburing-dev nlohmann-json3-dev libboost-dev libgtest-dev libgmock-dev libgloo-dev
-      libpng-dev zlib1g-dev fio python3 python3-venv libssl-dev curl
+      libpng-dev zlib1g-dev fio python3 python3-venv libssl-dev curl openssl
       ceph-mon ceph-osd ceph-common radosgw)  # the last four: the S3 server the tests start
 missing=()
 for p in "${debs[@]}"; do

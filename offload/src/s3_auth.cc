@@ -256,6 +256,9 @@ S3Options s3_options_from_environment(const std::map<std::string, std::string>* 
                            "S3: endpoint '" + options.endpoint + "' must start with http:// or https://");
   }
 
+  options.ca_bundle = var("AWS_CA_BUNDLE");
+  if (options.ca_bundle.empty()) options.ca_bundle = from(config_file, config_section, "ca_bundle");
+
   const std::string addressing = var("STRATA_S3_ADDRESSING");
   if (addressing == "path") {
     options.addressing = S3Options::Addressing::kPath;

@@ -61,6 +61,7 @@ using Headers = std::map<std::string, std::string>;
 struct TransportError {
   std::string message;
   bool before_response = false;  // nothing of an answer arrived
+  bool permanent = false;        // retrying cannot help (the server's certificate is refused)
 };
 
 struct Response {
@@ -181,7 +182,19 @@ class HttpPool {
     if (endpoint_.tls) {
       tls_context_.emplace(ssl::context::tls_client);
       if (options_.verify_tls) {
-        tls_context_->set_default_verify_paths();
+        boost::system::error_code ec;
+        if (options_.ca_bundle.empty()) {
+          tls_context_->set_default_verify_paths(ec);
+        } else {
+          tls_context_->load_verify_file(options_.ca_bundle, ec);
+        }
+        if (ec) {
+          throw ObjectStoreError(Kind::kInvalidArgument,
+                                 "S3: cannot load the CAs to trust from " +
+                                     (options_.ca_bundle.empty() ? std::string("the system's default paths")
+                                                                 : options_.ca_bundle) +
+                                     ": " + ec.message());
+        }
         tls_context_->set_verify_mode(ssl::verify_peer);
       } else {
         tls_context_->set_verify_mode(ssl::verify_none);
@@ -275,7 +288,10 @@ class HttpPool {
                            true};
     }
     if (c->tls) {
-      if (!SSL_set_tlsext_host_name(c->tls->native_handle(), host.c_str())) {
+      // SNI names a host, never an address (RFC 6066).
+      boost::system::error_code not_ip;
+      asio::ip::make_address(host, not_ip);
+      if (not_ip && !SSL_set_tlsext_host_name(c->tls->native_handle(), host.c_str())) {
         throw TransportError{"TLS to " + host + ": cannot set the server name", true};
       }
       if (options_.verify_tls) c->tls->set_verify_callback(ssl::host_name_verification(host));
@@ -286,7 +302,13 @@ class HttpPool {
         });
       });
       if (handshake_timed_out) ec = beast::error::timeout;
-      if (ec) throw TransportError{"TLS handshake with " + host + ": " + ec.message(), true};
+      if (ec) {
+        // A certificate that does not verify will not verify on a retry either.
+        const bool refused = ec.category() == asio::error::get_ssl_category();
+        throw TransportError{"TLS handshake with " + host + ": " + ec.message() +
+                                 (refused ? " (the server's certificate is not trusted: AWS_CA_BUNDLE names the CAs to trust)" : ""),
+                             true, refused};
+      }
     }
     return c;
   }
@@ -544,6 +566,9 @@ class S3Store final : public ObjectStore {
         if (!retryable(body_error ? 500 : r.status, info.code)) return r;
         last_error = describe_status(r, info);
       } catch (const TransportError& e) {
+        if (e.permanent) {
+          throw ObjectStoreError(Kind::kAccessDenied, std::string(op) + " " + url_of(key) + ": " + e.message);
+        }
         // A keep-alive connection the server had closed: resend once, not an attempt.
         if (reused && e.before_response && !resent_stale) {
           resent_stale = true;

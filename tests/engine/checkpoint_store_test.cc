@@ -20,6 +20,7 @@
 #include "checkpoint_trainer.h"
 #include "s3_server.h"
 #include "strata/engine/checkpoint_store.h"
+#include "strata/offload/s3.h"
 #include "strata/models/safetensors.h"
 #include "test_util.h"
 
@@ -153,6 +154,41 @@ TEST(StoredCheckpoint, PruningKeepsTheNewestAndDeletesManifestsFirst) {
   se::prune_stored_checkpoints(a.comm(), store_url, 2);
   EXPECT_EQ(se::stored_checkpoints(store_url), (std::vector<std::string>{"step-2", "step-3"}));
   EXPECT_TRUE(so::open_object_store(store_url)->list("step-1/").empty());
+}
+
+// A bucket whose quota is smaller than one rank's data: the upload fails with S3's
+// QuotaExceeded, says so, commits nothing, and the checkpoint committed before still loads.
+TEST(StoredCheckpoint, AFullBucketQuotaFailsTheUploadAndKeepsThePreviousCheckpoint) {
+  s3_server();
+  const char* server_dir = std::getenv("STRATA_S3_DIR");
+  ASSERT_NE(server_dir, nullptr) << "the S3 server's variables do not name its directory";
+  TempDir dir;
+  const std::string bucket = "quota-" + std::to_string(::getpid());
+  so::s3_create_bucket(bucket, s3_server());
+  const std::string store_url = "s3://" + bucket + "/run";
+  const se::TrainConfig tc = se::parse_train_config(tiny_llama(4).dump(), "test");
+  Losses run;
+  Trainer a(tc);
+  se::CheckpointUploader up(a.comm(), store_url);
+  a.train(1, run);
+  a.save(dir.path(), "step-1");
+  up.start(dir / "step-1");
+  ASSERT_TRUE(up.finish()) << up.last_error();
+  const auto saved = a.params();
+
+  const std::string admin = std::string("radosgw-admin -c ") + server_dir + "/ceph.conf -n client.rgw ";
+  ASSERT_EQ(std::system((admin + "quota set --quota-scope=bucket --bucket=" + bucket + " --max-size=65536 >/dev/null 2>&1").c_str()), 0);
+  ASSERT_EQ(std::system((admin + "quota enable --quota-scope=bucket --bucket=" + bucket + " >/dev/null 2>&1").c_str()), 0);
+  a.train(1, run);
+  a.save(dir.path(), "step-2");
+  up.start(dir / "step-2");
+  EXPECT_FALSE(up.finish());
+  EXPECT_NE(up.last_error().find("QuotaExceeded"), std::string::npos) << up.last_error();
+  EXPECT_NE(up.last_error().find("local checkpoint"), std::string::npos) << up.last_error();
+  EXPECT_EQ(se::newest_stored_checkpoint(store_url), store_url + "/step-1");
+  Trainer b(tc);
+  b.load(store_url + "/step-1");
+  expect_bitwise(b.params(), saved);
 }
 
 // --- `strata train` with tiered saves ----------------------------------------------------------

@@ -91,7 +91,10 @@ TEST(S3Options, EnvironmentVariablesComeFirst) {
   EXPECT_EQ(o.region, "eu-west-3");
   EXPECT_EQ(o.endpoint, "http://127.0.0.1:9000");
   env["AWS_ENDPOINT_URL_S3"] = "https://s3.example.com";
-  EXPECT_EQ(s3_options_from_environment(&env, home.path().string()).endpoint, "https://s3.example.com");
+  env["AWS_CA_BUNDLE"] = "/etc/corp-ca.pem";
+  const S3Options o2 = s3_options_from_environment(&env, home.path().string());
+  EXPECT_EQ(o2.endpoint, "https://s3.example.com");
+  EXPECT_EQ(o2.ca_bundle, "/etc/corp-ca.pem");
 }
 
 TEST(S3Options, ProfilesFromTheSharedFiles) {

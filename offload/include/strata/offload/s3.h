@@ -9,7 +9,8 @@
 //   endpoint     AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, else the profile's `endpoint_url`,
 //                else https://s3.<region>.amazonaws.com;
 //   addressing   STRATA_S3_ADDRESSING (path | virtual), else virtual-hosted on amazonaws.com
-//                endpoints and path-style elsewhere (self-hosted servers rarely have wildcard DNS).
+//                endpoints and path-style elsewhere (self-hosted servers rarely have wildcard DNS);
+//   CAs          AWS_CA_BUNDLE, else the profile's `ca_bundle`, else the system's.
 // Not supported (an error says so when nothing else gives credentials): instance metadata, SSO,
 // credential_process, assume-role profiles.
 //
@@ -42,7 +43,8 @@ struct S3Options {
   S3Credentials credentials;
   enum class Addressing { kAuto, kPath, kVirtual } addressing = Addressing::kAuto;
   bool unsigned_payload = false;  // https only
-  bool verify_tls = true;         // verify the server's certificate against the system's CAs
+  bool verify_tls = true;         // verify the server's certificate and host name
+  std::string ca_bundle;          // PEM file of the CAs to trust; empty: the system's
   // Retries: attempts per request, sleeping a random time in [0, min(cap, base * 2^attempt)).
   int max_attempts = 8;
   std::chrono::milliseconds backoff_base{50};
