@@ -26,6 +26,7 @@
 #include "strata/engine/checkpoint.h"
 #include "strata/engine/checkpoint_store.h"
 #include "strata/offload/object_store.h"
+#include "object_paths.h"
 
 namespace {
 
@@ -48,6 +49,7 @@ commands:
                      s3://bucket/prefix[/step-N]: a stored checkpoint, or a store's newest)
   ckpt verify DIR    read every chunk of a checkpoint and check its CRC32C and coverage
   ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR]
+                     (DIR or OUT may be s3:// URLs)
                      stream the master weights into a Hugging Face model directory
                      (config.json + safetensors, sharded above 5 GB) that transformers loads,
                      with MODEL_DIR's tokenizer files; a non-empty OUT needs --force (its
@@ -378,12 +380,17 @@ int ckpt_export(const std::vector<std::string>& argv) {
     return 2;
   }
   const std::filesystem::path dir = checkpoint_arg(pos[0]);
+  // OUT in object storage: staged in the cache, then uploaded (config.json last).
+  const std::string out_url = strata::offload::is_object_store_url(pos[1]) ? pos[1] : "";
+  if (!out_url.empty()) strata::cli::check_export_store(out_url, force, "pass --force to replace it");
+  const std::string out = out_url.empty() ? pos[1] : strata::cli::cache_path("exports", out_url);
   const auto t0 = std::chrono::steady_clock::now();
   const bool tty = isatty(STDERR_FILENO);
-  const auto r = strata::engine::export_checkpoint_hf(dir, pos[1], dtype, [&](uint64_t done, uint64_t total) {
+  const auto r = strata::engine::export_checkpoint_hf(dir, out, dtype, [&](uint64_t done, uint64_t total) {
     if (tty) std::cerr << "\rexport " << done * 100 / std::max<uint64_t>(total, 1) << "% (" << done << " / " << total << " bytes)" << std::flush;
-  }, force, tokenizer_from);
+  }, force || !out_url.empty(), tokenizer_from);
   if (tty) std::cerr << "\n";
+  if (!out_url.empty()) strata::cli::upload_export(out, out_url);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::cout << "exported " << dir.string() << " to " << pos[1] << ": " << r.tensors << " tensors, " << r.bytes
             << " bytes of " << dtype << " in " << s << " s\n";

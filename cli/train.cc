@@ -33,6 +33,7 @@
 #include "strata/engine/checkpoint.h"
 #include "strata/engine/checkpoint_store.h"
 #include "strata/offload/object_store.h"
+#include "object_paths.h"
 #include "strata/engine/comm.h"
 #include "strata/engine/config.h"
 #include "strata/engine/device.h"
@@ -65,10 +66,7 @@ void tier_checkpoints(engine::TrainConfig& tc) {
     tc.checkpoint_dir = tc.checkpoint_local_dir;
     return;
   }
-  const char* cache = std::getenv("STRATA_CACHE");
-  const char* home = std::getenv("HOME");
-  const std::string base = cache && *cache ? std::string(cache) : std::string(home ? home : "/tmp") + "/.cache/strata";
-  tc.checkpoint_dir = base + "/checkpoints/" + tc.checkpoint_upload.substr(tc.checkpoint_upload.find("://") + 3);
+  tc.checkpoint_dir = cache_path("checkpoints", tc.checkpoint_upload);
 }
 
 void check_writable(const std::filesystem::path& dir, const std::string& what) {
@@ -459,6 +457,18 @@ int run_training(const std::vector<std::string>& argv) {
   const engine::EngineConfig* ecp = &tc.engine;  // until the engine resolves "auto" placements
   if (!tc.checkpoint_dir.empty()) check_writable(tc.checkpoint_dir, "checkpoint directory");
   if (!tc.tensorboard_dir.empty()) check_writable(tc.tensorboard_dir, "TensorBoard directory");
+  // An export to object storage (run.export s3://...) is staged in a local directory of the
+  // cache, then uploaded.
+  std::string export_store;
+  if (offload::is_object_store_url(tc.export_dir)) {
+    if (tc.export_every > 0)
+      throw std::invalid_argument("run.export_every with an export to object storage (" + tc.export_dir +
+                                  ") is not supported: export to a directory, or only at the end");
+    check_export_store(tc.export_dir, tc.export_overwrite, kExportOverwriteHint);
+    export_store = tc.export_dir;
+    tc.export_dir = cache_path("exports", export_store);
+    tc.export_overwrite = true;  // the staging directory is the cache's
+  }
   if (!tc.export_dir.empty()) {
     models::ExportDirectory::check(tc.export_dir, tc.export_overwrite, kExportOverwriteHint);
     check_writable(models::ExportDirectory::temporary(tc.export_dir).parent_path(), "the export's parent directory");
@@ -500,6 +510,23 @@ int run_training(const std::vector<std::string>& argv) {
                                "or name one with --resume-from");
   }
   auto device = engine::Device::create(ecp->device, env.local_rank, ecp->device_budget);
+
+  // A model in a bucket: one rank per node mirrors it into the cache (ranged GETs, files whose
+  // size and etag match the last copy skipped), the others wait; then it loads from there.
+  if (offload::is_object_store_url(tc.init_from)) {
+    const std::string local = cache_path("models", tc.init_from);
+    if (env.local_rank == 0) {
+      const uint64_t bytes = offload::mirror_to_directory(
+          *offload::open_object_store(tc.init_from), local, {}, [&](const std::string& name, uint64_t size) {
+            if (lead) std::cerr << "strata train: fetching " << tc.init_from << "/" << name << " (" << double(size) / (1 << 20) << " MiB)\n";
+          });
+      if (lead)
+        std::cerr << "strata train: model " << tc.init_from << " in " << local << " (" << double(bytes) / (1 << 20)
+                  << " MiB fetched)\n";
+    }
+    comm->barrier();
+    tc.init_from = local;
+  }
 
   std::unique_ptr<models::Decoder> model =
       tc.init_from.empty() ? std::make_unique<models::Decoder>(tc.model, tc.init_seed, models::Decoder::Init::kDeferred)
@@ -699,6 +726,7 @@ int run_training(const std::vector<std::string>& argv) {
     std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: exported " << dir.string()
               << " (" << models::hf_dtype_name(export_type) << (carried.empty() ? "" : ", with the tokenizer of init_from")
               << ", " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
+    if (!export_store.empty() && dir == std::filesystem::path(tc.export_dir)) upload_export(dir.string(), export_store);
   };
   // Every rank waits for rank 0's write (within distributed.timeout_s) and learns whether it
   // failed, so that a failed export stops every rank at once instead of leaving them in the next

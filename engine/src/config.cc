@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "strata/engine/device.h"
+#include "strata/offload/object_store.h"
 
 namespace strata::engine {
 
@@ -192,7 +193,16 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
       source_key = "hf_config";
     }
     try {
-      c.model = hf_config.empty() ? models::preset(preset_name) : models::load_hf_config(hf_config);
+      if (hf_config.empty()) {
+        c.model = models::preset(preset_name);
+      } else if (offload::is_object_store_url(c.init_from)) {
+        // A model in a bucket: its config.json read from there (the weights are fetched later).
+        const std::vector<std::byte> text = offload::open_object_store(c.init_from)->get_all("config.json");
+        c.model = models::parse_hf_config(std::string(reinterpret_cast<const char*>(text.data()), text.size()),
+                                          hf_config);
+      } else {
+        c.model = models::load_hf_config(hf_config);
+      }
     } catch (const std::exception& ex) {
       s.fail(source_key, ex.what());
     }

@@ -6,6 +6,10 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -199,6 +203,66 @@ ObjectInfo put_file(ObjectStore& store, const std::string& key, const std::strin
       });
 }
 
+uint64_t get_file(ObjectStore& store, const std::string& key, const std::string& path,
+                  const TransferOptions& options, const std::function<void(uint64_t)>& progress) {
+  const auto info = store.head(key);
+  if (!info) {
+    throw ObjectStoreError(ObjectStoreError::Kind::kNotFound, "get " + store.url_of(key) + ": no such key", 404,
+                           "NoSuchKey");
+  }
+  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    throw ObjectStoreError(ObjectStoreError::Kind::kOther, "download to " + tmp + ": " + std::strerror(errno));
+  }
+  const auto fail = [&](const std::string& what) {
+    const int error = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw ObjectStoreError(error == ENOSPC ? ObjectStoreError::Kind::kNoSpace : ObjectStoreError::Kind::kOther,
+                           what + " " + tmp + ": " + std::strerror(error));
+  };
+  const uint64_t part = std::max<uint64_t>(options.part_bytes, 1);
+  const size_t pieces = (info->size + part - 1) / part;
+  std::mutex progress_mu;
+  uint64_t done = 0;
+  try {
+    run_parallel(pieces, options.concurrency, [&](size_t i) {
+      const uint64_t begin = i * part;
+      std::vector<std::byte> buffer(std::min<uint64_t>(part, info->size - begin));
+      store.get(key, begin, buffer);
+      size_t written = 0;
+      while (written < buffer.size()) {
+        const ssize_t n = ::pwrite(fd, buffer.data() + written, buffer.size() - written, off_t(begin + written));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) throw ObjectStoreError(errno == ENOSPC ? ObjectStoreError::Kind::kNoSpace : ObjectStoreError::Kind::kOther,
+                                          "download to " + tmp + ": " + std::strerror(errno));
+        written += size_t(n);
+      }
+      if (progress) {
+        std::lock_guard lock(progress_mu);
+        done += buffer.size();
+        progress(done);
+      }
+    });
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (::fsync(fd) != 0) fail("fsync");
+  if (::close(fd) != 0) {
+    ::unlink(tmp.c_str());
+    throw ObjectStoreError(ObjectStoreError::Kind::kOther, "close " + tmp + ": " + std::strerror(errno));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(tmp.c_str());
+    throw ObjectStoreError(ObjectStoreError::Kind::kOther, "rename onto " + path + ": " + std::strerror(error));
+  }
+  return info->size;
+}
+
 void get_object(ObjectStore& store, const std::string& key, uint64_t offset,
                 std::span<std::byte> out, const TransferOptions& options) {
   const uint64_t part = std::max<uint64_t>(options.part_bytes, 1);
@@ -259,6 +323,69 @@ std::unique_ptr<ObjectStore> open_object_store(const std::string& url) {
   }
   if (!prefix.empty()) check_object_key(prefix);
   return open_s3_store(bucket, prefix, s3_options_from_environment());
+}
+
+uint64_t mirror_to_directory(ObjectStore& store, const std::string& directory, const TransferOptions& options,
+                             const std::function<void(const std::string&, uint64_t)>& progress) {
+  std::error_code ec;
+  std::filesystem::create_directories(directory, ec);
+  if (ec) {
+    throw ObjectStoreError(ObjectStoreError::Kind::kOther, "create directory " + directory + ": " + ec.message());
+  }
+  // What the last copy took: name -> {size, etag}.
+  const std::string record_path = directory + "/.strata-mirror.json";
+  nlohmann::json record = nlohmann::json::object();
+  {
+    std::ifstream in(record_path);
+    if (in) {
+      try {
+        in >> record;
+      } catch (const std::exception&) {
+        record = nlohmann::json::object();  // unreadable: copy everything again
+      }
+    }
+  }
+  uint64_t downloaded = 0;
+  for (const ObjectInfo& o : store.list("")) {
+    if (o.key.find('/') != std::string::npos || o.key.starts_with(".strata-")) continue;
+    const std::string path = directory + "/" + o.key;
+    struct stat st {};
+    const bool same = record.contains(o.key) && record[o.key].value("size", uint64_t(0)) == o.size &&
+                      record[o.key].value("etag", std::string()) == o.etag && ::stat(path.c_str(), &st) == 0 &&
+                      uint64_t(st.st_size) == o.size;
+    if (same) continue;
+    if (progress) progress(o.key, o.size);
+    downloaded += get_file(store, o.key, path, options);
+    record[o.key] = {{"size", o.size}, {"etag", o.etag}};
+    std::ofstream out(record_path + ".tmp");
+    out << record.dump(1);
+    out.close();
+    if (!out || ::rename((record_path + ".tmp").c_str(), record_path.c_str()) != 0) {
+      throw ObjectStoreError(ObjectStoreError::Kind::kOther, "cannot write " + record_path);
+    }
+  }
+  return downloaded;
+}
+
+uint64_t upload_directory(ObjectStore& store, const std::string& directory, const std::string& last,
+                          const TransferOptions& options,
+                          const std::function<void(const std::string&, uint64_t)>& progress) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(directory, ec))
+    if (e.is_regular_file()) names.push_back(e.path().filename().string());
+  if (ec) throw ObjectStoreError(ObjectStoreError::Kind::kOther, "list " + directory + ": " + ec.message());
+  std::sort(names.begin(), names.end(), [&](const std::string& a, const std::string& b) {
+    return (a == last) != (b == last) ? b == last : a < b;  // `last` at the end
+  });
+  uint64_t bytes = 0;
+  for (const std::string& name : names) {
+    struct stat st {};
+    ::stat((directory + "/" + name).c_str(), &st);
+    if (progress) progress(name, uint64_t(st.st_size));
+    bytes += put_file(store, name, directory + "/" + name, options).size;
+  }
+  return bytes;
 }
 
 }  // namespace strata::offload

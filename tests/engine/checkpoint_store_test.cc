@@ -40,6 +40,10 @@ std::string s3_store_url(const std::string& tag) {
   return std::string("s3://") + kS3Bucket + "/" + unique(tag);
 }
 
+void offload_upload(const std::filesystem::path& dir, const std::string& url) {
+  so::upload_directory(*so::open_object_store(url), dir.string(), "config.json");
+}
+
 std::string read_bytes(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -224,6 +228,7 @@ json tiered_config(int ranks, int64_t steps, const std::filesystem::path& local)
 // machine), and one rank resumes from the store alone: the same losses as 8 steps straight.
 TEST(TieredSaves, TrainingResumesFromTheStoreAloneAtAnotherWorldSize) {
   TempDir dir;
+  setenv("STRATA_CACHE", (dir / "cache").c_str(), 1);  // staged exports go there, not to ~/.cache
   const std::string store = s3_store_url("tiered");
   auto write_config = [&](const std::string& name, const json& j) {
     std::ofstream(dir / name) << j.dump(2);
@@ -265,6 +270,54 @@ TEST(TieredSaves, TrainingResumesFromTheStoreAloneAtAnotherWorldSize) {
   EXPECT_NE(run_strata("ckpt verify " + store, dir / "verify.out").find("OK"), std::string::npos);
   run_strata("ckpt export " + store + "/step-00000008 " + (dir / "hf").string(), dir / "export.out");
   EXPECT_TRUE(std::filesystem::exists(dir / "hf" / "model.safetensors"));
+  // And into a bucket: the same bytes, config.json among them.
+  run_strata("ckpt export " + store + "/step-00000008 " + store + "-hf", dir / "export-s3.out");
+  auto hf = so::open_object_store(store + "-hf");
+  const auto weights = hf->get_all("model.safetensors");
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(weights.data()), weights.size()),
+            read_bytes(dir / "hf" / "model.safetensors"));
+  EXPECT_TRUE(hf->head("config.json"));
+}
+
+// Fine-tuning a model that lives in a bucket, exported into one: the same bytes as the same run
+// from and to local directories.
+TEST(TieredSaves, InitFromAndExportToABucketEqualTheLocalRun) {
+  TempDir dir;
+  setenv("STRATA_CACHE", (dir / "cache").c_str(), 1);  // the model's mirror and the staged export
+  const std::string bucket_model = s3_store_url("model"), bucket_out = s3_store_url("finetuned");
+  // A Hugging Face model directory to start from: a short run's export.
+  json base = tiny_llama(2);
+  base["batch"]["micro_batch"] = 2;
+  std::ofstream(dir / "base.json") << base.dump(2);
+  run_strata("train --config " + (dir / "base.json").string() + " --export " + (dir / "model").string(), dir / "base.out");
+  offload_upload(dir / "model", bucket_model);
+  auto finetune = [&](const std::string& from, const std::string& to, const std::string& tag) {
+    json j = {{"model", {{"init_from", from}}},
+              {"data", {{"path", "/usr/share/common-licenses"}, {"format", "bytes"}, {"seq_len", 24}, {"seed", 7}}},
+              {"batch", {{"micro_batch", 2}, {"grad_accum", 1}}},
+              {"optimizer", {{"lr", 1e-3}}},
+              {"run", {{"steps", 3}, {"progress", false}, {"export", to}}}};
+    std::ofstream(dir / (tag + ".json")) << j.dump(2);
+    return run_strata("train --config " + (dir / (tag + ".json")).string(), dir / (tag + ".out"));
+  };
+  finetune((dir / "model").string(), (dir / "local-out").string(), "local");
+  const std::string out = finetune(bucket_model, bucket_out, "bucket");
+  EXPECT_NE(out.find("fetching " + bucket_model + "/model.safetensors"), std::string::npos) << out;
+  EXPECT_NE(out.find("uploaded the export to " + bucket_out), std::string::npos) << out;
+  const auto weights = so::open_object_store(bucket_out)->get_all("model.safetensors");
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(weights.data()), weights.size()),
+            read_bytes(dir / "local-out" / "model.safetensors"));
+  // An export over a non-empty bucket prefix is refused without export_overwrite; with it, a
+  // second run finds the mirror of the model current and fetches nothing.
+  const std::string cmd = std::string(STRATA_BIN) + " train --config " + (dir / "bucket.json").string() + " > " +
+                          (dir / "again.out").string() + " 2>&1";
+  EXPECT_NE(std::system(cmd.c_str()), 0);
+  const std::string again = read_bytes(dir / "again.out");
+  EXPECT_NE(again.find("already holds"), std::string::npos) << again;
+  const std::string third = run_strata("train --config " + (dir / "bucket.json").string() + " --export-overwrite",
+                                       dir / "third.out");
+  EXPECT_EQ(third.find("fetching"), std::string::npos) << third;
+  EXPECT_NE(third.find("(0 MiB fetched)"), std::string::npos) << third;
 }
 
 // SIGKILL at random moments of a run that saves, uploads and prunes every step: every checkpoint

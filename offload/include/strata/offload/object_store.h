@@ -134,6 +134,27 @@ ObjectInfo put_file(ObjectStore& store, const std::string& key, const std::strin
                     const TransferOptions& options = {},
                     const std::function<void(uint64_t)>& progress = {});
 
+// Downloads one object into the file at `path` with ranged gets of part_bytes, `concurrency` at a
+// time, written at their offsets (memory: concurrency x part_bytes), into `path`.tmp-PID first,
+// renamed onto `path` once complete. Returns the object's size.
+uint64_t get_file(ObjectStore& store, const std::string& key, const std::string& path,
+                  const TransferOptions& options = {},
+                  const std::function<void(uint64_t)>& progress = {});
+
+// Copies the objects directly under the store's root (keys without '/') into `directory`, as
+// files of the same names, skipping those whose size and etag match the last copy (recorded in
+// `directory`/.strata-mirror.json). For a Hugging Face model directory in a bucket. Returns the
+// bytes downloaded. `progress` gets (name, bytes of that object) before each download.
+uint64_t mirror_to_directory(ObjectStore& store, const std::string& directory,
+                             const TransferOptions& options = {},
+                             const std::function<void(const std::string&, uint64_t)>& progress = {});
+// Uploads the regular files directly in `directory` (not its subdirectories) under the store's
+// root, `last` (if present there) after all the others, so that a reader that waits for it sees
+// the rest. Returns the bytes uploaded.
+uint64_t upload_directory(ObjectStore& store, const std::string& directory, const std::string& last,
+                          const TransferOptions& options = {},
+                          const std::function<void(const std::string&, uint64_t)>& progress = {});
+
 // Throws ObjectStoreError(kInvalidArgument) naming the key and the rule it breaks.
 void check_object_key(std::string_view key);
 
