@@ -25,6 +25,13 @@ inline std::string cache_path(const std::string& kind, const std::string& url) {
   return base + "/" + kind + "/" + (scheme == std::string::npos ? url : url.substr(scheme + 3));
 }
 
+// Removes the regular files directly in `dir` (a staging directory of the cache), if any.
+inline void clear_directory(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    if (e.is_regular_file()) std::filesystem::remove(e.path(), ec);
+}
+
 // Refuses an export into a store prefix that already holds objects, unless `overwrite`.
 inline void check_export_store(const std::string& url, bool overwrite, const std::string& hint) {
   const auto there = offload::open_object_store(url)->list("");

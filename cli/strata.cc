@@ -348,8 +348,10 @@ std::filesystem::path checkpoint_arg(const std::string& arg) {
     try {
       strata::engine::read_checkpoint_meta(arg);
       return arg;
+    } catch (const strata::offload::ObjectStoreError&) {
+      throw;  // the store itself failed (credentials, network): say so
     } catch (const std::runtime_error&) {
-      // not a checkpoint: perhaps the store holding them
+      // not a committed checkpoint: perhaps the store holding them
     }
     if (auto newest = strata::engine::newest_stored_checkpoint(arg)) return *newest;
     throw std::runtime_error(arg + " is neither a committed checkpoint nor an object store holding one");

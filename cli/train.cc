@@ -468,6 +468,7 @@ int run_training(const std::vector<std::string>& argv) {
     export_store = tc.export_dir;
     tc.export_dir = cache_path("exports", export_store);
     tc.export_overwrite = true;  // the staging directory is the cache's
+    clear_directory(tc.export_dir);  // nothing of an earlier staged export is uploaded again
   }
   if (!tc.export_dir.empty()) {
     models::ExportDirectory::check(tc.export_dir, tc.export_overwrite, kExportOverwriteHint);
@@ -495,17 +496,18 @@ int run_training(const std::vector<std::string>& argv) {
     _exit(1);
   });
   const bool lead = comm->rank() == 0;
-  if (resume_dir) {
+  {
     // Every rank chose on its own; a store that lags behind its writes could show them different
-    // newest checkpoints. Same string on every rank: max(h) == -max(-h).
-    const int64_t h = int64_t(std::hash<std::string>{}(resume_dir->string()) >> 1);
+    // newest checkpoints (or some of them none). Same string on every rank: max(h) == -max(-h).
+    // Every rank takes part, whatever it chose.
+    const int64_t h = int64_t(std::hash<std::string>{}(resume_dir ? resume_dir->string() : std::string()) >> 1);
     at::Tensor both = at::empty({2}, at::kLong);
     both[0] = h;
     both[1] = -h;
     comm->all_reduce(both, engine::ReduceOp::kMax);
     if (both[0].item<int64_t>() != -both[1].item<int64_t>())
       throw std::runtime_error("the ranks chose different checkpoints to resume from (this rank: " +
-                               resume_dir->string() +
+                               (resume_dir ? resume_dir->string() : std::string("none, a fresh start")) +
                                "); the checkpoint store shows them different newest checkpoints: try again, "
                                "or name one with --resume-from");
   }
@@ -608,8 +610,15 @@ int run_training(const std::vector<std::string>& argv) {
                 << " MiB from this rank in " << uploader->last_seconds() << " s)\n";
       if (!uploader->last_warning().empty()) std::cerr << "strata train: warning: " << uploader->last_warning() << "\n";
     }
-    if (tc.keep_uploaded_checkpoints > 0)
-      engine::prune_stored_checkpoints(*comm, tc.checkpoint_upload, size_t(tc.keep_uploaded_checkpoints));
+    if (tc.keep_uploaded_checkpoints > 0) {
+      try {  // collective: every rank gets the same outcome
+        engine::prune_stored_checkpoints(*comm, tc.checkpoint_upload, size_t(tc.keep_uploaded_checkpoints));
+      } catch (const engine::CommError&) {
+        throw;
+      } catch (const std::exception& e) {
+        if (lead) std::cerr << "strata train: warning: " << e.what() << " (training goes on)\n";
+      }
+    }
   };
   auto committed = [&](const std::optional<std::filesystem::path>& dir) {
     if (!dir) return;
@@ -891,9 +900,12 @@ int run_training(const std::vector<std::string>& argv) {
     const bool keep = !tc.checkpoint_dir.empty() && steps_done > saved_through;
     if (keep) save(steps_done, /*synchronous=*/true);
   }
+  bool final_upload_failed = false;
   if (uploader && uploader->in_flight()) {
     if (lead) std::cerr << "strata train: waiting for the upload to " << uploader->store_url() << "\n";
-    uploaded(uploader->finish());
+    const auto url = uploader->finish();
+    uploaded(url);
+    final_upload_failed = !url;  // the last checkpoint is only local: the run does not end well
   }
   if (stopped_by != 0) {
     if (lead) {
@@ -918,6 +930,10 @@ int run_training(const std::vector<std::string>& argv) {
   if (!tc.export_dir.empty() && stopped_by == 0) export_model(tc.export_dir, tc.export_overwrite);
   comm->barrier();
   agreed_stop = stopped_by;
+  if (stopped_by == 0 && final_upload_failed) {
+    if (lead) std::cerr << "strata train: error: the last checkpoint did not reach " << tc.checkpoint_upload << "\n";
+    return 1;
+  }
   return stopped_by == 0 ? 0 : 128 + stopped_by;
 }
 

@@ -146,9 +146,13 @@ class FileStore final : public ObjectStore {
   void put(const std::string& key, std::span<const std::byte> data) override {
     const std::string path = path_of(key);
     const std::string tmp = write_temporary(data);
-    make_parents(key);
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    // A concurrent remove may take the parent directory away between making it and the rename:
+    // make it again.
+    for (int attempt = 0;; ++attempt) {
+      make_parents(key);
+      if (::rename(tmp.c_str(), path.c_str()) == 0) break;
       const int error = errno;
+      if (error == ENOENT && attempt < 3) continue;
       ::unlink(tmp.c_str());
       fail(error, "put (rename onto)", path);
     }
@@ -158,9 +162,13 @@ class FileStore final : public ObjectStore {
   bool put_if_absent(const std::string& key, std::span<const std::byte> data) override {
     const std::string path = path_of(key);
     const std::string tmp = write_temporary(data);
-    make_parents(key);
-    const int rc = ::link(tmp.c_str(), path.c_str());
-    const int error = errno;
+    int rc = -1, error = 0;
+    for (int attempt = 0; attempt < 4; ++attempt) {  // as in put: a concurrent remove's rmdir
+      make_parents(key);
+      rc = ::link(tmp.c_str(), path.c_str());
+      error = errno;
+      if (rc == 0 || error != ENOENT) break;
+    }
     ::unlink(tmp.c_str());
     if (rc != 0) {
       if (error == EEXIST) return false;

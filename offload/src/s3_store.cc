@@ -68,7 +68,10 @@ struct Response {
   int status = 0;
   Headers headers;  // lower-case names
   std::string body;
-  int attempts = 1;
+  bool body_in_destination = false;  // a 200/206 body went straight into the caller's buffer
+  // An earlier send of this request may have reached the server (its answer was lost): a
+  // conditional request's "precondition failed" may then be its own earlier success.
+  bool repeated = false;
   std::string header(const char* name) const {
     const auto it = headers.find(name);
     return it == headers.end() ? "" : it->second;
@@ -152,12 +155,33 @@ bool run_with_deadline(Connection& c, std::chrono::milliseconds timeout, Start s
   return timed_out;
 }
 
+// The answer as exchange_on read it: a body of exactly `into.size()` bytes with status 200 or
+// 206 is parsed straight into `into` (one copy out of Beast's buffer instead of three); any
+// other body (an error's XML, a listing) into `text`.
+struct Answer {
+  http::response_parser<http::empty_body> header;
+  std::optional<http::response_parser<http::span_body<char>>> into_destination;
+  std::optional<http::response_parser<http::string_body>> into_text;
+  const http::response_header<>& message() const {
+    if (into_destination) return into_destination->get().base();
+    if (into_text) return into_text->get().base();
+    return header.get().base();
+  }
+  bool keep_alive() const {
+    if (into_destination) return into_destination->keep_alive();
+    if (into_text) return into_text->keep_alive();
+    return header.keep_alive();
+  }
+};
+
 template <class Stream>
 beast::error_code exchange_on(Connection& c, Stream& stream,
-                              http::request<http::span_body<const char>>& request,
-                              http::response_parser<http::string_body>& parser,
-                              std::chrono::milliseconds timeout, bool* got_bytes) {
+                              http::request<http::span_body<const char>>& request, Answer& answer,
+                              std::span<std::byte> into, std::chrono::milliseconds timeout, bool* got_bytes) {
+  constexpr uint64_t kNoLimit = std::numeric_limits<std::uint64_t>::max();  // boost::none is broken in 1.74
   beast::error_code result;
+  answer.header.body_limit(kNoLimit);
+  if (request.method() == http::verb::head) answer.header.skip(true);
   const bool timed_out = run_with_deadline(c, timeout, [&](auto done) {
     http::async_write(stream, request, [&, done](beast::error_code ec, size_t) {
       if (ec) {
@@ -165,10 +189,29 @@ beast::error_code exchange_on(Connection& c, Stream& stream,
         done();
         return;
       }
-      http::async_read(stream, c.buffer, parser, [&, done](beast::error_code ec2, size_t bytes) {
-        result = ec2;
-        *got_bytes = bytes > 0 || parser.got_some();
-        done();
+      http::async_read_header(stream, c.buffer, answer.header, [&, done](beast::error_code ec2, size_t) {
+        *got_bytes = answer.header.got_some();
+        if (ec2 || answer.header.is_done()) {
+          result = ec2;
+          done();
+          return;
+        }
+        const int status = static_cast<int>(answer.header.get().result_int());
+        const auto length = answer.header.content_length();
+        const auto finish = [&, done](beast::error_code ec3, size_t) {
+          result = ec3;
+          done();
+        };
+        if (!into.empty() && (status == 200 || status == 206) && length && *length == into.size()) {
+          answer.into_destination.emplace(std::move(answer.header));
+          answer.into_destination->body_limit(kNoLimit);
+          answer.into_destination->get().body() = {reinterpret_cast<char*>(into.data()), into.size()};
+          http::async_read(stream, c.buffer, *answer.into_destination, finish);
+        } else {
+          answer.into_text.emplace(std::move(answer.header));
+          answer.into_text->body_limit(kNoLimit);
+          http::async_read(stream, c.buffer, *answer.into_text, finish);
+        }
       });
     });
   });
@@ -202,10 +245,17 @@ class HttpPool {
     }
   }
 
+  // After the server closed one idle connection it has likely closed the others too.
+  void drop_idle() {
+    std::lock_guard lock(mu_);
+    idle_.clear();
+  }
+
   // One attempt: sends the request and reads the whole answer. Throws TransportError.
   // `reused` tells whether a pooled connection carried it.
   Response exchange(const std::string& method, const std::string& host, const std::string& target,
-                    const Headers& headers, std::span<const std::byte> body, bool* reused) {
+                    const Headers& headers, std::span<const std::byte> body, bool* reused,
+                    std::span<std::byte> into = {}) {
     std::unique_ptr<Connection> c = take(reused);
     if (!c) c = connect(host);
     http::request<http::span_body<const char>> request;
@@ -221,30 +271,30 @@ class HttpPool {
     }
     request.keep_alive(options_.reuse_connections);
 
-    http::response_parser<http::string_body> parser;
-    parser.body_limit(std::numeric_limits<std::uint64_t>::max());  // boost::none is broken in 1.74
-    if (method == "HEAD") parser.skip(true);
+    Answer answer;
     bool got_bytes = false;
     const beast::error_code ec =
-        c->tls ? exchange_on(*c, *c->tls, request, parser, options_.request_timeout, &got_bytes)
-               : exchange_on(*c, *c->socket, request, parser, options_.request_timeout, &got_bytes);
+        c->tls ? exchange_on(*c, *c->tls, request, answer, into, options_.request_timeout, &got_bytes)
+               : exchange_on(*c, *c->socket, request, answer, into, options_.request_timeout, &got_bytes);
     if (ec) {
       const std::string what = ec == beast::error::timeout
                                    ? "no answer within " +
                                          std::to_string(options_.request_timeout.count()) + " ms"
                                    : ec.message();
-      throw TransportError{method + " to " + host + ": " + what, !got_bytes};
+      // A timeout is never "nothing happened": the server may have acted on the request.
+      throw TransportError{method + " to " + host + ": " + what, !got_bytes && ec != beast::error::timeout};
     }
     Response response;
-    const auto& message = parser.get();
+    const auto& message = answer.message();
     response.status = static_cast<int>(message.result_int());
     for (const auto& field : message) {
       std::string name(field.name_string());
       std::transform(name.begin(), name.end(), name.begin(), ::tolower);
       response.headers[name] = std::string(field.value());
     }
-    response.body = std::move(parser.release().body());
-    if (options_.reuse_connections && message.keep_alive()) {
+    response.body_in_destination = answer.into_destination.has_value();
+    if (answer.into_text) response.body = std::move(answer.into_text->get().body());
+    if (options_.reuse_connections && answer.keep_alive()) {
       c->buffer.clear();
       give_back(std::move(c));
     }
@@ -304,7 +354,8 @@ class HttpPool {
       if (handshake_timed_out) ec = beast::error::timeout;
       if (ec) {
         // A certificate that does not verify will not verify on a retry either.
-        const bool refused = ec.category() == asio::error::get_ssl_category();
+        const bool refused = ec.category() == asio::error::get_ssl_category() &&
+                             SSL_get_verify_result(c->tls->native_handle()) != X509_V_OK;
         throw TransportError{"TLS handshake with " + host + ": " + ec.message() +
                                  (refused ? " (the server's certificate is not trusted: AWS_CA_BUNDLE names the CAs to trust)" : ""),
                              true, refused};
@@ -444,7 +495,7 @@ class S3Store final : public ObjectStore {
         send("PutObject", key, "PUT", object_path(key), {}, {{"If-None-Match", "*"}}, data);
     if (r.status == 200) return true;
     if (r.status != 412) expect(r, {200}, "PutObject (create-only)", key);
-    if (r.attempts == 1) return false;
+    if (!r.repeated) return false;
     // A retried create-only write: the earlier attempt may have been the one that created it.
     const auto info = head(key);
     if (!info || info->size != data.size()) return false;
@@ -472,9 +523,14 @@ class S3Store final : public ObjectStore {
     }
     const std::string range =
         "bytes=" + std::to_string(offset) + "-" + std::to_string(offset + out.size() - 1);
-    const Response r = send("GetObject", key, "GET", object_path(key), {}, {{"Range", range}}, {});
+    const Response r = send("GetObject", key, "GET", object_path(key), {}, {{"Range", range}}, {}, false, out);
     if (r.status == 416) past_end(key, offset, out.size(), total_of(r.header("content-range")));
     expect(r, {200, 206}, "GetObject", key);
+    if (r.body_in_destination) {
+      // A whole object (200) is only right when the range was all of it from the start.
+      if (r.status == 200 && offset != 0) past_end(key, offset, out.size(), total_of(r.header("content-range")));
+      return;
+    }
     if (r.body.size() != out.size() || (r.status == 200 && offset != 0)) {
       past_end(key, offset, out.size(), total_of(r.header("content-range")));
     }
@@ -536,10 +592,11 @@ class S3Store final : public ObjectStore {
 
   // Sends with retries; returns the final answer (whatever its status) unless every attempt
   // failed to get one or the last one was a retryable error. A 200 whose body is an <Error>
-  // (S3 does that for CompleteMultipartUpload) counts as that error when `error_in_body`.
+  // (S3 does that for CompleteMultipartUpload) counts as that error when `error_in_body`. A
+  // 200/206 body of exactly `into.size()` bytes goes into `into` (Response::body_in_destination).
   Response send(const char* op, const std::string& key, const std::string& method,
                 const std::string& path, const Query& query, const Headers& headers,
-                std::span<const std::byte> body, bool error_in_body = false) {
+                std::span<const std::byte> body, bool error_in_body = false, std::span<std::byte> into = {}) {
     const std::string host = virtual_hosted_ ? bucket_ + "." + host_header() : host_header();
     std::string target = s3_uri_encode(path, true);
     for (size_t i = 0; i < query.size(); ++i) {
@@ -550,37 +607,49 @@ class S3Store final : public ObjectStore {
                                          ? "UNSIGNED-PAYLOAD"
                                          : sha256_hex(body.data(), body.size());
     std::string last_error;
+    int last_status = 0;
+    S3ErrorInfo last_info;
     bool resent_stale = false;
+    int sends = 0;
     for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
       if (attempt > 0) std::this_thread::sleep_for(backoff(options_, attempt - 1));
       S3Request request{method, host, path, query, headers, payload_hash};
       s3_sign(request, options_.credentials, options_.region, s3_amz_date_now());
       bool reused = false;
       try {
-        Response r = pool_.exchange(method, host, target, request.headers, body, &reused);
-        r.attempts = attempt + 1;
+        ++sends;
+        Response r = pool_.exchange(method, host, target, request.headers, body, &reused, into);
+        r.repeated = sends > 1;
         S3ErrorInfo info;
         const bool body_error = error_in_body && r.status == 200 &&
                                 r.body.find("<Error>") != std::string::npos;
         if (r.status >= 300 || body_error) info = error_info(r);
         if (!retryable(body_error ? 500 : r.status, info.code)) return r;
         last_error = describe_status(r, info);
+        last_status = r.status;
+        last_info = info;
       } catch (const TransportError& e) {
         if (e.permanent) {
           throw ObjectStoreError(Kind::kAccessDenied, std::string(op) + " " + url_of(key) + ": " + e.message);
         }
-        // A keep-alive connection the server had closed: resend once, not an attempt.
+        // A keep-alive connection the server had closed before this request reached it: resend
+        // once on a new connection, not counted as an attempt (and drop the other idle ones).
         if (reused && e.before_response && !resent_stale) {
           resent_stale = true;
+          pool_.drop_idle();
+          --sends;
           --attempt;
           continue;
         }
         last_error = e.message;
+        last_status = 0;
+        last_info = {};
       }
     }
     throw ObjectStoreError(Kind::kUnavailable,
                            std::string(op) + " " + url_of(key) + ": failed after " +
-                               std::to_string(options_.max_attempts) + " attempts; last: " + last_error);
+                               std::to_string(options_.max_attempts) + " attempts; last: " + last_error,
+                           last_status, last_info.code, last_info.request_id);
   }
 
   [[noreturn]] void fail_status(const Response& r, const char* op, const std::string& key) const {
@@ -687,7 +756,7 @@ ObjectInfo S3Upload::complete() {
   const Response r = store_.send("CompleteMultipartUpload", key_, "POST", store_.object_path(key_),
                                  {{"uploadId", upload_id_}}, {{"Content-Type", "application/xml"}},
                                  std::as_bytes(std::span(xml)), /*error_in_body=*/true);
-  if (r.status == 404 && r.attempts > 1 && error_info(r).code == "NoSuchUpload") {
+  if (r.status == 404 && r.repeated && error_info(r).code == "NoSuchUpload") {
     // The answer to an earlier attempt was lost; the upload completed then if the object is there.
     if (auto info = store_.head(key_); info && info->size == total) {
       finished_ = true;

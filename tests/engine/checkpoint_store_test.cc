@@ -101,6 +101,17 @@ TEST(StoredCheckpoint, ANameSavedAgainReplacesTheStoredCheckpointWhole) {
   a.save(dir / "first", "step-x");
   up.start(dir / "first" / "step-x");
   ASSERT_TRUE(up.finish()) << up.last_error();
+  const auto first = a.params();
+  // A replacement whose upload fails leaves the stored one committed and whole.
+  a.save(dir / "broken", "step-x");
+  std::filesystem::remove(dir / "broken" / "step-x" / "rank-00000.data");
+  up.start(dir / "broken" / "step-x");
+  EXPECT_FALSE(up.finish());
+  {
+    Trainer c(tc);
+    c.load(store_url + "/step-x");
+    expect_bitwise(c.params(), first);
+  }
   a.train(2, run);
   a.save(dir / "second", "step-x");
   up.start(dir / "second" / "step-x");

@@ -198,9 +198,13 @@ class FaultProxy {
     ::shutdown(listener_, SHUT_RDWR);
     ::close(listener_);
     acceptor_.join();
-    std::lock_guard lock(mu_);
-    for (int fd : hanging_) ::shutdown(fd, SHUT_RDWR);
-    for (auto& t : workers_) t.join();
+    std::vector<std::thread> workers;
+    {
+      std::lock_guard lock(mu_);  // not held while joining: a worker takes it on its way out
+      for (int fd : hanging_) ::shutdown(fd, SHUT_RDWR);
+      workers.swap(workers_);
+    }
+    for (auto& t : workers) t.join();
   }
   int port() const { return port_; }
   int connections() const { return count_.load(); }

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <stdexcept>
@@ -39,7 +40,16 @@ void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window)
   std::atomic<size_t> next{0};
   std::mutex mu;
   std::string error;
+  std::function<void()> read_loop;
   auto worker = [&] {
+    try {
+      read_loop();
+    } catch (const std::exception& e) {  // a malformed chunk entry, no memory: not on a thread's exit
+      std::lock_guard lock(mu);
+      if (error.empty()) error = "checkpoint " + dir_.string() + ": " + e.what();
+    }
+  };
+  read_loop = [&] {
     for (;;) {
       const size_t i = next.fetch_add(1);
       if (i >= batch.size()) return;

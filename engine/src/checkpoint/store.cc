@@ -111,18 +111,6 @@ void CheckpointUploader::start(const fs::path& dir_arg) {
   p->dir = dir;
   p->name = dir.filename().string();
   p->save_id = random_save_id(comm_);
-  if (comm_.rank() == 0) {
-    // Un-commit a checkpoint of the same name before any new data goes up (its data objects are
-    // deleted once the new manifest is in).
-    try {
-      if (auto old = stored_manifest(*store_, p->name)) {
-        p->replaced_save_id = (*old)["store"]["save_id"].get<std::string>();
-        store_->remove(manifest_key(p->name));
-      }
-    } catch (const std::exception& e) {
-      p->error = std::string("cannot un-commit the stored checkpoint of the same name: ") + e.what();
-    }
-  }
   Pending* raw = p.get();
   p->thread = std::thread([this, raw] {
     const auto t0 = std::chrono::steady_clock::now();
@@ -171,6 +159,13 @@ std::optional<std::string> CheckpointUploader::complete(bool wait) {
       json m = read_manifest(p->dir);
       m["store"] = {{"save_id", p->save_id}, {"uploaded_from", p->dir.string()}};
       const std::string text = m.dump(1);
+      // A stored checkpoint of the same name (a run resumed from an older one) stays committed
+      // until now, when its replacement's data is all there: its manifest goes, then the new one
+      // comes, then its data objects go.
+      if (auto old = stored_manifest(*store_, p->name)) {
+        p->replaced_save_id = (*old)["store"]["save_id"].get<std::string>();
+        store_->remove(manifest_key(p->name));
+      }
       if (!store_->put_if_absent(manifest_key(p->name), std::as_bytes(std::span(text))))
         throw std::runtime_error("a manifest of " + p->name +
                                  " appeared in the store meanwhile (does another run write to it?)");

@@ -5,7 +5,7 @@
 //   <name>/<save id>/rank-RRRRR.data   rank R's data file, uploaded by rank R from its own disk;
 //                                      the save id (16 hex digits) is new for every upload, so
 //                                      these objects are immutable and never overwritten
-//   <name>/manifest.json               the local manifest plus {"store": {"save_id", "data"}},
+//   <name>/manifest.json               the local manifest plus {"store": {"save_id", "uploaded_from"}},
 //                                      written last, by rank 0, create-only: the commit point
 //   latest                             a hint: the name rank 0 committed last
 // A checkpoint there is addressed as "<store URL>/<name>"; load_checkpoint, verify_checkpoint,
@@ -15,9 +15,10 @@
 // What a reader may see and what it does (the protocol, docs/FORMATS.md):
 //   - a manifest is there only once every rank's data object was completed, so a checkpoint with
 //     a manifest is whole; a name without one is never loaded;
-//   - manifests are never overwritten in place: a name saved again is un-committed (its manifest
-//     deleted) before the new upload starts, and the new manifest names its own save id, so a
-//     stale read shows either the old checkpoint whole (its own data, checked by CRC) or none;
+//   - manifests are never overwritten in place: a name saved again stays committed while the new
+//     data goes up; at the commit its manifest is deleted, then the new one (naming its own save
+//     id) is created, then the old data goes, so a stale read shows either the old checkpoint
+//     whole (its own data, checked by CRC), the new one whole, or none;
 //   - the newest checkpoint is the newest name among those the listing shows and the one the
 //     `latest` hint names, whose manifest reads back: a listing that misses new keys or a stale
 //     hint can make it an older committed checkpoint, never an uncommitted or mixed one;
@@ -47,8 +48,7 @@ class CheckpointUploader {
   ~CheckpointUploader();  // waits for this rank's upload thread; commits nothing
 
   // Collective: starts uploading the committed local checkpoint directory `dir` (every rank its
-  // own data file), finishing an upload in flight first. Blocks only to agree on a save id and,
-  // on rank 0, to un-commit an earlier checkpoint of the same name in the store.
+  // own data file), finishing an upload in flight first. Blocks only to agree on a save id.
   void start(const std::filesystem::path& dir);
   // Collective, at the same point of every step: when every rank's upload is done, rank 0 writes
   // the manifest and the hint; returns the committed checkpoint's URL then. A failed upload
