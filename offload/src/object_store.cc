@@ -17,6 +17,7 @@
 #include <mutex>
 #include <thread>
 
+#include "strata/offload/parallel.h"
 #include "strata/offload/s3.h"
 
 namespace strata::offload {
@@ -26,36 +27,6 @@ namespace {
 [[noreturn]] void bad_key(std::string_view key, const char* rule) {
   throw ObjectStoreError(ObjectStoreError::Kind::kInvalidArgument,
                          "bad object key '" + std::string(key) + "': " + rule);
-}
-
-// Runs body(i) for i in [0, count) on up to `concurrency` threads (the caller's among them);
-// the first exception stops the others from taking new work and is rethrown.
-template <class Body>
-void run_parallel(size_t count, int concurrency, Body body) {
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::exception_ptr error;
-  std::mutex error_mu;
-  auto worker = [&] {
-    for (;;) {
-      const size_t i = next.fetch_add(1);
-      if (i >= count || failed.load()) return;
-      try {
-        body(i);
-      } catch (...) {
-        std::lock_guard lock(error_mu);
-        if (!error) error = std::current_exception();
-        failed = true;
-        return;
-      }
-    }
-  };
-  const size_t threads = std::min<size_t>(count, static_cast<size_t>(std::max(1, concurrency)));
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace

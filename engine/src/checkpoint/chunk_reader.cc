@@ -1,16 +1,14 @@
 #include "checkpoint/chunk_reader.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <deque>
-#include <functional>
-#include <mutex>
 #include <span>
 #include <stdexcept>
 #include <thread>
 
 #include "strata/offload/crc32c.h"
+#include "strata/offload/parallel.h"
 
 namespace strata::engine::ckpt {
 
@@ -37,60 +35,33 @@ offload::File& ChunkReader::file(const json& chunk) {
 }
 
 void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window) {
-  std::atomic<size_t> next{0};
-  std::mutex mu;
-  std::string error;
-  std::function<void()> read_loop;
-  auto worker = [&] {
+  const int threads = int(std::min<size_t>(std::max<size_t>(window, 1), 16));
+  offload::run_parallel(batch.size(), threads, [&](size_t i) {
+    const json& c = *batch[i].chunk;
     try {
-      read_loop();
-    } catch (const std::exception& e) {  // a malformed chunk entry, no memory: not on a thread's exit
-      std::lock_guard lock(mu);
-      if (error.empty()) error = "checkpoint " + dir_.string() + ": " + e.what();
-    }
-  };
-  read_loop = [&] {
-    for (;;) {
-      const size_t i = next.fetch_add(1);
-      if (i >= batch.size()) return;
-      {
-        std::lock_guard lock(mu);
-        if (!error.empty()) return;
-      }
-      const json& c = *batch[i].chunk;
       const uint64_t bytes = c["numel"].get<uint64_t>() * 4;
       const std::string key = object_name_ + "/" + data_prefix_ + c["file"].get<std::string>();
-      std::string failure;
       for (int attempt = 0;; ++attempt) {
         try {
           store_->get(key, c["offset"].get<uint64_t>(), {reinterpret_cast<std::byte*>(batch[i].dst), bytes});
-          if (offload::crc32c(batch[i].dst, bytes) != c["crc32c"].get<uint32_t>())
-            failure = "checkpoint " + dir_.string() + ": chunk " + chunk_name(c, units_) + " is corrupt (CRC32C mismatch)";
           break;
         } catch (const offload::ObjectStoreError& e) {
           // The manifest commits only after every data object was uploaded: a missing one is a
           // store that lags (retried), or data deleted since (an error after the retries).
-          if (e.kind() == offload::ObjectStoreError::Kind::kNotFound && attempt < 4) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(250 << attempt));
-            continue;
-          }
-          failure = "checkpoint " + dir_.string() + ": cannot read chunk " + chunk_name(c, units_) + ": " + e.what();
-          break;
+          if (e.kind() != offload::ObjectStoreError::Kind::kNotFound || attempt >= 4) throw;
+          std::this_thread::sleep_for(std::chrono::milliseconds(250 << attempt));
         }
       }
-      if (!failure.empty()) {
-        std::lock_guard lock(mu);
-        if (error.empty()) error = failure;
-        return;
-      }
+      if (offload::crc32c(batch[i].dst, bytes) != c["crc32c"].get<uint32_t>())
+        throw std::runtime_error("checkpoint " + dir_.string() + ": chunk " + chunk_name(c, units_) +
+                                 " is corrupt (CRC32C mismatch)");
+    } catch (const offload::ObjectStoreError& e) {
+      throw std::runtime_error("checkpoint " + dir_.string() + ": cannot read chunk " + chunk_name(c, units_) + ": " +
+                               e.what());
+    } catch (const json::exception& e) {  // a malformed chunk entry
+      throw std::runtime_error("checkpoint " + dir_.string() + ": " + e.what());
     }
-  };
-  const size_t threads = std::min<size_t>({std::max<size_t>(window, 1), batch.size(), 16});
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
-  if (!error.empty()) throw std::runtime_error(error);
+  });
 }
 
 void ChunkReader::read(const std::vector<Request>& batch, size_t window) {

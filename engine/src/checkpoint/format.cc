@@ -121,19 +121,24 @@ json parse_manifest(const std::string& text, const std::string& where) {
   return m;
 }
 
+std::optional<json> read_stored_manifest(offload::ObjectStore& store, const std::string& name) {
+  const std::string key = stored_manifest_key(name);
+  std::vector<std::byte> bytes;
+  try {
+    bytes = store.get_all(key);
+  } catch (const offload::ObjectStoreError& e) {
+    if (e.kind() == offload::ObjectStoreError::Kind::kNotFound) return std::nullopt;
+    throw;
+  }
+  return parse_manifest(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()), store.url_of(key));
+}
+
 json read_manifest(const fs::path& dir) {
   if (is_object_location(dir)) {
     ObjectLocation at = open_object_location(dir);
-    std::vector<std::byte> bytes;
-    try {
-      bytes = at.store->get_all(at.name + "/manifest.json");
-    } catch (const offload::ObjectStoreError& e) {
-      if (e.kind() != offload::ObjectStoreError::Kind::kNotFound) throw;
-      throw std::runtime_error("checkpoint " + dir.string() +
-                               " has no manifest.json: it was never committed (or is not a checkpoint)");
-    }
-    return parse_manifest(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
-                          dir.string() + "/manifest.json");
+    if (auto m = read_stored_manifest(*at.store, at.name)) return std::move(*m);
+    throw std::runtime_error("checkpoint " + dir.string() +
+                             " has no manifest.json: it was never committed (or is not a checkpoint)");
   }
   const fs::path manifest_path = dir / "manifest.json";
   if (!fs::exists(manifest_path))

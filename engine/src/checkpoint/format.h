@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "strata/engine/partition.h"
@@ -65,6 +66,11 @@ std::string data_prefix(const json& manifest);
 // The manifest of a committed checkpoint; throws naming what is wrong (never committed, not
 // JSON, another format).
 json read_manifest(const fs::path& dir);
+// The key of checkpoint `name`'s manifest in an object store.
+inline std::string stored_manifest_key(const std::string& name) { return name + "/manifest.json"; }
+// The manifest of checkpoint `name` in an object store: nullopt when it is not there (never
+// committed, or not visible yet); throws like read_manifest for one that is not a manifest.
+std::optional<json> read_stored_manifest(offload::ObjectStore& store, const std::string& name);
 // Parses and checks a manifest's text (`where` names it in errors).
 json parse_manifest(const std::string& text, const std::string& where);
 // Index of a chunk's state kind; throws for an unknown one.

@@ -25,25 +25,15 @@ namespace {
 
 constexpr const char* kHintKey = "latest";
 
-std::string manifest_key(const std::string& name) { return name + "/manifest.json"; }
-
 std::string text_of(const std::vector<std::byte>& bytes) {
   return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
 }
 
-// The manifest of `name` in the store, or nullopt when it is not there (not committed, or not
-// visible yet). A manifest that is there but is not one is an error.
+// The manifest of `name` in the store (read_stored_manifest), checked to be an upload's.
 std::optional<json> stored_manifest(offload::ObjectStore& store, const std::string& name) {
-  std::vector<std::byte> bytes;
-  try {
-    bytes = store.get_all(manifest_key(name));
-  } catch (const ObjectStoreError& e) {
-    if (e.kind() == ObjectStoreError::Kind::kNotFound) return std::nullopt;
-    throw;
-  }
-  json m = parse_manifest(text_of(bytes), store.url_of(manifest_key(name)));
-  if (!m.contains("store") || !m["store"].contains("save_id"))
-    throw std::runtime_error("checkpoint " + store.url_of(manifest_key(name)) +
+  std::optional<json> m = read_stored_manifest(store, name);
+  if (m && (!m->contains("store") || !(*m)["store"].contains("save_id")))
+    throw std::runtime_error("checkpoint " + store.url_of(stored_manifest_key(name)) +
                              ": a manifest without a save id (not written by an upload)");
   return m;
 }
@@ -53,7 +43,8 @@ std::set<std::string> candidate_names(offload::ObjectStore& store) {
   std::set<std::string> names;
   for (const offload::ObjectInfo& o : store.list("")) {
     const size_t slash = o.key.find('/');
-    if (slash != std::string::npos && o.key.substr(slash) == "/manifest.json") names.insert(o.key.substr(0, slash));
+    if (slash != std::string::npos && o.key == stored_manifest_key(o.key.substr(0, slash)))
+      names.insert(o.key.substr(0, slash));
   }
   try {
     std::string hint = text_of(store.get_all(kHintKey));
@@ -164,9 +155,9 @@ std::optional<std::string> CheckpointUploader::complete(bool wait) {
       // comes, then its data objects go.
       if (auto old = stored_manifest(*store_, p->name)) {
         p->replaced_save_id = (*old)["store"]["save_id"].get<std::string>();
-        store_->remove(manifest_key(p->name));
+        store_->remove(stored_manifest_key(p->name));
       }
-      if (!store_->put_if_absent(manifest_key(p->name), std::as_bytes(std::span(text))))
+      if (!store_->put_if_absent(stored_manifest_key(p->name), std::as_bytes(std::span(text))))
         throw std::runtime_error("a manifest of " + p->name +
                                  " appeared in the store meanwhile (does another run write to it?)");
       committed = true;  // the commit point: what follows only tidies up
@@ -217,7 +208,7 @@ void prune_stored_checkpoints(Communicator& comm, const std::string& store_url, 
       const std::vector<std::string> names = stored_checkpoints(store_url);
       keep = std::max<size_t>(keep, 1);
       for (size_t i = 0; i + keep < names.size(); ++i) {
-        store->remove(manifest_key(names[i]));  // un-committed first
+        store->remove(stored_manifest_key(names[i]));  // un-committed first
         remove_prefix(*store, names[i] + "/");
       }
     } catch (const std::exception& e) {
