@@ -23,15 +23,6 @@ StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t comput
   return need;
 }
 
-namespace {
-
-struct TierBytes {
-  uint64_t device = 0, host = 0, swap = 0;
-};
-
-// This rank's state bytes in each tier under `p`, as StateStore::placement will place them:
-// gradients not stored count as their host buffers (or, for the device share's units, on the
-// device).
 TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t compute_bytes) {
   TierBytes b;
   b.host = p.grads_transient ? need.grad_buffers : 0;
@@ -44,8 +35,6 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
     }
   return b;
 }
-
-}  // namespace
 
 uint64_t resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
                             const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree) {

@@ -44,6 +44,14 @@ struct Resolved {
 // gradient buffers of the largest shard for gradients that are not stored.
 StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t compute_bytes, size_t transient_buffers);
 
+// This rank's state bytes in each tier under `p`, as StateStore::placement will place them:
+// gradients not stored count as their host buffers (or, for the device share's units, on the
+// device).
+struct TierBytes {
+  uint64_t device = 0, host = 0, swap = 0;
+};
+TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t compute_bytes);
+
 // The head's logits tiles: the configured count, or for "auto" the fewest for which `base` (the
 // state the configuration puts on the device explicitly) plus the working set under `choice` (the
 // configuration's explicit choices, the leanest automatic ones) fits `usable` (every count up to

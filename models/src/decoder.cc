@@ -1,4 +1,5 @@
 #include "strata/models/decoder.h"
+#include "strata/models/model_shapes.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -264,21 +265,7 @@ Decoder::Decoder(const ModelConfig& config, uint64_t seed, Init init) : config_(
   if (init == Init::kNow) initialize_through(blocks_.size() + 1);
 }
 
-uint64_t Decoder::block_graph_bytes_per_token(size_t e) const {
-  const uint64_t d = uint64_t(config_.hidden), f = uint64_t(config_.intermediate),
-                 q = uint64_t(config_.heads * config_.head_dim), kv = uint64_t(config_.kv_heads * config_.head_dim),
-                 heads = uint64_t(config_.heads);
-  const uint64_t lse = 4 * heads;  // the attention's fp32 log-sum-exp
-  if (config_.arch == Arch::kGpt2) {
-    // input and ln_1 out, qkv, attention out and its merged copy, the residual and ln_2 out, the
-    // MLP's up projection and gelu out; fp32 mean and rstd of both norms.
-    return e * (9 * d + 2 * f) + lse + 4 * 4;
-  }
-  // input, norm outs, residual; q and k before and after their rotation; the attention's q, k, v
-  // (repeated for GQA) and out, the merged copy; gate, silu, up and their product; the norms'
-  // fp32 copies of their inputs when computing in lower precision.
-  return e * (4 * d + 7 * q + 2 * kv + 4 * f) + (e < 4 ? 2 * 4 * d : 0) + lse + 2 * 4;
-}
+uint64_t Decoder::block_graph_bytes_per_token(size_t e) const { return models::block_graph_bytes_per_token(config_, e); }
 
 void Decoder::initialize_through(size_t stage) {
   const std::vector<Stage*> all = stages();

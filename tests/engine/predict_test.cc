@@ -1,0 +1,140 @@
+// predict_state (what `strata plan` says Strata would decide and hold) against engines really
+// built on the host device with the same budgets: the same placement, recompute, checkpoint
+// tier, head tiles and device-placed bytes, and the same partition sizes at other world sizes.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "equivalence.h"
+#include "strata/engine/partition.h"
+#include "strata/engine/predict.h"
+#include "test_util.h"
+
+namespace strata::test {
+namespace {
+
+struct Scenario {
+  std::string name;
+  bool llama;
+  json placement;
+  json optimizer;
+  // Budgets as fractions of the model's whole state (params + grads + master + moments) at
+  // world size 1; device: beside the working set of the leanest choices.
+  double device, host, nvme;
+  double working_set_share = 1;  // of the leanest working set, untiled
+};
+
+const json kAuto = {{"params", "auto"}, {"grads", "auto"}, {"master", "auto"}, {"moments", "auto"}};
+
+uint64_t whole_state(const se::TrainConfig& tc) {
+  const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {UINT64_MAX, UINT64_MAX, UINT64_MAX});
+  return p.device_state + p.host_state + p.nvme_state;
+}
+
+TEST(PredictState, IsWhatTheEngineDecides) {
+  const std::vector<Scenario> scenarios = {
+      {"all auto, unlimited", false, kAuto, {}, -1, 1, 0},
+      {"all auto, device holds part of the optimizer group", false, kAuto, {{"overlap", false}}, 0.5, 2, 0},
+      {"all auto, state split between host and NVMe", true, kAuto, {{"overlap", "forward"}}, 0.02, 0.45, 4},
+      {"update during backward (gradients not stored)", true,
+       {{"params", "auto"}, {"grads", "auto"}, {"master", "auto"}, {"moments", "auto"}, {"recompute", "auto"}},
+       {{"overlap", "backward"}, {"clip_grad_norm", 0.0}}, 0.1, 2, 0},
+      {"explicit host state, recompute and checkpoints auto", false,
+       {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}, {"recompute", "auto"},
+        {"activations", "auto"}},
+       {}, 0.3, 2, 0},
+      {"head tiles auto in a tight device", true,
+       {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}, {"tiling", "auto"}},
+       {}, 0, 2, 0, 0.7},
+  };
+  for (const Scenario& sc : scenarios) {
+    SCOPED_TRACE(sc.name);
+    TempDir swap;
+    json j = tiny_config(sc.llama, 3);
+    if (sc.llama) j["model"]["vocab_size"] = 4000;
+    j["data"]["seq_len"] = 32;
+    j["batch"]["grad_accum"] = 1;
+    if (!sc.placement.is_null()) j["placement"] = sc.placement;
+    for (auto& [k, v] : sc.optimizer.items()) j["optimizer"][k] = v;
+    const se::TrainConfig probe = se::parse_train_config(j.dump(), "test");
+    const double state = double(whole_state(probe));
+    const auto bytes = [&](double f) { return f < 0 ? UINT64_MAX : uint64_t(f * state); };
+    j["offload"] = {{"host_budget", std::to_string(bytes(sc.host))}};
+    if (sc.nvme > 0) {
+      j["offload"]["nvme_dirs"] = {swap.path().string()};
+      j["offload"]["nvme_budget"] = std::to_string(bytes(sc.nvme));
+    }
+    se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    // The device: the scenario's share of the state beside the leanest working set.
+    uint64_t device = UINT64_MAX;
+    if (sc.device >= 0) {
+      se::EngineConfig lean = tc.engine;
+      const se::StatePrediction all_host = se::predict_state(
+          [&] {
+            se::EngineConfig e = lean;
+            e.params = e.grads = e.master = e.moments = se::Placement::kHost;
+            return e;
+          }(),
+          tc.model, 1, {UINT64_MAX, UINT64_MAX, UINT64_MAX});
+      device = uint64_t(double(all_host.working_set) * sc.working_set_share) + bytes(sc.device);
+    }
+    const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {device, UINT64_MAX, UINT64_MAX});
+    ASSERT_TRUE(p.fits) << p.error;
+    if (sc.working_set_share < 1) EXPECT_GT(p.head_tiles, 1u) << "the scenario is meant to cut the head";
+    if (sc.device > 0 && sc.device < 1 && sc.placement == kAuto)
+      EXPECT_NE(p.placement.master, se::Placement::kDevice) << "the scenario is meant to split the state";
+
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(device);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), tc.engine,
+                   *comm, *dev);
+    const se::EngineConfig& e = eng.config();
+    EXPECT_EQ(p.placement.params, e.params);
+    EXPECT_EQ(p.placement.grads, e.grads);
+    EXPECT_EQ(p.placement.master, e.master);
+    EXPECT_EQ(p.placement.moments, e.moments);
+    EXPECT_EQ(p.choice.recomputed, size_t(e.recompute_blocks));
+    EXPECT_EQ(p.choice.activations, e.activations);
+    EXPECT_EQ(p.head_tiles, e.head_tiles);
+    EXPECT_EQ(p.device_state, eng.device_state_bytes());
+    EXPECT_EQ(p.working_set, eng.memory_model().working_set(eng.working_set_choices()));
+    EXPECT_TRUE(eng.placement_report().starts_with(p.report)) << eng.placement_report() << "\n" << p.report;
+    std::cout << "  " << sc.name << ": " << p.report << "; recompute " << p.choice.recomputed << ", checkpoints "
+              << se::to_string(p.choice.activations) << ", head tiles " << p.head_tiles << "\n";
+  }
+}
+
+// The prediction's units are the partition the engine builds from the real tensors.
+TEST(PredictState, PartitionsLikeTheEngineAtAnyWorldSize) {
+  for (bool llama : {false, true}) {
+    se::TrainConfig tc = se::parse_train_config(tiny_config(llama, 3).dump(), "test");
+    sm::Decoder m(tc.model, 1, sm::Decoder::Init::kDeferred);
+    std::vector<std::pair<std::string, std::vector<se::TensorSpec>>> specs;
+    for (sm::Stage* s : m.stages()) {
+      std::vector<se::TensorSpec> ts;
+      for (auto& [name, t] : s->hf_parameters()) ts.push_back({name, t.sizes().vec()});
+      specs.emplace_back("u" + std::to_string(specs.size()), ts);
+    }
+    for (int world : {1, 2, 3, 7, 64}) {
+      const se::Partition real(specs, world);
+      const se::StatePrediction p = se::predict_state(tc.engine, tc.model, world, {UINT64_MAX, UINT64_MAX, UINT64_MAX});
+      ASSERT_EQ(p.shard_numel.size(), real.num_units());
+      for (size_t u = 0; u < real.num_units(); ++u) {
+        EXPECT_EQ(p.shard_numel[u], real.unit(u).shard_numel) << "world " << world << " unit " << u;
+        EXPECT_EQ(p.unit_numel[u], real.unit(u).numel);
+      }
+    }
+  }
+}
+
+TEST(PredictState, SaysWhyItDoesNotFit) {
+  se::TrainConfig tc = se::parse_train_config(tiny_config(false, 2).dump(), "test");
+  tc.engine.params = tc.engine.grads = tc.engine.master = tc.engine.moments = se::Placement::kDevice;
+  const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {1 << 16, UINT64_MAX, UINT64_MAX});
+  EXPECT_FALSE(p.fits);
+  EXPECT_NE(p.error.find("device budget"), std::string::npos) << p.error;
+}
+
+}  // namespace
+}  // namespace strata::test
