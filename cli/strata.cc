@@ -19,9 +19,11 @@
 #include "ckpt_bench.h"
 #include "train_bench.h"
 #include "tiling_bench.h"
+#include "plan_bench.h"
 #include "plot.h"
 #include "strata/engine/device.h"
 #include "train.h"
+#include "plan.h"
 #include "strata/engine/build_info.h"
 #include "strata/engine/checkpoint.h"
 #include "strata/engine/checkpoint_store.h"
@@ -37,6 +39,8 @@ usage: strata <command> [options]
 commands:
   train        train or fine-tune a model (JSON configuration, docs/CONFIG.md)
   launch       run N ranks of a command on this node (torchrun environment)
+  plan         what fits where and how fast: Strata beside 3D parallelism on a cluster,
+               the largest model each trains (--max-model); --calibrate measures this machine
   data prepare --tokenizer MODEL_DIR --output FILE.bin INPUTS...
                tokenize text files with a Hugging Face tokenizer into the token file
                `strata train` reads (data.format uint16/uint32; models/prepare_data.py)
@@ -64,6 +68,8 @@ commands:
                with CPU offload on the same GPT shape (bench/train_baseline.py)
   bench tiling the tiled LM head beside the untiled one: step-time overhead where both fit,
                and the largest vocabulary x tokens that trains in one device budget
+  bench plan   `strata plan`'s predictions beside six measured `strata train` runs on this
+               machine (calibrated first): step time and per-tier memory errors
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
   help         this text
 
@@ -225,6 +231,37 @@ int bench_tiling(const std::vector<std::string>& argv) {
   o.device = args.get("device", o.device);
   o.compute = args.get("compute", o.compute);
   strata::bench::run_tiling_bench(o);
+  return 0;
+}
+
+constexpr const char* kBenchPlanUsage = R"(usage: strata bench plan [options]
+
+Calibrates this machine (`strata plan --calibrate`), then runs six `strata train` configurations on
+the host device (GPT and Llama shapes; state on the host, on the device, master and moments in
+swap; optimizer after backward, overlapped with the next forward, inside backward; 1 and 2 ranks)
+and prints each one's median step time and per-tier memory beside `strata plan`'s prediction for
+the same configuration, then one JSON line with the worst step-time error.
+
+  --dir DIR        work directory: configurations, logs, swap (default strata-bench-plan)
+  --cluster FILE   use this cluster description instead of calibrating
+  --steps N        steps per run, the first two left out (default 5)
+  --quick          smaller models (a quicker check)
+)";
+
+int bench_plan(const std::vector<std::string>& argv) {
+  for (const auto& a : argv)
+    if (a == "--help" || a == "-h") {
+      std::cout << kBenchPlanUsage;
+      return 0;
+    }
+  strata::cli::Args args(argv, {"dir", "cluster", "steps"}, {"quick"});
+  strata::bench::PlanBenchOptions o;
+  o.dir = args.get("dir", o.dir.string());
+  o.cluster = args.get("cluster", "");
+  o.steps = args.count("steps", unsigned(o.steps));
+  o.quick = args.has("quick");
+  if (o.steps < 3) throw std::invalid_argument("bench plan: --steps must be >= 3 (two warm-up steps are left out)");
+  strata::bench::run_plan_bench(o);
   return 0;
 }
 
@@ -450,6 +487,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (args[0] == "train") return strata::cli::train_main({args.begin() + 1, args.end()});
+    if (args[0] == "plan") return strata::cli::plan_command({args.begin() + 1, args.end()});
     if (args[0] == "launch") return strata::cli::launch_main({args.begin() + 1, args.end()});
     if (args[0] == "ckpt") return ckpt({args.begin() + 1, args.end()});
     if (args[0] == "data") return data({args.begin() + 1, args.end()});
@@ -461,7 +499,8 @@ int main(int argc, char** argv) {
       if (args.size() >= 2 && args[1] == "ckpt") return bench_ckpt({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "train") return bench_train({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "tiling") return bench_tiling({args.begin() + 2, args.end()});
-      std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt, train, tiling)\n";
+      if (args.size() >= 2 && args[1] == "plan") return bench_plan({args.begin() + 2, args.end()});
+      std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt, train, tiling, plan)\n";
       return 2;
     }
     std::cerr << "strata: unknown command '" << args[0] << "'\n\n" << kUsage;

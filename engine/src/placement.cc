@@ -180,22 +180,23 @@ PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, co
   return plan;
 }
 
-TierBudgets machine_budgets(const EngineConfig& cfg, uint64_t device, int local_ranks) {
+TierBudgets budgets_from(const EngineConfig& cfg, uint64_t device, uint64_t host_available, uint64_t nvme_free,
+                         int local_ranks) {
   const uint64_t n = uint64_t(std::max(1, local_ranks));
   TierBudgets b;
   b.device = device;
-  b.host = cfg.host_budget ? cfg.host_budget : uint64_t(double(mem_available()) * 0.8) / n;
-  if (cfg.nvme_budget) {
-    b.nvme = cfg.nvme_budget;
-  } else {
-    uint64_t free = 0;
-    for (const std::string& d : cfg.nvme_dirs) {
-      struct statvfs st {};
-      if (::statvfs(d.c_str(), &st) == 0) free += uint64_t(st.f_bavail) * st.f_frsize;
-    }
-    b.nvme = uint64_t(double(free) * 0.95) / n;
-  }
+  b.host = cfg.host_budget ? cfg.host_budget : uint64_t(double(host_available) * 0.8) / n;
+  b.nvme = cfg.nvme_budget ? cfg.nvme_budget : cfg.nvme_dirs.empty() ? 0 : uint64_t(double(nvme_free) * 0.95) / n;
   return b;
+}
+
+TierBudgets machine_budgets(const EngineConfig& cfg, uint64_t device, int local_ranks) {
+  uint64_t free = 0;
+  for (const std::string& d : cfg.nvme_dirs) {
+    struct statvfs st {};
+    if (::statvfs(d.c_str(), &st) == 0) free += uint64_t(st.f_bavail) * st.f_frsize;
+  }
+  return budgets_from(cfg, device, mem_available(), free, local_ranks);
 }
 
 int PrefetchTuner::next(double waited) {

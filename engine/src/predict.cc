@@ -64,9 +64,6 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   const auto budgets = [&](uint64_t device) {
     TierBudgets b = machine;
     b.device = device;
-    if (cfg.host_budget) b.host = cfg.host_budget;
-    if (cfg.nvme_budget) b.nvme = cfg.nvme_budget;
-    else if (cfg.nvme_dirs.empty()) b.nvme = 0;  // no swap directory: no NVMe tier
     return b;
   };
   try {
@@ -86,8 +83,11 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     const uint64_t room = plan::MemoryModel::usable_device(usable, base, UINT64_MAX);
     if (cfg.recompute_blocks == EngineConfig::kRecomputeAuto)
       choice.recomputed = resolve_recompute(memory, choice, base, room, same);
-    choice.activations =
-        resolve_activations(cfg, memory, choice, base, room, tiers.host, budgets(0), same);
+    // A run measures the machine's budgets for checkpoints once its state is allocated: a derived
+    // host budget has the host state taken out already.
+    TierBudgets after_state = budgets(0);
+    if (!cfg.host_budget) after_state.host -= std::min(after_state.host, tiers.host);
+    choice.activations = resolve_activations(cfg, memory, choice, base, room, tiers.host, after_state, same);
     out.checkpoint_bytes = memory.checkpoint_bytes(choice);
     if (cfg.prefetch_auto) {
       plan::Choices none_ahead = choice;
@@ -100,7 +100,10 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
       out.prefetch_deepest = cfg.prefetch;
     }
     out.working_set = memory.working_set(choice);
-    check_working_set(cfg, memory, choice, base, usable, [](size_t u) { return "unit " + std::to_string(u); });
+    const size_t units = out.shard_numel.size();
+    check_working_set(cfg, memory, choice, base, usable, [units](size_t u) {
+      return u == 0 ? std::string("embedding") : u + 1 == units ? std::string("head") : "block." + std::to_string(u - 1);
+    });
     out.fits = true;
   } catch (const std::exception& e) {
     out.fits = false;

@@ -79,7 +79,9 @@ TEST(PredictState, IsWhatTheEngineDecides) {
           tc.model, 1, {UINT64_MAX, UINT64_MAX, UINT64_MAX});
       device = uint64_t(double(all_host.working_set) * sc.working_set_share) + bytes(sc.device);
     }
-    const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {device, UINT64_MAX, UINT64_MAX});
+    // The budgets a run takes: the configuration's (both set above), no NVMe without directories.
+    const se::StatePrediction p =
+        se::predict_state(tc.engine, tc.model, 1, se::budgets_from(tc.engine, device, 1ull << 50, 1ull << 50, 1));
     ASSERT_TRUE(p.fits) << p.error;
     if (sc.working_set_share < 1) EXPECT_GT(p.head_tiles, 1u) << "the scenario is meant to cut the head";
     if (sc.device > 0 && sc.device < 1 && sc.placement == kAuto)

@@ -71,9 +71,13 @@ bool gradients_transient(const EngineConfig& config, Placement master);
 
 PlacementPlan plan_placement(const EngineConfig& config, const StateBytes& need, const TierBudgets& budgets);
 
-// Host and NVMe budgets from the configuration, or from this machine where it says 0: 80% of
-// MemAvailable and 95% of the free space of offload.nvme_dirs (0 without directories), each
-// divided among `local_ranks` processes. `device` is passed through.
+// Host and NVMe budgets from the configuration, or where it says 0 from what a machine offers:
+// 80% of `host_available` bytes of RAM and 95% of `nvme_free` bytes in offload.nvme_dirs (none
+// without directories), each divided among `local_ranks` processes. `device` is passed through.
+// The one rule: a run applies it to this machine (machine_budgets), the planner to a cluster's.
+TierBudgets budgets_from(const EngineConfig& config, uint64_t device, uint64_t host_available, uint64_t nvme_free,
+                         int local_ranks);
+// budgets_from this machine: MemAvailable and the free space of the directories' file systems.
 TierBudgets machine_budgets(const EngineConfig& config, uint64_t device, int local_ranks);
 
 // device.prefetch "auto": the gather depth, tuned from what each step measured. `waited` is the

@@ -44,9 +44,9 @@ struct StatePrediction {
   uint64_t device_bytes() const { return device_state + working_set; }
 };
 
-// `budgets`: this rank's bytes of device (usable by the engine), host RAM and NVMe; the
-// configuration's own offload.host_budget / nvme_budget, where set, take precedence as in a run,
-// and without offload.nvme_dirs there is no NVMe tier (the planner names placeholder directories).
+// `budgets`: this rank's bytes of device (usable by the engine), host RAM and NVMe, as a run
+// would take them (budgets_from: the configuration's own budgets first; no NVMe tier without
+// offload.nvme_dirs, for which the planner names placeholder directories).
 StatePrediction predict_state(const EngineConfig& config, const models::ModelConfig& model, int world_size,
                               const TierBudgets& budgets);
 

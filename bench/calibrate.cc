@@ -1,0 +1,219 @@
+#include "calibrate.h"
+
+#include <ATen/ATen.h>
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "strata/kernels/cpu_optim.h"
+
+namespace strata::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Repeats `op` until `budget` seconds have passed (at least twice, after one warm-up); returns
+// seconds per call.
+template <class F>
+double per_call(F&& op, double budget) {
+  op();
+  int n = 0;
+  const auto t0 = Clock::now();
+  do {
+    op();
+    ++n;
+  } while (since(t0) < budget || n < 2);
+  return since(t0) / n;
+}
+
+uint64_t meminfo(const char* key) {
+  std::ifstream in("/proc/meminfo");
+  std::string k, unit;
+  uint64_t kb = 0;
+  while (in >> k >> kb >> unit)
+    if (k == key) return kb * 1024;
+  return 0;
+}
+
+// Sequential direct I/O of `bytes` in 4 MiB blocks: write (then fsync) and read back, bytes/s.
+std::pair<double, double> disk_rates(const std::string& dir, uint64_t bytes, bool& direct) {
+  const std::string path = (std::filesystem::path(dir) / ".strata-calibrate.tmp").string();
+  constexpr size_t kBlock = 4 << 20;
+  void* raw = nullptr;
+  if (posix_memalign(&raw, 4096, kBlock)) throw std::bad_alloc();
+  std::unique_ptr<void, decltype(&std::free)> buf(raw, &std::free);
+  std::memset(raw, 0x5a, kBlock);
+  direct = true;
+  int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_DIRECT, 0600);
+  if (fd < 0) {
+    direct = false;  // a file system without O_DIRECT (tmpfs): buffered, then fsync
+    fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0600);
+  }
+  if (fd < 0) throw std::runtime_error("calibrate: cannot create " + path + ": " + std::strerror(errno));
+  auto t0 = Clock::now();
+  for (uint64_t off = 0; off < bytes; off += kBlock)
+    if (::pwrite(fd, raw, kBlock, off_t(off)) != ssize_t(kBlock)) {
+      ::close(fd);
+      ::unlink(path.c_str());
+      throw std::runtime_error("calibrate: writing " + path + ": " + std::strerror(errno));
+    }
+  ::fsync(fd);
+  const double write = double(bytes) / since(t0);
+  ::close(fd);
+  fd = ::open(path.c_str(), O_RDONLY | (direct ? O_DIRECT : 0));
+  t0 = Clock::now();
+  for (uint64_t off = 0; off < bytes; off += kBlock)
+    if (::pread(fd, raw, kBlock, off_t(off)) != ssize_t(kBlock)) break;
+  const double read = double(bytes) / since(t0);
+  ::close(fd);
+  ::unlink(path.c_str());
+  return {read, write};
+}
+
+// TCP over loopback (what Gloo's collectives between this machine's ranks use): bytes/s one way.
+double loopback_rate(uint64_t bytes) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::listen(listener, 1) != 0 || ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    throw std::runtime_error(std::string("calibrate: loopback socket: ") + std::strerror(errno));
+  std::thread sender([&] {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return;
+    std::vector<char> buf(1 << 20, 'x');
+    for (uint64_t sent = 0; sent < bytes;) {
+      const ssize_t n = ::send(fd, buf.data(), std::min<uint64_t>(buf.size(), bytes - sent), 0);
+      if (n <= 0) break;
+      sent += uint64_t(n);
+    }
+    ::close(fd);
+  });
+  const int fd = ::accept(listener, nullptr, nullptr);
+  std::vector<char> buf(1 << 20);
+  const auto t0 = Clock::now();
+  uint64_t got = 0;
+  for (ssize_t n; (n = ::recv(fd, buf.data(), buf.size(), 0)) > 0;) got += uint64_t(n);
+  const double rate = double(got) / since(t0);
+  sender.join();
+  ::close(fd);
+  ::close(listener);
+  return rate;
+}
+
+}  // namespace
+
+planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
+  planner::Cluster c;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  c.name = "this-machine";
+  c.nodes = 1;
+  planner::NodeSpec& n = c.node;
+  n.gpus = 1;
+  planner::GpuSpec& g = n.gpu;
+  g.name = "host device (" + std::to_string(cores) + " cores)";
+  g.is_host = true;
+  const auto say = [&](const std::string& s) {
+    if (!o.quiet) std::cout << "  " << s << std::endl;
+  };
+  std::cout << "strata plan --calibrate: measuring this machine (" << cores << " cores)" << std::endl;
+
+  // Matrix products through libtorch, fp32 (the host device's compute), square sizes.
+  std::vector<std::pair<double, double>> rates;  // (flops of one product, FLOP/s)
+  for (int64_t s : {64, 128, 256, 512, 1024, 2048}) {
+    const at::Tensor a = at::randn({s, s}), b = at::randn({s, s});
+    at::Tensor out = at::empty({s, s});
+    const double t = per_call([&] { at::mm_out(out, a, b); }, o.seconds / 2);
+    const double flops = 2.0 * double(s) * double(s) * double(s);
+    rates.emplace_back(flops, flops / t);
+    say("matmul fp32 " + std::to_string(s) + "^3: " + std::to_string(flops / t / 1e9) + " GFLOP/s");
+  }
+  double peak = 0;
+  for (auto [f, r] : rates) peak = std::max(peak, r);
+  g.peak_flops_fp32 = peak;
+  for (auto [f, r] : rates) g.matmul_efficiency.emplace_back(f, std::min(1.0, r / peak));
+  {
+    const int64_t s = 1024;
+    const at::Tensor a = at::randn({s, s}).to(at::kBFloat16), b = at::randn({s, s}).to(at::kBFloat16);
+    at::Tensor out = at::empty({s, s}, at::kBFloat16);
+    const double t = per_call([&] { at::mm_out(out, a, b); }, o.seconds / 2);
+    const double rate = 2.0 * double(s * s * s) / t;
+    g.peak_flops = rate / planner::matmul_rate(g, 2.0 * double(s * s * s), true) * peak;
+    say("matmul bf16 1024^3: " + std::to_string(rate / 1e9) + " GFLOP/s");
+  }
+
+  // Memory: a large copy (read + write), the host device's copies and memory-bound kernels.
+  {
+    const int64_t elems = 64 << 20;  // 256 MiB
+    const at::Tensor a = at::randn({elems});
+    at::Tensor b = at::empty({elems});
+    const double t = per_call([&] { b.copy_(a); }, o.seconds);
+    const double copied = double(elems) * 4 / t;
+    n.pcie_h2d = n.pcie_d2h = copied;
+    g.memory_bandwidth = 2 * copied;
+    say("copy: " + std::to_string(copied / 1e9) + " GB/s");
+  }
+
+  // The engine's CPU Adam kernel, every core, fp32 gradients.
+  {
+    const size_t count = 16 << 20;
+    std::vector<float> p(count, 0.5f), m(count, 0.f), v(count, 0.f), grad(count, 1e-3f);
+    kernels::AdamConfig cfg;
+    cfg.decoupled_weight_decay = true;
+    cfg.weight_decay = 0.01;
+    kernels::CpuExec exec;
+    exec.threads = cores;
+    const double t = per_call(
+        [&] {
+          kernels::adam_step(cfg, p.data(), m.data(), v.data(), grad.data(), kernels::DType::kF32, nullptr,
+                             kernels::DType::kF32, count, exec);
+          ++cfg.step;
+        },
+        o.seconds);
+    n.cpu_adam_rate = double(count) / t;
+    say("CPU Adam: " + std::to_string(n.cpu_adam_rate / 1e9) + " Gparam/s");
+  }
+
+  // Ranks on this machine reach each other over loopback TCP.
+  n.intra_bandwidth = loopback_rate(1ull << 30);
+  say("loopback TCP: " + std::to_string(n.intra_bandwidth / 1e9) + " GB/s");
+
+  // RAM and the disk under `dir`.
+  n.host_memory = double(meminfo("MemTotal:"));
+  g.memory = n.host_memory;  // the host device's "device memory": its budget limits it in a run
+  struct statvfs st {};
+  if (::statvfs(o.dir.c_str(), &st) == 0) {
+    n.nvme_drives = 1;
+    n.nvme_capacity = double(st.f_bavail) * double(st.f_frsize);
+    bool direct = true;
+    const auto [read, write] = disk_rates(o.dir, 512ull << 20, direct);
+    n.nvme_read = read;
+    n.nvme_write = write;
+    say(std::string("disk under ") + o.dir + (direct ? " (direct I/O)" : " (buffered: no O_DIRECT here)") +
+        ": read " + std::to_string(read / 1e9) + " GB/s, write " + std::to_string(write / 1e9) + " GB/s");
+  }
+  c.source = "strata plan --calibrate on this machine: libtorch matmul (fp32, square sizes), a 256 MiB copy, the "
+             "CPU Adam kernel on every core, 1 GiB over loopback TCP, 512 MiB of sequential I/O under " + o.dir;
+  return c;
+}
+
+}  // namespace strata::bench

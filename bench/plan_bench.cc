@@ -1,0 +1,165 @@
+#include "plan_bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "calibrate.h"
+#include "shell.h"
+#include "strata/engine/config.h"
+#include "strata/planner/compare.h"
+
+namespace strata::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct Case {
+  std::string name;
+  int ranks;
+  json model, placement, optimizer;
+  int64_t micro_batch, seq_len;
+  bool nvme = false;
+};
+
+struct Measured {
+  double seconds = 0;
+  double device_peak = 0, host_state = 0, nvme_state = 0;
+};
+
+json config_of(const Case& k, const fs::path& dir, int64_t steps) {
+  json j = {{"model", k.model},
+            {"data", {{"path", "/usr/share/common-licenses"}, {"format", "bytes"}, {"seq_len", k.seq_len}, {"seed", 0}}},
+            {"batch", {{"micro_batch", k.micro_batch}, {"grad_accum", 1}}},
+            {"optimizer", {{"type", "adamw"}, {"lr", 1e-4}, {"weight_decay", 0.1}, {"clip_grad_norm", 1.0}}},
+            {"precision", {{"compute", "fp32"}}},
+            {"placement", k.placement},
+            {"device", {{"type", "cpu"}, {"prefetch", 1}}},
+            {"run", {{"steps", steps}, {"progress", false}}}};
+  for (auto& [key, v] : k.optimizer.items()) j["optimizer"][key] = v;
+  if (k.nvme) j["offload"] = {{"nvme_dirs", {fs::absolute(dir / ("swap-" + k.name)).string()}}};
+  return j;
+}
+
+Measured measure(const Case& k, const fs::path& config, const fs::path& dir, int64_t steps) {
+  const fs::path log = fs::absolute(dir / (k.name + ".jsonl"));
+  fs::remove(log);
+  if (k.nvme) fs::create_directories(dir / ("swap-" + k.name));
+  const std::string self = shell_quote(fs::read_symlink("/proc/self/exe").string());
+  std::string cmd = "cd " + shell_quote(dir.string()) + " && ";
+  if (k.ranks > 1) cmd += self + " launch -n " + std::to_string(k.ranks) + " -- ";
+  cmd += self + " train --config " + shell_quote(fs::absolute(config).string()) + " --log " +
+         shell_quote(log.string()) + " --no-progress 1>&2";
+  run_capture(cmd, "bench plan");
+  std::ifstream in(log);
+  std::vector<double> times;
+  Measured m;
+  std::string line;
+  while (std::getline(in, line)) {
+    const json j = json::parse(line);
+    if (!j.contains("step") || !j.contains("seconds")) continue;
+    if (j.at("step").get<int64_t>() > 2) times.push_back(j.at("seconds").get<double>());
+    m.device_peak = std::max(m.device_peak, j.value("device_peak", 0.0));
+    m.host_state = std::max(m.host_state, j.value("host_state", 0.0));
+    m.nvme_state = std::max(m.nvme_state, j.value("nvme_state", 0.0));
+  }
+  if (times.empty()) throw std::runtime_error("bench plan: no timed step in " + log.string());
+  std::sort(times.begin(), times.end());
+  m.seconds = times[times.size() / 2];
+  return m;
+}
+
+std::string pct(double predicted, double measured) {
+  if (measured <= 0 && predicted <= 0) return "0 = 0";
+  if (measured <= 0) return "(measured 0)";
+  char b[32];
+  std::snprintf(b, sizeof b, "%+.1f%%", 100 * (predicted / measured - 1));
+  return b;
+}
+
+}  // namespace
+
+void run_plan_bench(const PlanBenchOptions& o) {
+  fs::create_directories(o.dir);
+  planner::Cluster machine;
+  if (o.cluster.empty()) {
+    CalibrateOptions co;
+    co.dir = o.dir.string();
+    machine = calibrate_this_machine(co);
+    std::ofstream(o.dir / "cluster.json") << planner::cluster_json(machine);
+  } else {
+    machine = planner::cluster_from(o.cluster);
+  }
+  const int64_t scale = o.quick ? 1 : 2;
+  const json gpt = {{"preset", "gpt2"}, {"layers", 2 * scale}, {"hidden", 256 * scale}, {"heads", 4 * scale},
+                    {"vocab_size", 4096}, {"max_positions", 512}};
+  const json gpt_big = {{"preset", "gpt2"}, {"layers", 3 * scale}, {"hidden", 384 * scale}, {"heads", 6 * scale},
+                        {"vocab_size", 8192}, {"max_positions", 512}};
+  const json llama = {{"preset", "llama-1b"}, {"layers", 2 * scale}, {"hidden", 256 * scale}, {"heads", 4 * scale},
+                      {"kv_heads", 2 * scale}, {"intermediate", 688 * scale}, {"vocab_size", 4096},
+                      {"tie_embeddings", false}};
+  const json host = {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}, {"activations", "host"}};
+  const json device = {{"params", "device"}, {"grads", "device"}, {"master", "device"}, {"moments", "device"},
+                       {"activations", "device"}};
+  const json swap = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}, {"activations", "host"}};
+  const std::vector<Case> cases = {
+      {"gpt-host-after-backward", 1, gpt, host, {{"overlap", false}}, 4, 128},
+      {"gpt-device-overlap-forward", 1, gpt, device, {{"overlap", "forward"}}, 4, 128},
+      {"gpt-big-nvme", 1, gpt_big, swap, {{"overlap", "forward"}}, 2, 256, true},
+      {"llama-host-update-in-backward", 1, llama, host, {{"overlap", "backward"}, {"clip_grad_norm", 0.0}}, 4, 128},
+      {"gpt-host-2-ranks", 2, gpt, host, {{"overlap", false}}, 4, 128},
+      {"gpt-big-nvme-2-ranks", 2, gpt_big, swap, {{"overlap", "forward"}}, 2, 256, true},
+  };
+  std::printf("\n| case | ranks | measured s/step | predicted | error | device peak (measured / predicted) | host state | "
+              "NVMe state |\n|---|---|---|---|---|---|---|---|\n");
+  double worst_time = 0, sum_time = 0, worst_memory = 0, measured_mean = 0;
+  json rows = json::array();
+  for (const Case& k : cases) {
+    const json cj = config_of(k, o.dir, o.steps);
+    const fs::path config = o.dir / (k.name + ".json");
+    std::ofstream(config) << cj.dump(2);
+    const engine::TrainConfig tc = engine::parse_train_config(cj.dump(), config.string());
+    const Measured m = measure(k, config, o.dir, o.steps);
+    planner::Cluster c = machine;
+    c.nodes = 1;
+    c.node.gpus = k.ranks;
+    const planner::StrataEstimate e = planner::estimate_strata_as_given(tc.engine, tc.model, c);
+    if (!e.fits()) throw std::runtime_error("bench plan: the planner says " + k.name + " does not fit: " + e.state.error);
+    const double dev = double(e.state.device_bytes()), hostb = double(e.state.host_state),
+                 nvme = double(e.state.nvme_state);
+    const double err_t = e.time.step / m.seconds - 1;
+    worst_time = std::max(worst_time, std::abs(err_t));
+    sum_time += std::abs(err_t);
+    measured_mean += m.seconds / double(cases.size());
+    for (auto [p, q] : {std::pair{hostb, m.host_state}, {nvme, m.nvme_state}})
+      if (q > 0) worst_memory = std::max(worst_memory, std::abs(p / q - 1));
+    std::printf("| %s | %d | %.3f | %.3f | %s | %.1f / %.1f MB (%s) | %.1f / %.1f MB (%s) | %.1f / %.1f MB (%s) |\n",
+                k.name.c_str(), k.ranks, m.seconds, e.time.step, pct(e.time.step, m.seconds).c_str(),
+                m.device_peak / 1e6, dev / 1e6, pct(dev, m.device_peak).c_str(), m.host_state / 1e6, hostb / 1e6,
+                pct(hostb, m.host_state).c_str(), m.nvme_state / 1e6, nvme / 1e6, pct(nvme, m.nvme_state).c_str());
+    std::fflush(stdout);
+    rows.push_back({{"case", k.name}, {"ranks", k.ranks}, {"measured_s", m.seconds}, {"predicted_s", e.time.step},
+                    {"device_peak", m.device_peak}, {"predicted_device", dev}, {"host_state", m.host_state},
+                    {"predicted_host", hostb}, {"nvme_state", m.nvme_state}, {"predicted_nvme", nvme},
+                    {"bottleneck", e.time.bottleneck}});
+  }
+  std::printf("\nstep time: mean error %.1f%%, worst %.1f%%; host and NVMe state: worst error %.1f%%\n",
+              100 * sum_time / double(cases.size()), 100 * worst_time, 100 * worst_memory);
+  std::cout << json{{"metric", "plan_step_time_worst_error"},
+                    {"value", worst_time},
+                    {"baseline", "measured strata train runs (mean s/step)"},
+                    {"baseline_value", measured_mean},
+                    {"ratio", worst_time},
+                    {"mean_error", sum_time / double(cases.size())},
+                    {"worst_memory_error", worst_memory},
+                    {"cases", rows}}
+                   .dump()
+            << std::endl;
+}
+
+}  // namespace strata::bench

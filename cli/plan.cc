@@ -1,0 +1,131 @@
+#include "plan.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "args.h"
+#include "strata/engine/config.h"
+#include "strata/models/model_config.h"
+#include "strata/planner/compare.h"
+#include "calibrate.h"
+
+namespace strata::cli {
+
+namespace {
+
+constexpr const char* kPlanUsage = R"(usage: strata plan --model PRESET|CONFIG.json [options]
+       strata plan --calibrate [--output FILE] [--dir DIR]
+
+What fits where and how fast: Strata (ZeRO-3 with offload, the engine's own placement) beside
+Megatron-style 3D parallelism (the fastest TP x PP x DP configuration that fits), on a cluster.
+Equations, sources and blind spots: docs/PLANNER.md.
+
+options:
+  --model NAME|FILE    a preset (gpt2 ... gpt-1t, llama-*) or a Hugging Face config.json
+  --cluster NAME|FILE  dgx-a100, dgx2-v100, h100-box (default) or a cluster JSON file
+  --nodes N[,N...]     node counts to plan for (default: the cluster file's)
+  --seq-len N          tokens a sequence (default 2048)
+  --global-batch N     sequences a step (default: 8 per GPU)
+  --micro-batch N      Strata's sequences a micro-batch and rank (default 1)
+  --config FILE        a `strata train` configuration whose precision and overlap modes
+                       Strata's side uses (placement and batch come from the plan)
+  --max-model          also the largest model each system trains on the cluster
+  --json               one JSON line per node count instead of the table
+
+--calibrate measures this machine (matmul rates by size through libtorch, memory bandwidth, the
+CPU Adam kernel, the disk under --dir with direct I/O) and writes a cluster file (--output,
+default strata-cluster.json) describing it with the host device as its "GPU".
+)";
+
+models::ModelConfig model_from(const std::string& s) {
+  for (const std::string& n : models::preset_names())
+    if (n == s) return models::preset(s);
+  if (s.ends_with(".json")) return models::load_hf_config(s);
+  std::string names;
+  for (const std::string& n : models::preset_names()) names += (names.empty() ? "" : ", ") + n;
+  throw std::invalid_argument("--model: '" + s + "' is neither a preset (" + names + ") nor a config.json");
+}
+
+std::vector<int> node_counts(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream in(s);
+  std::string part;
+  while (std::getline(in, part, ',')) {
+    const int n = std::atoi(part.c_str());
+    if (n < 1) throw std::invalid_argument("--nodes: '" + part + "' is not a node count >= 1");
+    out.push_back(n);
+  }
+  if (out.empty()) throw std::invalid_argument("--nodes: no node count");
+  return out;
+}
+
+}  // namespace
+
+int plan_command(const std::vector<std::string>& argv) {
+  for (const std::string& a : argv)
+    if (a == "--help" || a == "-h") {
+      std::cout << kPlanUsage;
+      return 0;
+    }
+  const Args args(argv, {"model", "cluster", "nodes", "seq-len", "global-batch", "micro-batch", "config", "output", "dir"},
+                  {"max-model", "json", "calibrate"});
+  if (args.has("calibrate")) {
+    bench::CalibrateOptions o;
+    o.output = args.get("output", "strata-cluster.json");
+    o.dir = args.get("dir", ".");
+    const planner::Cluster c = bench::calibrate_this_machine(o);
+    std::ofstream f(o.output);
+    f << planner::cluster_json(c);
+    if (!f.flush()) throw std::runtime_error("cannot write " + o.output);
+    std::cout << "wrote " << o.output << "\n";
+    return 0;
+  }
+  if (!args.has("model")) {
+    std::cerr << kPlanUsage;
+    return 2;
+  }
+  planner::Workload w;
+  w.model = model_from(args.get("model", ""));
+  w.seq_len = int64_t(args.count("seq-len", 2048));
+  if (w.seq_len > w.model.max_positions) w.model.max_positions = w.seq_len;
+  planner::Cluster cluster = planner::cluster_from(args.get("cluster", "h100-box"));
+  engine::EngineConfig base;
+  base.compute = cluster.node.gpu.is_host ? engine::Precision::kFp32 : engine::Precision::kBf16;
+  if (args.has("config")) base = engine::load_train_config(args.get("config", "")).engine;
+  base.micro_batch = int64_t(args.count("micro-batch", 1));
+  const std::vector<int> nodes = args.has("nodes") ? node_counts(args.get("nodes", "")) : std::vector<int>{cluster.nodes};
+  const bool as_json = args.has("json");
+  for (int n : nodes) {
+    planner::Cluster c = cluster;
+    c.nodes = n;
+    planner::Workload wn = w;
+    wn.global_batch = int64_t(args.count("global-batch", unsigned(8 * c.gpus() * base.micro_batch)));
+    const planner::Comparison cmp = planner::compare(wn, c, base);
+    if (as_json) std::cout << planner::comparison_json(cmp) << "\n";
+    else std::cout << planner::comparison_table(cmp) << "\n";
+    if (args.has("max-model")) {
+      if (!as_json) std::cout << "largest model of the family (GPT, h/200 layers) on " << n << " x " << c.name << ":\n";
+      for (const planner::Largest& l : planner::largest_models(wn, c, base)) {
+        if (as_json) {
+          std::cout << nlohmann::json{{"system", l.system}, {"nodes", n}, {"parameters", l.parameters},
+                                      {"configuration", l.how}}.dump()
+                    << "\n";
+        } else {
+          std::cout << "  " << l.system << ": ";
+          if (!l.model) std::cout << "nothing fits\n";
+          else
+            std::cout << l.parameters / 1e9 << "B (" << l.model->layers << " x " << l.model->hidden << "): " << l.how
+                      << "\n";
+        }
+      }
+      if (!as_json) std::cout << "\n";
+    }
+  }
+  return 0;
+}
+
+}  // namespace strata::cli

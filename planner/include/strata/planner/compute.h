@@ -1,0 +1,45 @@
+// The work of a transformer's forward on one GPU and its time there: dense matrix products at the
+// achieved rate for their size (ClusterSpec's efficiency curve), the attention's score products,
+// and the memory-bound kernels (norms, activations, softmax, residuals, dropout) at the memory
+// bandwidth. Both system models (Strata's and 3D parallelism's) time their compute here.
+//
+// The memory-bound traffic of a block's forward is taken as twice the bytes Korthikanti et al.
+// (2022) count as its saved activations (written once, read once): per token, 34 h bytes with
+// 16-bit activations, plus 5 a s bytes for the attention scores where attention is not fused
+// (flash attention keeps no scores); with tensor parallelism of t and no sequence parallelism,
+// 10 + 24 / t instead of 34 (norms and dropouts run replicated). A backward is twice its forward.
+//
+// Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+
+#include "strata/models/model_config.h"
+#include "strata/planner/cluster.h"
+
+namespace strata::planner {
+
+struct Work {
+  double gemm_flops = 0;       // dense products (the linear layers, the LM head)
+  double gemm_product = 0;     // FLOPs of one such product (its size sets the efficiency)
+  double attention_flops = 0;  // q.k and p.v
+  double attention_product = 0;
+  double memory_bytes = 0;     // memory-bound kernels' traffic
+  Work scaled(double f) const;
+};
+
+struct ShardOf {
+  int tp = 1;                      // tensor-parallel ways
+  bool sequence_parallel = false;  // norms and dropouts split along the sequence too
+  bool flash_attention = true;     // fused attention: no score matrix in memory
+  double activation_bytes = 2;     // bytes of an activation element
+};
+
+// One block's forward for `sequences` sequences of `seq_len` tokens, this GPU's 1/tp of it.
+Work block_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& shard);
+// The LM head's forward (the logits' product; the loss's softmax as memory traffic).
+Work head_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& shard);
+
+double seconds(const Work& w, const GpuSpec& gpu, bool fp32 = false);
+
+}  // namespace strata::planner

@@ -1,0 +1,136 @@
+#include "strata/planner/strata_time.h"
+
+#include <algorithm>
+
+#include "strata/models/model_shapes.h"
+#include "strata/planner/compute.h"
+
+namespace strata::planner {
+
+using engine::Placement;
+
+StrataTime strata_step_time(const engine::StatePrediction& p, const engine::EngineConfig& cfg,
+                            const models::ModelConfig& m, const Cluster& c, int world, int per_node) {
+  StrataTime t;
+  const GpuSpec& gpu = c.node.gpu;
+  const bool fp32 = cfg.compute == engine::Precision::kFp32;
+  const double cb = double(p.compute_bytes), A = double(cfg.grad_accum), w = world;
+  const size_t units = p.shard_numel.size(), stages = p.stage_units.size(), blocks = stages - 2;
+  const double seqs = double(cfg.micro_batch);
+
+  // --- compute of one micro-batch ------------------------------------------------------------
+  ShardOf shard;
+  shard.activation_bytes = cb;
+  const double block_fwd = seconds(block_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
+  const double head_fwd = seconds(head_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
+  const double recomputed = double(p.choice.recomputed);
+  // Forward, backward (twice the forward), the recomputed blocks' forward again; the head's
+  // forward and backward, plus its logits again in the backward when cut into tiles.
+  const double fwd = double(blocks) * block_fwd;
+  const double head = (p.head_tiles > 1 ? 4 : 3) * head_fwd;
+  const double bwd = double(blocks) * 2 * block_fwd + recomputed * block_fwd;
+  // The host device's ranks share one CPU and its memory: each gets its share of both.
+  const double share = gpu.is_host ? double(per_node) : 1;
+  const double compute_mb = (fwd + head + bwd) * share;
+  const models::ForwardFlops ff = models::forward_flops_per_token(m, cfg.seq_len);
+  t.flops = 3 * ff.total() * seqs * double(cfg.seq_len) * A;
+
+  // --- what one micro-batch moves --------------------------------------------------------------
+  // Uses: every stage's forward, the head's, and every block's and the embedding's backward.
+  std::vector<double> uses_of(units, 0);
+  for (size_t s = 0; s < stages; ++s)
+    for (size_t u : p.stage_units[s]) uses_of[u] += (s + 1 == stages) ? 1 : 2;
+  const auto tier = [&](size_t u, int kind) {  // kind: 0 compute copy, 1 gradient, 2 optimizer group
+    if (kind == 0) return p.placement.params;
+    return p.placement.unit_tier(kind == 1 ? p.placement.grads : p.placement.master, true, u);
+  };
+  const double grad_bytes = cfg.reduce == engine::Precision::kBf16 ? 2 : 4;
+  double gathered = 0, reduced = 0, up = 0, down = 0, nvme_r = 0, nvme_w = 0;
+  for (size_t u = 0; u < units; ++u) {
+    const double padded = double(p.padded_numel[u]), shard_n = double(p.shard_numel[u]);
+    gathered += uses_of[u] * padded * cb * (w - 1) / w;
+    reduced += padded * grad_bytes * (w - 1) / w;
+    if (tier(u, 0) != Placement::kDevice) up += uses_of[u] * shard_n * cb;  // each gather stages the shard
+    if (tier(u, 0) == Placement::kNvme) nvme_r += uses_of[u] * shard_n * cb;
+    const Placement g = tier(u, 1);
+    if (g != Placement::kDevice) down += shard_n * 4;
+    if (g == Placement::kNvme && !p.placement.grads_transient) nvme_w += shard_n * 4, nvme_r += shard_n * 4;
+  }
+  const double ckpt = double(p.checkpoint_bytes);
+  if (p.choice.activations != Placement::kDevice) up += ckpt, down += ckpt;
+  if (p.choice.activations == Placement::kNvme) nvme_r += ckpt, nvme_w += ckpt;
+
+  // Per-rank shares of the node's links and drives.
+  const double net_bw = world <= 1 ? 0
+                        : world <= c.node.gpus ? c.node.intra_bandwidth
+                                               : std::min(c.node.intra_bandwidth, c.node.inter_bandwidth / per_node);
+  // On the host device, "PCIe" copies are memory copies: calibration measures them there.
+  const double h2d = c.node.pcie_h2d / share, d2h = c.node.pcie_d2h / share;
+  const double drives = std::max(1, c.node.nvme_drives);
+  const double nvme_rd = c.node.nvme_read * drives / per_node, nvme_wr = c.node.nvme_write * drives / per_node;
+  const auto safe = [](double bytes, double bw) { return bytes > 0 && bw > 0 ? bytes / bw : 0.0; };
+  const double net_mb = safe(gathered + reduced, net_bw);
+  const double up_mb = safe(up, h2d), down_mb = safe(down, d2h);
+  const double nvme_mb = safe(nvme_r, nvme_rd) + safe(nvme_w, nvme_wr);
+
+  // A micro-batch: the busiest resource with gathers ahead; without, each gather's transfers
+  // wait in line before its compute. The first unit of each micro-batch waits anyway.
+  const double first_unit = safe(double(p.shard_numel[0]) * cb, h2d) * (p.placement.params != Placement::kDevice);
+  double mb_time;
+  if (gpu.is_host) mb_time = compute_mb + net_mb + up_mb + down_mb + nvme_mb;
+  else if (cfg.prefetch > 0 || cfg.prefetch_auto) mb_time = std::max({compute_mb, net_mb, up_mb, down_mb, nvme_mb}) + first_unit;
+  else mb_time = std::max(compute_mb + net_mb + up_mb + nvme_mb, down_mb);
+
+  // --- the update ------------------------------------------------------------------------------
+  double host_elems = 0, device_elems = 0, group_swap = 0, upload = 0;
+  for (size_t u = 0; u < units; ++u) {
+    const double n = double(p.shard_numel[u]);
+    const Placement g = tier(u, 2);
+    (g == Placement::kDevice ? device_elems : host_elems) += n;
+    if (g == Placement::kNvme) group_swap += n;
+    if (g != Placement::kDevice && p.placement.params == Placement::kDevice) upload += n * cb;
+    if (p.placement.params == Placement::kNvme) nvme_w += n * cb;  // new compute copies written to swap
+  }
+  const double cpu_rate = c.node.cpu_adam_rate / per_node;
+  const double cpu_opt = safe(host_elems, cpu_rate);
+  const double dev_opt = safe(device_elems * 32, gpu.memory_bandwidth / share);
+  // Master and moments read and written back (12 bytes each way an element).
+  const double opt_nvme = safe(group_swap * 12, nvme_rd) + safe(group_swap * 12, nvme_wr) +
+                          (p.placement.params == Placement::kNvme ? safe(host_elems * cb, nvme_wr) : 0);
+  const double opt_up = safe(upload, h2d);
+  const double opt = gpu.is_host ? cpu_opt + dev_opt + opt_nvme + opt_up : std::max({cpu_opt, opt_nvme, opt_up}) + dev_opt;
+  // Overlapped: the update hides behind the next forward, or behind this step's backward.
+  const double fwd_mb = mb_time * (fwd / (fwd + head + bwd)), bwd_mb = mb_time * ((bwd + head) / (fwd + head + bwd));
+  double hidden = 0;
+  if (!gpu.is_host && cfg.update_overlap == engine::UpdateOverlap::kForward) hidden = std::min(opt - dev_opt, fwd_mb);
+  if (!gpu.is_host && cfg.update_overlap == engine::UpdateOverlap::kBackward) hidden = std::min(opt - dev_opt, bwd_mb);
+  t.step = A * mb_time + opt - std::max(0.0, hidden);
+
+  // --- per resource, for the bound and the bottleneck --------------------------------------------
+  t.compute = A * compute_mb;
+  t.network = A * net_mb;
+  t.pcie_up = A * up_mb + opt_up;
+  t.pcie_down = A * down_mb;
+  t.nvme = A * nvme_mb + opt_nvme;
+  t.cpu_optimizer = cpu_opt;
+  t.device_optimizer = dev_opt;
+  t.gathered = A * gathered;
+  t.reduced = A * reduced;
+  t.up = A * up + upload;
+  t.down = A * down;
+  t.nvme_read = A * nvme_r + group_swap * 12;
+  t.nvme_written = A * nvme_w + group_swap * 12;
+  const std::pair<double, const char*> parts[] = {{t.compute + t.device_optimizer, "compute"},
+                                                  {t.network, "network"},
+                                                  {t.pcie_up, "PCIe up"},
+                                                  {t.pcie_down, "PCIe down"},
+                                                  {t.nvme, "NVMe"},
+                                                  {t.cpu_optimizer, "CPU optimizer"}};
+  const auto top = std::max_element(std::begin(parts), std::end(parts));
+  t.bound = gpu.is_host ? t.compute + t.device_optimizer + t.cpu_optimizer + t.pcie_up + t.pcie_down + t.nvme
+                        : top->first;
+  t.bottleneck = top->second;
+  return t;
+}
+
+}  // namespace strata::planner

@@ -1,0 +1,186 @@
+#include "strata/planner/three_d.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "strata/planner/compute.h"
+
+namespace strata::planner {
+
+const char* to_string(Recompute r) {
+  return r == Recompute::kNone ? "none" : r == Recompute::kSelective ? "selective" : "full";
+}
+
+std::string ThreeDConfig::describe() const {
+  std::string s = "TP " + std::to_string(tp) + " x PP " + std::to_string(pp) + " x DP " + std::to_string(dp) +
+                  ", micro-batch " + std::to_string(micro_batch);
+  if (interleave > 1) s += ", " + std::to_string(interleave) + " chunks a GPU";
+  s += std::string(", recompute ") + planner::to_string(recompute);
+  if (tp > 1 && sequence_parallel) s += ", sequence parallel";
+  if (distributed_optimizer) s += ", distributed optimizer";
+  return s;
+}
+
+double megatron_flops(const Workload& w, bool full) {
+  const double B = double(w.global_batch), s = double(w.seq_len), l = double(w.model.layers),
+               h = double(w.model.hidden), V = double(w.model.vocab_size);
+  return full ? 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+              : 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h));
+}
+
+namespace {
+
+// A ring collective's time: `factor` x bytes over the link, plus a latency a step.
+double ring(double bytes, int ways, double bandwidth, double latency, double factor) {
+  if (ways <= 1) return 0;
+  return factor * (ways - 1) / ways * bytes / bandwidth + 2 * (ways - 1) * latency;
+}
+
+}  // namespace
+
+ThreeDEstimate estimate_3d(const Workload& w, const Cluster& c, const ThreeDConfig& k) {
+  const models::ModelConfig& m = w.model;
+  const int gpus_per_node = c.node.gpus;
+  if (k.tp < 1 || k.pp < 1 || k.dp < 1 || k.micro_batch < 1 || k.interleave < 1)
+    throw std::invalid_argument("3D: every degree must be >= 1");
+  if (int64_t(k.tp) * k.pp * k.dp != c.gpus())
+    throw std::invalid_argument("3D: " + k.describe() + " does not use the cluster's " + std::to_string(c.gpus()) +
+                                " GPUs");
+  if (m.layers % (int64_t(k.pp) * k.interleave) != 0)
+    throw std::invalid_argument("3D: " + std::to_string(m.layers) + " layers do not split into " +
+                                std::to_string(k.pp * k.interleave) + " chunks");
+  if (w.global_batch % (int64_t(k.dp) * k.micro_batch) != 0)
+    throw std::invalid_argument("3D: a batch of " + std::to_string(w.global_batch) + " does not split into " +
+                                std::to_string(k.dp) + " x micro-batches of " + std::to_string(k.micro_batch));
+  ThreeDEstimate e;
+  e.config = k;
+  const double t = k.tp, p = k.pp, d = k.dp, b = k.micro_batch, s = double(w.seq_len), h = double(m.hidden),
+               V = double(m.vocab_size), a = double(m.heads), L = double(m.layers);
+  const double mb = double(w.global_batch) / (d * b);  // micro-batches per pipeline
+  e.micro_batches = mb;
+  const bool sp = k.sequence_parallel && k.tp > 1;
+
+  // --- memory on the first and the last stage --------------------------------------------------
+  const double block = double(m.block_parameters()) / t, layers_per_stage = L / p;
+  const double embedding = V * h / t + (m.arch == models::Arch::kGpt2 ? double(m.max_positions) * h : 0);
+  const double first_params = layers_per_stage * block + embedding;
+  const double last_params = layers_per_stage * block + V * h / t + 2 * h;  // the head's copy of the embedding
+  // Per parameter: 16-bit weights, fp32 gradients (main_grad), fp32 master and two moments.
+  const double opt_bytes = k.distributed_optimizer ? 12 / d : 12;
+  // Activations of one layer and micro-batch (Korthikanti et al., table 2).
+  const double sbh = s * b * h;
+  const double scores = w.flash_attention ? 0 : 5 * a * s / h;
+  const double full_layer = sbh * ((sp || k.tp == 1 ? 34 / t : 10 + 24 / t) + scores / t);
+  double per_layer = full_layer;
+  if (k.recompute == Recompute::kSelective) per_layer = sbh * (sp || k.tp == 1 ? 34 / t : 10 + 24 / t);
+  if (k.recompute == Recompute::kFull) per_layer = 2 * sbh / (sp ? t : 1);
+  // 1F1B: the first stage holds min(p, m) micro-batches of its layers, interleaving (1 + (p-1)/pv)
+  // times the model's layers' worth; full recompute rebuilds one layer's activations at a time.
+  const double in_flight = std::min(p, mb);
+  double first_act = per_layer * layers_per_stage * in_flight;
+  if (k.interleave > 1) first_act = per_layer * L * (1 + (p - 1) / (p * k.interleave)) * std::min(1.0, mb / p);
+  double last_act = per_layer * layers_per_stage + 4 * s * b * V / t;  // one in flight, fp32 logits + gradient
+  if (k.recompute == Recompute::kFull) {
+    first_act += full_layer;
+    last_act += full_layer;
+  }
+  const auto stage_bytes = [&](double params, double act) { return params * (2 + 4 + opt_bytes) + act; };
+  const bool first_fuller = stage_bytes(first_params, first_act) >= stage_bytes(last_params, last_act);
+  const double params = first_fuller ? first_params : last_params;
+  e.weights = 2 * params;
+  e.gradients = 4 * params;
+  e.optimizer = opt_bytes * params;
+  e.activations = first_fuller ? first_act : last_act;
+  e.capacity = c.node.gpu.memory - c.node.gpu.reserved;
+
+  // --- time --------------------------------------------------------------------------------------
+  const GpuSpec& gpu = c.node.gpu;
+  ShardOf shard;
+  shard.tp = k.tp;
+  shard.sequence_parallel = sp;
+  shard.flash_attention = w.flash_attention;
+  const Work fwd = block_forward(m, b, w.seq_len, shard);
+  const double layer_fwd = seconds(fwd, gpu);
+  double recompute = 0;
+  if (k.recompute == Recompute::kFull) recompute = layer_fwd;
+  if (k.recompute == Recompute::kSelective) {
+    Work scores_only;  // the attention's products and its score traffic again
+    scores_only.attention_flops = fwd.attention_flops;
+    scores_only.attention_product = fwd.attention_product;
+    scores_only.memory_bytes = w.flash_attention ? 0 : 2 * s * b * h * scores / t;
+    recompute = seconds(scores_only, gpu);
+  }
+  const double head = 3 * seconds(head_forward(m, b, w.seq_len, shard), gpu);
+  // Tensor parallelism: a ring all-reduce (or reduce-scatter + all-gather) of s b h 16-bit values,
+  // twice in a layer's forward, twice in its backward, twice more in a full recompute.
+  const bool tp_in_node = k.tp <= gpus_per_node;
+  const double tp_bw = tp_in_node ? c.node.intra_bandwidth : c.node.inter_bandwidth / gpus_per_node;
+  const double tp_lat = tp_in_node ? c.node.intra_latency : c.node.inter_latency;
+  const double tp_ops = k.recompute == Recompute::kFull ? 6 : 4;
+  const double tp_layer = tp_ops * ring(2 * sbh, k.tp, tp_bw, tp_lat, 2);
+  const double stage_compute = layers_per_stage * (3 * layer_fwd + recompute) + head;  // the last stage
+  const double stage_tp = layers_per_stage * tp_layer;
+  e.compute = mb * stage_compute;
+  e.tp_comm = mb * stage_tp;
+  e.bubble = (p - 1) / k.interleave * (stage_compute + stage_tp);
+  // Pipeline point-to-point: each micro-batch's activations forward and gradients back, once per
+  // model chunk, over the network when the stages are on different nodes.
+  if (k.pp > 1) {
+    const bool across = int64_t(k.tp) * k.pp > gpus_per_node;
+    const double bw = across ? c.node.inter_bandwidth / gpus_per_node : c.node.intra_bandwidth;
+    const double lat = across ? c.node.inter_latency : c.node.intra_latency;
+    const double bytes = 2 * sbh / (sp ? t : 1);
+    e.pp_comm = mb * 2 * k.interleave * (bytes / bw + lat);
+  }
+  // Data parallelism: fp32 gradients all-reduced (or reduce-scattered, with 16-bit weights
+  // all-gathered after the sharded update), after the last backward.
+  if (k.dp > 1) {
+    const bool across = int64_t(k.tp) * k.pp * std::min(k.dp, 2) > gpus_per_node;
+    const double bw = across ? c.node.inter_bandwidth / gpus_per_node : c.node.intra_bandwidth;
+    const double lat = across ? c.node.inter_latency : c.node.intra_latency;
+    e.dp_comm = k.distributed_optimizer ? ring(4 * params, k.dp, bw, lat, 1) + ring(2 * params, k.dp, bw, lat, 1)
+                                        : ring(4 * params, k.dp, bw, lat, 2);
+  }
+  // Adam on the GPU: about 32 bytes of traffic a parameter (read p, m, v, g; write p, m, v, and
+  // the 16-bit copy).
+  e.optimizer_step = 32 * params / (k.distributed_optimizer ? d : 1) / gpu.memory_bandwidth;
+  e.step = e.compute + e.tp_comm + e.bubble + e.pp_comm + e.dp_comm + e.optimizer_step;
+  const std::pair<double, const char*> parts[] = {{e.compute, "compute"},
+                                                  {e.tp_comm, "tensor-parallel communication"},
+                                                  {e.bubble, "pipeline bubble"},
+                                                  {e.pp_comm, "pipeline transfers"},
+                                                  {e.dp_comm, "data-parallel gradient reduction"},
+                                                  {e.optimizer_step, "optimizer"}};
+  e.bottleneck = std::max_element(std::begin(parts), std::end(parts))->second;
+  return e;
+}
+
+std::optional<ThreeDEstimate> best_3d(const Workload& w, const Cluster& c, const ThreeDSearch& limits) {
+  std::optional<ThreeDEstimate> best;
+  const int n = c.gpus();
+  for (int tp = 1; tp <= c.node.gpus && tp <= n && tp <= limits.max_tp; tp *= 2) {
+    if (n % tp || w.model.heads % tp) continue;
+    for (int pp = 1; pp <= n / tp && pp <= limits.max_pp; ++pp) {
+      if ((n / tp) % pp || w.model.layers % pp) continue;
+      const int dp = n / (tp * pp);
+      for (int b : {1, 2, 4, 8}) {
+        if (w.global_batch % (int64_t(dp) * b)) continue;
+        const int64_t mb = w.global_batch / (int64_t(dp) * b);
+        for (int v = 1; v <= 8; ++v) {
+          if (v > 1 && (pp == 1 || mb % pp || (w.model.layers / pp) % v)) continue;
+          for (Recompute r : limits.recompute)
+            for (bool zero1 : {false, true}) {
+              if (zero1 && (dp == 1 || !limits.sharded_optimizer)) continue;
+              ThreeDConfig k{tp, pp, dp, b, v, r, true, zero1};
+              const ThreeDEstimate e = estimate_3d(w, c, k);
+              if (e.fits() && (!best || e.step < best->step)) best = e;
+            }
+        }
+      }
+    }
+  }
+  return best;
+}
+
+}  // namespace strata::planner
