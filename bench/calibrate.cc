@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "strata/kernels/cpu_optim.h"
+#include "strata/models/decoder.h"
+#include "strata/planner/compute.h"
 
 namespace strata::bench {
 
@@ -137,28 +139,87 @@ planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
   };
   std::cout << "strata plan --calibrate: measuring this machine (" << cores << " cores)" << std::endl;
 
-  // Matrix products through libtorch, fp32 (the host device's compute), square sizes.
+  // Matrix products through libtorch, fp32 (the host device's compute), shaped as a transformer's
+  // linear layers run them: X [4s, s] by W [4s, s] forward, and the backward's two products
+  // (dY W, dY^T X), one rate per size keyed by the FLOPs of one product.
   std::vector<std::pair<double, double>> rates;  // (flops of one product, FLOP/s)
-  for (int64_t s : {64, 128, 256, 512, 1024, 2048}) {
-    const at::Tensor a = at::randn({s, s}), b = at::randn({s, s});
-    at::Tensor out = at::empty({s, s});
-    const double t = per_call([&] { at::mm_out(out, a, b); }, o.seconds / 2);
-    const double flops = 2.0 * double(s) * double(s) * double(s);
-    rates.emplace_back(flops, flops / t);
-    say("matmul fp32 " + std::to_string(s) + "^3: " + std::to_string(flops / t / 1e9) + " GFLOP/s");
+  const auto linear_rate = [&](int64_t s, at::ScalarType dt) {
+    const at::Tensor x = at::randn({4 * s, s}).to(dt), w = at::randn({4 * s, s}).to(dt),
+                     dy = at::randn({4 * s, 4 * s}).to(dt);
+    const double t = per_call(
+        [&] {
+          const at::Tensor y = at::linear(x, w);
+          const at::Tensor dx = at::mm(dy, w);
+          const at::Tensor dw = at::mm(dy.t(), x);
+        },
+        o.seconds / 2);
+    const double flops = 2.0 * double(4 * s) * double(s) * double(4 * s);
+    return std::pair{flops, 3 * flops / t};
+  };
+  for (int64_t s : {32, 64, 128, 256, 512, 1024}) {
+    rates.push_back(linear_rate(s, at::kFloat));
+    say("linear fp32 [" + std::to_string(4 * s) + " x " + std::to_string(s) + "] x [" + std::to_string(s) + " x " +
+        std::to_string(4 * s) + "] and its backward: " + std::to_string(rates.back().second / 1e9) + " GFLOP/s");
   }
   double peak = 0;
   for (auto [f, r] : rates) peak = std::max(peak, r);
   g.peak_flops_fp32 = peak;
   for (auto [f, r] : rates) g.matmul_efficiency.emplace_back(f, std::min(1.0, r / peak));
   {
-    const int64_t s = 1024;
-    const at::Tensor a = at::randn({s, s}).to(at::kBFloat16), b = at::randn({s, s}).to(at::kBFloat16);
-    at::Tensor out = at::empty({s, s}, at::kBFloat16);
-    const double t = per_call([&] { at::mm_out(out, a, b); }, o.seconds / 2);
-    const double rate = 2.0 * double(s * s * s) / t;
-    g.peak_flops = rate / planner::matmul_rate(g, 2.0 * double(s * s * s), true) * peak;
-    say("matmul bf16 1024^3: " + std::to_string(rate / 1e9) + " GFLOP/s");
+    const auto [flops, rate] = linear_rate(512, at::kBFloat16);
+    g.peak_flops = rate / planner::matmul_rate(g, flops, true) * peak;
+    say("linear bf16 at 512: " + std::to_string(rate / 1e9) + " GFLOP/s");
+  }
+  // Fused causal attention (what the blocks run), forward and backward, against the products' rate
+  // at the same work.
+  {
+    const int64_t b = 4, heads = 4, seq = 256, d = 64;
+    const at::Tensor q = at::randn({b, heads, seq, d}).requires_grad_(true), k = at::randn({b, heads, seq, d}),
+                     v = at::randn({b, heads, seq, d});
+    const double t = per_call(
+        [&] {
+          const at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+          a.sum().backward();
+        },
+        o.seconds / 2);
+    const double flops = 3 * 4.0 * double(b * heads) * double(seq) * double(seq) * double(d);
+    g.attention_efficiency = std::min(1.0, flops / t / planner::matmul_rate(g, flops / 3, true));
+    say("attention fwd+bwd: " + std::to_string(flops / t / 1e9) + " GFLOP/s (" +
+        std::to_string(g.attention_efficiency) + " of the products' rate)");
+  }
+  // Memory-bound kernels (norms, activations, softmax, residuals) as a block runs them: a real
+  // block's forward and backward is timed, the products' and the attention's share is taken out
+  // as the two rates above predict it, and what is left is the memory-bound traffic the planner
+  // counts for that block (planner/compute.h) at this rate.
+  {
+    models::ModelConfig mc = models::preset("gpt2");
+    mc.layers = 1;
+    mc.hidden = 256;
+    mc.heads = mc.kv_heads = 4;
+    mc.head_dim = 64;
+    mc.intermediate = 1024;
+    mc.vocab_size = 512;
+    mc.max_positions = 128;
+    models::Decoder model(mc, 1);
+    models::Stage& block = model.block(0);
+    const int64_t batch = 4, seq = 128;
+    const at::Tensor x = at::randn({batch, seq, mc.hidden}).requires_grad_(true);
+    const double t = per_call(
+        [&] {
+          const at::Tensor y = block.forward(x);
+          y.backward(at::ones_like(y));
+        },
+        o.seconds);
+    planner::ShardOf fp32;
+    fp32.activation_bytes = 4;
+    const planner::Work w = planner::block_forward(mc, double(batch), seq, fp32);
+    g.memory_bandwidth = 1;  // only the products' and attention's shares below
+    const planner::Seconds predicted = planner::seconds_by_kind(w, g, true);
+    const double left = t - 3 * (predicted.matmul + predicted.attention);
+    g.memory_bandwidth = 3 * w.memory_bytes / std::max(left, 0.05 * t);
+    say("a block's forward + backward: " + std::to_string(t * 1e3) + " ms, of which memory-bound kernels " +
+        std::to_string(std::max(left, 0.05 * t) * 1e3) + " ms: " + std::to_string(g.memory_bandwidth / 1e9) +
+        " GB/s of their traffic");
   }
 
   // Memory: a large copy (read + write), the host device's copies and memory-bound kernels.
@@ -169,7 +230,6 @@ planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
     const double t = per_call([&] { b.copy_(a); }, o.seconds);
     const double copied = double(elems) * 4 / t;
     n.pcie_h2d = n.pcie_d2h = copied;
-    g.memory_bandwidth = 2 * copied;
     say("copy: " + std::to_string(copied / 1e9) + " GB/s");
   }
 
@@ -211,7 +271,8 @@ planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
     say(std::string("disk under ") + o.dir + (direct ? " (direct I/O)" : " (buffered: no O_DIRECT here)") +
         ": read " + std::to_string(read / 1e9) + " GB/s, write " + std::to_string(write / 1e9) + " GB/s");
   }
-  c.source = "strata plan --calibrate on this machine: libtorch matmul (fp32, square sizes), a 256 MiB copy, the "
+  c.source = "strata plan --calibrate on this machine: libtorch linear layers forward and backward (fp32), fused "
+             "attention, a GPT block forward and backward, a 256 MiB copy, the "
              "CPU Adam kernel on every core, 1 GiB over loopback TCP, 512 MiB of sequential I/O under " + o.dir;
   return c;
 }

@@ -30,9 +30,12 @@ options:
   --nodes N[,N...]     node counts to plan for (default: the cluster file's)
   --seq-len N          tokens a sequence (default 2048)
   --global-batch N     sequences a step (default: 8 per GPU)
-  --micro-batch N      Strata's sequences a micro-batch and rank (default 1)
+  --micro-batch N      Strata's sequences a micro-batch and rank (default: the fastest that
+                       fits, powers of two)
   --config FILE        a `strata train` configuration whose precision and overlap modes
                        Strata's side uses (placement and batch come from the plan)
+  --as-given           Strata with the --config file exactly as given (its model, placement,
+                       batch; no search) on the cluster: the predicted step and per-tier bytes
   --max-model          also the largest model each system trains on the cluster
   --json               one JSON line per node count instead of the table
 
@@ -72,7 +75,7 @@ int plan_command(const std::vector<std::string>& argv) {
       return 0;
     }
   const Args args(argv, {"model", "cluster", "nodes", "seq-len", "global-batch", "micro-batch", "config", "output", "dir"},
-                  {"max-model", "json", "calibrate"});
+                  {"max-model", "json", "calibrate", "as-given"});
   if (args.has("calibrate")) {
     bench::CalibrateOptions o;
     o.output = args.get("output", "strata-cluster.json");
@@ -83,6 +86,26 @@ int plan_command(const std::vector<std::string>& argv) {
     if (!f.flush()) throw std::runtime_error("cannot write " + o.output);
     std::cout << "wrote " << o.output << "\n";
     return 0;
+  }
+  if (args.has("as-given")) {
+    if (!args.has("config")) throw std::invalid_argument("--as-given needs --config");
+    const engine::TrainConfig tc = engine::load_train_config(args.get("config", ""));
+    planner::Cluster c = planner::cluster_from(args.get("cluster", "h100-box"));
+    if (args.has("nodes")) c.nodes = node_counts(args.get("nodes", "")).front();
+    const planner::StrataEstimate e = planner::estimate_strata_as_given(tc.engine, tc.model, c);
+    const planner::StrataTime& t = e.time;
+    std::cout << "strata plan --as-given: " << tc.model.name << " on " << c.nodes << " x " << c.name << "\n  "
+              << (e.fits() ? e.state.report : "does not fit: " + e.state.error) << "\n";
+    if (e.fits())
+      std::cout << "  step " << t.step << " s (bound " << t.bound << " s, bottleneck " << t.bottleneck
+                << "): compute " << t.compute << " s (matmul " << t.compute_matmul << ", attention "
+                << t.compute_attention << ", memory-bound " << t.compute_memory << "), network " << t.network
+                << " s, PCIe up " << t.pcie_up << " s, down " << t.pcie_down << " s, NVMe " << t.nvme
+                << " s, CPU optimizer " << t.cpu_optimizer << " s, device optimizer " << t.device_optimizer
+                << " s\n  per rank: device " << e.state.device_bytes() << " B (state " << e.state.device_state
+                << ", working set " << e.state.working_set << "), host " << e.state.host_state << " B, NVMe "
+                << e.state.nvme_state << " B\n";
+    return e.fits() ? 0 : 1;
   }
   if (!args.has("model")) {
     std::cerr << kPlanUsage;
@@ -103,8 +126,8 @@ int plan_command(const std::vector<std::string>& argv) {
     planner::Cluster c = cluster;
     c.nodes = n;
     planner::Workload wn = w;
-    wn.global_batch = int64_t(args.count("global-batch", unsigned(8 * c.gpus() * base.micro_batch)));
-    const planner::Comparison cmp = planner::compare(wn, c, base);
+    wn.global_batch = int64_t(args.count("global-batch", unsigned(8 * c.gpus())));
+    const planner::Comparison cmp = planner::compare(wn, c, base, !args.has("micro-batch"));
     if (as_json) std::cout << planner::comparison_json(cmp) << "\n";
     else std::cout << planner::comparison_table(cmp) << "\n";
     if (args.has("max-model")) {

@@ -79,6 +79,9 @@ Cluster parse_cluster(const std::string& text, const std::string& source) {
   node.gpu.peak_flops_fp32 = g.num("peak_tflops_fp32", 1e12, 0);
   node.gpu.memory_bandwidth = g.num("memory_gbps", kGB);
   node.gpu.is_host = g.j.value("is_host", false);
+  node.gpu.attention_efficiency = g.num("attention_efficiency", 1, 1);
+  if (node.gpu.attention_efficiency <= 0 || node.gpu.attention_efficiency > 1)
+    throw std::invalid_argument(g.where + ": \"attention_efficiency\" must be in (0, 1]");
   if (g.j.contains("matmul_efficiency")) {
     const json& e = g.j["matmul_efficiency"];
     if (!e.is_array()) throw std::invalid_argument(g.where + ": \"matmul_efficiency\" must be [[flops, fraction], ...]");
@@ -129,6 +132,7 @@ std::string cluster_json(const Cluster& c) {
               {"peak_tflops_fp32", n.gpu.peak_flops_fp32 / 1e12},
               {"matmul_efficiency", eff},
               {"memory_gbps", n.gpu.memory_bandwidth / kGB},
+              {"attention_efficiency", n.gpu.attention_efficiency},
               {"is_host", n.gpu.is_host}};
   json node = {{"gpus", n.gpus},
                {"gpu", gpu},

@@ -85,8 +85,18 @@ StrataEstimate estimate_strata(const Workload& w, const Cluster& c, const engine
   return estimate_strata_as_given(strata_config(w, c, base, use_nvme), w.model, c);
 }
 
-Comparison compare(const Workload& w, const Cluster& c, const engine::EngineConfig& base) {
+Comparison compare(const Workload& w, const Cluster& c, const engine::EngineConfig& base, bool search_micro_batch) {
   Comparison cmp{w, c, estimate_strata(w, c, base), best_3d(w, c)};
+  if (search_micro_batch) {
+    const int64_t share = w.global_batch / c.gpus();
+    for (int64_t mb = 1; mb <= share; mb *= 2) {
+      if (share % mb || w.global_batch % c.gpus()) continue;
+      engine::EngineConfig b = base;
+      b.micro_batch = mb;
+      const StrataEstimate e = estimate_strata(w, c, b);
+      if (e.fits() && (!cmp.strata.fits() || e.time.step < cmp.strata.time.step)) cmp.strata = e;
+    }
+  }
   return cmp;
 }
 

@@ -38,12 +38,15 @@ Work head_forward(const models::ModelConfig& m, double sequences, int64_t seq_le
   return w;
 }
 
-double seconds(const Work& w, const GpuSpec& gpu, bool fp32) {
-  double s = 0;
-  if (w.gemm_flops > 0) s += w.gemm_flops / matmul_rate(gpu, w.gemm_product, fp32);
-  if (w.attention_flops > 0) s += w.attention_flops / matmul_rate(gpu, w.attention_product, fp32);
-  if (w.memory_bytes > 0 && gpu.memory_bandwidth > 0) s += w.memory_bytes / gpu.memory_bandwidth;
+Seconds seconds_by_kind(const Work& w, const GpuSpec& gpu, bool fp32) {
+  Seconds s;
+  if (w.gemm_flops > 0) s.matmul = w.gemm_flops / matmul_rate(gpu, w.gemm_product, fp32);
+  if (w.attention_flops > 0)
+    s.attention = w.attention_flops / (matmul_rate(gpu, w.attention_product, fp32) * gpu.attention_efficiency);
+  if (w.memory_bytes > 0 && gpu.memory_bandwidth > 0) s.memory = w.memory_bytes / gpu.memory_bandwidth;
   return s;
 }
+
+double seconds(const Work& w, const GpuSpec& gpu, bool fp32) { return seconds_by_kind(w, gpu, fp32).total(); }
 
 }  // namespace strata::planner

@@ -21,8 +21,9 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // --- compute of one micro-batch ------------------------------------------------------------
   ShardOf shard;
   shard.activation_bytes = cb;
-  const double block_fwd = seconds(block_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
-  const double head_fwd = seconds(head_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
+  const Seconds block_kinds = seconds_by_kind(block_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
+  const Seconds head_kinds = seconds_by_kind(head_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
+  const double block_fwd = block_kinds.total(), head_fwd = head_kinds.total();
   const double recomputed = double(p.choice.recomputed);
   // Forward, backward (twice the forward), the recomputed blocks' forward again; the head's
   // forward and backward, plus its logits again in the backward when cut into tiles.
@@ -93,7 +94,8 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   }
   const double cpu_rate = c.node.cpu_adam_rate / per_node;
   const double cpu_opt = safe(host_elems, cpu_rate);
-  const double dev_opt = safe(device_elems * 32, gpu.memory_bandwidth / share);
+  // On the host device the device's Adam is the CPU kernel.
+  const double dev_opt = gpu.is_host ? safe(device_elems, cpu_rate) : safe(device_elems * 32, gpu.memory_bandwidth);
   // Master and moments read and written back (12 bytes each way an element).
   const double opt_nvme = safe(group_swap * 12, nvme_rd) + safe(group_swap * 12, nvme_wr) +
                           (p.placement.params == Placement::kNvme ? safe(host_elems * cb, nvme_wr) : 0);
@@ -108,6 +110,11 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
 
   // --- per resource, for the bound and the bottleneck --------------------------------------------
   t.compute = A * compute_mb;
+  // By kind: the same passes (each block 3 + recompute, the head 3 or 4) over each kind's time.
+  const double block_passes = double(blocks) * 3 + recomputed, head_passes = p.head_tiles > 1 ? 4 : 3;
+  t.compute_matmul = A * share * (block_passes * block_kinds.matmul + head_passes * head_kinds.matmul);
+  t.compute_attention = A * share * block_passes * block_kinds.attention;
+  t.compute_memory = A * share * (block_passes * block_kinds.memory + head_passes * head_kinds.memory);
   t.network = A * net_mb;
   t.pcie_up = A * up_mb + opt_up;
   t.pcie_down = A * down_mb;

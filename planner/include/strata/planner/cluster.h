@@ -25,6 +25,9 @@ struct GpuSpec {
   // fill the GPU.
   std::vector<std::pair<double, double>> matmul_efficiency;
   double memory_bandwidth = 0;  // bytes/s a memory-bound kernel reaches (read + write)
+  // The fused attention's rate as a fraction of the matrix products' at the same work (1: as fast;
+  // the GPU presets leave it at 1, calibration measures it).
+  double attention_efficiency = 1;
   // The "GPU" is this host's CPU (the engine's host device): compute, the optimizer and copies
   // share the same cores and memory, so nothing overlaps.
   bool is_host = false;

@@ -52,7 +52,10 @@ struct Comparison {
   StrataEstimate strata;
   std::optional<ThreeDEstimate> three_d;
 };
-Comparison compare(const Workload& w, const Cluster& c, const engine::EngineConfig& base);
+// `search_micro_batch`: Strata takes the fastest micro-batch that fits (powers of two dividing its
+// share of the batch) instead of base.micro_batch; a larger one gathers the parameters fewer times.
+Comparison compare(const Workload& w, const Cluster& c, const engine::EngineConfig& base,
+                   bool search_micro_batch = true);
 std::string comparison_table(const Comparison& cmp);
 std::string comparison_json(const Comparison& cmp);
 

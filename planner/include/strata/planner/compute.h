@@ -41,5 +41,11 @@ Work block_forward(const models::ModelConfig& m, double sequences, int64_t seq_l
 Work head_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& shard);
 
 double seconds(const Work& w, const GpuSpec& gpu, bool fp32 = false);
+// The same by kind: matrix products, attention, memory-bound kernels (they add up to seconds()).
+struct Seconds {
+  double matmul = 0, attention = 0, memory = 0;
+  double total() const { return matmul + attention + memory; }
+};
+Seconds seconds_by_kind(const Work& w, const GpuSpec& gpu, bool fp32 = false);
 
 }  // namespace strata::planner
