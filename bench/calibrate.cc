@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "strata/kernels/cpu_optim.h"
+#include "strata/offload/file.h"
+#include "strata/offload/io_engine.h"
 #include "strata/models/decoder.h"
 #include "strata/planner/compute.h"
 
@@ -54,38 +56,31 @@ uint64_t meminfo(const char* key) {
   return 0;
 }
 
-// Sequential direct I/O of `bytes` in 4 MiB blocks: write (then fsync) and read back, bytes/s.
+// The swap space's I/O path: the engine's I/O engine (io_uring, else its thread pool) at its
+// default queue depth, direct I/O where the file system allows, 4 MiB requests over `bytes`;
+// write (then fsync) and read back, bytes/s.
 std::pair<double, double> disk_rates(const std::string& dir, uint64_t bytes, bool& direct) {
-  const std::string path = (std::filesystem::path(dir) / ".strata-calibrate.tmp").string();
+  const std::filesystem::path path = std::filesystem::path(dir) / ".strata-calibrate.tmp";
   constexpr size_t kBlock = 4 << 20;
+  auto io = offload::IoEngine::create();
+  offload::File f = offload::File::open(path, offload::OpenMode::kTruncate);
+  direct = f.direct();
   void* raw = nullptr;
   if (posix_memalign(&raw, 4096, kBlock)) throw std::bad_alloc();
   std::unique_ptr<void, decltype(&std::free)> buf(raw, &std::free);
   std::memset(raw, 0x5a, kBlock);
-  direct = true;
-  int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_DIRECT, 0600);
-  if (fd < 0) {
-    direct = false;  // a file system without O_DIRECT (tmpfs): buffered, then fsync
-    fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0600);
-  }
-  if (fd < 0) throw std::runtime_error("calibrate: cannot create " + path + ": " + std::strerror(errno));
-  auto t0 = Clock::now();
-  for (uint64_t off = 0; off < bytes; off += kBlock)
-    if (::pwrite(fd, raw, kBlock, off_t(off)) != ssize_t(kBlock)) {
-      ::close(fd);
-      ::unlink(path.c_str());
-      throw std::runtime_error("calibrate: writing " + path + ": " + std::strerror(errno));
-    }
-  ::fsync(fd);
-  const double write = double(bytes) / since(t0);
-  ::close(fd);
-  fd = ::open(path.c_str(), O_RDONLY | (direct ? O_DIRECT : 0));
-  t0 = Clock::now();
-  for (uint64_t off = 0; off < bytes; off += kBlock)
-    if (::pread(fd, raw, kBlock, off_t(off)) != ssize_t(kBlock)) break;
-  const double read = double(bytes) / since(t0);
-  ::close(fd);
-  ::unlink(path.c_str());
+  const std::span<std::byte> block(static_cast<std::byte*>(raw), kBlock);
+  const auto run = [&](bool write) {
+    std::vector<offload::IoFuture> pending;
+    const auto t0 = Clock::now();
+    for (uint64_t off = 0; off < bytes; off += kBlock)
+      pending.push_back(write ? io->write(f, off, block) : io->read(f, off, block));
+    for (const offload::IoFuture& p : pending) p.get();
+    if (write && !direct) f.sync();  // direct writes have reached the device, as swap writes do
+    return double(bytes) / since(t0);
+  };
+  const double write = run(true), read = run(false);
+  std::filesystem::remove(path);
   return {read, write};
 }
 
@@ -273,7 +268,7 @@ planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
   }
   c.source = "strata plan --calibrate on this machine: libtorch linear layers forward and backward (fp32), fused "
              "attention, a GPT block forward and backward, a 256 MiB copy, the "
-             "CPU Adam kernel on every core, 1 GiB over loopback TCP, 512 MiB of sequential I/O under " + o.dir;
+             "CPU Adam kernel on every core, 1 GiB over loopback TCP, 512 MiB through the I/O engine under " + o.dir;
   return c;
 }
 

@@ -78,7 +78,9 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // wait in line before its compute. The first unit of each micro-batch waits anyway.
   const double first_unit = safe(double(p.shard_numel[0]) * cb, h2d) * (p.placement.params != Placement::kDevice);
   double mb_time;
-  if (gpu.is_host) mb_time = compute_mb + net_mb + up_mb + down_mb + nvme_mb;
+  // On the host device compute, copies and Gloo's TCP copies take the same cores (they add up);
+  // the disk works beside them.
+  if (gpu.is_host) mb_time = std::max(compute_mb + net_mb + up_mb + down_mb, nvme_mb);
   else if (cfg.prefetch > 0 || cfg.prefetch_auto) mb_time = std::max({compute_mb, net_mb, up_mb, down_mb, nvme_mb}) + first_unit;
   else mb_time = std::max(compute_mb + net_mb + up_mb + nvme_mb, down_mb);
 
@@ -100,13 +102,22 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const double opt_nvme = safe(group_swap * 12, nvme_rd) + safe(group_swap * 12, nvme_wr) +
                           (p.placement.params == Placement::kNvme ? safe(host_elems * cb, nvme_wr) : 0);
   const double opt_up = safe(upload, h2d);
-  const double opt = gpu.is_host ? cpu_opt + dev_opt + opt_nvme + opt_up : std::max({cpu_opt, opt_nvme, opt_up}) + dev_opt;
-  // Overlapped: the update hides behind the next forward, or behind this step's backward.
+  // Overlapped (optimizer.overlap), the update's CPU Adam and swap traffic hide behind the next
+  // micro-batch's forward or this one's backward; on the host device only its disk traffic can
+  // (the CPU's part takes the cores compute needs).
   const double fwd_mb = mb_time * (fwd / (fwd + head + bwd)), bwd_mb = mb_time * ((bwd + head) / (fwd + head + bwd));
-  double hidden = 0;
-  if (!gpu.is_host && cfg.update_overlap == engine::UpdateOverlap::kForward) hidden = std::min(opt - dev_opt, fwd_mb);
-  if (!gpu.is_host && cfg.update_overlap == engine::UpdateOverlap::kBackward) hidden = std::min(opt - dev_opt, bwd_mb);
-  t.step = A * mb_time + opt - std::max(0.0, hidden);
+  const double window = cfg.update_overlap == engine::UpdateOverlap::kForward    ? fwd_mb
+                        : cfg.update_overlap == engine::UpdateOverlap::kBackward ? bwd_mb
+                                                                                 : 0.0;
+  double update;
+  if (gpu.is_host) {
+    const double cpu = cpu_opt + dev_opt + opt_up;
+    update = cpu + std::max(0.0, opt_nvme - cpu - window);
+  } else {
+    const double off_device = std::max({cpu_opt, opt_nvme, opt_up});
+    update = off_device - std::min(off_device, window) + dev_opt;
+  }
+  t.step = A * mb_time + update;
 
   // --- per resource, for the bound and the bottleneck --------------------------------------------
   t.compute = A * compute_mb;
@@ -134,7 +145,8 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
                                                   {t.nvme, "NVMe"},
                                                   {t.cpu_optimizer, "CPU optimizer"}};
   const auto top = std::max_element(std::begin(parts), std::end(parts));
-  t.bound = gpu.is_host ? t.compute + t.device_optimizer + t.cpu_optimizer + t.pcie_up + t.pcie_down + t.nvme
+  t.bound = gpu.is_host ? std::max(t.compute + t.device_optimizer + t.cpu_optimizer + t.pcie_up + t.pcie_down + t.network,
+                                   t.nvme)
                         : top->first;
   t.bottleneck = top->second;
   return t;

@@ -7,8 +7,8 @@
 // line with compute. The optimizer step (CPU Adam for units off the device, with their swap
 // traffic; device Adam for the rest) runs after backward, or overlapped with the next forward or
 // with the backward (optimizer.overlap). On the host device (the GPU is this CPU), compute, copies
-// and the optimizer share the same cores and memory: nothing overlaps. Equations and blind spots:
-// docs/PLANNER.md.
+// and the optimizer share the same cores and memory and add up; only the disk works beside them.
+// Equations and blind spots: docs/PLANNER.md.
 //
 // Pure function; thread-safe.
 #pragma once
