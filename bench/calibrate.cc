@@ -20,6 +20,9 @@
 #include <vector>
 
 #include "strata/kernels/cpu_optim.h"
+#ifdef STRATA_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 #include "strata/offload/file.h"
 #include "strata/offload/io_engine.h"
 #include "strata/models/decoder.h"
@@ -122,26 +125,63 @@ double loopback_rate(uint64_t bytes) {
 planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
   planner::Cluster c;
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const bool cuda = o.device == "cuda";
+  if (o.device != "cpu" && !cuda) throw std::invalid_argument("calibrate: --device must be cpu or cuda, not " + o.device);
+#ifndef STRATA_HAVE_CUDA
+  if (cuda) throw std::invalid_argument("calibrate: this build has no CUDA");
+#endif
+  // The compute runs where training runs: the CPU (host device, fp32) or the GPU (bf16). The
+  // same code measures both; CUDA work is timed up to a device synchronization.
+  const at::Device dev = cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  const at::ScalarType primary = cuda ? at::kBFloat16 : at::kFloat, secondary = cuda ? at::kFloat : at::kBFloat16;
+  const auto sync = [cuda] {
+#ifdef STRATA_HAVE_CUDA
+    if (cuda && cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error("calibrate: CUDA synchronize failed");
+#else
+    (void)cuda;
+#endif
+  };
+  const auto timed = [&](auto&& op, double budget) {
+    return per_call(
+        [&] {
+          op();
+          sync();
+        },
+        budget);
+  };
+  const auto opts = [&](at::ScalarType dt) { return at::TensorOptions().dtype(dt).device(dev); };
   c.name = "this-machine";
   c.nodes = 1;
   planner::NodeSpec& n = c.node;
   n.gpus = 1;
   planner::GpuSpec& g = n.gpu;
   g.name = "host device (" + std::to_string(cores) + " cores)";
-  g.is_host = true;
+  g.is_host = !cuda;
+#ifdef STRATA_HAVE_CUDA
+  if (cuda) {
+    cudaDeviceProp prop{};
+    size_t free = 0, total = 0;
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess)
+      throw std::runtime_error("calibrate: no usable CUDA device");
+    g.name = prop.name;
+    g.memory = double(total);
+    g.reserved = double(total - free) + 1.5 * 1024 * 1024 * 1024;  // what others hold now, and a context's slack
+  }
+#endif
   const auto say = [&](const std::string& s) {
     if (!o.quiet) std::cout << "  " << s << std::endl;
   };
-  std::cout << "strata plan --calibrate: measuring this machine (" << cores << " cores)" << std::endl;
+  std::cout << "strata plan --calibrate: measuring this machine (" << cores << " cores, compute on " << g.name << ")"
+            << std::endl;
 
-  // Matrix products through libtorch, fp32 (the host device's compute), shaped as a transformer's
-  // linear layers run them: X [4s, s] by W [4s, s] forward, and the backward's two products
-  // (dY W, dY^T X), one rate per size keyed by the FLOPs of one product.
+  // Matrix products through libtorch, shaped as a transformer's linear layers run them: X [4s, s]
+  // by W [4s, s] forward, and the backward's two products (dY W, dY^T X), one rate per size keyed
+  // by the FLOPs of one product; in the compute precision (fp32 on the CPU, bf16 on a GPU).
   std::vector<std::pair<double, double>> rates;  // (flops of one product, FLOP/s)
   const auto linear_rate = [&](int64_t s, at::ScalarType dt) {
-    const at::Tensor x = at::randn({4 * s, s}).to(dt), w = at::randn({4 * s, s}).to(dt),
-                     dy = at::randn({4 * s, 4 * s}).to(dt);
-    const double t = per_call(
+    const at::Tensor x = at::randn({4 * s, s}, opts(dt)), w = at::randn({4 * s, s}, opts(dt)),
+                     dy = at::randn({4 * s, 4 * s}, opts(dt));
+    const double t = timed(
         [&] {
           const at::Tensor y = at::linear(x, w);
           const at::Tensor dx = at::mm(dy, w);
@@ -151,34 +191,41 @@ planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
     const double flops = 2.0 * double(4 * s) * double(s) * double(4 * s);
     return std::pair{flops, 3 * flops / t};
   };
-  for (int64_t s : {32, 64, 128, 256, 512, 1024}) {
-    rates.push_back(linear_rate(s, at::kFloat));
-    say("linear fp32 [" + std::to_string(4 * s) + " x " + std::to_string(s) + "] x [" + std::to_string(s) + " x " +
-        std::to_string(4 * s) + "] and its backward: " + std::to_string(rates.back().second / 1e9) + " GFLOP/s");
+  const std::vector<int64_t> sizes =
+      cuda ? std::vector<int64_t>{128, 256, 512, 1024, 2048, 4096} : std::vector<int64_t>{32, 64, 128, 256, 512, 1024};
+  for (int64_t s : sizes) {
+    rates.push_back(linear_rate(s, primary));
+    say(std::string("linear ") + (cuda ? "bf16" : "fp32") + " [" + std::to_string(4 * s) + " x " + std::to_string(s) +
+        "] x [" + std::to_string(s) + " x " + std::to_string(4 * s) +
+        "] and its backward: " + std::to_string(rates.back().second / 1e9) + " GFLOP/s");
   }
   double peak = 0;
   for (auto [f, r] : rates) peak = std::max(peak, r);
-  g.peak_flops_fp32 = peak;
+  (cuda ? g.peak_flops : g.peak_flops_fp32) = peak;
   for (auto [f, r] : rates) g.matmul_efficiency.emplace_back(f, std::min(1.0, r / peak));
   {
-    const auto [flops, rate] = linear_rate(512, at::kBFloat16);
-    g.peak_flops = rate / planner::matmul_rate(g, flops, true) * peak;
-    say("linear bf16 at 512: " + std::to_string(rate / 1e9) + " GFLOP/s");
+    // The other precision at one size, as a peak on the same curve.
+    const int64_t s = cuda ? 2048 : 512;
+    const auto [flops, rate] = linear_rate(s, secondary);
+    const double fraction = planner::matmul_rate(g, flops, !cuda) / peak;
+    (cuda ? g.peak_flops_fp32 : g.peak_flops) = rate / fraction;
+    say(std::string("linear ") + (cuda ? "fp32" : "bf16") + " at " + std::to_string(s) + ": " +
+        std::to_string(rate / 1e9) + " GFLOP/s");
   }
   // Fused causal attention (what the blocks run), forward and backward, against the products' rate
   // at the same work.
   {
-    const int64_t b = 4, heads = 4, seq = 256, d = 64;
-    const at::Tensor q = at::randn({b, heads, seq, d}).requires_grad_(true), k = at::randn({b, heads, seq, d}),
-                     v = at::randn({b, heads, seq, d});
-    const double t = per_call(
+    const int64_t b = cuda ? 8 : 4, heads = cuda ? 16 : 4, seq = cuda ? 1024 : 256, d = 64;
+    const at::Tensor q = at::randn({b, heads, seq, d}, opts(primary)).requires_grad_(true),
+                     k = at::randn({b, heads, seq, d}, opts(primary)), v = at::randn({b, heads, seq, d}, opts(primary));
+    const double t = timed(
         [&] {
           const at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
           a.sum().backward();
         },
         o.seconds / 2);
     const double flops = 3 * 4.0 * double(b * heads) * double(seq) * double(seq) * double(d);
-    g.attention_efficiency = std::min(1.0, flops / t / planner::matmul_rate(g, flops / 3, true));
+    g.attention_efficiency = std::min(1.0, flops / t / planner::matmul_rate(g, flops / 3, !cuda));
     say("attention fwd+bwd: " + std::to_string(flops / t / 1e9) + " GFLOP/s (" +
         std::to_string(g.attention_efficiency) + " of the products' rate)");
   }
@@ -189,27 +236,28 @@ planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
   {
     models::ModelConfig mc = models::preset("gpt2");
     mc.layers = 1;
-    mc.hidden = 256;
-    mc.heads = mc.kv_heads = 4;
+    mc.hidden = cuda ? 2048 : 256;
+    mc.heads = mc.kv_heads = mc.hidden / 64;
     mc.head_dim = 64;
-    mc.intermediate = 1024;
+    mc.intermediate = 4 * mc.hidden;
     mc.vocab_size = 512;
-    mc.max_positions = 128;
+    mc.max_positions = cuda ? 1024 : 128;
     models::Decoder model(mc, 1);
     models::Stage& block = model.block(0);
-    const int64_t batch = 4, seq = 128;
-    const at::Tensor x = at::randn({batch, seq, mc.hidden}).requires_grad_(true);
-    const double t = per_call(
+    block.to(dev, primary);
+    const int64_t batch = cuda ? 8 : 4, seq = mc.max_positions;
+    const at::Tensor x = at::randn({batch, seq, mc.hidden}, opts(primary)).requires_grad_(true);
+    const double t = timed(
         [&] {
           const at::Tensor y = block.forward(x);
           y.backward(at::ones_like(y));
         },
         o.seconds);
-    planner::ShardOf fp32;
-    fp32.activation_bytes = 4;
-    const planner::Work w = planner::block_forward(mc, double(batch), seq, fp32);
+    planner::ShardOf shard;
+    shard.activation_bytes = double(c10::elementSize(primary));
+    const planner::Work w = planner::block_forward(mc, double(batch), seq, shard);
     g.memory_bandwidth = 1;  // only the products' and attention's shares below
-    const planner::Seconds predicted = planner::seconds_by_kind(w, g, true);
+    const planner::Seconds predicted = planner::seconds_by_kind(w, g, !cuda);
     const double left = t - 3 * (predicted.matmul + predicted.attention);
     g.memory_bandwidth = 3 * w.memory_bytes / std::max(left, 0.05 * t);
     say("a block's forward + backward: " + std::to_string(t * 1e3) + " ms, of which memory-bound kernels " +
@@ -217,15 +265,22 @@ planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
         " GB/s of their traffic");
   }
 
-  // Memory: a large copy (read + write), the host device's copies and memory-bound kernels.
+  // Copies: on the host device a memory copy; to and from a GPU, pinned host memory each way.
   {
-    const int64_t elems = 64 << 20;  // 256 MiB
-    const at::Tensor a = at::randn({elems});
-    at::Tensor b = at::empty({elems});
-    const double t = per_call([&] { b.copy_(a); }, o.seconds);
-    const double copied = double(elems) * 4 / t;
-    n.pcie_h2d = n.pcie_d2h = copied;
-    say("copy: " + std::to_string(copied / 1e9) + " GB/s");
+    const int64_t elems = 64 << 20;  // 256 MiB of fp32
+    if (cuda) {
+      at::Tensor host = at::empty({elems}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true)).fill_(1);
+      at::Tensor device = at::empty({elems}, opts(at::kFloat));
+      n.pcie_h2d = double(elems) * 4 / timed([&] { device.copy_(host, true); }, o.seconds);
+      n.pcie_d2h = double(elems) * 4 / timed([&] { host.copy_(device, true); }, o.seconds);
+      say("PCIe up " + std::to_string(n.pcie_h2d / 1e9) + " GB/s, down " + std::to_string(n.pcie_d2h / 1e9) + " GB/s");
+    } else {
+      const at::Tensor a = at::randn({elems});
+      at::Tensor b = at::empty({elems});
+      const double t = per_call([&] { b.copy_(a); }, o.seconds);
+      n.pcie_h2d = n.pcie_d2h = double(elems) * 4 / t;
+      say("copy: " + std::to_string(n.pcie_h2d / 1e9) + " GB/s");
+    }
   }
 
   // The engine's CPU Adam kernel, every core, fp32 gradients.
@@ -254,7 +309,7 @@ planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
 
   // RAM and the disk under `dir`.
   n.host_memory = double(meminfo("MemTotal:"));
-  g.memory = n.host_memory;  // the host device's "device memory": its budget limits it in a run
+  if (!cuda) g.memory = n.host_memory;  // the host device's "device memory": its budget limits it in a run
   struct statvfs st {};
   if (::statvfs(o.dir.c_str(), &st) == 0) {
     n.nvme_drives = 1;
@@ -266,7 +321,8 @@ planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
     say(std::string("disk under ") + o.dir + (direct ? " (direct I/O)" : " (buffered: no O_DIRECT here)") +
         ": read " + std::to_string(read / 1e9) + " GB/s, write " + std::to_string(write / 1e9) + " GB/s");
   }
-  c.source = "strata plan --calibrate on this machine: libtorch linear layers forward and backward (fp32), fused "
+  c.source = std::string("strata plan --calibrate on this machine (compute on ") + (cuda ? "the GPU, bf16" : "the CPU, fp32") +
+             "): libtorch linear layers forward and backward, fused "
              "attention, a GPT block forward and backward, a 256 MiB copy, the "
              "CPU Adam kernel on every core, 1 GiB over loopback TCP, 512 MiB through the I/O engine under " + o.dir;
   return c;

@@ -1,7 +1,8 @@
 // `strata plan --calibrate`: this machine's constants for the planner, measured with the same
-// code paths training uses (libtorch's matmul on the CPU, the engine's CPU Adam kernel, direct I/O
-// on the swap directory's file system) and written as a cluster description whose "GPU" is the
-// host device.
+// code paths training uses (libtorch's linear layers, fused attention and a real block on the CPU
+// or the GPU, host-device copies, the engine's CPU Adam kernel, its I/O engine on the swap
+// directory's file system) and written as a cluster description of one node: its "GPU" is the
+// host device, or with device "cuda" GPU 0.
 #pragma once
 
 #include <string>
@@ -13,6 +14,7 @@ namespace strata::bench {
 struct CalibrateOptions {
   std::string output = "strata-cluster.json";
   std::string dir = ".";     // where the disk is measured (a scratch file, removed)
+  std::string device = "cpu";  // where compute is measured: "cpu" (the host device) or "cuda"
   double seconds = 0.3;      // per measurement
   bool quiet = false;
 };

@@ -32,14 +32,14 @@ struct Measured {
   double device_peak = 0, host_state = 0, nvme_state = 0;
 };
 
-json config_of(const Case& k, const fs::path& dir, int64_t steps) {
+json config_of(const Case& k, const fs::path& dir, int64_t steps, const std::string& device) {
   json j = {{"model", k.model},
             {"data", {{"path", "/usr/share/common-licenses"}, {"format", "bytes"}, {"seq_len", k.seq_len}, {"seed", 0}}},
             {"batch", {{"micro_batch", k.micro_batch}, {"grad_accum", 1}}},
             {"optimizer", {{"type", "adamw"}, {"lr", 1e-4}, {"weight_decay", 0.1}, {"clip_grad_norm", 1.0}}},
-            {"precision", {{"compute", "fp32"}}},
+            {"precision", {{"compute", device == "cuda" ? "bf16" : "fp32"}}},
             {"placement", k.placement},
-            {"device", {{"type", "cpu"}, {"prefetch", 1}}},
+            {"device", {{"type", device}, {"prefetch", 1}}},
             {"run", {{"steps", steps}, {"progress", false}}}};
   for (auto& [key, v] : k.optimizer.items()) j["optimizer"][key] = v;
   if (k.nvme) j["offload"] = {{"nvme_dirs", {fs::absolute(dir / ("swap-" + k.name)).string()}}};
@@ -90,16 +90,18 @@ void run_plan_bench(const PlanBenchOptions& o) {
   if (o.cluster.empty()) {
     CalibrateOptions co;
     co.dir = o.dir.string();
+    co.device = o.device;
     machine = calibrate_this_machine(co);
     std::ofstream(o.dir / "cluster.json") << planner::cluster_json(machine);
   } else {
     machine = planner::cluster_from(o.cluster);
   }
-  const int64_t scale = o.quick ? 1 : 2;
+  const bool cuda = o.device == "cuda";
+  const int64_t scale = cuda ? 4 : o.quick ? 1 : 2;
   const json gpt = {{"preset", "gpt2"}, {"layers", 2 * scale}, {"hidden", 256 * scale}, {"heads", 4 * scale},
-                    {"vocab_size", 4096}, {"max_positions", 512}};
+                    {"vocab_size", 4096}, {"max_positions", 2048}};
   const json gpt_big = {{"preset", "gpt2"}, {"layers", 3 * scale}, {"hidden", 384 * scale}, {"heads", 6 * scale},
-                        {"vocab_size", 8192}, {"max_positions", 512}};
+                        {"vocab_size", 8192}, {"max_positions", 2048}};
   const json llama = {{"preset", "llama-1b"}, {"layers", 2 * scale}, {"hidden", 256 * scale}, {"heads", 4 * scale},
                       {"kv_heads", 2 * scale}, {"intermediate", 688 * scale}, {"vocab_size", 4096},
                       {"tie_embeddings", false}};
@@ -107,20 +109,27 @@ void run_plan_bench(const PlanBenchOptions& o) {
   const json device = {{"params", "device"}, {"grads", "device"}, {"master", "device"}, {"moments", "device"},
                        {"activations", "device"}};
   const json swap = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}, {"activations", "host"}};
-  const std::vector<Case> cases = {
-      {"gpt-host-after-backward", 1, gpt, host, {{"overlap", false}}, 4, 128},
-      {"gpt-device-overlap-forward", 1, gpt, device, {{"overlap", "forward"}}, 4, 128},
-      {"gpt-big-nvme", 1, gpt_big, swap, {{"overlap", "forward"}}, 2, 256, true},
-      {"llama-host-update-in-backward", 1, llama, host, {{"overlap", "backward"}, {"clip_grad_norm", 0.0}}, 4, 128},
-      {"gpt-host-2-ranks", 2, gpt, host, {{"overlap", false}}, 4, 128},
-      {"gpt-big-nvme-2-ranks", 2, gpt_big, swap, {{"overlap", "forward"}}, 2, 256, true},
+  const json automatic = {{"params", "auto"}, {"grads", "auto"}, {"master", "auto"}, {"moments", "auto"},
+                          {"activations", "auto"}};
+  const int64_t seq = cuda ? 1024 : 128, mb = cuda ? 8 : 4;
+  std::vector<Case> cases = {
+      {"gpt-host-after-backward", 1, gpt, host, {{"overlap", false}}, mb, seq},
+      {"gpt-device-overlap-forward", 1, gpt, device, {{"overlap", "forward"}}, mb, seq},
+      {"gpt-big-nvme", 1, gpt_big, swap, {{"overlap", "forward"}}, mb / 2, 2 * seq, true},
+      {"llama-host-update-in-backward", 1, llama, host, {{"overlap", "backward"}, {"clip_grad_norm", 0.0}}, mb, seq},
+      {"gpt-host-2-ranks", 2, gpt, host, {{"overlap", false}}, mb, seq},
+      {"gpt-big-nvme-2-ranks", 2, gpt_big, swap, {{"overlap", "forward"}}, mb / 2, 2 * seq, true},
   };
+  if (cuda) {  // one GPU: no second rank; automatic placement and the host placement's big model instead
+    cases[4] = {"gpt-auto", 1, gpt, automatic, {{"overlap", "forward"}}, mb, seq};
+    cases[5] = {"gpt-big-host-after-backward", 1, gpt_big, host, {{"overlap", false}}, mb / 2, 2 * seq};
+  }
   std::printf("\n| case | ranks | measured s/step | predicted | error | device peak (measured / predicted) | host state | "
               "NVMe state |\n|---|---|---|---|---|---|---|---|\n");
   double worst_time = 0, sum_time = 0, worst_memory = 0, measured_mean = 0;
   json rows = json::array();
   for (const Case& k : cases) {
-    const json cj = config_of(k, o.dir, o.steps);
+    const json cj = config_of(k, o.dir, o.steps, o.device);
     const fs::path config = o.dir / (k.name + ".json");
     std::ofstream(config) << cj.dump(2);
     const engine::TrainConfig tc = engine::parse_train_config(cj.dump(), config.string());

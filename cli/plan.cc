@@ -18,7 +18,7 @@ namespace strata::cli {
 namespace {
 
 constexpr const char* kPlanUsage = R"(usage: strata plan --model PRESET|CONFIG.json [options]
-       strata plan --calibrate [--output FILE] [--dir DIR]
+       strata plan --calibrate [--output FILE] [--dir DIR] [--device cpu|cuda]
 
 What fits where and how fast: Strata (ZeRO-3 with offload, the engine's own placement) beside
 Megatron-style 3D parallelism (the fastest TP x PP x DP configuration that fits), on a cluster.
@@ -39,9 +39,10 @@ options:
   --max-model          also the largest model each system trains on the cluster
   --json               one JSON line per node count instead of the table
 
---calibrate measures this machine (matmul rates by size through libtorch, memory bandwidth, the
-CPU Adam kernel, the disk under --dir with direct I/O) and writes a cluster file (--output,
-default strata-cluster.json) describing it with the host device as its "GPU".
+--calibrate measures this machine (linear layers by size, fused attention and a real block
+through libtorch, copies, the CPU Adam kernel, loopback TCP, the disk under --dir through the
+I/O engine) and writes a cluster file (--output, default strata-cluster.json) of one node whose
+"GPU" is the host device, or with --device cuda GPU 0.
 )";
 
 models::ModelConfig model_from(const std::string& s) {
@@ -74,12 +75,14 @@ int plan_command(const std::vector<std::string>& argv) {
       std::cout << kPlanUsage;
       return 0;
     }
-  const Args args(argv, {"model", "cluster", "nodes", "seq-len", "global-batch", "micro-batch", "config", "output", "dir"},
+  const Args args(argv, {"model", "cluster", "nodes", "seq-len", "global-batch", "micro-batch", "config", "output", "dir",
+                   "device"},
                   {"max-model", "json", "calibrate", "as-given"});
   if (args.has("calibrate")) {
     bench::CalibrateOptions o;
     o.output = args.get("output", "strata-cluster.json");
     o.dir = args.get("dir", ".");
+    o.device = args.get("device", "cpu");
     const planner::Cluster c = bench::calibrate_this_machine(o);
     std::ofstream f(o.output);
     f << planner::cluster_json(c);

@@ -246,6 +246,8 @@ the same configuration, then one JSON line with the worst step-time error.
   --cluster FILE   use this cluster description instead of calibrating
   --steps N        steps per run, the first two left out (default 5)
   --quick          smaller models (a quicker check)
+  --device D       cpu (default: the host device, 1 and 2 ranks) or cuda (GPU 0, bf16, larger
+                   models, one rank; calibrates the GPU)
 )";
 
 int bench_plan(const std::vector<std::string>& argv) {
@@ -254,12 +256,13 @@ int bench_plan(const std::vector<std::string>& argv) {
       std::cout << kBenchPlanUsage;
       return 0;
     }
-  strata::cli::Args args(argv, {"dir", "cluster", "steps"}, {"quick"});
+  strata::cli::Args args(argv, {"dir", "cluster", "steps", "device"}, {"quick"});
   strata::bench::PlanBenchOptions o;
   o.dir = args.get("dir", o.dir.string());
   o.cluster = args.get("cluster", "");
   o.steps = args.count("steps", unsigned(o.steps));
   o.quick = args.has("quick");
+  o.device = args.get("device", o.device);
   if (o.steps < 3) throw std::invalid_argument("bench plan: --steps must be >= 3 (two warm-up steps are left out)");
   strata::bench::run_plan_bench(o);
   return 0;

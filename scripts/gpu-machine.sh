@@ -14,6 +14,8 @@
 #   adam    strata bench adam alone (CPU kernel and, with a GPU, the CUDA kernel)
 #   plan    strata train --plan of the largest configs on this machine's real budgets (seconds;
 #           nothing allocated): where 10.3B and 14.1B would go before running them
+#   planner strata plan --calibrate on the GPU, the planner's published-results tests, and
+#           strata bench plan --device cuda: six GPU runs beside their predictions
 #   train   strata train on the GPU: GPT 1.4B, host-placed and device-placed state
 #           (STRATA_TRAIN_CONFIGS: other configs, e.g. "gpu-gpt-10b-auto-backward" or
 #           "gpu-gpt-14b-auto-backward": the largest models, 10 steps each, one per device call;
@@ -33,6 +35,7 @@
 # A session's GPU time is short (30 minutes, 10 per command, the machine given back 30 s after
 # a call): run scripts/fetch-debs.sh here first, carry .deps, and issue the calls back to back:
 #   1. build plan gputest     (the build alone takes minutes; gputest is every never-run CUDA path)
+#      then planner           (the planner's constants and its errors on this GPU, ~3 minutes)
 #   2. benchtrain             (STRATA_BENCH_SHAPES=1.4b first if time is short)
 #   3. STRATA_TRAIN_CONFIGS=gpu-gpt-10b-auto-backward STRATA_TRAIN_TIMEOUT=560 ... train
 #   4. the same with gpu-gpt-14b-auto-backward
@@ -107,6 +110,17 @@ for phase in "${phases[@]}"; do
       (cd "$out" && "$strata" train --config "$repo/bench/configs/$c.json" --plan) 2>&1 | tee -a "$out/plan.txt" || status=1
     done
     rmdir "$out/strata-swap" 2>/dev/null || true
+    ;;
+  planner)
+    # strata plan's models on this GPU: calibrate the GPU (bf16 linear layers, attention, a block,
+    # PCIe each way, CPU Adam, the disk), the published-results tests, then six GPU runs beside
+    # their predictions (strata bench plan --device cuda; final JSON line last).
+    "$strata" plan --calibrate --device cuda --dir "$build_dir" --output "$out/cluster-gpu.json" \
+      >"$out/planner.txt" 2>&1 || status=1
+    "$build_dir/tests/planner_tests" >>"$out/planner.txt" 2>&1 || status=1
+    "$strata" bench plan --device cuda --cluster "$out/cluster-gpu.json" --dir "$build_dir/bench-plan" \
+      >"$out/bench-plan.jsonl" 2>"$out/bench-plan.err" || status=1
+    grep -E "^[|]|error" "$out/bench-plan.jsonl" | tail -9
     ;;
   train)
     # One log and one error file for all runs (the device tool returns at most 8 files).
