@@ -97,16 +97,21 @@ double loopback_rate(uint64_t bytes) {
   if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
       ::listen(listener, 1) != 0 || ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
     throw std::runtime_error(std::string("calibrate: loopback socket: ") + std::strerror(errno));
+  // Connected here, before the sender starts: a failed connect cannot leave accept() waiting.
+  const int out = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (out < 0 || ::connect(out, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    if (out >= 0) ::close(out);
+    ::close(listener);
+    throw std::runtime_error(std::string("calibrate: loopback connect: ") + std::strerror(errno));
+  }
   std::thread sender([&] {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return;
     std::vector<char> buf(1 << 20, 'x');
     for (uint64_t sent = 0; sent < bytes;) {
-      const ssize_t n = ::send(fd, buf.data(), std::min<uint64_t>(buf.size(), bytes - sent), 0);
+      const ssize_t n = ::send(out, buf.data(), std::min<uint64_t>(buf.size(), bytes - sent), 0);
       if (n <= 0) break;
       sent += uint64_t(n);
     }
-    ::close(fd);
+    ::close(out);
   });
   const int fd = ::accept(listener, nullptr, nullptr);
   std::vector<char> buf(1 << 20);
@@ -216,8 +221,10 @@ planner::Cluster calibrate_this_machine(const CalibrateOptions& o) {
   // at the same work.
   {
     const int64_t b = cuda ? 8 : 4, heads = cuda ? 16 : 4, seq = cuda ? 1024 : 256, d = 64;
+    // All three need gradients, as in a block: otherwise a backend may skip dK and dV.
     const at::Tensor q = at::randn({b, heads, seq, d}, opts(primary)).requires_grad_(true),
-                     k = at::randn({b, heads, seq, d}, opts(primary)), v = at::randn({b, heads, seq, d}, opts(primary));
+                     k = at::randn({b, heads, seq, d}, opts(primary)).requires_grad_(true),
+                     v = at::randn({b, heads, seq, d}, opts(primary)).requires_grad_(true);
     const double t = timed(
         [&] {
           const at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);

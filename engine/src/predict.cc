@@ -16,7 +16,7 @@ uint64_t element_bytes(Precision p) { return p == Precision::kFp32 ? 4 : 2; }
 }  // namespace
 
 StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig& mc, int world_size,
-                              const TierBudgets& machine) {
+                              const MachineShare& machine) {
   cfg.validate();
   mc.validate();
   StatePrediction out;
@@ -62,10 +62,9 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   const Agree same = [](const std::vector<int64_t>& v) { return v; };
   const uint64_t usable = machine.device;
   const auto budgets = [&](uint64_t device) {
-    TierBudgets b = machine;
-    b.device = device;
-    return b;
+    return budgets_from(cfg, device, machine.host_available, machine.nvme_free, machine.local_ranks);
   };
+  out.budgets = budgets(usable);
   try {
     const uint64_t explicit_on_device =
         (cfg.params == Placement::kDevice ? need.params : 0) + (cfg.grads == Placement::kDevice ? need.grads : 0) +
@@ -85,8 +84,9 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
       choice.recomputed = resolve_recompute(memory, choice, base, room, same);
     // A run measures the machine's budgets for checkpoints once its state is allocated: a derived
     // host budget has the host state taken out already.
-    TierBudgets after_state = budgets(0);
-    if (!cfg.host_budget) after_state.host -= std::min(after_state.host, tiers.host);
+    const uint64_t allocated = uint64_t(std::max(1, machine.local_ranks)) * tiers.host;
+    const TierBudgets after_state = budgets_from(cfg, 0, machine.host_available - std::min(machine.host_available, allocated),
+                                                 machine.nvme_free, machine.local_ranks);
     choice.activations = resolve_activations(cfg, memory, choice, base, room, tiers.host, after_state, same);
     out.checkpoint_bytes = memory.checkpoint_bytes(choice);
     if (cfg.prefetch_auto) {

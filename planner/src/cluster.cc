@@ -36,6 +36,19 @@ struct Reader {
 
 }  // namespace
 
+void check_cluster(const Cluster& c) {
+  const auto fail = [&](const std::string& what) {
+    throw std::invalid_argument("cluster " + c.name + " (" + std::to_string(c.nodes) + " nodes of " +
+                                std::to_string(c.node.gpus) + " GPUs): " + what);
+  };
+  if (c.nodes < 1 || c.node.gpus < 1) fail("needs at least one node and one GPU a node");
+  if (c.node.gpu.memory <= c.node.gpu.reserved || c.node.gpu.peak_flops <= 0 || c.node.gpu.memory_bandwidth <= 0)
+    fail("the GPU needs memory beyond its reserve, peak_tflops and memory_gbps");
+  if (c.nodes > 1 && c.node.inter_bandwidth <= 0) fail("several nodes need a network: inter_gbps");
+  if (c.node.gpus > 1 && c.node.intra_bandwidth <= 0) fail("several GPUs a node need a link between them: intra_gbps");
+  if (c.node.pcie_h2d <= 0 || c.node.pcie_d2h <= 0) fail("pcie_h2d_gbps and pcie_d2h_gbps must be > 0");
+}
+
 double matmul_rate(const GpuSpec& g, double flops, bool fp32) {
   const double peak = fp32 ? (g.peak_flops_fp32 > 0 ? g.peak_flops_fp32 : g.peak_flops / 2) : g.peak_flops;
   const auto& pts = g.matmul_efficiency;
@@ -54,6 +67,10 @@ double matmul_rate(const GpuSpec& g, double flops, bool fp32) {
   return peak * f;
 }
 
+namespace {
+Cluster parse_cluster_json(const json& j, const std::string& source);
+}  // namespace
+
 Cluster parse_cluster(const std::string& text, const std::string& source) {
   json j;
   try {
@@ -61,6 +78,17 @@ Cluster parse_cluster(const std::string& text, const std::string& source) {
   } catch (const std::exception& e) {
     throw std::invalid_argument(source + ": not JSON: " + e.what());
   }
+  if (!j.is_object()) throw std::invalid_argument(source + ": a cluster is a JSON object");
+  try {
+    return parse_cluster_json(j, source);
+  } catch (const json::exception& e) {  // a value of the wrong type
+    throw std::invalid_argument(source + ": " + e.what());
+  }
+}
+
+namespace {
+
+Cluster parse_cluster_json(const json& j, const std::string& source) {
   const Reader top{j, source};
   Cluster c;
   c.name = j.value("name", "cluster");
@@ -112,6 +140,8 @@ Cluster parse_cluster(const std::string& text, const std::string& source) {
   node.inter_latency = n.num("inter_latency_us", 1e-6, 0);
   return c;
 }
+
+}  // namespace
 
 Cluster load_cluster(const std::string& path) {
   std::ifstream f(path);

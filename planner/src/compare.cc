@@ -37,21 +37,23 @@ StrataEstimate estimate_strata_as_given(const engine::EngineConfig& cfg, const m
   e.config = cfg;
   e.config.local_ranks = c.node.gpus;
   const int world = c.gpus();
+  check_cluster(c);
   e.device_capacity = c.node.gpu.memory - c.node.gpu.reserved;
-  const double nvme_free = c.node.nvme_capacity * c.node.nvme_drives;
-  const engine::TierBudgets budgets = engine::budgets_from(e.config, uint64_t(e.device_capacity),
-                                                           uint64_t(c.node.host_memory), uint64_t(nvme_free), c.node.gpus);
-  e.host_capacity = double(budgets.host);
-  e.nvme_capacity = double(budgets.nvme);
-  e.state = engine::predict_state(e.config, model, world, budgets);
+  const engine::MachineShare share{uint64_t(e.device_capacity), uint64_t(c.node.host_memory),
+                                   uint64_t(c.node.nvme_capacity * c.node.nvme_drives), c.node.gpus};
+  e.state = engine::predict_state(e.config, model, world, share);
+  e.host_capacity = double(e.state.budgets.host);
+  e.nvme_capacity = double(e.state.budgets.nvme);
   if (e.state.fits) {
-    // Checkpoints in host RAM take room beside the state there.
+    // The engine keeps checkpoints in what RAM its state leaves (or, with no swap directory, in
+    // RAM whatever their size): that must exist. A capacity check, not a placement rule.
     const double host = double(e.state.host_state) +
                         (e.state.choice.activations == Placement::kHost ? double(e.state.checkpoint_bytes) : 0);
-    if (host > e.host_capacity) {
+    const double ram_share = c.node.host_memory / c.node.gpus;
+    if (host > ram_share) {
       e.state.fits = false;
-      e.state.error = "host RAM: " + gb(host) + " of state and activation checkpoints a rank, over its " +
-                      gb(e.host_capacity);
+      e.state.error = "host RAM: " + gb(host) + " of state and activation checkpoints a rank, over its share of " +
+                      gb(ram_share);
     }
   }
   e.time = strata_step_time(e.state, e.config, model, c, world, c.node.gpus);

@@ -12,19 +12,21 @@ Work Work::scaled(double f) const {
   return w;
 }
 
+double activation_bytes_per_token_hidden(const models::ModelConfig& m, int64_t seq_len, const ShardOf& sh) {
+  const double t = sh.tp, s = double(seq_len), d = double(m.hidden), a = double(m.heads);
+  return (sh.sequence_parallel || sh.tp == 1 ? 34 / t : 10 + 24 / t) + (sh.flash_attention ? 0 : 5 * a * s / d / t);
+}
+
 Work block_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& sh) {
   const double t = sh.tp, s = double(seq_len), tokens = sequences * s, d = double(m.hidden),
-               f = double(m.intermediate), q = double(m.heads * m.head_dim), kv = double(m.kv_heads * m.head_dim),
-               a = double(m.heads);
+               f = double(m.intermediate), q = double(m.heads * m.head_dim), kv = double(m.kv_heads * m.head_dim);
   const double mlp = m.arch == models::Arch::kGpt2 ? 2 * d * f : 3 * d * f;
   Work w;
   w.gemm_flops = 2 * tokens * (d * (q + 2 * kv) + q * d + mlp) / t;
   w.gemm_product = 2 * tokens * d * f / t;  // the MLP's up projection
   w.attention_flops = 2 * tokens * 2 * s * q / t;
   w.attention_product = w.attention_flops;  // one batched product over sequences and heads
-  const double per_token = (sh.sequence_parallel || t == 1 ? 34 / t : 10 + 24 / t) +
-                           (sh.flash_attention ? 0 : 5 * a * s / d / t);
-  w.memory_bytes = 2 * tokens * d * per_token * (sh.activation_bytes / 2);
+  w.memory_bytes = 2 * tokens * d * activation_bytes_per_token_hidden(m, seq_len, sh) * (sh.activation_bytes / 2);
   return w;
 }
 

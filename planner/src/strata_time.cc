@@ -1,7 +1,9 @@
 #include "strata/planner/strata_time.h"
 
 #include <algorithm>
+#include <stdexcept>
 
+#include "strata/engine/plan/schedule.h"
 #include "strata/models/model_shapes.h"
 #include "strata/planner/compute.h"
 
@@ -37,10 +39,11 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   t.flops = 3 * ff.total() * seqs * double(cfg.seq_len) * A;
 
   // --- what one micro-batch moves --------------------------------------------------------------
-  // Uses: every stage's forward, the head's, and every block's and the embedding's backward.
+  // Each use of the schedule gathers its stage's units.
+  const engine::plan::Schedule schedule(p.stage_units, units);
   std::vector<double> uses_of(units, 0);
-  for (size_t s = 0; s < stages; ++s)
-    for (size_t u : p.stage_units[s]) uses_of[u] += (s + 1 == stages) ? 1 : 2;
+  for (const engine::plan::Use& use : schedule.uses())
+    for (size_t u : schedule.units_of(use.stage)) uses_of[u] += 1;
   const auto tier = [&](size_t u, int kind) {  // kind: 0 compute copy, 1 gradient, 2 optimizer group
     if (kind == 0) return p.placement.params;
     return p.placement.unit_tier(kind == 1 ? p.placement.grads : p.placement.master, true, u);
@@ -69,7 +72,13 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const double h2d = c.node.pcie_h2d / share, d2h = c.node.pcie_d2h / share;
   const double drives = std::max(1, c.node.nvme_drives);
   const double nvme_rd = c.node.nvme_read * drives / per_node, nvme_wr = c.node.nvme_write * drives / per_node;
-  const auto safe = [](double bytes, double bw) { return bytes > 0 && bw > 0 ? bytes / bw : 0.0; };
+  // Bytes over a link: a link that is needed but has no bandwidth is an error in the cluster
+  // description (check_cluster catches the usual ones first).
+  const auto safe = [](double bytes, double bw) {
+    if (bytes <= 0) return 0.0;
+    if (bw <= 0) throw std::invalid_argument("strata plan: traffic over a link the cluster gives no bandwidth");
+    return bytes / bw;
+  };
   const double net_mb = safe(gathered + reduced, net_bw);
   const double up_mb = safe(up, h2d), down_mb = safe(down, d2h);
   const double nvme_mb = safe(nvme_r, nvme_rd) + safe(nvme_w, nvme_wr);
@@ -85,22 +94,21 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   else mb_time = std::max(compute_mb + net_mb + up_mb + nvme_mb, down_mb);
 
   // --- the update ------------------------------------------------------------------------------
-  double host_elems = 0, device_elems = 0, group_swap = 0, upload = 0;
+  double host_elems = 0, device_elems = 0, group_swap = 0, upload = 0, copies_to_swap = 0;
   for (size_t u = 0; u < units; ++u) {
     const double n = double(p.shard_numel[u]);
     const Placement g = tier(u, 2);
     (g == Placement::kDevice ? device_elems : host_elems) += n;
     if (g == Placement::kNvme) group_swap += n;
     if (g != Placement::kDevice && p.placement.params == Placement::kDevice) upload += n * cb;
-    if (p.placement.params == Placement::kNvme) nvme_w += n * cb;  // new compute copies written to swap
+    if (p.placement.params == Placement::kNvme && g != Placement::kDevice) copies_to_swap += n * cb;  // new compute copies
   }
   const double cpu_rate = c.node.cpu_adam_rate / per_node;
   const double cpu_opt = safe(host_elems, cpu_rate);
   // On the host device the device's Adam is the CPU kernel.
   const double dev_opt = gpu.is_host ? safe(device_elems, cpu_rate) : safe(device_elems * 32, gpu.memory_bandwidth);
   // Master and moments read and written back (12 bytes each way an element).
-  const double opt_nvme = safe(group_swap * 12, nvme_rd) + safe(group_swap * 12, nvme_wr) +
-                          (p.placement.params == Placement::kNvme ? safe(host_elems * cb, nvme_wr) : 0);
+  const double opt_nvme = safe(group_swap * 12, nvme_rd) + safe(group_swap * 12 + copies_to_swap, nvme_wr);
   const double opt_up = safe(upload, h2d);
   // Overlapped (optimizer.overlap), the update's CPU Adam and swap traffic hide behind the next
   // micro-batch's forward or this one's backward; on the host device only its disk traffic can
@@ -137,7 +145,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   t.up = A * up + upload;
   t.down = A * down;
   t.nvme_read = A * nvme_r + group_swap * 12;
-  t.nvme_written = A * nvme_w + group_swap * 12;
+  t.nvme_written = A * nvme_w + group_swap * 12 + copies_to_swap;
   const std::pair<double, const char*> parts[] = {{t.compute + t.device_optimizer, "compute"},
                                                   {t.network, "network"},
                                                   {t.pcie_up, "PCIe up"},

@@ -40,6 +40,7 @@ double ring(double bytes, int ways, double bandwidth, double latency, double fac
 }  // namespace
 
 ThreeDEstimate estimate_3d(const Workload& w, const Cluster& c, const ThreeDConfig& k) {
+  check_cluster(c);
   const models::ModelConfig& m = w.model;
   const int gpus_per_node = c.node.gpus;
   if (k.tp < 1 || k.pp < 1 || k.dp < 1 || k.micro_batch < 1 || k.interleave < 1)
@@ -56,7 +57,7 @@ ThreeDEstimate estimate_3d(const Workload& w, const Cluster& c, const ThreeDConf
   ThreeDEstimate e;
   e.config = k;
   const double t = k.tp, p = k.pp, d = k.dp, b = k.micro_batch, s = double(w.seq_len), h = double(m.hidden),
-               V = double(m.vocab_size), a = double(m.heads), L = double(m.layers);
+               V = double(m.vocab_size), L = double(m.layers);
   const double mb = double(w.global_batch) / (d * b);  // micro-batches per pipeline
   e.micro_batches = mb;
   const bool sp = k.sequence_parallel && k.tp > 1;
@@ -68,38 +69,47 @@ ThreeDEstimate estimate_3d(const Workload& w, const Cluster& c, const ThreeDConf
   const double last_params = layers_per_stage * block + V * h / t + 2 * h;  // the head's copy of the embedding
   // Per parameter: 16-bit weights, fp32 gradients (main_grad), fp32 master and two moments.
   const double opt_bytes = k.distributed_optimizer ? 12 / d : 12;
-  // Activations of one layer and micro-batch (Korthikanti et al., table 2).
+  // Activations of one layer and micro-batch (Korthikanti et al., table 2; compute.h).
   const double sbh = s * b * h;
-  const double scores = w.flash_attention ? 0 : 5 * a * s / h;
-  const double full_layer = sbh * ((sp || k.tp == 1 ? 34 / t : 10 + 24 / t) + scores / t);
+  ShardOf shard;
+  shard.tp = k.tp;
+  shard.sequence_parallel = sp;
+  shard.flash_attention = w.flash_attention;
+  ShardOf no_scores = shard;
+  no_scores.flash_attention = true;  // selective recompute keeps no scores either
+  const double full_layer = sbh * activation_bytes_per_token_hidden(m, w.seq_len, shard);
   double per_layer = full_layer;
-  if (k.recompute == Recompute::kSelective) per_layer = sbh * (sp || k.tp == 1 ? 34 / t : 10 + 24 / t);
+  if (k.recompute == Recompute::kSelective) per_layer = sbh * activation_bytes_per_token_hidden(m, w.seq_len, no_scores);
   if (k.recompute == Recompute::kFull) per_layer = 2 * sbh / (sp ? t : 1);
   // 1F1B: the first stage holds min(p, m) micro-batches of its layers, interleaving (1 + (p-1)/pv)
   // times the model's layers' worth; full recompute rebuilds one layer's activations at a time.
   const double in_flight = std::min(p, mb);
   double first_act = per_layer * layers_per_stage * in_flight;
   if (k.interleave > 1) first_act = per_layer * L * (1 + (p - 1) / (p * k.interleave)) * std::min(1.0, mb / p);
-  double last_act = per_layer * layers_per_stage + 4 * s * b * V / t;  // one in flight, fp32 logits + gradient
+  const double logits = 8 * s * b * V / t;  // fp32 logits and their gradient
+  double last_act = per_layer * layers_per_stage + logits;  // one micro-batch in flight
   if (k.recompute == Recompute::kFull) {
     first_act += full_layer;
     last_act += full_layer;
   }
-  const auto stage_bytes = [&](double params, double act) { return params * (2 + 4 + opt_bytes) + act; };
-  const bool first_fuller = stage_bytes(first_params, first_act) >= stage_bytes(last_params, last_act);
-  const double params = first_fuller ? first_params : last_params;
+  const auto stage_bytes = [&](double params, double act) { return params * (2 + k.grad_bytes + opt_bytes) + act; };
+  double params, activations;
+  if (k.pp == 1) {  // one stage: the embedding, every block and the head (tied: no second copy)
+    params = first_params + 2 * h;
+    activations = first_act + logits;
+  } else {
+    const bool first_fuller = stage_bytes(first_params, first_act) >= stage_bytes(last_params, last_act);
+    params = first_fuller ? first_params : last_params;
+    activations = first_fuller ? first_act : last_act;
+  }
   e.weights = 2 * params;
-  e.gradients = 4 * params;
+  e.gradients = double(k.grad_bytes) * params;
   e.optimizer = opt_bytes * params;
-  e.activations = first_fuller ? first_act : last_act;
+  e.activations = activations;
   e.capacity = c.node.gpu.memory - c.node.gpu.reserved;
 
   // --- time --------------------------------------------------------------------------------------
   const GpuSpec& gpu = c.node.gpu;
-  ShardOf shard;
-  shard.tp = k.tp;
-  shard.sequence_parallel = sp;
-  shard.flash_attention = w.flash_attention;
   const Work fwd = block_forward(m, b, w.seq_len, shard);
   const double layer_fwd = seconds(fwd, gpu);
   double recompute = 0;
@@ -108,7 +118,8 @@ ThreeDEstimate estimate_3d(const Workload& w, const Cluster& c, const ThreeDConf
     Work scores_only;  // the attention's products and its score traffic again
     scores_only.attention_flops = fwd.attention_flops;
     scores_only.attention_product = fwd.attention_product;
-    scores_only.memory_bytes = w.flash_attention ? 0 : 2 * s * b * h * scores / t;
+    // The scores' traffic: what the layer's activations hold beyond a fused attention's, twice.
+    scores_only.memory_bytes = 2 * (full_layer - sbh * activation_bytes_per_token_hidden(m, w.seq_len, no_scores));
     recompute = seconds(scores_only, gpu);
   }
   const double head = 3 * seconds(head_forward(m, b, w.seq_len, shard), gpu);
@@ -126,21 +137,24 @@ ThreeDEstimate estimate_3d(const Workload& w, const Cluster& c, const ThreeDConf
   e.bubble = (p - 1) / k.interleave * (stage_compute + stage_tp);
   // Pipeline point-to-point: each micro-batch's activations forward and gradients back, once per
   // model chunk, over the network when the stages are on different nodes.
+  // Megatron orders ranks tensor-parallel first, then data-parallel, then pipeline stages.
   if (k.pp > 1) {
-    const bool across = int64_t(k.tp) * k.pp > gpus_per_node;
+    const bool across = int64_t(k.tp) * k.dp >= gpus_per_node;
     const double bw = across ? c.node.inter_bandwidth / gpus_per_node : c.node.intra_bandwidth;
     const double lat = across ? c.node.inter_latency : c.node.intra_latency;
-    const double bytes = 2 * sbh / (sp ? t : 1);
+    const double bytes = 2 * sbh / t;  // split over the tensor-parallel ranks (scatter-gather)
     e.pp_comm = mb * 2 * k.interleave * (bytes / bw + lat);
   }
-  // Data parallelism: fp32 gradients all-reduced (or reduce-scattered, with 16-bit weights
-  // all-gathered after the sharded update), after the last backward.
+  // Data parallelism: gradients all-reduced (or reduce-scattered, with 16-bit weights
+  // all-gathered after the sharded update), after the last backward, over the network when the
+  // data-parallel ranks span nodes.
   if (k.dp > 1) {
-    const bool across = int64_t(k.tp) * k.pp * std::min(k.dp, 2) > gpus_per_node;
+    const bool across = int64_t(k.tp) * k.dp > gpus_per_node;
     const double bw = across ? c.node.inter_bandwidth / gpus_per_node : c.node.intra_bandwidth;
     const double lat = across ? c.node.inter_latency : c.node.intra_latency;
-    e.dp_comm = k.distributed_optimizer ? ring(4 * params, k.dp, bw, lat, 1) + ring(2 * params, k.dp, bw, lat, 1)
-                                        : ring(4 * params, k.dp, bw, lat, 2);
+    const double grads = double(k.grad_bytes) * params;
+    e.dp_comm = k.distributed_optimizer ? ring(grads, k.dp, bw, lat, 1) + ring(2 * params, k.dp, bw, lat, 1)
+                                        : ring(grads, k.dp, bw, lat, 2);
   }
   // Adam on the GPU: about 32 bytes of traffic a parameter (read p, m, v, g; write p, m, v, and
   // the 16-bit copy).

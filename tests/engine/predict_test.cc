@@ -25,10 +25,12 @@ struct Scenario {
   double working_set_share = 1;  // of the leanest working set, untiled
 };
 
+const se::MachineShare kUnlimited{UINT64_MAX, 1ull << 50, 1ull << 50, 1};
+
 const json kAuto = {{"params", "auto"}, {"grads", "auto"}, {"master", "auto"}, {"moments", "auto"}};
 
 uint64_t whole_state(const se::TrainConfig& tc) {
-  const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {UINT64_MAX, UINT64_MAX, UINT64_MAX});
+  const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, kUnlimited);
   return p.device_state + p.host_state + p.nvme_state;
 }
 
@@ -76,12 +78,11 @@ TEST(PredictState, IsWhatTheEngineDecides) {
             e.params = e.grads = e.master = e.moments = se::Placement::kHost;
             return e;
           }(),
-          tc.model, 1, {UINT64_MAX, UINT64_MAX, UINT64_MAX});
+          tc.model, 1, kUnlimited);
       device = uint64_t(double(all_host.working_set) * sc.working_set_share) + bytes(sc.device);
     }
     // The budgets a run takes: the configuration's (both set above), no NVMe without directories.
-    const se::StatePrediction p =
-        se::predict_state(tc.engine, tc.model, 1, se::budgets_from(tc.engine, device, 1ull << 50, 1ull << 50, 1));
+    const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {device, 1ull << 50, 1ull << 50, 1});
     ASSERT_TRUE(p.fits) << p.error;
     if (sc.working_set_share < 1) EXPECT_GT(p.head_tiles, 1u) << "the scenario is meant to cut the head";
     if (sc.device > 0 && sc.device < 1 && sc.placement == kAuto)
@@ -120,7 +121,7 @@ TEST(PredictState, PartitionsLikeTheEngineAtAnyWorldSize) {
     }
     for (int world : {1, 2, 3, 7, 64}) {
       const se::Partition real(specs, world);
-      const se::StatePrediction p = se::predict_state(tc.engine, tc.model, world, {UINT64_MAX, UINT64_MAX, UINT64_MAX});
+      const se::StatePrediction p = se::predict_state(tc.engine, tc.model, world, kUnlimited);
       ASSERT_EQ(p.shard_numel.size(), real.num_units());
       for (size_t u = 0; u < real.num_units(); ++u) {
         EXPECT_EQ(p.shard_numel[u], real.unit(u).shard_numel) << "world " << world << " unit " << u;
@@ -133,7 +134,7 @@ TEST(PredictState, PartitionsLikeTheEngineAtAnyWorldSize) {
 TEST(PredictState, SaysWhyItDoesNotFit) {
   se::TrainConfig tc = se::parse_train_config(tiny_config(false, 2).dump(), "test");
   tc.engine.params = tc.engine.grads = tc.engine.master = tc.engine.moments = se::Placement::kDevice;
-  const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {1 << 16, UINT64_MAX, UINT64_MAX});
+  const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {1 << 16, 1ull << 40, 0, 1});
   EXPECT_FALSE(p.fits);
   EXPECT_NE(p.error.find("device budget"), std::string::npos) << p.error;
 }

@@ -7,8 +7,9 @@
 // rank of a homogeneous cluster decides alike, so agreement is the identity here.
 // tests/engine/predict_test.cc checks the prediction against engines really built.
 //
-// Pure function; thread-safe. Errors: none thrown for a configuration that does not fit (the
-// prediction says so in `error`); std::invalid_argument for an invalid configuration.
+// Pure function; thread-safe. Errors: std::invalid_argument for an invalid configuration or model
+// (their validate()); anything the resolution refuses (a budget, an agreed placement that is not
+// a valid configuration) is not thrown but reported in `error`, with `fits` false.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +35,7 @@ struct StatePrediction {
   // This rank's state by tier, and the device's working set beside it.
   uint64_t device_state = 0, host_state = 0, nvme_state = 0;
   uint64_t working_set = 0;
+  TierBudgets budgets;            // what the rank's state could take in each tier (budgets_from)
   uint64_t checkpoint_bytes = 0;  // activation checkpoints of one micro-batch (in choice.activations)
 
   // The units as the engine partitions them, and the stages' units (the schedule).
@@ -44,10 +46,18 @@ struct StatePrediction {
   uint64_t device_bytes() const { return device_state + working_set; }
 };
 
-// `budgets`: this rank's bytes of device (usable by the engine), host RAM and NVMe, as a run
-// would take them (budgets_from: the configuration's own budgets first; no NVMe tier without
-// offload.nvme_dirs, for which the planner names placeholder directories).
+// What one node offers a rank, as a run sees its machine: the device bytes the engine may use, the
+// node's available RAM and the free space of its swap directories, and how many ranks share
+// them. The budgets follow budgets_from (the configuration's own first; no NVMe tier without
+// offload.nvme_dirs, for which the planner names placeholder directories); checkpoints are placed
+// with the RAM left once every local rank's host state is allocated, as a run measures it.
+struct MachineShare {
+  uint64_t device = UINT64_MAX;
+  uint64_t host_available = 0, nvme_free = 0;
+  int local_ranks = 1;
+};
+
 StatePrediction predict_state(const EngineConfig& config, const models::ModelConfig& model, int world_size,
-                              const TierBudgets& budgets);
+                              const MachineShare& machine);
 
 }  // namespace strata::engine

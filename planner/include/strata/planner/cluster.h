@@ -29,7 +29,8 @@ struct GpuSpec {
   // the GPU presets leave it at 1, calibration measures it).
   double attention_efficiency = 1;
   // The "GPU" is this host's CPU (the engine's host device): compute, the optimizer and copies
-  // share the same cores and memory, so nothing overlaps.
+  // share the same cores and memory, so they do not overlap one another (the disk still works
+  // beside them).
   bool is_host = false;
 };
 
@@ -55,6 +56,11 @@ struct Cluster {
   NodeSpec node;
   int gpus() const { return nodes * node.gpus; }
 };
+
+// Throws std::invalid_argument naming what is missing for `c` as planned (its node count may
+// have been changed after parsing): a network for several nodes, a link for several GPUs a node,
+// GPU memory and speed.
+void check_cluster(const Cluster& c);
 
 // The achieved matmul rate (FLOP/s) for one product of `flops` FLOPs at 16-bit (or fp32) precision.
 double matmul_rate(const GpuSpec& gpu, double flops, bool fp32 = false);

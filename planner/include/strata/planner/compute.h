@@ -35,6 +35,11 @@ struct ShardOf {
   double activation_bytes = 2;     // bytes of an activation element
 };
 
+// Korthikanti et al.'s activation bytes of one block, per token and hidden unit, with 16-bit
+// activations (table 2): 34 + 5 a s / h, divided by t with sequence parallelism; 10 + 24 / t +
+// 5 a s / (h t) with tensor parallelism alone; the score term only where attention is not fused.
+double activation_bytes_per_token_hidden(const models::ModelConfig& m, int64_t seq_len, const ShardOf& shard);
+
 // One block's forward for `sequences` sequences of `seq_len` tokens, this GPU's 1/tp of it.
 Work block_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& shard);
 // The LM head's forward (the logits' product; the loss's softmax as memory traffic).

@@ -37,6 +37,9 @@ struct ThreeDConfig {
   Recompute recompute = Recompute::kFull;
   bool sequence_parallel = true;        // with tp > 1
   bool distributed_optimizer = false;   // optimizer state sharded over dp (ZeRO-1)
+  // Bytes of a gradient element, held and all-reduced: 4 with fp32 main gradients (bf16 training,
+  // Megatron since 2022), 2 with fp16 gradients reduced as they are (fp16 training, Megatron 2021).
+  int grad_bytes = 4;
   std::string describe() const;
 };
 
