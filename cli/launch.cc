@@ -7,6 +7,9 @@
 // Ctrl-C reaches the ranks directly: they share the launcher's process group); a rank that then
 // ends with 128 + that signal, or by it, is not a failure. A rank whose launcher dies gets
 // SIGTERM.
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -42,16 +45,57 @@ extern "C" void on_launcher_stop_signal(int sig, siginfo_t* info, void*) {
 }
 
 constexpr const char* kLaunchUsage = R"(usage: strata launch -n N [--port P] -- command [args...]
+       strata launch --nnodes N --node-rank R --master-addr HOST --master-port P
+                     --nproc-per-node K -- command [args...]        (on each of N hosts)
 
-Runs N processes of `command` on this node as data-parallel ranks 0..N-1, with RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT set as
-torchrun sets them. If a rank fails, the others are stopped and the launcher exits non-zero.
-SIGINT, SIGTERM and SIGUSR1 are passed on to every rank (`strata train` then stops after the
-current step, saving a checkpoint if it has a directory).
+Runs processes of `command` as data-parallel ranks, with RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK (the node's rank), MASTER_ADDR and MASTER_PORT set as torchrun sets
+them: on one node, N ranks over loopback; on several, K ranks on this node, ranks R*K .. R*K+K-1
+of N*K, meeting at HOST:P (node 0 is where rank 0 and the rendezvous store run). The network
+interface Gloo uses is GLOO_SOCKET_IFNAME where set, else the one this host reaches HOST through;
+it is printed at start. If a rank fails, the others on this node are stopped and the launcher
+exits non-zero (ranks on other nodes fail on their own at their next collective). SIGINT,
+SIGTERM and SIGUSR1 are passed on to every rank (`strata train` then stops after the current
+step, saving a checkpoint if it has a directory).
 
-  -n, --nproc N   number of ranks (processes)
-  --port P    rendezvous port (default: a free port)
+  -n, --nproc N, --nproc-per-node N   ranks (processes) on this node
+  --port P, --master-port P           rendezvous port (one node: default a free port;
+                                      several: required, the same on every node)
+  --nnodes N          nodes (default 1)
+  --node-rank R       this node's rank, 0 .. N-1 (default 0)
+  --master-addr HOST  node 0's address (default 127.0.0.1; required with several nodes)
 )";
+
+// The interface this host reaches `addr` through (no packet is sent: a UDP socket is connected,
+// and its local address looked up among the interfaces), with that address.
+std::pair<std::string, std::string> interface_towards(const std::string& addr, int port) {
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  if (getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res)
+    throw std::invalid_argument("strata launch: cannot resolve the master address " + addr);
+  const int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  sockaddr_in local{};
+  socklen_t len = sizeof local;
+  const bool ok = fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0;
+  freeaddrinfo(res);
+  if (fd >= 0) close(fd);
+  if (!ok) throw std::runtime_error("strata launch: no route to the master address " + addr + ": " + strerror(errno));
+  char ip[INET_ADDRSTRLEN] = {};
+  inet_ntop(AF_INET, &local.sin_addr, ip, sizeof ip);
+  ifaddrs* ifs = nullptr;
+  std::string name;
+  if (getifaddrs(&ifs) == 0) {
+    for (ifaddrs* i = ifs; i; i = i->ifa_next)
+      if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET &&
+          reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr == local.sin_addr.s_addr)
+        name = i->ifa_name;
+    freeifaddrs(ifs);
+  }
+  if (name.empty()) throw std::runtime_error(std::string("strata launch: no interface holds ") + ip);
+  return {name, ip};
+}
 
 int free_port() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -82,7 +126,10 @@ int launch_main(const std::vector<std::string>& argv) {
   auto sep = std::find(argv.begin(), argv.end(), "--");
   std::vector<std::string> own(argv.begin(), sep);
   for (auto& a : own)
-    if (a == "-n") a = "--nproc";
+    if (a == "-n" || a == "--nproc-per-node") a = "--nproc";
+    else if (a == "--master-port") a = "--port";
+    else if (a.starts_with("--nproc-per-node=")) a = "--nproc=" + a.substr(17);
+    else if (a.starts_with("--master-port=")) a = "--port=" + a.substr(14);
   for (const auto& a : own)
     if (a == "--help" || a == "-h") {
       std::cout << kLaunchUsage;
@@ -92,10 +139,31 @@ int launch_main(const std::vector<std::string>& argv) {
     throw std::invalid_argument("strata launch: expected `-- command [args...]`\n\n" +
                                 std::string(kLaunchUsage));
   std::vector<std::string> cmd(sep + 1, argv.end());
-  Args args(own, {"nproc", "port"}, {});
+  Args args(own, {"nproc", "port", "nnodes", "node-rank", "master-addr"}, {});
   const unsigned n = args.count("nproc", 0);
   if (n < 1) throw std::invalid_argument("strata launch: -n must be >= 1");
+  const unsigned nodes = args.count("nnodes", 1), node = args.count("node-rank", 0);
+  if (nodes < 1 || node >= nodes)
+    throw std::invalid_argument("strata launch: --node-rank must be in 0 .. --nnodes - 1 (" + std::to_string(node) +
+                                " of " + std::to_string(nodes) + ")");
+  if (nodes > 1 && (!args.has("master-addr") || !args.has("port")))
+    throw std::invalid_argument("strata launch: several nodes need --master-addr and --master-port, the same on every node");
+  const std::string master = args.get("master-addr", "127.0.0.1");
   const int port = args.has("port") ? int(args.count("port", 0)) : free_port();
+  const unsigned world = nodes * n, first = node * n;
+  if (nodes > 1 || master.rfind("127.", 0) != 0) {
+    std::string iface = std::getenv("GLOO_SOCKET_IFNAME") ? std::getenv("GLOO_SOCKET_IFNAME") : "";
+    std::string how = "GLOO_SOCKET_IFNAME";
+    if (iface.empty()) {
+      const auto [name, ip] = interface_towards(master, port);
+      iface = name;
+      how = "the route to " + master + ", local address " + ip;
+      setenv("GLOO_SOCKET_IFNAME", iface.c_str(), 1);
+    }
+    std::cerr << "strata launch: node " << node << " of " << nodes << ", ranks " << first << "-" << first + n - 1
+              << " of " << world << ", master " << master << ":" << port << ", interface " << iface << " (" << how
+              << ")" << std::endl;
+  }
 
   for (int sig : kStopSignals) {
     struct sigaction sa {};
@@ -114,11 +182,12 @@ int launch_main(const std::vector<std::string>& argv) {
       for (int sig : kStopSignals) signal(sig, SIG_DFL);
       prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (getppid() != launcher) _exit(128 + SIGTERM);
-      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("RANK", std::to_string(first + r).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
       setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("GROUP_RANK", std::to_string(node).c_str(), 1);
+      setenv("MASTER_ADDR", master.c_str(), 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       std::vector<char*> cargv;
       for (auto& s : cmd) cargv.push_back(const_cast<char*>(s.c_str()));
@@ -151,7 +220,7 @@ int launch_main(const std::vector<std::string>& argv) {
       if (std::chrono::steady_clock::now() > stop_deadline) {
         for (size_t r = 0; r < pids.size(); ++r)
           if (pids[r] > 0) {
-            std::cerr << "strata launch: rank " << r << " is still running 10 s after SIGTERM: killing it (SIGKILL)\n";
+            std::cerr << "strata launch: rank " << first + r << " is still running 10 s after SIGTERM: killing it (SIGKILL)\n";
             kill(pids[r], SIGKILL);
           }
         stop_deadline = std::chrono::steady_clock::time_point::max();
@@ -161,7 +230,7 @@ int launch_main(const std::vector<std::string>& argv) {
     }
     auto it = std::find(pids.begin(), pids.end(), pid);
     if (it == pids.end()) continue;
-    const unsigned rank = unsigned(it - pids.begin());
+    const unsigned rank = first + unsigned(it - pids.begin());
     *it = -1;
     --running;
     const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Two "hosts" as Linux network namespaces joined by a veth pair, each running `strata launch` for
+# 2 ranks (--nnodes 2 --node-rank R --master-addr <host 0's address>), each host with its own
+# swap directory holding the optimizer state: the 4 ranks must find each other over the veth
+# link and train to exactly the losses of the same 4 ranks on one host over loopback. Addresses
+# exist only inside the namespaces this test creates, and both are removed at the end.
+# Usage: two_hosts_netns_test.sh STRATA WORKDIR.  Exit 77 (skipped) where namespaces cannot be made.
+set -uo pipefail
+strata=$1
+work=$2
+id=$$
+ns0=strata-h0-$id ns1=strata-h1-$id
+if0=sv0-$id if1=sv1-$id
+net=10.213.$((id % 200 + 20))
+cleanup() {
+  ip netns del "$ns0" 2>/dev/null
+  ip netns del "$ns1" 2>/dev/null
+}
+trap cleanup EXIT
+if ! ip netns add "$ns0" 2>/dev/null; then
+  echo "SKIP: cannot create a network namespace here (needs root or CAP_SYS_ADMIN, and iproute2)"
+  exit 77
+fi
+set -e
+ip netns add "$ns1"
+ip link add "$if0" netns "$ns0" type veth peer name "$if1" netns "$ns1"
+ip -n "$ns0" addr add "$net.1/24" dev "$if0"
+ip -n "$ns1" addr add "$net.2/24" dev "$if1"
+for n in "$ns0" "$ns1"; do ip -n "$n" link set lo up; done
+ip -n "$ns0" link set "$if0" up
+ip -n "$ns1" link set "$if1" up
+
+rm -rf "$work"
+mkdir -p "$work/h0" "$work/h1" "$work/one"
+cat >"$work/config.json" <<'JSON'
+{
+  "model": {"preset": "gpt2", "layers": 2, "hidden": 64, "heads": 4, "vocab_size": 256, "max_positions": 64, "seed": 5},
+  "data": {"path": "/usr/share/common-licenses", "format": "bytes", "seq_len": 32, "seed": 1},
+  "batch": {"micro_batch": 2, "grad_accum": 2},
+  "optimizer": {"type": "adamw", "lr": 0.003, "weight_decay": 0.05, "clip_grad_norm": 1.0},
+  "placement": {"params": "host", "grads": "host", "master": "nvme", "moments": "nvme", "activations": "host"},
+  "offload": {"nvme_dirs": ["swap"], "optimizer_chunk": "16KiB"},
+  "run": {"steps": 4, "progress": false}
+}
+JSON
+set +e
+for r in 0 1; do
+  ns=$ns0
+  [ "$r" = 1 ] && ns=$ns1
+  mkdir -p "$work/h$r/swap"
+  (cd "$work/h$r" && exec ip netns exec "$ns" "$strata" launch --nnodes 2 --node-rank "$r" --master-addr "$net.1" \
+     --master-port 29517 --nproc-per-node 2 -- "$strata" train --config ../config.json --log ../h.jsonl) \
+    >"$work/h$r.out" 2>&1 &
+  eval "pid$r=\$!"
+done
+wait "$pid0"; rc0=$?
+wait "$pid1"; rc1=$?
+if [ "$rc0" != 0 ] || [ "$rc1" != 0 ]; then
+  echo "FAIL: host 0 exited $rc0, host 1 exited $rc1"; cat "$work/h0.out" "$work/h1.out"; exit 1
+fi
+grep -q "node 0 of 2, ranks 0-1 of 4, master $net.1:29517, interface $if0" "$work/h0.out" ||
+  { echo "FAIL: host 0 did not report its interface"; cat "$work/h0.out"; exit 1; }
+grep -q "node 1 of 2, ranks 2-3 of 4, master $net.1:29517, interface $if1" "$work/h1.out" ||
+  { echo "FAIL: host 1 did not report its interface"; cat "$work/h1.out"; exit 1; }
+mkdir -p "$work/one/swap"
+(cd "$work/one" && "$strata" launch -n 4 -- "$strata" train --config ../config.json --log ../one.jsonl) \
+  >"$work/one.out" 2>&1 || { echo "FAIL: the one-host run"; cat "$work/one.out"; exit 1; }
+python3 - "$work/h.jsonl" "$work/one.jsonl" <<'PY'
+import json, sys
+def losses(path):
+    return [json.loads(l)["loss"] for l in open(path) if '"loss"' in l and '"step"' in l]
+two, one = losses(sys.argv[1]), losses(sys.argv[2])
+print("two hosts:", two)
+print("one host: ", one)
+assert len(two) == 4 and len(one) == 4, "expected 4 steps each"
+for a, b in zip(two, one):
+    assert abs(a - b) <= 1e-5 * abs(b), f"{a} != {b}"
+print("PASS: 2 hosts x 2 ranks over the veth link train as 4 ranks on one host")
+PY
