@@ -7,6 +7,9 @@
 #endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -57,13 +60,50 @@ class LocalComm final : public Communicator {
   void barrier() override {}
 };
 
-// Every rank's host and process id, exchanged through the store at rendezvous, so that a rank
-// whose collective failed can say which peers on its own host are gone (the error Gloo gives
-// names a socket address, not a rank).
+// Every rank's host, the address its collectives use and its process id, exchanged through the
+// store at rendezvous, so that a rank whose collective failed can say which peers on its own host
+// are gone and which ranks sit behind the socket address Gloo's error names.
 struct Peer {
   std::string host;
+  std::string addr;  // IPv4 of the interface its Gloo device uses ("": the host name's)
   long pid = 0;
 };
+
+// The IPv4 address of interface `name` ("" if it has none).
+std::string interface_address(const std::string& name) {
+  ifaddrs* ifs = nullptr;
+  std::string out;
+  if (getifaddrs(&ifs) != 0) return out;
+  for (ifaddrs* i = ifs; i; i = i->ifa_next)
+    if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET && name == i->ifa_name) {
+      char ip[INET_ADDRSTRLEN] = {};
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, ip, sizeof ip);
+      out = ip;
+      break;
+    }
+  freeifaddrs(ifs);
+  return out;
+}
+
+// "; the connection to 10.0.0.2 (host h1: ranks 2, 3) is lost" when Gloo's error names the
+// socket address of a peer whose address is known; "" otherwise.
+std::string lost_host(const std::vector<Peer>& peers, int self, const std::string& error) {
+  // The error holds bracketed parts (Gloo's source position, then the peer's "[addr]:port").
+  std::string addr, ranks, host;
+  for (size_t open = error.find('['); open != std::string::npos && ranks.empty(); open = error.find('[', open + 1)) {
+    const size_t close = error.find(']', open);
+    if (close == std::string::npos) break;
+    addr = error.substr(open + 1, close - open - 1);
+    for (size_t r = 0; r < peers.size(); ++r)
+      if (int(r) != self && !peers[r].addr.empty() && peers[r].addr == addr) {
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+        host = peers[r].host;
+      }
+  }
+  if (ranks.empty()) return "";
+  return "; the connection to " + addr + " (host " + host + ": rank" +
+         (ranks.find(',') == std::string::npos ? " " : "s ") + ranks + ") is lost";
+}
 
 std::string this_host() {
   char name[256] = {};
@@ -90,7 +130,8 @@ std::string gone_peers(const std::vector<Peer>& peers, int self) {
   for (int attempt = 0; attempt < 10 && gone.empty(); ++attempt) {
     if (attempt > 0) usleep(20000);
     for (size_t r = 0; r < peers.size(); ++r)
-      if (int(r) != self && peers[r].host == here && peers[r].pid > 0 && process_gone(peers[r].pid))
+      if (int(r) != self && peers[r].host == here && peers[r].addr == peers[size_t(self)].addr && peers[r].pid > 0 &&
+          process_gone(peers[r].pid))
         gone += (gone.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " (pid " +
                 std::to_string(peers[r].pid) + " on this host)";
   }
@@ -112,26 +153,29 @@ class GlooComm final : public Communicator {
       opts.waitWorkers = true;
       opts.timeout = timeout;
       store_ = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+      // Single node (loopback master): loopback. Otherwise this host's own address, as
+      // torch.distributed does (GLOO_SOCKET_IFNAME picks the interface).
+      const bool loopback = env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0;
+      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
       {
-        const std::string me = this_host() + " " + std::to_string(long(getpid()));
+        // "host addr pid"; the host name has no spaces, the address may be empty.
+        const std::string addr = loopback ? "127.0.0.1" : ifname ? interface_address(ifname) : "";
+        const std::string me = this_host() + " " + addr + " " + std::to_string(long(getpid()));
         store_->set("strata/peer/" + std::to_string(env.rank), std::vector<uint8_t>(me.begin(), me.end()));
         auto peers = std::make_shared<std::vector<Peer>>(size_t(env.world_size));
         for (int r = 0; r < env.world_size; ++r) {
           const std::vector<uint8_t> v = store_->get("strata/peer/" + std::to_string(r));
           const std::string s(v.begin(), v.end());
-          const size_t space = s.rfind(' ');
-          (*peers)[size_t(r)] = {s.substr(0, space), std::atol(s.c_str() + space + 1)};
+          const size_t a = s.find(' '), b = s.rfind(' ');
+          (*peers)[size_t(r)] = {s.substr(0, a), a < b ? s.substr(a + 1, b - a - 1) : "", std::atol(s.c_str() + b + 1)};
         }
         peers_ = std::move(peers);
       }
       auto pg_opts = c10d::ProcessGroupGloo::Options::create(timeout);
-      // Single node (loopback master): loopback. Otherwise this host's own address, as
-      // torch.distributed does (GLOO_SOCKET_IFNAME picks the interface).
-      const bool loopback = env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0;
       pg_opts->devices.push_back(
           loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-          : std::getenv("GLOO_SOCKET_IFNAME")
-              ? c10d::ProcessGroupGloo::createDeviceForInterface(std::getenv("GLOO_SOCKET_IFNAME"))
+          : ifname
+              ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
               : c10d::ProcessGroupGloo::createDefaultDevice());
       pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(
           c10::make_intrusive<c10d::PrefixStore>("gloo", store_), env.rank, env.world_size, pg_opts);
@@ -162,8 +206,9 @@ class GlooComm final : public Communicator {
       try {
         w->wait();
       } catch (const std::exception& e) {
-        fail(what + " failed: " + first_line(e.what()) + " (a peer rank died or timed out" +
-                 (peers ? gone_peers(*peers, self) : "") + ")",
+        const std::string error = first_line(e.what());
+        fail(what + " failed: " + error + " (a peer rank died or timed out" +
+                 (peers ? gone_peers(*peers, self) + lost_host(*peers, self, error) : "") + ")",
              on_failure);
       }
     }

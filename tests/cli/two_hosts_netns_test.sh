@@ -2,7 +2,9 @@
 # Two "hosts" as Linux network namespaces joined by a veth pair, each running `strata launch` for
 # 2 ranks (--nnodes 2 --node-rank R --master-addr <host 0's address>), each host with its own
 # swap directory holding the optimizer state: the 4 ranks must find each other over the veth
-# link and train to exactly the losses of the same 4 ranks on one host over loopback. Addresses
+# link and train to exactly the losses of the same 4 ranks on one host over loopback. Then host 1
+# is lost twice: its processes killed (host 0 must fail within a second or so, naming host 1's
+# address and ranks), and its link cut (both sides must fail at the collective timeout). Addresses
 # exist only inside the namespaces this test creates, and both are removed at the end.
 # Usage: two_hosts_netns_test.sh STRATA WORKDIR.  Exit 77 (skipped) where namespaces cannot be made.
 set -uo pipefail
@@ -77,3 +79,51 @@ for a, b in zip(two, one):
     assert abs(a - b) <= 1e-5 * abs(b), f"{a} != {b}"
 print("PASS: 2 hosts x 2 ranks over the veth link train as 4 ranks on one host")
 PY
+[ $? = 0 ] || exit 1
+
+# A lost host. Each case starts both hosts on a long run, waits for a few logged steps, then
+# either kills every process of host 1 (SIGKILL) or cuts the link (host 1's end of the veth pair
+# down), and checks that the other side fails on its own, in time, and says what it lost.
+# distributed.timeout_s is 10 s here.
+python3 - "$work/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["run"]["steps"] = 100000
+c["distributed"] = {"timeout_s": 10}
+json.dump(c, open(sys.argv[1].replace("config.json", "long.json"), "w"))
+PY
+lose_host() {  # $1: kill | cut
+  rm -f "$work/long.jsonl"
+  for r in 0 1; do
+    ns=$ns0
+    [ "$r" = 1 ] && ns=$ns1
+    (cd "$work/h$r" && exec ip netns exec "$ns" "$strata" launch --nnodes 2 --node-rank "$r" --master-addr "$net.1" \
+       --master-port 29518 --nproc-per-node 2 -- "$strata" train --config ../long.json --log ../long.jsonl) \
+      >"$work/$1-h$r.out" 2>&1 &
+    eval "pid$r=\$!"
+  done
+  for _ in $(seq 300); do
+    [ -s "$work/long.jsonl" ] && [ "$(grep -c '"step"' "$work/long.jsonl")" -ge 3 ] && break
+    sleep 0.1
+  done
+  [ "$(grep -c '"step"' "$work/long.jsonl" 2>/dev/null)" -ge 3 ] || { echo "FAIL ($1): the run did not start"; cat "$work/$1-h0.out"; exit 1; }
+  start=$(date +%s%N)
+  if [ "$1" = kill ]; then ip netns pids "$ns1" | xargs -r kill -9; else ip -n "$ns1" link set "$if1" down; fi
+  wait "$pid0"
+  rc=$?
+  elapsed=$(( ($(date +%s%N) - start) / 1000000 ))
+  wait "$pid1" 2>/dev/null
+  rc1=$?
+  echo "$1: host 0's launcher exited $rc after $elapsed ms, host 1's $rc1"
+  [ "$1" = kill ] || [ "$rc1" != 0 ] || { echo "FAIL ($1): host 1 exited 0"; exit 1; }
+  [ "$rc" != 0 ] || { echo "FAIL ($1): host 0 exited 0"; exit 1; }
+  [ "$elapsed" -lt 25000 ] || { echo "FAIL ($1): host 0 took $elapsed ms (timeout 10 s)"; exit 1; }
+}
+lose_host kill
+grep -q "the connection to $net.2 (host [^:]*: ranks 2, 3) is lost" "$work/kill-h0.out" ||
+  { echo "FAIL (kill): host 0 did not name the lost host"; cat "$work/kill-h0.out"; exit 1; }
+ip -n "$ns1" link set "$if1" up
+lose_host cut
+grep -q "Timed out waiting" "$work/cut-h0.out" ||
+  { echo "FAIL (cut): host 0 did not fail by the collective timeout"; cat "$work/cut-h0.out"; exit 1; }
+echo "PASS: a killed host is named within a second; a cut link fails both sides at the timeout"
