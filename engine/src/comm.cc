@@ -86,7 +86,8 @@ std::string interface_address(const std::string& name) {
 }
 
 // "; the connection to 10.0.0.2 (host h1: ranks 2, 3) is lost" when Gloo's error names the
-// socket address of a peer whose address is known; "" otherwise.
+// socket address of a peer on another host (its address known and not this rank's own: on one
+// host, loopback names no one in particular); "" otherwise.
 std::string lost_host(const std::vector<Peer>& peers, int self, const std::string& error) {
   // The error holds bracketed parts (Gloo's source position, then the peer's "[addr]:port").
   std::string addr, ranks, host;
@@ -95,7 +96,7 @@ std::string lost_host(const std::vector<Peer>& peers, int self, const std::strin
     if (close == std::string::npos) break;
     addr = error.substr(open + 1, close - open - 1);
     for (size_t r = 0; r < peers.size(); ++r)
-      if (int(r) != self && !peers[r].addr.empty() && peers[r].addr == addr) {
+      if (int(r) != self && !peers[r].addr.empty() && peers[r].addr == addr && addr != peers[size_t(self)].addr) {
         ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
         host = peers[r].host;
       }

@@ -23,14 +23,19 @@ if ! ip netns add "$ns0" 2>/dev/null; then
   echo "SKIP: cannot create a network namespace here (needs root or CAP_SYS_ADMIN, and iproute2)"
   exit 77
 fi
+setup() {
+  ip netns add "$ns1" &&
+    ip link add "$if0" netns "$ns0" type veth peer name "$if1" netns "$ns1" &&
+    ip -n "$ns0" addr add "$net.1/24" dev "$if0" &&
+    ip -n "$ns1" addr add "$net.2/24" dev "$if1" &&
+    ip -n "$ns0" link set lo up && ip -n "$ns1" link set lo up &&
+    ip -n "$ns0" link set "$if0" up && ip -n "$ns1" link set "$if1" up
+}
+if ! setup; then
+  echo "SKIP: cannot join two network namespaces with a veth pair here"
+  exit 77
+fi
 set -e
-ip netns add "$ns1"
-ip link add "$if0" netns "$ns0" type veth peer name "$if1" netns "$ns1"
-ip -n "$ns0" addr add "$net.1/24" dev "$if0"
-ip -n "$ns1" addr add "$net.2/24" dev "$if1"
-for n in "$ns0" "$ns1"; do ip -n "$n" link set lo up; done
-ip -n "$ns0" link set "$if0" up
-ip -n "$ns1" link set "$if1" up
 
 rm -rf "$work"
 mkdir -p "$work/h0" "$work/h1" "$work/one"
