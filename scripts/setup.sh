@@ -18,7 +18,8 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 debs=(build-essential cmake ninja-build ccache pkg-config git
       liburing-dev nlohmann-json3-dev libboost-dev libgtest-dev libgmock-dev libgloo-dev
       libpng-dev zlib1g-dev fio python3 python3-venv libssl-dev curl openssl
-      ceph-mon ceph-osd ceph-common radosgw)  # the last four: the S3 server the tests start
+      ceph-mon ceph-osd ceph-common radosgw  # the S3 server the tests start
+      iproute2)                              # `ip netns`: the two-host test's namespaces
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
