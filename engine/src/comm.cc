@@ -10,9 +10,11 @@
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cctype>
 #include <cstdlib>
 #include <exception>
@@ -104,6 +106,55 @@ std::string lost_host(const std::vector<Peer>& peers, int self, const std::strin
   if (ranks.empty()) return "";
   return "; the connection to " + addr + " (host " + host + ": rank" +
          (ranks.find(',') == std::string::npos ? " " : "s ") + ranks + ") is lost";
+}
+
+// Whether `addr` answers at all within `ms`: a TCP connect to a port nothing listens on is
+// refused at once by a host that is there; a host behind a cut link gives no answer (or
+// "unreachable").
+bool host_answers(const std::string& addr, int ms) {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(1);
+  if (inet_pton(AF_INET, addr.c_str(), &a.sin_addr) != 1) return true;  // not an IPv4 address: no claim
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+  if (fd < 0) return true;
+  bool answered = false;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+    answered = true;
+  } else if (errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    if (poll(&p, 1, ms) == 1) {
+      int err = 0;
+      socklen_t len = sizeof err;
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      answered = err == 0 || err == ECONNREFUSED;
+    }
+  } else {
+    answered = errno == ECONNREFUSED;
+  }
+  close(fd);
+  return answered;
+}
+
+// After a timeout (which names no peer): "; host 10.0.0.2 (h1: ranks 2, 3) does not answer" for
+// each other host that does not answer a connection within a second; "" if all do.
+std::string silent_hosts(const std::vector<Peer>& peers, int self) {
+  std::string out;
+  std::vector<std::string> seen;
+  for (size_t r = 0; r < peers.size(); ++r) {
+    const std::string& addr = peers[r].addr;
+    if (int(r) == self || addr.empty() || addr == peers[size_t(self)].addr ||
+        std::find(seen.begin(), seen.end(), addr) != seen.end())
+      continue;
+    seen.push_back(addr);
+    if (host_answers(addr, 1000)) continue;
+    std::string ranks;
+    for (size_t q = 0; q < peers.size(); ++q)
+      if (peers[q].addr == addr) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
+    out += "; host " + addr + " (" + peers[r].host + ": rank" + (ranks.find(',') == std::string::npos ? " " : "s ") +
+           ranks + ") does not answer";
+  }
+  return out;
 }
 
 std::string this_host() {
@@ -209,7 +260,10 @@ class GlooComm final : public Communicator {
       } catch (const std::exception& e) {
         const std::string error = first_line(e.what());
         fail(what + " failed: " + error + " (a peer rank died or timed out" +
-                 (peers ? gone_peers(*peers, self) + lost_host(*peers, self, error) : "") + ")",
+                 (peers ? gone_peers(*peers, self) + lost_host(*peers, self, error) +
+                              (error.find("Timed out") != std::string::npos ? silent_hosts(*peers, self) : "")
+                        : "") +
+                 ")",
              on_failure);
       }
     }

@@ -4,7 +4,8 @@
 # swap directory holding the optimizer state: the 4 ranks must find each other over the veth
 # link and train to exactly the losses of the same 4 ranks on one host over loopback. Then host 1
 # is lost twice: its processes killed (host 0 must fail within a second or so, naming host 1's
-# address and ranks), and its link cut (both sides must fail at the collective timeout). Addresses
+# address and ranks), and its link cut (both sides must fail at the collective timeout, each naming
+# the host that does not answer). Addresses
 # exist only inside the namespaces this test creates, and both are removed at the end.
 # Usage: two_hosts_netns_test.sh STRATA WORKDIR.  Exit 77 (skipped) where namespaces cannot be made.
 set -uo pipefail
@@ -129,6 +130,8 @@ grep -q "the connection to $net.2 (host [^:]*: ranks 2, 3) is lost" "$work/kill-
   { echo "FAIL (kill): host 0 did not name the lost host"; cat "$work/kill-h0.out"; exit 1; }
 ip -n "$ns1" link set "$if1" up
 lose_host cut
-grep -q "Timed out waiting" "$work/cut-h0.out" ||
-  { echo "FAIL (cut): host 0 did not fail by the collective timeout"; cat "$work/cut-h0.out"; exit 1; }
-echo "PASS: a killed host is named within a second; a cut link fails both sides at the timeout"
+grep -q "Timed out waiting.*host $net.2 ([^:]*: ranks 2, 3) does not answer" "$work/cut-h0.out" ||
+  { echo "FAIL (cut): host 0 did not fail by the collective timeout naming host 1"; cat "$work/cut-h0.out"; exit 1; }
+grep -q "Timed out waiting.*host $net.1 ([^:]*: ranks 0, 1) does not answer" "$work/cut-h1.out" ||
+  { echo "FAIL (cut): host 1 did not fail by the collective timeout naming host 0"; cat "$work/cut-h1.out"; exit 1; }
+echo "PASS: a killed host is named within a second; a cut link fails both sides at the timeout, each naming the other"
