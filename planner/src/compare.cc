@@ -198,18 +198,22 @@ std::string comparison_json(const Comparison& cmp) {
       .dump();
 }
 
-models::ModelConfig family_model(int64_t hidden) {
+models::ModelConfig gpt_model(int64_t hidden, int64_t layers, int64_t heads, int64_t vocab, int64_t positions) {
   models::ModelConfig m = models::preset("gpt2");
   m.hidden = hidden;
-  m.heads = m.kv_heads = std::max<int64_t>(1, hidden / 128);
-  m.head_dim = hidden / m.heads;
+  m.layers = layers;
+  m.heads = m.kv_heads = heads;
+  m.head_dim = hidden / heads;
   m.intermediate = 4 * hidden;
-  m.layers = std::max<int64_t>(4, (hidden / 200 + 3) / 4 * 4);
-  m.vocab_size = 51200;
-  m.max_positions = 2048;
+  m.vocab_size = vocab;
+  m.max_positions = positions;
   m.tie_embeddings = true;
   m.name = "gpt-" + num(double(m.parameters()) / 1e9, "%.1f") + "b";
   return m;
+}
+
+models::ModelConfig family_model(int64_t hidden) {
+  return gpt_model(hidden, std::max<int64_t>(4, (hidden / 200 + 3) / 4 * 4), std::max<int64_t>(1, hidden / 128));
 }
 
 std::vector<Largest> largest_models(const Workload& w, const Cluster& c, const engine::EngineConfig& base) {

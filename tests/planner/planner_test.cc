@@ -16,20 +16,6 @@
 namespace strata::planner {
 namespace {
 
-models::ModelConfig gpt(int64_t h, int64_t l, int64_t heads, int64_t vocab = 51200) {
-  models::ModelConfig m = models::preset("gpt2");
-  m.hidden = h;
-  m.layers = l;
-  m.heads = m.kv_heads = heads;
-  m.head_dim = h / heads;
-  m.intermediate = 4 * h;
-  m.vocab_size = vocab;
-  m.max_positions = 2048;
-  m.tie_embeddings = true;
-  m.name = "gpt-" + std::to_string(h) + "x" + std::to_string(l);
-  return m;
-}
-
 Cluster a100s(int gpus) {
   Cluster c = cluster_preset("dgx-a100");
   c.nodes = std::max(1, gpus / c.node.gpus);
@@ -74,7 +60,7 @@ TEST(Planner, MegatronTable1WithinFifteenPercent) {
   Errors err;
   std::printf("| model | TP x PP x DP | predicted s/step | predicted TFLOPS/GPU | published | error |\n");
   for (const Row& r : rows) {
-    Workload w{gpt(r.h, r.l, r.a), 2048, r.batch, false};
+    Workload w{gpt_model(r.h, r.l, r.a), 2048, r.batch, false};
     const Cluster c = a100s(r.gpus);
     ThreeDConfig k{r.tp, r.pp, r.gpus / (r.tp * r.pp), 1, 1, Recompute::kFull, false, false};
     k.grad_bytes = 2;  // fp16 training: fp16 gradients, all-reduced as they are
@@ -108,7 +94,7 @@ TEST(Planner, KorthikantiIterationTimesWithinFifteenPercent) {
   std::printf("| model | recompute | predicted s | published s | error | memory GB |\n");
   for (const Row& r : rows)
     for (bool selective : {false, true}) {
-      Workload w{gpt(r.h, r.l, r.a), 2048, r.batch, false};
+      Workload w{gpt_model(r.h, r.l, r.a), 2048, r.batch, false};
       const Cluster c = a100s(r.gpus);
       const ThreeDConfig k{r.tp, r.pp, 1, 1, 1, selective ? Recompute::kSelective : Recompute::kFull, selective, false};
       const ThreeDEstimate e = estimate_3d(w, c, k);
@@ -125,7 +111,7 @@ TEST(Planner, KorthikantiIterationTimesWithinFifteenPercent) {
 // Selective recompute with sequence parallelism needs less memory than no recompute and more than
 // full recompute, and is faster than full (Korthikanti et al.'s point).
 TEST(Planner, RecomputeTradesMemoryForTime) {
-  Workload w{gpt(12288, 96, 96), 2048, 64, false};
+  Workload w{gpt_model(12288, 96, 96), 2048, 64, false};
   const Cluster c = a100s(64);
   ThreeDConfig k{8, 8, 1, 1, 1, Recompute::kNone, true, false};
   const ThreeDEstimate none = estimate_3d(w, c, k);
@@ -161,7 +147,7 @@ TEST(Planner, ZeroInfinityLargestModelsOnOneDgx2) {
   engine::EngineConfig base;
   base.compute = engine::Precision::kBf16;
   base.micro_batch = 1;
-  const Workload w{gpt(2048, 24, 16), 1024, 16, true};
+  const Workload w{gpt_model(2048, 24, 16), 1024, 16, true};
   const std::vector<Largest> rows = largest_models(w, c, base);
   ASSERT_EQ(rows.size(), 5u);
   const auto show = [](const Largest& l, double published) {

@@ -59,6 +59,11 @@ Comparison compare(const Workload& w, const Cluster& c, const engine::EngineConf
 std::string comparison_table(const Comparison& cmp);
 std::string comparison_json(const Comparison& cmp);
 
+// A GPT shape as the published runs describe them: `layers` x `hidden`, `heads` heads, an MLP of
+// 4 x hidden, tied embeddings, `vocab` tokens, `positions` learned positions.
+models::ModelConfig gpt_model(int64_t hidden, int64_t layers, int64_t heads, int64_t vocab = 51200,
+                              int64_t positions = 2048);
+
 // The model family `--max-model` walks: GPT shapes (MLP 4h, 128-wide heads, tied embeddings,
 // vocabulary 51200) with about h / 200 layers (a multiple of 4): 1T is 25600 x 128.
 models::ModelConfig family_model(int64_t hidden);
