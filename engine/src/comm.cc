@@ -136,7 +136,7 @@ bool host_answers(const std::string& addr, int ms) {
   return answered;
 }
 
-// After a timeout (which names no peer): "; host 10.0.0.2 (h1: ranks 2, 3) does not answer" for
+// After an error that names no peer (a timeout): "; host 10.0.0.2 (h1: ranks 2, 3) does not answer" for
 // each other host that does not answer a connection within a second; "" if all do.
 std::string silent_hosts(const std::vector<Peer>& peers, int self) {
   std::string out;
@@ -259,12 +259,15 @@ class GlooComm final : public Communicator {
         w->wait();
       } catch (const std::exception& e) {
         const std::string error = first_line(e.what());
-        fail(what + " failed: " + error + " (a peer rank died or timed out" +
-                 (peers ? gone_peers(*peers, self) + lost_host(*peers, self, error) +
-                              (error.find("Timed out") != std::string::npos ? silent_hosts(*peers, self) : "")
-                        : "") +
-                 ")",
-             on_failure);
+        // Gloo words a timeout in several ways ("Timed out ...", "Application timeout caused
+        // pair closure"): whenever no dead local peer and no lost connection explain the error,
+        // the other hosts are probed.
+        std::string why;
+        if (peers) {
+          why = gone_peers(*peers, self) + lost_host(*peers, self, error);
+          if (why.empty()) why = silent_hosts(*peers, self);
+        }
+        fail(what + " failed: " + error + " (a peer rank died or timed out" + why + ")", on_failure);
       }
     }
     c10::intrusive_ptr<c10d::Work> w;
