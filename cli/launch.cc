@@ -53,7 +53,7 @@ LOCAL_WORLD_SIZE, GROUP_RANK (the node's rank), MASTER_ADDR and MASTER_PORT set 
 them: on one node, N ranks over loopback; on several, K ranks on this node, ranks R*K .. R*K+K-1
 of N*K, meeting at HOST:P (node 0 is where rank 0 and the rendezvous store run). The network
 interface Gloo uses is GLOO_SOCKET_IFNAME where set, else the one this host reaches HOST through;
-it is printed at start. If a rank fails, the others on this node are stopped and the launcher
+NCCL's is NCCL_SOCKET_IFNAME where set, else the same. Both are printed at start. If a rank fails, the others on this node are stopped and the launcher
 exits non-zero (ranks on other nodes fail on their own at their next collective). SIGINT,
 SIGTERM and SIGUSR1 are passed on to every rank (`strata train` then stops after the current
 step, saving a checkpoint if it has a directory).
@@ -160,9 +160,15 @@ int launch_main(const std::vector<std::string>& argv) {
       how = "the route to " + master + ", local address " + ip;
       setenv("GLOO_SOCKET_IFNAME", iface.c_str(), 1);
     }
+    // NCCL (the ranks' GPU collectives) goes the same way unless told otherwise.
+    std::string nccl = std::getenv("NCCL_SOCKET_IFNAME") ? std::getenv("NCCL_SOCKET_IFNAME") : "";
+    if (nccl.empty()) {
+      nccl = iface;
+      setenv("NCCL_SOCKET_IFNAME", nccl.c_str(), 1);
+    }
     std::cerr << "strata launch: node " << node << " of " << nodes << ", ranks " << first << "-" << first + n - 1
               << " of " << world << ", master " << master << ":" << port << ", interface " << iface << " (" << how
-              << ")" << std::endl;
+              << ")" << (nccl == iface ? "" : ", NCCL interface " + nccl + " (NCCL_SOCKET_IFNAME)") << std::endl;
   }
 
   for (int sig : kStopSignals) {

@@ -171,14 +171,75 @@ std::string timeline_line(int64_t step, const engine::StepResult& r) {
            "timeline step %lld: %.3f s | compute busy %s | waits: params %.3f s, update %.3f s, "
            "activations %.3f s, gradients %.3f s | norm %.3f s | optimizer %.3f s (exposed %.3f s, "
            "held by a checkpoint %.3f s) | "
-           "PCIe up %.2f GB/s, down %.2f GB/s | NVMe read %.2f GB/s, write %.2f GB/s | prefetch %d | "
-           "largest stall: %s (%.3f s)",
+           "PCIe up %.2f GB/s, down %.2f GB/s | NVMe read %.2f GB/s, write %.2f GB/s | network %.2f GB/s | "
+           "prefetch %d | largest stall: %s (%.3f s)",
            (long long)step, r.seconds, busy, t.wait_params, t.wait_update, t.wait_activations, t.wait_grads,
            t.norm, t.optimizer, t.optimizer_exposed, t.wait_checkpoint, double(t.h2d_bytes) / sec / 1e9,
            double(t.d2h_bytes) / sec / 1e9, double(t.nvme_read_bytes) / sec / 1e9,
-           double(t.nvme_write_bytes) / sec / 1e9, t.prefetch, top->second > 0 ? top->first : "none",
+           double(t.nvme_write_bytes) / sec / 1e9, double(t.network_bytes) / sec / 1e9, t.prefetch, top->second > 0 ? top->first : "none",
            std::max(0.0, top->second));
   return line;
+}
+
+// One node's disks and network in a step: its ranks' swap reads and writes and what their
+// collectives sent.
+struct NodeTraffic {
+  int64_t node = 0;
+  uint64_t nvme_read = 0, nvme_write = 0, network = 0;
+};
+
+// Collective on every run of more than one rank (every rank calls it after each step): each
+// node's traffic, nodes in the order of their number (GROUP_RANK from torchrun and `strata
+// launch`, SLURM_NODEID from srun; a rank without either counts as node 0). The node numbers
+// travel with the numbers, so that every rank takes the same view whatever its own environment
+// says. Empty on one node: the rank's own timeline says it all.
+std::vector<NodeTraffic> node_traffic(engine::Communicator& comm, const engine::StepTimeline& t) {
+  if (comm.world_size() <= 1) return {};
+  static const int64_t node = [] {
+    const char* v = std::getenv("GROUP_RANK");
+    if (!v) v = std::getenv("SLURM_NODEID");
+    return v ? std::atoll(v) : 0;
+  }();
+  at::Tensor mine = at::empty({4}, at::kLong);
+  mine[0] = node;
+  mine[1] = int64_t(t.nvme_read_bytes);
+  mine[2] = int64_t(t.nvme_write_bytes);
+  mine[3] = int64_t(t.network_bytes);
+  at::Tensor all = at::empty({4 * comm.world_size()}, at::kLong);
+  comm.all_gather(all, mine)->wait();
+  const int64_t* a = all.data_ptr<int64_t>();
+  std::map<int64_t, NodeTraffic> by_node;
+  for (int r = 0; r < comm.world_size(); ++r) {
+    NodeTraffic& n = by_node[a[4 * r]];
+    n.nvme_read += uint64_t(a[4 * r + 1]), n.nvme_write += uint64_t(a[4 * r + 2]), n.network += uint64_t(a[4 * r + 3]);
+  }
+  if (by_node.size() <= 1) return {};
+  std::vector<NodeTraffic> out;
+  for (auto& [id, n] : by_node) n.node = id, out.push_back(n);
+  return out;
+}
+
+// " | node 0: NVMe read 1.20 GB/s, write 0.80 GB/s, network 0.31 GB/s | node 1: ...".
+std::string traffic_line(const std::vector<NodeTraffic>& nodes, double seconds) {
+  std::string out;
+  const double sec = std::max(seconds, 1e-9);
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    char part[160];
+    snprintf(part, sizeof part, " | node %lld: NVMe read %.2f GB/s, write %.2f GB/s, network %.2f GB/s",
+             (long long)nodes[i].node,
+             double(nodes[i].nvme_read) / sec / 1e9, double(nodes[i].nvme_write) / sec / 1e9,
+             double(nodes[i].network) / sec / 1e9);
+    out += part;
+  }
+  return out;
+}
+
+nlohmann::json traffic_json(const std::vector<NodeTraffic>& nodes) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const NodeTraffic& n : nodes)
+    out.push_back({{"node", n.node},
+                   {"nvme_read_bytes", n.nvme_read}, {"nvme_write_bytes", n.nvme_write}, {"network_bytes", n.network}});
+  return out;
 }
 
 // Chrome trace event format: complete events ("ph": "X", microseconds), one thread per lane.
@@ -416,28 +477,44 @@ int run_training(const std::vector<std::string>& argv) {
   tier_checkpoints(tc);
   // What this run starts from, decided before anything is built; a committed checkpoint is never
   // overwritten by a run that did not load it. `resume_dir` is a directory or a stored checkpoint's URL.
+  // Rank 0 alone chooses (its error, if any, reaches every rank once they have met): with
+  // node-local checkpoint disks only rank 0's holds `latest` and the manifests.
+  const engine::DistEnv env = engine::DistEnv::from_env();
   std::optional<std::filesystem::path> resume_dir;
-  bool fresh_under_resume = false;
+  std::string resume_error;
+  const auto choose = [&](const std::function<void()>& f) {
+    if (env.rank != 0) return;
+    try {
+      f();
+    } catch (const std::exception& e) {
+      resume_error = e.what();
+    }
+  };
   if (args.has("resume-from")) {
-    resume_dir = std::filesystem::path(args.get("resume-from", ""));
-    if (offload::is_object_store_url(resume_dir->string()))
-      engine::read_checkpoint_meta(*resume_dir);  // throws, saying why, unless committed
-    else if (!std::filesystem::exists(*resume_dir / "manifest.json"))
-      throw std::invalid_argument("--resume-from " + resume_dir->string() +
-                                  ": not a committed checkpoint directory (no manifest.json)");
-    if (tc.checkpoint_dir.empty()) tc.checkpoint_dir = resume_dir->parent_path().string();
+    const std::filesystem::path from(args.get("resume-from", ""));
+    choose([&] {
+      resume_dir = from;
+      if (offload::is_object_store_url(from.string()))
+        engine::read_checkpoint_meta(from);  // throws, saying why, unless committed
+      else if (!std::filesystem::exists(from / "manifest.json"))
+        throw std::invalid_argument("--resume-from " + from.string() +
+                                    ": not a committed checkpoint directory (no manifest.json)");
+    });
+    if (tc.checkpoint_dir.empty()) tc.checkpoint_dir = from.parent_path().string();
     tier_checkpoints(tc);
   } else if (tc.resume) {
-    resume_dir = engine::resume_point(tc.checkpoint_dir);
-    if (!tc.checkpoint_upload.empty()) {
-      // The store may hold a newer one (saved on another machine, or the local copy pruned).
-      const auto stored = engine::newest_stored_checkpoint(tc.checkpoint_upload);
-      if (stored && (!resume_dir || engine::read_checkpoint_meta(*stored).train_steps >
-                                        engine::read_checkpoint_meta(*resume_dir).train_steps))
-        resume_dir = std::filesystem::path(*stored);
-    }
-    fresh_under_resume = !resume_dir;
+    choose([&] {
+      resume_dir = engine::resume_point(tc.checkpoint_dir);
+      if (!tc.checkpoint_upload.empty()) {
+        // The store may hold a newer one (saved on another machine, or the local copy pruned).
+        const auto stored = engine::newest_stored_checkpoint(tc.checkpoint_upload);
+        if (stored && (!resume_dir || engine::read_checkpoint_meta(*stored).train_steps >
+                                          engine::read_checkpoint_meta(*resume_dir).train_steps))
+          resume_dir = std::filesystem::path(*stored);
+      }
+    });
   } else if (!tc.checkpoint_dir.empty()) {
+    choose([&] {
     const auto committed = engine::committed_checkpoints(tc.checkpoint_dir);
     if (!committed.empty())
       throw std::invalid_argument("checkpoint directory " + tc.checkpoint_dir + " already holds " +
@@ -453,6 +530,7 @@ int run_training(const std::vector<std::string>& argv) {
                                     stored.back() + "): continue from them with --resume, or upload elsewhere; a "
                                     "run that did not load them would replace them");
     }
+    });
   }
   const engine::EngineConfig* ecp = &tc.engine;  // until the engine resolves "auto" placements
   if (!tc.checkpoint_dir.empty()) check_writable(tc.checkpoint_dir, "checkpoint directory");
@@ -475,16 +553,8 @@ int run_training(const std::vector<std::string>& argv) {
     check_writable(models::ExportDirectory::temporary(tc.export_dir).parent_path(), "the export's parent directory");
   }
 
-  const engine::DistEnv env = engine::DistEnv::from_env();
   if (env.local_world_size > 0) tc.engine.local_ranks = env.local_world_size;
   stop_messages = env.rank == 0;
-  if (resume_dir) {  // the saved run's global batch, kept or changed only when asked
-    const engine::ResumeBatch rb =
-        engine::resume_batch(engine::read_checkpoint_meta(*resume_dir), tc.engine.micro_batch, tc.engine.grad_accum,
-                             env.world_size, tc.allow_batch_change);
-    tc.engine.grad_accum = rb.grad_accum;
-    if (!rb.note.empty() && env.rank == 0) std::cerr << "strata train: " << rb.note << "\n";
-  }
   auto comm = engine::Communicator::create(
       env, std::chrono::milliseconds(int64_t(ecp->timeout_s * 1000)), ecp->device == "cuda");
   // A failed collective ends this rank at once, with the error: the world is broken, and
@@ -496,20 +566,19 @@ int run_training(const std::vector<std::string>& argv) {
     _exit(1);
   });
   const bool lead = comm->rank() == 0;
+  // Rank 0's choice on every rank (and its error thrown on every rank); the saved run's global
+  // batch kept, or changed only when asked.
+  bool fresh_under_resume = false;
   {
-    // Every rank chose on its own; a store that lags behind its writes could show them different
-    // newest checkpoints (or some of them none). Same string on every rank: max(h) == -max(-h).
-    // Every rank takes part, whatever it chose.
-    const int64_t h = int64_t(std::hash<std::string>{}(resume_dir ? resume_dir->string() : std::string()) >> 1);
-    at::Tensor both = at::empty({2}, at::kLong);
-    both[0] = h;
-    both[1] = -h;
-    comm->all_reduce(both, engine::ReduceOp::kMax);
-    if (both[0].item<int64_t>() != -both[1].item<int64_t>())
-      throw std::runtime_error("the ranks chose different checkpoints to resume from (this rank: " +
-                               (resume_dir ? resume_dir->string() : std::string("none, a fresh start")) +
-                               "); the checkpoint store shows them different newest checkpoints: try again, "
-                               "or name one with --resume-from");
+    const engine::ResumeChoice choice = engine::agree_resume_point(*comm, resume_dir, resume_error);
+    resume_dir = choice.dir;
+    fresh_under_resume = tc.resume && !args.has("resume-from") && !resume_dir;
+    if (resume_dir) {
+      const engine::ResumeBatch rb = engine::resume_batch(choice.meta, tc.engine.micro_batch, tc.engine.grad_accum,
+                                                          env.world_size, tc.allow_batch_change);
+      tc.engine.grad_accum = rb.grad_accum;
+      if (!rb.note.empty() && lead) std::cerr << "strata train: " << rb.note << "\n";
+    }
   }
   auto device = engine::Device::create(ecp->device, env.local_rank, ecp->device_budget);
 
@@ -803,6 +872,7 @@ int run_training(const std::vector<std::string>& argv) {
     eng.set_learning_rate(lr);
     const engine::StepResult r = eng.train_step(ids, loss_mask);
     const engine::MemoryReport mem = eng.memory();
+    const std::vector<NodeTraffic> traffic = node_traffic(*comm, r.timeline);
     tokens_total += double(r.tokens);
     seconds_total += r.seconds;
     steps_done = s + 1;
@@ -824,7 +894,9 @@ int run_training(const std::vector<std::string>& argv) {
       if (export_now) export_model(periodic_export_dir(s + 1), replace_periodic);
       continue;
     }
-    if (ec.profile) std::cerr << (tc.progress && tty ? "\r\033[K" : "") << timeline_line(s + 1, r) << "\n";
+    if (ec.profile)
+      std::cerr << (tc.progress && tty ? "\r\033[K" : "") << timeline_line(s + 1, r) << traffic_line(traffic, r.seconds)
+                << "\n";
     if (log.is_open()) {
       nlohmann::json j = {{"step", s + 1},
                           {"optimizer_step", r.step},
@@ -859,6 +931,8 @@ int run_training(const std::vector<std::string>& argv) {
                             {"d2h_bytes", r.timeline.d2h_bytes},
                             {"nvme_read_bytes", r.timeline.nvme_read_bytes},
                             {"nvme_write_bytes", r.timeline.nvme_write_bytes},
+                            {"network_bytes", r.timeline.network_bytes},
+                            {"nodes", traffic_json(traffic)},
                             {"prefetch", r.timeline.prefetch}}}};
       write_log(j);
     }

@@ -80,6 +80,9 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
     return bytes / bw;
   };
   const double net_mb = safe(gathered + reduced, net_bw);
+  // On the host device Gloo's copies cost CPU time at the loopback rate (intra_gbps, measured);
+  // across nodes, the time the link itself takes beyond that is waiting, which compute overlaps.
+  const double net_cpu_mb = world <= 1 ? 0 : safe(gathered + reduced, c.node.intra_bandwidth);
   const double up_mb = safe(up, h2d), down_mb = safe(down, d2h);
   const double nvme_mb = safe(nvme_r, nvme_rd) + safe(nvme_w, nvme_wr);
 
@@ -89,7 +92,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   double mb_time;
   // On the host device compute, copies and Gloo's TCP copies take the same cores (they add up);
   // the disk works beside them.
-  if (gpu.is_host) mb_time = std::max(compute_mb + net_mb + up_mb + down_mb, nvme_mb);
+  if (gpu.is_host) mb_time = std::max({compute_mb + net_cpu_mb + up_mb + down_mb, net_mb, nvme_mb});
   else if (cfg.prefetch > 0 || cfg.prefetch_auto) mb_time = std::max({compute_mb, net_mb, up_mb, down_mb, nvme_mb}) + first_unit;
   else mb_time = std::max(compute_mb + net_mb + up_mb + nvme_mb, down_mb);
 
@@ -153,8 +156,9 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
                                                   {t.nvme, "NVMe"},
                                                   {t.cpu_optimizer, "CPU optimizer"}};
   const auto top = std::max_element(std::begin(parts), std::end(parts));
-  t.bound = gpu.is_host ? std::max(t.compute + t.device_optimizer + t.cpu_optimizer + t.pcie_up + t.pcie_down + t.network,
-                                   t.nvme)
+  t.bound = gpu.is_host ? std::max({t.compute + t.device_optimizer + t.cpu_optimizer + t.pcie_up + t.pcie_down +
+                                        A * net_cpu_mb,
+                                    t.network, t.nvme})
                         : top->first;
   t.bottleneck = top->second;
   return t;

@@ -884,6 +884,68 @@ TEST(Checkpoint, ResumeNeverStartsOverExistingCheckpointsSilently) {
 }
 TEST(Checkpoint, ResumeAtFewerRanks4To2) { reshard(4, 2); }
 
+// Checkpoints on disks each node sees differently, simulated on one machine: each rank works in
+// <dir>/node<RANK / per_node>, where the relative checkpoint directory `ckpt` resolves.
+void launch_on_nodes(int ranks, int per_node, const json& cfg, const TempDir& dir, const std::string& tag,
+                     const std::string& extra, bool expect_ok = true) {
+  const auto cfg_path = dir / (tag + ".json");
+  std::ofstream(cfg_path) << cfg.dump(2);
+  const std::string node = "\"" + dir.path().string() + "/node$((RANK / " + std::to_string(per_node) + "))\"";
+  const std::string cmd = std::string(STRATA_BIN) + " launch -n " + std::to_string(ranks) + " -- sh -c 'mkdir -p " +
+                          node + " && cd " + node + " && exec " + STRATA_BIN + " train --config " + cfg_path.string() +
+                          " " + extra + "' > " + (dir / (tag + ".out")).string() + " 2>&1";
+  const int st = std::system(cmd.c_str());
+  const bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
+  ASSERT_EQ(ok, expect_ok) << read_file(dir / (tag + ".out"));
+}
+
+// 2 nodes x 2 ranks save, each node into its own directory (the manifest only on node 0's); 3
+// nodes x 1 rank resume: node 2 sees no file and nodes 0-1 only their own, so the slices travel
+// over the communicator; the numbers are those of the straight run. With node 1's files gone,
+// every rank fails naming them and each node's directory.
+TEST(Checkpoint, NodeLocalDirectoriesResumeAtAnotherNodeCount) {
+  TempDir dir;
+  const int64_t global = 24;
+  auto cfg_for = [&](int ranks, int64_t steps) {
+    json j = tiny_llama(steps);
+    j["batch"]["micro_batch"] = global / 2 / ranks;
+    return j;
+  };
+  launch(4, cfg_for(4, 8), dir, "straight", "--log " + (dir / "straight.jsonl").string());
+  launch_on_nodes(4, 2, cfg_for(4, 4), dir, "first", "--log " + (dir / "resumed.jsonl").string() + " --checkpoint-dir ckpt");
+  ASSERT_TRUE(std::filesystem::exists(dir / "node0/ckpt/step-00000004/manifest.json"));
+  ASSERT_FALSE(std::filesystem::exists(dir / "node1/ckpt/step-00000004/manifest.json"));
+  ASSERT_TRUE(std::filesystem::exists(dir / "node1/ckpt/step-00000004/rank-00002.data"));
+  ASSERT_FALSE(std::filesystem::exists(dir / "node0/ckpt/step-00000004/rank-00002.data"));
+
+  std::filesystem::rename(dir / "node1/ckpt", dir / "node1-away");
+  launch_on_nodes(3, 1, cfg_for(3, 8), dir, "missing", "--checkpoint-dir ckpt --resume", /*expect_ok=*/false);
+  const std::string missing = read_file(dir / "missing.out");
+  // Every rank throws the same error (the first to exit makes the launcher stop the others, so
+  // one of them printing it is what the test can count on).
+  EXPECT_NE(missing.find("strata: error: checkpoint ckpt/step-00000004: data files that no rank of this run sees: "
+                         "rank-00002.data (saved by rank 2 of 4, needed by rank"),
+            std::string::npos)
+      << missing;
+  EXPECT_NE(missing.find("rank-00003.data (saved by rank 3 of 4"), std::string::npos) << missing;
+  for (int n = 0; n < 3; ++n)
+    EXPECT_NE(missing.find("rank " + std::to_string(n) + ": " +
+                           (std::filesystem::canonical(dir.path()) / ("node" + std::to_string(n)) / "ckpt/step-00000004").string()),
+              std::string::npos)
+        << missing;
+  std::filesystem::remove_all(dir / "node1/ckpt");
+  std::filesystem::rename(dir / "node1-away", dir / "node1/ckpt");
+
+  launch_on_nodes(3, 1, cfg_for(3, 8), dir, "second",
+                  "--log " + (dir / "resumed.jsonl").string() + " --checkpoint-dir ckpt --resume");
+  EXPECT_NE(read_file(dir / "second.out").find("resumed from ckpt/step-00000004 after step 4"), std::string::npos)
+      << read_file(dir / "second.out");
+  const std::vector<double> want = losses(dir / "straight.jsonl"), got = losses(dir / "resumed.jsonl");
+  ASSERT_EQ(want.size(), 8u);
+  ASSERT_EQ(got.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << "step " << i + 1;
+}
+
 }  // namespace
 
 namespace {

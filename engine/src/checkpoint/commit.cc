@@ -22,6 +22,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <stdexcept>
 #include <vector>
@@ -51,6 +53,17 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
     out.push_back(std::move(s));
   }
   return out;
+}
+
+std::string broadcast_string(Communicator& comm, const std::string& s, int root) {
+  at::Tensor len = at::full({1}, int64_t(s.size()), at::kLong);
+  comm.broadcast(len, root);
+  const int64_t n = len.item<int64_t>();
+  // Whole int32 words: the byte type is not one every backend reduces or moves.
+  at::Tensor words = at::zeros({(n + 3) / 4 + 1}, at::kInt);
+  if (comm.rank() == root) std::memcpy(words.data_ptr<int32_t>(), s.data(), s.size());
+  comm.broadcast(words, root);
+  return std::string(reinterpret_cast<const char*>(words.data_ptr<int32_t>()), size_t(n));
 }
 
 // Step 0 (collective): un-commit an existing checkpoint of this name.
@@ -102,38 +115,52 @@ using namespace ckpt;
 
 void prune_checkpoints(Communicator& comm, const fs::path& root, size_t keep) {
   if (keep == 0) keep = 1;
-  std::string latest;
-  {
-    std::ifstream in(root / "latest");
-    std::getline(in, latest);
+  // Rank 0 decides from its root (with node-local disks only its holds `latest` and every name);
+  // the list reaches every rank.
+  std::string doomed_list;
+  if (comm.rank() == 0) {
+    std::string latest;
+    {
+      std::ifstream in(root / "latest");
+      std::getline(in, latest);
+    }
+    std::vector<std::string> names;
+    std::error_code ec;
+    if (fs::exists(root, ec))
+      for (const auto& e : fs::directory_iterator(root, ec))
+        if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0)
+          names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    if (names.size() > keep)
+      for (size_t i = 0; i + keep < names.size(); ++i)
+        if (names[i] != latest) doomed_list += names[i] + "\n";
   }
-  std::vector<std::string> names;
-  if (fs::exists(root))
-    for (const auto& e : fs::directory_iterator(root))
-      if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0)
-        names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  // Every rank must agree on the list: names are sorted and each rank sees its own files; a rank
-  // that lacks a directory simply has nothing to remove.
+  doomed_list = broadcast_string(comm, doomed_list, 0);
   std::vector<std::string> doomed;
-  if (names.size() > keep)
-    for (size_t i = 0; i + keep < names.size(); ++i)
-      if (names[i] != latest) doomed.push_back(names[i]);
+  for (size_t at = 0, nl; (nl = doomed_list.find('\n', at)) != std::string::npos; at = nl + 1)
+    doomed.push_back(doomed_list.substr(at, nl - at));
   if (comm.rank() == 0) {
     for (const auto& n : doomed) ::unlink((root / n / "manifest.json").c_str());
     if (!doomed.empty()) fsync_dir(root);
   }
   comm.barrier();
+  // Each rank removes its own files; then a directory that is not empty yet holds files of ranks
+  // no longer in the run (a world that shrank), which whoever sees them removes (on node-local
+  // disks no other node could; ranks sharing a disk race harmlessly, a file already gone skipped).
   const std::string mine = rank_name(comm.rank());
   for (const auto& n : doomed) {
     ::unlink((root / n / (mine + ".data")).c_str());
     ::unlink((root / n / (mine + ".index.json")).c_str());
     ::unlink((root / n / (mine + ".index.json.tmp")).c_str());
-    ::unlink((root / n / "manifest.json.tmp").c_str());
   }
   comm.barrier();
-  if (comm.rank() == 0)
-    for (const auto& n : doomed) ::rmdir((root / n).c_str());  // fails harmlessly if not empty
+  for (const auto& n : doomed) {
+    if (::rmdir((root / n).c_str()) == 0 || errno != ENOTEMPTY) continue;
+    std::error_code ec;
+    for (fs::directory_iterator it(root / n, ec), end; !ec && it != end; it.increment(ec))
+      ::unlink(it->path().c_str());
+    ::rmdir((root / n).c_str());
+  }
 }
 
 }  // namespace strata::engine

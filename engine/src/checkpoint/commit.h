@@ -14,6 +14,9 @@ namespace strata::engine::ckpt {
 // Every rank's string, in rank order, through the communicator (also a barrier).
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine);
 
+// Rank `root`'s string, on every rank.
+std::string broadcast_string(Communicator& comm, const std::string& s, int root);
+
 // Step 0: un-commits an existing checkpoint <root>/<name> (refuses the latest one).
 void uncommit_existing(Communicator& comm, const fs::path& root, const std::string& name);
 // Between steps 2 and 3: every rank learns whether any rank's writes failed (`error`: this

@@ -290,8 +290,10 @@ std::optional<fs::path> resume_point(const fs::path& root) {
   return root / name;
 }
 
-CheckpointMeta read_checkpoint_meta(const fs::path& dir) {
-  const json m = read_manifest(dir);
+CheckpointMeta read_checkpoint_meta(const fs::path& dir) { return ckpt::checkpoint_meta(read_manifest(dir), dir); }
+
+namespace ckpt {
+CheckpointMeta checkpoint_meta(const json& m, const fs::path& dir) {
   CheckpointMeta meta;
   try {
     meta.train_steps = m.at("train_steps").get<int64_t>();
@@ -305,6 +307,7 @@ CheckpointMeta read_checkpoint_meta(const fs::path& dir) {
   }
   return meta;
 }
+}  // namespace ckpt
 
 ResumeBatch resume_batch(const CheckpointMeta& saved, int64_t micro_batch, int64_t grad_accum, int world_size,
                          bool allow_change) {

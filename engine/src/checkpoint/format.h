@@ -23,6 +23,10 @@
 #include "strata/engine/partition.h"
 #include "strata/offload/object_store.h"
 
+namespace strata::engine {
+struct CheckpointMeta;  // strata/engine/checkpoint.h
+}
+
 namespace strata::engine::ckpt {
 
 namespace fs = std::filesystem;
@@ -71,6 +75,8 @@ inline std::string stored_manifest_key(const std::string& name) { return name + 
 // The manifest of checkpoint `name` in an object store: nullopt when it is not there (never
 // committed, or not visible yet); throws like read_manifest for one that is not a manifest.
 std::optional<json> read_stored_manifest(offload::ObjectStore& store, const std::string& name);
+// The training position a manifest records (`dir` names the checkpoint in errors).
+CheckpointMeta checkpoint_meta(const json& manifest, const fs::path& dir);
 // Parses and checks a manifest's text (`where` names it in errors).
 json parse_manifest(const std::string& text, const std::string& where);
 // Index of a chunk's state kind; throws for an unknown one.

@@ -1,20 +1,115 @@
-// Loading a committed checkpoint into an engine at any world size: each rank reads the chunks
-// that overlap its own slices, checked (ChunkReader), unit by unit.
+// Loading a committed checkpoint into an engine at any world size: rank 0 reads the manifest and
+// every rank gets it over the communicator; each rank reads the chunks that overlap its own
+// slices, checked (ChunkReader), unit by unit. Where the checkpoint is on node-local disks and
+// some rank lacks a data file it needs, every chunk is read by one rank that sees its file and
+// reaches its owners through a reduce-scatter of the chunk's bits (zeros elsewhere: exact).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
+#include <functional>
+#include <map>
 #include <stdexcept>
 
 #include "checkpoint/chunk_reader.h"
+#include "checkpoint/commit.h"
 #include "checkpoint/format.h"
 #include "strata/engine/checkpoint.h"
 
 namespace strata::engine {
 using namespace ckpt;
 
+namespace {
+
+// Rank 0's message, on every rank: "M" + a manifest's text, "E" + rank 0's error, or anything else
+// a caller defines. An "E" is thrown on every rank.
+std::string from_rank0(Communicator& comm, const std::string& mine) {
+  const std::string got = broadcast_string(comm, mine, 0);
+  if (!got.empty() && got[0] == 'E') throw std::runtime_error(got.substr(1));
+  return got;
+}
+
+std::string manifest_message(const fs::path& dir) {
+  try {
+    return "M" + read_manifest(dir).dump();
+  } catch (const std::exception& e) {
+    return std::string("E") + e.what();
+  }
+}
+
+// Per saving rank: whether this process sees its data file in `dir`, at least as long as its
+// chunks reach. An object store is one place every rank reads.
+std::vector<int32_t> files_seen(const fs::path& dir, const json& m, int saved_world) {
+  std::vector<int32_t> seen(size_t(saved_world), 1);
+  if (is_object_location(dir)) return seen;
+  std::vector<uint64_t> reach(size_t(saved_world), 0);
+  std::vector<std::string> file{size_t(saved_world)};
+  for (const json& c : m["chunks"]) {
+    const int q = c["rank"].get<int>();
+    if (q < 0 || q >= saved_world) throw std::runtime_error("checkpoint " + dir.string() + ": a chunk of rank " +
+                                                            std::to_string(q) + " in a save of " +
+                                                            std::to_string(saved_world) + " ranks");
+    reach[size_t(q)] = std::max(reach[size_t(q)], c["offset"].get<uint64_t>() + c["numel"].get<uint64_t>() * 4);
+    file[size_t(q)] = c["file"].get<std::string>();
+  }
+  for (size_t q = 0; q < seen.size(); ++q) {
+    if (reach[q] == 0) continue;
+    std::error_code ec;
+    const uintmax_t size = fs::file_size(dir / file[q], ec);
+    seen[q] = !ec && size >= reach[q];
+  }
+  return seen;
+}
+
+// "node 1 (host h1)": where this rank runs, for errors about node-local files.
+std::string where_this_rank_runs() {
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  const char* node = std::getenv("GROUP_RANK");
+  if (!node) node = std::getenv("SLURM_NODEID");
+  return node ? "node " + std::string(node) + " (host " + host + ")" : "host " + std::string(host);
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    out += (out.empty() ? "" : ", ") + std::to_string(ranks[i]) + (j > i ? "-" + std::to_string(ranks[j]) : "");
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+ResumeChoice agree_resume_point(Communicator& comm, const std::optional<fs::path>& rank0_choice,
+                                const std::string& rank0_error) {
+  std::string mine;
+  if (comm.rank() == 0) {
+    if (!rank0_error.empty()) mine = "E" + rank0_error;
+    else if (!rank0_choice) mine = "F";
+    else {
+      mine = manifest_message(*rank0_choice);
+      if (mine[0] == 'M') mine = "D" + rank0_choice->string() + "\n" + mine.substr(1);
+    }
+  }
+  const std::string got = from_rank0(comm, mine);
+  ResumeChoice out;
+  if (got.empty() || got[0] == 'F') return out;
+  const size_t nl = got.find('\n');
+  out.dir = fs::path(got.substr(1, nl - 1));
+  out.meta = checkpoint_meta(parse_manifest(got.substr(nl + 1), out.dir->string() + " (rank 0's manifest.json)"), *out.dir);
+  return out;
+}
+
 CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::path& dir) {
-  json m = read_manifest(dir);
+  const std::string text = from_rank0(comm, comm.rank() == 0 ? manifest_message(dir) : std::string());
+  const json m = parse_manifest(text.substr(1), dir.string() + " (rank 0's manifest.json)");
   const Partition& part = engine.partition();
   const json units = partition_json(part);
   if (m["units"] != units) {
@@ -28,18 +123,107 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
     throw std::runtime_error("checkpoint " + dir.string() + " holds a different model (" + why + ")");
   }
 
+  const int rank = comm.rank();
+  ChunkReader reader(dir, m);
+  const std::vector<std::vector<const json*>> unit_chunks = chunks_by_unit(m, dir);
+  // Each (unit, kind)'s chunks cover its elements exactly once: checked here, before any
+  // collective, alike on every rank (an exchange writes each chunk at its place in a buffer).
+  for (int k = 0; k < kStateKinds; ++k) {
+    std::vector<std::vector<const json*>> of_kind = chunks_by_unit(m, dir, k);
+    for (size_t u = 0; u < part.num_units(); ++u)
+      if (!sort_and_check_tiling(of_kind[u], part.unit(u).numel))
+        throw std::runtime_error("checkpoint " + dir.string() + ": the manifest's chunks do not cover " +
+                                 kKindNames[k] + " of unit " + part.unit(u).name + " exactly once");
+  }
+
+  // Who sees which saving rank's data file (node-local disks: each node its own).
+  const int world = comm.world_size();
+  const int saved = m["world_size"].get<int>();
+  std::vector<int32_t> seen_here = files_seen(dir, m, saved);
+  at::Tensor seen_all = at::empty({int64_t(world) * saved}, at::kInt);
+  comm.all_gather(seen_all, at::from_blob(seen_here.data(), {saved}, at::kInt).clone())->wait();
+  const int32_t* seen = seen_all.data_ptr<int32_t>();
+  auto sees = [&](int r, int q) { return seen[size_t(r) * size_t(saved) + size_t(q)] != 0; };
+  // The rank that reads a chunk in an exchange: its first owner if that one sees the file, else
+  // the lowest rank that does; -1 where none does.
+  auto server = [&](const json& c, const UnitLayout& L) {
+    const int q = c["rank"].get<int>();
+    const int first = int(std::min<uint64_t>(c["begin"].get<uint64_t>() / L.shard_numel, uint64_t(world - 1)));
+    if (sees(first, q)) return first;
+    for (int r = 0; r < world; ++r)
+      if (sees(r, q)) return r;
+    return -1;
+  };
+  // The (unit, kind) pairs some owner cannot read alone go through an exchange; the same picture
+  // on every rank.
+  std::vector<uint8_t> exchanged(part.num_units() * kStateKinds, 0);
+  std::map<int, std::vector<int>> missing;  // saving rank -> the ranks of this run that need its file
+  for (size_t u = 0; u < part.num_units(); ++u) {
+    const UnitLayout& L = part.unit(u);
+    for (const json* cp : unit_chunks[u]) {
+      const int q = (*cp)["rank"].get<int>();
+      const uint64_t b = (*cp)["begin"].get<uint64_t>(), e = b + (*cp)["numel"].get<uint64_t>();
+      const bool anywhere = server(*cp, L) >= 0;
+      for (int r = int(b / L.shard_numel); r < world && L.shard_begin(r) < e; ++r) {
+        if (L.shard_valid_numel(r) == 0 || L.shard_begin(r) + L.shard_valid_numel(r) <= b || sees(r, q)) continue;
+        exchanged[u * kStateKinds + size_t(kind_index(*cp, dir))] = 1;
+        if (!anywhere) {
+          std::vector<int>& needers = missing[q];
+          if (std::find(needers.begin(), needers.end(), r) == needers.end()) needers.push_back(r);
+        }
+      }
+    }
+  }
+  if (!missing.empty()) {
+    // Every rank has the same picture and throws the same error, naming where each node looked
+    // (nodes in the order of their first rank).
+    const std::vector<std::string> places =
+        all_gather_strings(comm, where_this_rank_runs() + "\t" + fs::absolute(dir).string());
+    std::vector<std::pair<std::string, std::vector<int>>> ranks_at;
+    for (int r = 0; r < world; ++r) {
+      auto it = std::find_if(ranks_at.begin(), ranks_at.end(), [&](const auto& p) { return p.first == places[size_t(r)]; });
+      if (it == ranks_at.end()) ranks_at.push_back({places[size_t(r)], {r}});
+      else it->second.push_back(r);
+    }
+    std::string files, looked;
+    for (auto& [q, needers] : missing) {
+      std::sort(needers.begin(), needers.end());
+      files += std::string(files.empty() ? "" : "; ") + rank_name(q) + ".data (saved by rank " + std::to_string(q) +
+               " of " + std::to_string(saved) + ", needed by rank" + (needers.size() > 1 ? "s " : " ") +
+               rank_list(needers) + ")";
+    }
+    for (const auto& [place, ranks] : ranks_at) {
+      const size_t tab = place.find('\t');
+      looked += std::string(looked.empty() ? "" : "; ") + place.substr(0, tab) + ", rank" +
+                (ranks.size() > 1 ? "s " : " ") + rank_list(ranks) + ": " + place.substr(tab + 1);
+    }
+    throw std::runtime_error("checkpoint " + dir.string() + ": data files that no rank of this run sees: " + files +
+                             ". Where each node looked: " + looked +
+                             ". Copy them into that directory on any node (each rank reads what its node sees; "
+                             "the rest travels over the network)");
+  }
+
+  // A rank whose read fails (a bad chunk, a file that vanished) still takes part in every
+  // collective below, so that all ranks learn of it together at the end and throw alike.
+  std::string failure;
+  const auto attempt = [&](const std::function<void()>& f) {
+    if (!failure.empty()) return;
+    try {
+      f();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  };
+  std::vector<uint64_t> covered(part.num_units() * kStateKinds, 0);
   // Unit by unit (so that NVMe-placed state is held in memory one unit at a time): this rank's
   // slices, the chunks that overlap their element range read in parallel and checked, then the
   // slices stored back. A chunk wholly inside this rank's range is read straight into the
   // (page-aligned) host slice; others go through a buffer and only their overlap is copied.
   // From an object store, where each read is a request with a round trip, consecutive units are
-  // read together, up to kObjectGroupBytes, so that enough requests are in flight.
+  // read together, up to kObjectGroupBytes, so that enough requests are in flight. An exchanged
+  // (unit, kind) is left out here and done after the unit's group.
   constexpr uint64_t kObjectGroupBytes = 256ull << 20;
   const uint64_t group_bytes = is_object_location(dir) ? kObjectGroupBytes : 0;
-  const int rank = comm.rank();
-  ChunkReader reader(dir, m);
-  const std::vector<std::vector<const json*>> unit_chunks = chunks_by_unit(m, dir);
-  std::vector<uint64_t> covered(part.num_units() * kStateKinds, 0);
   struct Overlap {
     const json* chunk;
     int kind;
@@ -67,6 +251,7 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
         const uint64_t b = c["begin"].get<uint64_t>(), e = b + c["numel"].get<uint64_t>();
         if (e <= w.want_b || b >= want_e) continue;
         const int k = kind_index(c, dir);
+        if (exchanged[u * kStateKinds + size_t(k)]) continue;
         const bool direct = b >= w.want_b && e <= want_e && w.slices[k].is_cpu();
         at::Tensor buf = direct ? w.slices[k].narrow(0, int64_t(b - w.want_b), int64_t(e - b)) : aligned_floats(int64_t(e - b));
         w.overlaps.push_back({&c, k, buf, direct});
@@ -76,31 +261,64 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
     } while (next < part.num_units() && bytes < group_bytes);
     for (const UnitWork& w : group)
       for (const Overlap& o : w.overlaps) batch.push_back({o.chunk, o.buf.data_ptr<float>()});
-    reader.read(batch, batch.size());
+    attempt([&] { reader.read(batch, batch.size()); });
     for (UnitWork& w : group) {
+      const UnitLayout& L = part.unit(w.unit);
       for (const Overlap& o : w.overlaps) {
         const uint64_t b = (*o.chunk)["begin"].get<uint64_t>(), e = b + (*o.chunk)["numel"].get<uint64_t>();
-        const uint64_t lo = std::max(b, w.want_b), hi = std::min(e, w.want_b + part.unit(w.unit).shard_valid_numel(rank));
+        const uint64_t lo = std::max(b, w.want_b), hi = std::min(e, w.want_b + L.shard_valid_numel(rank));
         if (!o.direct)
           w.slices[o.kind].narrow(0, int64_t(lo - w.want_b), int64_t(hi - lo)).copy_(o.buf.narrow(0, int64_t(lo - b), int64_t(hi - lo)));
         covered[w.unit * kStateKinds + size_t(o.kind)] += hi - lo;
       }
-      for (int k = 0; k < kStateKinds; ++k) engine.store_state_slice(w.unit, Engine::StateKind(k), w.slices[k]);
+      // The exchange: the serving ranks read their chunks into a zeroed buffer of the unit's
+      // padded size at the chunks' places, and a reduce-scatter of the bits (as int32: x + 0 is
+      // x for every pattern, -0 and NaN included) hands each rank its slice. One kind at a time:
+      // one unit's padded buffer is the extra memory.
+      for (int k = 0; k < kStateKinds; ++k) {
+        if (!exchanged[w.unit * kStateKinds + size_t(k)]) continue;
+        const uint64_t want_e = w.want_b + L.shard_valid_numel(rank);
+        at::Tensor send = aligned_floats(int64_t(L.padded_numel()));
+        send.zero_();
+        std::vector<ChunkReader::Request> served;
+        for (const json* cp : unit_chunks[w.unit]) {
+          const json& c = *cp;
+          if (kind_index(c, dir) != k) continue;
+          const uint64_t b = c["begin"].get<uint64_t>(), e = b + c["numel"].get<uint64_t>();
+          if (server(c, L) == rank) served.push_back({&c, send.data_ptr<float>() + b});
+          if (e > w.want_b && b < want_e) covered[w.unit * kStateKinds + size_t(k)] += std::min(e, want_e) - std::max(b, w.want_b);
+        }
+        attempt([&] { reader.read(served, served.size()); });
+        if (!failure.empty()) send.zero_();  // nothing half read travels
+        at::Tensor mine = at::empty({int64_t(L.shard_numel)}, at::kInt);
+        comm.reduce_scatter(mine, send.view(at::kInt))->wait();
+        const int64_t valid = int64_t(L.shard_valid_numel(rank));
+        w.slices[k].narrow(0, 0, valid).copy_(mine.view(at::kFloat).narrow(0, 0, valid));
+      }
+      if (failure.empty())
+        for (int k = 0; k < kStateKinds; ++k) engine.store_state_slice(w.unit, Engine::StateKind(k), w.slices[k]);
     }
   }
-  for (size_t u = 0; u < part.num_units(); ++u)
+  for (size_t u = 0; u < part.num_units() && failure.empty(); ++u)
     for (int k = 0; k < kStateKinds; ++k)
-      if (covered[u * kStateKinds + size_t(k)] != part.unit(u).shard_valid_numel(rank))
-        throw std::runtime_error("checkpoint " + dir.string() + ": the manifest's chunks do not cover " +
-                                 kKindNames[k] + " of unit " + part.unit(u).name + " for rank " +
-                                 std::to_string(rank) + " (" + std::to_string(covered[u * kStateKinds + size_t(k)]) +
-                                 " of " + std::to_string(part.unit(u).shard_valid_numel(rank)) + " elements)");
+      if (covered[u * kStateKinds + size_t(k)] != part.unit(u).shard_valid_numel(rank)) {
+        failure = "checkpoint " + dir.string() + ": the manifest's chunks do not cover " + kKindNames[k] + " of unit " +
+                  part.unit(u).name + " for rank " + std::to_string(rank) + " (" +
+                  std::to_string(covered[u * kStateKinds + size_t(k)]) + " of " +
+                  std::to_string(part.unit(u).shard_valid_numel(rank)) + " elements)";
+        break;
+      }
+  // Every rank learns of any rank's failure and throws the first one's message.
+  const std::vector<std::string> failures = all_gather_strings(comm, failure);
+  for (int r = 0; r < world; ++r)
+    if (!failures[size_t(r)].empty())
+      throw std::runtime_error(r == rank ? failures[size_t(r)] : "rank " + std::to_string(r) + ": " + failures[size_t(r)]);
   engine.refresh_compute_copies();
   const json& c = m["counters"];
   engine.set_counters({c["optimizer_step"].get<int64_t>(), c["loss_scale"].get<double>(),
                        c["good_steps"].get<int64_t>()});
   comm.barrier();
-  return read_checkpoint_meta(dir);
+  return checkpoint_meta(m, dir);
 }
 
 }  // namespace strata::engine

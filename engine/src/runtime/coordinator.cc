@@ -66,6 +66,7 @@ void ParameterCoordinator::start_gather(size_t u) {
     src = g.staging;
   }
   g.work = comm_.all_gather(g.flat, src);
+  prof_.step.network_bytes += uint64_t(src.nbytes()) * uint64_t(comm_.world_size() - 1);
   live_.emplace(u, std::move(g));
 }
 

@@ -87,6 +87,7 @@ void GradientReducer::reduce(size_t stage) {
     }
     at::Tensor shard = dev_.empty({int64_t(L.shard_numel)}, send.scalar_type(), "reduced gradient of unit " + L.name);
     comm_.reduce_scatter(shard, send)->wait();
+    prof_.step.network_bytes += uint64_t(shard.nbytes()) * uint64_t(comm_.world_size() - 1);
     send = at::Tensor();
     flat = at::Tensor();
     if (store_.plan().grads_transient && !store_.tensor(u, kGrad).defined()) {

@@ -105,6 +105,11 @@ class AsyncCheckpointer {
 
 // Collective: loads a committed checkpoint directory (any world size) into `engine`. If it
 // throws (corrupt chunk, missing file), the engine's state is undefined: load again or rebuild.
+// Only rank 0 reads the manifest (every rank gets it over the communicator), so the checkpoint
+// may be on disks each node sees differently (node-local): each rank reads the data files it
+// sees, and when some rank lacks a file it needs, every chunk goes from a rank that sees its
+// file to the ranks that own it, over the communicator (bit for bit). A data file no rank sees
+// is an error on every rank naming the file and the directory each host looked in.
 CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm,
                                const std::filesystem::path& checkpoint_dir);
 
@@ -141,8 +146,8 @@ ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
                                   bool overwrite = false, const std::filesystem::path& tokenizer_from = {});
 
 // Collective: deletes all but the `keep` newest checkpoints under `root` (by name order; the
-// latest is always kept). Rank 0 un-commits each (removes its manifest) first; each rank then
-// removes its own files.
+// latest is always kept), as rank 0 sees them. Rank 0 un-commits each (removes its manifest)
+// first; each rank then removes the files of them it sees (node-local disks included).
 void prune_checkpoints(Communicator& comm, const std::filesystem::path& root, size_t keep);
 
 // The checkpoint <root>/latest names, if there is one with a manifest.
@@ -157,6 +162,19 @@ std::vector<std::filesystem::path> committed_checkpoints(const std::filesystem::
 // to resume but `latest` cannot lead to it (missing beside committed checkpoints, empty or
 // unreadable, naming a directory without a manifest); reads only, so nothing is lost.
 std::optional<std::filesystem::path> resume_point(const std::filesystem::path& root);
+
+// Collective, before the engine is built: what a resumed run starts from, as rank 0 chose it
+// (`rank0_choice`: a checkpoint directory or stored checkpoint's URL, nullopt for a fresh start;
+// `rank0_error`: non-empty when rank 0's choice failed, thrown on every rank as
+// std::runtime_error). Other ranks' arguments are ignored: with node-local disks only rank 0's
+// holds the manifest and `latest`, and a store that lags can show ranks different newest
+// checkpoints. `meta` is read by rank 0 and travels with the choice.
+struct ResumeChoice {
+  std::optional<std::filesystem::path> dir;
+  CheckpointMeta meta;
+};
+ResumeChoice agree_resume_point(Communicator& comm, const std::optional<std::filesystem::path>& rank0_choice,
+                                const std::string& rank0_error);
 
 // The training position a committed checkpoint holds, read from its manifest alone (no engine:
 // a run reads it before building one). A checkpoint written before the manifest recorded the

@@ -72,6 +72,9 @@ struct StepTimeline {
                                  // release a unit (StateHold): the price of a small staging
   uint64_t h2d_bytes = 0, d2h_bytes = 0;             // host <-> device copies
   uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;  // swap files
+  // What this rank's parameter gathers and gradient reduce-scatters sent, as a ring moves it:
+  // (world - 1) / world of each collective's whole buffer (as much again is received).
+  uint64_t network_bytes = 0;
   int prefetch = 0;              // units gathered ahead during this step (device.prefetch)
 };
 
