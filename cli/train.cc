@@ -663,9 +663,19 @@ int run_training(const std::vector<std::string>& argv) {
   std::unique_ptr<engine::CheckpointUploader> uploader;
   if (!tc.checkpoint_upload.empty()) {
     uploader = std::make_unique<engine::CheckpointUploader>(*comm, tc.checkpoint_upload);
-    if (lead)
+    if (lead) {
       std::cerr << "strata train: checkpoints are saved in " << tc.checkpoint_dir << " and uploaded to "
                 << uploader->store_url() << "\n";
+      const auto& left = uploader->aborted_leftovers();
+      if (!left.empty()) {
+        std::cerr << "strata train: aborted " << left.size() << " incomplete upload" << (left.size() > 1 ? "s" : "")
+                  << " an earlier run left in " << uploader->store_url() << " (" << left.front().key
+                  << (left.size() > 1 ? ", ..." : "") << "): the store drops their parts\n";
+      }
+      if (!uploader->leftover_error().empty())
+        std::cerr << "strata train: warning: could not look for incomplete uploads an earlier run left: "
+                  << uploader->leftover_error() << "\n";
+    }
   }
   const auto uploaded = [&](const std::optional<std::string>& url) {
     if (!uploader) return;

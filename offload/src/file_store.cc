@@ -7,8 +7,9 @@
 //   - every write goes to a unique file under <root>/.strata-tmp, is fsynced, then renamed onto
 //     the key (put: atomic replace) or hard-linked to it (put_if_absent: link fails with EEXIST
 //     when the key exists, which makes the create atomic), then the directory is fsynced;
-//   - a multipart upload keeps its parts under <root>/.strata-tmp/upload-*; complete concatenates
-//     them into a temporary file and renames it onto the key;
+//   - a multipart upload keeps its parts under <root>/.strata-tmp/upload-* (its id), with its key
+//     in the file "key" there (list_multipart_uploads reads it); complete concatenates them into
+//     a temporary file and renames it onto the key; aborting removes the directory;
 //   - ".strata-tmp" is never listed and cannot be a key's first segment. Temporary files left by
 //     a killed process stay there until removed by hand; they never become objects.
 #include <dirent.h>
@@ -241,7 +242,50 @@ class FileStore final : public ObjectStore {
     path_of(key);  // checks the key
     const std::string staging = root_ + "/" + kTmpDir + "/upload-" + unique_suffix();
     if (::mkdir(staging.c_str(), 0755) != 0) fail(errno, "start_multipart (mkdir)", staging);
+    // The key beside the parts, for list_multipart_uploads.
+    const std::string tmp = write_temporary(std::as_bytes(std::span(key)), staging);
+    if (::rename(tmp.c_str(), (staging + "/key").c_str()) != 0) {
+      const int error = errno;
+      remove_tree(staging);
+      fail(error, "start_multipart (rename onto)", staging + "/key");
+    }
     return std::make_unique<FileUpload>(*this, key, staging);
+  }
+
+  std::vector<PendingUpload> list_multipart_uploads(const std::string& prefix) override {
+    std::vector<PendingUpload> out;
+    const std::string tmp_dir = root_ + "/" + kTmpDir;
+    // opendir, not std::filesystem: see remove_tree.
+    DIR* d = ::opendir(tmp_dir.c_str());
+    if (!d) {
+      if (errno == ENOENT) return out;
+      fail(errno, "list_multipart_uploads (opendir)", tmp_dir);
+    }
+    std::vector<std::string> ids;
+    while (const dirent* entry = ::readdir(d))
+      if (std::string(entry->d_name).starts_with("upload-")) ids.push_back(entry->d_name);
+    ::closedir(d);
+    for (const std::string& id : ids) {
+      const std::string path = tmp_dir + "/" + id + "/key";
+      Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+      if (fd.get() < 0) continue;  // finished, or being started, meanwhile
+      std::string key(4096, '\0');
+      const ssize_t n = ::read(fd.get(), key.data(), key.size());
+      if (n <= 0) continue;
+      key.resize(size_t(n));
+      if (key.starts_with(prefix)) out.push_back({key, id});
+    }
+    std::sort(out.begin(), out.end(), [](const PendingUpload& a, const PendingUpload& b) {
+      return a.key != b.key ? a.key < b.key : a.upload_id < b.upload_id;
+    });
+    return out;
+  }
+
+  void abort_multipart_upload(const PendingUpload& upload) override {
+    if (!upload.upload_id.starts_with("upload-") || upload.upload_id.find('/') != std::string::npos)
+      throw ObjectStoreError(Kind::kInvalidArgument, "abort_multipart_upload " + url_of(upload.key) +
+                                                         ": '" + upload.upload_id + "' is not an upload of this store");
+    remove_tree(root_ + "/" + kTmpDir + "/" + upload.upload_id);
   }
 
   // Shared with FileUpload.

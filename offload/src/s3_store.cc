@@ -584,6 +584,44 @@ class S3Store final : public ObjectStore {
     return std::make_unique<S3Upload>(*this, key, id);
   }
 
+  std::vector<PendingUpload> list_multipart_uploads(const std::string& prefix) override {
+    std::vector<PendingUpload> out;
+    const std::string full = full_key_prefix() + prefix;
+    std::string key_marker, id_marker;
+    for (;;) {
+      Query query{{"uploads", ""}, {"prefix", full}};
+      if (!key_marker.empty()) query.emplace_back("key-marker", key_marker);
+      if (!id_marker.empty()) query.emplace_back("upload-id-marker", id_marker);
+      const Response r = send("ListMultipartUploads", prefix, "GET", bucket_path(), query, {}, {});
+      expect(r, {200}, "ListMultipartUploads", prefix);
+      const auto xml = Xml::parse(r.body);
+      const auto result = xml ? xml->tree.get_child_optional("ListMultipartUploadsResult") : boost::none;
+      if (!result) bad_answer("ListMultipartUploads", prefix, r);
+      for (const auto& [name, child] : *result) {
+        if (name != "Upload") continue;
+        const std::string key = child.get("Key", "");
+        if (!key.starts_with(full_key_prefix())) continue;
+        out.push_back({key.substr(full_key_prefix().size()), child.get("UploadId", "")});
+      }
+      if (result->get("IsTruncated", "false") != "true") break;
+      key_marker = result->get("NextKeyMarker", "");
+      id_marker = result->get("NextUploadIdMarker", "");
+      if (key_marker.empty()) bad_answer("ListMultipartUploads (truncated without a next marker)", prefix, r);
+    }
+    std::sort(out.begin(), out.end(), [](const PendingUpload& a, const PendingUpload& b) {
+      return a.key != b.key ? a.key < b.key : a.upload_id < b.upload_id;
+    });
+    return out;
+  }
+
+  void abort_multipart_upload(const PendingUpload& upload) override {
+    check_object_key(upload.key);
+    const Response r = send("AbortMultipartUpload", upload.key, "DELETE", object_path(upload.key),
+                            {{"uploadId", upload.upload_id}}, {}, {});
+    if (r.status == 404) return;  // NoSuchUpload: already gone
+    expect(r, {200, 204}, "AbortMultipartUpload", upload.key);
+  }
+
   // --- shared with S3Upload ---
 
   std::string object_path(const std::string& key) const {

@@ -90,6 +90,36 @@ TEST(StoredCheckpoint, ResumesBitwiseFromADirectoryStore) {
   resumes_from((store / "bucket").string());
 }
 
+// What a rank killed mid-upload leaves (parts of a multipart upload no one completes or aborts,
+// which the store keeps and bills): the next run's uploader aborts it before uploading anything.
+void leftover_uploads_are_aborted(const std::string& store_url) {
+  const se::TrainConfig tc = se::parse_train_config(tiny_llama(2).dump(), "test");
+  Trainer a(tc);
+  const std::string key = "step-00000002/0123456789abcdef/rank-00001.data";
+  {
+    auto store = so::open_object_store(store_url);
+    auto left = store->start_multipart(key);
+    left->put_part(1, std::vector<std::byte>(std::max<uint64_t>(store->min_part_bytes(), 1024)));
+    (void)left.release();  // leaked on purpose: its destructor would abort the upload
+    ASSERT_EQ(store->list_multipart_uploads("").size(), 1u);
+  }
+  se::CheckpointUploader up(a.comm(), store_url);
+  EXPECT_TRUE(up.leftover_error().empty()) << up.leftover_error();
+  ASSERT_EQ(up.aborted_leftovers().size(), 1u);
+  EXPECT_EQ(up.aborted_leftovers()[0].key, key);
+  EXPECT_TRUE(so::open_object_store(store_url)->list_multipart_uploads("").empty());
+  EXPECT_FALSE(so::open_object_store(store_url)->head(key));
+}
+
+TEST(StoredCheckpoint, AnUploadAKilledRankLeftIsAbortedByTheNextUploaderOnS3) {
+  leftover_uploads_are_aborted(s3_store_url("leftover"));
+}
+
+TEST(StoredCheckpoint, AnUploadAKilledRankLeftIsAbortedByTheNextUploaderInADirectoryStore) {
+  TempDir store;
+  leftover_uploads_are_aborted((store / "bucket").string());
+}
+
 TEST(StoredCheckpoint, ANameSavedAgainReplacesTheStoredCheckpointWhole) {
   TempDir dir;
   const std::string store_url = s3_store_url("again");
@@ -403,6 +433,8 @@ struct LagState {
   int64_t max_lag_ms = 0;
   int64_t fail_writes_after = -1;  // -1: never
   uint64_t stale_reads = 0;        // reads that saw an older version than the newest
+  std::map<std::string, std::string> pending;  // multipart uploads in progress: id -> key
+  uint64_t uploads_started = 0;
 
   static int64_t now_ms() {
     return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -480,20 +512,39 @@ class LaggingStore final : public so::ObjectStore {
       std::string key;
       std::map<int, std::vector<std::byte>> parts;
       void put_part(int n, std::span<const std::byte> d) override { parts[n] = {d.begin(), d.end()}; }
+      std::string id;
       so::ObjectInfo complete() override {
         std::vector<std::byte> all;
         for (auto& [n, p] : parts) all.insert(all.end(), p.begin(), p.end());
         const uint64_t size = all.size();
         std::lock_guard lock(store->s_->mu);
         store->s_->write(key, false, std::move(all));
+        store->s_->pending.erase(id);
         return {key, size, ""};
       }
-      void abort() override {}
+      void abort() override {
+        std::lock_guard lock(store->s_->mu);
+        store->s_->pending.erase(id);
+      }
     };
     auto u = std::make_unique<Upload>();
     u->store = this;
     u->key = key;
+    std::lock_guard lock(s_->mu);
+    u->id = "upload-" + std::to_string(++s_->uploads_started);
+    s_->pending[u->id] = key;
     return u;
+  }
+  std::vector<so::PendingUpload> list_multipart_uploads(const std::string& prefix) override {
+    std::lock_guard lock(s_->mu);
+    std::vector<so::PendingUpload> out;
+    for (const auto& [id, key] : s_->pending)
+      if (key.starts_with(prefix)) out.push_back({key, id});
+    return out;
+  }
+  void abort_multipart_upload(const so::PendingUpload& upload) override {
+    std::lock_guard lock(s_->mu);
+    s_->pending.erase(upload.upload_id);
   }
 
  private:

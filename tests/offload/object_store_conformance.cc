@@ -201,6 +201,43 @@ TEST_P(ObjectStoreConformance, MultipartUploadsAssembleInNumberOrderAndAbortLeav
   EXPECT_EQ(store->list("").size(), 1u);
 }
 
+// An upload its writer never finished (a process killed mid-upload) is listed, and any client
+// can abort it by its id: the store then drops its parts, and the writer, were it alive, cannot
+// complete.
+TEST_P(ObjectStoreConformance, UnfinishedUploadsAreListedAndAbortedByTheirId) {
+  auto store = fresh();
+  const uint64_t part = std::max<uint64_t>(store->min_part_bytes(), 1024);
+  const auto p1 = random_bytes(part, 31), p2 = random_bytes(777, 32);
+  EXPECT_TRUE(store->list_multipart_uploads("").empty());
+  auto left = store->start_multipart("ckpt/step-1/rank-00001.data");
+  left->put_part(1, p1);
+  auto other = store->start_multipart("elsewhere/object");
+  other->put_part(1, p2);
+  {
+    auto done = store->start_multipart("ckpt/step-1/rank-00000.data");
+    done->put_part(1, p2);
+    done->complete();
+  }
+  const std::vector<PendingUpload> pending = store->list_multipart_uploads("ckpt/");
+  ASSERT_EQ(pending.size(), 1u);
+  EXPECT_EQ(pending[0].key, "ckpt/step-1/rank-00001.data");
+  EXPECT_FALSE(pending[0].upload_id.empty());
+  const std::vector<PendingUpload> all = store->list_multipart_uploads("");
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all[0].key, "ckpt/step-1/rank-00001.data");
+  EXPECT_EQ(all[1].key, "elsewhere/object");
+
+  // By id alone, as a later run does (the writer's own handle is not used).
+  store->abort_multipart_upload(pending[0]);
+  store->abort_multipart_upload(pending[0]);  // already gone: not an error
+  EXPECT_TRUE(store->list_multipart_uploads("ckpt/").empty());
+  EXPECT_THROW(left->complete(), ObjectStoreError);
+  EXPECT_FALSE(store->head("ckpt/step-1/rank-00001.data"));
+  EXPECT_TRUE(store->head("ckpt/step-1/rank-00000.data"));
+  other->abort();
+  EXPECT_TRUE(store->list_multipart_uploads("").empty());
+}
+
 TEST_P(ObjectStoreConformance, LargeTransfersInConcurrentPartsRoundTrip) {
   auto store = fresh();
   TransferOptions options;

@@ -88,6 +88,15 @@ struct CheckpointUploader::Pending {
 CheckpointUploader::CheckpointUploader(Communicator& comm, std::string store_url, offload::TransferOptions transfer)
     : comm_(comm), store_url_(std::move(store_url)), transfer_(transfer), store_(offload::open_object_store(store_url_)) {
   store_url_ = store_->url();
+  if (comm_.rank() != 0) return;
+  try {
+    for (const offload::PendingUpload& u : store_->list_multipart_uploads("")) {
+      store_->abort_multipart_upload(u);
+      aborted_.push_back(u);
+    }
+  } catch (const offload::ObjectStoreError& e) {
+    leftover_error_ = e.what();
+  }
 }
 
 CheckpointUploader::~CheckpointUploader() {

@@ -22,7 +22,9 @@
 //   - the newest checkpoint is the newest name among those the listing shows and the one the
 //     `latest` hint names, whose manifest reads back: a listing that misses new keys or a stale
 //     hint can make it an older committed checkpoint, never an uncommitted or mixed one;
-//   - pruning deletes a checkpoint's manifest first, then its data.
+//   - pruning deletes a checkpoint's manifest first, then its data;
+//   - a data upload that a killed rank left incomplete is never an object; the next uploader
+//     aborts it, so that the store drops its parts.
 // Errors: ObjectStoreError (offload/object_store.h) from the store, std::runtime_error for a bad
 // checkpoint, each naming the checkpoint and the object. A failed upload leaves the local
 // checkpoint, and every committed one in the store, as they were.
@@ -44,6 +46,9 @@ namespace strata::engine {
 
 class CheckpointUploader {
  public:
+  // On rank 0 it first aborts the multipart uploads in progress under the store: what a run
+  // killed mid-upload left (parts the store keeps, and bills, until aborted). Before this run
+  // uploads anything; a second run uploading into the same store at once is not supported.
   CheckpointUploader(Communicator& comm, std::string store_url, offload::TransferOptions transfer = {});
   ~CheckpointUploader();  // waits for this rank's upload thread; commits nothing
 
@@ -62,6 +67,10 @@ class CheckpointUploader {
   // replaced checkpoint's data); the checkpoint is committed all the same. Empty if nothing.
   const std::string& last_warning() const { return last_warning_; }
   const std::string& store_url() const { return store_url_; }
+  // Rank 0: the uploads the constructor aborted, and why it could not look if it could not
+  // (empty otherwise; training goes on either way).
+  const std::vector<offload::PendingUpload>& aborted_leftovers() const { return aborted_; }
+  const std::string& leftover_error() const { return leftover_error_; }
   // This rank's bytes uploaded and seconds taken by the last committed upload.
   uint64_t last_bytes() const { return last_bytes_; }
   double last_seconds() const { return last_seconds_; }
@@ -76,6 +85,8 @@ class CheckpointUploader {
   std::unique_ptr<Pending> pending_;
   std::string last_error_;
   std::string last_warning_;
+  std::vector<offload::PendingUpload> aborted_;
+  std::string leftover_error_;
   uint64_t last_bytes_ = 0;
   double last_seconds_ = 0;
 };

@@ -68,6 +68,14 @@ struct ObjectInfo {
   std::string etag;  // changes whenever the object is replaced; opaque; empty where not asked for
 };
 
+// A multipart upload that was started and neither completed nor aborted: its writer died (a
+// process killed mid-upload) or is still writing. The store keeps its parts, and bills for
+// them, until it is aborted.
+struct PendingUpload {
+  std::string key;
+  std::string upload_id;
+};
+
 class MultipartUpload {
  public:
   virtual ~MultipartUpload() = default;  // aborts the upload unless complete() succeeded
@@ -102,6 +110,11 @@ class ObjectStore {
   // Deleting a missing key is not an error.
   virtual void remove(const std::string& key) = 0;
   virtual std::unique_ptr<MultipartUpload> start_multipart(const std::string& key) = 0;
+  // The multipart uploads in progress whose key starts with `prefix`, sorted by key.
+  virtual std::vector<PendingUpload> list_multipart_uploads(const std::string& prefix) = 0;
+  // Discards such an upload's parts (the object is untouched). One already gone is not an error;
+  // its writer, if alive, fails at its next part or at complete().
+  virtual void abort_multipart_upload(const PendingUpload& upload) = 0;
   // The smallest part a multipart upload accepts, except for its last part.
   virtual uint64_t min_part_bytes() const = 0;
 
