@@ -80,7 +80,7 @@ for rate in $rates; do
     set -- $ns_if
     ip netns exec "$1" tc qdisc del dev "$2" root 2>/dev/null
     if [ "$rate" != none ]; then
-      ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "${rate}mbit" burst 256kb latency 200ms ||
+      ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "${rate}mbit" burst "${STRATA_TBF_BURST:-256kb}" latency 200ms ||
         { echo "SKIP: tc tbf is not available here"; exit 77; }
     fi
   done
