@@ -161,7 +161,7 @@ if on_hosts 3 29520 resume.json missing.jsonl missing; then
   echo "FAIL: resuming without host 1's files succeeded"; exit 1
 fi
 for r in 0 1 2; do
-  grep -q "data files that no rank of this run sees: rank-00002.data (saved by rank 2 of 4, needed by ranks .*); rank-00003.data .*Where each node looked: node 0 (host [^)]*), ranks 0-1: $work/h0/ckpt/step-00000004; node 1 (host [^)]*), ranks 2-3: $work/h1/ckpt/step-00000004; node 2 (host [^)]*), ranks 4-5: $work/h2/ckpt/step-00000004" "$work/missing-h$r.out" ||
+  grep -q "rank-00002.data is missing (saved by rank 2 of 4, needed by ranks .*); rank-00003.data is missing .*; no rank of this run sees them. Where each node looked: node 0 (host [^)]*), ranks 0-1: $work/h0/ckpt/step-00000004; node 1 (host [^)]*), ranks 2-3: $work/h1/ckpt/step-00000004; node 2 (host [^)]*), ranks 4-5: $work/h2/ckpt/step-00000004" "$work/missing-h$r.out" ||
     { echo "FAIL: host $r did not name the missing files and where each node looked"; cat "$work/missing-h$r.out"; exit 1; }
 done
 echo "PASS: without host 1's directory every host names rank-00002.data and rank-00003.data and where each node looked"

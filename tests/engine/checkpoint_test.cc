@@ -923,11 +923,12 @@ TEST(Checkpoint, NodeLocalDirectoriesResumeAtAnotherNodeCount) {
   const std::string missing = read_file(dir / "missing.out");
   // Every rank throws the same error (the first to exit makes the launcher stop the others, so
   // one of them printing it is what the test can count on).
-  EXPECT_NE(missing.find("strata: error: checkpoint ckpt/step-00000004: data files that no rank of this run sees: "
-                         "rank-00002.data (saved by rank 2 of 4, needed by rank"),
+  EXPECT_NE(missing.find("strata: error: checkpoint ckpt/step-00000004: rank-00002.data is missing (saved by rank 2 "
+                         "of 4, needed by rank"),
             std::string::npos)
       << missing;
-  EXPECT_NE(missing.find("rank-00003.data (saved by rank 3 of 4"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("rank-00003.data is missing (saved by rank 3 of 4"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("no rank of this run sees them. Where each node looked: "), std::string::npos) << missing;
   for (int n = 0; n < 3; ++n)
     EXPECT_NE(missing.find("rank " + std::to_string(n) + ": " +
                            (std::filesystem::canonical(dir.path()) / ("node" + std::to_string(n)) / "ckpt/step-00000004").string()),

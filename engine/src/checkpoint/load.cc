@@ -56,10 +56,11 @@ std::vector<int32_t> files_seen(const fs::path& dir, const json& m, int saved_wo
     reach[size_t(q)] = std::max(reach[size_t(q)], c["offset"].get<uint64_t>() + c["numel"].get<uint64_t>() * 4);
     file[size_t(q)] = c["file"].get<std::string>();
   }
+  const std::string prefix = data_prefix(m);  // "<save id>/" in a checkpoint a store holds
   for (size_t q = 0; q < seen.size(); ++q) {
     if (reach[q] == 0) continue;
     std::error_code ec;
-    const uintmax_t size = fs::file_size(dir / file[q], ec);
+    const uintmax_t size = fs::file_size(dir / (prefix + file[q]), ec);
     seen[q] = !ec && size >= reach[q];
   }
   return seen;
@@ -188,8 +189,8 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
     std::string files, looked;
     for (auto& [q, needers] : missing) {
       std::sort(needers.begin(), needers.end());
-      files += std::string(files.empty() ? "" : "; ") + rank_name(q) + ".data (saved by rank " + std::to_string(q) +
-               " of " + std::to_string(saved) + ", needed by rank" + (needers.size() > 1 ? "s " : " ") +
+      files += std::string(files.empty() ? "" : "; ") + data_prefix(m) + rank_name(q) + ".data is missing (saved by rank " +
+               std::to_string(q) + " of " + std::to_string(saved) + ", needed by rank" + (needers.size() > 1 ? "s " : " ") +
                rank_list(needers) + ")";
     }
     for (const auto& [place, ranks] : ranks_at) {
@@ -197,10 +198,12 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
       looked += std::string(looked.empty() ? "" : "; ") + place.substr(0, tab) + ", rank" +
                 (ranks.size() > 1 ? "s " : " ") + rank_list(ranks) + ": " + place.substr(tab + 1);
     }
-    throw std::runtime_error("checkpoint " + dir.string() + ": data files that no rank of this run sees: " + files +
-                             ". Where each node looked: " + looked +
-                             ". Copy them into that directory on any node (each rank reads what its node sees; "
-                             "the rest travels over the network)");
+    if (world == 1) throw std::runtime_error("checkpoint " + dir.string() + ": " + files + ". Looked in " + looked);
+    throw std::runtime_error("checkpoint " + dir.string() + ": " + files + "; no rank of this run sees " +
+                             (missing.size() > 1 ? "them" : "it") + ". Where each node looked: " + looked +
+                             ". Copy " + (missing.size() > 1 ? "them" : "it") +
+                             " into that directory on any node (each rank reads what its node sees; the rest "
+                             "travels over the network)");
   }
 
   // A rank whose read fails (a bad chunk, a file that vanished) still takes part in every
