@@ -11,7 +11,8 @@
 # This kernel has no netem, so latency is the veth pair's own (tens of microseconds).
 #
 # Prints a table (rate, measured s/step as the median after the first two steps, planned,
-# error) and a final JSON line: metric two_hosts_step_time_worst_error, value (worst |error|
+# error, the bytes a step the engine counts its collectives sending beside what host 0's end of
+# the link really sent, and the backward's wait on reduce-scatters) and a final JSON line: metric two_hosts_step_time_worst_error, value (worst |error|
 # over the rates), baseline (the measured runs), baseline_value (their mean s/step), ratio.
 # Needs root (network namespaces, tc); exits 77 where namespaces cannot be made.
 #
@@ -80,12 +81,14 @@ for rate in $rates; do
     set -- $ns_if
     ip netns exec "$1" tc qdisc del dev "$2" root 2>/dev/null
     if [ "$rate" != none ]; then
-      ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "${rate}mbit" burst "${STRATA_TBF_BURST:-256kb}" latency 200ms ||
+      ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "${rate}mbit" burst "${STRATA_TBF_BURST:-256kb}" latency "${STRATA_TBF_LATENCY:-200ms}" ||
         { echo "SKIP: tc tbf is not available here"; exit 77; }
     fi
   done
   port=$((port + 1))
   rm -f "$work/run.jsonl"
+  # What host 0 really sent over the link (every byte on the wire, start-up included).
+  tx0=$(ip netns exec "$ns0" cat "/sys/class/net/$if0/statistics/tx_bytes")
   pids=()
   for r in 0 1; do
     ns=$ns0
@@ -98,6 +101,7 @@ for rate in $rates; do
   ok=1
   for p in "${pids[@]}"; do wait "$p" || ok=0; done
   [ $ok = 1 ] || { echo "FAIL: the run at rate $rate"; cat "$work/run-$rate-h0.out" "$work/run-$rate-h1.out"; exit 1; }
+  tx=$(( $(ip netns exec "$ns0" cat "/sys/class/net/$if0/statistics/tx_bytes") - tx0 ))
   # The prediction: two nodes of this machine, one rank each, the link at the rate.
   python3 - "$work/cluster.json" "$work/cluster-$rate.json" "$rate" <<'PY'
 import json, sys
@@ -118,13 +122,18 @@ json.dump(c, open(sys.argv[2], "w"), indent=1)
 PY
   "$strata" plan --config "$work/config.json" --as-given --cluster "$work/cluster-$rate.json" >"$work/plan-$rate.out" 2>&1 ||
     { cat "$work/plan-$rate.out"; exit 1; }
-  rows+=("$(python3 - "$work/run.jsonl" "$work/plan-$rate.out" "$rate" <<'PY'
+  rows+=("$(python3 - "$work/run.jsonl" "$work/plan-$rate.out" "$rate" "$tx" <<'PY'
 import json, re, sys
 steps = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l and '"loss"' in l]
 measured = sorted(s["seconds"] for s in steps[2:])[len(steps[2:]) // 2]
 planned = float(re.search(r"step ([0-9.e+-]+) s", open(sys.argv[2]).read()).group(1))
+# Bytes a step: what the engine counts its collectives sending, and what the link carried.
+counted = sum(s["timeline"]["network_bytes"] for s in steps) / len(steps)
+wire = int(sys.argv[4]) / len(steps)
+waits = sorted(s["timeline"]["wait_grads"] for s in steps[2:])[len(steps[2:]) // 2]
 print(json.dumps({"rate_mbit": sys.argv[3], "measured_s": measured, "planned_s": planned,
-                  "error": planned / measured - 1}))
+                  "error": planned / measured - 1, "counted_bytes_per_step": counted,
+                  "wire_bytes_per_step": wire, "wait_grads_s": waits}))
 PY
 )")
   echo "two hosts: rate ${rate} Mbit/s done" >&2
@@ -132,10 +141,11 @@ done
 printf '%s\n' "${rows[@]}" | python3 -c '
 import json, sys
 rows = [json.loads(l) for l in sys.stdin if l.strip()]
-print("| link (Mbit/s) | measured s/step | planned | error |")
-print("|---|---|---|---|")
+print("| link (Mbit/s) | measured s/step | planned | error | MB a step: counted / on the wire | backward waiting on reduce-scatters (s) |")
+print("|---|---|---|---|---|---|")
 for r in rows:
-    print("| %s | %.3f | %.3f | %+.1f%% |" % (r["rate_mbit"], r["measured_s"], r["planned_s"], 100 * r["error"]))
+    print("| %s | %.3f | %.3f | %+.1f%% | %.1f / %.1f | %.3f |" % (r["rate_mbit"], r["measured_s"], r["planned_s"], 100 * r["error"],
+          r["counted_bytes_per_step"] / 1e6, r["wire_bytes_per_step"] / 1e6, r["wait_grads_s"]))
 worst = max(abs(r["error"]) for r in rows)
 mean_s = sum(r["measured_s"] for r in rows) / len(rows)
 print(json.dumps({"metric": "two_hosts_step_time_worst_error", "value": worst,

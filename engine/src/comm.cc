@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <ATen/ops/empty_like.h>
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -22,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace strata::engine {
@@ -269,12 +271,14 @@ class GlooComm final : public Communicator {
         }
         fail(what + " failed: " + error + " (a peer rank died or timed out" + why + ")", on_failure);
       }
+      if (then) std::exchange(then, {})();
     }
     c10::intrusive_ptr<c10d::Work> w;
     std::string what;
     std::shared_ptr<const FailureHandler> on_failure;
     std::shared_ptr<const std::vector<Peer>> peers;
     int self;
+    std::function<void()> then;  // after a successful wait (once)
   };
 
   std::unique_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in) override {
@@ -284,10 +288,29 @@ class GlooComm final : public Communicator {
     });
   }
   std::unique_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in) override {
-    return guarded("reduce_scatter", [&] {
-      at::Tensor o = out, i = in;
-      return pg(o)._reduce_scatter_base(o, i);
+    if (out.is_cuda())
+      return guarded("reduce_scatter", [&] {
+        at::Tensor o = out, i = in;
+        return pg(o)._reduce_scatter_base(o, i);
+      });
+    // Gloo has no reduce-scatter of its own: its _reduce_scatter_base all-reduces the whole
+    // buffer, twice the bytes on the network (measured between two hosts, docs/PERFORMANCE.md).
+    // An all-to-all hands each rank the world's copies of its chunk, (world - 1) / world of the
+    // buffer as a ring reduce-scatter sends, and the rank sums them in rank order (in fp32 for a
+    // bf16 reduce, rounded once).
+    at::Tensor recv = at::empty_like(in);
+    std::unique_ptr<Work> work = guarded("reduce_scatter", [&] {
+      at::Tensor r = recv, i = in;
+      std::vector<int64_t> equal_split;
+      return pg(r).alltoall_base(r, i, equal_split, equal_split);
     });
+    static_cast<GlooWork&>(*work).then = [out, recv, world = world_size()] {
+      const int64_t n = out.numel();
+      at::Tensor sum = recv.narrow(0, 0, n).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      for (int r = 1; r < world; ++r) sum.add_(recv.narrow(0, int64_t(r) * n, n));
+      out.copy_(sum.view(out.sizes()));
+    };
+    return work;
   }
   void all_reduce(const at::Tensor& t, ReduceOp op) override {
     c10d::AllreduceOptions o;

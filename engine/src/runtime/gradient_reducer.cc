@@ -86,7 +86,12 @@ void GradientReducer::reduce(size_t stage) {
       flat = at::Tensor();
     }
     at::Tensor shard = dev_.empty({int64_t(L.shard_numel)}, send.scalar_type(), "reduced gradient of unit " + L.name);
-    comm_.reduce_scatter(shard, send)->wait();
+    {
+      // On the host device (Gloo) the wait blocks until the ranks have exchanged the gradient;
+      // on CUDA it only orders the streams.
+      auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &L.name);
+      comm_.reduce_scatter(shard, send)->wait();
+    }
     prof_.step.network_bytes += uint64_t(shard.nbytes()) * uint64_t(comm_.world_size() - 1);
     send = at::Tensor();
     flat = at::Tensor();

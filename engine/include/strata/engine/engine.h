@@ -64,7 +64,8 @@ struct StepTimeline {
   double wait_update = 0;        // the overlapped update not done ("forward": a gather; "backward":
                                  // a gradient buffer to free, and the step's end)
   double wait_activations = 0;   // activation checkpoints still on their way to the host
-  double wait_grads = 0;         // gradients still on their way to the host / NVMe
+  double wait_grads = 0;         // gradients still on their way to the host / NVMe, or (host
+                                 // device) their reduce-scatter among the ranks not done
   double norm = 0;               // global gradient norm (sum of squares, all-reduce)
   double optimizer = 0;          // optimizer work that ran during this step (any thread)
   double optimizer_exposed = 0;  // the part of it the step waited for
