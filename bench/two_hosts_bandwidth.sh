@@ -15,6 +15,8 @@
 # the link really sent, and the backward's wait on reduce-scatters) and a final JSON line: metric two_hosts_step_time_worst_error, value (worst |error|
 # over the rates), baseline (the measured runs), baseline_value (their mean s/step), ratio.
 # Needs root (network namespaces, tc); exits 77 where namespaces cannot be made.
+# STRATA_TBF_BURST (default 256kb) and STRATA_TBF_LATENCY (default 200ms: how long the filter may
+# queue, not a delay it adds) tune the token bucket.
 #
 # Usage: bench/two_hosts_bandwidth.sh STRATA [WORKDIR] [--rates "none 1000 300 100"] [--steps N]
 #        [--hidden H] [--layers L]   (rates in Mbit/s)
