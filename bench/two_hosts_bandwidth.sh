@@ -42,20 +42,9 @@ id=$$
 ns0=strata-b0-$id ns1=strata-b1-$id
 if0=sb0-$id if1=sb1-$id
 net=10.215.$((id % 200 + 20))
-cleanup() {
-  ip netns del "$ns0" 2>/dev/null
-  ip netns del "$ns1" 2>/dev/null
-}
-trap cleanup EXIT
-if ! ip netns add "$ns0" 2>/dev/null; then
-  echo "SKIP: cannot create a network namespace here (needs root or CAP_SYS_ADMIN, and iproute2)"
-  exit 77
-fi
-if ! { ip netns add "$ns1" &&
-  ip link add "$if0" netns "$ns0" type veth peer name "$if1" netns "$ns1" &&
-  ip -n "$ns0" addr add "$net.1/24" dev "$if0" && ip -n "$ns1" addr add "$net.2/24" dev "$if1" &&
-  ip -n "$ns0" link set lo up && ip -n "$ns1" link set lo up &&
-  ip -n "$ns0" link set "$if0" up && ip -n "$ns1" link set "$if1" up; }; then
+. "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/../scripts/netns-hosts.sh"
+netns_hosts "$ns0" "$ns1"
+if ! netns_link "$ns0" "$if0" "$net.1" "$ns1" "$if1" "$net.2"; then
   echo "SKIP: cannot join two network namespaces with a veth pair here"
   exit 77
 fi

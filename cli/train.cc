@@ -189,19 +189,15 @@ struct NodeTraffic {
 };
 
 // Collective on every run of more than one rank (every rank calls it after each step): each
-// node's traffic, nodes in the order of their number (GROUP_RANK from torchrun and `strata
-// launch`, SLURM_NODEID from srun; a rank without either counts as node 0). The node numbers
+// node's traffic, nodes in the order of their number (DistEnv::node; a rank without one counts
+// as node 0). The node numbers
 // travel with the numbers, so that every rank takes the same view whatever its own environment
 // says. Empty on one node: the rank's own timeline says it all.
-std::vector<NodeTraffic> node_traffic(engine::Communicator& comm, const engine::StepTimeline& t) {
+std::vector<NodeTraffic> node_traffic(engine::Communicator& comm, const engine::DistEnv& env,
+                                      const engine::StepTimeline& t) {
   if (comm.world_size() <= 1) return {};
-  static const int64_t node = [] {
-    const char* v = std::getenv("GROUP_RANK");
-    if (!v) v = std::getenv("SLURM_NODEID");
-    return v ? std::atoll(v) : 0;
-  }();
   at::Tensor mine = at::empty({4}, at::kLong);
-  mine[0] = node;
+  mine[0] = int64_t(std::max(env.node, 0));
   mine[1] = int64_t(t.nvme_read_bytes);
   mine[2] = int64_t(t.nvme_write_bytes);
   mine[3] = int64_t(t.network_bytes);
@@ -882,7 +878,7 @@ int run_training(const std::vector<std::string>& argv) {
     eng.set_learning_rate(lr);
     const engine::StepResult r = eng.train_step(ids, loss_mask);
     const engine::MemoryReport mem = eng.memory();
-    const std::vector<NodeTraffic> traffic = node_traffic(*comm, r.timeline);
+    const std::vector<NodeTraffic> traffic = node_traffic(*comm, env, r.timeline);
     tokens_total += double(r.tokens);
     seconds_total += r.seconds;
     steps_done = s + 1;

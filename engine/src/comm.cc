@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
 #include <arpa/inet.h>
@@ -296,8 +297,7 @@ class GlooComm final : public Communicator {
     // Gloo has no reduce-scatter of its own: its _reduce_scatter_base all-reduces the whole
     // buffer, twice the bytes on the network (measured between two hosts, docs/PERFORMANCE.md).
     // An all-to-all hands each rank the world's copies of its chunk, (world - 1) / world of the
-    // buffer as a ring reduce-scatter sends, and the rank sums them in rank order (in fp32 for a
-    // bf16 reduce, rounded once).
+    // buffer as a ring reduce-scatter sends, and the rank sums them in rank order.
     at::Tensor recv = at::empty_like(in);
     std::unique_ptr<Work> work = guarded("reduce_scatter", [&] {
       at::Tensor r = recv, i = in;
@@ -306,9 +306,13 @@ class GlooComm final : public Communicator {
     });
     static_cast<GlooWork&>(*work).then = [out, recv, world = world_size()] {
       const int64_t n = out.numel();
-      at::Tensor sum = recv.narrow(0, 0, n).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      // Summed in place in `out`, in its own type (int32 sums bit patterns exactly: a checkpoint
+      // exchange); bf16 and fp16 in an fp32 buffer, rounded once at the end.
+      const bool widen = out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf;
+      at::Tensor sum = widen ? at::empty({n}, out.options().dtype(at::kFloat)) : out.view({n});
+      sum.copy_(recv.narrow(0, 0, n));
       for (int r = 1; r < world; ++r) sum.add_(recv.narrow(0, int64_t(r) * n, n));
-      out.copy_(sum.view(out.sizes()));
+      if (widen) out.view({n}).copy_(sum);
     };
     return work;
   }
@@ -438,6 +442,7 @@ DistEnv DistEnv::from_lookup(const Lookup& get) {
     e.launcher = "torchrun";
     e.local_rank = env_int(get, "LOCAL_RANK", e.rank);
     e.local_world_size = env_int(get, "LOCAL_WORLD_SIZE", 0);
+    e.node = env_int(get, "GROUP_RANK", -1);
   } else {
     const int procid = env_int(get, "SLURM_PROCID", 0, &has_procid);
     const int tasks = env_int(get, "SLURM_STEP_NUM_TASKS", 1, &has_tasks);
@@ -446,6 +451,7 @@ DistEnv DistEnv::from_lookup(const Lookup& get) {
       e.rank = procid;
       e.world_size = tasks;
       e.local_rank = env_int(get, "SLURM_LOCALID", e.rank);
+      e.node = env_int(get, "SLURM_NODEID", -1);
       if (!get("MASTER_ADDR")) {
         const char* nodes = get("SLURM_STEP_NODELIST");
         if (!nodes) nodes = get("SLURM_JOB_NODELIST");

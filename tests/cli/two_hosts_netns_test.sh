@@ -21,28 +21,11 @@ ns0=strata-h0-$id ns1=strata-h1-$id ns2=strata-h2-$id
 if0=sv0-$id if1=sv1-$id if02=sw0-$id if2=sw2-$id
 net=10.213.$((id % 200 + 20))
 net2=10.214.$((id % 200 + 20))
-cleanup() {
-  ip netns del "$ns0" 2>/dev/null
-  ip netns del "$ns1" 2>/dev/null
-  ip netns del "$ns2" 2>/dev/null
-}
-trap cleanup EXIT
-if ! ip netns add "$ns0" 2>/dev/null; then
-  echo "SKIP: cannot create a network namespace here (needs root or CAP_SYS_ADMIN, and iproute2)"
-  exit 77
-fi
+. "$(dirname "${BASH_SOURCE[0]}")/../../scripts/netns-hosts.sh"
+netns_hosts "$ns0" "$ns1" "$ns2"
 setup() {
-  ip netns add "$ns1" &&
-    ip link add "$if0" netns "$ns0" type veth peer name "$if1" netns "$ns1" &&
-    ip -n "$ns0" addr add "$net.1/24" dev "$if0" &&
-    ip -n "$ns1" addr add "$net.2/24" dev "$if1" &&
-    ip -n "$ns0" link set lo up && ip -n "$ns1" link set lo up &&
-    ip -n "$ns0" link set "$if0" up && ip -n "$ns1" link set "$if1" up &&
-    ip netns add "$ns2" &&
-    ip link add "$if02" netns "$ns0" type veth peer name "$if2" netns "$ns2" &&
-    ip -n "$ns0" addr add "$net2.1/24" dev "$if02" &&
-    ip -n "$ns2" addr add "$net2.2/24" dev "$if2" &&
-    ip -n "$ns2" link set lo up && ip -n "$ns0" link set "$if02" up && ip -n "$ns2" link set "$if2" up &&
+  netns_link "$ns0" "$if0" "$net.1" "$ns1" "$if1" "$net.2" &&
+    netns_link "$ns0" "$if02" "$net2.1" "$ns2" "$if2" "$net2.2" &&
     ip netns exec "$ns0" sysctl -qw net.ipv4.ip_forward=1 &&
     ip -n "$ns1" route add default via "$net.1" && ip -n "$ns2" route add default via "$net2.1"
 }
@@ -182,8 +165,8 @@ three, one = losses(sys.argv[1]), losses(sys.argv[2])
 print("3 hosts, resumed:", three)
 print("one host, resumed:", one)
 assert len(three) == 4 and len(one) == 4, "expected steps 5-8"
-for a, b in zip(three, one):
-    assert abs(a - b) <= 1e-5 * abs(b), f"{a} != {b}"
+for a, b in zip(three, one):  # the same world size: the state that crossed the network is the same bits
+    assert a == b, f"{a} != {b}"
 print("PASS: 3 hosts resume from 2 hosts' node-local checkpoints to the one-host numbers")
 PY
 [ $? = 0 ] || exit 1

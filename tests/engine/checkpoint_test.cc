@@ -945,6 +945,15 @@ TEST(Checkpoint, NodeLocalDirectoriesResumeAtAnotherNodeCount) {
   ASSERT_EQ(want.size(), 8u);
   ASSERT_EQ(got.size(), 8u);
   for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << "step " << i + 1;
+  // The same save and resume through one shared directory (no exchange): the state loaded over
+  // the network is the same bits, so the resumed steps are equal exactly.
+  launch(4, cfg_for(4, 4), dir, "shared-first", "--log " + (dir / "shared.jsonl").string() + " --checkpoint-dir " +
+                                                      (dir / "shared").string());
+  launch(3, cfg_for(3, 8), dir, "shared-second", "--log " + (dir / "shared.jsonl").string() + " --checkpoint-dir " +
+                                                       (dir / "shared").string() + " --resume");
+  const std::vector<double> shared = losses(dir / "shared.jsonl");
+  ASSERT_EQ(shared.size(), 8u);
+  for (size_t i = 4; i < 8; ++i) EXPECT_EQ(got[i], shared[i]) << "step " << i + 1;
 }
 
 }  // namespace

@@ -37,6 +37,7 @@ struct DistEnv {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   int local_world_size = 0;  // ranks on this node (their budgets share its RAM and disks); 0: unknown
+  int node = -1;             // this node's number: GROUP_RANK (torchrun), SLURM_NODEID (srun); -1: unknown
   std::string launcher = "none";  // where the values came from: "torchrun", "slurm" or "none"
 
   // From the environment, first match wins:
