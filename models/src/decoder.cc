@@ -4,6 +4,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <map>
+#include <stdexcept>
 
 namespace strata::models {
 
@@ -127,6 +129,33 @@ at::Tensor rope_inv_freq(const ModelConfig& c) {
   return at::where(medium, smoothed, scaled);
 }
 
+// Causal attention of Llama's heads q [B, Hq, T, hd] over k, v [B, Hkv, T, hd] (Hq a multiple of
+// Hkv): rotary embeddings as transformers computes them (fp32 angles, cat(freqs, freqs)), the
+// key/value heads repeated for their query heads. `inv_freq` caches rope_inv_freq on the
+// input's device: a copy from pageable memory to a GPU blocks the host until the GPU catches
+// up, which on every block's forward and recompute would keep the host from running ahead.
+at::Tensor llama_attention(const ModelConfig& c, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor& inv_freq) {
+  const int64_t t = q.size(2);
+  if (!inv_freq.defined() || inv_freq.device() != q.device()) inv_freq = rope_inv_freq(c).to(q.device());
+  const at::Tensor pos = at::arange(t, at::TensorOptions().dtype(at::kLong).device(q.device())).to(at::kFloat);
+  const at::Tensor freqs = at::outer(pos, inv_freq);
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor cos = emb.cos().to(q.scalar_type()), sin = emb.sin().to(q.scalar_type());
+  q = q * cos + rotate_half(q) * sin;
+  k = k * cos + rotate_half(k) * sin;
+  const int64_t rep = q.size(1) / k.size(1);
+  if (rep > 1) {
+    k = k.repeat_interleave(rep, 1);
+    v = v.repeat_interleave(rep, 1);
+  }
+  return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+}
+
+at::Tensor mlp_activation(const ModelConfig& c, const at::Tensor& gate) {
+  if (c.mlp_activation == ModelConfig::Activation::kSilu) return at::silu(gate);
+  return at::gelu(gate, c.mlp_activation == ModelConfig::Activation::kGelu ? "none" : "tanh");
+}
+
 class LlamaEmbedding final : public Stage {
  public:
   explicit LlamaEmbedding(const ModelConfig& c) : gemma_(c.gemma), hidden_(c.hidden) {
@@ -176,36 +205,15 @@ class LlamaBlock final : public Stage {
   }
 
   at::Tensor forward(const at::Tensor& x) override {
-    const int64_t t = x.size(1);
-    c_.check_sequence_length(t);
+    c_.check_sequence_length(x.size(1));
     at::Tensor h = rms_norm(x, in_norm, c_.norm_eps, c_.gemma);
     at::Tensor q = split_heads(dense(h, wq, bq), c_.heads, c_.head_dim);
     at::Tensor k = split_heads(dense(h, wk, bk), c_.kv_heads, c_.head_dim);
     at::Tensor v = split_heads(dense(h, wv, bv), c_.kv_heads, c_.head_dim);
-    // Rotary embeddings as transformers computes them (fp32 angles, cat(freqs, freqs)).
-    // inv_freq on the CPU as transformers computes it, copied to the input's device once: a
-    // copy from pageable memory to a GPU blocks the host until the GPU catches up, which on
-    // every block's forward and recompute would keep the host from running ahead.
-    if (!inv_freq_.defined() || inv_freq_.device() != x.device()) inv_freq_ = rope_inv_freq(c_).to(x.device());
-    const at::Tensor& inv_freq = inv_freq_;
-    const at::Tensor pos = at::arange(t, at::TensorOptions().dtype(at::kLong).device(x.device())).to(at::kFloat);
-    const at::Tensor freqs = at::outer(pos, inv_freq);
-    const at::Tensor emb = at::cat({freqs, freqs}, -1);
-    const at::Tensor cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
-    q = q * cos + rotate_half(q) * sin;
-    k = k * cos + rotate_half(k) * sin;
-    const int64_t rep = c_.heads / c_.kv_heads;
-    if (rep > 1) {
-      k = k.repeat_interleave(rep, 1);
-      v = v.repeat_interleave(rep, 1);
-    }
-    at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+    at::Tensor a = llama_attention(c_, q, k, v, inv_freq_);
     at::Tensor r = x + dense(merge_heads(a), wo, bo);
     h = rms_norm(r, post_norm, c_.norm_eps, c_.gemma);
-    const at::Tensor gate = dense(h, wg, bg);
-    const at::Tensor act = c_.mlp_activation == ModelConfig::Activation::kSilu ? at::silu(gate)
-                           : at::gelu(gate, c_.mlp_activation == ModelConfig::Activation::kGelu ? "none" : "tanh");
-    return r + dense(act * dense(h, wu, bu), wd, bd);
+    return r + dense(mlp_activation(c_, dense(h, wg, bg)) * dense(h, wu, bu), wd, bd);
   }
 
  private:
@@ -227,6 +235,133 @@ class LlamaHead final : public HeadStage {
   at::Tensor w_, norm;
 };
 
+// ---------------------------------------------------------------- block tiles
+// A block's attention cut into groups of key/value heads, its MLP into slices of the
+// intermediate dimension (BlockTiling). A tile's input is the block's input (its first tile) or
+// the previous tile's output stacked [2, ...]: the normed input and the running sum. It adds its
+// contribution to the sum and passes both on, the last tile only the sum. The first tile of each
+// holds the norm and the output projection's bias, so every parameter has one owner.
+class Tile : public Stage {
+ protected:
+  Tile(const ModelConfig& c, int64_t index, int64_t count) : c_(c), first_(index == 0), last_(index + 1 == count) {}
+  // (normed input, running sum) from the tile's input.
+  std::pair<at::Tensor, at::Tensor> split_input(const at::Tensor& z) {
+    if (!first_) return {z.select(0, 0), z.select(0, 1)};
+    return {norm(z), z};
+  }
+  at::Tensor join(const at::Tensor& normed, const at::Tensor& sum) const {
+    return last_ ? sum : at::stack({normed, sum});
+  }
+  at::Tensor norm(const at::Tensor& x) const {
+    if (c_.arch == Arch::kGpt2) return at::layer_norm(x, {c_.hidden}, norm_w, norm_b, c_.norm_eps);
+    return rms_norm(x, norm_w, c_.norm_eps, c_.gemma);
+  }
+  void add_norm(const std::string& name) {
+    norm_w = add(name + ".weight", {c_.hidden});
+    if (c_.arch == Arch::kGpt2) norm_b = add(name + ".bias", {c_.hidden});
+  }
+  ModelConfig c_;
+  bool first_, last_;
+  at::Tensor norm_w, norm_b;
+};
+
+class AttentionTile final : public Tile {
+  at::Tensor inv_freq_;
+
+ public:
+  AttentionTile(const ModelConfig& c, int64_t block, int64_t index, int64_t count) : Tile(c, index, count) {
+    const int64_t d = c.hidden, hd = c.head_dim, rep = c.heads / c.kv_heads;
+    const Range kv = tile_range(c.kv_heads, count, index);
+    kv_heads_ = kv.size();
+    const int64_t k0 = kv.begin * hd, k1 = kv.end * hd, q0 = k0 * rep, q1 = k1 * rep;
+    if (c.arch == Arch::kGpt2) {
+      const std::string p = "transformer.h." + std::to_string(block) + ".";
+      if (first_) add_norm(p + "ln_1");
+      const std::string w = p + "attn.c_attn.weight", b = p + "attn.c_attn.bias";
+      wq = add_part(w, {3 * d, d}, 0, q0, q1);
+      wk = add_part(w, {3 * d, d}, 0, d + q0, d + q1);
+      wv = add_part(w, {3 * d, d}, 0, 2 * d + q0, 2 * d + q1);
+      bq = add_part(b, {3 * d}, 0, q0, q1);
+      bk = add_part(b, {3 * d}, 0, d + q0, d + q1);
+      bv = add_part(b, {3 * d}, 0, 2 * d + q0, 2 * d + q1);
+      wo = add_part(p + "attn.c_proj.weight", {d, d}, 1, q0, q1);
+      if (first_) bo = add(p + "attn.c_proj.bias", {d});
+      return;
+    }
+    const std::string p = "model.layers." + std::to_string(block) + ".";
+    const int64_t q = c.heads * hd, kvd = c.kv_heads * hd;
+    if (first_) add_norm(p + "input_layernorm");
+    wq = add_part(p + "self_attn.q_proj.weight", {q, d}, 0, q0, q1);
+    wk = add_part(p + "self_attn.k_proj.weight", {kvd, d}, 0, k0, k1);
+    wv = add_part(p + "self_attn.v_proj.weight", {kvd, d}, 0, k0, k1);
+    wo = add_part(p + "self_attn.o_proj.weight", {d, q}, 1, q0, q1);
+    if (c.attention_bias) {
+      bq = add_part(p + "self_attn.q_proj.bias", {q}, 0, q0, q1);
+      bk = add_part(p + "self_attn.k_proj.bias", {kvd}, 0, k0, k1);
+      bv = add_part(p + "self_attn.v_proj.bias", {kvd}, 0, k0, k1);
+    }
+    if (first_ && c.attention_out_bias) bo = add(p + "self_attn.o_proj.bias", {d});
+  }
+
+  at::Tensor forward(const at::Tensor& z) override {
+    auto [n, sum] = split_input(z);
+    c_.check_sequence_length(n.size(1));
+    const int64_t hd = c_.head_dim, rep = c_.heads / c_.kv_heads;
+    at::Tensor q = split_heads(dense(n, wq, bq), kv_heads_ * rep, hd);
+    at::Tensor k = split_heads(dense(n, wk, bk), kv_heads_, hd);
+    at::Tensor v = split_heads(dense(n, wv, bv), kv_heads_, hd);
+    at::Tensor a = c_.arch == Arch::kGpt2 ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
+                                         : llama_attention(c_, q, k, v, inv_freq_);
+    return join(n, sum + dense(merge_heads(a), wo, bo));
+  }
+
+ private:
+  int64_t kv_heads_ = 0;
+  at::Tensor wq, wk, wv, wo, bq, bk, bv, bo;
+};
+
+class MlpTile final : public Tile {
+ public:
+  MlpTile(const ModelConfig& c, int64_t block, int64_t index, int64_t count) : Tile(c, index, count) {
+    const int64_t d = c.hidden, f = c.intermediate;
+    const Range r = tile_range(f, count, index);
+    if (c.arch == Arch::kGpt2) {
+      const std::string p = "transformer.h." + std::to_string(block) + ".";
+      if (first_) add_norm(p + "ln_2");
+      wu = add_part(p + "mlp.c_fc.weight", {f, d}, 0, r.begin, r.end);
+      bu = add_part(p + "mlp.c_fc.bias", {f}, 0, r.begin, r.end);
+      wd = add_part(p + "mlp.c_proj.weight", {d, f}, 1, r.begin, r.end);
+      if (first_) bd = add(p + "mlp.c_proj.bias", {d});
+      return;
+    }
+    const std::string p = "model.layers." + std::to_string(block) + ".";
+    if (first_) add_norm(p + "post_attention_layernorm");
+    wg = add_part(p + "mlp.gate_proj.weight", {f, d}, 0, r.begin, r.end);
+    wu = add_part(p + "mlp.up_proj.weight", {f, d}, 0, r.begin, r.end);
+    wd = add_part(p + "mlp.down_proj.weight", {d, f}, 1, r.begin, r.end);
+    if (c.mlp_bias) {
+      bg = add_part(p + "mlp.gate_proj.bias", {f}, 0, r.begin, r.end);
+      bu = add_part(p + "mlp.up_proj.bias", {f}, 0, r.begin, r.end);
+      if (first_) bd = add(p + "mlp.down_proj.bias", {d});
+    }
+  }
+
+  at::Tensor forward(const at::Tensor& z) override {
+    auto [n, sum] = split_input(z);
+    at::Tensor h = c_.arch == Arch::kGpt2 ? at::gelu(dense(n, wu, bu), "tanh")  // gelu_new
+                                         : mlp_activation(c_, dense(n, wg, bg)) * dense(n, wu, bu);
+    return join(n, sum + dense(h, wd, bd));
+  }
+
+ private:
+  at::Tensor wg, wu, wd, bg, bu, bd;
+};
+
+std::shared_ptr<Stage> make_block(const ModelConfig& c, int64_t i) {
+  if (c.arch == Arch::kGpt2) return std::make_shared<Gpt2Block>(c, i);
+  return std::make_shared<LlamaBlock>(c, i);
+}
+
 bool is_norm_weight(const std::string& n) {
   return n.find("ln_") != std::string::npos || n.find("norm") != std::string::npos;
 }
@@ -235,9 +370,27 @@ bool is_norm_weight(const std::string& n) {
 
 at::Tensor HeadStage::forward(const at::Tensor& x) { return dense(normed(x), lm_weight()); }
 
+std::string TensorPart::name() const {
+  if (whole()) return tensor;
+  return tensor + (dim == 0 ? "[" : "[:,") + std::to_string(begin) + ":" + std::to_string(end) + "]";
+}
+
 at::Tensor Stage::add(const std::string& hf_name, std::vector<int64_t> shape) {
+  parts_.push_back({hf_name, shape, 0, 0, shape.empty() ? 0 : shape[0]});
   at::Tensor t = register_parameter(module_name(hf_name), at::empty(shape, at::kFloat));
   params_.emplace_back(hf_name, t);
+  return t;
+}
+
+at::Tensor Stage::add_part(const std::string& hf_name, std::vector<int64_t> whole, int64_t dim, int64_t begin,
+                           int64_t end) {
+  TensorPart part{hf_name, whole, dim, begin, end};
+  std::vector<int64_t> shape = whole;
+  shape[size_t(dim)] = end - begin;
+  const std::string name = part.name();
+  parts_.push_back(std::move(part));
+  at::Tensor t = register_parameter(module_name(name), at::empty(shape, at::kFloat));
+  params_.emplace_back(name, t);
   return t;
 }
 
@@ -253,53 +406,145 @@ Decoder::Decoder(const ModelConfig& config, uint64_t seed, Init init) : config_(
   if (config_.arch == Arch::kGpt2) {
     auto e = std::make_shared<Gpt2Embedding>(config_);
     embed_ = e;
-    for (int64_t i = 0; i < config_.layers; ++i) blocks_.push_back(std::make_shared<Gpt2Block>(config_, i));
     head_ = std::make_shared<Gpt2Head>(config_, e->wte);
   } else {
     auto e = std::make_shared<LlamaEmbedding>(config_);
     embed_ = e;
-    for (int64_t i = 0; i < config_.layers; ++i) blocks_.push_back(std::make_shared<LlamaBlock>(config_, i));
     head_ = std::make_shared<LlamaHead>(config_, e->wte);
   }
+  for (int64_t i = 0; i < config_.layers; ++i) blocks_.push_back({make_block(config_, i)});
   init_gen_ = at::make_generator<at::CPUGeneratorImpl>(seed);
-  if (init == Init::kNow) initialize_through(blocks_.size() + 1);
+  if (init == Init::kNow) initialize_through(stages().size() - 1);
+}
+
+Stage& Decoder::block(size_t i) {
+  if (!tiling_.whole()) throw std::logic_error("Decoder::block: the blocks are tiled (read stages())");
+  return *blocks_.at(i).at(0);
+}
+
+std::vector<std::shared_ptr<Stage>> Decoder::make_tiles(int64_t block) const {
+  std::vector<std::shared_ptr<Stage>> tiles;
+  for (int64_t a = 0; a < tiling_.attention; ++a)
+    tiles.push_back(std::make_shared<AttentionTile>(config_, block, a, tiling_.attention));
+  for (int64_t m = 0; m < tiling_.mlp; ++m) tiles.push_back(std::make_shared<MlpTile>(config_, block, m, tiling_.mlp));
+  return tiles;
+}
+
+void Decoder::set_block_tiling(const BlockTiling& tiling) {
+  check_block_tiling(config_, tiling);
+  if (tiling == tiling_) return;
+  tiling_ = tiling;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    std::vector<std::shared_ptr<Stage>> next =
+        tiling_.whole() ? std::vector<std::shared_ptr<Stage>>{make_block(config_, int64_t(i))} : make_tiles(int64_t(i));
+    if (1 + i < initialized_) {  // holds values: copy them over, part by part
+      std::map<std::string, at::Tensor> whole;  // the block's tensors, assembled from its parts
+      for (const auto& st : blocks_[i])
+        for (size_t k = 0; k < st->parts().size(); ++k) {
+          const TensorPart& p = st->parts()[k];
+          at::Tensor& w = whole[p.tensor];
+          if (!w.defined()) w = at::empty(p.shape, at::kFloat);
+          w.narrow(p.dim, p.begin, p.end - p.begin).copy_(st->hf_parameters()[k].second);
+        }
+      blocks_[i].clear();
+      for (const auto& st : next)
+        for (size_t k = 0; k < st->parts().size(); ++k) {
+          const TensorPart& p = st->parts()[k];
+          st->hf_parameters()[k].second.copy_(whole.at(p.tensor).narrow(p.dim, p.begin, p.end - p.begin));
+        }
+    }
+    blocks_[i] = std::move(next);
+  }
 }
 
 uint64_t Decoder::block_graph_bytes_per_token(size_t e) const { return models::block_graph_bytes_per_token(config_, e); }
 
-void Decoder::initialize_through(size_t stage) {
-  const std::vector<Stage*> all = stages();
-  if (stage >= all.size()) throw std::out_of_range("Decoder::initialize_through: no stage " + std::to_string(stage));
-  at::NoGradGuard no_grad;
-  for (; initialized_ <= stage; ++initialized_) {
-    for (auto& [name, t] : all[initialized_]->hf_parameters()) {
-      if (t.dim() == 1) {
-        if (is_norm_weight(name) && name.ends_with("weight")) {
-          t.fill_(config_.gemma ? 0.0 : 1.0);  // Gemma's norms scale by (1 + weight)
-        } else {
-          t.zero_();
-        }
-      } else {
-        t.normal_(0.0, 0.02, init_gen_);
-      }
-    }
+size_t Decoder::group_of(size_t stage) const {
+  if (stage == 0) return 0;
+  size_t s = 1;
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    if (stage < s + blocks_[i].size()) return 1 + i;
+    s += blocks_[i].size();
   }
+  if (stage == s) return blocks_.size() + 1;
+  throw std::out_of_range("Decoder: no stage " + std::to_string(stage));
+}
+
+std::string Decoder::stage_name(size_t stage) const {
+  const size_t g = group_of(stage);
+  if (g == 0) return "embedding";
+  if (g == blocks_.size() + 1) return "head";
+  const std::string block = "block." + std::to_string(g - 1);
+  if (tiling_.whole()) return block;
+  size_t first = 1;
+  for (size_t i = 0; i + 1 < g; ++i) first += blocks_[i].size();
+  const int64_t k = int64_t(stage - first);
+  return k < tiling_.attention ? block + ".attn." + std::to_string(k) : block + ".mlp." + std::to_string(k - tiling_.attention);
+}
+
+// Initial values: a 1-D tensor a constant by its name, any other normal(0, 0.02) from the one
+// stream, drawn whole in the untiled block's order and then cut into the parts that hold it, so
+// that every tiling starts from the same weights.
+void Decoder::initialize_group(size_t g) {
+  std::vector<Stage*> members;
+  if (g == 0) members = {embed_.get()};
+  else if (g == blocks_.size() + 1) members = {head_.get()};
+  else
+    for (auto& st : blocks_[g - 1]) members.push_back(st.get());
+  std::vector<std::pair<std::string, std::vector<int64_t>>> order;  // whole tensors, untiled order
+  if (g >= 1 && g <= blocks_.size() && !tiling_.whole()) {
+    const std::shared_ptr<Stage> untiled = make_block(config_, int64_t(g - 1));  // untouched pages: no memory
+    for (const TensorPart& p : untiled->parts()) order.emplace_back(p.tensor, p.shape);
+  } else {
+    for (const TensorPart& p : members[0]->parts()) order.emplace_back(p.tensor, p.shape);
+  }
+  for (const auto& [name, shape] : order) {
+    at::Tensor drawn;  // a whole tensor held in parts is drawn whole, then cut
+    if (shape.size() != 1) {
+      for (Stage* st : members)
+        for (size_t k = 0; k < st->parts().size(); ++k)
+          if (st->parts()[k].tensor == name && st->parts()[k].whole()) drawn = st->hf_parameters()[k].second;
+      if (!drawn.defined()) drawn = at::empty(shape, at::kFloat);
+      drawn.normal_(0.0, 0.02, init_gen_);
+    }
+    for (Stage* st : members)
+      for (size_t k = 0; k < st->parts().size(); ++k) {
+        const TensorPart& p = st->parts()[k];
+        if (p.tensor != name) continue;
+        at::Tensor t = st->hf_parameters()[k].second;
+        if (p.whole() && shape.size() != 1) continue;  // drawn in place
+        if (shape.size() != 1) t.copy_(drawn.narrow(p.dim, p.begin, p.end - p.begin));
+        else if (is_norm_weight(name) && name.ends_with("weight")) t.fill_(config_.gemma ? 0.0 : 1.0);  // Gemma: (1 + weight)
+        else t.zero_();
+      }
+  }
+}
+
+void Decoder::initialize_through(size_t stage) {
+  const size_t last = group_of(stage);
+  at::NoGradGuard no_grad;
+  for (; initialized_ <= last; ++initialized_) initialize_group(initialized_);
 }
 
 std::vector<Stage*> Decoder::stages() {
   std::vector<Stage*> s{embed_.get()};
-  for (auto& b : blocks_) s.push_back(b.get());
+  for (auto& b : blocks_)
+    for (auto& st : b) s.push_back(st.get());
   s.push_back(head_.get());
   return s;
 }
 
 at::Tensor Decoder::forward(const at::Tensor& ids) {
   at::Tensor h = embed_->forward(ids);
-  for (auto& b : blocks_) h = b->forward(h);
+  for (auto& b : blocks_)
+    for (auto& st : b) h = st->forward(h);
   return head_->forward(h);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Decoder::hf_parameters() {
+  if (!tiling_.whole())
+    throw std::logic_error("Decoder::hf_parameters: the blocks are tiled and hold no whole tensor (read stages()' parts())");
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (Stage* s : stages()) {
     for (auto& p : s->hf_parameters()) out.push_back(p);
@@ -309,7 +554,8 @@ std::vector<std::pair<std::string, at::Tensor>> Decoder::hf_parameters() {
 
 void Decoder::to(at::ScalarType dtype) {
   at::NoGradGuard no_grad;
-  for (auto& [name, t] : hf_parameters()) t.set_data(t.to(dtype));
+  for (Stage* s : stages())
+    for (auto& [name, t] : s->hf_parameters()) t.set_data(t.to(dtype));
 }
 
 }  // namespace strata::models

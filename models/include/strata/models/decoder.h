@@ -23,22 +23,40 @@
 #include <vector>
 
 #include "strata/models/model_config.h"
+#include "strata/models/model_shapes.h"
 
 namespace strata::models {
+
+// Which part of a Hugging Face tensor a stage's parameter holds: all of it, or [begin, end) along
+// `dim` (a block tile's slice).
+struct TensorPart {
+  std::string tensor;           // the Hugging Face name
+  std::vector<int64_t> shape;   // the whole tensor's, in Strata's layout
+  int64_t dim = 0, begin = 0, end = 0;
+  bool whole() const { return begin == 0 && !shape.empty() && end == shape[size_t(dim)]; }
+  // The part's own name: the tensor's name when whole, else "name[b:e]" (dim 0) or
+  // "name[:,b:e]" (dim 1); unique within a model.
+  std::string name() const;
+};
 
 class Stage : public torch::nn::Module {
  public:
   virtual at::Tensor forward(const at::Tensor& input) = 0;
   // Parameters with their Hugging Face names (including tied ones only where this stage owns
-  // them).
+  // them); a tile's slices under their part names (TensorPart::name).
   std::vector<std::pair<std::string, at::Tensor>> hf_parameters() const;
+  // Beside hf_parameters(), in the same order: which part of which tensor each one is.
+  const std::vector<TensorPart>& parts() const { return parts_; }
 
  protected:
   at::Tensor add(const std::string& hf_name, std::vector<int64_t> shape);
+  // A slice [begin, end) along `dim` of the tensor `hf_name` of shape `whole`.
+  at::Tensor add_part(const std::string& hf_name, std::vector<int64_t> whole, int64_t dim, int64_t begin, int64_t end);
   // The LM head's weight: its own "lm_head.weight", or the tied embedding registered as a
   // parameter of this module too (visible to parameters()/to(), not to hf_parameters()).
   at::Tensor lm_head_weight(const ModelConfig& c, const at::Tensor& tied_embedding);
   std::vector<std::pair<std::string, at::Tensor>> params_;
+  std::vector<TensorPart> parts_;
 };
 
 // The head: the final norm, then the LM head. The engine's tiled loss uses the two parts apart
@@ -68,11 +86,23 @@ class Decoder {
 
   const ModelConfig& config() const { return config_; }
   Stage& embedding() { return *embed_; }
-  Stage& block(size_t i) { return *blocks_.at(i); }
+  // Block i whole (throws std::logic_error when blocks are tiled).
+  Stage& block(size_t i);
   size_t num_blocks() const { return blocks_.size(); }
   HeadStage& head() { return *head_; }
-  // All stages in schedule order: embedding, blocks..., head.
+  // All stages in schedule order: embedding, blocks (each whole, or its attention tiles then its
+  // MLP tiles)..., head.
   std::vector<Stage*> stages();
+  // "embedding", "block.3", "block.3.attn.1", "block.3.mlp.0", "head".
+  std::string stage_name(size_t stage) const;
+
+  // Cuts every block into tile stages (BlockTiling; 1 x 1 joins them whole again). Weights
+  // already initialized or loaded are copied into the tiles' slices (one block's extra memory at
+  // a time); stages not yet initialized stay so and get the values the untiled model would have
+  // (the random stream is drawn per whole tensor, then sliced). Invalidates earlier stages().
+  // Throws std::invalid_argument for a tiling that does not cut the blocks (check_block_tiling).
+  void set_block_tiling(const BlockTiling& tiling);
+  const BlockTiling& block_tiling() const { return tiling_; }
 
   // Bytes one block's forward with autograd keeps for its backward (its input included), per
   // token, with compute copies of `elem_bytes` bytes: an upper estimate counted from the block's
@@ -83,17 +113,25 @@ class Decoder {
 
   // token ids [batch, seq] (int64) -> logits [batch, seq, vocab].
   at::Tensor forward(const at::Tensor& ids);
-  // Every parameter once, with its Hugging Face name, in schedule order.
+  // Every parameter once, with its Hugging Face name, in schedule order. A tiled decoder holds
+  // no whole block tensor: this throws std::logic_error then (read stages()' parts()).
   std::vector<std::pair<std::string, at::Tensor>> hf_parameters();
   void to(at::ScalarType dtype);
 
  private:
+  // The stage groups the random initialization walks in order: 0 the embedding, 1 + i block i
+  // (whole or all its tiles), layers + 1 the head.
+  size_t group_of(size_t stage) const;
+  void initialize_group(size_t group);
+  std::vector<std::shared_ptr<Stage>> make_tiles(int64_t block) const;
+
   ModelConfig config_;
+  BlockTiling tiling_;
   std::shared_ptr<Stage> embed_;
-  std::vector<std::shared_ptr<Stage>> blocks_;
+  std::vector<std::vector<std::shared_ptr<Stage>>> blocks_;  // per block: its stages (one when whole)
   std::shared_ptr<HeadStage> head_;
   at::Generator init_gen_;
-  size_t initialized_ = 0;  // stages [0, initialized_) hold their initial values
+  size_t initialized_ = 0;  // stage groups [0, initialized_) hold their initial values
 };
 
 }  // namespace strata::models

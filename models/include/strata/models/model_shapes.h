@@ -14,10 +14,38 @@
 
 namespace strata::models {
 
+// How each block is cut into tile stages (every block alike; tiling/ and docs/ARCHITECTURE.md
+// "Tiling"). A pre-norm block is a residual plus sums of independent contributions, so its
+// attention is cut into groups of key/value heads (each with its query heads: q/k/v rows and
+// o_proj columns) and its MLP into slices of the intermediate dimension (gate/up rows, down
+// columns). 1 x 1 is the block whole, one stage; otherwise `attention` + `mlp` stages.
+struct BlockTiling {
+  int64_t attention = 1;  // groups of key/value heads, 1..kv_heads
+  int64_t mlp = 1;        // slices of the intermediate dimension, 1..intermediate
+  bool whole() const { return attention == 1 && mlp == 1; }
+  int64_t stages() const { return whole() ? 1 : attention + mlp; }
+  bool operator==(const BlockTiling&) const = default;
+};
+// Throws std::invalid_argument when `t` does not cut `c`'s blocks (a count below 1, more
+// attention tiles than key/value heads, more MLP tiles than intermediate features).
+void check_block_tiling(const ModelConfig& c, const BlockTiling& t);
+// Part i of [0, n) cut into `parts` near-equal parts (the first n % parts one longer): the one
+// rule for where tiles begin and end.
+struct Range {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+};
+Range tile_range(int64_t n, int64_t parts, int64_t i);
+
 // Elements of the parameters each stage owns, in schedule order: the embedding (GPT-2: token
-// and position embeddings), each block, the head (its final norm, and the LM head when the
-// embeddings are not tied). The sum is ModelConfig::parameters().
-std::vector<uint64_t> stage_parameters(const ModelConfig& c);
+// and position embeddings), each block (or each of its tiles), the head (its final norm, and
+// the LM head when the embeddings are not tied). The sum is ModelConfig::parameters().
+std::vector<uint64_t> stage_parameters(const ModelConfig& c, const BlockTiling& t = {});
+// By stage: its input activation in multiples of [tokens, hidden] (1, or 2 for a tile after the
+// first of a block's attention or MLP: its input stacks the normed input and the running sum).
+// The embedding's input (token ids) counts as 1, as every output that is not another stage's
+// input (the head's).
+std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const BlockTiling& t = {});
 
 // Bytes one block's forward with autograd keeps for its backward, per token, with compute
 // copies of `elem_bytes` bytes (Decoder::block_graph_bytes_per_token; tests/models/
