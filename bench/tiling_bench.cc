@@ -17,8 +17,9 @@
 namespace strata::bench {
 namespace {
 
+// `block_tiles`: placement.tiling for the attention and the MLP alike (1: whole blocks).
 engine::EngineConfig engine_config(const TilingBenchOptions& o, int64_t batch, int64_t seq, uint64_t head_tiles,
-                                   unsigned threads) {
+                                   unsigned threads, uint64_t block_tiles = 1) {
   engine::EngineConfig e;
   e.device = o.device;
   if (o.compute == "bf16") e.compute = engine::Precision::kBf16;
@@ -28,17 +29,19 @@ engine::EngineConfig engine_config(const TilingBenchOptions& o, int64_t batch, i
   e.lr = 1e-4;
   e.cpu_threads = threads;
   e.head_tiles = head_tiles;
+  e.attention_tiles = e.mlp_tiles = block_tiles;
   return e;
 }
 
-// One training step of `c` within `budget` bytes on the host device: true if the engine is
-// constructed (every use fits) and the step runs; the head's tiles chosen are returned.
+// One training step of `c` within `budget` bytes on the device: true if the engine is
+// constructed (every use fits) and the step runs; the tiles chosen are returned (`config`).
 bool trains_in(const models::ModelConfig& c, const engine::EngineConfig& e, uint64_t budget, uint64_t* tiles,
-               engine::Communicator& comm) {
+               engine::Communicator& comm, engine::EngineConfig* config = nullptr) {
   try {
     auto dev = engine::Device::create(e.device, 0, budget);
     engine::Engine eng(std::make_unique<models::Decoder>(c, 1, models::Decoder::Init::kDeferred), e, comm, *dev);
     *tiles = eng.config().head_tiles;
+    if (config) *config = eng.config();
     const at::Tensor ids = at::randint(0, c.vocab_size, {e.micro_batch, e.seq_len + 1}, at::kLong);
     const engine::StepResult r = eng.train_step(ids);
     return std::isfinite(r.loss) && dev->peak() <= budget;
@@ -96,7 +99,7 @@ void run_tiling_bench(const TilingBenchOptions& o) {
       for (int64_t vocab = 256; vocab <= (int64_t(1) << 26); vocab *= 2) {
         uint64_t tiles = 0;
         const models::ModelConfig c = gpt2_shape("gpt2-tiling-bench", 1, o.capacity_hidden, 4, vocab, T);
-        if (!trains_in(c, engine_config(o, 1, T, head_tiles, threads), o.budget, &tiles, *comm)) break;
+        if (!trains_in(c, engine_config(o, 1, T, head_tiles, threads, 1), o.budget, &tiles, *comm)) break;
         best = vocab;
         *tiles_used = tiles;
         std::cerr << "bench tiling (b): vocabulary " << vocab << " trains in " << engine::format_bytes(o.budget)
@@ -121,6 +124,50 @@ void run_tiling_bench(const TilingBenchOptions& o) {
         {"largest_vocab_tiled", tiled},
         {"head_tiles_at_largest", auto_tiles},
         {"blocks_tiled", false},
+        {"device", o.device},
+        {"compute", o.compute},
+        {"threads", threads}};
+    std::cout << line.dump() << std::endl;
+  }
+
+  // (c) Capacity in one budget: the largest hidden size (doubling from 128; one GPT-2 block,
+  // heads of 64, intermediate 4 x hidden) that trains with whole blocks vs blocks cut "auto".
+  {
+    const int64_t T = o.hidden_tokens;
+    const auto largest = [&](uint64_t block_tiles, engine::EngineConfig* used) {
+      int64_t best = 0;
+      for (int64_t h = 128; h <= o.hidden_max; h *= 2) {
+        uint64_t head = 0;
+        engine::EngineConfig got;
+        const models::ModelConfig c = gpt2_shape("gpt2-tiling-bench", 1, h, std::max<int64_t>(1, h / 64), 256, T);
+        if (!trains_in(c, engine_config(o, 1, T, engine::EngineConfig::kTilesAuto, threads, block_tiles), o.hidden_budget,
+                       &head, *comm, &got))
+          break;
+        best = h;
+        *used = got;
+        std::cerr << "bench tiling (c): hidden " << h << " (" << c.block_parameters() / 1e6 << "M parameters a block) trains in "
+                  << engine::format_bytes(o.hidden_budget)
+                  << (block_tiles == 1 ? " with whole blocks"
+                                       : " in " + std::to_string(got.attention_tiles) + " attention x " +
+                                             std::to_string(got.mlp_tiles) + " MLP tiles")
+                  << std::endl;
+      }
+      return best;
+    };
+    engine::EngineConfig whole_cfg, cut_cfg;
+    const int64_t whole = largest(1, &whole_cfg), tiled = largest(engine::EngineConfig::kTilesAuto, &cut_cfg);
+    nlohmann::json line = {
+        {"metric", "largest_hidden_in_budget"},
+        {"value", tiled},
+        {"baseline", "the same engine with whole blocks (placement.tiling attention and mlp \"off\")"},
+        {"baseline_value", whole},
+        {"ratio", whole > 0 ? double(tiled) / double(whole) : 0.0},
+        {"target_ratio_at_least", 8},
+        {"budget_bytes", o.hidden_budget},
+        {"tokens", T},
+        {"largest_hidden_tried", o.hidden_max},
+        {"attention_tiles_at_largest", cut_cfg.attention_tiles},
+        {"mlp_tiles_at_largest", cut_cfg.mlp_tiles},
         {"device", o.device},
         {"compute", o.compute},
         {"threads", threads}};

@@ -4,7 +4,8 @@
 //   (b) capacity: in one fixed device budget, the largest vocabulary (doubling) for which the
 //       engine constructs and runs a training step, untiled vs placement.tiling "auto"; reported
 //       as logits elements (tokens x vocabulary), the ratio being the gain (target: >= 16x).
-// The blocks' tiles (largest hidden size) are not built yet, so nothing is reported for them.
+//   (c) capacity: in one fixed device budget, the largest hidden size (doubling) of a one-block
+//       GPT-2 that trains with whole blocks vs blocks cut "auto" (target: >= 8x).
 #pragma once
 
 #include <cstdint>
@@ -20,12 +21,15 @@ struct TilingBenchOptions {
   // (b): the budget, hidden size and tokens of the capacity search.
   uint64_t budget = 64ull << 20;
   int64_t capacity_hidden = 64, capacity_tokens = 4096;
+  // (c): the budget, tokens a step and the largest hidden size tried.
+  uint64_t hidden_budget = 16ull << 20;
+  int64_t hidden_tokens = 64, hidden_max = 4096;
   unsigned threads = 0;  // 0: every hardware thread
   std::string device = "cpu";     // "cpu" (the host device) or "cuda" (GPU 0)
   std::string compute = "fp32";   // precision.compute: fp32 or bf16
 };
 
-// Prints a JSON line per part; the last one (capacity) is the summary.
+// Prints a JSON line per part; the last one (c) is the summary.
 void run_tiling_bench(const TilingBenchOptions& options);
 
 }  // namespace strata::bench

@@ -188,8 +188,11 @@ with them whole, in one run, fp32 on the host device:
   (a) the step time of a model that fits both ways, tiled vs whole (target: at most 10% more);
   (b) in one device budget, the largest vocabulary (doubling from 256) for which the engine
       constructs and runs a training step of --capacity-tokens tokens, untiled vs tiling "auto",
-      as logits elements (target: at least 16x). The blocks are not tiled yet.
-A JSON line per part; the last one is (b).
+      as logits elements (target: at least 16x).
+  (c) the blocks cut into tiles: in --hidden-budget, the largest hidden size (doubling from 128 up to
+      --hidden-max) of a one-block GPT-2 that trains with whole blocks vs blocks cut "auto"
+      (target: at least 8x).
+A JSON line per part; the last one is (c).
 
   --layers N            (a) transformer blocks (default 2)
   --hidden N            (a) model width (default 256)
@@ -202,6 +205,9 @@ A JSON line per part; the last one is (b).
   --budget BYTES        (b) the device budget (default 64MiB)
   --capacity-hidden N   (b) model width (default 64)
   --capacity-tokens N   (b) tokens per step (default 4096)
+  --hidden-budget BYTES (c) the device budget (default 16MiB)
+  --hidden-tokens N     (c) tokens per step (default 64)
+  --hidden-max N        (c) the largest hidden size tried (default 4096)
   --threads N           threads for libtorch and the kernels (default: all)
   --device D            cpu (default: the host device) or cuda
   --compute P           precision.compute: fp32 (default) or bf16
@@ -214,7 +220,8 @@ int bench_tiling(const std::vector<std::string>& argv) {
       return 0;
     }
   strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "tiles", "steps", "budget",
-                                "capacity-hidden", "capacity-tokens", "threads", "device", "compute"}, {});
+                                "capacity-hidden", "capacity-tokens", "hidden-budget", "hidden-tokens", "hidden-max",
+                                "threads", "device", "compute"}, {});
   strata::bench::TilingBenchOptions o;
   o.layers = args.count("layers", unsigned(o.layers));
   o.hidden = args.count("hidden", unsigned(o.hidden));
@@ -227,6 +234,9 @@ int bench_tiling(const std::vector<std::string>& argv) {
   if (args.has("budget")) o.budget = strata::engine::parse_bytes(args.get("budget", ""));
   o.capacity_hidden = args.count("capacity-hidden", unsigned(o.capacity_hidden));
   o.capacity_tokens = args.count("capacity-tokens", unsigned(o.capacity_tokens));
+  if (args.has("hidden-budget")) o.hidden_budget = strata::engine::parse_bytes(args.get("hidden-budget", ""));
+  o.hidden_tokens = args.count("hidden-tokens", unsigned(o.hidden_tokens));
+  o.hidden_max = args.count("hidden-max", unsigned(o.hidden_max));
   o.threads = args.count("threads", o.threads);
   o.device = args.get("device", o.device);
   o.compute = args.get("compute", o.compute);

@@ -357,8 +357,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
         s.fail("recompute", "must be \"all\", \"none\", \"auto\" or the number of blocks recomputed (an "
                             "integer >= 0), not " + v->dump());
     }
-    // "auto", "off", or per layer kind: {"head": "auto" | "off" | tiles}. Only the head is tiled
-    // so far; other kinds are refused rather than ignored.
+    // "auto", "off", or per layer kind: {"head" | "attention" | "mlp": "auto" | "off" | tiles}.
     if (const json* v = s.get("tiling")) {
       const auto count = [&](const json& x, const std::string& key) -> uint64_t {
         if (x == "auto") return EngineConfig::kTilesAuto;
@@ -368,14 +367,16 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
         return 0;
       };
       if (v->is_string()) {
-        e.head_tiles = count(*v, "tiling");
+        e.head_tiles = e.attention_tiles = e.mlp_tiles = count(*v, "tiling");
       } else if (v->is_object()) {
         for (auto it = v->begin(); it != v->end(); ++it)
           if (it.key() == "head") e.head_tiles = count(it.value(), "tiling.head");
-          else s.fail("tiling." + it.key(), "is not a layer kind that is tiled: only \"head\" is (the blocks' "
-                                            "tiles are not built yet)");
+          else if (it.key() == "attention") e.attention_tiles = count(it.value(), "tiling.attention");
+          else if (it.key() == "mlp") e.mlp_tiles = count(it.value(), "tiling.mlp");
+          else s.fail("tiling." + it.key(), "is not a layer kind that is tiled: \"head\", \"attention\" and \"mlp\" are");
       } else {
-        s.fail("tiling", "must be \"auto\", \"off\" or an object {\"head\": tiles}, not " + v->dump());
+        s.fail("tiling", "must be \"auto\", \"off\" or an object {\"head\": tiles, \"attention\": tiles, \"mlp\": tiles}, not " +
+                             v->dump());
       }
     }
   }

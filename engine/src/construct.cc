@@ -3,6 +3,7 @@
 // built and the state placed unit by unit. The configuration is never changed: `effective`
 // shows what was resolved.
 #include "engine_impl.h"
+#include "strata/engine/predict.h"
 
 namespace strata::engine {
 
@@ -12,23 +13,35 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   cdt = scalar_type(cfg.compute);
   loss_scale = cfg.compute == Precision::kFp16 ? cfg.initial_loss_scale : 1.0;
   exec.threads = cfg.cpu_threads ? cfg.cpu_threads : std::max(1u, std::thread::hardware_concurrency());
+  const models::ModelConfig& mc = model->config();
+  // The blocks' tiles first: the units are built from the stages they make.
+  block_tiles = resolve_block_tiles(
+      cfg, mc,
+      [&](const models::BlockTiling& t) { return block_tiling_fits(cfg, mc, t, comm.world_size(), usable_device()); },
+      agreement());
+  model->set_block_tiling(block_tiles);
   stages = model->stages();
 
-  // Units = stages; each unit's tensors are the ones its stage owns (tied weights once).
+  // Units = stages; each unit's tensors are the ones its stage owns (tied weights once), a block
+  // tile's as parts of the model's tensors.
   std::vector<std::pair<std::string, std::vector<TensorSpec>>> specs;
   std::unordered_map<const void*, std::pair<size_t, size_t>> owner;  // impl -> (unit, slot)
   std::vector<std::vector<at::Tensor>> owned(stages.size());
   for (size_t s = 0; s < stages.size(); ++s) {
     std::vector<TensorSpec> ts;
-    for (auto& [name, t] : stages[s]->hf_parameters()) {
+    const auto named = stages[s]->hf_parameters();
+    for (size_t k = 0; k < named.size(); ++k) {
+      const auto& [name, t] = named[k];
       if (t.scalar_type() != at::kFloat || !t.device().is_cpu())
         throw std::invalid_argument("Engine: parameter " + name + " must be fp32 on the CPU");
       owner[t.unsafeGetTensorImpl()] = {s, ts.size()};
-      ts.push_back({name, t.sizes().vec()});
+      const models::TensorPart& part = stages[s]->parts().at(k);
+      TensorOrigin origin;
+      if (!part.whole()) origin = {part.tensor, part.shape, part.dim, part.begin};
+      ts.push_back({name, t.sizes().vec(), std::move(origin)});
       owned[s].push_back(t);
     }
-    std::string uname = s == 0 ? "embedding" : s + 1 == stages.size() ? "head" : "block." + std::to_string(s - 1);
-    specs.emplace_back(uname, std::move(ts));
+    specs.emplace_back(model->stage_name(s), std::move(ts));
   }
   partition = std::make_unique<Partition>(specs, comm.world_size());
   std::vector<std::vector<runtime::GradientReducer::ParamRef>> stage_params(stages.size());
@@ -51,7 +64,6 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   // Transient gradient buffers: the multi-use units' held ones (a tied embedding) plus two.
   transient_limit = 2 + schedule->shared_units();
 
-  const models::ModelConfig& mc = model->config();
   plan::ModelSizes sizes;
   for (const UnitLayout& L : partition->units()) {
     sizes.padded_numel.push_back(L.padded_numel());
@@ -63,6 +75,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   sizes.hidden = uint64_t(mc.hidden);
   sizes.vocab = uint64_t(mc.vocab_size);
   sizes.graph_bytes = sizes.tokens * model->block_graph_bytes_per_token(c10::elementSize(cdt));
+  sizes.input_widths = models::stage_input_widths(mc, block_tiles);
   const size_t blocks = schedule->blocks();
   // "auto" decides below, once the state is allocated; until then the working set assumes
   // every block is recomputed.
@@ -87,6 +100,10 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
       cfg, *memory, choice, need, usable_device(),
       [this](uint64_t device) { return machine_budgets(cfg, device, local_ranks()); }, agreement(), placement_report);
   choice.params_staged = resolved.params != Placement::kDevice;
+  if (!block_tiles.whole())
+    placement_report += "; blocks in " + std::to_string(block_tiles.attention) + " attention x " +
+                        std::to_string(block_tiles.mlp) + " MLP tiles (largest unit " +
+                        format_bytes(memory->largest_unit(choice)) + ")";
   placement_report += "; head logits " + plan::describe(memory->sizes().logits, memory->sizes().tokens,
                                                         memory->sizes().vocab) +
                       " (" + format_bytes(memory->head_loss_bytes()) + " for the loss)";
@@ -108,7 +125,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
     check_working_set(cfg, *memory, choice, planned_device_bytes(resolved, need, c10::elementSize(cdt)),
                       dev.budget(), [this](size_t u) { return partition->unit(u).name; });
     placement_report += "; plan only (recompute and activation checkpoints are decided once the state is allocated)";
-    effective = effective_config(cfg, {resolved, choice, head_tiles, placement_report});
+    effective = effective_config(cfg, {resolved, choice, head_tiles, block_tiles, placement_report});
     return;
   }
 
@@ -164,7 +181,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   }
   check_working_set(cfg, *memory, choice, base_bytes, dev.budget(),
                     [this](size_t u) { return partition->unit(u).name; });
-  effective = effective_config(cfg, {state->plan(), choice, head_tiles, placement_report});
+  effective = effective_config(cfg, {state->plan(), choice, head_tiles, block_tiles, placement_report});
 }
 
 void Engine::Impl::place_activations() {
@@ -173,9 +190,13 @@ void Engine::Impl::place_activations() {
   if (choice.activations == Placement::kNvme) open_swap();
   std::vector<std::string> names;
   for (size_t s = 0; s < stages.size(); ++s) names.push_back(partition->unit(s).name);
-  activations = std::make_unique<runtime::ActivationStore>(
-      choice.activations, std::vector<int64_t>{cfg.micro_batch, cfg.seq_len, model->config().hidden}, cdt,
-      std::move(names), choice.recomputed, dev, host, prof, swap.get());
+  std::vector<std::vector<int64_t>> shapes;  // a stage's input: one activation, or two stacked (a block tile's)
+  for (uint64_t w : memory->sizes().input_widths) {
+    shapes.push_back({cfg.micro_batch, cfg.seq_len, model->config().hidden});
+    if (w > 1) shapes.back().insert(shapes.back().begin(), int64_t(w));
+  }
+  activations = std::make_unique<runtime::ActivationStore>(choice.activations, std::move(shapes), cdt, std::move(names),
+                                                           choice.recomputed, dev, host, prof, swap.get());
   placement_report += std::string("; activation checkpoints ") + to_string(choice.activations) + " " +
                       format_bytes(memory->checkpoint_bytes(choice)) + " a micro-batch";
 }

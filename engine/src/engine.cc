@@ -75,6 +75,7 @@ void Engine::set_learning_rate(double lr) {
 
 std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
   std::vector<std::pair<std::string, at::Tensor>> out;
+  std::map<std::string, size_t> whole;  // a tiled tensor's place in `out`
   Impl& I = *impl_;
   I.finish_update();
   // Read, not written: a checkpoint's hold need not be waited for (read_state), only the device
@@ -86,8 +87,19 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
     at::Tensor master = I.host_buffer(L.shard_numel, at::kFloat);  // aligned: swap reads go direct
     read_state(u, StateKind::kMaster, 0, L.shard_numel, master.data_ptr<float>());
     I.comm.all_gather(full, master)->wait();
-    for (const TensorSlot& s : L.tensors)
-      out.emplace_back(s.name, full.narrow(0, int64_t(s.offset), int64_t(s.numel)).view(s.shape).clone());
+    for (const TensorSlot& s : L.tensors) {
+      const at::Tensor part = full.narrow(0, int64_t(s.offset), int64_t(s.numel)).view(s.shape);
+      if (!s.origin.is_part()) {
+        out.emplace_back(s.name, part.clone());
+        continue;
+      }
+      auto it = whole.find(s.origin.whole);
+      if (it == whole.end()) {
+        it = whole.emplace(s.origin.whole, out.size()).first;
+        out.emplace_back(s.origin.whole, at::empty(s.origin.whole_shape, at::kFloat));
+      }
+      out[it->second].second.narrow(s.origin.dim, s.origin.begin, s.shape[size_t(s.origin.dim)]).copy_(part);
+    }
   }
   return out;
 }

@@ -97,6 +97,7 @@ struct Engine::Impl {
   std::unique_ptr<plan::MemoryModel> memory;
   plan::Choices choice;
   uint64_t head_tiles = 1;  // the head's logits tiles asked for (memory->sizes().logits is the cut)
+  models::BlockTiling block_tiles;  // how the blocks are cut into tile stages (resolve_block_tiles)
   const std::vector<size_t>& stage_units(size_t s) const { return schedule->units_of(s); }
   const std::vector<Use>& uses() const { return schedule->uses(); }
   uint64_t base_bytes = 0;  // device-placed state, allocated at construction

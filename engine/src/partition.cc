@@ -8,9 +8,9 @@
 namespace strata::engine {
 
 bool exempt_from_weight_decay(const TensorSlot& slot, const EngineConfig& config) {
-  const std::string& n = slot.name;
+  const std::string& n = slot.whole_name();
   const bool ends_bias = n.size() >= 4 && n.compare(n.size() - 4, 4, "bias") == 0;
-  if (slot.shape.size() == 1) return ends_bias ? config.no_decay_bias : config.no_decay_norm;
+  if (slot.whole_shape().size() == 1) return ends_bias ? config.no_decay_bias : config.no_decay_norm;
   const bool embedding = n.find("wte") != std::string::npos || n.find("wpe") != std::string::npos ||
                          n.find("embed_tokens") != std::string::npos;
   return embedding && config.no_decay_embedding;
@@ -43,7 +43,7 @@ Partition::Partition(
     u.name = uname;
     u.world_size = uint64_t(world_size);
     for (const auto& s : specs) {
-      TensorSlot slot{s.name, s.shape, u.numel, s.numel()};
+      TensorSlot slot{s.name, s.shape, u.numel, s.numel(), s.origin};
       u.numel += slot.numel;
       if (!index_.emplace(s.name, std::make_pair(units_.size(), u.tensors.size())).second)
         throw std::invalid_argument("tensor " + s.name + " appears twice in the partition");

@@ -15,38 +15,88 @@ uint64_t element_bytes(Precision p) { return p == Precision::kFp32 ? 4 : 2; }
 
 }  // namespace
 
-StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig& mc, int world_size,
-                              const MachineShare& machine) {
-  cfg.validate();
-  mc.validate();
-  StatePrediction out;
-  // The units the engine builds: one per stage, each owning its stage's parameters; the head
-  // also uses the embedding's unit when the embeddings are tied.
-  const std::vector<uint64_t> stage_numel = models::stage_parameters(mc);
+UnitPlan plan_units(const models::ModelConfig& mc, const models::BlockTiling& tiling, int world_size) {
+  const std::vector<uint64_t> stage_numel = models::stage_parameters(mc, tiling);
   std::vector<std::pair<std::string, std::vector<TensorSpec>>> specs;
   for (size_t s = 0; s < stage_numel.size(); ++s)
-    specs.push_back({"unit" + std::to_string(s), {TensorSpec{"unit" + std::to_string(s), {int64_t(stage_numel[s])}}}});
+    specs.push_back({"unit" + std::to_string(s), {TensorSpec{"unit" + std::to_string(s), {int64_t(stage_numel[s])}, {}}}});
   const Partition partition(specs, world_size);
+  UnitPlan out;
   out.stage_units.resize(stage_numel.size());
   for (size_t s = 0; s < stage_numel.size(); ++s) out.stage_units[s].push_back(s);
   if (mc.tie_embeddings) out.stage_units.back().push_back(0);
-  const plan::Schedule schedule(out.stage_units, partition.num_units());
-
-  out.compute_bytes = element_bytes(cfg.compute);
-  plan::ModelSizes sizes;
   for (const UnitLayout& L : partition.units()) {
     out.unit_numel.push_back(L.numel);
     out.padded_numel.push_back(L.padded_numel());
     out.shard_numel.push_back(L.shard_numel);
   }
-  sizes.padded_numel = out.padded_numel;
-  sizes.shard_numel = out.shard_numel;
-  sizes.compute_bytes = out.compute_bytes;
+  out.input_widths = models::stage_input_widths(mc, tiling);
+  return out;
+}
+
+namespace {
+
+plan::ModelSizes sizes_of(const EngineConfig& cfg, const models::ModelConfig& mc, const UnitPlan& units) {
+  plan::ModelSizes sizes;
+  sizes.padded_numel = units.padded_numel;
+  sizes.shard_numel = units.shard_numel;
+  sizes.input_widths = units.input_widths;
+  sizes.compute_bytes = element_bytes(cfg.compute);
   sizes.reduce_bf16 = cfg.reduce == Precision::kBf16;
   sizes.tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
   sizes.hidden = uint64_t(mc.hidden);
   sizes.vocab = uint64_t(mc.vocab_size);
-  sizes.graph_bytes = out.graph_bytes = sizes.tokens * models::block_graph_bytes_per_token(mc, out.compute_bytes);
+  sizes.graph_bytes = sizes.tokens * models::block_graph_bytes_per_token(mc, sizes.compute_bytes);
+  return sizes;
+}
+
+uint64_t explicit_device_bytes(const EngineConfig& cfg, const StateBytes& need) {
+  return (cfg.params == Placement::kDevice ? need.params : 0) + (cfg.grads == Placement::kDevice ? need.grads : 0) +
+         (cfg.master == Placement::kDevice ? need.master + need.moments : 0);
+}
+
+}  // namespace
+
+bool block_tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::BlockTiling& tiling,
+                       int world_size, uint64_t usable) {
+  if (usable == UINT64_MAX) return true;
+  const UnitPlan units = plan_units(mc, tiling, world_size);
+  const plan::Schedule schedule(units.stage_units, units.unit_numel.size());
+  plan::ModelSizes sizes = sizes_of(cfg, mc, units);
+  sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab,
+                                     cfg.head_tiles != EngineConfig::kTilesAuto
+                                         ? cfg.head_tiles
+                                         : std::max<uint64_t>(1, plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab)));
+  plan::Choices choice;
+  const size_t blocks = schedule.blocks();
+  choice.recomputed = cfg.recompute_blocks == EngineConfig::kRecomputeAuto ? blocks
+                                                                          : std::min(blocks, size_t(cfg.recompute_blocks));
+  choice.params_staged = cfg.params != Placement::kDevice;
+  choice.activations = cfg.activations;
+  choice.prefetch = cfg.prefetch;
+  const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, 2 + schedule.shared_units());
+  return explicit_device_bytes(cfg, need) + plan::MemoryModel(schedule, sizes).working_set(choice) <= usable;
+}
+
+StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig& mc, int world_size,
+                              const MachineShare& machine) {
+  cfg.validate();
+  mc.validate();
+  StatePrediction out;
+  const Agree same = [](const std::vector<int64_t>& v) { return v; };
+  const uint64_t usable = machine.device;
+  // The blocks' tiles first: the units depend on them.
+  out.block_tiles = resolve_block_tiles(
+      cfg, mc, [&](const models::BlockTiling& t) { return block_tiling_fits(cfg, mc, t, world_size, usable); }, same);
+  const UnitPlan units = plan_units(mc, out.block_tiles, world_size);
+  out.stage_units = units.stage_units;
+  out.unit_numel = units.unit_numel;
+  out.padded_numel = units.padded_numel;
+  out.shard_numel = units.shard_numel;
+  const plan::Schedule schedule(out.stage_units, out.unit_numel.size());
+  out.compute_bytes = element_bytes(cfg.compute);
+  plan::ModelSizes sizes = sizes_of(cfg, mc, units);
+  out.graph_bytes = sizes.graph_bytes;
   const size_t blocks = schedule.blocks();
 
   // From here on, construction's order (construct.cc).
@@ -59,16 +109,12 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   choice.prefetch = cfg.prefetch;
   const size_t transient_limit = 2 + schedule.shared_units();
   const StateBytes need = state_bytes(out.shard_numel, out.compute_bytes, transient_limit);
-  const Agree same = [](const std::vector<int64_t>& v) { return v; };
-  const uint64_t usable = machine.device;
   const auto budgets = [&](uint64_t device) {
     return budgets_from(cfg, device, machine.host_available, machine.nvme_free, machine.local_ranks);
   };
   out.budgets = budgets(usable);
   try {
-    const uint64_t explicit_on_device =
-        (cfg.params == Placement::kDevice ? need.params : 0) + (cfg.grads == Placement::kDevice ? need.grads : 0) +
-        (cfg.master == Placement::kDevice ? need.master + need.moments : 0);
+    const uint64_t explicit_on_device = explicit_device_bytes(cfg, need);
     out.head_tiles = resolve_head_tiles(cfg, schedule, sizes, choice, explicit_on_device, usable, same);
     sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab, out.head_tiles);
     const plan::MemoryModel memory(schedule, sizes);
@@ -100,10 +146,8 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
       out.prefetch_deepest = cfg.prefetch;
     }
     out.working_set = memory.working_set(choice);
-    const size_t units = out.shard_numel.size();
-    check_working_set(cfg, memory, choice, base, usable, [units](size_t u) {
-      return u == 0 ? std::string("embedding") : u + 1 == units ? std::string("head") : "block." + std::to_string(u - 1);
-    });
+    check_working_set(cfg, memory, choice, base, usable,
+                      [&](size_t u) { return models::stage_name(mc, out.block_tiles, u); });
     out.fits = true;
   } catch (const std::exception& e) {
     out.fits = false;

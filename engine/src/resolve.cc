@@ -1,6 +1,8 @@
 #include "resolve.h"
 
 #include <algorithm>
+#include <cmath>
+#include <optional>
 #include <stdexcept>
 
 #include "state/state_store.h"
@@ -34,6 +36,40 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
       (kind == Placement::kDevice ? b.device : kind == Placement::kHost ? b.host : b.swap) += bytes;
     }
   return b;
+}
+
+models::BlockTiling resolve_block_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
+                                        const std::function<bool(const models::BlockTiling&)>& fits,
+                                        const Agree& agree) {
+  const bool auto_attention = cfg.attention_tiles == EngineConfig::kTilesAuto,
+             auto_mlp = cfg.mlp_tiles == EngineConfig::kTilesAuto;
+  models::BlockTiling chosen{auto_attention ? 1 : int64_t(cfg.attention_tiles), auto_mlp ? 1 : int64_t(cfg.mlp_tiles)};
+  models::check_block_tiling(mc, chosen);
+  if (!auto_attention && !auto_mlp) return chosen;
+  // Each kind's share of a block's parameters (its norm included).
+  const std::vector<uint64_t> split = models::stage_parameters(mc, {1, 1 + int64_t(mc.intermediate > 1)});
+  const double attention = double(split.at(1)), block = double(mc.block_parameters());
+  const int64_t most_attention = auto_attention ? mc.kv_heads : chosen.attention;
+  const int64_t most_mlp = auto_mlp ? std::max<int64_t>(1, mc.intermediate / 64) : chosen.mlp;
+  const auto cut = [&](int64_t k) {
+    models::BlockTiling t = chosen;
+    if (auto_attention) t.attention = std::clamp<int64_t>(int64_t(std::ceil(double(k) * attention / block)), 1, most_attention);
+    if (auto_mlp) t.mlp = std::clamp<int64_t>(int64_t(std::ceil(double(k) * (block - attention) / block)), 1, most_mlp);
+    return t;
+  };
+  // k = 1, 2, ... (every k to 64, then doubling) until one fits or neither count can grow.
+  std::optional<models::BlockTiling> found;
+  for (int64_t k = 1;; k = k < 64 ? k + 1 : k * 2) {
+    const models::BlockTiling t = cut(k);
+    if (fits(t)) {
+      found = t;
+      break;
+    }
+    if (t.attention == most_attention && t.mlp == most_mlp) break;
+  }
+  const models::BlockTiling pick = found ? *found : models::BlockTiling{most_attention, most_mlp};
+  const std::vector<int64_t> agreed = agree({pick.attention, pick.mlp});
+  return {agreed[0], agreed[1]};
 }
 
 uint64_t resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
@@ -174,6 +210,8 @@ EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r) {
   e.activations = r.working_set.activations;
   e.recompute_blocks = int(r.working_set.recomputed);
   e.head_tiles = r.head_tiles;
+  e.attention_tiles = uint64_t(r.block_tiles.attention);
+  e.mlp_tiles = uint64_t(r.block_tiles.mlp);
   return e;
 }
 
@@ -202,6 +240,10 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
           " of the " + format_bytes(scratch) + " " +
           (sz.logits.tiled(sz.tokens, sz.vocab) ? "in " + plan::describe(sz.logits, sz.tokens, sz.vocab) : "untiled") +
           ")");
+    const bool block = use.stage >= 1 && use.stage + 1 < mm.schedule().num_stages();
+    if (block && 4 * mm.use_bytes(use, choice) > need)
+      add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; this unit's parameters take " +
+          format_bytes(mm.use_bytes(use, choice)) + ")");
     if (checkpoints > 0) add("place activation checkpoints on the host (placement.activations)");
     if (held > 0) add("recompute more blocks (placement.recompute)");
     if (base > 0) add("place state on the host (the placement of params, grads, master and moments)");

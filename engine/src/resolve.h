@@ -3,6 +3,8 @@
 // changed: the decisions live in `Resolved`, immutable once construction ends, and
 // effective_config() shows them as a configuration with nothing left "auto".
 //
+//   resolve_block_tiles  placement.tiling "auto" for the blocks: how many attention and MLP tiles
+//                        each block is cut into (first: the units depend on it)
 //   resolve_head_tiles   placement.tiling "auto": how many tiles the head's logits are cut into
 //                        (before the rest: the working set it gives is what they plan with)
 //   resolve_placement    each state kind's tier and the optimizer group's split by unit (the
@@ -28,6 +30,8 @@
 #include "strata/engine/config.h"
 #include "strata/engine/placement.h"
 #include "strata/engine/plan/memory_model.h"
+#include "strata/models/model_config.h"
+#include "strata/models/model_shapes.h"
 
 namespace strata::engine {
 
@@ -37,6 +41,7 @@ struct Resolved {
   PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
   plan::Choices working_set;  // recomputed, activations, prefetch (auto: its start), params_staged
   uint64_t head_tiles = 1;    // the head's logits tiles asked for (plan::logits_tiling)
+  models::BlockTiling block_tiles;
   std::string report;         // the placement line (`--plan`, the log)
 };
 
@@ -51,6 +56,16 @@ struct TierBytes {
   uint64_t device = 0, host = 0, swap = 0;
 };
 TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t compute_bytes);
+
+// The blocks' tiles: the configured counts, or for an "auto" count whole blocks when `fits`
+// (block_tiling_fits, predict.h) says so, else the fewest tiles that fit, for k = 2, 3, ...
+// attention and MLP cut into about k x their share of the block's parameters (an explicit count
+// kept); "auto" cuts no MLP tile narrower than 64 features. When none fits, the most "auto" cuts
+// (construction's budget check then names what is left). Agreed: each count the most any rank
+// needs. Throws std::invalid_argument for counts that do not cut the model.
+models::BlockTiling resolve_block_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
+                                        const std::function<bool(const models::BlockTiling&)>& fits,
+                                        const Agree& agree);
 
 // The head's logits tiles: the configured count, or for "auto" the fewest for which `base` (the
 // state the configuration puts on the device explicitly) plus the working set under `choice` (the

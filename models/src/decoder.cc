@@ -471,17 +471,7 @@ size_t Decoder::group_of(size_t stage) const {
   throw std::out_of_range("Decoder: no stage " + std::to_string(stage));
 }
 
-std::string Decoder::stage_name(size_t stage) const {
-  const size_t g = group_of(stage);
-  if (g == 0) return "embedding";
-  if (g == blocks_.size() + 1) return "head";
-  const std::string block = "block." + std::to_string(g - 1);
-  if (tiling_.whole()) return block;
-  size_t first = 1;
-  for (size_t i = 0; i + 1 < g; ++i) first += blocks_[i].size();
-  const int64_t k = int64_t(stage - first);
-  return k < tiling_.attention ? block + ".attn." + std::to_string(k) : block + ".mlp." + std::to_string(k - tiling_.attention);
-}
+std::string Decoder::stage_name(size_t stage) const { return models::stage_name(config_, tiling_, stage); }
 
 // Initial values: a 1-D tensor a constant by its name, any other normal(0, 0.02) from the one
 // stream, drawn whole in the untiled block's order and then cut into the parts that hold it, so

@@ -77,6 +77,18 @@ std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const BlockTiling
   return w;
 }
 
+std::string stage_name(const ModelConfig& c, const BlockTiling& t, size_t stage) {
+  const size_t per_block = size_t(t.stages());
+  if (stage == 0) return "embedding";
+  if (stage == 1 + size_t(c.layers) * per_block) return "head";
+  if (stage > 1 + size_t(c.layers) * per_block) throw std::out_of_range("no stage " + std::to_string(stage));
+  const size_t block = (stage - 1) / per_block;
+  const int64_t k = int64_t((stage - 1) % per_block);
+  const std::string name = "block." + std::to_string(block);
+  if (t.whole()) return name;
+  return k < t.attention ? name + ".attn." + std::to_string(k) : name + ".mlp." + std::to_string(k - t.attention);
+}
+
 uint64_t block_graph_bytes_per_token(const ModelConfig& c, size_t e) {
   const uint64_t d = uint64_t(c.hidden), f = uint64_t(c.intermediate), q = uint64_t(c.heads * c.head_dim),
                  kv = uint64_t(c.kv_heads * c.head_dim), heads = uint64_t(c.heads);

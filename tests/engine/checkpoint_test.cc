@@ -657,6 +657,72 @@ TEST(CheckpointExport, LlamaFromTwoRanksLoadsInTransformers) { export_matches(ti
 
 TEST(Checkpoint, ResumeAtMoreRanks2To4) { reshard(2, 4); }
 
+// Checkpoints do not depend on the blocks' tiles (placement.tiling "attention"/"mlp"): a save
+// with blocks cut 2 x 3 at 2 ranks resumes with whole blocks at 4 ranks, a save with whole blocks
+// resumes cut 1 x 5 in one process, and both continue as an uninterrupted run with whole blocks
+// does (1e-5: the reduction order differs); `strata ckpt export` of the tiled save equals the
+// tiled run's own export bit for bit (whole Hugging Face tensors assembled from the parts).
+TEST(Checkpoint, BlockTilesSavedOneWayResumeAnother) {
+  TempDir dir;
+  const auto cfg_for = [&](int ranks, int64_t steps, const json& tiling) {
+    json j = tiny_llama(steps);
+    j["batch"]["micro_batch"] = 8 / 2 / ranks;
+    j["placement"] = {{"tiling", tiling}};
+    return j;
+  };
+  const json whole = "off", cut23 = {{"attention", 2}, {"mlp", 3}}, cut15 = {{"attention", 1}, {"mlp", 5}};
+  const auto a = dir / "a", b = dir / "b";
+  launch(2, cfg_for(2, 20, whole), dir, "straight",
+         "--log " + (dir / "straight.jsonl").string() + " --export " + (dir / "straight").string());
+  launch(2, cfg_for(2, 10, cut23), dir, "tiled_first",
+         "--log " + (dir / "tiled.jsonl").string() + " --checkpoint-dir " + a.string() + " --export " +
+             (dir / "tiled10").string());
+  EXPECT_NE(read_file(dir / "tiled_first.out").find("blocks in 2 attention x 3 MLP tiles"), std::string::npos)
+      << read_file(dir / "tiled_first.out");
+  {
+    // The tiled save exported offline equals what the tiled run exported from its engine.
+    const auto saved = se::latest_checkpoint(a);
+    ASSERT_TRUE(saved.has_value());
+    ASSERT_EQ(run_quiet(std::string(STRATA_BIN) + " ckpt export " + saved->string() + " " + (dir / "offline").string(),
+                        dir / "offline.out"),
+              0)
+        << read_file(dir / "offline.out");
+    sm::SafetensorsFile online(dir / "tiled10" / "model.safetensors"), offline(dir / "offline" / "model.safetensors");
+    ASSERT_EQ(offline.tensors().size(), online.tensors().size());
+    for (const sm::TensorInfo& t : online.tensors())
+      EXPECT_TRUE(at::equal(st_tensor(offline, t.name), st_tensor(online, t.name))) << t.name;
+  }
+  launch(4, cfg_for(4, 20, whole), dir, "untiled_second",
+         "--log " + (dir / "tiled.jsonl").string() + " --checkpoint-dir " + a.string() + " --resume --export " +
+             (dir / "from_tiled").string());
+  launch(2, cfg_for(2, 10, whole), dir, "whole_first",
+         "--log " + (dir / "whole.jsonl").string() + " --checkpoint-dir " + b.string());
+  launch(1, cfg_for(1, 20, cut15), dir, "tiled_second",
+         "--log " + (dir / "whole.jsonl").string() + " --checkpoint-dir " + b.string() + " --resume --export " +
+             (dir / "from_whole").string());
+  EXPECT_NE(read_file(dir / "tiled_second.out").find("blocks in 1 attention x 5 MLP tiles"), std::string::npos)
+      << read_file(dir / "tiled_second.out");
+  const std::vector<double> want = losses(dir / "straight.jsonl");
+  ASSERT_EQ(want.size(), 20u);
+  for (const char* chain : {"tiled.jsonl", "whole.jsonl"}) {
+    const std::vector<double> got = losses(dir / chain);
+    ASSERT_EQ(got.size(), 20u) << chain;
+    for (size_t i = 0; i < 20; ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << chain << " step " << i + 1;
+  }
+  auto straight = sm::load_hf_model(dir / "straight");
+  const auto ps = straight->hf_parameters();
+  for (const char* out : {"from_tiled", "from_whole"}) {
+    auto m = sm::load_hf_model(dir / out);
+    const auto pm = m->hf_parameters();
+    ASSERT_EQ(pm.size(), ps.size());
+    for (size_t i = 0; i < ps.size(); ++i) {
+      ASSERT_EQ(pm[i].first, ps[i].first);
+      const double rel = (pm[i].second - ps[i].second).norm().item<double>() / ps[i].second.norm().item<double>();
+      EXPECT_LE(rel, 1e-5) << out << " " << ps[i].first;
+    }
+  }
+}
+
 // Every output location is tried before the first step, not found wanting after hours of
 // training: a read-only or full checkpoint directory, a non-empty export directory (unless
 // --export-overwrite, which keeps other files there), an export whose parent is read-only.

@@ -232,8 +232,16 @@ TEST(TilingConfig, ParsesEveryFormAndRefusesTheRest) {
   EXPECT_EQ(tiles(R"({"head": 12})"), 12u);
   EXPECT_EQ(tiles(R"({"head": "off"})"), 1u);
   EXPECT_EQ(tiles(R"({"head": "auto"})"), se::EngineConfig::kTilesAuto);
+  const auto blocks = [](const std::string& v) {
+    const se::EngineConfig e = se::parse_train_config(R"({"placement": {"tiling": )" + v + "}}", "t.json").engine;
+    return std::make_pair(e.attention_tiles, e.mlp_tiles);
+  };
+  EXPECT_EQ(blocks("{}"), std::make_pair(se::EngineConfig::kTilesAuto, se::EngineConfig::kTilesAuto));
+  EXPECT_EQ(blocks(R"("off")"), std::make_pair(uint64_t(1), uint64_t(1)));
+  EXPECT_EQ(blocks(R"({"attention": 2, "mlp": 5})"), std::make_pair(uint64_t(2), uint64_t(5)));
+  EXPECT_EQ(blocks(R"({"mlp": "off"})"), std::make_pair(se::EngineConfig::kTilesAuto, uint64_t(1)));
   for (const std::string bad : {R"("on")", R"(4)", R"({"head": 0})", R"({"head": -3})", R"({"head": 2.5})",
-                                R"({"mlp": 4})", R"([1])"}) {
+                                R"({"conv": 4})", R"({"mlp": 0})", R"({"attention": "on"})", R"([1])"}) {
     try {
       tiles(bad);
       ADD_FAILURE() << bad << " accepted";
@@ -241,6 +249,120 @@ TEST(TilingConfig, ParsesEveryFormAndRefusesTheRest) {
       EXPECT_NE(std::string(e.what()).find("placement.tiling"), std::string::npos) << bad << ": " << e.what();
     }
   }
+}
+
+// ---------------------------------------------------------------- block tiles
+// Each block cut into attention tiles (groups of key/value heads) and MLP tiles (slices of the
+// intermediate dimension), each tile a unit: gathered, recomputed, reduce-scattered, updated and
+// placed alone. Training equals plain libtorch with whole blocks to 1e-5 relative over 5 steps.
+struct BlockCase {
+  std::string name;
+  bool llama;
+  int64_t attention, mlp;
+  json placement;  // merged into "placement"
+  std::string overlap;
+};
+
+class TiledBlocks : public ::testing::TestWithParam<BlockCase> {};
+
+TEST_P(TiledBlocks, TrainAsLibtorchDoesWithWholeBlocks) {
+  const BlockCase& k = GetParam();
+  TempDir swap;
+  json j = tiling_config(k.llama, 3);
+  j["placement"] = k.placement;
+  j["placement"]["tiling"] = {{"attention", k.attention}, {"mlp", k.mlp}};
+  j["optimizer"]["overlap"] = k.overlap;
+  if (k.overlap == "backward") j["optimizer"].erase("clip_grad_norm");
+  if (k.placement.dump().find("nvme") != std::string::npos)
+    j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  const se::TrainConfig tc = parsed(j);
+  uint64_t peak = 0;
+  expect_close(run_in_process(tc, UINT64_MAX, &peak), reference(tc, 1), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, TiledBlocks,
+    ::testing::Values(BlockCase{"gpt2_1x3_host", false, 1, 3, json::object(), "forward"},
+                      BlockCase{"llama_2x3_serial", true, 2, 3, json::object(), "off"},
+                      BlockCase{"llama_2x5_state_in_swap", true, 2, 5,
+                                {{"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}}, "forward"},
+                      BlockCase{"gpt2_4x2_update_in_backward", false, 4, 2, json::object(), "backward"},
+                      BlockCase{"llama_2x4_kept_graphs_device_checkpoints", true, 2, 4,
+                                {{"recompute", 3}, {"activations", "device"}}, "forward"},
+                      BlockCase{"gpt2_3x7_checkpoints_in_swap", false, 3, 7,
+                                {{"activations", "nvme"}, {"params", "host"}}, "forward"}),
+    [](const ::testing::TestParamInfo<BlockCase>& i) { return i.param.name; });
+
+// Several ranks: against whole blocks at the same rank count (the reduce-scatters sum alike).
+TEST(TiledBlocks, TwoAndFourRanksMatchWholeBlocks) {
+  for (int ranks : {2, 4}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks");
+    TempDir whole_dir, cut_dir, swap;
+    json j = tiling_config(ranks == 4, 3);
+    if (ranks == 4) {
+      j["placement"] = {{"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
+      j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+    }
+    json whole = j, cut = j;
+    whole["placement"]["tiling"] = "off";
+    cut["placement"]["tiling"] = {{"attention", 2}, {"mlp", 3}};
+    const se::TrainConfig tc = parsed(j);
+    expect_close(run_launched(tc, cut, ranks, cut_dir), run_launched(tc, whole, ranks, whole_dir), 1e-5);
+    EXPECT_NE(read_file(cut_dir / "out.txt").find("blocks in 2 attention x 3 MLP tiles"), std::string::npos)
+        << read_file(cut_dir / "out.txt");
+  }
+}
+
+// A model whose one block is larger than the device budget allows: whole blocks fail with
+// BudgetExceeded naming the block and the remedy; "auto" cuts the blocks into the fewest tiles
+// that fit, trains within the budget and matches libtorch with whole blocks.
+TEST(TiledBlocks, AutoCutsBlocksThatDoNotFitAndTrainsWithinTheBudget) {
+  json j = tiling_config(true, 2);
+  j["model"]["hidden"] = 128;
+  j["model"]["heads"] = 8;
+  j["model"]["kv_heads"] = 4;
+  j["model"]["intermediate"] = 1536;
+  j["model"]["vocab_size"] = 256;
+  j["data"]["seq_len"] = 16;
+  j["batch"] = {{"micro_batch", 2}, {"grad_accum", 2}};  // one sequence a micro-batch ends ~1e-5 from libtorch untiled
+  j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}};
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  const auto built = [&](const json& jj, uint64_t budget, sm::BlockTiling* tiles) {
+    const se::TrainConfig tc = parsed(jj);
+    auto dev = se::Device::create("cpu", 0, budget);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), tc.engine,
+                   *comm, *dev);
+    if (tiles) *tiles = {int64_t(eng.config().attention_tiles), int64_t(eng.config().mlp_tiles)};
+    return eng.memory_model().working_set(eng.working_set_choices()) + eng.device_state_bytes();
+  };
+  json off = j, auto_ = j;
+  off["placement"]["tiling"] = {{"attention", "off"}, {"mlp", "off"}};
+  sm::BlockTiling tiles;
+  const uint64_t whole = built(off, UINT64_MAX, &tiles);
+  EXPECT_EQ(built(auto_, UINT64_MAX, &tiles), whole);
+  EXPECT_TRUE(tiles.whole()) << "an unlimited budget needs no tiles";
+  json eight = j;
+  eight["placement"]["tiling"] = {{"attention", 4}, {"mlp", 8}};
+  const uint64_t cut = built(eight, UINT64_MAX, nullptr);
+  ASSERT_LT(2 * cut, whole) << "the blocks' parameters must dominate the working set";
+  const uint64_t budget = (cut + whole) / 2;
+  try {
+    built(off, budget, nullptr);
+    ADD_FAILURE() << "whole blocks fit " << budget;
+  } catch (const se::BudgetExceeded& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("cannot run unit block.0"), std::string::npos) << m;
+    EXPECT_NE(m.find("cut the blocks into more tiles (placement.tiling"), std::string::npos) << m;
+  }
+  EXPECT_LE(built(auto_, budget, &tiles), budget);
+  EXPECT_FALSE(tiles.whole());
+
+  j["device"] = {{"budget", budget}};
+  const se::TrainConfig tc = parsed(j);
+  uint64_t peak = 0;
+  const Trajectory got = run_in_process(tc, budget, &peak);
+  EXPECT_LE(peak, budget);
+  expect_close(got, reference(tc, 1), 1e-5);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <map>
 #include <stdexcept>
 
 #include "checkpoint/chunk_reader.h"
@@ -40,33 +41,32 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
       throw std::runtime_error("checkpoint " + dir.string() + ": the master chunks of unit " +
                                units[u]["name"].get<std::string>() + " do not cover it exactly");
 
-  // Tensors in unit order, packed in their unit as the partition packs them.
+  // Tensors in unit order, packed in their unit as the partition packs them. A block tile's part
+  // goes into its whole tensor, which is written once its last part is in: the file declares the
+  // whole tensors in the order they complete.
   struct Item {
-    size_t unit;
-    uint64_t offset, numel;
-    std::string name;
-    std::vector<int64_t> shape;  // Strata's
-    bool transposed;
+    ManifestTensor t;
+    uint64_t whole_numel;  // elements of the whole tensor it is (a part of)
   };
   std::vector<Item> items;
   std::vector<models::SafetensorsWriter::Spec> specs;
   uint64_t total = 0;
-  for (size_t u = 0; u < units.size(); ++u) {
-    uint64_t offset = 0;
-    for (const json& t : units[u]["tensors"]) {
-      Item it{u, offset, 1, t["name"].get<std::string>(), t["shape"].get<std::vector<int64_t>>(), false};
-      for (int64_t d : it.shape) it.numel *= uint64_t(d);
-      it.transposed = models::hf_stores_transposed(mc, it.name);
-      std::vector<int64_t> hf_shape = it.shape;
-      if (it.transposed) std::swap(hf_shape[0], hf_shape[1]);
-      specs.push_back({it.name, st_type, hf_shape});
-      total += it.numel * models::st_dtype_bytes(st_type);
-      offset += it.numel;
-      items.push_back(std::move(it));
+  {
+    std::map<std::string, uint64_t> filled;
+    for (ManifestTensor& t : manifest_tensors(units, dir.string())) {
+      uint64_t whole = 1;
+      for (int64_t d : t.slot.whole_shape()) whole *= uint64_t(d);
+      const std::string name = t.slot.whole_name();
+      std::vector<int64_t> hf_shape = t.slot.whole_shape();
+      items.push_back({std::move(t), whole});
+      if ((filled[name] += items.back().t.numel) != whole) continue;
+      if (models::hf_stores_transposed(mc, name)) std::swap(hf_shape[0], hf_shape[1]);
+      specs.push_back({name, st_type, hf_shape});
+      total += whole * models::st_dtype_bytes(st_type);
     }
-    if (offset != units[u]["numel"].get<uint64_t>())
-      throw std::runtime_error("checkpoint " + dir.string() + ": the tensors of unit " +
-                               units[u]["name"].get<std::string>() + " do not add up to its size");
+    for (const auto& [name, n] : filled)
+      if (std::none_of(specs.begin(), specs.end(), [&](const auto& sp) { return sp.name == name; }))
+        throw std::runtime_error("checkpoint " + dir.string() + ": the parts of " + name + " do not make it whole");
   }
 
   // Refused before any work: an existing, non-empty out_dir without `overwrite`.
@@ -83,7 +83,9 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   };
   Loaded kept;
   ExportResult result;
-  for (const Item& it : items) {
+  std::map<std::string, std::pair<at::Tensor, uint64_t>> assembling;  // whole tensor, elements in
+  for (const Item& item : items) {
+    const ManifestTensor& it = item.t;
     at::Tensor full = at::empty({int64_t(it.numel)}, at::TensorOptions().dtype(at::kFloat));
     const uint64_t lo = it.offset, hi = it.offset + it.numel;
     const auto place = [&](const Loaded& l) {
@@ -112,10 +114,19 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
       for (const Loaded& l : window) place(l);
       if (!window.empty()) kept = std::move(window.back());
     }
-    at::Tensor t = full.view(it.shape);
-    if (it.transposed) t = t.t();
+    at::Tensor t = full.view(it.slot.shape);
+    const std::string& name = it.slot.whole_name();
+    if (it.slot.origin.is_part()) {
+      auto& [whole, in] = assembling[name];
+      if (!whole.defined()) whole = at::empty(it.slot.origin.whole_shape, at::kFloat);
+      whole.narrow(it.slot.origin.dim, it.slot.origin.begin, it.slot.shape[size_t(it.slot.origin.dim)]).copy_(t);
+      if ((in += it.numel) != item.whole_numel) continue;
+      t = whole;
+      assembling.erase(name);
+    }
+    if (models::hf_stores_transposed(mc, name)) t = t.t();
     t = t.to(out_type).contiguous();
-    writer.write(it.name, {static_cast<const std::byte*>(t.data_ptr()), t.nbytes()});
+    writer.write(name, {static_cast<const std::byte*>(t.data_ptr()), t.nbytes()});
     ++result.tensors;
     result.bytes += t.nbytes();
     if (progress) progress(result.bytes, total);

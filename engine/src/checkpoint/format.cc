@@ -78,10 +78,71 @@ json partition_json(const Partition& part) {
   json units = json::array();
   for (const UnitLayout& u : part.units()) {
     json ts = json::array();
-    for (const TensorSlot& t : u.tensors) ts.push_back({{"name", t.name}, {"shape", t.shape}});
+    for (const TensorSlot& t : u.tensors) {
+      json j = {{"name", t.name}, {"shape", t.shape}};
+      if (t.origin.is_part())
+        j["of"] = {{"name", t.origin.whole}, {"shape", t.origin.whole_shape}, {"dim", t.origin.dim},
+                   {"begin", t.origin.begin}};
+      ts.push_back(std::move(j));
+    }
     units.push_back({{"name", u.name}, {"numel", u.numel}, {"tensors", ts}});
   }
   return units;
+}
+
+std::vector<ManifestTensor> manifest_tensors(const json& units, const std::string& where) {
+  std::vector<ManifestTensor> out;
+  for (size_t u = 0; u < units.size(); ++u) {
+    uint64_t offset = 0;
+    for (const json& t : units[u].at("tensors")) {
+      ManifestTensor m;
+      m.unit = u;
+      m.offset = offset;
+      m.slot.name = t.at("name").get<std::string>();
+      m.slot.shape = t.at("shape").get<std::vector<int64_t>>();
+      m.numel = 1;
+      for (int64_t d : m.slot.shape) m.numel *= uint64_t(d);
+      if (t.contains("of")) {
+        const json& of = t["of"];
+        m.slot.origin = {of.at("name").get<std::string>(), of.at("shape").get<std::vector<int64_t>>(),
+                         of.at("dim").get<int64_t>(), of.at("begin").get<int64_t>()};
+        const int64_t d = m.slot.origin.dim;
+        if (d < 0 || size_t(d) >= m.slot.shape.size() || m.slot.shape.size() != m.slot.origin.whole_shape.size() ||
+            m.slot.origin.begin < 0 || m.slot.origin.begin + m.slot.shape[size_t(d)] > m.slot.origin.whole_shape[size_t(d)])
+          throw std::runtime_error("checkpoint " + where + ": tensor " + m.slot.name + " is not a part of " +
+                                   m.slot.origin.whole + " of its shape");
+      }
+      m.slot.offset = offset;
+      m.slot.numel = m.numel;
+      offset += m.numel;
+      out.push_back(std::move(m));
+    }
+    if (offset != units[u].at("numel").get<uint64_t>())
+      throw std::runtime_error("checkpoint " + where + ": the tensors of unit " + units[u].at("name").get<std::string>() +
+                               " do not add up to its size");
+  }
+  return out;
+}
+
+std::vector<WholeRun> whole_runs(const TensorSlot& slot) {
+  if (!slot.origin.is_part()) return {{0, slot.numel, slot.offset}};
+  const std::vector<int64_t>& S = slot.origin.whole_shape;
+  const size_t d = size_t(slot.origin.dim);
+  uint64_t outer = 1, inner = 1;
+  for (size_t i = 0; i < d; ++i) outer *= uint64_t(S[i]);
+  for (size_t i = d + 1; i < S.size(); ++i) inner *= uint64_t(S[i]);
+  const uint64_t len = uint64_t(slot.shape[d]) * inner, whole_row = uint64_t(S[d]) * inner;
+  std::vector<WholeRun> runs;
+  runs.reserve(outer);
+  for (uint64_t o = 0; o < outer; ++o)
+    runs.push_back({o * whole_row + uint64_t(slot.origin.begin) * inner, len, slot.offset + o * len});
+  return runs;
+}
+
+std::map<std::string, std::vector<int64_t>> whole_tensors(const std::vector<ManifestTensor>& tensors) {
+  std::map<std::string, std::vector<int64_t>> out;
+  for (const ManifestTensor& t : tensors) out[t.slot.whole_name()] = t.slot.whole_shape();
+  return out;
 }
 
 at::Tensor aligned_floats(int64_t n) {

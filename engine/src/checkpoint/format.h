@@ -16,6 +16,8 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
+#include <vector>
 #include <memory>
 #include <optional>
 #include <string>
@@ -51,6 +53,26 @@ std::string read_text(const fs::path& p);
 
 // The units and their tensors as the manifest records them (a load compares them).
 json partition_json(const Partition& part);
+
+// The manifest's tensors ("units" as partition_json writes them), in unit order, each with its
+// place in its unit's flat buffer and, for a block tile's part, the whole tensor it is cut from
+// ("of": {"name", "shape", "dim", "begin"}). Throws std::runtime_error naming `where` when a
+// unit's tensors do not add up to its size.
+struct ManifestTensor {
+  size_t unit = 0;
+  uint64_t offset = 0, numel = 0;  // in the unit's flat buffer
+  TensorSlot slot;                 // name, shape, origin (offset/numel as above)
+};
+std::vector<ManifestTensor> manifest_tensors(const json& units, const std::string& where);
+// A stretch of a tensor's elements that is contiguous in its whole tensor as well:
+// [whole_begin, whole_begin + numel) of the whole tensor is [flat_begin, flat_begin + numel) of
+// the unit's buffer. A whole tensor is one run; a part along dim 0 one; along dim 1 one a row.
+struct WholeRun {
+  uint64_t whole_begin = 0, numel = 0, flat_begin = 0;
+};
+std::vector<WholeRun> whole_runs(const TensorSlot& slot);
+// The whole tensors a manifest's units hold: name -> shape (Strata's layout).
+std::map<std::string, std::vector<int64_t>> whole_tensors(const std::vector<ManifestTensor>& tensors);
 // A page-aligned fp32 host tensor, so that the I/O engine can move it with O_DIRECT.
 at::Tensor aligned_floats(int64_t n);
 

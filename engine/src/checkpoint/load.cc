@@ -84,6 +84,114 @@ std::string rank_list(const std::vector<int>& ranks) {
   return out;
 }
 
+
+// The end of every load: compute copies from the loaded masters, the counters, and a barrier.
+CheckpointMeta finish_load(Engine& engine, Communicator& comm, const fs::path& dir, const json& m) {
+  engine.refresh_compute_copies();
+  const json& c = m["counters"];
+  engine.set_counters({c["optimizer_step"].get<int64_t>(), c["loss_scale"].get<double>(),
+                       c["good_steps"].get<int64_t>()});
+  comm.barrier();
+  return checkpoint_meta(m, dir);
+}
+
+// A checkpoint whose units cut the model's tensors otherwise than this run's (saved with other
+// block tiles, or whole blocks): every element of this rank's slices is found through its whole
+// tensor (whole_runs) in the saved units, and the chunks holding it are read, checked, and their
+// overlap copied, one unit of this run at a time. Every rank reads what it needs itself, so each
+// data file it needs must be visible to it (no exchange over the network on this path).
+void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const json& m, ChunkReader& reader) {
+  const Partition& part = engine.partition();
+  const int rank = comm.rank();
+  // The saved tensors' runs by whole tensor, sorted by their place in it.
+  struct SavedRun {
+    uint64_t whole_begin, numel, flat_begin;
+    size_t unit;
+  };
+  std::map<std::string, std::vector<SavedRun>> saved;
+  for (const ManifestTensor& t : manifest_tensors(m["units"], dir.string()))
+    for (const WholeRun& r : whole_runs(t.slot)) saved[t.slot.whole_name()].push_back({r.whole_begin, r.numel, r.flat_begin, t.unit});
+  for (auto& [name, runs] : saved)
+    std::sort(runs.begin(), runs.end(), [](const SavedRun& a, const SavedRun& b) { return a.whole_begin < b.whole_begin; });
+  std::vector<std::vector<std::vector<const json*>>> chunks(kStateKinds);  // [kind][saved unit], sorted by begin
+  for (int k = 0; k < kStateKinds; ++k) {
+    chunks[size_t(k)] = chunks_by_unit(m, dir, k);
+    for (auto& c : chunks[size_t(k)]) sort_and_check_tiling(c, UINT64_MAX);  // sorts (coverage checked before)
+  }
+  struct Piece {  // [to, to + numel) of this rank's slice comes from [from, ...) of a saved unit
+    uint64_t to, numel, from;
+    size_t unit;
+  };
+  std::string failure;
+  for (size_t u = 0; u < part.num_units(); ++u) {
+    const UnitLayout& L = part.unit(u);
+    const uint64_t want_b = L.shard_begin(rank), want_e = want_b + L.shard_valid_numel(rank);
+    std::vector<Piece> pieces;
+    for (const TensorSlot& slot : L.tensors) {
+      if (slot.offset + slot.numel <= want_b || slot.offset >= want_e) continue;
+      const std::vector<SavedRun>& from = saved.at(slot.whole_name());
+      for (const WholeRun& r : whole_runs(slot)) {
+        // This run's part within the slice, in whole-tensor coordinates.
+        const uint64_t lo = std::max(r.flat_begin, want_b), hi = std::min(r.flat_begin + r.numel, want_e);
+        if (lo >= hi) continue;
+        uint64_t g = r.whole_begin + (lo - r.flat_begin);
+        const uint64_t g_end = r.whole_begin + (hi - r.flat_begin);
+        auto it = std::upper_bound(from.begin(), from.end(), g,
+                                   [](uint64_t x, const SavedRun& s) { return x < s.whole_begin; });
+        if (it != from.begin()) --it;
+        for (; g < g_end && it != from.end(); ++it) {
+          const uint64_t b = std::max(g, it->whole_begin), e = std::min(g_end, it->whole_begin + it->numel);
+          if (b >= e) continue;
+          pieces.push_back({r.flat_begin + (b - r.whole_begin) - want_b, e - b, it->flat_begin + (b - it->whole_begin), it->unit});
+          g = e;
+        }
+        if (g < g_end)
+          throw std::runtime_error("checkpoint " + dir.string() + ": no saved unit holds element " + std::to_string(g) +
+                                   " of " + slot.whole_name());
+      }
+    }
+    for (int k = 0; k < kStateKinds; ++k) {
+      at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
+      // The saved chunks the pieces overlap, each read once.
+      std::map<const json*, at::Tensor> read;
+      std::vector<ChunkReader::Request> batch;
+      for (const Piece& p : pieces) {
+        const std::vector<const json*>& cs = chunks[size_t(k)].at(p.unit);
+        auto it = std::upper_bound(cs.begin(), cs.end(), p.from,
+                                   [](uint64_t x, const json* c) { return x < (*c)["begin"].get<uint64_t>(); });
+        if (it != cs.begin()) --it;
+        for (; it != cs.end() && (**it)["begin"].get<uint64_t>() < p.from + p.numel; ++it) {
+          if (read.count(*it)) continue;
+          at::Tensor buf = aligned_floats(int64_t((**it)["numel"].get<uint64_t>()));
+          read.emplace(*it, buf);
+          batch.push_back({*it, buf.data_ptr<float>()});
+        }
+      }
+      if (failure.empty()) {
+        try {
+          reader.read(batch, batch.size());
+        } catch (const std::exception& e) {
+          failure = e.what();
+        }
+      }
+      if (!failure.empty()) continue;
+      for (const Piece& p : pieces)
+        for (const auto& [c, buf] : read) {
+          const uint64_t b = (*c)["begin"].get<uint64_t>(), e = b + (*c)["numel"].get<uint64_t>();
+          const uint64_t lo = std::max(b, p.from), hi = std::min(e, p.from + p.numel);
+          if (lo >= hi) continue;
+          slice.narrow(0, int64_t(p.to + (lo - p.from)), int64_t(hi - lo)).copy_(buf.narrow(0, int64_t(lo - b), int64_t(hi - lo)));
+        }
+      engine.store_state_slice(u, Engine::StateKind(k), slice);
+    }
+  }
+  // Every rank learns of any rank's failure and throws the first one's message.
+  const std::vector<std::string> failures = all_gather_strings(comm, failure);
+  for (int r = 0; r < comm.world_size(); ++r)
+    if (!failures[size_t(r)].empty())
+      throw std::runtime_error(r == rank ? failures[size_t(r)] : "rank " + std::to_string(r) + ": " + failures[size_t(r)]);
+}
+
 }  // namespace
 
 ResumeChoice agree_resume_point(Communicator& comm, const std::optional<fs::path>& rank0_choice,
@@ -111,7 +219,11 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
   const json m = parse_manifest(text.substr(1), dir.string() + " (rank 0's manifest.json)");
   const Partition& part = engine.partition();
   const json units = partition_json(part);
-  if (m["units"] != units) {
+  // Another cut of the same model's tensors (block tiles, or none, where the save had others)
+  // loads through the whole tensors; anything else is another model.
+  const bool same_units = m["units"] == units;
+  if (!same_units &&
+      whole_tensors(manifest_tensors(m["units"], dir.string())) != whole_tensors(manifest_tensors(units, "this run"))) {
     std::string why = "different number of units";
     if (m["units"].size() == units.size())
       for (size_t u = 0; u < units.size(); ++u)
@@ -130,10 +242,14 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
   // after the reads), and an exchange writes each chunk at its own place in a buffer.
   for (int k = 0; k < kStateKinds; ++k) {
     std::vector<std::vector<const json*>> of_kind = chunks_by_unit(m, dir, k);
-    for (size_t u = 0; u < part.num_units(); ++u)
-      if (!sort_and_check_tiling(of_kind[u], part.unit(u).numel))
-        throw std::runtime_error("checkpoint " + dir.string() + ": the manifest's chunks do not cover " +
-                                 kKindNames[k] + " of unit " + part.unit(u).name + " exactly once");
+    for (size_t u = 0; u < m["units"].size(); ++u)
+      if (!sort_and_check_tiling(of_kind[u], m["units"][u]["numel"].get<uint64_t>()))
+        throw std::runtime_error("checkpoint " + dir.string() + ": the manifest's chunks do not cover " + kKindNames[k] +
+                                 " of unit " + m["units"][u]["name"].get<std::string>() + " exactly once");
+  }
+  if (!same_units) {
+    load_recut(engine, comm, dir, m, reader);
+    return finish_load(engine, comm, dir, m);
   }
 
   // Who sees which saving rank's data file (node-local disks: each node its own).
@@ -301,12 +417,7 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
   for (int r = 0; r < world; ++r)
     if (!failures[size_t(r)].empty())
       throw std::runtime_error(r == rank ? failures[size_t(r)] : "rank " + std::to_string(r) + ": " + failures[size_t(r)]);
-  engine.refresh_compute_copies();
-  const json& c = m["counters"];
-  engine.set_counters({c["optimizer_step"].get<int64_t>(), c["loss_scale"].get<double>(),
-                       c["good_steps"].get<int64_t>()});
-  comm.barrier();
-  return checkpoint_meta(m, dir);
+  return finish_load(engine, comm, dir, m);
 }
 
 }  // namespace strata::engine

@@ -9,16 +9,23 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
   if (sizes_.padded_numel.size() != schedule_.num_units() || sizes_.shard_numel.size() != schedule_.num_units())
     throw std::invalid_argument("MemoryModel: sizes for " + std::to_string(sizes_.padded_numel.size()) +
                                 " units, the schedule has " + std::to_string(schedule_.num_units()));
-  // Per use: 4 boundary activations, the gradient buffers of the units a backward use touches
-  // (fp32 full, a bf16 copy when reducing in bf16, the reduced fp32 shard), the head's logits.
-  const uint64_t act = activation_bytes();
+  if (!sizes_.input_widths.empty() && sizes_.input_widths.size() != schedule_.num_stages())
+    throw std::invalid_argument("MemoryModel: input widths for " + std::to_string(sizes_.input_widths.size()) +
+                                " stages, the schedule has " + std::to_string(schedule_.num_stages()));
+  // Per use: its boundary activations (input and output, each with its gradient), the gradient
+  // buffers of the units a backward use touches (fp32 full, a bf16 copy when reducing in bf16,
+  // the reduced fp32 shard), the head's logits.
   const uint64_t logits = head_loss_bytes();
+  for (size_t s = 0; s < schedule_.num_stages(); ++s) largest_input_ = std::max(largest_input_, input_bytes(s));
   for (const Use& use : schedule_.uses()) {
     uint64_t grads = 0;
     if (use.kind != Use::kForward)
       for (size_t u : schedule_.units_of(use.stage))
         grads += sizes_.padded_numel[u] * (4 + (sizes_.reduce_bf16 ? 2 : 0)) + sizes_.shard_numel[u] * 4;
-    largest_use_scratch_ = std::max(largest_use_scratch_, 4 * act + grads + (use.kind == Use::kHead ? logits : 0));
+    const size_t s = use.stage;
+    const uint64_t boundary =
+        2 * (input_bytes(s) + (s + 1 < schedule_.num_stages() ? input_bytes(s + 1) : activation_bytes()));
+    largest_use_scratch_ = std::max(largest_use_scratch_, boundary + grads + (use.kind == Use::kHead ? logits : 0));
   }
   // scratch() adds one checkpoint on its way back when checkpoints live off the device.
 }
@@ -44,6 +51,16 @@ uint64_t MemoryModel::largest_unit(const Choices& c) const {
 }
 
 uint64_t MemoryModel::activation_bytes() const { return sizes_.tokens * sizes_.hidden * sizes_.compute_bytes; }
+
+uint64_t MemoryModel::input_bytes(size_t stage) const {
+  return (sizes_.input_widths.empty() ? 1 : sizes_.input_widths.at(stage)) * activation_bytes();
+}
+
+uint64_t MemoryModel::checkpoint_bytes(const Choices& c) const {
+  uint64_t b = 0;
+  for (size_t s = 1; s <= c.recomputed && s < schedule_.num_stages(); ++s) b += input_bytes(s);
+  return b;
+}
 
 uint64_t MemoryModel::held_at(const Use& use, const Choices& c) const {
   uint64_t b = 0;

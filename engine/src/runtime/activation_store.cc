@@ -17,19 +17,26 @@ std::span<std::byte> bytes_of(const at::Tensor& t) {
 
 }  // namespace
 
-ActivationStore::ActivationStore(Placement where, std::vector<int64_t> shape, at::ScalarType dtype,
+ActivationStore::ActivationStore(Placement where, std::vector<std::vector<int64_t>> shapes, at::ScalarType dtype,
                                  std::vector<std::string> unit_names, size_t checkpointed, Device& dev,
                                  const state::HostMemory& host, Profiler& prof, offload::SwapSpace* swap)
-    : where_(where), shape_(std::move(shape)), dtype_(dtype), unit_names_(std::move(unit_names)), dev_(dev),
+    : where_(where), shapes_(std::move(shapes)), dtype_(dtype), unit_names_(std::move(unit_names)), dev_(dev),
       host_(host), prof_(prof), swap_(swap) {
   if (where_ == Placement::kAuto) throw std::logic_error("ActivationStore: placement not resolved");
   if (where_ == Placement::kNvme) {
     if (!swap_) throw std::logic_error("ActivationStore: nvme placement without a swap space");
-    uint64_t bytes = c10::elementSize(dtype_);
-    for (int64_t d : shape_) bytes *= uint64_t(d);
-    for (size_t s = 1; s <= checkpointed; ++s) swap_->allocate(swap_name(s), bytes);
+    for (size_t s = 1; s <= checkpointed; ++s) swap_->allocate(swap_name(s), numel(s) * c10::elementSize(dtype_));
   }
+  if (shapes_.size() != unit_names_.size())
+    throw std::logic_error("ActivationStore: " + std::to_string(shapes_.size()) + " shapes for " +
+                           std::to_string(unit_names_.size()) + " stages");
   slots_.resize(unit_names_.size());
+}
+
+uint64_t ActivationStore::numel(size_t s) const {
+  uint64_t n = 1;
+  for (int64_t d : shapes_.at(s)) n *= uint64_t(d);
+  return n;
 }
 
 ActivationStore::~ActivationStore() {
@@ -108,9 +115,7 @@ void ActivationStore::read_ahead(size_t s) {
     a.written.get();  // written during the forward, long before
   }
   prune();
-  uint64_t numel = 1;
-  for (int64_t d : shape_) numel *= uint64_t(d);
-  a.staged = host_.buffer(numel, dtype_);
+  a.staged = host_.buffer(numel(s), dtype_);
   prof_.nvme_read += uint64_t(a.staged.nbytes());
   // Host memory now: buffers still being written or read, and the last one read, which may
   // still be in the copy queue.
@@ -124,12 +129,12 @@ void ActivationStore::read_ahead(size_t s) {
 void ActivationStore::fetch(size_t s) {
   Slot& a = slots_.at(s);
   if (a.device.defined()) return;
-  a.device = dev_.empty(shape_, dtype_, "activation checkpoint of unit " + unit_names_.at(s));
+  a.device = dev_.empty(shapes_.at(s), dtype_, "activation checkpoint of unit " + unit_names_.at(s));
   at::Tensor src = a.host;
   dev_.wait(dev_.h2d_stream(), dev_.record(dev_.compute_stream()));  // the buffer may be reused memory
   if (where_ == Placement::kNvme) {
     read_ahead(s);
-    src = a.staged.view(shape_);
+    src = a.staged.view(shapes_.at(s));
     offload::IoFuture read = a.read;
     dev_.launch_host(dev_.h2d_stream(), [read] { read.get(); });
     a.staged = at::Tensor();

@@ -35,10 +35,11 @@ namespace strata::engine::runtime {
 
 class ActivationStore {
  public:
-  // `shape`: one checkpoint [micro_batch, seq_len, hidden] in `dtype`; `unit_names` by stage
+  // `shapes` by stage: its checkpoint's ([micro_batch, seq_len, hidden], or [2, ...] for a block
+  // tile's stacked input) in `dtype`; `unit_names` by stage
   // (swap slots and messages). `swap` must be set for nvme placement, and outlive the store;
   // the slots of stages 1..`checkpointed` are allocated in it here.
-  ActivationStore(Placement where, std::vector<int64_t> shape, at::ScalarType dtype,
+  ActivationStore(Placement where, std::vector<std::vector<int64_t>> shapes, at::ScalarType dtype,
                   std::vector<std::string> unit_names, size_t checkpointed, Device& dev,
                   const state::HostMemory& host, Profiler& prof, offload::SwapSpace* swap);
   ~ActivationStore();  // waits for the writes whose host function ran (a step that failed)
@@ -81,7 +82,8 @@ class ActivationStore {
   std::string swap_name(size_t s) const { return "activation." + unit_names_.at(s); }
 
   const Placement where_;
-  const std::vector<int64_t> shape_;
+  uint64_t numel(size_t stage) const;
+  const std::vector<std::vector<int64_t>> shapes_;
   const at::ScalarType dtype_;
   const std::vector<std::string> unit_names_;
   Device& dev_;

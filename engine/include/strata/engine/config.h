@@ -79,6 +79,12 @@ struct EngineConfig {
   // device (Engine::config() shows the count chosen); 1: untiled.
   static constexpr uint64_t kTilesAuto = 0;
   uint64_t head_tiles = kTilesAuto;
+  // placement.tiling for the blocks (models::BlockTiling): each block's attention cut into this
+  // many groups of key/value heads and its MLP into this many slices of the intermediate
+  // dimension, each tile a unit of its own. kTilesAuto: whole blocks when the working set fits
+  // the device, else the fewest tiles that fit (both kinds cut in proportion to their
+  // parameters); 1 and 1: whole blocks.
+  uint64_t attention_tiles = kTilesAuto, mlp_tiles = kTilesAuto;
   std::vector<std::string> nvme_dirs;     // swap directories (one per drive) for "nvme" placement
   unsigned io_queue_depth = 32;           // NVMe requests in flight
   // Construction progress (not in the JSON configuration): called on the constructing thread

@@ -170,7 +170,8 @@ class Engine {
   void set_learning_rate(double lr);
 
   // Every parameter in fp32 with its Hugging Face name, gathered from all ranks' master slices
-  // (a collective). Holds one full copy of the model in host memory. Waits for the update
+  // (a collective); a tensor held in block tiles is assembled whole from its parts. Holds one
+  // full copy of the model in host memory. Waits for the update
   // running behind, not for a checkpoint's hold (it only reads the state).
   std::vector<std::pair<std::string, at::Tensor>> gather_parameters();
 

@@ -21,9 +21,20 @@
 
 namespace strata::engine {
 
+// Where a tensor of a unit comes from: all of a model tensor, or a part of one (a block tile's
+// slice [begin, begin + shape[dim]) along `dim` of the tensor `whole` of shape `whole_shape`).
+// Checkpoints, loading at another tiling and exports work on whole tensors through it.
+struct TensorOrigin {
+  std::string whole;                 // empty: the tensor is whole
+  std::vector<int64_t> whole_shape;
+  int64_t dim = 0, begin = 0;
+  bool is_part() const { return !whole.empty(); }
+};
+
 struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
+  TensorOrigin origin;
   uint64_t numel() const;
 };
 
@@ -32,11 +43,15 @@ struct TensorSlot {
   std::vector<int64_t> shape;
   uint64_t offset = 0;  // elements from the start of the unit's flat buffer
   uint64_t numel = 0;
+  TensorOrigin origin;
+  // The model tensor it is (a part of), and that tensor's shape.
+  const std::string& whole_name() const { return origin.is_part() ? origin.whole : name; }
+  const std::vector<int64_t>& whole_shape() const { return origin.is_part() ? origin.whole_shape : shape; }
 };
 
 // Whether `config` exempts tensor `slot` from weight decay (EngineConfig::no_decay_*): a bias is
 // a 1-D tensor named "*bias", a norm weight any other 1-D tensor, an embedding a tensor named
-// "*wte*", "*wpe*" or "*embed_tokens*".
+// "*wte*", "*wpe*" or "*embed_tokens*" (a part is judged by its whole tensor).
 struct EngineConfig;
 bool exempt_from_weight_decay(const TensorSlot& slot, const EngineConfig& config);
 

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "strata/models/model_config.h"
@@ -46,6 +47,9 @@ std::vector<uint64_t> stage_parameters(const ModelConfig& c, const BlockTiling& 
 // The embedding's input (token ids) counts as 1, as every output that is not another stage's
 // input (the head's).
 std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const BlockTiling& t = {});
+// Stage s's name, which is also its unit's: "embedding", "block.3", "block.3.attn.1",
+// "block.3.mlp.0", "head". Throws std::out_of_range past the head.
+std::string stage_name(const ModelConfig& c, const BlockTiling& t, size_t stage);
 
 // Bytes one block's forward with autograd keeps for its backward, per token, with compute
 // copies of `elem_bytes` bytes (Decoder::block_graph_bytes_per_token; tests/models/

@@ -9,8 +9,8 @@
 // use u of the schedule:
 //   use_bytes(u)        the gathered units of u's stage (full compute-dtype buffers, plus each
 //                       one's staged shard while compute copies live off the device)
-//   scratch             the largest use's boundary activations (4 per use: input, output and
-//                       their gradients), the fp32 gradient buffers of the units a backward use
+//   scratch             the largest use's boundary activations (input, output and their
+//                       gradients; a block tile's input and output may stack two activations), the fp32 gradient buffers of the units a backward use
 //                       touches (plus a bf16 copy when reducing in bf16, plus the reduced shard),
 //                       the head's loss (head_scratch_bytes: the fp32 logits and their gradients,
 //                       or one tile of them when tiled); plus one activation checkpoint coming
@@ -43,6 +43,9 @@ struct ModelSizes {
   uint64_t tokens = 0;                 // micro_batch * seq_len
   uint64_t hidden = 0, vocab = 0;
   uint64_t graph_bytes = 0;            // one kept block's autograd graph at `tokens`
+  // By stage: its input in multiples of [tokens, hidden] (models::stage_input_widths: 2 for a
+  // block tile whose input stacks the normed input and the running sum). Empty: 1 everywhere.
+  std::vector<uint64_t> input_widths;
   LogitsTiling logits;                 // the head's loss: its tiles of the logits (default: untiled)
 };
 
@@ -72,14 +75,18 @@ class MemoryModel {
   uint64_t unit_bytes(size_t unit, const Choices& c) const;
   uint64_t use_bytes(const Use& use, const Choices& c) const;
   uint64_t largest_unit(const Choices& c) const;
-  uint64_t activation_bytes() const;  // one block input of a micro-batch
-  uint64_t checkpoint_bytes(const Choices& c) const { return uint64_t(c.recomputed) * activation_bytes(); }
+  uint64_t activation_bytes() const;  // one [tokens, hidden] activation of a micro-batch
+  // Stage s's input (a boundary activation, an activation checkpoint), and the largest one.
+  uint64_t input_bytes(size_t stage) const;
+  uint64_t largest_input_bytes() const { return largest_input_; }
+  // Stages 1..recomputed's inputs.
+  uint64_t checkpoint_bytes(const Choices& c) const;
   uint64_t device_checkpoints(const Choices& c) const {
     return c.activations == Placement::kDevice ? checkpoint_bytes(c) : 0;
   }
   // O(1): the engine's room test calls it before every gather.
   uint64_t scratch(const Choices& c) const {
-    return largest_use_scratch_ + (c.activations != Placement::kDevice ? activation_bytes() : 0);
+    return largest_use_scratch_ + (c.activations != Placement::kDevice ? largest_input_ : 0);
   }
   // The head's loss: its part of the head use's scratch (plan/tiling.h).
   uint64_t head_loss_bytes() const;
@@ -107,6 +114,7 @@ class MemoryModel {
   const Schedule& schedule_;
   ModelSizes sizes_;
   uint64_t largest_use_scratch_ = 0;  // scratch's part that no choice changes
+  uint64_t largest_input_ = 0;
 };
 
 }  // namespace strata::engine::plan
