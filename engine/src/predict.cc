@@ -73,9 +73,9 @@ bool block_tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, c
                                                                           : std::min(blocks, size_t(cfg.recompute_blocks));
   choice.params_staged = cfg.params != Placement::kDevice;
   choice.activations = cfg.activations;
-  choice.prefetch = cfg.prefetch;
+  choice.prefetch = 0;  // gathering ahead is opportunistic: construction checks each use's need alone
   const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, 2 + schedule.shared_units());
-  return explicit_device_bytes(cfg, need) + plan::MemoryModel(schedule, sizes).working_set(choice) <= usable;
+  return explicit_device_bytes(cfg, need) + plan::MemoryModel(schedule, sizes).largest_need(choice) <= usable;
 }
 
 StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig& mc, int world_size,

@@ -67,7 +67,8 @@ models::BlockTiling resolve_block_tiles(const EngineConfig& cfg, const models::M
     }
     if (t.attention == most_attention && t.mlp == most_mlp) break;
   }
-  const models::BlockTiling pick = found ? *found : models::BlockTiling{most_attention, most_mlp};
+  // None fits: whole blocks (as configured), whose budget check then names what is left.
+  const models::BlockTiling pick = found ? *found : cut(1);
   const std::vector<int64_t> agreed = agree({pick.attention, pick.mlp});
   return {agreed[0], agreed[1]};
 }

@@ -60,8 +60,8 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
 // The blocks' tiles: the configured counts, or for an "auto" count whole blocks when `fits`
 // (block_tiling_fits, predict.h) says so, else the fewest tiles that fit, for k = 2, 3, ...
 // attention and MLP cut into about k x their share of the block's parameters (an explicit count
-// kept); "auto" cuts no MLP tile narrower than 64 features. When none fits, the most "auto" cuts
-// (construction's budget check then names what is left). Agreed: each count the most any rank
+// kept); "auto" cuts no MLP tile narrower than 64 features. When none fits, whole blocks
+// (construction's budget check then names what is left, with the tiles among the remedies). Agreed: each count the most any rank
 // needs. Throws std::invalid_argument for counts that do not cut the model.
 models::BlockTiling resolve_block_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
                                         const std::function<bool(const models::BlockTiling&)>& fits,

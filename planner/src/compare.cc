@@ -163,6 +163,8 @@ std::string comparison_json(const Comparison& cmp) {
                  {"recomputed_blocks", s.state.choice.recomputed},
                  {"checkpoints", engine::to_string(s.state.choice.activations)},
                  {"head_tiles", s.state.head_tiles},
+                 {"attention_tiles", s.state.block_tiles.attention},
+                 {"mlp_tiles", s.state.block_tiles.mlp},
                  {"device_bytes", s.state.device_bytes()},
                  {"host_bytes", s.state.host_state},
                  {"nvme_bytes", s.state.nvme_state},

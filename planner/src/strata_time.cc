@@ -17,7 +17,9 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const GpuSpec& gpu = c.node.gpu;
   const bool fp32 = cfg.compute == engine::Precision::kFp32;
   const double cb = double(p.compute_bytes), A = double(cfg.grad_accum), w = world;
-  const size_t units = p.shard_numel.size(), stages = p.stage_units.size(), blocks = stages - 2;
+  // Stages between the embedding and the head: the blocks, or their tiles (each a share of a block).
+  const size_t units = p.shard_numel.size(), stages = p.stage_units.size(), block_stages = stages - 2;
+  const double blocks = double(m.layers);
   const double seqs = double(cfg.micro_batch);
 
   // --- compute of one micro-batch ------------------------------------------------------------
@@ -26,7 +28,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const Seconds block_kinds = seconds_by_kind(block_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
   const Seconds head_kinds = seconds_by_kind(head_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
   const double block_fwd = block_kinds.total(), head_fwd = head_kinds.total();
-  const double recomputed = double(p.choice.recomputed);
+  const double recomputed = double(p.choice.recomputed) * blocks / double(std::max<size_t>(1, block_stages));
   // Forward, backward (twice the forward), the recomputed blocks' forward again; the head's
   // forward and backward, plus its logits again in the backward when cut into tiles.
   const double fwd = double(blocks) * block_fwd;

@@ -488,7 +488,8 @@ TEST(EngineActivations, EveryPlacementTrainsBitwiseAlikeAndMovesItsBytes) {
   std::map<std::string, Trajectory> runs;
   const uint64_t budget = 1200 * 1024;  // about one unit: gathers and checkpoints share it
   for (const char* where : {"host", "device", "nvme"}) {
-    j["placement"] = {{"activations", where}};
+    // Whole blocks: the boundaries searched here are the checkpoints', not the blocks' tiles'.
+    j["placement"] = {{"activations", where}, {"tiling", {{"attention", "off"}, {"mlp", "off"}}}};
     const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
     uint64_t peak = 0;
     runs[where] = run_in_process(tc, budget, &peak);
@@ -638,7 +639,8 @@ TEST(EngineActivations, DevicePlacementCountsInTheBudgetAndAutoPicksATier) {
   j["run"]["steps"] = 2;
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
   auto build = [&](const char* where, uint64_t budget) {
-    j["placement"] = {{"activations", where}};
+    // Whole blocks: the boundaries searched here are the checkpoints', not the blocks' tiles'.
+    j["placement"] = {{"activations", where}, {"tiling", {{"attention", "off"}, {"mlp", "off"}}}};
     const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
     auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
     auto dev = se::Device::create_host(budget);
@@ -770,7 +772,8 @@ TEST(EngineRecompute, KeptGraphsCountInTheBudgetAndAutoKeepsWhatFits) {
   j["run"]["steps"] = 2;
   j["device"] = {{"prefetch", 0}};
   auto config = [&](json recompute) {
-    j["placement"] = {{"recompute", recompute}};
+    // Whole blocks: the boundaries searched here are the kept graphs', not the blocks' tiles'.
+    j["placement"] = {{"recompute", recompute}, {"tiling", {{"attention", "off"}, {"mlp", "off"}}}};
     return se::parse_train_config(j.dump(), "test");
   };
   auto recomputed = [&](json recompute, uint64_t budget) {

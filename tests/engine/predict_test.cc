@@ -23,6 +23,7 @@ struct Scenario {
   // world size 1; device: beside the working set of the leanest choices.
   double device, host, nvme;
   double working_set_share = 1;  // of the leanest working set, untiled
+  json model = json::object();   // merged into "model"
 };
 
 const se::MachineShare kUnlimited{UINT64_MAX, 1ull << 50, 1ull << 50, 1};
@@ -49,12 +50,16 @@ TEST(PredictState, IsWhatTheEngineDecides) {
       {"head tiles auto in a tight device", true,
        {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}, {"tiling", "auto"}},
        {}, 0, 2, 0, 0.7},
+      {"block tiles auto in a tight device", true,
+       {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}, {"tiling", "auto"}},
+       {}, 0, 2, 0, 0.6, {{"hidden", 128}, {"heads", 8}, {"kv_heads", 4}, {"intermediate", 1536}, {"vocab_size", 256}}},
   };
   for (const Scenario& sc : scenarios) {
     SCOPED_TRACE(sc.name);
     TempDir swap;
     json j = tiny_config(sc.llama, 3);
     if (sc.llama) j["model"]["vocab_size"] = 4000;
+    for (auto& [k, v] : sc.model.items()) j["model"][k] = v;
     j["data"]["seq_len"] = 32;
     j["batch"]["grad_accum"] = 1;
     if (!sc.placement.is_null()) j["placement"] = sc.placement;
@@ -84,7 +89,9 @@ TEST(PredictState, IsWhatTheEngineDecides) {
     // The budgets a run takes: the configuration's (both set above), no NVMe without directories.
     const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {device, 1ull << 50, 1ull << 50, 1});
     ASSERT_TRUE(p.fits) << p.error;
-    if (sc.working_set_share < 1) EXPECT_GT(p.head_tiles, 1u) << "the scenario is meant to cut the head";
+    if (sc.working_set_share < 1) {
+      EXPECT_TRUE(p.head_tiles > 1 || !p.block_tiles.whole()) << "the scenario is meant to cut the head or the blocks";
+    }
     if (sc.device > 0 && sc.device < 1 && sc.placement == kAuto)
       EXPECT_NE(p.placement.master, se::Placement::kDevice) << "the scenario is meant to split the state";
 
@@ -100,23 +107,30 @@ TEST(PredictState, IsWhatTheEngineDecides) {
     EXPECT_EQ(p.choice.recomputed, size_t(e.recompute_blocks));
     EXPECT_EQ(p.choice.activations, e.activations);
     EXPECT_EQ(p.head_tiles, e.head_tiles);
+    EXPECT_EQ(uint64_t(p.block_tiles.attention), e.attention_tiles);
+    EXPECT_EQ(uint64_t(p.block_tiles.mlp), e.mlp_tiles);
     EXPECT_EQ(p.device_state, eng.device_state_bytes());
     EXPECT_EQ(p.working_set, eng.memory_model().working_set(eng.working_set_choices()));
     EXPECT_TRUE(eng.placement_report().starts_with(p.report)) << eng.placement_report() << "\n" << p.report;
     std::cout << "  " << sc.name << ": " << p.report << "; recompute " << p.choice.recomputed << ", checkpoints "
-              << se::to_string(p.choice.activations) << ", head tiles " << p.head_tiles << "\n";
+              << se::to_string(p.choice.activations) << ", head tiles " << p.head_tiles << ", block tiles "
+              << p.block_tiles.attention << " x " << p.block_tiles.mlp << "\n";
   }
 }
 
 // The prediction's units are the partition the engine builds from the real tensors.
 TEST(PredictState, PartitionsLikeTheEngineAtAnyWorldSize) {
-  for (bool llama : {false, true}) {
+  for (bool llama : {false, true})
+  for (const sm::BlockTiling tiles : {sm::BlockTiling{1, 1}, sm::BlockTiling{2, 3}}) {
     se::TrainConfig tc = se::parse_train_config(tiny_config(llama, 3).dump(), "test");
+    tc.engine.attention_tiles = uint64_t(tiles.attention);
+    tc.engine.mlp_tiles = uint64_t(tiles.mlp);
     sm::Decoder m(tc.model, 1, sm::Decoder::Init::kDeferred);
+    m.set_block_tiling(tiles);
     std::vector<std::pair<std::string, std::vector<se::TensorSpec>>> specs;
     for (sm::Stage* s : m.stages()) {
       std::vector<se::TensorSpec> ts;
-      for (auto& [name, t] : s->hf_parameters()) ts.push_back({name, t.sizes().vec()});
+      for (auto& [name, t] : s->hf_parameters()) ts.push_back({name, t.sizes().vec(), {}});
       specs.emplace_back("u" + std::to_string(specs.size()), ts);
     }
     for (int world : {1, 2, 3, 7, 64}) {

@@ -177,6 +177,7 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
       if (!failure.empty()) continue;
       for (const Piece& p : pieces)
         for (const auto& [c, buf] : read) {
+          if ((*c)["unit"].get<size_t>() != p.unit) continue;  // flat places are per saved unit
           const uint64_t b = (*c)["begin"].get<uint64_t>(), e = b + (*c)["numel"].get<uint64_t>();
           const uint64_t lo = std::max(b, p.from), hi = std::min(e, p.from + p.numel);
           if (lo >= hi) continue;

@@ -36,8 +36,9 @@ struct UnitPlan {
 UnitPlan plan_units(const models::ModelConfig& mc, const models::BlockTiling& tiling, int world_size);
 
 // Whether `tiling` lets the device run a step within `usable` bytes: the state `cfg` places on
-// the device explicitly plus the working set at the leanest automatic choices (every block
-// recomputed, the head's logits in the most tiles "auto" cuts unless configured). The test
+// the device explicitly plus the largest use's need (construction's budget check: nothing
+// gathered ahead) at the leanest automatic choices (every block recomputed unless configured,
+// the head's logits in the most tiles "auto" cuts unless configured). The test
 // placement.tiling "auto" makes for the blocks (resolve_block_tiles).
 bool block_tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::BlockTiling& tiling,
                        int world_size, uint64_t usable);
