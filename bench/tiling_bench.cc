@@ -89,6 +89,33 @@ void run_tiling_bench(const TilingBenchOptions& o) {
                            {"compute", o.compute},
                            {"threads", threads}};
     std::cout << line.dump() << std::endl;
+
+    // The same model with each block cut into tiles (the head whole in both).
+    engine::EngineConfig tiled_cfg = engine_config(o, o.batch, o.seq, 1, threads);
+    tiled_cfg.attention_tiles = uint64_t(std::min<int64_t>(o.heads, o.attention_tiles));
+    tiled_cfg.mlp_tiles = uint64_t(o.mlp_tiles);
+    auto dev_blocks = engine::Device::create(o.device, 0, UINT64_MAX);
+    engine::Engine blocks(std::make_unique<models::Decoder>(c, 1), tiled_cfg, *comm, *dev_blocks);
+    const std::string blocks_desc = std::to_string(tiled_cfg.attention_tiles) + " attention x " +
+                                    std::to_string(tiled_cfg.mlp_tiles) + " MLP tiles";
+    std::cerr << "bench tiling (a): blocks whole vs in " << blocks_desc << std::endl;
+    const std::vector<double> bsec =
+        median_seconds(o.steps, {[&] { whole.train_step(ids); }, [&] { blocks.train_step(ids); }});
+    nlohmann::json bline = {{"metric", "train_step_seconds_blocks_tiled"},
+                            {"value", bsec[1]},
+                            {"baseline", "the same engine step with whole blocks"},
+                            {"baseline_value", bsec[0]},
+                            {"ratio", bsec[1] / bsec[0]},
+                            {"overhead", bsec[1] / bsec[0] - 1},
+                            {"target_ratio_at_most", 1.10},
+                            {"tiling", blocks_desc},
+                            {"largest_unit_bytes_whole", whole.memory_model().largest_unit(whole.working_set_choices())},
+                            {"largest_unit_bytes_tiled", blocks.memory_model().largest_unit(blocks.working_set_choices())},
+                            {"parameters", c.parameters()},
+                            {"device", dev_whole->description()},
+                            {"compute", o.compute},
+                            {"threads", threads}};
+    std::cout << bline.dump() << std::endl;
   }
 
   // (b) Capacity in one budget: the largest vocabulary (doubling from 256) that trains.

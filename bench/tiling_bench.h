@@ -1,6 +1,7 @@
 // `strata bench tiling`: the engine's tiled LM head beside the untiled one, in the same run.
 //   (a) overhead: the step time of one model that fits both ways, the head's logits cut into
-//       `tiles` tiles vs whole (target: at most 10% slower);
+//       `tiles` tiles vs whole, and its blocks cut into attention x MLP tiles vs whole (target:
+//       at most 10% slower each);
 //   (b) capacity: in one fixed device budget, the largest vocabulary (doubling) for which the
 //       engine constructs and runs a training step, untiled vs placement.tiling "auto"; reported
 //       as logits elements (tokens x vocabulary), the ratio being the gain (target: >= 16x).
@@ -17,6 +18,7 @@ struct TilingBenchOptions {
   // (a): a GPT-2 shape whose head is a large part of the step.
   int64_t layers = 2, hidden = 256, heads = 4, vocab = 32768, seq = 256, batch = 4;
   uint64_t tiles = 16;
+  int64_t attention_tiles = 2, mlp_tiles = 4;  // (a) the blocks' tiles beside whole blocks
   unsigned steps = 5;  // timed steps per side, round-robin, median reported
   // (b): the budget, hidden size and tokens of the capacity search.
   uint64_t budget = 64ull << 20;

@@ -185,7 +185,8 @@ constexpr const char* kBenchTilingUsage = R"(usage: strata bench tiling [options
 
 The engine's LM head with its logits cut into tiles (placement.tiling) beside the same engine
 with them whole, in one run, fp32 on the host device:
-  (a) the step time of a model that fits both ways, tiled vs whole (target: at most 10% more);
+  (a) the step time of a model that fits both ways, its head's logits tiled vs whole and its
+      blocks cut into tiles vs whole (target: at most 10% more each);
   (b) in one device budget, the largest vocabulary (doubling from 256) for which the engine
       constructs and runs a training step of --capacity-tokens tokens, untiled vs tiling "auto",
       as logits elements (target: at least 16x).
@@ -201,6 +202,8 @@ A JSON line per part; the last one is (c).
   --seq N               (a) tokens per sequence (default 256)
   --batch N             (a) sequences per step (default 4)
   --tiles N             (a) the head's tiles (default 16)
+  --attention-tiles N   (a) each block's attention tiles (default 2, at most --heads)
+  --mlp-tiles N         (a) each block's MLP tiles (default 4)
   --steps N             (a) timed steps per side (default 5)
   --budget BYTES        (b) the device budget (default 64MiB)
   --capacity-hidden N   (b) model width (default 64)
@@ -219,7 +222,8 @@ int bench_tiling(const std::vector<std::string>& argv) {
       std::cout << kBenchTilingUsage;
       return 0;
     }
-  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "tiles", "steps", "budget",
+  strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "tiles", "attention-tiles",
+                                "mlp-tiles", "steps", "budget",
                                 "capacity-hidden", "capacity-tokens", "hidden-budget", "hidden-tokens", "hidden-max",
                                 "threads", "device", "compute"}, {});
   strata::bench::TilingBenchOptions o;
@@ -230,6 +234,8 @@ int bench_tiling(const std::vector<std::string>& argv) {
   o.seq = args.count("seq", unsigned(o.seq));
   o.batch = args.count("batch", unsigned(o.batch));
   o.tiles = args.count("tiles", unsigned(o.tiles));
+  o.attention_tiles = args.count("attention-tiles", unsigned(o.attention_tiles));
+  o.mlp_tiles = args.count("mlp-tiles", unsigned(o.mlp_tiles));
   o.steps = args.count("steps", o.steps);
   if (args.has("budget")) o.budget = strata::engine::parse_bytes(args.get("budget", ""));
   o.capacity_hidden = args.count("capacity-hidden", unsigned(o.capacity_hidden));

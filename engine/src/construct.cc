@@ -100,10 +100,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
       cfg, *memory, choice, need, usable_device(),
       [this](uint64_t device) { return machine_budgets(cfg, device, local_ranks()); }, agreement(), placement_report);
   choice.params_staged = resolved.params != Placement::kDevice;
-  if (!block_tiles.whole())
-    placement_report += "; blocks in " + std::to_string(block_tiles.attention) + " attention x " +
-                        std::to_string(block_tiles.mlp) + " MLP tiles (largest unit " +
-                        format_bytes(memory->largest_unit(choice)) + ")";
+  placement_report += describe_block_tiles(block_tiles, *memory, choice);
   placement_report += "; head logits " + plan::describe(memory->sizes().logits, memory->sizes().tokens,
                                                         memory->sizes().vocab) +
                       " (" + format_bytes(memory->head_loss_bytes()) + " for the loss)";

@@ -120,6 +120,7 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     const plan::MemoryModel memory(schedule, sizes);
     out.placement = resolve_placement(cfg, memory, choice, need, usable, budgets, same, out.report);
     choice.params_staged = out.placement.params != Placement::kDevice;
+    out.report += describe_block_tiles(out.block_tiles, memory, choice);
     const TierBytes tiers = bytes_by_tier(out.placement, need, out.compute_bytes);
     out.device_state = tiers.device;
     out.host_state = tiers.host;

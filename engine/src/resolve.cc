@@ -73,6 +73,12 @@ models::BlockTiling resolve_block_tiles(const EngineConfig& cfg, const models::M
   return {agreed[0], agreed[1]};
 }
 
+std::string describe_block_tiles(const models::BlockTiling& t, const plan::MemoryModel& mm, const plan::Choices& c) {
+  if (t.whole()) return "";
+  return "; blocks in " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) +
+         " MLP tiles (largest unit " + format_bytes(mm.largest_unit(c)) + ")";
+}
+
 uint64_t resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
                             const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree) {
   if (cfg.head_tiles != EngineConfig::kTilesAuto) return cfg.head_tiles;

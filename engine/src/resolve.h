@@ -67,6 +67,10 @@ models::BlockTiling resolve_block_tiles(const EngineConfig& cfg, const models::M
                                         const std::function<bool(const models::BlockTiling&)>& fits,
                                         const Agree& agree);
 
+// "; blocks in A attention x M MLP tiles (largest unit B)" for the placement line, or nothing
+// for whole blocks.
+std::string describe_block_tiles(const models::BlockTiling& t, const plan::MemoryModel& mm, const plan::Choices& c);
+
 // The head's logits tiles: the configured count, or for "auto" the fewest for which `base` (the
 // state the configuration puts on the device explicitly) plus the working set under `choice` (the
 // configuration's explicit choices, the leanest automatic ones) fits `usable` (every count up to

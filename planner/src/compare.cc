@@ -270,7 +270,7 @@ std::vector<Largest> largest_models(const Workload& w, const Cluster& c, const e
   if (c.node.nvme_drives > 0) {
     walk("Strata, with NVMe", strata(true));
     // The state capacity: the GPU holds the working set and nothing else, whatever its size.
-    walk("Strata, with NVMe: state capacity alone (needs block tiles, #21)", [&](const Workload& x) -> Verdict {
+    walk("Strata, with NVMe: state capacity alone", [&](const Workload& x) -> Verdict {
       Cluster roomy = c;
       roomy.node.gpu.memory = double(UINT64_MAX / 4);
       roomy.node.gpu.reserved = 0;

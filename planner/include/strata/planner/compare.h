@@ -79,9 +79,9 @@ struct Largest {
 // data parallelism alone (tp = pp = 1, no sharding), 3D parallelism, Strata without NVMe, Strata
 // with NVMe (where the cluster has drives), and, beside it, the NVMe row's state capacity alone:
 // the largest model whose state host RAM and NVMe hold when the GPU holds nothing but the
-// working set, however large one block's working set is. Strata gathers a whole block, so its
-// real limit on small GPUs is the largest block the GPU runs; the capacity row is what block
-// tiles (units smaller than a block, issue #21, not built) would open.
+// working set, however large one block's working set is. Strata cuts blocks that do not fit the
+// GPU into tiles (placement.tiling "auto"), so the NVMe row reaches the capacity row unless a
+// single tile (one key/value head group, 64 intermediate features) outgrows the GPU.
 std::vector<Largest> largest_models(const Workload& w, const Cluster& c, const engine::EngineConfig& base);
 
 }  // namespace strata::planner
