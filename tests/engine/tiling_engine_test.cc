@@ -313,6 +313,57 @@ TEST(TiledBlocks, TwoAndFourRanksMatchWholeBlocks) {
   }
 }
 
+// The same at 2 and 4 ranks (state in swap at 4) under a device budget that whole blocks do not
+// fit: "auto" cuts them on every rank alike, stays within the budget, and ends where whole blocks
+// with no budget end. The budget is set between the two working sets measured at one rank (the
+// gathered units and activations a rank holds do not depend on the world size; the shards do,
+// and they live on the host here).
+json wide_block_config(bool llama) {
+  json j = tiling_config(llama, 2);
+  j["model"]["hidden"] = 128;
+  j["model"]["heads"] = 8;
+  if (llama) j["model"]["kv_heads"] = 4;
+  j["model"]["intermediate"] = 1536;
+  j["model"]["vocab_size"] = 256;
+  j["data"]["seq_len"] = 16;
+  j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}};
+  return j;
+}
+
+uint64_t device_need(const json& j) {
+  const se::TrainConfig tc = parsed(j);
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create("cpu", 0, UINT64_MAX);
+  se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), tc.engine, *comm,
+                 *dev);
+  return eng.memory_model().largest_need(eng.working_set_choices()) + eng.device_state_bytes();
+}
+
+TEST(TiledBlocks, TwoAndFourRanksUnderABudgetOnlyTilesFit) {
+  for (int ranks : {2, 4}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks");
+    TempDir whole_dir, cut_dir, swap;
+    json j = wide_block_config(ranks == 4);
+    if (ranks == 4) {
+      j["placement"] = {{"params", "host"}, {"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}};
+      j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+    }
+    json whole = j, cut = j, eight = j;
+    whole["placement"]["tiling"] = "off";
+    eight["placement"]["tiling"] = {{"attention", 4}, {"mlp", 8}};
+    const uint64_t need_whole = device_need(whole), need_cut = device_need(eight);
+    ASSERT_LT(2 * need_cut, need_whole) << "the blocks must dominate the device's working set";
+    const uint64_t budget = (need_whole + need_cut) / 2;
+    cut["device"] = {{"budget", budget}, {"prefetch", 0}};
+    const se::TrainConfig tc = parsed(j);
+    const Trajectory got = run_launched(tc, cut, ranks, cut_dir);
+    expect_close(got, run_launched(tc, whole, ranks, whole_dir), 1e-5);
+    EXPECT_LE(got.device_peak, budget);
+    const std::string out = read_file(cut_dir / "out.txt");
+    EXPECT_NE(out.find("blocks in "), std::string::npos) << out;
+  }
+}
+
 // A model whose one block is larger than the device budget allows: whole blocks fail with
 // BudgetExceeded naming the block and the remedy; "auto" cuts the blocks into the fewest tiles
 // that fit, trains within the budget and matches libtorch with whole blocks.
