@@ -373,7 +373,14 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
           if (it.key() == "head") e.head_tiles = count(it.value(), "tiling.head");
           else if (it.key() == "attention") e.attention_tiles = count(it.value(), "tiling.attention");
           else if (it.key() == "mlp") e.mlp_tiles = count(it.value(), "tiling.mlp");
-          else s.fail("tiling." + it.key(), "is not a layer kind that is tiled: \"head\", \"attention\" and \"mlp\" are");
+          else if (it.key() == "mlp_tokens") {
+            const json& x = it.value();
+            if (x == "off") e.mlp_token_chunk = 0;
+            else if (x.is_number_integer() && x.get<int64_t>() >= 1) e.mlp_token_chunk = x.get<int64_t>();
+            else s.fail("tiling.mlp_tokens", "must be \"off\" or a number of tokens >= 1, not " + x.dump());
+          }
+          else s.fail("tiling." + it.key(), "is not a layer kind that is tiled: \"head\", \"attention\", \"mlp\" and "
+                                            "\"mlp_tokens\" are");
       } else {
         s.fail("tiling", "must be \"auto\", \"off\" or an object {\"head\": tiles, \"attention\": tiles, \"mlp\": tiles}, not " +
                              v->dump());

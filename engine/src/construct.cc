@@ -20,6 +20,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
       [&](const models::BlockTiling& t) { return block_tiling_fits(cfg, mc, t, comm.world_size(), usable_device()); },
       agreement());
   model->set_block_tiling(block_tiles);
+  model->set_mlp_token_chunk(cfg.mlp_token_chunk);
   stages = model->stages();
 
   // Units = stages; each unit's tensors are the ones its stage owns (tied weights once), a block
@@ -101,6 +102,8 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
       [this](uint64_t device) { return machine_budgets(cfg, device, local_ranks()); }, agreement(), placement_report);
   choice.params_staged = resolved.params != Placement::kDevice;
   placement_report += describe_block_tiles(block_tiles, *memory, choice);
+  if (cfg.mlp_token_chunk > 0)
+    placement_report += "; MLP over chunks of " + std::to_string(cfg.mlp_token_chunk) + " tokens";
   placement_report += "; head logits " + plan::describe(memory->sizes().logits, memory->sizes().tokens,
                                                         memory->sizes().vocab) +
                       " (" + format_bytes(memory->head_loss_bytes()) + " for the loss)";

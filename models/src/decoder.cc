@@ -1,5 +1,6 @@
 #include "strata/models/decoder.h"
 #include "strata/models/model_shapes.h"
+#include "strata/tiling/chunked_mlp.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -28,6 +29,8 @@ at::Tensor split_heads(const at::Tensor& x, int64_t heads, int64_t head_dim) {
 at::Tensor merge_heads(const at::Tensor& x) {
   return x.transpose(1, 2).reshape({x.size(0), x.size(2), x.size(1) * x.size(3)});
 }
+
+at::Tensor mlp(const ModelConfig& c, const at::Tensor& n, const tiling::MlpWeights& w, int64_t chunk);
 
 // ---------------------------------------------------------------- GPT-2
 class Gpt2Embedding final : public Stage {
@@ -72,8 +75,7 @@ class Gpt2Block final : public Stage {
     at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
     at::Tensor r = x + dense(merge_heads(a), proj_w, proj_b);
     h = at::layer_norm(r, {d}, ln2_w, ln2_b, c_.norm_eps);
-    h = at::gelu(dense(h, fc_w, fc_b), "tanh");  // gelu_new
-    return r + dense(h, mproj_w, mproj_b);
+    return r + mlp(c_, h, {fc_w, fc_b, {}, {}, mproj_w, mproj_b}, mlp_chunk_);
   }
 
  private:
@@ -156,6 +158,18 @@ at::Tensor mlp_activation(const ModelConfig& c, const at::Tensor& gate) {
   return at::gelu(gate, c.mlp_activation == ModelConfig::Activation::kGelu ? "none" : "tanh");
 }
 
+// The MLP of `n` (its normed input): with `chunk` > 0 over token chunks (tiling::chunked_mlp: one
+// chunk's intermediates at a time), else as written here (what the whole model always computed).
+at::Tensor mlp(const ModelConfig& c, const at::Tensor& n, const tiling::MlpWeights& w, int64_t chunk) {
+  const tiling::MlpActivation act = c.arch == Arch::kGpt2                               ? tiling::MlpActivation::kGeluTanh
+                                    : c.mlp_activation == ModelConfig::Activation::kSilu ? tiling::MlpActivation::kSilu
+                                    : c.mlp_activation == ModelConfig::Activation::kGelu ? tiling::MlpActivation::kGelu
+                                                                                          : tiling::MlpActivation::kGeluTanh;
+  if (chunk > 0) return tiling::chunked_mlp(n, w, act, chunk);
+  if (c.arch == Arch::kGpt2) return dense(at::gelu(dense(n, w.up, w.up_bias), "tanh"), w.down, w.down_bias);  // gelu_new
+  return dense(mlp_activation(c, dense(n, w.gate, w.gate_bias)) * dense(n, w.up, w.up_bias), w.down, w.down_bias);
+}
+
 class LlamaEmbedding final : public Stage {
  public:
   explicit LlamaEmbedding(const ModelConfig& c) : gemma_(c.gemma), hidden_(c.hidden) {
@@ -213,7 +227,7 @@ class LlamaBlock final : public Stage {
     at::Tensor a = llama_attention(c_, q, k, v, inv_freq_);
     at::Tensor r = x + dense(merge_heads(a), wo, bo);
     h = rms_norm(r, post_norm, c_.norm_eps, c_.gemma);
-    return r + dense(mlp_activation(c_, dense(h, wg, bg)) * dense(h, wu, bu), wd, bd);
+    return r + mlp(c_, h, {wu, bu, wg, bg, wd, bd}, mlp_chunk_);
   }
 
  private:
@@ -348,9 +362,7 @@ class MlpTile final : public Tile {
 
   at::Tensor forward(const at::Tensor& z) override {
     auto [n, sum] = split_input(z);
-    at::Tensor h = c_.arch == Arch::kGpt2 ? at::gelu(dense(n, wu, bu), "tanh")  // gelu_new
-                                         : mlp_activation(c_, dense(n, wg, bg)) * dense(n, wu, bu);
-    return join(n, sum + dense(h, wd, bd));
+    return join(n, sum + mlp(c_, n, {wu, bu, wg, bg, wd, bd}, mlp_chunk_));
   }
 
  private:
@@ -454,6 +466,7 @@ void Decoder::set_block_tiling(const BlockTiling& tiling) {
           st->hf_parameters()[k].second.copy_(whole.at(p.tensor).narrow(p.dim, p.begin, p.end - p.begin));
         }
     }
+    for (auto& st : next) st->set_mlp_token_chunk(mlp_chunk_);
     blocks_[i] = std::move(next);
   }
 }
@@ -515,6 +528,13 @@ void Decoder::initialize_through(size_t stage) {
   const size_t last = group_of(stage);
   at::NoGradGuard no_grad;
   for (; initialized_ <= last; ++initialized_) initialize_group(initialized_);
+}
+
+void Decoder::set_mlp_token_chunk(int64_t tokens) {
+  if (tokens < 0) throw std::invalid_argument("Decoder: the MLP's token chunk must be >= 0, not " + std::to_string(tokens));
+  mlp_chunk_ = tokens;
+  for (auto& b : blocks_)
+    for (auto& st : b) st->set_mlp_token_chunk(tokens);
 }
 
 std::vector<Stage*> Decoder::stages() {

@@ -364,6 +364,29 @@ TEST(TiledBlocks, TwoAndFourRanksUnderABudgetOnlyTilesFit) {
   }
 }
 
+// The MLP over token chunks (placement.tiling "mlp_tokens"): whole blocks and MLP tiles, with
+// kept graphs and with recompute, equal plain libtorch over whole sequences to 1e-5.
+TEST(MlpTokenChunks, TrainAsLibtorchDoesOverWholeSequences) {
+  struct Run {
+    bool llama;
+    json tiling, placement;
+  };
+  for (const Run& r : {Run{true, {{"attention", 1}, {"mlp", 3}, {"mlp_tokens", 7}}, json::object()},
+                       Run{false, {{"attention", "off"}, {"mlp", "off"}, {"mlp_tokens", 5}}, {{"recompute", 1}}},
+                       Run{true, {{"attention", "off"}, {"mlp", "off"}, {"mlp_tokens", 48}}, json::object()}}) {
+    SCOPED_TRACE(r.tiling.dump());
+    json j = tiling_config(r.llama, 3);
+    j["placement"] = r.placement;
+    j["placement"]["tiling"] = r.tiling;
+    const se::TrainConfig tc = parsed(j);
+    EXPECT_EQ(tc.engine.mlp_token_chunk, r.tiling["mlp_tokens"].get<int64_t>());
+    uint64_t peak = 0;
+    expect_close(run_in_process(tc, UINT64_MAX, &peak), reference(tc, 1), 1e-5);
+  }
+  EXPECT_THROW(parsed(json{{"placement", {{"tiling", {{"mlp_tokens", 0}}}}}}), std::invalid_argument);
+  EXPECT_EQ(parsed(json{{"placement", {{"tiling", {{"mlp_tokens", "off"}}}}}}).engine.mlp_token_chunk, 0);
+}
+
 // A model whose one block is larger than the device budget allows: whole blocks fail with
 // BudgetExceeded naming the block and the remedy; "auto" cuts the blocks into the fewest tiles
 // that fit, trains within the budget and matches libtorch with whole blocks.

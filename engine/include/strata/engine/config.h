@@ -85,6 +85,11 @@ struct EngineConfig {
   // the device, else the fewest tiles that fit (both kinds cut in proportion to their
   // parameters); 1 and 1: whole blocks.
   uint64_t attention_tiles = kTilesAuto, mlp_tiles = kTilesAuto;
+  // placement.tiling "mlp_tokens": every MLP (whole block or tile) run over chunks of this many
+  // tokens, its intermediate activations one chunk at a time (tiling::chunked_mlp; the backward
+  // recomputes them, about one more MLP forward a step). 0: the whole micro-batch at once. Not
+  // chosen automatically: the memory model does not count the MLP's intermediates.
+  int64_t mlp_token_chunk = 0;
   std::vector<std::string> nvme_dirs;     // swap directories (one per drive) for "nvme" placement
   unsigned io_queue_depth = 32;           // NVMe requests in flight
   // Construction progress (not in the JSON configuration): called on the constructing thread

@@ -47,6 +47,9 @@ class Stage : public torch::nn::Module {
   std::vector<std::pair<std::string, at::Tensor>> hf_parameters() const;
   // Beside hf_parameters(), in the same order: which part of which tensor each one is.
   const std::vector<TensorPart>& parts() const { return parts_; }
+  // Runs the stage's MLP (if it has one) over chunks of this many tokens (tiling/chunked_mlp.h);
+  // 0: the whole sequence at once.
+  void set_mlp_token_chunk(int64_t tokens) { mlp_chunk_ = tokens; }
 
  protected:
   at::Tensor add(const std::string& hf_name, std::vector<int64_t> shape);
@@ -57,6 +60,7 @@ class Stage : public torch::nn::Module {
   at::Tensor lm_head_weight(const ModelConfig& c, const at::Tensor& tied_embedding);
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::vector<TensorPart> parts_;
+  int64_t mlp_chunk_ = 0;
 };
 
 // The head: the final norm, then the LM head. The engine's tiled loss uses the two parts apart
@@ -103,6 +107,10 @@ class Decoder {
   // Throws std::invalid_argument for a tiling that does not cut the blocks (check_block_tiling).
   void set_block_tiling(const BlockTiling& tiling);
   const BlockTiling& block_tiling() const { return tiling_; }
+  // Every block's (or MLP tile's) MLP over chunks of `tokens` tokens, so that its intermediate
+  // activations exist one chunk at a time (tiling::chunked_mlp; the backward recomputes them);
+  // 0 (the default): the whole sequence at once. Throws std::invalid_argument below 0.
+  void set_mlp_token_chunk(int64_t tokens);
 
   // Bytes one block's forward with autograd keeps for its backward (its input included), per
   // token, with compute copies of `elem_bytes` bytes: an upper estimate counted from the block's
@@ -127,6 +135,7 @@ class Decoder {
 
   ModelConfig config_;
   BlockTiling tiling_;
+  int64_t mlp_chunk_ = 0;
   std::shared_ptr<Stage> embed_;
   std::vector<std::vector<std::shared_ptr<Stage>>> blocks_;  // per block: its stages (one when whole)
   std::shared_ptr<HeadStage> head_;

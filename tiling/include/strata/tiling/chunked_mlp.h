@@ -1,0 +1,46 @@
+// A transformer MLP over token chunks (the activation side of tiling): its intermediate
+// activations ([tokens, intermediate]: the up and gate projections, the activation and their
+// product, and in the backward their gradients) exist for one chunk of tokens at a time, in the
+// forward and in the backward, instead of for the whole sequence. The forward keeps nothing but
+// its inputs; the backward recomputes each chunk's intermediates and backpropagates through
+// them, accumulating the weights' gradients in fp32 over the chunks.
+//
+// Numbers: each chunk's output is what the unchunked MLP computes for those tokens (row by row the
+// same operations); the weights' gradients are sums over the chunks instead of one product over
+// all tokens, so in fp32 only the order of sums differs (tests/tiling/chunked_mlp_test.cc), and in
+// bf16/fp16 each chunk's product is also rounded before the fp32 sum.
+//
+// Memory beside the inputs and the gradients autograd returns: one chunk's intermediates and
+// their gradients, and an fp32 gradient buffer per weight (the size of the weights). Costs one
+// more forward of the MLP per backward (the recompute).
+//
+// Thread safety: a pure function of its arguments; autograd may run it on any thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace strata::tiling {
+
+enum class MlpActivation { kSilu, kGelu, kGeluTanh };
+
+// Weights in Strata's layout ([out, in]); undefined biases are absent. A gated MLP (Llama)
+// computes down(act(gate(x)) * up(x)); without `gate` (GPT-2) down(act(up(x))).
+struct MlpWeights {
+  at::Tensor up, up_bias;      // [f, d], [f]
+  at::Tensor gate, gate_bias;  // [f, d], [f], or undefined
+  at::Tensor down, down_bias;  // [d, f], [d]
+};
+
+// The MLP of `x` [..., d] in chunks of `token_chunk` rows of x viewed as [tokens, d] (the last may
+// be shorter; token_chunk >= tokens computes it in one piece, still without keeping
+// intermediates). Differentiable in x and every defined weight. Throws std::invalid_argument on
+// mismatched shapes or dtypes and on token_chunk < 1.
+at::Tensor chunked_mlp(const at::Tensor& x, const MlpWeights& w, MlpActivation act, int64_t token_chunk);
+
+// The same computed the plain way (autograd keeps every intermediate): the oracle, and what a
+// stage runs when its MLP is not chunked.
+at::Tensor plain_mlp(const at::Tensor& x, const MlpWeights& w, MlpActivation act);
+
+}  // namespace strata::tiling
