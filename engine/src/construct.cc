@@ -77,6 +77,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   sizes.vocab = uint64_t(mc.vocab_size);
   sizes.graph_bytes = sizes.tokens * model->block_graph_bytes_per_token(c10::elementSize(cdt));
   sizes.input_widths = models::stage_input_widths(mc, block_tiles);
+  sizes.mlp_chunked = cfg.mlp_token_chunk > 0;
   const size_t blocks = schedule->blocks();
   // "auto" decides below, once the state is allocated; until then the working set assumes
   // every block is recomputed.

@@ -41,6 +41,7 @@ plan::ModelSizes sizes_of(const EngineConfig& cfg, const models::ModelConfig& mc
   sizes.padded_numel = units.padded_numel;
   sizes.shard_numel = units.shard_numel;
   sizes.input_widths = units.input_widths;
+  sizes.mlp_chunked = cfg.mlp_token_chunk > 0;
   sizes.compute_bytes = element_bytes(cfg.compute);
   sizes.reduce_bf16 = cfg.reduce == Precision::kBf16;
   sizes.tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
@@ -85,9 +86,16 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   StatePrediction out;
   const Agree same = [](const std::vector<int64_t>& v) { return v; };
   const uint64_t usable = machine.device;
-  // The blocks' tiles first: the units depend on them.
-  out.block_tiles = resolve_block_tiles(
-      cfg, mc, [&](const models::BlockTiling& t) { return block_tiling_fits(cfg, mc, t, world_size, usable); }, same);
+  // The blocks' tiles first: the units depend on them. Counts that do not cut this model are a
+  // configuration that does not fit, not an error of the prediction.
+  try {
+    out.block_tiles = resolve_block_tiles(
+        cfg, mc, [&](const models::BlockTiling& t) { return block_tiling_fits(cfg, mc, t, world_size, usable); }, same);
+  } catch (const std::invalid_argument& e) {
+    out.fits = false;
+    out.error = e.what();
+    return out;
+  }
   const UnitPlan units = plan_units(mc, out.block_tiles, world_size);
   out.stage_units = units.stage_units;
   out.unit_numel = units.unit_numel;

@@ -450,6 +450,11 @@ void Decoder::set_block_tiling(const BlockTiling& tiling) {
   for (size_t i = 0; i < blocks_.size(); ++i) {
     std::vector<std::shared_ptr<Stage>> next =
         tiling_.whole() ? std::vector<std::shared_ptr<Stage>>{make_block(config_, int64_t(i))} : make_tiles(int64_t(i));
+    // The new stages' tensors take the old ones' dtype and device (a model already converted).
+    const at::TensorOptions opts = blocks_[i].at(0)->hf_parameters().at(0).second.options();
+    if (opts.dtype() != at::kFloat || !opts.device().is_cpu())
+      for (const auto& st : next)
+        for (auto& [name, t] : st->hf_parameters()) t.set_data(at::empty(t.sizes(), opts));
     if (1 + i < initialized_) {  // holds values: copy them over, part by part
       std::map<std::string, at::Tensor> whole;  // the block's tensors, assembled from its parts
       for (const auto& st : blocks_[i])

@@ -53,7 +53,9 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   uint64_t total = 0;
   {
     std::map<std::string, uint64_t> filled;
-    for (ManifestTensor& t : manifest_tensors(units, dir.string())) {
+    std::vector<ManifestTensor> tensors = manifest_tensors(units, dir.string());
+    check_whole_coverage(tensors, dir.string());
+    for (ManifestTensor& t : tensors) {
       uint64_t whole = 1;
       for (int64_t d : t.slot.whole_shape()) whole *= uint64_t(d);
       const std::string name = t.slot.whole_name();

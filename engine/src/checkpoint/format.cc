@@ -107,8 +107,12 @@ std::vector<ManifestTensor> manifest_tensors(const json& units, const std::strin
         m.slot.origin = {of.at("name").get<std::string>(), of.at("shape").get<std::vector<int64_t>>(),
                          of.at("dim").get<int64_t>(), of.at("begin").get<int64_t>()};
         const int64_t d = m.slot.origin.dim;
-        if (d < 0 || size_t(d) >= m.slot.shape.size() || m.slot.shape.size() != m.slot.origin.whole_shape.size() ||
-            m.slot.origin.begin < 0 || m.slot.origin.begin + m.slot.shape[size_t(d)] > m.slot.origin.whole_shape[size_t(d)])
+        bool fits = d >= 0 && size_t(d) < m.slot.shape.size() && m.slot.shape.size() == m.slot.origin.whole_shape.size() &&
+                    m.slot.origin.begin >= 0 &&
+                    m.slot.origin.begin + m.slot.shape[size_t(d)] <= m.slot.origin.whole_shape[size_t(d)];
+        for (size_t i = 0; fits && i < m.slot.shape.size(); ++i)
+          fits = i == size_t(d) || m.slot.shape[i] == m.slot.origin.whole_shape[i];
+        if (!fits)
           throw std::runtime_error("checkpoint " + where + ": tensor " + m.slot.name + " is not a part of " +
                                    m.slot.origin.whole + " of its shape");
       }
@@ -137,6 +141,37 @@ std::vector<WholeRun> whole_runs(const TensorSlot& slot) {
   for (uint64_t o = 0; o < outer; ++o)
     runs.push_back({o * whole_row + uint64_t(slot.origin.begin) * inner, len, slot.offset + o * len});
   return runs;
+}
+
+void check_whole_coverage(const std::vector<ManifestTensor>& tensors, const std::string& where) {
+  std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> runs;  // whole tensor -> (begin, numel)
+  std::map<std::string, uint64_t> numel;
+  for (const ManifestTensor& t : tensors) {
+    uint64_t n = 1;
+    for (int64_t d : t.slot.whole_shape()) n *= uint64_t(d);
+    numel[t.slot.whole_name()] = n;
+    for (const WholeRun& r : whole_runs(t.slot)) runs[t.slot.whole_name()].emplace_back(r.whole_begin, r.numel);
+  }
+  for (auto& [name, rs] : runs) {
+    std::sort(rs.begin(), rs.end());
+    uint64_t next = 0;
+    for (const auto& [b, n] : rs) {
+      if (b != next)
+        throw std::runtime_error("checkpoint " + where + ": the parts of " + name + (b < next ? " overlap" : " leave a gap") +
+                                 " at element " + std::to_string(std::min(b, next)));
+      next += n;
+    }
+    if (next != numel[name])
+      throw std::runtime_error("checkpoint " + where + ": the parts of " + name + " cover " + std::to_string(next) + " of its " +
+                               std::to_string(numel[name]) + " elements");
+  }
+}
+
+int format_version(const json& units) {
+  for (const json& u : units)
+    for (const json& t : u["tensors"])
+      if (t.contains("of")) return kFormatVersion;
+  return kFormatWithoutParts;
 }
 
 std::map<std::string, std::vector<int64_t>> whole_tensors(const std::vector<ManifestTensor>& tensors) {
@@ -176,9 +211,10 @@ json parse_manifest(const std::string& text, const std::string& where) {
   } catch (const json::exception& e) {
     throw std::runtime_error("checkpoint " + where + " is not valid JSON: " + e.what());
   }
-  if (m.value("format", 0) != kFormatVersion || m.value("kind", "") != "strata-checkpoint")
+  const int format = m.value("format", 0);
+  if ((format != kFormatVersion && format != kFormatWithoutParts) || m.value("kind", "") != "strata-checkpoint")
     throw std::runtime_error("checkpoint " + where + ": not a Strata checkpoint of format " +
-                             std::to_string(kFormatVersion));
+                             std::to_string(kFormatWithoutParts) + " or " + std::to_string(kFormatVersion));
   return m;
 }
 

@@ -34,7 +34,12 @@ namespace strata::engine::ckpt {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-constexpr int kFormatVersion = 1;
+// Format 2 adds tensors that are parts of whole tensors ("of": block tiles); a checkpoint without
+// parts is written as format 1, which earlier binaries read. Both are read.
+constexpr int kFormatVersion = 2;
+constexpr int kFormatWithoutParts = 1;
+// The version a manifest with these units is written as.
+int format_version(const nlohmann::json& units);
 constexpr uint64_t kChunkElements = 1ull << 20;  // 4 MiB of fp32
 constexpr uint64_t kAlign = 4096;
 constexpr int kStateKinds = 3;
@@ -73,6 +78,9 @@ struct WholeRun {
 std::vector<WholeRun> whole_runs(const TensorSlot& slot);
 // The whole tensors a manifest's units hold: name -> shape (Strata's layout).
 std::map<std::string, std::vector<int64_t>> whole_tensors(const std::vector<ManifestTensor>& tensors);
+// Throws std::runtime_error naming `where` unless the parts of every whole tensor cover it
+// exactly once (whole tensors trivially do).
+void check_whole_coverage(const std::vector<ManifestTensor>& tensors, const std::string& where);
 // A page-aligned fp32 host tensor, so that the I/O engine can move it with O_DIRECT.
 at::Tensor aligned_floats(int64_t n);
 

@@ -98,11 +98,22 @@ CheckpointMeta finish_load(Engine& engine, Communicator& comm, const fs::path& d
 // A checkpoint whose units cut the model's tensors otherwise than this run's (saved with other
 // block tiles, or whole blocks): every element of this rank's slices is found through its whole
 // tensor (whole_runs) in the saved units, and the chunks holding it are read, checked, and their
-// overlap copied, one unit of this run at a time. Every rank reads what it needs itself, so each
-// data file it needs must be visible to it (no exchange over the network on this path).
+// overlap copied, kind by kind and unit by unit. Chunks read stay cached while the next units
+// (a block's other tiles) use the same saved unit, so each is read about once per kind. Every
+// rank reads what it needs itself: each data file it needs must be visible to it (no exchange
+// over the network on this path). Errors are agreed after the reads, as in load_checkpoint.
 void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const json& m, ChunkReader& reader) {
   const Partition& part = engine.partition();
   const int rank = comm.rank();
+  std::string failure;
+  const auto attempt = [&](const std::function<void()>& f) {
+    if (!failure.empty()) return;
+    try {
+      f();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  };
   // The saved tensors' runs by whole tensor, sorted by their place in it.
   struct SavedRun {
     uint64_t whole_begin, numel, flat_begin;
@@ -113,17 +124,24 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
     for (const WholeRun& r : whole_runs(t.slot)) saved[t.slot.whole_name()].push_back({r.whole_begin, r.numel, r.flat_begin, t.unit});
   for (auto& [name, runs] : saved)
     std::sort(runs.begin(), runs.end(), [](const SavedRun& a, const SavedRun& b) { return a.whole_begin < b.whole_begin; });
-  std::vector<std::vector<std::vector<const json*>>> chunks(kStateKinds);  // [kind][saved unit], sorted by begin
-  for (int k = 0; k < kStateKinds; ++k) {
-    chunks[size_t(k)] = chunks_by_unit(m, dir, k);
-    for (auto& c : chunks[size_t(k)]) sort_and_check_tiling(c, UINT64_MAX);  // sorts (coverage checked before)
-  }
-  struct Piece {  // [to, to + numel) of this rank's slice comes from [from, ...) of a saved unit
+  struct Chunk {
+    const json* j;
+    uint64_t begin, numel;
+  };
+  std::vector<std::vector<std::vector<Chunk>>> chunks(kStateKinds);  // [kind][saved unit], sorted by begin
+  for (int k = 0; k < kStateKinds; ++k)
+    for (const auto& of_unit : chunks_by_unit(m, dir, k)) {
+      std::vector<Chunk> cs;
+      for (const json* c : of_unit) cs.push_back({c, (*c)["begin"].get<uint64_t>(), (*c)["numel"].get<uint64_t>()});
+      std::sort(cs.begin(), cs.end(), [](const Chunk& a, const Chunk& b) { return a.begin < b.begin; });
+      chunks[size_t(k)].push_back(std::move(cs));
+    }
+  struct Piece {  // [to, to + numel) of this rank's slice comes from [from, ...) of saved unit `unit`
     uint64_t to, numel, from;
     size_t unit;
   };
-  std::string failure;
-  for (size_t u = 0; u < part.num_units(); ++u) {
+  // This rank's pieces of unit u (one per run of each tensor: per row of a column part).
+  const auto pieces_of = [&](size_t u) {
     const UnitLayout& L = part.unit(u);
     const uint64_t want_b = L.shard_begin(rank), want_e = want_b + L.shard_valid_numel(rank);
     std::vector<Piece> pieces;
@@ -131,18 +149,17 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
       if (slot.offset + slot.numel <= want_b || slot.offset >= want_e) continue;
       const std::vector<SavedRun>& from = saved.at(slot.whole_name());
       for (const WholeRun& r : whole_runs(slot)) {
-        // This run's part within the slice, in whole-tensor coordinates.
         const uint64_t lo = std::max(r.flat_begin, want_b), hi = std::min(r.flat_begin + r.numel, want_e);
         if (lo >= hi) continue;
-        uint64_t g = r.whole_begin + (lo - r.flat_begin);
+        uint64_t g = r.whole_begin + (lo - r.flat_begin);  // in whole-tensor coordinates
         const uint64_t g_end = r.whole_begin + (hi - r.flat_begin);
-        auto it = std::upper_bound(from.begin(), from.end(), g,
-                                   [](uint64_t x, const SavedRun& s) { return x < s.whole_begin; });
+        auto it = std::upper_bound(from.begin(), from.end(), g, [](uint64_t x, const SavedRun& s) { return x < s.whole_begin; });
         if (it != from.begin()) --it;
         for (; g < g_end && it != from.end(); ++it) {
-          const uint64_t b = std::max(g, it->whole_begin), e = std::min(g_end, it->whole_begin + it->numel);
-          if (b >= e) continue;
-          pieces.push_back({r.flat_begin + (b - r.whole_begin) - want_b, e - b, it->flat_begin + (b - it->whole_begin), it->unit});
+          if (it->whole_begin + it->numel <= g) continue;
+          if (it->whole_begin > g) break;  // a gap: reported below
+          const uint64_t e = std::min(g_end, it->whole_begin + it->numel);
+          pieces.push_back({r.flat_begin + (g - r.whole_begin) - want_b, e - g, it->flat_begin + (g - it->whole_begin), it->unit});
           g = e;
         }
         if (g < g_end)
@@ -150,39 +167,56 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
                                    " of " + slot.whole_name());
       }
     }
-    for (int k = 0; k < kStateKinds; ++k) {
-      at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
-      // The saved chunks the pieces overlap, each read once.
-      std::map<const json*, at::Tensor> read;
+    return pieces;
+  };
+  // The chunks of saved unit `su` (kind k) overlapping [from, from + n), as an index range.
+  const auto overlapping = [&](int k, size_t su, uint64_t from, uint64_t n) {
+    const std::vector<Chunk>& cs = chunks[size_t(k)].at(su);
+    auto it = std::upper_bound(cs.begin(), cs.end(), from, [](uint64_t x, const Chunk& c) { return x < c.begin; });
+    const size_t first = it == cs.begin() ? 0 : size_t(it - cs.begin()) - 1;
+    size_t last = first;
+    while (last < cs.size() && cs[last].begin < from + n) ++last;
+    return std::make_pair(first, last);
+  };
+  for (int k = 0; k < kStateKinds; ++k) {
+    std::map<const json*, at::Tensor> cache;  // chunks read, while the saved units they belong to are used
+    for (size_t u = 0; u < part.num_units(); ++u) {
+      std::vector<Piece> pieces;
+      attempt([&] { pieces = pieces_of(u); });
+      std::vector<const json*> used;
       std::vector<ChunkReader::Request> batch;
       for (const Piece& p : pieces) {
-        const std::vector<const json*>& cs = chunks[size_t(k)].at(p.unit);
-        auto it = std::upper_bound(cs.begin(), cs.end(), p.from,
-                                   [](uint64_t x, const json* c) { return x < (*c)["begin"].get<uint64_t>(); });
-        if (it != cs.begin()) --it;
-        for (; it != cs.end() && (**it)["begin"].get<uint64_t>() < p.from + p.numel; ++it) {
-          if (read.count(*it)) continue;
-          at::Tensor buf = aligned_floats(int64_t((**it)["numel"].get<uint64_t>()));
-          read.emplace(*it, buf);
-          batch.push_back({*it, buf.data_ptr<float>()});
+        const auto [first, last] = overlapping(k, p.unit, p.from, p.numel);
+        for (size_t i = first; i < last; ++i) {
+          const Chunk& c = chunks[size_t(k)][p.unit][i];
+          if (c.begin + c.numel <= p.from) continue;
+          used.push_back(c.j);
+          if (cache.count(c.j)) continue;
+          at::Tensor buf = aligned_floats(int64_t(c.numel));
+          cache.emplace(c.j, buf);
+          batch.push_back({c.j, buf.data_ptr<float>()});
         }
       }
-      if (failure.empty()) {
-        try {
-          reader.read(batch, batch.size());
-        } catch (const std::exception& e) {
-          failure = e.what();
-        }
+      // Chunks this unit does not use go (the saved units before it are done with).
+      std::sort(used.begin(), used.end());
+      for (auto it = cache.begin(); it != cache.end();)
+        it = std::binary_search(used.begin(), used.end(), it->first) ? std::next(it) : cache.erase(it);
+      attempt([&] { reader.read(batch, batch.size()); });
+      if (!failure.empty()) {
+        cache.clear();
+        continue;
       }
-      if (!failure.empty()) continue;
-      for (const Piece& p : pieces)
-        for (const auto& [c, buf] : read) {
-          if ((*c)["unit"].get<size_t>() != p.unit) continue;  // flat places are per saved unit
-          const uint64_t b = (*c)["begin"].get<uint64_t>(), e = b + (*c)["numel"].get<uint64_t>();
-          const uint64_t lo = std::max(b, p.from), hi = std::min(e, p.from + p.numel);
+      at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
+      for (const Piece& p : pieces) {
+        const auto [first, last] = overlapping(k, p.unit, p.from, p.numel);
+        for (size_t i = first; i < last; ++i) {
+          const Chunk& c = chunks[size_t(k)][p.unit][i];
+          const uint64_t lo = std::max(c.begin, p.from), hi = std::min(c.begin + c.numel, p.from + p.numel);
           if (lo >= hi) continue;
-          slice.narrow(0, int64_t(p.to + (lo - p.from)), int64_t(hi - lo)).copy_(buf.narrow(0, int64_t(lo - b), int64_t(hi - lo)));
+          slice.narrow(0, int64_t(p.to + (lo - p.from)), int64_t(hi - lo))
+              .copy_(cache.at(c.j).narrow(0, int64_t(lo - c.begin), int64_t(hi - lo)));
         }
+      }
       engine.store_state_slice(u, Engine::StateKind(k), slice);
     }
   }
@@ -223,8 +257,9 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
   // Another cut of the same model's tensors (block tiles, or none, where the save had others)
   // loads through the whole tensors; anything else is another model.
   const bool same_units = m["units"] == units;
-  if (!same_units &&
-      whole_tensors(manifest_tensors(m["units"], dir.string())) != whole_tensors(manifest_tensors(units, "this run"))) {
+  const std::vector<ManifestTensor> saved_tensors = manifest_tensors(m["units"], dir.string());
+  check_whole_coverage(saved_tensors, dir.string());  // alike on every rank, before any collective
+  if (!same_units && whole_tensors(saved_tensors) != whole_tensors(manifest_tensors(units, "this run"))) {
     std::string why = "different number of units";
     if (m["units"].size() == units.size())
       for (size_t u = 0; u < units.size(); ++u)

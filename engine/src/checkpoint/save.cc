@@ -116,7 +116,7 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
   snap.staging_bytes = staging_limit(options.staging_bytes, staged);
   snap.options = options;
   const Engine::Counters c = engine.counters();
-  snap.manifest = {{"format", kFormatVersion},
+  snap.manifest = {{"format", format_version(partition_json(part))},
                    {"kind", "strata-checkpoint"},
                    {"world_size", comm.world_size()},
                    {"model", json::parse(engine.model_config().to_hf_json("float32"))},
@@ -232,7 +232,7 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
   }
   file.sync();
   snap.report.data_bytes = offset;
-  const json index = {{"format", kFormatVersion}, {"rank", snap.rank}, {"chunks", chunks}};
+  const json index = {{"format", kFormatWithoutParts}, {"rank", snap.rank}, {"chunks", chunks}};  // no units in it
   write_atomically(snap.dir / (rank_name(snap.rank) + ".index.json"), index.dump(1));
   return index.dump();
 }

@@ -16,13 +16,20 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
   // buffers of the units a backward use touches (fp32 full, a bf16 copy when reducing in bf16,
   // the reduced fp32 shard), the head's logits.
   const uint64_t logits = head_loss_bytes();
-  for (size_t s = 0; s < schedule_.num_stages(); ++s) largest_input_ = std::max(largest_input_, input_bytes(s));
+  inputs_before_.assign(schedule_.num_stages() + 1, 0);
+  for (size_t s = 0; s < schedule_.num_stages(); ++s) {
+    largest_input_ = std::max(largest_input_, input_bytes(s));
+    inputs_before_[s + 1] = inputs_before_[s] + (s >= 1 ? input_bytes(s) : 0);
+  }
   for (const Use& use : schedule_.uses()) {
     uint64_t grads = 0;
-    if (use.kind != Use::kForward)
-      for (size_t u : schedule_.units_of(use.stage))
-        grads += sizes_.padded_numel[u] * (4 + (sizes_.reduce_bf16 ? 2 : 0)) + sizes_.shard_numel[u] * 4;
     const size_t s = use.stage;
+    const bool block = s >= 1 && s + 1 < schedule_.num_stages();
+    if (use.kind != Use::kForward)
+      for (size_t u : schedule_.units_of(s))
+        grads += sizes_.padded_numel[u] * (4 + (sizes_.reduce_bf16 ? 2 : 0) +
+                                           (block && sizes_.mlp_chunked && sizes_.compute_bytes < 4 ? 4 : 0)) +
+                 sizes_.shard_numel[u] * 4;
     const uint64_t boundary =
         2 * (input_bytes(s) + (s + 1 < schedule_.num_stages() ? input_bytes(s + 1) : activation_bytes()));
     largest_use_scratch_ = std::max(largest_use_scratch_, boundary + grads + (use.kind == Use::kHead ? logits : 0));
@@ -57,9 +64,7 @@ uint64_t MemoryModel::input_bytes(size_t stage) const {
 }
 
 uint64_t MemoryModel::checkpoint_bytes(const Choices& c) const {
-  uint64_t b = 0;
-  for (size_t s = 1; s <= c.recomputed && s < schedule_.num_stages(); ++s) b += input_bytes(s);
-  return b;
+  return inputs_before_.at(std::min(c.recomputed + 1, schedule_.num_stages()));
 }
 
 uint64_t MemoryModel::held_at(const Use& use, const Choices& c) const {

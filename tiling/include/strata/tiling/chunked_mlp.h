@@ -11,8 +11,9 @@
 // bf16/fp16 each chunk's product is also rounded before the fp32 sum.
 //
 // Memory beside the inputs and the gradients autograd returns: one chunk's intermediates and
-// their gradients, and an fp32 gradient buffer per weight (the size of the weights). Costs one
-// more forward of the MLP per backward (the recompute).
+// their gradients, and in bf16/fp16 an fp32 sum per weight's gradient (4 bytes a weight; in fp32
+// the sum is the gradient returned). Costs one more forward of the MLP per backward (the
+// recompute).
 //
 // Thread safety: a pure function of its arguments; autograd may run it on any thread.
 #pragma once

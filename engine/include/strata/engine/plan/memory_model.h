@@ -46,6 +46,10 @@ struct ModelSizes {
   // By stage: its input in multiples of [tokens, hidden] (models::stage_input_widths: 2 for a
   // block tile whose input stacks the normed input and the running sum). Empty: 1 everywhere.
   std::vector<uint64_t> input_widths;
+  // The MLPs run over token chunks (tiling::chunked_mlp): in a lower-precision compute dtype each
+  // block stage's backward also holds fp32 sums of its MLP weights' gradients (counted as its
+  // units' padded size, an upper bound).
+  bool mlp_chunked = false;
   LogitsTiling logits;                 // the head's loss: its tiles of the logits (default: untiled)
 };
 
@@ -115,6 +119,7 @@ class MemoryModel {
   ModelSizes sizes_;
   uint64_t largest_use_scratch_ = 0;  // scratch's part that no choice changes
   uint64_t largest_input_ = 0;
+  std::vector<uint64_t> inputs_before_;  // [s]: stages 1..s-1's inputs (checkpoint_bytes in O(1))
 };
 
 }  // namespace strata::engine::plan
