@@ -416,6 +416,56 @@ TEST(Checkpoint, AsyncSaveAfterAFailedBackgroundUpdateFailsAndCommitsNothing) {
   EXPECT_THROW(a.train(1, run), std::exception) << "the engine reports the failed update";
 }
 
+// A manifest whose parts do not cover a whole tensor exactly once (a tile's part moved onto its
+// neighbour's, or cut short) is refused, naming the tensor, before anything is read; so is a
+// part whose shape is not its whole tensor's outside the cut. A tiled save is format 2, a
+// whole-block one format 1 as before.
+TEST(Checkpoint, PartsThatDoNotCoverTheirTensorAreRefused) {
+  TempDir dir;
+  json cfg = tiny_llama(1);
+  cfg["placement"] = {{"tiling", {{"attention", 2}, {"mlp", 3}}}};
+  const se::TrainConfig tiled = se::parse_train_config(cfg.dump(), "test");
+  cfg["placement"] = {{"tiling", "off"}};
+  const se::TrainConfig whole = se::parse_train_config(cfg.dump(), "test");
+  Losses r;
+  {
+    Trainer a(tiled);
+    a.train(1, r);
+    a.save(dir.path(), "tiled");
+    Trainer b(whole);
+    b.train(1, r);
+    b.save(dir.path(), "whole");
+  }
+  const auto manifest_of = [&](const std::string& name) { return json::parse(std::ifstream(dir / name / "manifest.json")); };
+  EXPECT_EQ(manifest_of("tiled")["format"], 2);
+  EXPECT_EQ(manifest_of("whole")["format"], 1);
+  const auto load_with = [&](const std::function<void(json&)>& edit) {
+    json m = manifest_of("tiled");
+    edit(m);
+    std::filesystem::copy(dir / "tiled", dir / "edited", std::filesystem::copy_options::recursive |
+                                                            std::filesystem::copy_options::overwrite_existing);
+    std::ofstream(dir / "edited" / "manifest.json") << m.dump();
+    Trainer b(whole);
+    try {
+      b.load(dir / "edited");
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("loaded");
+  };
+  EXPECT_EQ(load_with([](json&) {}), "loaded");
+  // Unit 1 is block 0's first attention tile; its q_proj part moved by one row overlaps.
+  const auto q_part = [](json& m) -> json& {
+    for (json& t : m["units"][1]["tensors"])
+      if (t.contains("of") && t["of"]["name"].get<std::string>().find("q_proj") != std::string::npos) return t;
+    throw std::runtime_error("no q_proj part");
+  };
+  std::string why = load_with([&](json& m) { q_part(m)["of"]["begin"] = 1; });
+  EXPECT_NE(why.find("the parts of model.layers.0.self_attn.q_proj.weight"), std::string::npos) << why;
+  why = load_with([&](json& m) { q_part(m)["of"]["shape"][1] = 65; });
+  EXPECT_NE(why.find("is not a part of model.layers.0.self_attn.q_proj.weight"), std::string::npos) << why;
+}
+
 TEST(Checkpoint, CorruptMissingAndUncommittedAreClearErrors) {
   TempDir dir;
   const se::TrainConfig tc = se::parse_train_config(tiny_llama(2).dump(), "test");
