@@ -92,9 +92,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   for (const UnitLayout& L : partition->units()) shard_numel.push_back(L.shard_numel);
   const StateBytes need = state_bytes(shard_numel, c10::elementSize(cdt), transient_limit);
   // The head's tiles first: the working set every later decision plans with depends on them.
-  const uint64_t explicit_on_device =
-      (cfg.params == Placement::kDevice ? need.params : 0) + (cfg.grads == Placement::kDevice ? need.grads : 0) +
-      (cfg.master == Placement::kDevice ? need.master + need.moments : 0);
+  const uint64_t explicit_on_device = explicit_device_bytes(cfg, need);
   head_tiles = resolve_head_tiles(cfg, *schedule, sizes, choice, explicit_on_device, usable_device(), agreement());
   sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab, head_tiles);
   memory = std::make_unique<plan::MemoryModel>(*schedule, std::move(sizes));

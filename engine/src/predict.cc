@@ -51,11 +51,6 @@ plan::ModelSizes sizes_of(const EngineConfig& cfg, const models::ModelConfig& mc
   return sizes;
 }
 
-uint64_t explicit_device_bytes(const EngineConfig& cfg, const StateBytes& need) {
-  return (cfg.params == Placement::kDevice ? need.params : 0) + (cfg.grads == Placement::kDevice ? need.grads : 0) +
-         (cfg.master == Placement::kDevice ? need.master + need.moments : 0);
-}
-
 }  // namespace
 
 bool block_tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::BlockTiling& tiling,

@@ -25,6 +25,11 @@ StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t comput
   return need;
 }
 
+uint64_t explicit_device_bytes(const EngineConfig& cfg, const StateBytes& need) {
+  return (cfg.params == Placement::kDevice ? need.params : 0) + (cfg.grads == Placement::kDevice ? need.grads : 0) +
+         (cfg.master == Placement::kDevice ? need.master + need.moments : 0);
+}
+
 TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t compute_bytes) {
   TierBytes b;
   b.host = p.grads_transient ? need.grad_buffers : 0;

@@ -49,6 +49,10 @@ struct Resolved {
 // gradient buffers of the largest shard for gradients that are not stored.
 StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t compute_bytes, size_t transient_buffers);
 
+// The state the configuration places on the device explicitly (params, grads, master and moments
+// set to "device"): what every automatic decision plans beside.
+uint64_t explicit_device_bytes(const EngineConfig& cfg, const StateBytes& need);
+
 // This rank's state bytes in each tier under `p`, as StateStore::placement will place them:
 // gradients not stored count as their host buffers (or, for the device share's units, on the
 // device).

@@ -153,21 +153,14 @@ at::Tensor llama_attention(const ModelConfig& c, at::Tensor q, at::Tensor k, at:
   return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
 }
 
-at::Tensor mlp_activation(const ModelConfig& c, const at::Tensor& gate) {
-  if (c.mlp_activation == ModelConfig::Activation::kSilu) return at::silu(gate);
-  return at::gelu(gate, c.mlp_activation == ModelConfig::Activation::kGelu ? "none" : "tanh");
-}
-
 // The MLP of `n` (its normed input): with `chunk` > 0 over token chunks (tiling::chunked_mlp: one
-// chunk's intermediates at a time), else as written here (what the whole model always computed).
+// chunk's intermediates at a time), else whole (tiling::plain_mlp, the same operations).
 at::Tensor mlp(const ModelConfig& c, const at::Tensor& n, const tiling::MlpWeights& w, int64_t chunk) {
   const tiling::MlpActivation act = c.arch == Arch::kGpt2                               ? tiling::MlpActivation::kGeluTanh
                                     : c.mlp_activation == ModelConfig::Activation::kSilu ? tiling::MlpActivation::kSilu
                                     : c.mlp_activation == ModelConfig::Activation::kGelu ? tiling::MlpActivation::kGelu
                                                                                           : tiling::MlpActivation::kGeluTanh;
-  if (chunk > 0) return tiling::chunked_mlp(n, w, act, chunk);
-  if (c.arch == Arch::kGpt2) return dense(at::gelu(dense(n, w.up, w.up_bias), "tanh"), w.down, w.down_bias);  // gelu_new
-  return dense(mlp_activation(c, dense(n, w.gate, w.gate_bias)) * dense(n, w.up, w.up_bias), w.down, w.down_bias);
+  return chunk > 0 ? tiling::chunked_mlp(n, w, act, chunk) : tiling::plain_mlp(n, w, act);
 }
 
 class LlamaEmbedding final : public Stage {

@@ -85,6 +85,29 @@ std::string rank_list(const std::vector<int>& ranks) {
 }
 
 
+// A rank whose read fails (a bad chunk, a file that vanished) still takes part in every
+// collective of a load, so that all ranks learn of it together at the end and throw alike:
+// attempt() keeps the first error, agree() throws the first rank's on every rank.
+struct LoadFailure {
+  std::string message;
+  void attempt(const std::function<void()>& f) {
+    if (!message.empty()) return;
+    try {
+      f();
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+  }
+  bool failed() const { return !message.empty(); }
+  void agree(Communicator& comm) const {
+    const std::vector<std::string> failures = all_gather_strings(comm, message);
+    for (int r = 0; r < comm.world_size(); ++r)
+      if (!failures[size_t(r)].empty())
+        throw std::runtime_error(r == comm.rank() ? failures[size_t(r)]
+                                                  : "rank " + std::to_string(r) + ": " + failures[size_t(r)]);
+  }
+};
+
 // The end of every load: compute copies from the loaded masters, the counters, and a barrier.
 CheckpointMeta finish_load(Engine& engine, Communicator& comm, const fs::path& dir, const json& m) {
   engine.refresh_compute_copies();
@@ -105,15 +128,8 @@ CheckpointMeta finish_load(Engine& engine, Communicator& comm, const fs::path& d
 void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const json& m, ChunkReader& reader) {
   const Partition& part = engine.partition();
   const int rank = comm.rank();
-  std::string failure;
-  const auto attempt = [&](const std::function<void()>& f) {
-    if (!failure.empty()) return;
-    try {
-      f();
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  };
+  LoadFailure failure;
+  const auto attempt = [&](const std::function<void()>& f) { failure.attempt(f); };
   // The saved tensors' runs by whole tensor, sorted by their place in it.
   struct SavedRun {
     uint64_t whole_begin, numel, flat_begin;
@@ -202,7 +218,7 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
       for (auto it = cache.begin(); it != cache.end();)
         it = std::binary_search(used.begin(), used.end(), it->first) ? std::next(it) : cache.erase(it);
       attempt([&] { reader.read(batch, batch.size()); });
-      if (!failure.empty()) {
+      if (failure.failed()) {
         cache.clear();
         continue;
       }
@@ -220,11 +236,7 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
       engine.store_state_slice(u, Engine::StateKind(k), slice);
     }
   }
-  // Every rank learns of any rank's failure and throws the first one's message.
-  const std::vector<std::string> failures = all_gather_strings(comm, failure);
-  for (int r = 0; r < comm.world_size(); ++r)
-    if (!failures[size_t(r)].empty())
-      throw std::runtime_error(r == rank ? failures[size_t(r)] : "rank " + std::to_string(r) + ": " + failures[size_t(r)]);
+  failure.agree(comm);
 }
 
 }  // namespace
@@ -357,17 +369,8 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
                              "travels over the network)");
   }
 
-  // A rank whose read fails (a bad chunk, a file that vanished) still takes part in every
-  // collective below, so that all ranks learn of it together at the end and throw alike.
-  std::string failure;
-  const auto attempt = [&](const std::function<void()>& f) {
-    if (!failure.empty()) return;
-    try {
-      f();
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  };
+  LoadFailure failure;  // every collective below runs even after a failed read
+  const auto attempt = [&](const std::function<void()>& f) { failure.attempt(f); };
   // Unit by unit (so that NVMe-placed state is held in memory one unit at a time): this rank's
   // slices, the chunks that overlap their element range read in parallel and checked, then the
   // slices stored back. A chunk wholly inside this rank's range is read straight into the
@@ -438,21 +441,17 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
           if (server(c, L) == rank) served.push_back({&c, send.data_ptr<float>() + c["begin"].get<uint64_t>()});
         }
         attempt([&] { reader.read(served, served.size()); });
-        if (!failure.empty()) send.zero_();  // nothing half read travels
+        if (failure.failed()) send.zero_();  // nothing half read travels
         at::Tensor mine = at::empty({int64_t(L.shard_numel)}, at::kInt);
         comm.reduce_scatter(mine, send.view(at::kInt))->wait();
         const int64_t valid = int64_t(L.shard_valid_numel(rank));
         w.slices[k].narrow(0, 0, valid).copy_(mine.view(at::kFloat).narrow(0, 0, valid));
       }
-      if (failure.empty())
+      if (!failure.failed())
         for (int k = 0; k < kStateKinds; ++k) engine.store_state_slice(w.unit, Engine::StateKind(k), w.slices[k]);
     }
   }
-  // Every rank learns of any rank's failure and throws the first one's message.
-  const std::vector<std::string> failures = all_gather_strings(comm, failure);
-  for (int r = 0; r < world; ++r)
-    if (!failures[size_t(r)].empty())
-      throw std::runtime_error(r == rank ? failures[size_t(r)] : "rank " + std::to_string(r) + ": " + failures[size_t(r)]);
+  failure.agree(comm);
   return finish_load(engine, comm, dir, m);
 }
 
