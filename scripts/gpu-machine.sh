@@ -100,7 +100,8 @@ for phase in "${phases[@]}"; do
     "$strata" bench adam --params 200000000 --threads 16 >"$out/bench-adam.jsonl" 2>"$out/bench-adam.err" || status=1
     "$strata" bench ckpt --dir "$bdir/ckpt" --fio "$fio_bin" >"$out/bench-ckpt.jsonl" 2>"$out/bench-ckpt.err" || status=1
     "$strata" bench step --threads 16 --steps 7 >"$out/bench-step.jsonl" 2>"$out/bench-step.err" || status=1
-    # The head's logits tiled on the GPU: 8K tokens x 128K vocabulary (a 4 GiB fp32 logits tensor).
+    # Tiling on the GPU: the head's logits at 8K tokens x 128K vocabulary (a 4 GiB fp32 logits tensor),
+    # the blocks in 2 attention x 4 MLP tiles beside whole ones, and the largest hidden size in 16 MiB.
     "$strata" bench tiling --device cuda --compute bf16 --threads 16 --hidden 1024 --heads 8 --vocab 131072 \
       --seq 2048 --batch 4 --budget 2GiB --capacity-hidden 1024 --capacity-tokens 8192 \
       >"$out/bench-tiling.jsonl" 2>"$out/bench-tiling.err" || status=1
