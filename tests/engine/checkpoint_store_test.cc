@@ -647,4 +647,119 @@ TEST(StoredCheckpoint, AWeakStoreNeverYieldsAnUncommittedOrMixedCheckpoint) {
   EXPECT_GT(loads, 0);
 }
 
+// A store that forwards to a directory store and records every ranged GET: how the reads of a
+// restore are counted.
+struct GetLog {
+  std::mutex mu;
+  std::vector<std::pair<std::string, uint64_t>> gets;  // key, bytes
+};
+class CountingStore final : public so::ObjectStore {
+ public:
+  CountingStore(std::string url, std::unique_ptr<so::ObjectStore> inner, std::shared_ptr<GetLog> log)
+      : url_(std::move(url)), inner_(std::move(inner)), log_(std::move(log)) {}
+  std::string url() const override { return url_; }
+  uint64_t min_part_bytes() const override { return inner_->min_part_bytes(); }
+  void put(const std::string& k, std::span<const std::byte> d) override { inner_->put(k, d); }
+  bool put_if_absent(const std::string& k, std::span<const std::byte> d) override { return inner_->put_if_absent(k, d); }
+  std::optional<so::ObjectInfo> head(const std::string& k) override { return inner_->head(k); }
+  void get(const std::string& k, uint64_t offset, std::span<std::byte> out) override {
+    {
+      std::lock_guard lock(log_->mu);
+      log_->gets.emplace_back(k, out.size());
+    }
+    inner_->get(k, offset, out);
+  }
+  std::vector<so::ObjectInfo> list(const std::string& p) override { return inner_->list(p); }
+  void remove(const std::string& k) override { inner_->remove(k); }
+  std::unique_ptr<so::MultipartUpload> start_multipart(const std::string& k) override { return inner_->start_multipart(k); }
+  std::vector<so::PendingUpload> list_multipart_uploads(const std::string& p) override {
+    return inner_->list_multipart_uploads(p);
+  }
+  void abort_multipart_upload(const so::PendingUpload& u) override { inner_->abort_multipart_upload(u); }
+
+ private:
+  std::string url_;
+  std::unique_ptr<so::ObjectStore> inner_;
+  std::shared_ptr<GetLog> log_;
+};
+
+// A restore from a store asks for runs of chunks adjacent in the data object and in memory in one
+// ranged GET (up to a transfer's part size), and still checks every chunk: one corrupt chunk in
+// the middle of such a run fails the load naming that chunk.
+TEST(StoredCheckpoint, RestoreReadsRunsOfChunksInFewGetsAndNamesACorruptOne) {
+  TempDir dir, root;
+  static std::shared_ptr<GetLog> log = std::make_shared<GetLog>();
+  static const std::string directory = (root / "bucket").string();
+  so::register_object_store_scheme("counting://", [](const std::string& u) -> std::unique_ptr<so::ObjectStore> {
+    return std::make_unique<CountingStore>(u, so::open_file_store(directory), log);
+  });
+  json cfg = tiny_llama(2);
+  cfg["model"]["vocab_size"] = 40000;  // 2.56M-element embedding and LM head: 3 chunks a kind each
+  const se::TrainConfig tc = se::parse_train_config(cfg.dump(), "test");
+  Losses run;
+  Trainer a(tc);
+  a.train(1, run);
+  a.save(dir.path(), "step-1");
+  se::CheckpointUploader up(a.comm(), "counting://store");
+  up.start(dir / "step-1");
+  const auto url = up.finish();
+  ASSERT_TRUE(url) << up.last_error();
+
+  auto store = so::open_file_store(directory);
+  const json m = json::parse([&] {
+    std::string key;
+    for (const auto& o : store->list("step-1/"))
+      if (o.key.ends_with("manifest.json")) key = o.key;
+    const std::vector<std::byte> bytes = store->get_all(key);
+    return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  }());
+  size_t chunks = 0;
+  const json* second = nullptr;  // the embedding's master weights, second of three chunks
+  for (const json& c : m["chunks"]) {
+    ++chunks;
+    if (m["units"][c["unit"].get<size_t>()]["name"] == "embedding" && c["kind"] == "master" &&
+        c["begin"].get<uint64_t>() == (1ull << 20))
+      second = &c;
+  }
+  ASSERT_NE(second, nullptr);
+
+  Trainer b(tc);
+  log->gets.clear();
+  b.load(*url);
+  expect_bitwise(b.params(), a.params());
+  size_t data_gets = 0;
+  uint64_t largest = 0;
+  for (const auto& [key, bytes] : log->gets)
+    if (key.ends_with(".data")) ++data_gets, largest = std::max(largest, bytes);
+  std::cout << chunks << " chunks read in " << data_gets << " ranged GETs, the largest " << largest << " bytes\n";
+  EXPECT_LT(data_gets, chunks);
+  EXPECT_GT(largest, 4ull << 20);  // several 4 MiB chunks in one request
+  EXPECT_LE(largest, so::TransferOptions{}.part_bytes);
+
+  // One flipped bit in the middle chunk of the embedding's master run.
+  std::string data_key;
+  for (const auto& o : store->list("step-1/"))
+    if (o.key.ends_with((*second)["file"].get<std::string>())) data_key = o.key;
+  ASSERT_FALSE(data_key.empty());
+  {
+    std::fstream f(directory + "/" + data_key, std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f.good()) << directory + "/" + data_key;
+    const uint64_t at = (*second)["offset"].get<uint64_t>() + 4096;
+    f.seekg(std::streamoff(at));
+    char byte = 0;
+    f.read(&byte, 1);
+    byte = char(byte ^ 0x10);
+    f.seekp(std::streamoff(at));
+    f.write(&byte, 1);
+  }
+  try {
+    b.load(*url);
+    ADD_FAILURE() << "a corrupt chunk was loaded";
+  } catch (const std::runtime_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("corrupt"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("unit embedding, master, elements 1048576+1048576"), std::string::npos) << msg;
+  }
+}
+
 }  // namespace

@@ -35,15 +35,60 @@ offload::File& ChunkReader::file(const json& chunk) {
 }
 
 void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window) {
-  const int threads = int(std::min<size_t>(std::max<size_t>(window, 1), 16));
-  offload::run_parallel(batch.size(), threads, [&](size_t i) {
-    const json& c = *batch[i].chunk;
+  // Requests adjacent both in one data object and in memory (a slice's consecutive chunks) go as
+  // one ranged GET of up to a transfer's part size: each request costs the store a round of
+  // authentication and lookup, so fewer, larger ones move more. At most the transfers'
+  // concurrency in flight (the uploads' defaults: offload::TransferOptions).
+  const offload::TransferOptions transfer;
+  const uint64_t kGetBytes = transfer.part_bytes;
+  struct Run {
+    std::string key;
+    uint64_t offset = 0, bytes = 0;
+    std::byte* dst = nullptr;
+    std::vector<const Request*> requests;
+  };
+  std::vector<Run> runs;
+  try {
+    std::vector<const Request*> order;
+    for (const Request& r : batch) order.push_back(&r);
+    const auto file_of = [](const Request* r) { return (*r->chunk)["file"].get<std::string>(); };
+    const auto offset_of = [](const Request* r) { return (*r->chunk)["offset"].get<uint64_t>(); };
+    std::stable_sort(order.begin(), order.end(), [&](const Request* a, const Request* b) {
+      const std::string fa = file_of(a), fb = file_of(b);
+      return fa != fb ? fa < fb : offset_of(a) < offset_of(b);
+    });
+    for (const Request* r : order) {
+      const uint64_t offset = offset_of(r), bytes = (*r->chunk)["numel"].get<uint64_t>() * 4;
+      const std::string key = object_name_ + "/" + data_prefix_ + file_of(r);
+      auto* dst = reinterpret_cast<std::byte*>(r->dst);
+      if (!runs.empty()) {
+        Run& last = runs.back();
+        if (last.key == key && last.offset + last.bytes == offset && last.dst + last.bytes == dst &&
+            last.bytes + bytes <= kGetBytes) {
+          last.bytes += bytes;
+          last.requests.push_back(r);
+          continue;
+        }
+      }
+      runs.push_back({key, offset, bytes, dst, {r}});
+    }
+  } catch (const json::exception& e) {  // a malformed chunk entry
+    throw std::runtime_error("checkpoint " + dir_.string() + ": " + e.what());
+  }
+  const int threads = int(std::min<size_t>(std::max<size_t>(window, 1), size_t(std::max(transfer.concurrency, 1))));
+  offload::run_parallel(runs.size(), threads, [&](size_t i) {
+    const Run& run = runs[i];
+    const auto name = [&] {  // the run's chunks, for an error
+      std::string n = chunk_name(*run.requests.front()->chunk, units_);
+      if (run.requests.size() > 1)
+        n += " and the " + std::to_string(run.requests.size() - 1) + " chunk" + (run.requests.size() > 2 ? "s" : "") +
+             " after it";
+      return n;
+    };
     try {
-      const uint64_t bytes = c["numel"].get<uint64_t>() * 4;
-      const std::string key = object_name_ + "/" + data_prefix_ + c["file"].get<std::string>();
       for (int attempt = 0;; ++attempt) {
         try {
-          store_->get(key, c["offset"].get<uint64_t>(), {reinterpret_cast<std::byte*>(batch[i].dst), bytes});
+          store_->get(run.key, run.offset, {run.dst, run.bytes});
           break;
         } catch (const offload::ObjectStoreError& e) {
           // The manifest commits only after every data object was uploaded: a missing one is a
@@ -52,14 +97,20 @@ void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window)
           std::this_thread::sleep_for(std::chrono::milliseconds(250 << attempt));
         }
       }
-      if (offload::crc32c(batch[i].dst, bytes) != c["crc32c"].get<uint32_t>())
+    } catch (const offload::ObjectStoreError& e) {
+      throw std::runtime_error("checkpoint " + dir_.string() + ": cannot read chunk " + name() + ": " + e.what());
+    }
+    for (const Request* r : run.requests) {
+      const json& c = *r->chunk;
+      uint32_t want = 0;
+      try {
+        want = c["crc32c"].get<uint32_t>();
+      } catch (const json::exception& e) {
+        throw std::runtime_error("checkpoint " + dir_.string() + ": " + e.what());
+      }
+      if (offload::crc32c(r->dst, c["numel"].get<uint64_t>() * 4) != want)
         throw std::runtime_error("checkpoint " + dir_.string() + ": chunk " + chunk_name(c, units_) +
                                  " is corrupt (CRC32C mismatch)");
-    } catch (const offload::ObjectStoreError& e) {
-      throw std::runtime_error("checkpoint " + dir_.string() + ": cannot read chunk " + chunk_name(c, units_) + ": " +
-                               e.what());
-    } catch (const json::exception& e) {  // a malformed chunk entry
-      throw std::runtime_error("checkpoint " + dir_.string() + ": " + e.what());
     }
   });
 }

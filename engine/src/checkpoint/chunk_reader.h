@@ -1,7 +1,7 @@
 // The one way a checkpoint's chunks are read back (load, verify, export): from a directory, data
 // files opened on first use and a batch of chunks read concurrently through one I/O engine; from
-// object storage, ranged GETs of the chunks' bytes on up to `window` threads. Each chunk is
-// checked against its CRC32C.
+// object storage, ranged GETs on up to `window` threads, one per run of chunks adjacent both in
+// their data object and in memory (up to 16 MiB). Each chunk is checked against its CRC32C.
 //
 // Ownership: the reader owns its I/O engine, open files and store client; the manifest's JSON
 // (the chunks passed to read()) must outlive it. Destinations belong to the caller.
