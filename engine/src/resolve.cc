@@ -252,10 +252,20 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
           " of the " + format_bytes(scratch) + " " +
           (sz.logits.tiled(sz.tokens, sz.vocab) ? "in " + plan::describe(sz.logits, sz.tokens, sz.vocab) : "untiled") +
           ")");
-    const bool block = use.stage >= 1 && use.stage + 1 < mm.schedule().num_stages();
-    if (block && 4 * mm.use_bytes(use, choice) > need)
+    const auto is_block = [&](size_t stage) { return stage >= 1 && stage + 1 < mm.schedule().num_stages(); };
+    const plan::Use& source = mm.largest_scratch_use();  // where the scratch's largest part comes from
+    const char* kinds[] = {"forward", "head", "backward"};
+    const std::string scratch_source =
+        source.stage == use.stage && source.kind == use.kind
+            ? ""
+            : " (the largest, of unit " + unit_name(source.stage) + "'s " + kinds[source.kind] + ")";
+    if (is_block(use.stage) && 4 * mm.use_bytes(use, choice) > need)
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; this unit's parameters take " +
           format_bytes(mm.use_bytes(use, choice)) + ")");
+    else if (is_block(source.stage) && source.kind == plan::Use::kBackward && 4 * scratch > need)
+      // A block's gradient buffers (its units' full size in fp32) make the scratch every use counts.
+      add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; the gradient buffers of unit " +
+          unit_name(source.stage) + "'s backward are part of the " + format_bytes(scratch) + ")");
     if (checkpoints > 0) add("place activation checkpoints on the host (placement.activations)");
     if (held > 0) add("recompute more blocks (placement.recompute)");
     if (base > 0) add("place state on the host (the placement of params, grads, master and moments)");
@@ -263,7 +273,7 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
     if (comma != std::string::npos) remedies.replace(comma, 2, " or ");
     throw BudgetExceeded("device budget " + format_bytes(budget) + " cannot run unit " + unit_name(use.stage) +
                          ": it needs " + format_bytes(need) + " (parameters " + format_bytes(mm.use_bytes(use, choice)) +
-                         ", activations and gradient buffers " + format_bytes(scratch) +
+                         ", activations and gradient buffers " + format_bytes(scratch) + scratch_source +
                          ", activation checkpoints on the device " + format_bytes(checkpoints) +
                          ", blocks kept without recompute " + format_bytes(held) + ") beside " + format_bytes(base) +
                          " of device-placed state; " + remedies);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "resolve.h"
+#include "strata/engine/device.h"
 #include "strata/engine/placement.h"
 #include "strata/engine/plan/memory_model.h"
 #include "strata/engine/plan/schedule.h"
@@ -265,6 +266,39 @@ TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
   const int calls = alone.calls;
   EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree()), 6u);
   EXPECT_EQ(alone.calls, calls) << "an explicit count needs no agreement";
+}
+
+// The error names where the scratch comes from when that is another use than the one that does
+// not fit: here the embedding's forward fails, but most of what it needs is the block's gradient
+// buffers (counted in every use's scratch), so the block tiles are the remedy.
+TEST(CheckWorkingSet, NamesTheUseTheScratchComesFromAndTheBlockTilesWhenItIsABlocksBackward) {
+  plan::Schedule schedule{{{0}, {1}, {2}}, 3};
+  plan::ModelSizes z;
+  z.padded_numel = {8192, 65536, 1024};
+  z.shard_numel = {8192, 65536, 1024};
+  z.compute_bytes = 4;
+  z.tokens = 8;
+  z.hidden = 16;
+  z.vocab = 64;
+  const plan::MemoryModel mm(schedule, z);
+  EXPECT_EQ(mm.largest_scratch_use().stage, 1u);
+  EXPECT_EQ(mm.largest_scratch_use().kind, plan::Use::kBackward);
+  plan::Choices c;
+  c.params_staged = false;
+  c.activations = Placement::kHost;
+  c.recomputed = 1;
+  const uint64_t first_need = mm.need(schedule.uses().front(), c);
+  ASSERT_GT(mm.scratch(c), first_need / 2);
+  const auto name = [](size_t u) { return std::vector<std::string>{"embedding", "block.0", "head"}.at(u); };
+  try {
+    check_working_set(EngineConfig{}, mm, c, 0, first_need - 1, name);
+    ADD_FAILURE() << "the embedding's forward does not fit";
+  } catch (const BudgetExceeded& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("cannot run unit embedding"), std::string::npos) << m;
+    EXPECT_NE(m.find("(the largest, of unit block.0's backward)"), std::string::npos) << m;
+    EXPECT_NE(m.find("the gradient buffers of unit block.0's backward"), std::string::npos) << m;
+  }
 }
 
 }  // namespace

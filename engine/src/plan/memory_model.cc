@@ -32,7 +32,11 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
                  sizes_.shard_numel[u] * 4;
     const uint64_t boundary =
         2 * (input_bytes(s) + (s + 1 < schedule_.num_stages() ? input_bytes(s + 1) : activation_bytes()));
-    largest_use_scratch_ = std::max(largest_use_scratch_, boundary + grads + (use.kind == Use::kHead ? logits : 0));
+    const uint64_t scratch = boundary + grads + (use.kind == Use::kHead ? logits : 0);
+    if (scratch > largest_use_scratch_) {
+      largest_use_scratch_ = scratch;
+      largest_scratch_use_ = use;
+    }
   }
   // scratch() adds one checkpoint on its way back when checkpoints live off the device.
 }

@@ -92,6 +92,10 @@ class MemoryModel {
   uint64_t scratch(const Choices& c) const {
     return largest_use_scratch_ + (c.activations != Placement::kDevice ? largest_input_ : 0);
   }
+  // The use whose boundary activations, gradient buffers and head loss make scratch()'s largest
+  // part (the first such in schedule order): what an error names as the scratch's source, which
+  // may be another use than the one that does not fit.
+  const Use& largest_scratch_use() const { return largest_scratch_use_; }
   // The head's loss: its part of the head use's scratch (plan/tiling.h).
   uint64_t head_loss_bytes() const;
   uint64_t held_at(const Use& use, const Choices& c) const;
@@ -118,6 +122,7 @@ class MemoryModel {
   const Schedule& schedule_;
   ModelSizes sizes_;
   uint64_t largest_use_scratch_ = 0;  // scratch's part that no choice changes
+  Use largest_scratch_use_{0, Use::kForward};
   uint64_t largest_input_ = 0;
   std::vector<uint64_t> inputs_before_;  // [s]: stages 1..s-1's inputs (checkpoint_bytes in O(1))
 };
