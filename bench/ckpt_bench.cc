@@ -100,7 +100,7 @@ void run_store_bench(const CkptBenchOptions& o, engine::Engine& eng, engine::Com
     if (!url) throw std::runtime_error("bench ckpt: " + up.last_error());
     upload.push_back(double(up.last_bytes()) / up.last_seconds() / 1e6);
     t0 = Clock::now();
-    engine::load_checkpoint(eng, comm, *url);
+    engine::load_checkpoint(eng, comm, *url, transfer);
     restore.push_back(bytes / seconds_since(t0) / 1e6);
     if (round % 2 == 0) run_boto3();
 

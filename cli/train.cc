@@ -642,7 +642,7 @@ int run_training(const std::vector<std::string>& argv) {
   int64_t saved_through = 0;  // the steps the newest checkpoint (saved or resumed from) holds
   std::string resumed_from;
   if (resume_dir) {
-    const engine::CheckpointMeta meta = engine::load_checkpoint(eng, *comm, *resume_dir);
+    const engine::CheckpointMeta meta = engine::load_checkpoint(eng, *comm, *resume_dir, tc.checkpoint_transfer);
     loader.set_position(meta.samples_consumed);
     first_step = meta.train_steps;
     saved_through = first_step;
@@ -658,7 +658,7 @@ int run_training(const std::vector<std::string>& argv) {
   // Tiered saves: every committed checkpoint goes up to the store in the background.
   std::unique_ptr<engine::CheckpointUploader> uploader;
   if (!tc.checkpoint_upload.empty()) {
-    uploader = std::make_unique<engine::CheckpointUploader>(*comm, tc.checkpoint_upload);
+    uploader = std::make_unique<engine::CheckpointUploader>(*comm, tc.checkpoint_upload, tc.checkpoint_transfer);
     if (lead) {
       std::cerr << "strata train: checkpoints are saved in " << tc.checkpoint_dir << " and uploaded to "
                 << uploader->store_url() << "\n";

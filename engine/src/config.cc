@@ -446,6 +446,13 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     s.read("checkpoint_upload", c.checkpoint_upload);
     s.read("checkpoint_local_dir", c.checkpoint_local_dir);
     s.read("keep_uploaded_checkpoints", c.keep_uploaded_checkpoints);
+    s.read_bytes("checkpoint_part_size", c.checkpoint_transfer.part_bytes);
+    // S3 takes parts of up to 5 GiB (and at least 5 MiB but the last: the driver raises smaller).
+    if (c.checkpoint_transfer.part_bytes == 0 || c.checkpoint_transfer.part_bytes > (5ull << 30))
+      s.fail("checkpoint_part_size", "must be > 0 and at most 5 GiB (S3's largest part)");
+    s.read("checkpoint_concurrency", c.checkpoint_transfer.concurrency);
+    if (c.checkpoint_transfer.concurrency < 1 || c.checkpoint_transfer.concurrency > 256)
+      s.fail("checkpoint_concurrency", "must be 1 to 256");
   }
   if (c.steps < 0) throw std::invalid_argument(source + ": run.steps must be >= 0");
   if (c.save_every < 0) throw std::invalid_argument(source + ": run.save_every must be >= 0");

@@ -735,6 +735,15 @@ TEST(StoredCheckpoint, RestoreReadsRunsOfChunksInFewGetsAndNamesACorruptOne) {
   EXPECT_LT(data_gets, chunks);
   EXPECT_GT(largest, 4ull << 20);  // several 4 MiB chunks in one request
   EXPECT_LE(largest, so::TransferOptions{}.part_bytes);
+  // The transfer options size the requests (run.checkpoint_part_size): 8 MiB holds two chunks.
+  log->gets.clear();
+  se::load_checkpoint(b.engine(), b.comm(), *url, so::TransferOptions{8ull << 20, 2});
+  expect_bitwise(b.params(), a.params());
+  uint64_t largest_small = 0;
+  for (const auto& [key, bytes] : log->gets)
+    if (key.ends_with(".data")) largest_small = std::max(largest_small, bytes);
+  EXPECT_GT(largest_small, 4ull << 20);
+  EXPECT_LE(largest_small, 8ull << 20);
 
   // One flipped bit in the middle chunk of the embedding's master run.
   std::string data_key;

@@ -822,9 +822,12 @@ TEST(TrainConfig, EveryKeyReachesItsField) {
                   "activations": "device", "recompute": 3},
     "device": {"budget": 1048576, "prefetch": 0, "cpu_threads": 6},
     "distributed": {"timeout_s": 12.5},
-    "run": {"steps": 0, "log": "", "progress": false, "export": "out"}
+    "run": {"steps": 0, "log": "", "progress": false, "export": "out",
+            "checkpoint_part_size": "32MiB", "checkpoint_concurrency": 3}
   })", "test.json");
   EXPECT_EQ(c.init_seed, 7u);
+  EXPECT_EQ(c.checkpoint_transfer.part_bytes, 32ull << 20);
+  EXPECT_EQ(c.checkpoint_transfer.concurrency, 3);
   EXPECT_FALSE(c.model.tie_embeddings);
   EXPECT_EQ(c.data_path, "/data/tokens.bin");
   EXPECT_EQ(c.data_format, "uint16");
@@ -918,6 +921,9 @@ TEST(TrainConfig, InvalidConfigurationsNameTheFileAndKey) {
   };
   const Bad cases[] = {
       {R"({"optimiser": {}})", "optimiser"},
+      {R"({"run": {"checkpoint_part_size": 0}})", "run.checkpoint_part_size"},
+      {R"({"run": {"checkpoint_part_size": "6GiB"}})", "run.checkpoint_part_size"},
+      {R"({"run": {"checkpoint_concurrency": 0}})", "run.checkpoint_concurrency"},
       {R"({"optimizer": {"momentum": 0.9}})", "optimizer.momentum"},
       {R"({"model": {"layer": 6}})", "model.layer"},
       {R"({"batch": {"micro_batch": "2"}})", "batch.micro_batch"},

@@ -12,8 +12,8 @@
 
 namespace strata::engine::ckpt {
 
-ChunkReader::ChunkReader(fs::path location, const json& manifest)
-    : dir_(std::move(location)), units_(manifest["units"]), data_prefix_(data_prefix(manifest)) {
+ChunkReader::ChunkReader(fs::path location, const json& manifest, offload::TransferOptions transfer)
+    : dir_(std::move(location)), units_(manifest["units"]), data_prefix_(data_prefix(manifest)), transfer_(transfer) {
   if (is_object_location(dir_)) {
     ObjectLocation at = open_object_location(dir_);
     store_ = std::move(at.store);
@@ -36,11 +36,10 @@ offload::File& ChunkReader::file(const json& chunk) {
 
 void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window) {
   // Requests adjacent both in one data object and in memory (a slice's consecutive chunks) go as
-  // one ranged GET of up to a transfer's part size: each request costs the store a round of
-  // authentication and lookup, so fewer, larger ones move more. At most the transfers'
-  // concurrency in flight (the uploads' defaults: offload::TransferOptions).
-  const offload::TransferOptions transfer;
-  const uint64_t kGetBytes = transfer.part_bytes;
+  // one ranged GET of up to the transfer's part size: each request costs the store a round of
+  // authentication and lookup, so fewer, larger ones move more. At most the transfer's
+  // concurrency in flight.
+  const uint64_t get_bytes = std::max<uint64_t>(transfer_.part_bytes, 1);
   struct Run {
     std::string key;
     uint64_t offset = 0, bytes = 0;
@@ -64,7 +63,7 @@ void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window)
       if (!runs.empty()) {
         Run& last = runs.back();
         if (last.key == key && last.offset + last.bytes == offset && last.dst + last.bytes == dst &&
-            last.bytes + bytes <= kGetBytes) {
+            last.bytes + bytes <= get_bytes) {
           last.bytes += bytes;
           last.requests.push_back(r);
           continue;
@@ -75,7 +74,7 @@ void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window)
   } catch (const json::exception& e) {  // a malformed chunk entry
     throw std::runtime_error("checkpoint " + dir_.string() + ": " + e.what());
   }
-  const int threads = int(std::min<size_t>(std::max<size_t>(window, 1), size_t(std::max(transfer.concurrency, 1))));
+  const int threads = int(std::min<size_t>(std::max<size_t>(window, 1), size_t(std::max(transfer_.concurrency, 1))));
   offload::run_parallel(runs.size(), threads, [&](size_t i) {
     const Run& run = runs[i];
     const auto name = [&] {  // the run's chunks, for an error

@@ -1,7 +1,8 @@
 // The one way a checkpoint's chunks are read back (load, verify, export): from a directory, data
 // files opened on first use and a batch of chunks read concurrently through one I/O engine; from
-// object storage, ranged GETs on up to `window` threads, one per run of chunks adjacent both in
-// their data object and in memory (up to 16 MiB). Each chunk is checked against its CRC32C.
+// object storage, ranged GETs on up to `window` threads (at most the transfer's concurrency), one
+// per run of chunks adjacent both in their data object and in memory (up to the transfer's part
+// size). Each chunk is checked against its CRC32C.
 //
 // Ownership: the reader owns its I/O engine, open files and store client; the manifest's JSON
 // (the chunks passed to read()) must outlive it. Destinations belong to the caller.
@@ -28,8 +29,9 @@ namespace strata::engine::ckpt {
 
 class ChunkReader {
  public:
-  // `location`: the checkpoint's directory or object URL; `manifest`: its manifest.
-  ChunkReader(fs::path location, const json& manifest);
+  // `location`: the checkpoint's directory or object URL; `manifest`: its manifest; `transfer`:
+  // the object reads' largest request and how many are in flight.
+  ChunkReader(fs::path location, const json& manifest, offload::TransferOptions transfer = {});
 
   // One chunk into `dst`: numel x 4 bytes (page-aligned memory is read with direct I/O).
   struct Request {
@@ -52,6 +54,7 @@ class ChunkReader {
   std::map<std::string, offload::File> files_;
   std::unique_ptr<offload::ObjectStore> store_;  // set for an object location
   std::string object_name_;
+  offload::TransferOptions transfer_;
 };
 
 }  // namespace strata::engine::ckpt

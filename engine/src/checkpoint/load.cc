@@ -261,7 +261,8 @@ ResumeChoice agree_resume_point(Communicator& comm, const std::optional<fs::path
   return out;
 }
 
-CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::path& dir) {
+CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::path& dir,
+                               const offload::TransferOptions& transfer) {
   const std::string text = from_rank0(comm, comm.rank() == 0 ? manifest_message(dir) : std::string());
   const json m = parse_manifest(text.substr(1), dir.string() + " (rank 0's manifest.json)");
   const Partition& part = engine.partition();
@@ -283,7 +284,7 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
   }
 
   const int rank = comm.rank();
-  ChunkReader reader(dir, m);
+  ChunkReader reader(dir, m, transfer);
   const std::vector<std::vector<const json*>> unit_chunks = chunks_by_unit(m, dir);
   // Each (unit, kind)'s chunks cover its elements exactly once: checked here, before any
   // collective, alike on every rank. So every rank's slices are covered too (no count needed

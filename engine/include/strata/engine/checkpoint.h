@@ -29,6 +29,7 @@
 #include "strata/engine/comm.h"
 #include "strata/engine/engine.h"
 #include "strata/offload/fault_injection.h"
+#include "strata/offload/object_store.h"
 
 namespace strata::engine {
 
@@ -109,9 +110,12 @@ class AsyncCheckpointer {
 // may be on disks each node sees differently (node-local): each rank reads the data files it
 // sees, and when some rank lacks a file it needs, every chunk goes from a rank that sees its
 // file to the ranks that own it, over the communicator (bit for bit). A data file no rank sees
-// is an error on every rank naming the file and the directory each host looked in.
+// is an error on every rank naming the file and the directory each host looked in. From object
+// storage, `transfer` sizes the ranged reads (runs of adjacent chunks up to part_bytes,
+// `concurrency` in flight).
 CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm,
-                               const std::filesystem::path& checkpoint_dir);
+                               const std::filesystem::path& checkpoint_dir,
+                               const offload::TransferOptions& transfer = {});
 
 // Reads every chunk of a committed checkpoint and checks its CRC32C and that the chunks cover
 // every unit's state exactly. Throws std::runtime_error naming the first bad chunk; returns the

@@ -12,6 +12,7 @@
 
 #include "strata/engine/lr_schedule.h"
 #include "strata/models/model_config.h"
+#include "strata/offload/transfer_options.h"
 
 namespace strata::offload {
 class FaultInjector;
@@ -169,6 +170,10 @@ struct TrainConfig {
   std::string checkpoint_upload;
   std::string checkpoint_local_dir;  // local side of an s3:// checkpoint_dir; empty: a default
   int64_t keep_uploaded_checkpoints = 0;  // keep only the N newest in the store; 0: keep all
+  // How checkpoints move to and from object storage: uploads' part size and the ranged reads'
+  // largest request, and how many of either are in flight (run.checkpoint_part_size,
+  // run.checkpoint_concurrency).
+  offload::TransferOptions checkpoint_transfer;
   EngineConfig engine;
 };
 

@@ -33,6 +33,8 @@
 #include <string_view>
 #include <vector>
 
+#include "strata/offload/transfer_options.h"
+
 namespace strata::offload {
 
 class ObjectStoreError : public std::runtime_error {
@@ -122,12 +124,7 @@ class ObjectStore {
   std::vector<std::byte> get_all(const std::string& key);
 };
 
-// How large transfers are cut: parts (and ranged reads) of part_bytes with up to `concurrency`
-// in flight. The defaults reach about 200 MiB/s on one loopback S3 server (docs/PERFORMANCE.md).
-struct TransferOptions {
-  uint64_t part_bytes = 16ull << 20;
-  int concurrency = 8;
-};
+// How large transfers are cut: TransferOptions (transfer_options.h).
 
 // Uploads `data` as one object: one put when it fits in one part, else a multipart upload of
 // part_bytes (raised to the store's minimum) parts, `concurrency` at a time. On failure the
