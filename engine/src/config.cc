@@ -451,8 +451,13 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     if (c.checkpoint_transfer.part_bytes == 0 || c.checkpoint_transfer.part_bytes > (5ull << 30))
       s.fail("checkpoint_part_size", "must be > 0 and at most 5 GiB (S3's largest part)");
     s.read("checkpoint_concurrency", c.checkpoint_transfer.concurrency);
-    if (c.checkpoint_transfer.concurrency < 1 || c.checkpoint_transfer.concurrency > 256)
-      s.fail("checkpoint_concurrency", "must be 1 to 256");
+    // A client keeps at most 64 idle connections: more in flight would reconnect every request.
+    if (c.checkpoint_transfer.concurrency < 1 || c.checkpoint_transfer.concurrency > 64)
+      s.fail("checkpoint_concurrency", "must be 1 to 64");
+    // An upload holds a part per transfer in memory.
+    if (c.checkpoint_transfer.part_bytes * uint64_t(c.checkpoint_transfer.concurrency) > (16ull << 30))
+      s.fail("checkpoint_part_size", "times run.checkpoint_concurrency must be at most 16 GiB (an upload holds a part "
+                                     "per transfer in memory)");
   }
   if (c.steps < 0) throw std::invalid_argument(source + ": run.steps must be >= 0");
   if (c.save_every < 0) throw std::invalid_argument(source + ": run.save_every must be >= 0");

@@ -162,6 +162,7 @@ bool run_with_deadline(Connection& c, std::chrono::milliseconds timeout, Start s
 struct Answer {
   http::response_parser<http::empty_body> header;
   bool body_in_destination = false;
+  bool in_step = true;  // false: the connection holds bytes past the answer (not to be reused)
   std::optional<http::response_parser<http::string_body>> into_text;
   const http::response_header<>& message() const {
     if (into_text) return into_text->get().base();
@@ -169,7 +170,7 @@ struct Answer {
   }
   bool keep_alive() const {
     if (into_text) return into_text->keep_alive();
-    return header.keep_alive();
+    return in_step && header.keep_alive();
   }
 };
 
@@ -206,6 +207,7 @@ beast::error_code exchange_on(Connection& c, Stream& stream,
           // then the rest straight from the socket into `into` (the parser reads 64 KiB at a time
           // through its buffer and copies out: on a 16 MiB range, 256 reads and copies).
           const size_t have = std::min<size_t>(c.buffer.size(), into.size());
+          answer.in_step = c.buffer.size() <= into.size();  // more than the body: out of step
           asio::buffer_copy(asio::buffer(into.data(), have), c.buffer.data());
           c.buffer.consume(have);
           answer.body_in_destination = true;

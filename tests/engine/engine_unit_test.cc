@@ -924,6 +924,8 @@ TEST(TrainConfig, InvalidConfigurationsNameTheFileAndKey) {
       {R"({"run": {"checkpoint_part_size": 0}})", "run.checkpoint_part_size"},
       {R"({"run": {"checkpoint_part_size": "6GiB"}})", "run.checkpoint_part_size"},
       {R"({"run": {"checkpoint_concurrency": 0}})", "run.checkpoint_concurrency"},
+      {R"({"run": {"checkpoint_concurrency": 65}})", "run.checkpoint_concurrency"},
+      {R"({"run": {"checkpoint_part_size": "1GiB", "checkpoint_concurrency": 32}})", "run.checkpoint_part_size"},
       {R"({"optimizer": {"momentum": 0.9}})", "optimizer.momentum"},
       {R"({"model": {"layer": 6}})", "model.layer"},
       {R"({"batch": {"micro_batch": "2"}})", "batch.micro_batch"},

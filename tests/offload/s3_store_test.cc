@@ -172,6 +172,7 @@ enum class Fault {
   kDropMidRequest,   // close after half the request's body arrived
   kHang,             // take the request and never answer
   kLoseAnswer,       // pass the request on, then close instead of passing the answer back
+  kTruncateAnswer,   // pass the request on, then pass back the answer's first half and close
 };
 
 // One request per connection (the driver runs with reuse_connections = false). Plain blocking
@@ -280,7 +281,8 @@ class FaultProxy {
         break;
       }
       case Fault::kForward:
-      case Fault::kLoseAnswer: {
+      case Fault::kLoseAnswer:
+      case Fault::kTruncateAnswer: {
         const int up = ::socket(AF_INET, SOCK_STREAM, 0);
         sockaddr_in addr{};
         addr.sin_family = AF_INET;
@@ -293,6 +295,7 @@ class FaultProxy {
           ssize_t n;
           while ((n = ::recv(up, buf, sizeof buf, 0)) > 0) answer.append(buf, static_cast<size_t>(n));
           if (fault == Fault::kForward) send_all(fd, answer);
+          if (fault == Fault::kTruncateAnswer) send_all(fd, answer.substr(0, answer.size() / 2));
         }
         ::close(up);
         break;
@@ -347,6 +350,31 @@ TEST(S3Faults, SlowDownBurstsDroppedConnectionsAndHangsAreRetried) {
   EXPECT_EQ(proxy.connections(), 7);
   EXPECT_EQ(open_s3_store(kBucket, "", server())->list(store->url().substr(5 + strlen(kBucket) + 1) + "/").size(), 2u);
   EXPECT_EQ(store->get_all("object"), data);
+}
+
+// A body that stops short (the connection closed halfway through a ranged read's answer) is
+// retried, and when every answer stops short the read fails: a partial body is never a success.
+TEST(S3Faults, AnAnswerCutShortIsRetriedAndNeverTakenForTheWholeBody) {
+  const std::string prefix = unique("truncated");
+  const auto data = random_bytes(6 << 20, 9);
+  open_s3_store(kBucket, prefix, server())->put("object", data);
+  FaultProxy proxy(server_port(), [](int i) { return i == 0 ? Fault::kTruncateAnswer : Fault::kForward; });
+  auto store = open_s3_store(kBucket, prefix, through(proxy));
+  std::vector<std::byte> out(4 << 20);
+  store->get("object", 1 << 20, out);
+  EXPECT_EQ(proxy.connections(), 2);
+  EXPECT_TRUE(std::equal(out.begin(), out.end(), data.begin() + (1 << 20)));
+
+  FaultProxy always(server_port(), [](int) { return Fault::kTruncateAnswer; });
+  auto cut = open_s3_store(kBucket, prefix, through(always));
+  std::vector<std::byte> never(4 << 20);
+  try {
+    cut->get("object", 0, never);
+    ADD_FAILURE() << "a body cut short was taken for the whole";
+  } catch (const ObjectStoreError& e) {
+    EXPECT_EQ(e.kind(), ObjectStoreError::Kind::kUnavailable) << e.what();
+  }
+  EXPECT_EQ(always.connections(), through(always).max_attempts);
 }
 
 TEST(S3Faults, AMultipartUploadSurvivesAPartDroppedMidwayAndAHungPart) {
