@@ -252,17 +252,17 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
           " of the " + format_bytes(scratch) + " " +
           (sz.logits.tiled(sz.tokens, sz.vocab) ? "in " + plan::describe(sz.logits, sz.tokens, sz.vocab) : "untiled") +
           ")");
-    const auto is_block = [&](size_t stage) { return stage >= 1 && stage + 1 < mm.schedule().num_stages(); };
+    const plan::Schedule& schedule = mm.schedule();
     const plan::Use& source = mm.largest_scratch_use();  // where the scratch's largest part comes from
     const char* kinds[] = {"forward", "head", "backward"};
     const std::string scratch_source =
         source.stage == use.stage && source.kind == use.kind
             ? ""
             : " (the largest, of unit " + unit_name(source.stage) + "'s " + kinds[source.kind] + ")";
-    if (is_block(use.stage) && 4 * mm.use_bytes(use, choice) > need)
+    if (schedule.is_block(use.stage) && 4 * mm.use_bytes(use, choice) > need)
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; this unit's parameters take " +
           format_bytes(mm.use_bytes(use, choice)) + ")");
-    else if (is_block(source.stage) && source.kind == plan::Use::kBackward && 4 * scratch > need)
+    else if (schedule.is_block(source.stage) && source.kind == plan::Use::kBackward && 4 * scratch > need)
       // A block's gradient buffers (its units' full size in fp32) make the scratch every use counts.
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; the gradient buffers of unit " +
           unit_name(source.stage) + "'s backward are part of the " + format_bytes(scratch) + ")");

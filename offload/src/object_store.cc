@@ -62,13 +62,14 @@ std::vector<std::byte> ObjectStore::get_all(const std::string& key) {
 
 namespace {
 
-// The one upload loop of put_object and put_file: `total` bytes as one put when they fit in a
-// part, else a multipart upload; `bytes(begin, size, scratch)` gives a piece's bytes (a view of
-// the caller's memory, or read into `scratch`), and `report(size)` counts each piece sent.
 // The size of an upload's parts: the options', raised to what the store accepts.
 uint64_t part_bytes(const ObjectStore& store, const TransferOptions& options) {
   return std::max<uint64_t>({options.part_bytes, store.min_part_bytes(), 1});
 }
+
+// The one upload loop of put_object and put_file: `total` bytes as one put when they fit in a
+// part, else a multipart upload; `bytes(begin, size, scratch)` gives a piece's bytes (a view of
+// the caller's memory, or read into `scratch`), and `report(size)` counts each piece sent.
 using PieceSource = std::function<std::span<const std::byte>(uint64_t begin, uint64_t size,
                                                              std::vector<std::byte>& scratch)>;
 ObjectInfo upload(ObjectStore& store, const std::string& key, uint64_t total, const TransferOptions& options,
@@ -176,7 +177,8 @@ ObjectInfo put_file(ObjectStore& store, const std::string& key, const std::strin
   const uint64_t threads = uint64_t(std::max(options.concurrency, 1));
   // The first parts in order, before the threads ask for them all at once: the first part is
   // then on its way while the disk still reads the others.
-  for (uint64_t k = 0; k < threads; ++k) file.will_need(k * part_bytes(store, options), part_bytes(store, options));
+  const uint64_t part = part_bytes(store, options);
+  for (uint64_t k = 0; k < threads; ++k) file.will_need(k * part, part);
   return upload(
       store, key, file.size(), options,
       [&](uint64_t begin, uint64_t size, std::vector<std::byte>& scratch) {

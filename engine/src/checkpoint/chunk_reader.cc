@@ -46,34 +46,32 @@ void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window)
     std::byte* dst = nullptr;
     std::vector<const Request*> requests;
   };
-  std::vector<Run> runs;
+  std::vector<Run> runs;  // one per request, then sorted by (object, offset) and merged
   try {
-    std::vector<const Request*> order;
-    for (const Request& r : batch) order.push_back(&r);
-    const auto file_of = [](const Request* r) { return (*r->chunk)["file"].get<std::string>(); };
-    const auto offset_of = [](const Request* r) { return (*r->chunk)["offset"].get<uint64_t>(); };
-    std::stable_sort(order.begin(), order.end(), [&](const Request* a, const Request* b) {
-      const std::string fa = file_of(a), fb = file_of(b);
-      return fa != fb ? fa < fb : offset_of(a) < offset_of(b);
-    });
-    for (const Request* r : order) {
-      const uint64_t offset = offset_of(r), bytes = (*r->chunk)["numel"].get<uint64_t>() * 4;
-      const std::string key = object_name_ + "/" + data_prefix_ + file_of(r);
-      auto* dst = reinterpret_cast<std::byte*>(r->dst);
-      if (!runs.empty()) {
-        Run& last = runs.back();
-        if (last.key == key && last.offset + last.bytes == offset && last.dst + last.bytes == dst &&
-            last.bytes + bytes <= get_bytes) {
-          last.bytes += bytes;
-          last.requests.push_back(r);
-          continue;
-        }
-      }
-      runs.push_back({key, offset, bytes, dst, {r}});
+    for (const Request& r : batch) {
+      const json& c = *r.chunk;
+      runs.push_back({object_name_ + "/" + data_prefix_ + c["file"].get<std::string>(), c["offset"].get<uint64_t>(),
+                      c["numel"].get<uint64_t>() * 4, reinterpret_cast<std::byte*>(r.dst), {&r}});
     }
   } catch (const json::exception& e) {  // a malformed chunk entry
     throw std::runtime_error("checkpoint " + dir_.string() + ": " + e.what());
   }
+  std::stable_sort(runs.begin(), runs.end(),
+                   [](const Run& a, const Run& b) { return a.key != b.key ? a.key < b.key : a.offset < b.offset; });
+  std::vector<Run> merged;
+  for (Run& r : runs) {
+    if (!merged.empty()) {
+      Run& last = merged.back();
+      if (last.key == r.key && last.offset + last.bytes == r.offset && last.dst + last.bytes == r.dst &&
+          last.bytes + r.bytes <= get_bytes) {
+        last.bytes += r.bytes;
+        last.requests.push_back(r.requests.front());
+        continue;
+      }
+    }
+    merged.push_back(std::move(r));
+  }
+  runs = std::move(merged);
   const int threads = int(std::min<size_t>(std::max<size_t>(window, 1), size_t(std::max(transfer_.concurrency, 1))));
   offload::run_parallel(runs.size(), threads, [&](size_t i) {
     const Run& run = runs[i];

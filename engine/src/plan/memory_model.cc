@@ -24,7 +24,7 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
   for (const Use& use : schedule_.uses()) {
     uint64_t grads = 0;
     const size_t s = use.stage;
-    const bool block = s >= 1 && s + 1 < schedule_.num_stages();
+    const bool block = schedule_.is_block(s);
     if (use.kind != Use::kForward)
       for (size_t u : schedule_.units_of(s))
         grads += sizes_.padded_numel[u] * (4 + (sizes_.reduce_bf16 ? 2 : 0) +

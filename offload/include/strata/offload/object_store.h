@@ -124,8 +124,6 @@ class ObjectStore {
   std::vector<std::byte> get_all(const std::string& key);
 };
 
-// How large transfers are cut: TransferOptions (transfer_options.h).
-
 // Uploads `data` as one object: one put when it fits in one part, else a multipart upload of
 // part_bytes (raised to the store's minimum) parts, `concurrency` at a time. On failure the
 // upload is aborted and the error rethrown; the key is then unchanged. The etag is filled in for

@@ -8,8 +8,7 @@
 
 namespace strata::offload {
 
-// The defaults reach about 290 MB/s up and 1 GB/s down on one loopback RGW sharing 2 cores with
-// the client (docs/PERFORMANCE.md).
+// What the defaults reach: docs/PERFORMANCE.md (`strata bench ckpt --store`).
 struct TransferOptions {
   uint64_t part_bytes = 16ull << 20;
   int concurrency = 8;

@@ -40,6 +40,7 @@ class Schedule {
   // Units used by more than one stage (a tied embedding).
   size_t shared_units() const { return shared_units_; }
   size_t blocks() const { return num_stages() - 2; }  // stages between the embedding and the head
+  bool is_block(size_t stage) const { return stage >= 1 && stage + 1 < num_stages(); }
   // The order the units' gradients become final in the last micro-batch's backward (highest
   // last-use stage first; ties in forward order), restricted to `units` (kept in that order
   // otherwise).
