@@ -17,9 +17,10 @@
 namespace strata::bench {
 namespace {
 
-// `block_tiles`: placement.tiling for the attention and the MLP alike (1: whole blocks).
+// `block_tiles`: placement.tiling for the attention and the MLP alike (1: whole blocks);
+// `vocab_tiles` for the embedding and the LM head (1: whole).
 engine::EngineConfig engine_config(const TilingBenchOptions& o, int64_t batch, int64_t seq, uint64_t head_tiles,
-                                   unsigned threads, uint64_t block_tiles = 1) {
+                                   unsigned threads, uint64_t block_tiles = 1, uint64_t vocab_tiles = 1) {
   engine::EngineConfig e;
   e.device = o.device;
   if (o.compute == "bf16") e.compute = engine::Precision::kBf16;
@@ -30,6 +31,7 @@ engine::EngineConfig engine_config(const TilingBenchOptions& o, int64_t batch, i
   e.cpu_threads = threads;
   e.head_tiles = head_tiles;
   e.attention_tiles = e.mlp_tiles = block_tiles;
+  e.vocab_tiles = vocab_tiles;
   return e;
 }
 
@@ -116,31 +118,67 @@ void run_tiling_bench(const TilingBenchOptions& o) {
                             {"compute", o.compute},
                             {"threads", threads}};
     std::cout << bline.dump() << std::endl;
+
+    // The same model with the embedding and the LM head cut into vocabulary tiles, each a unit
+    // and a stage (the logits in the same tiles as the first line's, within them).
+    engine::EngineConfig vocab_cfg = engine_config(o, o.batch, o.seq, o.tiles, threads, 1, o.vocab_tiles);
+    auto dev_vocab = engine::Device::create(o.device, 0, UINT64_MAX);
+    engine::Engine vocab_cut(std::make_unique<models::Decoder>(c, 1), vocab_cfg, *comm, *dev_vocab);
+    const std::string vocab_desc = std::to_string(o.vocab_tiles) + " vocabulary tiles, head logits " +
+                                   engine::plan::describe(vocab_cut.memory_model().head_logits(), tokens, vocab);
+    std::cerr << "bench tiling (a): embedding and head whole (logits " << cut_desc << ") vs in " << vocab_desc
+              << std::endl;
+    const std::vector<double> vsec =
+        median_seconds(o.steps, {[&] { cut.train_step(ids); }, [&] { vocab_cut.train_step(ids); }});
+    nlohmann::json vline = {{"metric", "train_step_seconds_vocab_tiled"},
+                            {"value", vsec[1]},
+                            {"baseline", "the same engine step with the embedding and the LM head whole (logits tiled alike)"},
+                            {"baseline_value", vsec[0]},
+                            {"ratio", vsec[1] / vsec[0]},
+                            {"overhead", vsec[1] / vsec[0] - 1},
+                            {"target_ratio_at_most", 1.10},
+                            {"tiling", vocab_desc},
+                            {"largest_unit_bytes_whole", cut.memory_model().largest_unit(cut.working_set_choices())},
+                            {"largest_unit_bytes_tiled",
+                             vocab_cut.memory_model().largest_unit(vocab_cut.working_set_choices())},
+                            {"parameters", c.parameters()},
+                            {"device", dev_whole->description()},
+                            {"compute", o.compute},
+                            {"threads", threads}};
+    std::cout << vline.dump() << std::endl;
   }
 
-  // (b) Capacity in one budget: the largest vocabulary (doubling from 256) that trains.
+  // (b) Capacity in one budget: the largest vocabulary (doubling from 256, up to
+  // --capacity-max-vocab) that trains; untiled, then with the head's logits and the vocabulary
+  // "auto".
   {
     const int64_t T = o.capacity_tokens;
-    const auto largest = [&](uint64_t head_tiles, uint64_t* tiles_used) {
+    const auto largest = [&](uint64_t tiling, uint64_t* tiles_used, uint64_t* vocab_tiles_used) {
       int64_t best = 0;
-      for (int64_t vocab = 256; vocab <= (int64_t(1) << 26); vocab *= 2) {
+      for (int64_t vocab = 256; vocab <= o.capacity_max_vocab; vocab *= 2) {
         uint64_t tiles = 0;
+        engine::EngineConfig used;
         const models::ModelConfig c = gpt2_shape("gpt2-tiling-bench", 1, o.capacity_hidden, 4, vocab, T);
-        if (!trains_in(c, engine_config(o, 1, T, head_tiles, threads, 1), o.budget, &tiles, *comm)) break;
+        if (!trains_in(c, engine_config(o, 1, T, tiling, threads, 1, tiling), o.budget, &tiles, *comm, &used)) break;
         best = vocab;
         *tiles_used = tiles;
+        *vocab_tiles_used = used.vocab_tiles;
         std::cerr << "bench tiling (b): vocabulary " << vocab << " trains in " << engine::format_bytes(o.budget)
-                  << (head_tiles == 1 ? " untiled" : " with " + std::to_string(tiles) + " head tiles") << std::endl;
+                  << (tiling == 1 ? " untiled"
+                                  : " with " + std::to_string(tiles) + " head tiles, " +
+                                        std::to_string(used.vocab_tiles) + " vocabulary tiles")
+                  << std::endl;
       }
       return best;
     };
-    uint64_t whole_tiles = 1, auto_tiles = 1;
-    const int64_t whole = largest(1, &whole_tiles), tiled = largest(engine::EngineConfig::kTilesAuto, &auto_tiles);
+    uint64_t whole_tiles = 1, auto_tiles = 1, whole_vocab_tiles = 1, auto_vocab_tiles = 1;
+    const int64_t whole = largest(1, &whole_tiles, &whole_vocab_tiles),
+                  tiled = largest(engine::EngineConfig::kTilesAuto, &auto_tiles, &auto_vocab_tiles);
     const double whole_logits = double(T) * double(whole), tiled_logits = double(T) * double(tiled);
     nlohmann::json line = {
         {"metric", "largest_logits_elements_in_budget"},
         {"value", tiled_logits},
-        {"baseline", "the same engine with the head untiled (placement.tiling \"off\")"},
+        {"baseline", "the same engine with the head and the vocabulary untiled (placement.tiling \"off\")"},
         {"baseline_value", whole_logits},
         {"ratio", whole_logits > 0 ? tiled_logits / whole_logits : 0.0},
         {"target_ratio_at_least", 16},
@@ -150,6 +188,8 @@ void run_tiling_bench(const TilingBenchOptions& o) {
         {"largest_vocab_untiled", whole},
         {"largest_vocab_tiled", tiled},
         {"head_tiles_at_largest", auto_tiles},
+        {"vocab_tiles_at_largest", auto_vocab_tiles},
+        {"largest_vocab_tried", o.capacity_max_vocab},
         {"blocks_tiled", false},
         {"device", o.device},
         {"compute", o.compute},

@@ -1,9 +1,11 @@
 // `strata bench tiling`: the engine's tiled LM head beside the untiled one, in the same run.
 //   (a) overhead: the step time of one model that fits both ways, the head's logits cut into
-//       `tiles` tiles vs whole, and its blocks cut into attention x MLP tiles vs whole (target:
-//       at most 10% slower each);
+//       `tiles` tiles vs whole, its blocks cut into attention x MLP tiles vs whole, and its
+//       embedding and LM head cut into `vocab_tiles` vocabulary tiles vs whole (target: at most
+//       10% slower each);
 //   (b) capacity: in one fixed device budget, the largest vocabulary (doubling) for which the
-//       engine constructs and runs a training step, untiled vs placement.tiling "auto"; reported
+//       engine constructs and runs a training step, untiled vs placement.tiling "auto" (the
+//       head's logits and the vocabulary); reported
 //       as logits elements (tokens x vocabulary), the ratio being the gain (target: >= 16x).
 //   (c) capacity: in one fixed device budget, the largest hidden size (doubling) of a one-block
 //       GPT-2 that trains with whole blocks vs blocks cut "auto" (target: >= 8x).
@@ -19,10 +21,12 @@ struct TilingBenchOptions {
   int64_t layers = 2, hidden = 256, heads = 4, vocab = 32768, seq = 256, batch = 4;
   uint64_t tiles = 16;
   int64_t attention_tiles = 2, mlp_tiles = 4;  // (a) the blocks' tiles beside whole blocks
+  uint64_t vocab_tiles = 8;  // (a) the embedding's and the LM head's tiles beside them whole
   unsigned steps = 5;  // timed steps per side, round-robin, median reported
   // (b): the budget, hidden size and tokens of the capacity search.
   uint64_t budget = 64ull << 20;
   int64_t capacity_hidden = 64, capacity_tokens = 4096;
+  int64_t capacity_max_vocab = 262144;  // the doubling stops here (Gemma's vocabulary)
   // (c): the budget, tokens a step and the largest hidden size tried.
   uint64_t hidden_budget = 16ull << 20;
   int64_t hidden_tokens = 64, hidden_max = 4096;

@@ -185,11 +185,13 @@ constexpr const char* kBenchTilingUsage = R"(usage: strata bench tiling [options
 
 The engine's LM head with its logits cut into tiles (placement.tiling) beside the same engine
 with them whole, in one run, fp32 on the host device:
-  (a) the step time of a model that fits both ways, its head's logits tiled vs whole and its
-      blocks cut into tiles vs whole (target: at most 10% more each);
-  (b) in one device budget, the largest vocabulary (doubling from 256) for which the engine
-      constructs and runs a training step of --capacity-tokens tokens, untiled vs tiling "auto",
-      as logits elements (target: at least 16x).
+  (a) the step time of a model that fits both ways, its head's logits tiled vs whole, its
+      blocks cut into tiles vs whole, and its embedding and LM head in vocabulary tiles vs whole
+      (target: at most 10% more each);
+  (b) in one device budget, the largest vocabulary (doubling from 256 up to
+      --capacity-max-vocab) for which the engine constructs and runs a training step of
+      --capacity-tokens tokens, untiled vs tiling "auto", as logits elements (target: at least
+      16x).
   (c) the blocks cut into tiles: in --hidden-budget, the largest hidden size (doubling from 128 up to
       --hidden-max) of a one-block GPT-2 that trains with whole blocks vs blocks cut "auto"
       (target: at least 8x).
@@ -204,10 +206,12 @@ A JSON line per part; the last one is (c).
   --tiles N             (a) the head's tiles (default 16)
   --attention-tiles N   (a) each block's attention tiles (default 2, at most --heads)
   --mlp-tiles N         (a) each block's MLP tiles (default 4)
+  --vocab-tiles N       (a) the embedding's and LM head's vocabulary tiles (default 8)
   --steps N             (a) timed steps per side (default 5)
   --budget BYTES        (b) the device budget (default 64MiB)
   --capacity-hidden N   (b) model width (default 64)
   --capacity-tokens N   (b) tokens per step (default 4096)
+  --capacity-max-vocab N (b) the largest vocabulary tried (default 262144)
   --hidden-budget BYTES (c) the device budget (default 16MiB)
   --hidden-tokens N     (c) tokens per step (default 64)
   --hidden-max N        (c) the largest hidden size tried (default 4096)
@@ -223,8 +227,8 @@ int bench_tiling(const std::vector<std::string>& argv) {
       return 0;
     }
   strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "tiles", "attention-tiles",
-                                "mlp-tiles", "steps", "budget",
-                                "capacity-hidden", "capacity-tokens", "hidden-budget", "hidden-tokens", "hidden-max",
+                                "mlp-tiles", "vocab-tiles", "steps", "budget",
+                                "capacity-hidden", "capacity-tokens", "capacity-max-vocab", "hidden-budget", "hidden-tokens", "hidden-max",
                                 "threads", "device", "compute"}, {});
   strata::bench::TilingBenchOptions o;
   o.layers = args.count("layers", unsigned(o.layers));
@@ -236,10 +240,12 @@ int bench_tiling(const std::vector<std::string>& argv) {
   o.tiles = args.count("tiles", unsigned(o.tiles));
   o.attention_tiles = args.count("attention-tiles", unsigned(o.attention_tiles));
   o.mlp_tiles = args.count("mlp-tiles", unsigned(o.mlp_tiles));
+  o.vocab_tiles = args.count("vocab-tiles", unsigned(o.vocab_tiles));
   o.steps = args.count("steps", o.steps);
   if (args.has("budget")) o.budget = strata::engine::parse_bytes(args.get("budget", ""));
   o.capacity_hidden = args.count("capacity-hidden", unsigned(o.capacity_hidden));
   o.capacity_tokens = args.count("capacity-tokens", unsigned(o.capacity_tokens));
+  o.capacity_max_vocab = args.count("capacity-max-vocab", unsigned(o.capacity_max_vocab));
   if (args.has("hidden-budget")) o.hidden_budget = strata::engine::parse_bytes(args.get("hidden-budget", ""));
   o.hidden_tokens = args.count("hidden-tokens", unsigned(o.hidden_tokens));
   o.hidden_max = args.count("hidden-max", unsigned(o.hidden_max));

@@ -761,7 +761,7 @@ int run_training(const std::vector<std::string>& argv) {
          {{"params", to_string(ec.params)}, {"grads", eng.gradients_stored() ? to_string(ec.grads) : "not stored"},
           {"master", to_string(ec.master)}, {"moments", to_string(ec.moments)},
           {"activations", to_string(ec.activations)}, {"recomputed_blocks", ec.recompute_blocks},
-          {"head_tiles", ec.head_tiles}, {"attention_tiles", ec.attention_tiles}, {"mlp_tiles", ec.mlp_tiles},
+          {"head_tiles", ec.head_tiles}, {"attention_tiles", ec.attention_tiles}, {"mlp_tiles", ec.mlp_tiles}, {"vocab_tiles", ec.vocab_tiles},
           {"mlp_token_chunk", ec.mlp_token_chunk},
           {"optimizer_device_units", eng.optimizer_device_units()},
           {"optimizer_host_units", eng.optimizer_host_units()}}},

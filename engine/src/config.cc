@@ -357,7 +357,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
         s.fail("recompute", "must be \"all\", \"none\", \"auto\" or the number of blocks recomputed (an "
                             "integer >= 0), not " + v->dump());
     }
-    // "auto", "off", or per layer kind: {"head" | "attention" | "mlp": "auto" | "off" | tiles}.
+    // "auto", "off", or per layer kind: {"head" | "attention" | "mlp" | "vocab": "auto" | "off" | tiles}.
     if (const json* v = s.get("tiling")) {
       const auto count = [&](const json& x, const std::string& key) -> uint64_t {
         if (x == "auto") return EngineConfig::kTilesAuto;
@@ -367,22 +367,23 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
         return 0;
       };
       if (v->is_string()) {
-        e.head_tiles = e.attention_tiles = e.mlp_tiles = count(*v, "tiling");
+        e.head_tiles = e.attention_tiles = e.mlp_tiles = e.vocab_tiles = count(*v, "tiling");
       } else if (v->is_object()) {
         for (auto it = v->begin(); it != v->end(); ++it)
           if (it.key() == "head") e.head_tiles = count(it.value(), "tiling.head");
           else if (it.key() == "attention") e.attention_tiles = count(it.value(), "tiling.attention");
           else if (it.key() == "mlp") e.mlp_tiles = count(it.value(), "tiling.mlp");
+          else if (it.key() == "vocab") e.vocab_tiles = count(it.value(), "tiling.vocab");
           else if (it.key() == "mlp_tokens") {
             const json& x = it.value();
             if (x == "off") e.mlp_token_chunk = 0;
             else if (x.is_number_integer() && x.get<int64_t>() >= 1) e.mlp_token_chunk = x.get<int64_t>();
             else s.fail("tiling.mlp_tokens", "must be \"off\" or a number of tokens >= 1, not " + x.dump());
           }
-          else s.fail("tiling." + it.key(), "is not a layer kind that is tiled: \"head\", \"attention\", \"mlp\" and "
-                                            "\"mlp_tokens\" are");
+          else s.fail("tiling." + it.key(), "is not a layer kind that is tiled: \"head\", \"attention\", \"mlp\", "
+                                            "\"vocab\" and \"mlp_tokens\" are");
       } else {
-        s.fail("tiling", "must be \"auto\", \"off\" or an object {\"head\": tiles, \"attention\": tiles, \"mlp\": tiles}, not " +
+        s.fail("tiling", "must be \"auto\", \"off\" or an object {\"head\": tiles, \"attention\": tiles, \"mlp\": tiles, \"vocab\": tiles}, not " +
                              v->dump());
       }
     }

@@ -5,6 +5,8 @@
 #include "engine_impl.h"
 #include "strata/engine/predict.h"
 
+#include <optional>
+
 namespace strata::engine {
 
 Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Communicator& cm, Device& d)
@@ -15,45 +17,51 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   exec.threads = cfg.cpu_threads ? cfg.cpu_threads : std::max(1u, std::thread::hardware_concurrency());
   const models::ModelConfig& mc = model->config();
   // The blocks' tiles first: the units are built from the stages they make.
-  block_tiles = resolve_block_tiles(
+  tiles = resolve_tiles(
       cfg, mc,
-      [&](const models::BlockTiling& t) { return block_tiling_fits(cfg, mc, t, comm.world_size(), usable_device()); },
+      [&](const models::LayerTiling& t) { return tiling_fits(cfg, mc, t, comm.world_size(), usable_device()); },
       agreement());
-  model->set_block_tiling(block_tiles);
+  model->set_tiling(tiles);
   model->set_mlp_token_chunk(cfg.mlp_token_chunk);
   stages = model->stages();
 
-  // Units = stages; each unit's tensors are the ones its stage owns (tied weights once), a block
-  // tile's as parts of the model's tensors.
+  // A unit for each stage that owns parameters (a tied head tile after the first owns none);
+  // each unit's tensors are the ones its stage owns (tied weights once), a tile's as parts of
+  // the model's tensors.
   std::vector<std::pair<std::string, std::vector<TensorSpec>>> specs;
   std::unordered_map<const void*, std::pair<size_t, size_t>> owner;  // impl -> (unit, slot)
-  std::vector<std::vector<at::Tensor>> owned(stages.size());
+  std::vector<std::vector<at::Tensor>> owned;  // by unit
+  std::vector<std::optional<size_t>> own_unit(stages.size());
   for (size_t s = 0; s < stages.size(); ++s) {
-    std::vector<TensorSpec> ts;
+    stage_names.push_back(model->stage_name(s));
     const auto named = stages[s]->hf_parameters();
+    if (named.empty()) continue;
+    own_unit[s] = unit_stage.size();
+    unit_stage.push_back(s);
+    owned.emplace_back();
+    std::vector<TensorSpec> ts;
     for (size_t k = 0; k < named.size(); ++k) {
       const auto& [name, t] = named[k];
       if (t.scalar_type() != at::kFloat || !t.device().is_cpu())
         throw std::invalid_argument("Engine: parameter " + name + " must be fp32 on the CPU");
-      owner[t.unsafeGetTensorImpl()] = {s, ts.size()};
+      owner[t.unsafeGetTensorImpl()] = {*own_unit[s], ts.size()};
       const models::TensorPart& part = stages[s]->parts().at(k);
       TensorOrigin origin;
       if (!part.whole()) origin = {part.tensor, part.shape, part.dim, part.begin};
       ts.push_back({name, t.sizes().vec(), std::move(origin)});
-      owned[s].push_back(t);
+      owned.back().push_back(t);
     }
-    specs.emplace_back(model->stage_name(s), std::move(ts));
+    specs.emplace_back(stage_names[s], std::move(ts));
   }
   partition = std::make_unique<Partition>(specs, comm.world_size());
   std::vector<std::vector<runtime::GradientReducer::ParamRef>> stage_params(stages.size());
   std::vector<std::vector<size_t>> units_of(stages.size());
   for (size_t s = 0; s < stages.size(); ++s) {
-    units_of[s].push_back(s);
+    if (own_unit[s]) units_of[s].push_back(*own_unit[s]);
     for (const at::Tensor& p : stages[s]->parameters()) {
       auto it = owner.find(p.unsafeGetTensorImpl());
       if (it == owner.end())
-        throw std::invalid_argument("Engine: stage " + partition->unit(s).name +
-                                    " uses a parameter no stage owns");
+        throw std::invalid_argument("Engine: stage " + stage_names[s] + " uses a parameter no stage owns");
       stage_params[s].push_back({p, it->second.first, it->second.second});
       if (std::find(units_of[s].begin(), units_of[s].end(), it->second.first) ==
           units_of[s].end())
@@ -61,7 +69,8 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
     }
   }
   // The schedule of one micro-batch: forward over embedding and blocks, the head, backward.
-  schedule = std::make_unique<plan::Schedule>(std::move(units_of), partition->num_units());
+  schedule = std::make_unique<plan::Schedule>(std::move(units_of), partition->num_units(), size_t(tiles.vocab),
+                                              size_t(tiles.vocab));
   // Transient gradient buffers: the multi-use units' held ones (a tied embedding) plus two.
   transient_limit = 2 + schedule->shared_units();
 
@@ -76,8 +85,9 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   sizes.hidden = uint64_t(mc.hidden);
   sizes.vocab = uint64_t(mc.vocab_size);
   sizes.graph_bytes = sizes.tokens * model->block_graph_bytes_per_token(c10::elementSize(cdt));
-  sizes.input_widths = models::stage_input_widths(mc, block_tiles);
+  sizes.input_widths = models::stage_input_widths(mc, tiles);
   sizes.mlp_chunked = cfg.mlp_token_chunk > 0;
+  sizes.vocab_tiles = uint64_t(tiles.vocab);
   const size_t blocks = schedule->blocks();
   // "auto" decides below, once the state is allocated; until then the working set assumes
   // every block is recomputed.
@@ -100,7 +110,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
       cfg, *memory, choice, need, usable_device(),
       [this](uint64_t device) { return machine_budgets(cfg, device, local_ranks()); }, agreement(), placement_report);
   choice.params_staged = resolved.params != Placement::kDevice;
-  placement_report += describe_block_tiles(block_tiles, *memory, choice);
+  placement_report += describe_tiles(tiles, *memory, choice);
   if (cfg.mlp_token_chunk > 0)
     placement_report += "; MLP over chunks of " + std::to_string(cfg.mlp_token_chunk) + " tokens";
   placement_report += "; head logits " + plan::describe(memory->sizes().logits, memory->sizes().tokens,
@@ -122,9 +132,9 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
     optimizer = std::make_unique<runtime::Optimizer>(*state, host, dev, exec, cfg.nvme_chunk_bytes);
     // The run's own test, with the device-placed state it would allocate.
     check_working_set(cfg, *memory, choice, planned_device_bytes(resolved, need, c10::elementSize(cdt)),
-                      dev.budget(), [this](size_t u) { return partition->unit(u).name; });
+                      dev.budget(), [this](size_t s) { return stage_names.at(s); });
     placement_report += "; plan only (recompute and activation checkpoints are decided once the state is allocated)";
-    effective = effective_config(cfg, {resolved, choice, head_tiles, block_tiles, placement_report});
+    effective = effective_config(cfg, {resolved, choice, head_tiles, tiles, placement_report});
     return;
   }
 
@@ -138,16 +148,16 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
                                                            comm, prof, [this](size_t u) { wait_updated(u); });
   // This rank's slices of the initial weights.
   const int rank = comm.rank();
-  for (size_t u = 0; u < stages.size(); ++u) {
+  for (size_t u = 0; u < partition->num_units(); ++u) {
     const UnitLayout& L = partition->unit(u);
-    model->initialize_through(u);  // a deferred-init model materializes one unit at a time
+    model->initialize_through(unit_stage[u]);  // a deferred-init model materializes one unit at a time
     std::vector<at::Tensor> parts;
     for (const at::Tensor& t : owned[u]) parts.push_back(t.detach().reshape(-1));
     if (L.padded_numel() > L.numel) parts.push_back(at::zeros({int64_t(L.padded_numel() - L.numel)}));
     at::Tensor flat = at::cat(parts);
     state->allocate(u, flat.narrow(0, int64_t(L.shard_begin(rank)), int64_t(L.shard_numel)), grads_transient);
     params->adopt(u, owned[u]);  // the model's copy of the unit goes now, not after the last unit
-    if (cfg.on_unit_placed) cfg.on_unit_placed(u + 1, stages.size());
+    if (cfg.on_unit_placed) cfg.on_unit_placed(u + 1, partition->num_units());
   }
 
   updater = std::make_unique<runtime::Updater>(*optimizer, *state, *schedule, *partition, dev, prof, host,
@@ -179,23 +189,24 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
     placement_report += "; prefetch auto (1 to " + std::to_string(prefetch_tuner.deepest) + " units ahead)";
   }
   check_working_set(cfg, *memory, choice, base_bytes, dev.budget(),
-                    [this](size_t u) { return partition->unit(u).name; });
-  effective = effective_config(cfg, {state->plan(), choice, head_tiles, block_tiles, placement_report});
+                    [this](size_t s) { return stage_names.at(s); });
+  effective = effective_config(cfg, {state->plan(), choice, head_tiles, tiles, placement_report});
 }
 
 void Engine::Impl::place_activations() {
   choice.activations = resolve_activations(cfg, *memory, choice, base_bytes, usable_device(), host.state_bytes(),
                                            machine_budgets(cfg, 0, local_ranks()), agreement());
   if (choice.activations == Placement::kNvme) open_swap();
-  std::vector<std::string> names;
-  for (size_t s = 0; s < stages.size(); ++s) names.push_back(partition->unit(s).name);
   std::vector<std::vector<int64_t>> shapes;  // a stage's input: one activation, or two stacked (a block tile's)
   for (uint64_t w : memory->sizes().input_widths) {
     shapes.push_back({cfg.micro_batch, cfg.seq_len, model->config().hidden});
     if (w > 1) shapes.back().insert(shapes.back().begin(), int64_t(w));
   }
-  activations = std::make_unique<runtime::ActivationStore>(choice.activations, std::move(shapes), cdt, std::move(names),
-                                                           choice.recomputed, dev, host, prof, swap.get());
+  std::vector<size_t> checkpointed_stages;
+  for (size_t s = 0; s < stages.size(); ++s)
+    if (checkpointed(s)) checkpointed_stages.push_back(s);
+  activations = std::make_unique<runtime::ActivationStore>(choice.activations, std::move(shapes), cdt, stage_names,
+                                                           checkpointed_stages, dev, host, prof, swap.get());
   placement_report += std::string("; activation checkpoints ") + to_string(choice.activations) + " " +
                       format_bytes(memory->checkpoint_bytes(choice)) + " a micro-batch";
 }

@@ -43,6 +43,7 @@
 #include "strata/engine/placement.h"
 #include "resolve.h"
 #include "strata/engine/plan/memory_model.h"
+#include "strata/tiling/linear_cross_entropy.h"
 #include "strata/engine/plan/schedule.h"
 #include "strata/kernels/cpu_optim.h"
 #include "strata/offload/io_engine.h"
@@ -97,7 +98,9 @@ struct Engine::Impl {
   std::unique_ptr<plan::MemoryModel> memory;
   plan::Choices choice;
   uint64_t head_tiles = 1;  // the head's logits tiles asked for (memory->sizes().logits is the cut)
-  models::BlockTiling block_tiles;  // how the blocks are cut into tile stages (resolve_block_tiles)
+  models::LayerTiling tiles;  // how the blocks and the vocabulary are cut into tile stages (resolve_tiles)
+  std::vector<std::string> stage_names;  // by stage (a unit is named after the stage owning it)
+  std::vector<size_t> unit_stage;        // by unit: the stage that owns it
   const std::vector<size_t>& stage_units(size_t s) const { return schedule->units_of(s); }
   const std::vector<Use>& uses() const { return schedule->uses(); }
   uint64_t base_bytes = 0;  // device-placed state, allocated at construction
@@ -168,7 +171,7 @@ struct Engine::Impl {
   Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Communicator& cm, Device& d);
 
   // --- blocks kept without recompute (cfg.recompute_blocks) ---------------------------------
-  // Blocks 1..choice.recomputed (stages) run without autograd and are recomputed from
+  // The first choice.recomputed block stages run without autograd and are recomputed from
   // checkpoints; the later blocks run with autograd and keep their graph and their gathered
   // parameters on the device from their forward to their backward (MemoryModel::held_at).
   struct KeptGraph {
@@ -253,12 +256,22 @@ struct Engine::Impl {
     bool in_backward = false;  // optimizer.overlap "backward"
     at::Tensor loss_sum;   // double on the device, summed in micro-batch order
   };
+  // The LM head cut into vocabulary tiles (schedule->vocab_tiled()): what one micro-batch's head
+  // stages share, from the first head stage's forward to its backward.
+  struct VocabHeadPass {
+    at::Tensor x, normed;            // the head's input (a leaf) and the final norm's output, with its graph
+    at::Tensor hidden;               // the normed input, detached, [tokens, hidden]
+    std::optional<tiling::LogSumExp> acc;  // each token's running log-sum-exp and target logit
+    at::Tensor lse, row_scale;       // once the last tile is in: the log-sum-exp, the seed per token
+    at::Tensor grad_hidden;          // fp32 [tokens, hidden], summed over the tiles' backward
+  };
   struct MicroBatch {
     at::Tensor inputs, targets;   // targets out of the loss are kIgnored
     at::Tensor x;                 // the boundary activation going forward
     Device::Reservation x_res;    // its device bytes
     at::Tensor dy;                // the gradient going backward
     bool last = false;            // the step's last micro-batch
+    VocabHeadPass head;           // vocabulary tiles only
   };
   static constexpr int64_t kIgnored = -100;  // as torch's cross entropy's ignore_index
   MicroBatch begin_micro_batch(const at::Tensor& ids_on_device, const at::Tensor& mask_on_device, int64_t m);
@@ -268,6 +281,14 @@ struct Engine::Impl {
   // sum over the counted targets (fp32 logits, as the oracle computes them); with the logits
   // tiled (memory->sizes().logits), tile by tile (tiling::linear_cross_entropy_sum).
   at::Tensor head_loss(const at::Tensor& x, const MicroBatch& mb, bool masked) const;
+  // The head in vocabulary tiles, head stage `s`: its forward adds its rows to every token's
+  // log-sum-exp (the first stage runs the final norm, with autograd when `grad`);
+  // vocab_head_loss, after the last stage's forward, is head_loss's value and sets the backward's
+  // seed (`scale` times the loss's derivative per token); the backward sets the rows' weight
+  // gradient and adds the input's, which the first stage takes through the norm into mb.dy.
+  void vocab_head_forward(MicroBatch& mb, size_t s, bool grad);
+  at::Tensor vocab_head_loss(MicroBatch& mb, bool masked, double scale);
+  void vocab_head_backward(MicroBatch& mb, size_t s);
   void forward_use(Pass& pass, MicroBatch& mb, size_t stage);
   void head_use(Pass& pass, MicroBatch& mb);
   void backward_use(Pass& pass, MicroBatch& mb, size_t stage);

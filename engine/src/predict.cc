@@ -15,24 +15,28 @@ uint64_t element_bytes(Precision p) { return p == Precision::kFp32 ? 4 : 2; }
 
 }  // namespace
 
-UnitPlan plan_units(const models::ModelConfig& mc, const models::BlockTiling& tiling, int world_size) {
+UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiling& tiling, int world_size) {
   const std::vector<uint64_t> stage_numel = models::stage_parameters(mc, tiling);
-  std::vector<std::pair<std::string, std::vector<TensorSpec>>> specs;
-  for (size_t s = 0; s < stage_numel.size(); ++s)
-    specs.push_back({"unit" + std::to_string(s), {TensorSpec{"unit" + std::to_string(s), {int64_t(stage_numel[s])}, {}}}});
-  const Partition partition(specs, world_size);
   UnitPlan out;
-  out.stage_units.resize(stage_numel.size());
-  for (size_t s = 0; s < stage_numel.size(); ++s) out.stage_units[s].push_back(s);
-  if (mc.tie_embeddings) out.stage_units.back().push_back(0);
+  out.stage_units = models::stage_units(mc, tiling);
+  std::vector<std::pair<std::string, std::vector<TensorSpec>>> specs;
+  for (size_t s = 0; s < stage_numel.size(); ++s) {
+    if (stage_numel[s] == 0) continue;  // a tied head tile: its embedding tile's unit
+    const std::string name = "unit" + std::to_string(specs.size());
+    specs.push_back({name, {TensorSpec{name, {int64_t(stage_numel[s])}, {}}}});
+  }
+  const Partition partition(specs, world_size);
   for (const UnitLayout& L : partition.units()) {
     out.unit_numel.push_back(L.numel);
     out.padded_numel.push_back(L.padded_numel());
     out.shard_numel.push_back(L.shard_numel);
   }
   out.input_widths = models::stage_input_widths(mc, tiling);
+  out.vocab_tiles = size_t(tiling.vocab);
   return out;
 }
+
+plan::Schedule UnitPlan::schedule() const { return plan::Schedule(stage_units, unit_numel.size(), vocab_tiles, vocab_tiles); }
 
 namespace {
 
@@ -48,16 +52,17 @@ plan::ModelSizes sizes_of(const EngineConfig& cfg, const models::ModelConfig& mc
   sizes.hidden = uint64_t(mc.hidden);
   sizes.vocab = uint64_t(mc.vocab_size);
   sizes.graph_bytes = sizes.tokens * models::block_graph_bytes_per_token(mc, sizes.compute_bytes);
+  sizes.vocab_tiles = units.vocab_tiles;
   return sizes;
 }
 
 }  // namespace
 
-bool block_tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::BlockTiling& tiling,
+bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiling& tiling,
                        int world_size, uint64_t usable) {
   if (usable == UINT64_MAX) return true;
   const UnitPlan units = plan_units(mc, tiling, world_size);
-  const plan::Schedule schedule(units.stage_units, units.unit_numel.size());
+  const plan::Schedule schedule = units.schedule();
   plan::ModelSizes sizes = sizes_of(cfg, mc, units);
   sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab,
                                      cfg.head_tiles != EngineConfig::kTilesAuto
@@ -84,19 +89,19 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   // The blocks' tiles first: the units depend on them. Counts that do not cut this model are a
   // configuration that does not fit, not an error of the prediction.
   try {
-    out.block_tiles = resolve_block_tiles(
-        cfg, mc, [&](const models::BlockTiling& t) { return block_tiling_fits(cfg, mc, t, world_size, usable); }, same);
+    out.tiles = resolve_tiles(
+        cfg, mc, [&](const models::LayerTiling& t) { return tiling_fits(cfg, mc, t, world_size, usable); }, same);
   } catch (const std::invalid_argument& e) {
     out.fits = false;
     out.error = e.what();
     return out;
   }
-  const UnitPlan units = plan_units(mc, out.block_tiles, world_size);
+  const UnitPlan units = plan_units(mc, out.tiles, world_size);
   out.stage_units = units.stage_units;
   out.unit_numel = units.unit_numel;
   out.padded_numel = units.padded_numel;
   out.shard_numel = units.shard_numel;
-  const plan::Schedule schedule(out.stage_units, out.unit_numel.size());
+  const plan::Schedule schedule = units.schedule();
   out.compute_bytes = element_bytes(cfg.compute);
   plan::ModelSizes sizes = sizes_of(cfg, mc, units);
   out.graph_bytes = sizes.graph_bytes;
@@ -123,7 +128,7 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     const plan::MemoryModel memory(schedule, sizes);
     out.placement = resolve_placement(cfg, memory, choice, need, usable, budgets, same, out.report);
     choice.params_staged = out.placement.params != Placement::kDevice;
-    out.report += describe_block_tiles(out.block_tiles, memory, choice);
+    out.report += describe_tiles(out.tiles, memory, choice);
     const TierBytes tiers = bytes_by_tier(out.placement, need, out.compute_bytes);
     out.device_state = tiers.device;
     out.host_state = tiers.host;
@@ -151,7 +156,7 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     }
     out.working_set = memory.working_set(choice);
     check_working_set(cfg, memory, choice, base, usable,
-                      [&](size_t u) { return models::stage_name(mc, out.block_tiles, u); });
+                      [&](size_t s) { return models::stage_name(mc, out.tiles, s); });
     out.fits = true;
   } catch (const std::exception& e) {
     out.fits = false;

@@ -43,45 +43,56 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
   return b;
 }
 
-models::BlockTiling resolve_block_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
-                                        const std::function<bool(const models::BlockTiling&)>& fits,
-                                        const Agree& agree) {
+models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
+                                  const std::function<bool(const models::LayerTiling&)>& fits, const Agree& agree) {
   const bool auto_attention = cfg.attention_tiles == EngineConfig::kTilesAuto,
-             auto_mlp = cfg.mlp_tiles == EngineConfig::kTilesAuto;
-  models::BlockTiling chosen{auto_attention ? 1 : int64_t(cfg.attention_tiles), auto_mlp ? 1 : int64_t(cfg.mlp_tiles)};
-  models::check_block_tiling(mc, chosen);
-  if (!auto_attention && !auto_mlp) return chosen;
+             auto_mlp = cfg.mlp_tiles == EngineConfig::kTilesAuto, auto_vocab = cfg.vocab_tiles == EngineConfig::kTilesAuto;
+  models::LayerTiling chosen{auto_attention ? 1 : int64_t(cfg.attention_tiles), auto_mlp ? 1 : int64_t(cfg.mlp_tiles),
+                             auto_vocab ? 1 : int64_t(cfg.vocab_tiles)};
+  models::check_tiling(mc, chosen);
+  if (!auto_attention && !auto_mlp && !auto_vocab) return chosen;
   // Each kind's share of a block's parameters (its norm included).
   const std::vector<uint64_t> split = models::stage_parameters(mc, {1, 1 + int64_t(mc.intermediate > 1)});
   const double attention = double(split.at(1)), block = double(mc.block_parameters());
   const int64_t most_attention = auto_attention ? mc.kv_heads : chosen.attention;
   const int64_t most_mlp = auto_mlp ? std::max<int64_t>(1, mc.intermediate / 64) : chosen.mlp;
+  const int64_t most_vocab =
+      auto_vocab ? std::max<int64_t>(1, mc.vocab_size / int64_t(plan::kMinTileVocab)) : chosen.vocab;
   const auto cut = [&](int64_t k) {
-    models::BlockTiling t = chosen;
+    models::LayerTiling t = chosen;
     if (auto_attention) t.attention = std::clamp<int64_t>(int64_t(std::ceil(double(k) * attention / block)), 1, most_attention);
     if (auto_mlp) t.mlp = std::clamp<int64_t>(int64_t(std::ceil(double(k) * (block - attention) / block)), 1, most_mlp);
     return t;
   };
-  // k = 1, 2, ... (every k to 64, then doubling) until one fits or neither count can grow.
-  std::optional<models::BlockTiling> found;
-  for (int64_t k = 1;; k = k < 64 ? k + 1 : k * 2) {
-    const models::BlockTiling t = cut(k);
-    if (fits(t)) {
-      found = t;
-      break;
+  // k = 1, 2, ... (every k to 64, then doubling) until one fits or no count can grow; at each k
+  // the vocabulary whole, then in 2, 4, ... tiles (no fewer than kMinTileVocab rows each).
+  std::optional<models::LayerTiling> found;
+  for (int64_t k = 1; !found; k = k < 64 ? k + 1 : k * 2) {
+    models::LayerTiling t = cut(k);
+    for (int64_t v = chosen.vocab;; v = std::min(most_vocab, v * 2)) {
+      t.vocab = v;
+      if (fits(t)) {
+        found = t;
+        break;
+      }
+      if (!auto_vocab || v == most_vocab) break;
     }
     if (t.attention == most_attention && t.mlp == most_mlp) break;
   }
-  // None fits: whole blocks (as configured), whose budget check then names what is left.
-  const models::BlockTiling pick = found ? *found : cut(1);
-  const std::vector<int64_t> agreed = agree({pick.attention, pick.mlp});
-  return {agreed[0], agreed[1]};
+  // None fits: whole blocks and vocabulary (as configured), whose budget check then names what
+  // is left.
+  const models::LayerTiling pick = found ? *found : cut(1);
+  const std::vector<int64_t> agreed = agree({pick.attention, pick.mlp, pick.vocab});
+  return {agreed[0], agreed[1], agreed[2]};
 }
 
-std::string describe_block_tiles(const models::BlockTiling& t, const plan::MemoryModel& mm, const plan::Choices& c) {
-  if (t.whole()) return "";
-  return "; blocks in " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) +
-         " MLP tiles (largest unit " + format_bytes(mm.largest_unit(c)) + ")";
+std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm, const plan::Choices& c) {
+  std::string out;
+  if (!t.blocks_whole())
+    out += "; blocks in " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) + " MLP tiles";
+  if (t.vocab > 1) out += "; embedding and LM head in " + std::to_string(t.vocab) + " vocabulary tiles";
+  if (!out.empty()) out += " (largest unit " + format_bytes(mm.largest_unit(c)) + ")";
+  return out;
 }
 
 uint64_t resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
@@ -222,8 +233,9 @@ EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r) {
   e.activations = r.working_set.activations;
   e.recompute_blocks = int(r.working_set.recomputed);
   e.head_tiles = r.head_tiles;
-  e.attention_tiles = uint64_t(r.block_tiles.attention);
-  e.mlp_tiles = uint64_t(r.block_tiles.mlp);
+  e.attention_tiles = uint64_t(r.tiles.attention);
+  e.mlp_tiles = uint64_t(r.tiles.mlp);
+  e.vocab_tiles = uint64_t(r.tiles.vocab);
   return e;
 }
 
@@ -232,7 +244,7 @@ uint64_t planned_device_bytes(const PlacementPlan& plan, const StateBytes& need,
 }
 
 void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
-                       uint64_t base, uint64_t budget, const std::function<std::string(size_t)>& unit_name) {
+                       uint64_t base, uint64_t budget, const std::function<std::string(size_t)>& stage_name) {
   for (const plan::Use& use : mm.schedule().uses()) {
     const uint64_t need = mm.need(use, choice);
     if (base + need <= budget) continue;
@@ -245,12 +257,13 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
           std::to_string(cfg.seq_len) + " = " + std::to_string(cfg.micro_batch * cfg.seq_len) +
           " tokens a micro-batch are part of the " + format_bytes(scratch) + ")");
     const plan::ModelSizes& sz = mm.sizes();
+    const plan::LogitsTiling logits = mm.head_logits();
     const uint64_t head_loss = mm.head_loss_bytes();
-    if (2 * head_loss > scratch && sz.logits.tiles(sz.tokens, sz.vocab) < sz.tokens * sz.vocab)
+    if (2 * head_loss > scratch && logits.tiles(sz.tokens, sz.vocab) < sz.tokens * sz.vocab)
       // No ", " inside a remedy: the last one before the final remedy becomes " or ".
       add("cut the head's logits into more tiles (placement.tiling; the head's loss takes " + format_bytes(head_loss) +
           " of the " + format_bytes(scratch) + " " +
-          (sz.logits.tiled(sz.tokens, sz.vocab) ? "in " + plan::describe(sz.logits, sz.tokens, sz.vocab) : "untiled") +
+          (logits.tiled(sz.tokens, sz.vocab) ? "in " + plan::describe(logits, sz.tokens, sz.vocab) : "untiled") +
           ")");
     const plan::Schedule& schedule = mm.schedule();
     const plan::Use& source = mm.largest_scratch_use();  // where the scratch's largest part comes from
@@ -258,20 +271,28 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
     const std::string scratch_source =
         source.stage == use.stage && source.kind == use.kind
             ? ""
-            : " (the largest, of unit " + unit_name(source.stage) + "'s " + kinds[source.kind] + ")";
+            : " (the largest, of unit " + stage_name(source.stage) + "'s " + kinds[source.kind] + ")";
+    const bool vocabulary = !schedule.is_block(use.stage), source_vocabulary = !schedule.is_block(source.stage);
+    if (vocabulary && 4 * mm.use_bytes(use, choice) > need)
+      add("cut the vocabulary into more tiles (placement.tiling \"vocab\"; this unit's parameters take " +
+          format_bytes(mm.use_bytes(use, choice)) + ")");
+    else if (source_vocabulary && source.kind != plan::Use::kForward && 4 * scratch > need &&
+             mm.use_bytes(source, choice) > head_loss)
+      add("cut the vocabulary into more tiles (placement.tiling \"vocab\"; the gradient buffers of unit " +
+          stage_name(source.stage) + "'s backward are part of the " + format_bytes(scratch) + ")");
     if (schedule.is_block(use.stage) && 4 * mm.use_bytes(use, choice) > need)
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; this unit's parameters take " +
           format_bytes(mm.use_bytes(use, choice)) + ")");
     else if (schedule.is_block(source.stage) && source.kind == plan::Use::kBackward && 4 * scratch > need)
       // A block's gradient buffers (its units' full size in fp32) make the scratch every use counts.
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; the gradient buffers of unit " +
-          unit_name(source.stage) + "'s backward are part of the " + format_bytes(scratch) + ")");
+          stage_name(source.stage) + "'s backward are part of the " + format_bytes(scratch) + ")");
     if (checkpoints > 0) add("place activation checkpoints on the host (placement.activations)");
     if (held > 0) add("recompute more blocks (placement.recompute)");
     if (base > 0) add("place state on the host (the placement of params, grads, master and moments)");
     const size_t comma = remedies.rfind(", ");
     if (comma != std::string::npos) remedies.replace(comma, 2, " or ");
-    throw BudgetExceeded("device budget " + format_bytes(budget) + " cannot run unit " + unit_name(use.stage) +
+    throw BudgetExceeded("device budget " + format_bytes(budget) + " cannot run unit " + stage_name(use.stage) +
                          ": it needs " + format_bytes(need) + " (parameters " + format_bytes(mm.use_bytes(use, choice)) +
                          ", activations and gradient buffers " + format_bytes(scratch) + scratch_source +
                          ", activation checkpoints on the device " + format_bytes(checkpoints) +

@@ -3,8 +3,9 @@
 // changed: the decisions live in `Resolved`, immutable once construction ends, and
 // effective_config() shows them as a configuration with nothing left "auto".
 //
-//   resolve_block_tiles  placement.tiling "auto" for the blocks: how many attention and MLP tiles
-//                        each block is cut into (first: the units depend on it)
+//   resolve_tiles        placement.tiling "auto" for the blocks and the vocabulary: how many
+//                        attention and MLP tiles each block is cut into, how many vocabulary
+//                        tiles the embedding and the LM head (first: the units depend on it)
 //   resolve_head_tiles   placement.tiling "auto": how many tiles the head's logits are cut into
 //                        (before the rest: the working set it gives is what they plan with)
 //   resolve_placement    each state kind's tier and the optimizer group's split by unit (the
@@ -41,7 +42,7 @@ struct Resolved {
   PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
   plan::Choices working_set;  // recomputed, activations, prefetch (auto: its start), params_staged
   uint64_t head_tiles = 1;    // the head's logits tiles asked for (plan::logits_tiling)
-  models::BlockTiling block_tiles;
+  models::LayerTiling tiles;
   std::string report;         // the placement line (`--plan`, the log)
 };
 
@@ -61,19 +62,20 @@ struct TierBytes {
 };
 TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t compute_bytes);
 
-// The blocks' tiles: the configured counts, or for an "auto" count whole blocks when `fits`
-// (block_tiling_fits, predict.h) says so, else the fewest tiles that fit, for k = 2, 3, ...
-// attention and MLP cut into about k x their share of the block's parameters (an explicit count
-// kept); "auto" cuts no MLP tile narrower than 64 features. When none fits, whole blocks
-// (construction's budget check then names what is left, with the tiles among the remedies). Agreed: each count the most any rank
-// needs. Throws std::invalid_argument for counts that do not cut the model.
-models::BlockTiling resolve_block_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
-                                        const std::function<bool(const models::BlockTiling&)>& fits,
-                                        const Agree& agree);
+// The blocks' and the vocabulary's tiles: the configured counts, or for "auto" counts whole
+// blocks and vocabulary when `fits` (tiling_fits, predict.h) says so, else the fewest tiles that
+// fit, for k = 1, 2, ...: attention and MLP cut into about k x their share of the block's
+// parameters (an explicit count kept), and at each k the vocabulary whole, then in 2, 4, ...
+// tiles. "auto" cuts no MLP tile narrower than 64 features and no vocabulary tile narrower than
+// plan::kMinTileVocab rows. When none fits, whole (construction's budget check then names what is
+// left, with the tiles among the remedies). Agreed: each count the most any rank needs. Throws
+// std::invalid_argument for counts that do not cut the model.
+models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
+                                  const std::function<bool(const models::LayerTiling&)>& fits, const Agree& agree);
 
-// "; blocks in A attention x M MLP tiles (largest unit B)" for the placement line, or nothing
-// for whole blocks.
-std::string describe_block_tiles(const models::BlockTiling& t, const plan::MemoryModel& mm, const plan::Choices& c);
+// "; blocks in A attention x M MLP tiles; embedding and LM head in V vocabulary tiles (largest
+// unit B)" for the placement line, each part only when cut.
+std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm, const plan::Choices& c);
 
 // The head's logits tiles: the configured count, or for "auto" the fewest for which `base` (the
 // state the configuration puts on the device explicitly) plus the working set under `choice` (the
@@ -113,9 +115,10 @@ uint64_t planned_device_bytes(const PlacementPlan& plan, const StateBytes& need,
 // device-placed state (the run and `--plan` alike). Throws BudgetExceeded naming the first unit
 // that does not fit, its need by part, and only the remedies that apply here (fewer tokens a
 // micro-batch, activation checkpoints off the device, more blocks recomputed, state off the
-// device). `unit_name(u)` names unit u.
+// device, the blocks or the vocabulary in more tiles). `stage_name(s)` names stage s (and the
+// unit it owns).
 void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
-                       uint64_t base, uint64_t budget, const std::function<std::string(size_t)>& unit_name);
+                       uint64_t base, uint64_t budget, const std::function<std::string(size_t)>& stage_name);
 
 // `cfg` with the resolved choices in place of "auto" (Engine::config()).
 EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r);

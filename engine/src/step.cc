@@ -64,6 +64,55 @@ at::Tensor Engine::Impl::head_loss(const at::Tensor& x, const MicroBatch& mb, bo
   return at::cross_entropy_loss(flat, mb.targets, {}, at::Reduction::Sum, kIgnored);
 }
 
+void Engine::Impl::vocab_head_forward(MicroBatch& mb, size_t s, bool grad) {
+  const size_t j = s - schedule->first_head();
+  models::HeadStage& tile = model->head_tile(j);
+  VocabHeadPass& h = mb.head;
+  if (j == 0) {
+    h = VocabHeadPass{};
+    at::AutoGradMode mode(grad);
+    h.x = grad ? mb.x.detach().requires_grad_(true) : mb.x;
+    h.normed = tile.normed(h.x);
+    h.hidden = h.normed.detach().reshape({-1, h.normed.size(-1)});
+    h.acc.emplace(h.hidden);
+  }
+  at::NoGradGuard no_grad;
+  const plan::LogitsTiling t = memory->head_logits();
+  tiling::accumulate_log_sum_exp(h.hidden, tile.lm_weight(), tile.vocab_begin(), mb.targets, int64_t(t.token_chunk),
+                                 int64_t(t.vocab_tile), *h.acc);
+}
+
+at::Tensor Engine::Impl::vocab_head_loss(MicroBatch& mb, bool masked, double scale) {
+  at::NoGradGuard no_grad;
+  VocabHeadPass& h = mb.head;
+  h.lse = tiling::finish_log_sum_exp(*h.acc);
+  const at::Tensor sum = tiling::loss_sum(h.lse, *h.acc, mb.targets, kIgnored);
+  h.acc.reset();
+  // d loss / d (token's loss): 1 for a sum, 1 / tokens for the mean; 0 on ignored targets.
+  const double per_token = masked ? scale : scale / double(mb.targets.numel());
+  h.row_scale = mb.targets.ne(kIgnored).to(at::kFloat) * per_token;
+  return masked ? sum : sum / double(mb.targets.numel());
+}
+
+void Engine::Impl::vocab_head_backward(MicroBatch& mb, size_t s) {
+  const size_t j = s - schedule->first_head();
+  models::HeadStage& tile = model->head_tile(j);
+  VocabHeadPass& h = mb.head;
+  {
+    at::NoGradGuard no_grad;
+    if (!h.grad_hidden.defined()) h.grad_hidden = at::zeros(h.hidden.sizes(), h.hidden.options().dtype(at::kFloat));
+    const plan::LogitsTiling t = memory->head_logits();
+    // The rows' gradient stays fp32: the reducer reads it into its fp32 buffer as it is.
+    tile.lm_weight().mutable_grad() =
+        tiling::backward_rows(h.hidden, tile.lm_weight(), tile.vocab_begin(), mb.targets, h.lse, h.row_scale,
+                              int64_t(t.token_chunk), int64_t(t.vocab_tile), h.grad_hidden, /*want_rows=*/true);
+  }
+  if (j > 0) return;
+  torch::autograd::backward({h.normed}, {h.grad_hidden.view(h.normed.sizes()).to(h.normed.scalar_type())});
+  mb.dy = h.x.grad();
+  h = VocabHeadPass{};
+}
+
 StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& loss_mask) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t A = cfg.grad_accum;
@@ -151,11 +200,18 @@ Engine::Impl::MicroBatch Engine::Impl::begin_micro_batch(const at::Tensor& ids_o
 void Engine::Impl::forward_use(Pass& pass, MicroBatch& mb, size_t s) {
   const size_t k = pass.k++;
   if (kept(s)) {  // before the gathers, which must leave room for it
-    kept_graphs.at(s).res = dev.reserve(memory->sizes().graph_bytes, "autograd graph of unit " + partition->unit(s).name);
+    kept_graphs.at(s).res = dev.reserve(memory->sizes().graph_bytes, "autograd graph of unit " + stage_names[s]);
     params->graph_reserved();
   }
   params->acquire(k);
   params->prefetch(k, pass.total);
+  if (schedule->is_head(s)) {  // a vocabulary tile of the head: the activation stays as it is
+    const auto mark = compute_mark();
+    vocab_head_forward(mb, s, /*grad=*/true);
+    compute_span("forward " + stage_names[s], mark);
+    params->release_after(k, pass.total);
+    return;
+  }
   at::Tensor y;
   const auto mark = compute_mark();
   if (kept(s)) {
@@ -164,12 +220,15 @@ void Engine::Impl::forward_use(Pass& pass, MicroBatch& mb, size_t s) {
     g.output = stages[s]->forward(g.input);
     y = g.output.detach();
     params->hold(s);
+  } else if (schedule->is_embedding(s) && s > 0) {  // a vocabulary tile adds its rows' lookup
+    at::NoGradGuard no_grad;
+    y = mb.x + stages[s]->forward(mb.inputs);
   } else {
     at::NoGradGuard no_grad;
     y = stages[s]->forward(mb.x);
   }
-  compute_span("forward " + partition->unit(s).name, mark);
-  Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + partition->unit(s).name);
+  compute_span("forward " + stage_names[s], mark);
+  Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + stage_names[s]);
   if (checkpointed(s)) activations->put(s, mb.x, mb.x_res);  // stage 0 recomputes from the token ids
   mb.x = y;
   mb.x_res = std::move(y_res);  // a kept stage's input: in its graph (graph_bytes) from here
@@ -182,13 +241,20 @@ void Engine::Impl::head_use(Pass& pass, MicroBatch& mb) {
   params->acquire(k);
   params->prefetch(k, pass.total);
   const auto mark = compute_mark();
-  at::Tensor xh = mb.x.detach().requires_grad_(true);
-  at::Tensor loss = head_loss(xh, mb, pass.masked);
-  torch::autograd::backward({loss * pass.head_scale});
-  compute_span("forward+backward " + partition->unit(head).name, mark);
+  at::Tensor loss;
+  if (schedule->vocab_tiled()) {
+    vocab_head_forward(mb, head, /*grad=*/true);
+    loss = vocab_head_loss(mb, pass.masked, pass.head_scale);
+    vocab_head_backward(mb, head);
+  } else {
+    at::Tensor xh = mb.x.detach().requires_grad_(true);
+    loss = head_loss(xh, mb, pass.masked);
+    torch::autograd::backward({loss * pass.head_scale});
+    mb.dy = xh.grad();
+  }
+  compute_span("forward+backward " + stage_names[head], mark);
   const at::Tensor loss_d = loss.detach().to(at::kDouble);  // summed in micro-batch order as the host would
   pass.loss_sum = pass.loss_sum.defined() ? pass.loss_sum + loss_d : loss_d;
-  mb.dy = xh.grad();
   mb.x = at::Tensor();
   reducer->reduce(head);
   if (pass.in_backward && mb.last) signal_final_gradients(head);
@@ -201,9 +267,18 @@ void Engine::Impl::backward_use(Pass& pass, MicroBatch& mb, size_t s) {
   const size_t k = pass.k++;
   params->acquire(k);
   params->prefetch(k, pass.total);
+  if (schedule->is_head(s)) {  // a vocabulary tile of the head (the first also its norm)
+    const auto mark = compute_mark();
+    vocab_head_backward(mb, s);
+    compute_span("backward " + stage_names[s], mark);
+    reducer->reduce(s);
+    if (pass.in_backward && mb.last) signal_final_gradients(s);
+    params->release_after(k, pass.total);
+    return;
+  }
   at::Tensor xin;
   Device::Reservation in_res;
-  if (s == 0) {
+  if (schedule->is_embedding(s)) {
     xin = mb.inputs;
   } else if (checkpointed(s)) {
     xin = activations->take(s, in_res);
@@ -215,7 +290,7 @@ void Engine::Impl::backward_use(Pass& pass, MicroBatch& mb, size_t s) {
     KeptGraph g = std::move(kept_graphs.at(s));
     const auto mark = compute_mark();
     torch::autograd::backward({g.output}, {mb.dy});
-    compute_span("backward " + partition->unit(s).name, mark);
+    compute_span("backward " + stage_names[s], mark);
     mb.dy = g.input.grad();
     g = KeptGraph{};  // the graph's memory, then its reservation
     params->graph_freed();
@@ -224,9 +299,11 @@ void Engine::Impl::backward_use(Pass& pass, MicroBatch& mb, size_t s) {
     const auto mark = compute_mark();
     at::Tensor y = stages[s]->forward(xin);
     torch::autograd::backward({y}, {mb.dy});
-    compute_span("recompute+backward " + partition->unit(s).name, mark);
+    compute_span("recompute+backward " + stage_names[s], mark);
     y = at::Tensor();
-    mb.dy = s > 0 ? xin.grad() : at::Tensor();
+    // An embedding tile's gradient passes on as it came (the tiles' outputs are summed).
+    if (!schedule->is_embedding(s)) mb.dy = xin.grad();
+    else if (s == 0) mb.dy = at::Tensor();
   }
   reducer->reduce(s);
   if (pass.in_backward && mb.last) signal_final_gradients(s);
@@ -275,14 +352,25 @@ Engine::EvalResult Engine::Impl::evaluate(const at::Tensor& ids, const at::Tenso
     for (size_t s = 0; s < head; ++s) {
       params->acquire(s);
       params->prefetch(s, n);
-      at::Tensor y = stages[s]->forward(mb.x);
-      Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + partition->unit(s).name);
+      if (schedule->is_head(s)) {
+        vocab_head_forward(mb, s, /*grad=*/false);
+        params->release_after(s, n);
+        continue;
+      }
+      at::Tensor y = schedule->is_embedding(s) && s > 0 ? mb.x + stages[s]->forward(mb.inputs) : stages[s]->forward(mb.x);
+      Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + stage_names[s]);
       mb.x = y;
       mb.x_res = std::move(y_res);
       params->release_after(s, n);
     }
     params->acquire(head);
-    loss_sum += head_loss(mb.x, mb, /*masked=*/true).to(at::kDouble);
+    if (schedule->vocab_tiled()) {
+      vocab_head_forward(mb, head, /*grad=*/false);
+      loss_sum += vocab_head_loss(mb, /*masked=*/true, 1.0).to(at::kDouble);
+      mb.head = VocabHeadPass{};
+    } else {
+      loss_sum += head_loss(mb.x, mb, /*masked=*/true).to(at::kDouble);
+    }
     mb.x = at::Tensor();
     params->release_after(head, n);
   }

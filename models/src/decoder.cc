@@ -244,7 +244,7 @@ class LlamaHead final : public HeadStage {
 
 // ---------------------------------------------------------------- block tiles
 // A block's attention cut into groups of key/value heads, its MLP into slices of the
-// intermediate dimension (BlockTiling). A tile's input is the block's input (its first tile) or
+// intermediate dimension (LayerTiling). A tile's input is the block's input (its first tile) or
 // the previous tile's output stacked [2, ...]: the normed input and the running sum. It adds its
 // contribution to the sum and passes both on, the last tile only the sum. The first tile of each
 // holds the norm and the output projection's bias, so every parameter has one owner.
@@ -362,9 +362,87 @@ class MlpTile final : public Tile {
   at::Tensor wg, wu, wd, bg, bu, bd;
 };
 
+// ---------------------------------------------------------------- vocabulary tiles
+// The embedding cut into row ranges (LayerTiling::vocab): a tile's forward is the lookup of the
+// token ids in its rows and zero for the others, so that the tiles' sum is the whole lookup
+// exactly (every token gets its row from one tile and zeros from the rest); the first tile also
+// adds GPT-2's positions.
+class EmbeddingTile final : public Stage {
+ public:
+  EmbeddingTile(const ModelConfig& c, int64_t index, int64_t count) : c_(c) {
+    const Range r = tile_range(c.vocab_size, count, index);
+    begin_ = r.begin;
+    end_ = r.end;
+    const bool gpt2 = c.arch == Arch::kGpt2;
+    wte = add_part(gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight", {c.vocab_size, c.hidden}, 0, r.begin,
+                   r.end);
+    if (gpt2 && index == 0) wpe = add("transformer.wpe.weight", {c.max_positions, c.hidden});
+  }
+  at::Tensor forward(const at::Tensor& ids) override {
+    const at::Tensor here = ids.ge(begin_).logical_and(ids.lt(end_));
+    at::Tensor h = at::where(here.unsqueeze(-1), at::embedding(wte, (ids - begin_).clamp(0, end_ - begin_ - 1)), 0.0);
+    if (c_.gemma) h = h * at::scalar_tensor(std::sqrt(double(c_.hidden)), h.options()).to(h.scalar_type());
+    if (wpe.defined()) {
+      const int64_t t = ids.size(1);
+      TORCH_CHECK(t <= wpe.size(0), "sequence of ", t, " tokens exceeds n_positions ", wpe.size(0));
+      h = h + wpe.narrow(0, 0, t).unsqueeze(0);
+    }
+    return h;
+  }
+  at::Tensor wte, wpe;
+
+ private:
+  ModelConfig c_;
+  int64_t begin_ = 0, end_ = 0;
+};
+
+// The LM head cut into row ranges: the first tile holds the final norm; a tied tile uses its
+// embedding tile's rows.
+class HeadTile final : public HeadStage {
+ public:
+  HeadTile(const ModelConfig& c, int64_t index, int64_t count, const at::Tensor& tied_rows) : c_(c) {
+    const Range r = tile_range(c.vocab_size, count, index);
+    begin_ = r.begin;
+    if (index == 0) {
+      const std::string n = c.arch == Arch::kGpt2 ? "transformer.ln_f" : "model.norm";
+      norm_w = add(n + ".weight", {c.hidden});
+      if (c.arch == Arch::kGpt2) norm_b = add(n + ".bias", {c.hidden});
+    }
+    w_ = c.tie_embeddings ? register_parameter("tied_embedding", tied_rows)
+                          : add_part("lm_head.weight", {c.vocab_size, c.hidden}, 0, r.begin, r.end);
+  }
+  at::Tensor normed(const at::Tensor& x) override {
+    if (!norm_w.defined()) throw std::logic_error("HeadTile: only the first head tile holds the final norm");
+    if (c_.arch == Arch::kGpt2) return at::layer_norm(x, {c_.hidden}, norm_w, norm_b, c_.norm_eps);
+    return rms_norm(x, norm_w, c_.norm_eps, c_.gemma);
+  }
+  const at::Tensor& lm_weight() const override { return w_; }
+  int64_t vocab_begin() const override { return begin_; }
+  bool has_norm() const override { return norm_w.defined(); }
+
+ private:
+  ModelConfig c_;
+  int64_t begin_ = 0;
+  at::Tensor w_, norm_w, norm_b;
+};
+
 std::shared_ptr<Stage> make_block(const ModelConfig& c, int64_t i) {
   if (c.arch == Arch::kGpt2) return std::make_shared<Gpt2Block>(c, i);
   return std::make_shared<LlamaBlock>(c, i);
+}
+
+std::shared_ptr<Stage> make_embedding(const ModelConfig& c) {
+  if (c.arch == Arch::kGpt2) return std::make_shared<Gpt2Embedding>(c);
+  return std::make_shared<LlamaEmbedding>(c);
+}
+
+// The token embedding's weight (or a tile's rows): every embedding stage's first tensor.
+at::Tensor token_weight(const Stage& e) { return e.hf_parameters().at(0).second; }
+
+// The head over `tied` (the embedding's token weight, or its rows for a tile).
+std::shared_ptr<HeadStage> make_head(const ModelConfig& c, const at::Tensor& tied) {
+  if (c.arch == Arch::kGpt2) return std::make_shared<Gpt2Head>(c, tied);
+  return std::make_shared<LlamaHead>(c, tied);
 }
 
 bool is_norm_weight(const std::string& n) {
@@ -408,22 +486,25 @@ std::vector<std::pair<std::string, at::Tensor>> Stage::hf_parameters() const { r
 
 Decoder::Decoder(const ModelConfig& config, uint64_t seed, Init init) : config_(config) {
   config_.validate();
-  if (config_.arch == Arch::kGpt2) {
-    auto e = std::make_shared<Gpt2Embedding>(config_);
-    embed_ = e;
-    head_ = std::make_shared<Gpt2Head>(config_, e->wte);
-  } else {
-    auto e = std::make_shared<LlamaEmbedding>(config_);
-    embed_ = e;
-    head_ = std::make_shared<LlamaHead>(config_, e->wte);
-  }
+  embeds_ = {make_embedding(config_)};
+  heads_ = {make_head(config_, token_weight(*embeds_[0]))};
   for (int64_t i = 0; i < config_.layers; ++i) blocks_.push_back({make_block(config_, i)});
   init_gen_ = at::make_generator<at::CPUGeneratorImpl>(seed);
   if (init == Init::kNow) initialize_through(stages().size() - 1);
 }
 
+Stage& Decoder::embedding() {
+  if (tiling_.vocab != 1) throw std::logic_error("Decoder::embedding: the vocabulary is tiled (read stages())");
+  return *embeds_.at(0);
+}
+
+HeadStage& Decoder::head() {
+  if (tiling_.vocab != 1) throw std::logic_error("Decoder::head: the vocabulary is tiled (head_tile())");
+  return *heads_.at(0);
+}
+
 Stage& Decoder::block(size_t i) {
-  if (!tiling_.whole()) throw std::logic_error("Decoder::block: the blocks are tiled (read stages())");
+  if (!tiling_.blocks_whole()) throw std::logic_error("Decoder::block: the blocks are tiled (read stages())");
   return *blocks_.at(i).at(0);
 }
 
@@ -435,35 +516,65 @@ std::vector<std::shared_ptr<Stage>> Decoder::make_tiles(int64_t block) const {
   return tiles;
 }
 
-void Decoder::set_block_tiling(const BlockTiling& tiling) {
-  check_block_tiling(config_, tiling);
-  if (tiling == tiling_) return;
-  tiling_ = tiling;
+void Decoder::recut(std::vector<Stage*> old, const std::vector<Stage*>& next, bool holds) {
   at::NoGradGuard no_grad;
+  // The new stages' tensors take the old ones' dtype and device (a model already converted).
+  const at::TensorOptions opts = old.at(0)->hf_parameters().at(0).second.options();
+  if (opts.dtype() != at::kFloat || !opts.device().is_cpu())
+    for (Stage* st : next)
+      for (auto& [name, t] : st->hf_parameters()) t.set_data(at::empty(t.sizes(), opts));
+  if (!holds) return;
+  std::map<std::string, at::Tensor> whole;  // the group's tensors, assembled from their parts
+  for (Stage* st : old)
+    for (size_t k = 0; k < st->parts().size(); ++k) {
+      const TensorPart& p = st->parts()[k];
+      at::Tensor& w = whole[p.tensor];
+      if (!w.defined()) w = at::empty(p.shape, at::kFloat);
+      w.narrow(p.dim, p.begin, p.end - p.begin).copy_(st->hf_parameters()[k].second);
+    }
+  for (Stage* st : next)
+    for (size_t k = 0; k < st->parts().size(); ++k) {
+      const TensorPart& p = st->parts()[k];
+      st->hf_parameters()[k].second.copy_(whole.at(p.tensor).narrow(p.dim, p.begin, p.end - p.begin));
+    }
+}
+
+void Decoder::set_tiling(const LayerTiling& tiling) {
+  check_tiling(config_, tiling);
+  if (tiling == tiling_) return;
+  const LayerTiling was = tiling_;
+  tiling_ = tiling;
+  if (tiling_.vocab != was.vocab) {
+    const auto raw = [](const auto& v) {
+      std::vector<Stage*> out;
+      for (const auto& st : v) out.push_back(st.get());
+      return out;
+    };
+    std::vector<std::shared_ptr<Stage>> embeds;
+    std::vector<std::shared_ptr<HeadStage>> heads;
+    if (tiling_.vocab == 1) {
+      embeds = {make_embedding(config_)};
+      heads = {make_head(config_, token_weight(*embeds[0]))};
+    } else {
+      for (int64_t j = 0; j < tiling_.vocab; ++j) embeds.push_back(std::make_shared<EmbeddingTile>(config_, j, tiling_.vocab));
+      for (int64_t j = 0; j < tiling_.vocab; ++j)
+        heads.push_back(std::make_shared<HeadTile>(config_, j, tiling_.vocab, token_weight(*embeds[size_t(j)])));
+    }
+    // The embedding first: a tied head's tiles use its new tensors, converted there.
+    recut(raw(embeds_), raw(embeds), initialized_ > 0);
+    embeds_ = std::move(embeds);
+    recut(raw(heads_), raw(heads), initialized_ > blocks_.size() + 1);
+    heads_ = std::move(heads);
+  }
+  if (tiling_.attention == was.attention && tiling_.mlp == was.mlp) return;
   for (size_t i = 0; i < blocks_.size(); ++i) {
     std::vector<std::shared_ptr<Stage>> next =
-        tiling_.whole() ? std::vector<std::shared_ptr<Stage>>{make_block(config_, int64_t(i))} : make_tiles(int64_t(i));
-    // The new stages' tensors take the old ones' dtype and device (a model already converted).
-    const at::TensorOptions opts = blocks_[i].at(0)->hf_parameters().at(0).second.options();
-    if (opts.dtype() != at::kFloat || !opts.device().is_cpu())
-      for (const auto& st : next)
-        for (auto& [name, t] : st->hf_parameters()) t.set_data(at::empty(t.sizes(), opts));
-    if (1 + i < initialized_) {  // holds values: copy them over, part by part
-      std::map<std::string, at::Tensor> whole;  // the block's tensors, assembled from its parts
-      for (const auto& st : blocks_[i])
-        for (size_t k = 0; k < st->parts().size(); ++k) {
-          const TensorPart& p = st->parts()[k];
-          at::Tensor& w = whole[p.tensor];
-          if (!w.defined()) w = at::empty(p.shape, at::kFloat);
-          w.narrow(p.dim, p.begin, p.end - p.begin).copy_(st->hf_parameters()[k].second);
-        }
-      blocks_[i].clear();
-      for (const auto& st : next)
-        for (size_t k = 0; k < st->parts().size(); ++k) {
-          const TensorPart& p = st->parts()[k];
-          st->hf_parameters()[k].second.copy_(whole.at(p.tensor).narrow(p.dim, p.begin, p.end - p.begin));
-        }
-    }
+        tiling_.blocks_whole() ? std::vector<std::shared_ptr<Stage>>{make_block(config_, int64_t(i))}
+                               : make_tiles(int64_t(i));
+    std::vector<Stage*> old, fresh;
+    for (auto& st : blocks_[i]) old.push_back(st.get());
+    for (auto& st : next) fresh.push_back(st.get());
+    recut(old, fresh, 1 + i < initialized_);
     for (auto& st : next) st->set_mlp_token_chunk(mlp_chunk_);
     blocks_[i] = std::move(next);
   }
@@ -472,14 +583,25 @@ void Decoder::set_block_tiling(const BlockTiling& tiling) {
 uint64_t Decoder::block_graph_bytes_per_token(size_t e) const { return models::block_graph_bytes_per_token(config_, e); }
 
 size_t Decoder::group_of(size_t stage) const {
-  if (stage == 0) return 0;
-  size_t s = 1;
+  if (stage < embeds_.size()) return 0;
+  size_t s = embeds_.size();
   for (size_t i = 0; i < blocks_.size(); ++i) {
     if (stage < s + blocks_[i].size()) return 1 + i;
     s += blocks_[i].size();
   }
-  if (stage == s) return blocks_.size() + 1;
+  if (stage < s + heads_.size()) return blocks_.size() + 1;
   throw std::out_of_range("Decoder: no stage " + std::to_string(stage));
+}
+
+std::vector<Stage*> Decoder::group(size_t g) const {
+  std::vector<Stage*> members;
+  if (g == 0)
+    for (auto& st : embeds_) members.push_back(st.get());
+  else if (g == blocks_.size() + 1)
+    for (auto& st : heads_) members.push_back(st.get());
+  else
+    for (auto& st : blocks_.at(g - 1)) members.push_back(st.get());
+  return members;
 }
 
 std::string Decoder::stage_name(size_t stage) const { return models::stage_name(config_, tiling_, stage); }
@@ -488,14 +610,15 @@ std::string Decoder::stage_name(size_t stage) const { return models::stage_name(
 // stream, drawn whole in the untiled block's order and then cut into the parts that hold it, so
 // that every tiling starts from the same weights.
 void Decoder::initialize_group(size_t g) {
-  std::vector<Stage*> members;
-  if (g == 0) members = {embed_.get()};
-  else if (g == blocks_.size() + 1) members = {head_.get()};
-  else
-    for (auto& st : blocks_[g - 1]) members.push_back(st.get());
+  const std::vector<Stage*> members = group(g);
   std::vector<std::pair<std::string, std::vector<int64_t>>> order;  // whole tensors, untiled order
-  if (g >= 1 && g <= blocks_.size() && !tiling_.whole()) {
-    const std::shared_ptr<Stage> untiled = make_block(config_, int64_t(g - 1));  // untouched pages: no memory
+  if (members.size() > 1) {
+    // The untiled stage lists them (its untouched pages take no memory).
+    const std::shared_ptr<Stage> untiled =
+        g == 0 ? make_embedding(config_)
+        : g == blocks_.size() + 1
+            ? make_head(config_, at::empty({config_.vocab_size, config_.hidden}, at::kFloat))
+            : make_block(config_, int64_t(g - 1));
     for (const TensorPart& p : untiled->parts()) order.emplace_back(p.tensor, p.shape);
   } else {
     for (const TensorPart& p : members[0]->parts()) order.emplace_back(p.tensor, p.shape);
@@ -536,23 +659,30 @@ void Decoder::set_mlp_token_chunk(int64_t tokens) {
 }
 
 std::vector<Stage*> Decoder::stages() {
-  std::vector<Stage*> s{embed_.get()};
+  std::vector<Stage*> s;
+  for (auto& st : embeds_) s.push_back(st.get());
   for (auto& b : blocks_)
     for (auto& st : b) s.push_back(st.get());
-  s.push_back(head_.get());
+  for (auto& st : heads_) s.push_back(st.get());
   return s;
 }
 
 at::Tensor Decoder::forward(const at::Tensor& ids) {
-  at::Tensor h = embed_->forward(ids);
+  at::Tensor h = embeds_[0]->forward(ids);
+  for (size_t j = 1; j < embeds_.size(); ++j) h = h + embeds_[j]->forward(ids);
   for (auto& b : blocks_)
     for (auto& st : b) h = st->forward(h);
-  return head_->forward(h);
+  if (heads_.size() == 1) return heads_[0]->forward(h);
+  const at::Tensor n = heads_[0]->normed(h);
+  std::vector<at::Tensor> logits;
+  for (auto& t : heads_) logits.push_back(at::linear(n, t->lm_weight()));
+  return at::cat(logits, -1);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Decoder::hf_parameters() {
-  if (!tiling_.whole())
-    throw std::logic_error("Decoder::hf_parameters: the blocks are tiled and hold no whole tensor (read stages()' parts())");
+  if (!tiling_.blocks_whole() || tiling_.vocab != 1)
+    throw std::logic_error("Decoder::hf_parameters: the model is tiled and holds no whole tensor of what is tiled (read "
+                           "stages()' parts())");
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (Stage* s : stages()) {
     for (auto& p : s->hf_parameters()) out.push_back(p);

@@ -6,7 +6,7 @@
 
 namespace strata::models {
 
-void check_block_tiling(const ModelConfig& c, const BlockTiling& t) {
+void check_tiling(const ModelConfig& c, const LayerTiling& t) {
   if (t.attention < 1 || t.mlp < 1)
     throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) +
                                 " MLP tiles: each count must be at least 1");
@@ -17,6 +17,14 @@ void check_block_tiling(const ModelConfig& c, const BlockTiling& t) {
   if (t.mlp > c.intermediate)
     throw std::invalid_argument("block tiles: " + std::to_string(t.mlp) + " MLP tiles, but model '" + c.name + "' has " +
                                 std::to_string(c.intermediate) + " intermediate features");
+  if (t.vocab < 1 || t.vocab > c.vocab_size)
+    throw std::invalid_argument("vocabulary tiles: " + std::to_string(t.vocab) + ", but model '" + c.name + "' has " +
+                                std::to_string(c.vocab_size) + " vocabulary rows (a tile is at least one)");
+}
+
+StageLayout stage_layout(const ModelConfig& c, const LayerTiling& t) {
+  check_tiling(c, t);
+  return {size_t(t.vocab), size_t(c.layers * t.block_stages()), size_t(t.vocab)};
 }
 
 Range tile_range(int64_t n, int64_t parts, int64_t i) {
@@ -29,7 +37,7 @@ namespace {
 
 // Elements of attention tile i (of t.attention) and MLP tile j: the norm (and the output bias)
 // belong to the first tile of each.
-uint64_t attention_tile_parameters(const ModelConfig& c, const BlockTiling& t, int64_t i) {
+uint64_t attention_tile_parameters(const ModelConfig& c, const LayerTiling& t, int64_t i) {
   const int64_t d = c.hidden, hd = c.head_dim, rep = c.heads / c.kv_heads;
   const int64_t kv = tile_range(c.kv_heads, t.attention, i).size() * hd, q = kv * rep;
   if (c.arch == Arch::kGpt2) return uint64_t((i == 0 ? 2 * d + d : 0) + 3 * q * d + 3 * q + d * q);
@@ -37,7 +45,7 @@ uint64_t attention_tile_parameters(const ModelConfig& c, const BlockTiling& t, i
                   (c.attention_bias ? q + 2 * kv : 0) + d * q);
 }
 
-uint64_t mlp_tile_parameters(const ModelConfig& c, const BlockTiling& t, int64_t j) {
+uint64_t mlp_tile_parameters(const ModelConfig& c, const LayerTiling& t, int64_t j) {
   const int64_t d = c.hidden, f = tile_range(c.intermediate, t.mlp, j).size();
   if (c.arch == Arch::kGpt2) return uint64_t((j == 0 ? 2 * d + d : 0) + 2 * d * f + f);
   return uint64_t((j == 0 ? d + (c.mlp_bias ? d : 0) : 0) + 3 * d * f + (c.mlp_bias ? 2 * f : 0));
@@ -45,47 +53,68 @@ uint64_t mlp_tile_parameters(const ModelConfig& c, const BlockTiling& t, int64_t
 
 }  // namespace
 
-std::vector<uint64_t> stage_parameters(const ModelConfig& c, const BlockTiling& t) {
-  check_block_tiling(c, t);
-  const uint64_t d = uint64_t(c.hidden), v = uint64_t(c.vocab_size);
+std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiling& t) {
+  check_tiling(c, t);
+  const uint64_t d = uint64_t(c.hidden);
   std::vector<uint64_t> n;
-  n.push_back(v * d + (c.arch == Arch::kGpt2 ? uint64_t(c.max_positions) * d : 0));
+  for (int64_t j = 0; j < t.vocab; ++j)
+    n.push_back(uint64_t(tile_range(c.vocab_size, t.vocab, j).size()) * d +
+                (j == 0 && c.arch == Arch::kGpt2 ? uint64_t(c.max_positions) * d : 0));
   for (int64_t i = 0; i < c.layers; ++i) {
-    if (t.whole()) {
+    if (t.blocks_whole()) {
       n.push_back(uint64_t(c.block_parameters()));
       continue;
     }
     for (int64_t a = 0; a < t.attention; ++a) n.push_back(attention_tile_parameters(c, t, a));
     for (int64_t m = 0; m < t.mlp; ++m) n.push_back(mlp_tile_parameters(c, t, m));
   }
-  n.push_back((c.arch == Arch::kGpt2 ? 2 * d : d) + (c.tie_embeddings ? 0 : v * d));
+  for (int64_t j = 0; j < t.vocab; ++j)
+    n.push_back((j == 0 ? (c.arch == Arch::kGpt2 ? 2 * d : d) : 0) +
+                (c.tie_embeddings ? 0 : uint64_t(tile_range(c.vocab_size, t.vocab, j).size()) * d));
   return n;
 }
 
-std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const BlockTiling& t) {
-  check_block_tiling(c, t);
-  std::vector<uint64_t> w{1};
+std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiling& t) {
+  check_tiling(c, t);
+  std::vector<uint64_t> w(size_t(t.vocab), 1);
   for (int64_t i = 0; i < c.layers; ++i) {
-    if (t.whole()) {
+    if (t.blocks_whole()) {
       w.push_back(1);
       continue;
     }
     for (int64_t a = 0; a < t.attention; ++a) w.push_back(a == 0 ? 1 : 2);
     for (int64_t m = 0; m < t.mlp; ++m) w.push_back(m == 0 ? 1 : 2);
   }
-  w.push_back(1);
+  w.insert(w.end(), size_t(t.vocab), 1);
   return w;
 }
 
-std::string stage_name(const ModelConfig& c, const BlockTiling& t, size_t stage) {
-  const size_t per_block = size_t(t.stages());
-  if (stage == 0) return "embedding";
-  if (stage == 1 + size_t(c.layers) * per_block) return "head";
-  if (stage > 1 + size_t(c.layers) * per_block) throw std::out_of_range("no stage " + std::to_string(stage));
-  const size_t block = (stage - 1) / per_block;
-  const int64_t k = int64_t((stage - 1) % per_block);
+std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTiling& t) {
+  const std::vector<uint64_t> owned = stage_parameters(c, t);
+  const StageLayout L = stage_layout(c, t);
+  std::vector<std::vector<size_t>> units(owned.size());
+  size_t next = 0;
+  for (size_t s = 0; s < owned.size(); ++s)
+    if (owned[s] > 0) units[s].push_back(next++);
+  // A tied head stage j also uses embedding stage j's unit (embedding stages all own a unit).
+  if (c.tie_embeddings)
+    for (size_t j = 0; j < L.head; ++j) units[L.first_head() + j].push_back(units[j].at(0));
+  return units;
+}
+
+std::string stage_name(const ModelConfig& c, const LayerTiling& t, size_t stage) {
+  const StageLayout L = stage_layout(c, t);
+  if (stage >= L.stages()) throw std::out_of_range("no stage " + std::to_string(stage));
+  const auto tile = [&](const std::string& name, size_t j) {
+    return t.vocab == 1 ? name : name + "." + std::to_string(j);
+  };
+  if (stage < L.first_block()) return tile("embedding", stage);
+  if (stage >= L.first_head()) return tile("head", stage - L.first_head());
+  const size_t per_block = size_t(t.block_stages());
+  const size_t block = (stage - L.first_block()) / per_block;
+  const int64_t k = int64_t((stage - L.first_block()) % per_block);
   const std::string name = "block." + std::to_string(block);
-  if (t.whole()) return name;
+  if (t.blocks_whole()) return name;
   return k < t.attention ? name + ".attn." + std::to_string(k) : name + ".mlp." + std::to_string(k - t.attention);
 }
 

@@ -17,8 +17,10 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const GpuSpec& gpu = c.node.gpu;
   const bool fp32 = cfg.compute == engine::Precision::kFp32;
   const double cb = double(p.compute_bytes), A = double(cfg.grad_accum), w = world;
-  // Stages between the embedding and the head: the blocks, or their tiles (each a share of a block).
-  const size_t units = p.shard_numel.size(), stages = p.stage_units.size(), block_stages = stages - 2;
+  // Stages between the embedding and the head (each one stage, or its vocabulary tiles): the
+  // blocks, or their tiles (each a share of a block).
+  const size_t vocab_tiles = size_t(p.tiles.vocab);
+  const size_t units = p.shard_numel.size(), stages = p.stage_units.size(), block_stages = stages - 2 * vocab_tiles;
   const double blocks = double(m.layers);
   const double seqs = double(cfg.micro_batch);
 
@@ -32,7 +34,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // Forward, backward (twice the forward), the recomputed blocks' forward again; the head's
   // forward and backward, plus its logits again in the backward when cut into tiles.
   const double fwd = double(blocks) * block_fwd;
-  const double head = (p.head_tiles > 1 ? 4 : 3) * head_fwd;
+  const double head = (p.head_tiles > 1 || vocab_tiles > 1 ? 4 : 3) * head_fwd;
   const double bwd = double(blocks) * 2 * block_fwd + recomputed * block_fwd;
   // The host device's ranks share one CPU and its memory: each gets its share of both.
   const double share = gpu.is_host ? double(per_node) : 1;
@@ -42,7 +44,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
 
   // --- what one micro-batch moves --------------------------------------------------------------
   // Each use of the schedule gathers its stage's units.
-  const engine::plan::Schedule schedule(p.stage_units, units);
+  const engine::plan::Schedule schedule(p.stage_units, units, vocab_tiles, vocab_tiles);
   std::vector<double> uses_of(units, 0);
   for (const engine::plan::Use& use : schedule.uses())
     for (size_t u : schedule.units_of(use.stage)) uses_of[u] += 1;
@@ -135,7 +137,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // --- per resource, for the bound and the bottleneck --------------------------------------------
   t.compute = A * compute_mb;
   // By kind: the same passes (each block 3 + recompute, the head 3 or 4) over each kind's time.
-  const double block_passes = double(blocks) * 3 + recomputed, head_passes = p.head_tiles > 1 ? 4 : 3;
+  const double block_passes = double(blocks) * 3 + recomputed, head_passes = p.head_tiles > 1 || vocab_tiles > 1 ? 4 : 3;
   t.compute_matmul = A * share * (block_passes * block_kinds.matmul + head_passes * head_kinds.matmul);
   t.compute_attention = A * share * block_passes * block_kinds.attention;
   t.compute_memory = A * share * (block_passes * block_kinds.memory + head_passes * head_kinds.memory);

@@ -705,14 +705,24 @@ TEST(CheckpointExport, Gpt2TiedFromTwoRanksLoadsInTransformers) {
 
 TEST(CheckpointExport, LlamaFromTwoRanksLoadsInTransformers) { export_matches(tiny_llama(4), "llama"); }
 
+// The same from a run whose tied embedding and head are cut into vocabulary tiles: the export
+// assembles the whole tensors from the tiles' row ranges, once for the tied weight.
+TEST(CheckpointExport, Gpt2TiedInVocabularyTilesLoadsInTransformers) {
+  json j = tiny_llama(4);
+  j["model"] = {{"preset", "gpt2"}, {"layers", 2}, {"hidden", 48}, {"heads", 4}, {"vocab_size", 256},
+                {"max_positions", 32}, {"seed", 3}};
+  j["placement"] = {{"tiling", {{"vocab", 3}}}};
+  export_matches(j, "gpt2_vocab_tiles");
+}
+
 TEST(Checkpoint, ResumeAtMoreRanks2To4) { reshard(2, 4); }
 
-// Checkpoints do not depend on the blocks' tiles (placement.tiling "attention"/"mlp"): a save
-// with blocks cut 2 x 3 at 2 ranks resumes with whole blocks at 4 ranks, a save with whole blocks
-// resumes cut 1 x 5 in one process, and both continue as an uninterrupted run with whole blocks
+// Checkpoints do not depend on the tiles (placement.tiling "attention"/"mlp"/"vocab"): a save
+// with blocks cut 2 x 3 and the vocabulary in 3 at 2 ranks resumes whole at 4 ranks, a save
+// whole resumes cut 1 x 5 with the vocabulary in 2 in one process, and both continue as an uninterrupted run with whole blocks
 // does (1e-5: the reduction order differs); `strata ckpt export` of the tiled save equals the
 // tiled run's own export bit for bit (whole Hugging Face tensors assembled from the parts).
-TEST(Checkpoint, BlockTilesSavedOneWayResumeAnother) {
+TEST(Checkpoint, TilesSavedOneWayResumeAnother) {
   TempDir dir;
   const auto cfg_for = [&](int ranks, int64_t steps, const json& tiling) {
     json j = tiny_llama(steps);
@@ -723,7 +733,8 @@ TEST(Checkpoint, BlockTilesSavedOneWayResumeAnother) {
     j["optimizer"]["lr"] = 1e-3;
     return j;
   };
-  const json whole = "off", cut23 = {{"attention", 2}, {"mlp", 3}}, cut15 = {{"attention", 1}, {"mlp", 5}};
+  const json whole = "off", cut23 = {{"attention", 2}, {"mlp", 3}, {"vocab", 3}},
+             cut15 = {{"attention", 1}, {"mlp", 5}, {"vocab", 2}};
   const auto a = dir / "a", b = dir / "b";
   launch(2, cfg_for(2, 20, whole), dir, "straight",
          "--log " + (dir / "straight.jsonl").string() + " --export " + (dir / "straight").string());
@@ -762,7 +773,8 @@ TEST(Checkpoint, BlockTilesSavedOneWayResumeAnother) {
   launch(1, cfg_for(1, 20, cut15), dir, "tiled_second",
          "--log " + (dir / "whole.jsonl").string() + " --checkpoint-dir " + b.string() + " --resume --export " +
              (dir / "from_whole").string());
-  EXPECT_NE(read_file(dir / "tiled_second.out").find("blocks in 1 attention x 5 MLP tiles"), std::string::npos)
+  EXPECT_NE(read_file(dir / "tiled_second.out").find("blocks in 1 attention x 5 MLP tiles; embedding and LM head in 2 vocabulary tiles"),
+            std::string::npos)
       << read_file(dir / "tiled_second.out");
   const std::vector<double> want = losses(dir / "straight.jsonl");
   ASSERT_EQ(want.size(), 20u);

@@ -90,7 +90,7 @@ TEST(PredictState, IsWhatTheEngineDecides) {
     const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {device, 1ull << 50, 1ull << 50, 1});
     ASSERT_TRUE(p.fits) << p.error;
     if (sc.working_set_share < 1) {
-      EXPECT_TRUE(p.head_tiles > 1 || !p.block_tiles.whole()) << "the scenario is meant to cut the head or the blocks";
+      EXPECT_TRUE(p.head_tiles > 1 || !p.tiles.blocks_whole()) << "the scenario is meant to cut the head or the blocks";
     }
     if (sc.device > 0 && sc.device < 1 && sc.placement == kAuto)
       EXPECT_NE(p.placement.master, se::Placement::kDevice) << "the scenario is meant to split the state";
@@ -107,31 +107,44 @@ TEST(PredictState, IsWhatTheEngineDecides) {
     EXPECT_EQ(p.choice.recomputed, size_t(e.recompute_blocks));
     EXPECT_EQ(p.choice.activations, e.activations);
     EXPECT_EQ(p.head_tiles, e.head_tiles);
-    EXPECT_EQ(uint64_t(p.block_tiles.attention), e.attention_tiles);
-    EXPECT_EQ(uint64_t(p.block_tiles.mlp), e.mlp_tiles);
+    EXPECT_EQ(uint64_t(p.tiles.attention), e.attention_tiles);
+    EXPECT_EQ(uint64_t(p.tiles.mlp), e.mlp_tiles);
     EXPECT_EQ(p.device_state, eng.device_state_bytes());
     EXPECT_EQ(p.working_set, eng.memory_model().working_set(eng.working_set_choices()));
     EXPECT_TRUE(eng.placement_report().starts_with(p.report)) << eng.placement_report() << "\n" << p.report;
     std::cout << "  " << sc.name << ": " << p.report << "; recompute " << p.choice.recomputed << ", checkpoints "
               << se::to_string(p.choice.activations) << ", head tiles " << p.head_tiles << ", block tiles "
-              << p.block_tiles.attention << " x " << p.block_tiles.mlp << "\n";
+              << p.tiles.attention << " x " << p.tiles.mlp << "\n";
   }
 }
 
 // The prediction's units are the partition the engine builds from the real tensors.
 TEST(PredictState, PartitionsLikeTheEngineAtAnyWorldSize) {
   for (bool llama : {false, true})
-  for (const sm::BlockTiling tiles : {sm::BlockTiling{1, 1}, sm::BlockTiling{2, 3}}) {
+  for (const sm::LayerTiling tiles : {sm::LayerTiling{1, 1}, sm::LayerTiling{2, 3}, sm::LayerTiling{1, 1, 4},
+                                      sm::LayerTiling{2, 3, 3}}) {
     se::TrainConfig tc = se::parse_train_config(tiny_config(llama, 3).dump(), "test");
     tc.engine.attention_tiles = uint64_t(tiles.attention);
     tc.engine.mlp_tiles = uint64_t(tiles.mlp);
+    tc.engine.vocab_tiles = uint64_t(tiles.vocab);
     sm::Decoder m(tc.model, 1, sm::Decoder::Init::kDeferred);
-    m.set_block_tiling(tiles);
+    m.set_tiling(tiles);
     std::vector<std::pair<std::string, std::vector<se::TensorSpec>>> specs;
     for (sm::Stage* s : m.stages()) {
       std::vector<se::TensorSpec> ts;
       for (auto& [name, t] : s->hf_parameters()) ts.push_back({name, t.sizes().vec(), {}});
-      specs.emplace_back("u" + std::to_string(specs.size()), ts);
+      if (!ts.empty()) specs.emplace_back("u" + std::to_string(specs.size()), ts);  // a tied head tile owns none
+    }
+    {
+      // The stages' units: the schedule the engine builds from the modules' tensors.
+      auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+      auto dev = se::Device::create("cpu", 0, UINT64_MAX);
+      se::Engine eng(std::make_unique<sm::Decoder>(tc.model, 1, sm::Decoder::Init::kDeferred), tc.engine, *comm, *dev);
+      const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, kUnlimited);
+      const auto& schedule = eng.memory_model().schedule();
+      ASSERT_EQ(p.stage_units.size(), schedule.num_stages());
+      for (size_t s = 0; s < schedule.num_stages(); ++s) EXPECT_EQ(p.stage_units[s], schedule.units_of(s)) << s;
+      EXPECT_EQ(p.tiles, tiles);
     }
     for (int world : {1, 2, 3, 7, 64}) {
       const se::Partition real(specs, world);

@@ -1,4 +1,4 @@
-// Block tiles (Decoder::set_block_tiling) against the whole blocks: the same initial weights at
+// Block and vocabulary tiles (Decoder::set_tiling) against the whole model: the same initial weights at
 // every tiling, the same logits and gradients (to fp32 summation order), values carried over
 // when a loaded model is cut, every tensor element held by exactly one tile, and
 // model_shapes' sizes equal to the tiles'. Awkward sizes: head groups and intermediate slices
@@ -54,7 +54,7 @@ double rel(const at::Tensor& a, const at::Tensor& b) {
 }
 
 struct Cut {
-  int64_t attention, mlp;
+  int64_t attention, mlp, vocab;
 };
 
 TEST(BlockTiles, SameWeightsLogitsAndGradientsAsWholeBlocks) {
@@ -67,12 +67,15 @@ TEST(BlockTiles, SameWeightsLogitsAndGradientsAsWholeBlocks) {
       at::Tensor ref = whole.forward(ids);
       ref.square().mean().backward();
       const auto w0 = whole_tensors(whole), g0 = whole_tensors(whole, true);
-      for (Cut cut : {Cut{1, 3}, Cut{2, 1}, Cut{3, 4}, Cut{c.kv_heads, 203}}) {
+      for (Cut cut : {Cut{1, 3, 1}, Cut{2, 1, 3}, Cut{3, 4, 2}, Cut{c.kv_heads, 203, 1}, Cut{1, 1, 5}, Cut{1, 1, 131}}) {
         SCOPED_TRACE(base + (biases ? " with biases" : "") + ", " + std::to_string(cut.attention) + " x " +
-                     std::to_string(cut.mlp) + " tiles");
+                     std::to_string(cut.mlp) + " x " + std::to_string(cut.vocab) + " tiles");
         Decoder tiled(c, 7, Decoder::Init::kDeferred);
-        tiled.set_block_tiling({cut.attention, cut.mlp});
-        ASSERT_EQ(tiled.stages().size(), 2 + size_t(c.layers) * size_t(cut.attention + cut.mlp));
+        const LayerTiling t{cut.attention, cut.mlp, cut.vocab};
+        tiled.set_tiling(t);
+        const StageLayout layout = stage_layout(c, t);
+        ASSERT_EQ(tiled.stages().size(), layout.stages());
+        ASSERT_EQ(layout.blocks, size_t(c.layers) * size_t(t.block_stages()));
         tiled.initialize_through(tiled.stages().size() - 1);
         // The same initial weights, bit for bit.
         const auto w1 = whole_tensors(tiled);
@@ -85,17 +88,21 @@ TEST(BlockTiles, SameWeightsLogitsAndGradientsAsWholeBlocks) {
         const auto g1 = whole_tensors(tiled, true);
         for (const auto& [name, t] : g0) EXPECT_LT(rel(g1.at(name), t), 1e-4) << name;
         // model_shapes sizes the tiles as the modules are.
-        const std::vector<uint64_t> predicted = stage_parameters(c, {cut.attention, cut.mlp});
-        const std::vector<uint64_t> widths = stage_input_widths(c, {cut.attention, cut.mlp});
+        const std::vector<uint64_t> predicted = stage_parameters(c, t);
+        const std::vector<uint64_t> widths = stage_input_widths(c, t);
         const std::vector<Stage*> stages = tiled.stages();
         ASSERT_EQ(predicted.size(), stages.size());
         ASSERT_EQ(widths.size(), stages.size());
-        at::Tensor x = tiled.embedding().forward(ids);
+        at::NoGradGuard no_grad;
+        at::Tensor x = stages[0]->forward(ids);
+        for (size_t s = 1; s < layout.first_block(); ++s) x = x + stages[s]->forward(ids);
+        // The embedding's tiles sum to the whole lookup exactly.
+        EXPECT_TRUE(at::equal(x, whole.embedding().forward(ids)));
         for (size_t s = 0; s < stages.size(); ++s) {
           uint64_t n = 0;
-          for (auto& [name, t] : stages[s]->hf_parameters()) n += uint64_t(t.numel());
+          for (auto& [name, p] : stages[s]->hf_parameters()) n += uint64_t(p.numel());
           EXPECT_EQ(predicted[s], n) << tiled.stage_name(s);
-          if (s >= 1 && s + 1 < stages.size()) {
+          if (s >= layout.first_block() && s < layout.first_head()) {
             EXPECT_EQ(widths[s], uint64_t(x.numel() / (2 * 37 * c.hidden))) << tiled.stage_name(s);
             x = stages[s]->forward(x);
           }
@@ -115,7 +122,7 @@ TEST(BlockTiles, CuttingALoadedModelKeepsItsValuesAndJoiningRestoresThem) {
   const auto before = whole_tensors(m);
   const at::Tensor ids = at::randint(0, c.vocab_size, {1, 19}, at::kLong);
   const at::Tensor ref = m.forward(ids).detach();
-  m.set_block_tiling({2, 5});
+  m.set_tiling({2, 5});
   EXPECT_EQ(m.stage_name(0), "embedding");
   EXPECT_EQ(m.stage_name(1), "block.0.attn.0");
   EXPECT_EQ(m.stage_name(4), "block.0.mlp.1");
@@ -126,12 +133,58 @@ TEST(BlockTiles, CuttingALoadedModelKeepsItsValuesAndJoiningRestoresThem) {
   const auto cut = whole_tensors(m);
   for (const auto& [name, t] : before) EXPECT_TRUE(at::equal(cut.at(name), t)) << name;
   EXPECT_LT(rel(m.forward(ids).detach(), ref), 1e-5);
-  m.set_block_tiling({1, 1});
+  m.set_tiling({1, 1});
   const auto joined = whole_tensors(m);
   for (const auto& [name, t] : before) EXPECT_TRUE(at::equal(joined.at(name), t)) << name;
   EXPECT_TRUE(at::equal(m.forward(ids).detach(), ref));
-  EXPECT_THROW(m.set_block_tiling({4, 1}), std::invalid_argument);  // 3 key/value heads
-  EXPECT_THROW(m.set_block_tiling({1, 0}), std::invalid_argument);
+  EXPECT_THROW(m.set_tiling({4, 1}), std::invalid_argument);  // 3 key/value heads
+  EXPECT_THROW(m.set_tiling({1, 0}), std::invalid_argument);
+  EXPECT_THROW(m.set_tiling({1, 1, 0}), std::invalid_argument);
+  EXPECT_THROW(m.set_tiling({1, 1, 132}), std::invalid_argument);  // 131 vocabulary rows
+}
+
+// The vocabulary cut (embedding and LM head in row ranges) of a loaded model, tied (GPT-2) and
+// untied: every value carried over, named tiles, the whole logits again, and joined back bit
+// for bit; a tied head tile uses its embedding tile's rows (the same tensor), and after the first
+// owns nothing.
+TEST(VocabTiles, CuttingALoadedModelKeepsItsValuesAndJoiningRestoresThem) {
+  for (const std::string base : {"gpt2", "llama-1b"}) {
+    SCOPED_TRACE(base);
+    const ModelConfig c = small(base, false);
+    Decoder m(c, 3);
+    {
+      at::NoGradGuard g;
+      for (auto& [name, t] : m.hf_parameters()) t.uniform_(-1, 1);
+    }
+    const auto before = whole_tensors(m);
+    const at::Tensor ids = at::randint(0, c.vocab_size, {2, 19}, at::kLong);
+    const at::Tensor ref = m.forward(ids).detach();
+    m.set_tiling({1, 2, 4});
+    EXPECT_EQ(m.stage_name(0), "embedding.0");
+    EXPECT_EQ(m.stage_name(3), "embedding.3");
+    EXPECT_EQ(m.stage_name(4), "block.0.attn.0");
+    EXPECT_EQ(m.stage_name(10), "head.0");
+    EXPECT_EQ(m.stage_name(13), "head.3");
+    EXPECT_THROW(m.embedding(), std::logic_error);
+    EXPECT_THROW(m.head(), std::logic_error);
+    EXPECT_THROW(m.head_tile(1).normed(ref), std::logic_error);
+    EXPECT_EQ(m.head_tile(2).vocab_begin(), 2 * 33);  // 131 rows: 33, 33, 33, 32
+    const std::vector<Stage*> st = m.stages();
+    for (size_t j = 0; j < 4; ++j) {
+      if (c.tie_embeddings) {
+        EXPECT_TRUE(m.head_tile(j).lm_weight().is_same(st[j]->hf_parameters().at(0).second));
+        EXPECT_EQ(st[10 + j]->hf_parameters().size(), j == 0 ? 2u : 0u);
+      }
+      EXPECT_EQ(m.head_tile(j).lm_weight().size(0), j < 3 ? 33 : 32);
+    }
+    const auto cut = whole_tensors(m);
+    for (const auto& [name, t] : before) EXPECT_TRUE(at::equal(cut.at(name), t)) << name;
+    EXPECT_LT(rel(m.forward(ids).detach(), ref), 1e-6);
+    m.set_tiling({1, 1, 1});
+    const auto joined = whole_tensors(m);
+    for (const auto& [name, t] : before) EXPECT_TRUE(at::equal(joined.at(name), t)) << name;
+    EXPECT_TRUE(at::equal(m.forward(ids).detach(), ref));
+  }
 }
 
 }  // namespace

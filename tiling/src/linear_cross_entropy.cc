@@ -31,24 +31,10 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, int64_t chunk, int64_t tile, int64_t ignore_index) {
-    const Tiles t{hidden.size(0), weight.size(0), chunk, tile};
-    const auto f32 = hidden.options().dtype(at::kFloat);
-    at::Tensor running_max = at::full({t.tokens}, -std::numeric_limits<float>::infinity(), f32);
-    at::Tensor sum_exp = at::zeros({t.tokens}, f32), target_logit = at::zeros({t.tokens}, f32);
-    t.each([&](int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
-      at::Tensor l = tile_logits(hidden, weight, v0, vt, n0, nt);
-      at::Tensor m = running_max.narrow(0, n0, nt), s = sum_exp.narrow(0, n0, nt);
-      const at::Tensor tg = targets.narrow(0, n0, nt);
-      const at::Tensor here = tg.ge(v0).logical_and(tg.lt(v0 + vt));
-      const at::Tensor picked = l.gather(1, (tg - v0).clamp(0, vt - 1).unsqueeze(1)).squeeze(1);
-      target_logit.narrow(0, n0, nt).add_(at::where(here, picked, 0.0));
-      const at::Tensor m_new = at::maximum(m, std::get<0>(l.max(1)));
-      s.mul_(at::exp(m - m_new)).add_(l.sub_(m_new.unsqueeze(1)).exp_().sum(1));
-      m.copy_(m_new);
-    });
-    at::Tensor lse = running_max.add_(sum_exp.log_());
-    const at::Tensor counted = targets.ne(ignore_index);
-    at::Tensor loss = at::where(counted, lse - target_logit, 0.0).sum();
+    LogSumExp acc(hidden);
+    accumulate_log_sum_exp(hidden, weight, 0, targets, chunk, tile, acc);
+    at::Tensor lse = finish_log_sum_exp(acc);
+    at::Tensor loss = loss_sum(lse, acc, targets, ignore_index);
     ctx->save_for_backward({hidden, weight, targets, lse});
     ctx->saved_data["chunk"] = chunk;
     ctx->saved_data["tile"] = tile;
@@ -59,45 +45,83 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
-    const Tiles t{hidden.size(0), weight.size(0), ctx->saved_data["chunk"].toInt(), ctx->saved_data["tile"].toInt()};
     const int64_t ignore_index = ctx->saved_data["ignore"].toInt();
-    const auto f32 = hidden.options().dtype(at::kFloat);
-    // d loss / d logit = (softmax - onehot(target)) * grad, on counted rows only.
     const at::Tensor row_scale = targets.ne(ignore_index).to(at::kFloat) * grad_out[0].to(at::kFloat);
     const bool need_h = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
-    at::Tensor grad_h = need_h ? at::zeros({t.tokens, hidden.size(1)}, f32) : at::Tensor();
-    // Every row is written tile by tile, unless there are no tokens at all.
-    at::Tensor grad_w = !need_w ? at::Tensor() : t.tokens ? at::empty_like(weight) : at::zeros_like(weight);
-    at::Tensor grad_w_tile;
-    int64_t tile_begin = -1;
-    const auto flush = [&] {
-      if (need_w && tile_begin >= 0) grad_w.narrow(0, tile_begin, grad_w_tile.size(0)).copy_(grad_w_tile);
-    };
-    t.each([&](int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
-      if (v0 != tile_begin) {
-        flush();
-        tile_begin = v0;
-        if (need_w) grad_w_tile = at::zeros({vt, hidden.size(1)}, f32);
-      }
-      at::Tensor p = tile_logits(hidden, weight, v0, vt, n0, nt);
-      p.sub_(lse.narrow(0, n0, nt).unsqueeze(1)).exp_();  // softmax over the whole vocabulary
-      const at::Tensor tg = targets.narrow(0, n0, nt);
-      const at::Tensor here = tg.ge(v0).logical_and(tg.lt(v0 + vt));
-      const at::Tensor col = (tg - v0).clamp(0, vt - 1).unsqueeze(1);
-      p.scatter_(1, col, p.gather(1, col) - here.to(at::kFloat).unsqueeze(1));
-      p.mul_(row_scale.narrow(0, n0, nt).unsqueeze(1));
-      const at::Tensor g = p.to(hidden.scalar_type());  // as autograd narrows through the cast
-      p = at::Tensor();
-      if (need_h) grad_h.narrow(0, n0, nt).add_(at::matmul(g, weight.narrow(0, v0, vt)));
-      if (need_w) grad_w_tile.add_(at::matmul(g.t(), hidden.narrow(0, n0, nt)));
-    });
-    flush();
+    at::Tensor grad_h =
+        need_h ? at::zeros({hidden.size(0), hidden.size(1)}, hidden.options().dtype(at::kFloat)) : at::Tensor();
+    at::Tensor grad_w = backward_rows(hidden, weight, 0, targets, lse, row_scale, ctx->saved_data["chunk"].toInt(),
+                                      ctx->saved_data["tile"].toInt(), grad_h, need_w);
     return {need_h ? grad_h.to(hidden.scalar_type()) : at::Tensor(), grad_w, at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor()};
   }
 };
 
 }  // namespace
+
+LogSumExp::LogSumExp(const at::Tensor& hidden) {
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  running_max = at::full({hidden.size(0)}, -std::numeric_limits<float>::infinity(), f32);
+  sum_exp = at::zeros({hidden.size(0)}, f32);
+  target_logit = at::zeros({hidden.size(0)}, f32);
+}
+
+void accumulate_log_sum_exp(const at::Tensor& hidden, const at::Tensor& rows, int64_t row_begin,
+                            const at::Tensor& targets, int64_t chunk, int64_t tile, LogSumExp& acc) {
+  const Tiles t{hidden.size(0), rows.size(0), chunk, tile};
+  t.each([&](int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
+    at::Tensor l = tile_logits(hidden, rows, v0, vt, n0, nt);
+    at::Tensor m = acc.running_max.narrow(0, n0, nt), s = acc.sum_exp.narrow(0, n0, nt);
+    const at::Tensor tg = targets.narrow(0, n0, nt) - (row_begin + v0);  // the target's column in this tile
+    const at::Tensor here = tg.ge(0).logical_and(tg.lt(vt));
+    const at::Tensor picked = l.gather(1, tg.clamp(0, vt - 1).unsqueeze(1)).squeeze(1);
+    acc.target_logit.narrow(0, n0, nt).add_(at::where(here, picked, 0.0));
+    const at::Tensor m_new = at::maximum(m, std::get<0>(l.max(1)));
+    s.mul_(at::exp(m - m_new)).add_(l.sub_(m_new.unsqueeze(1)).exp_().sum(1));
+    m.copy_(m_new);
+  });
+}
+
+at::Tensor finish_log_sum_exp(LogSumExp& acc) { return acc.running_max.add_(acc.sum_exp.log_()); }
+
+at::Tensor loss_sum(const at::Tensor& lse, const LogSumExp& acc, const at::Tensor& targets, int64_t ignore_index) {
+  return at::where(targets.ne(ignore_index), lse - acc.target_logit, 0.0).sum();
+}
+
+at::Tensor backward_rows(const at::Tensor& hidden, const at::Tensor& rows, int64_t row_begin, const at::Tensor& targets,
+                         const at::Tensor& lse, const at::Tensor& row_scale, int64_t chunk, int64_t tile,
+                         at::Tensor& grad_h, bool want_rows) {
+  const Tiles t{hidden.size(0), rows.size(0), chunk, tile};
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  // Every row is written tile by tile, unless there are no tokens at all.
+  at::Tensor grad_w = !want_rows ? at::Tensor() : t.tokens ? at::empty(rows.sizes(), f32) : at::zeros(rows.sizes(), f32);
+  at::Tensor grad_w_tile;
+  int64_t tile_begin = -1;
+  const auto flush = [&] {
+    if (want_rows && tile_begin >= 0) grad_w.narrow(0, tile_begin, grad_w_tile.size(0)).copy_(grad_w_tile);
+  };
+  // d loss / d logit = (softmax - onehot(target)) * row_scale.
+  t.each([&](int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
+    if (v0 != tile_begin) {
+      flush();
+      tile_begin = v0;
+      if (want_rows) grad_w_tile = at::zeros({vt, hidden.size(1)}, f32);
+    }
+    at::Tensor p = tile_logits(hidden, rows, v0, vt, n0, nt);
+    p.sub_(lse.narrow(0, n0, nt).unsqueeze(1)).exp_();  // softmax over the whole vocabulary
+    const at::Tensor tg = targets.narrow(0, n0, nt) - (row_begin + v0);
+    const at::Tensor here = tg.ge(0).logical_and(tg.lt(vt));
+    const at::Tensor col = tg.clamp(0, vt - 1).unsqueeze(1);
+    p.scatter_(1, col, p.gather(1, col) - here.to(at::kFloat).unsqueeze(1));
+    p.mul_(row_scale.narrow(0, n0, nt).unsqueeze(1));
+    const at::Tensor g = p.to(hidden.scalar_type());  // as autograd narrows through the cast
+    p = at::Tensor();
+    if (grad_h.defined()) grad_h.narrow(0, n0, nt).add_(at::matmul(g, rows.narrow(0, v0, vt)));
+    if (want_rows) grad_w_tile.add_(at::matmul(g.t(), hidden.narrow(0, n0, nt)));
+  });
+  flush();
+  return grad_w;
+}
 
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                     int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index) {

@@ -19,7 +19,7 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
   inputs_before_.assign(schedule_.num_stages() + 1, 0);
   for (size_t s = 0; s < schedule_.num_stages(); ++s) {
     largest_input_ = std::max(largest_input_, input_bytes(s));
-    inputs_before_[s + 1] = inputs_before_[s] + (s >= 1 ? input_bytes(s) : 0);
+    inputs_before_[s + 1] = inputs_before_[s] + (schedule_.is_block(s) ? input_bytes(s) : 0);
   }
   for (const Use& use : schedule_.uses()) {
     uint64_t grads = 0;
@@ -32,7 +32,8 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
                  sizes_.shard_numel[u] * 4;
     const uint64_t boundary =
         2 * (input_bytes(s) + (s + 1 < schedule_.num_stages() ? input_bytes(s + 1) : activation_bytes()));
-    const uint64_t scratch = boundary + grads + (use.kind == Use::kHead ? logits : 0);
+    const bool loss = use.kind == Use::kHead || (schedule_.vocab_tiled() && schedule_.is_head(s));
+    const uint64_t scratch = boundary + grads + (loss ? logits : 0);
     if (scratch > largest_use_scratch_) {
       largest_use_scratch_ = scratch;
       largest_scratch_use_ = use;
@@ -42,7 +43,7 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
 }
 
 uint64_t MemoryModel::head_loss_bytes() const {
-  return head_scratch_bytes(sizes_.tokens, sizes_.vocab, sizes_.hidden, sizes_.compute_bytes, sizes_.logits);
+  return head_scratch_bytes(sizes_.tokens, sizes_.vocab, sizes_.hidden, sizes_.compute_bytes, head_logits());
 }
 
 uint64_t MemoryModel::unit_bytes(size_t u, const Choices& c) const {
@@ -68,12 +69,12 @@ uint64_t MemoryModel::input_bytes(size_t stage) const {
 }
 
 uint64_t MemoryModel::checkpoint_bytes(const Choices& c) const {
-  return inputs_before_.at(std::min(c.recomputed + 1, schedule_.num_stages()));
+  return inputs_before_.at(std::min(schedule_.first_block() + c.recomputed, schedule_.first_head()));
 }
 
 uint64_t MemoryModel::held_at(const Use& use, const Choices& c) const {
   uint64_t b = 0;
-  for (size_t j = c.recomputed + 1; j + 1 < schedule_.num_stages(); ++j) {
+  for (size_t j = schedule_.first_block() + c.recomputed; j < schedule_.first_head(); ++j) {
     if (use.kind == Use::kHead || j < use.stage) b += sizes_.graph_bytes + use_bytes({j, Use::kForward}, c);
     else if (j == use.stage) b += sizes_.graph_bytes;
   }

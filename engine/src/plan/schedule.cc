@@ -6,10 +6,16 @@
 
 namespace strata::engine::plan {
 
-Schedule::Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_units)
+Schedule::Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_units, size_t embedding_stages,
+                   size_t head_stages)
     : stage_units_(std::move(stage_units)) {
-  if (stage_units_.size() < 2) throw std::invalid_argument("Schedule: needs at least an embedding and a head stage");
   const size_t n = stage_units_.size();
+  if (embedding_stages < 1 || head_stages != embedding_stages || embedding_stages + head_stages > n)
+    throw std::invalid_argument("Schedule: " + std::to_string(n) + " stages cannot hold " +
+                                std::to_string(embedding_stages) + " embedding and " + std::to_string(head_stages) +
+                                " head stages (at least one each, as many of both)");
+  first_block_ = embedding_stages;
+  first_head_ = n - head_stages;
   last_use_stage_.assign(num_units, n);
   std::vector<int> stages_using(num_units, 0);
   for (size_t s = 0; s < n; ++s) {

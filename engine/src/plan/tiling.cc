@@ -38,6 +38,12 @@ LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count) {
   return t;
 }
 
+LogitsTiling within_vocab_tiles(const LogitsTiling& t, uint64_t tokens, uint64_t vocab, uint64_t vocab_tiles) {
+  if (vocab_tiles <= 1 || vocab == 0) return t;
+  const uint64_t rows = ceil_div(vocab, std::min(vocab, vocab_tiles));
+  return {t.token_chunk ? std::min(t.token_chunk, tokens) : tokens, std::min(t.vocab_tile ? t.vocab_tile : vocab, rows)};
+}
+
 uint64_t max_auto_logits_tiles(uint64_t tokens, uint64_t vocab) {
   return ceil_div(tokens, std::min(tokens, kMinTileTokens)) * ceil_div(vocab, std::min(vocab, kMinTileVocab));
 }

@@ -18,14 +18,14 @@ std::span<std::byte> bytes_of(const at::Tensor& t) {
 }  // namespace
 
 ActivationStore::ActivationStore(Placement where, std::vector<std::vector<int64_t>> shapes, at::ScalarType dtype,
-                                 std::vector<std::string> unit_names, size_t checkpointed, Device& dev,
+                                 std::vector<std::string> unit_names, const std::vector<size_t>& checkpointed, Device& dev,
                                  const state::HostMemory& host, Profiler& prof, offload::SwapSpace* swap)
     : where_(where), shapes_(std::move(shapes)), dtype_(dtype), unit_names_(std::move(unit_names)), dev_(dev),
       host_(host), prof_(prof), swap_(swap) {
   if (where_ == Placement::kAuto) throw std::logic_error("ActivationStore: placement not resolved");
   if (where_ == Placement::kNvme) {
     if (!swap_) throw std::logic_error("ActivationStore: nvme placement without a swap space");
-    for (size_t s = 1; s <= checkpointed; ++s) swap_->allocate(swap_name(s), numel(s) * c10::elementSize(dtype_));
+    for (size_t s : checkpointed) swap_->allocate(swap_name(s), numel(s) * c10::elementSize(dtype_));
   }
   if (shapes_.size() != unit_names_.size())
     throw std::logic_error("ActivationStore: " + std::to_string(shapes_.size()) + " shapes for " +

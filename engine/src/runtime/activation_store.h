@@ -8,7 +8,7 @@
 //           and returns); read back into a host buffer two stages ahead of the backward and
 //           copied up one stage ahead. At most kStaging buffers wait for their writes: a disk
 //           slower than the forward holds the forward back instead of growing host memory.
-// Slot s holds stage s's input (s >= 1; stage 0's input is the token ids).
+// Slot s holds stage s's input (a block stage's; the embedding's input is the token ids).
 //
 // Threads and ownership: the training thread owns the store and every slot; host functions on
 // the d2h stream only submit writes and complete their promises. Staging buffers are dropped on
@@ -38,9 +38,9 @@ class ActivationStore {
   // `shapes` by stage: its checkpoint's ([micro_batch, seq_len, hidden], or [2, ...] for a block
   // tile's stacked input) in `dtype`; `unit_names` by stage
   // (swap slots and messages). `swap` must be set for nvme placement, and outlive the store;
-  // the slots of stages 1..`checkpointed` are allocated in it here.
+  // the slots of the `checkpointed` stages are allocated in it here.
   ActivationStore(Placement where, std::vector<std::vector<int64_t>> shapes, at::ScalarType dtype,
-                  std::vector<std::string> unit_names, size_t checkpointed, Device& dev,
+                  std::vector<std::string> unit_names, const std::vector<size_t>& checkpointed, Device& dev,
                   const state::HostMemory& host, Profiler& prof, offload::SwapSpace* swap);
   ~ActivationStore();  // waits for the writes whose host function ran (a step that failed)
   ActivationStore(const ActivationStore&) = delete;

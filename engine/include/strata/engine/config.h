@@ -80,12 +80,17 @@ struct EngineConfig {
   // device (Engine::config() shows the count chosen); 1: untiled.
   static constexpr uint64_t kTilesAuto = 0;
   uint64_t head_tiles = kTilesAuto;
-  // placement.tiling for the blocks (models::BlockTiling): each block's attention cut into this
+  // placement.tiling for the blocks (models::LayerTiling): each block's attention cut into this
   // many groups of key/value heads and its MLP into this many slices of the intermediate
   // dimension, each tile a unit of its own. kTilesAuto: whole blocks when the working set fits
   // the device, else the fewest tiles that fit (both kinds cut in proportion to their
   // parameters); 1 and 1: whole blocks.
   uint64_t attention_tiles = kTilesAuto, mlp_tiles = kTilesAuto;
+  // placement.tiling "vocab": the embedding and the LM head cut into this many ranges of
+  // vocabulary rows, each a unit (or, tied, one unit for both) and a stage of its own, so that no
+  // whole vocabulary x hidden weight is ever gathered. kTilesAuto: whole when the working set
+  // fits the device, else the fewest (doubling) that fit; 1: whole.
+  uint64_t vocab_tiles = kTilesAuto;
   // placement.tiling "mlp_tokens": every MLP (whole block or tile) run over chunks of this many
   // tokens, its intermediate activations one chunk at a time (tiling::chunked_mlp; the backward
   // recomputes them, about one more MLP forward a step). 0: the whole micro-batch at once. Not

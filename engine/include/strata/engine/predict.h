@@ -24,24 +24,26 @@
 
 namespace strata::engine {
 
-// The units the engine builds for `mc` with its blocks cut by `tiling`, partitioned at
-// `world_size` as Partition does: one unit per stage owning its stage's parameters
-// (models::stage_parameters), the head also using the embedding's unit when the embeddings are
-// tied; and each stage's input width (models::stage_input_widths).
+// The units the engine builds for `mc` cut by `tiling`, partitioned at `world_size` as
+// Partition does: one unit per stage owning parameters (models::stage_parameters), a tied head
+// (tile) also using its embedding (tile)'s unit (models::stage_units); and each stage's input
+// width (models::stage_input_widths).
 struct UnitPlan {
   std::vector<uint64_t> unit_numel, padded_numel, shard_numel;
   std::vector<std::vector<size_t>> stage_units;
   std::vector<uint64_t> input_widths;
+  size_t vocab_tiles = 1;  // embedding and head stages
+  plan::Schedule schedule() const;
 };
-UnitPlan plan_units(const models::ModelConfig& mc, const models::BlockTiling& tiling, int world_size);
+UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiling& tiling, int world_size);
 
 // Whether `tiling` lets the device run a step within `usable` bytes: the state `cfg` places on
 // the device explicitly plus the largest use's need (construction's budget check: nothing
 // gathered ahead) at the leanest automatic choices (every block recomputed unless configured,
 // the head's logits in the most tiles "auto" cuts unless configured). The test
-// placement.tiling "auto" makes for the blocks (resolve_block_tiles).
-bool block_tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::BlockTiling& tiling,
-                       int world_size, uint64_t usable);
+// placement.tiling "auto" makes for the blocks and the vocabulary (resolve_tiles).
+bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiling& tiling,
+                 int world_size, uint64_t usable);
 
 struct StatePrediction {
   bool fits = false;
@@ -52,7 +54,7 @@ struct StatePrediction {
   plan::Choices choice;       // recomputed blocks, activation checkpoints' tier, prefetch depth
   int prefetch_deepest = 1;   // prefetch "auto": the deepest gather window the budget holds
   uint64_t head_tiles = 1;
-  models::BlockTiling block_tiles;
+  models::LayerTiling tiles;
 
   // This rank's state by tier, and the device's working set beside it.
   uint64_t device_state = 0, host_state = 0, nvme_state = 0;

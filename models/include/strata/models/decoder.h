@@ -64,13 +64,18 @@ class Stage : public torch::nn::Module {
 };
 
 // The head: the final norm, then the LM head. The engine's tiled loss uses the two parts apart
-// (the logits are never formed whole); forward() is lm_head(normed(x)).
+// (the logits are never formed whole); forward() is lm_head(normed(x)). A head tile (the
+// vocabulary cut, LayerTiling::vocab) holds rows [vocab_begin(), vocab_begin() + rows) of the LM
+// head; only the first holds the norm, and a later tile's forward() takes the normed input.
 class HeadStage : public Stage {
  public:
-  // The final norm's output [..., hidden], in the parameters' dtype.
+  // The final norm's output [..., hidden], in the parameters' dtype. Throws std::logic_error on
+  // a head tile after the first.
   virtual at::Tensor normed(const at::Tensor& x) = 0;
-  // The LM head's weight [vocab, hidden] (the tied embedding when tied).
+  // The LM head's weight [vocab, hidden] (the tied embedding when tied), or the tile's rows.
   virtual const at::Tensor& lm_weight() const = 0;
+  virtual int64_t vocab_begin() const { return 0; }
+  virtual bool has_norm() const { return true; }
   at::Tensor forward(const at::Tensor& x) override;
 };
 
@@ -89,24 +94,31 @@ class Decoder {
   void initialize_through(size_t stage);
 
   const ModelConfig& config() const { return config_; }
-  Stage& embedding() { return *embed_; }
+  // The embedding whole (throws std::logic_error when the vocabulary is tiled).
+  Stage& embedding();
   // Block i whole (throws std::logic_error when blocks are tiled).
   Stage& block(size_t i);
   size_t num_blocks() const { return blocks_.size(); }
-  HeadStage& head() { return *head_; }
-  // All stages in schedule order: embedding, blocks (each whole, or its attention tiles then its
-  // MLP tiles)..., head.
+  // The head whole (throws std::logic_error when the vocabulary is tiled: head_tile()).
+  HeadStage& head();
+  // Head tile j of tiling().vocab (the whole head when the vocabulary is not tiled).
+  HeadStage& head_tile(size_t j) { return *heads_.at(j); }
+  // All stages in schedule order: the embedding (or its vocabulary tiles), blocks (each whole,
+  // or its attention tiles then its MLP tiles)..., the head (or its vocabulary tiles).
+  // An embedding tile's forward(ids) is the lookup of the ids in its rows (zero elsewhere; the
+  // first tile adds the positions): the embedding is their sum.
   std::vector<Stage*> stages();
-  // "embedding", "block.3", "block.3.attn.1", "block.3.mlp.0", "head".
+  // "embedding", "embedding.1", "block.3", "block.3.attn.1", "block.3.mlp.0", "head", "head.1".
   std::string stage_name(size_t stage) const;
 
-  // Cuts every block into tile stages (BlockTiling; 1 x 1 joins them whole again). Weights
-  // already initialized or loaded are copied into the tiles' slices (one block's extra memory at
-  // a time); stages not yet initialized stay so and get the values the untiled model would have
-  // (the random stream is drawn per whole tensor, then sliced). Invalidates earlier stages().
-  // Throws std::invalid_argument for a tiling that does not cut the blocks (check_block_tiling).
-  void set_block_tiling(const BlockTiling& tiling);
-  const BlockTiling& block_tiling() const { return tiling_; }
+  // Cuts every block into tile stages and the vocabulary into row ranges (LayerTiling; 1 x 1 x 1
+  // joins them whole again). Weights already initialized or loaded are copied into the tiles'
+  // slices (one block's, or the embedding's and head's, extra memory at a time); stages not yet
+  // initialized stay so and get the values the untiled model would have (the random stream is
+  // drawn per whole tensor, then sliced). Invalidates earlier stages().
+  // Throws std::invalid_argument for a tiling that does not cut the model (check_tiling).
+  void set_tiling(const LayerTiling& tiling);
+  const LayerTiling& tiling() const { return tiling_; }
   // Every block's (or MLP tile's) MLP over chunks of `tokens` tokens, so that its intermediate
   // activations exist one chunk at a time (tiling::chunked_mlp; the backward recomputes them);
   // 0 (the default): the whole sequence at once. Throws std::invalid_argument below 0.
@@ -122,23 +134,26 @@ class Decoder {
   // token ids [batch, seq] (int64) -> logits [batch, seq, vocab].
   at::Tensor forward(const at::Tensor& ids);
   // Every parameter once, with its Hugging Face name, in schedule order. A tiled decoder holds
-  // no whole block tensor: this throws std::logic_error then (read stages()' parts()).
+  // no whole tensor of what is tiled: this throws std::logic_error then (read stages()' parts()).
   std::vector<std::pair<std::string, at::Tensor>> hf_parameters();
   void to(at::ScalarType dtype);
 
  private:
-  // The stage groups the random initialization walks in order: 0 the embedding, 1 + i block i
-  // (whole or all its tiles), layers + 1 the head.
+  // The stage groups the random initialization walks in order: 0 the embedding (whole or all its
+  // tiles), 1 + i block i (whole or all its tiles), layers + 1 the head (whole or all its tiles).
   size_t group_of(size_t stage) const;
+  std::vector<Stage*> group(size_t g) const;
   void initialize_group(size_t group);
   std::vector<std::shared_ptr<Stage>> make_tiles(int64_t block) const;
+  // Replaces a group's stages by `next`, copying the values it holds part by part when `holds`.
+  static void recut(std::vector<Stage*> old, const std::vector<Stage*>& next, bool holds);
 
   ModelConfig config_;
-  BlockTiling tiling_;
+  LayerTiling tiling_;
   int64_t mlp_chunk_ = 0;
-  std::shared_ptr<Stage> embed_;
+  std::vector<std::shared_ptr<Stage>> embeds_;               // the embedding, or its vocabulary tiles
   std::vector<std::vector<std::shared_ptr<Stage>>> blocks_;  // per block: its stages (one when whole)
-  std::shared_ptr<HeadStage> head_;
+  std::vector<std::shared_ptr<HeadStage>> heads_;            // the head, or its vocabulary tiles
   at::Generator init_gen_;
   size_t initialized_ = 0;  // stage groups [0, initialized_) hold their initial values
 };

@@ -15,21 +15,26 @@
 
 namespace strata::models {
 
-// How each block is cut into tile stages (every block alike; tiling/ and docs/ARCHITECTURE.md
-// "Tiling"). A pre-norm block is a residual plus sums of independent contributions, so its
-// attention is cut into groups of key/value heads (each with its query heads: q/k/v rows and
-// o_proj columns) and its MLP into slices of the intermediate dimension (gate/up rows, down
-// columns). 1 x 1 is the block whole, one stage; otherwise `attention` + `mlp` stages.
-struct BlockTiling {
+// How the model's layers are cut into tile stages (tiling/ and docs/ARCHITECTURE.md "Tiling").
+// A pre-norm block is a residual plus sums of independent contributions, so its attention is cut
+// into groups of key/value heads (each with its query heads: q/k/v rows and o_proj columns) and
+// its MLP into slices of the intermediate dimension (gate/up rows, down columns); 1 x 1 is the
+// block whole, one stage; otherwise `attention` + `mlp` stages (every block alike). The
+// vocabulary is cut into `vocab` row ranges: the embedding into as many stages (each adds the
+// lookup of the tokens in its rows), the LM head into as many (each its rows' logits); a tied
+// head tile uses its embedding tile's rows.
+struct LayerTiling {
   int64_t attention = 1;  // groups of key/value heads, 1..kv_heads
   int64_t mlp = 1;        // slices of the intermediate dimension, 1..intermediate
-  bool whole() const { return attention == 1 && mlp == 1; }
-  int64_t stages() const { return whole() ? 1 : attention + mlp; }
-  bool operator==(const BlockTiling&) const = default;
+  int64_t vocab = 1;      // row ranges of the embedding and the LM head, 1..vocab_size
+  bool blocks_whole() const { return attention == 1 && mlp == 1; }
+  int64_t block_stages() const { return blocks_whole() ? 1 : attention + mlp; }
+  bool operator==(const LayerTiling&) const = default;
 };
-// Throws std::invalid_argument when `t` does not cut `c`'s blocks (a count below 1, more
-// attention tiles than key/value heads, more MLP tiles than intermediate features).
-void check_block_tiling(const ModelConfig& c, const BlockTiling& t);
+// Throws std::invalid_argument when `t` does not cut `c` (a count below 1, more attention tiles
+// than key/value heads, more MLP tiles than intermediate features, more vocabulary tiles than
+// rows).
+void check_tiling(const ModelConfig& c, const LayerTiling& t);
 // Part i of [0, n) cut into `parts` near-equal parts (the first n % parts one longer): the one
 // rule for where tiles begin and end.
 struct Range {
@@ -38,18 +43,33 @@ struct Range {
 };
 Range tile_range(int64_t n, int64_t parts, int64_t i);
 
+// Stages in schedule order: t.vocab embedding stages, the blocks' stages, t.vocab head stages.
+struct StageLayout {
+  size_t embedding = 1, blocks = 0, head = 1;
+  size_t first_block() const { return embedding; }
+  size_t first_head() const { return embedding + blocks; }
+  size_t stages() const { return embedding + blocks + head; }
+};
+StageLayout stage_layout(const ModelConfig& c, const LayerTiling& t);
+
 // Elements of the parameters each stage owns, in schedule order: the embedding (GPT-2: token
-// and position embeddings), each block (or each of its tiles), the head (its final norm, and
-// the LM head when the embeddings are not tied). The sum is ModelConfig::parameters().
-std::vector<uint64_t> stage_parameters(const ModelConfig& c, const BlockTiling& t = {});
+// and position embeddings; tiled: each tile its rows, the first also the positions), each block
+// (or each of its tiles), the head (its final norm, and the LM head when the embeddings are not
+// tied; tiled: the first tile the norm, each its LM head rows, so that a tied head tile after the
+// first owns nothing). The sum is ModelConfig::parameters().
+std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiling& t = {});
 // By stage: its input activation in multiples of [tokens, hidden] (1, or 2 for a tile after the
 // first of a block's attention or MLP: its input stacks the normed input and the running sum).
 // The embedding's input (token ids) counts as 1, as every output that is not another stage's
 // input (the head's).
-std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const BlockTiling& t = {});
-// Stage s's name, which is also its unit's: "embedding", "block.3", "block.3.attn.1",
-// "block.3.mlp.0", "head". Throws std::out_of_range past the head.
-std::string stage_name(const ModelConfig& c, const BlockTiling& t, size_t stage);
+std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiling& t = {});
+// The units each stage uses, in schedule order: a unit for each stage that owns parameters
+// (numbered in stage order), and a tied head's (tile's) embedding (tile) unit. What the engine
+// builds from the modules' tensors (tests/models/model_shapes_test.cc checks that both agree).
+std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTiling& t = {});
+// Stage s's name, which is also its unit's: "embedding", "embedding.2", "block.3",
+// "block.3.attn.1", "block.3.mlp.0", "head", "head.2". Throws std::out_of_range past the head.
+std::string stage_name(const ModelConfig& c, const LayerTiling& t, size_t stage);
 
 // Bytes one block's forward with autograd keeps for its backward, per token, with compute
 // copies of `elem_bytes` bytes (Decoder::block_graph_bytes_per_token; tests/models/

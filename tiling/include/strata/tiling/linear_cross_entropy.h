@@ -37,4 +37,29 @@ namespace strata::tiling {
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                     int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index = -100);
 
+// The same loss in pieces, for a weight held as row ranges that are never together (the engine's
+// vocabulary tiles): the forward accumulates each range's part of every token's log-sum-exp and
+// target logit, the backward runs range by range against the finished log-sum-exp. The one
+// implementation: linear_cross_entropy_sum calls these with the whole weight as one range.
+// No autograd; the caller checks shapes, dtypes and targets (as linear_cross_entropy_sum does).
+struct LogSumExp {
+  at::Tensor running_max, sum_exp, target_logit;  // fp32 [tokens]
+  explicit LogSumExp(const at::Tensor& hidden);   // -inf, 0, 0 on hidden's device
+};
+// Adds rows [row_begin, row_begin + rows.size(0)) of the vocabulary (`rows`, [rows, hidden] in
+// hidden's dtype) to `acc`, tile by tile (token_chunk x vocab_tile).
+void accumulate_log_sum_exp(const at::Tensor& hidden, const at::Tensor& rows, int64_t row_begin,
+                            const at::Tensor& targets, int64_t token_chunk, int64_t vocab_tile, LogSumExp& acc);
+// Once every row is in: the log-sum-exp [tokens] (fp32; consumes acc's running values), and the
+// loss's sum over the tokens whose target is not ignore_index.
+at::Tensor finish_log_sum_exp(LogSumExp& acc);
+at::Tensor loss_sum(const at::Tensor& lse, const LogSumExp& acc, const at::Tensor& targets, int64_t ignore_index);
+// The gradients of `row_scale` . loss-per-token through rows [row_begin, ...): adds the input's
+// to `grad_hidden` (fp32 [tokens, hidden], undefined: not wanted) and returns the rows' (fp32
+// [rows, hidden], undefined when `want_rows` is false). row_scale: fp32 [tokens], 0 on ignored
+// tokens.
+at::Tensor backward_rows(const at::Tensor& hidden, const at::Tensor& rows, int64_t row_begin, const at::Tensor& targets,
+                         const at::Tensor& lse, const at::Tensor& row_scale, int64_t token_chunk, int64_t vocab_tile,
+                         at::Tensor& grad_hidden, bool want_rows);
+
 }  // namespace strata::tiling

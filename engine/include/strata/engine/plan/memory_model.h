@@ -13,7 +13,8 @@
 //                       gradients; a block tile's input and output may stack two activations), the fp32 gradient buffers of the units a backward use
 //                       touches (plus a bf16 copy when reducing in bf16, plus the reduced shard),
 //                       the head's loss (head_scratch_bytes: the fp32 logits and their gradients,
-//                       or one tile of them when tiled); plus one activation checkpoint coming
+//                       or one tile of them when tiled; on every head stage's use when the
+//                       vocabulary is tiled); plus one activation checkpoint coming
 //                       back when checkpoints live off the device
 //   device checkpoints  every recomputed block's input, when checkpoints live on the device
 //   held_at(u)          blocks kept without recompute: each one's autograd graph from its forward
@@ -51,13 +52,18 @@ struct ModelSizes {
   // units' padded size, an upper bound).
   bool mlp_chunked = false;
   LogitsTiling logits;                 // the head's loss: its tiles of the logits (default: untiled)
+  // The embedding and the LM head cut into this many row ranges (models::LayerTiling::vocab):
+  // the loss then runs tile by tile within each range (within_vocab_tiles), and every use of a
+  // head stage holds it (the running log-sum-exp and the input's gradient live from the first
+  // head stage's forward to its backward).
+  uint64_t vocab_tiles = 1;
 };
 
 // The decisions the working set depends on.
 struct Choices {
   bool params_staged = true;                  // compute copies off the device (or not yet placed)
   Placement activations = Placement::kHost;   // kAuto: not decided (no checkpoints counted)
-  size_t recomputed = 0;                      // blocks 1..recomputed recompute; later ones keep graphs
+  size_t recomputed = 0;                      // the first `recomputed` blocks recompute; later ones keep graphs
   int prefetch = 1;                           // units gathered ahead
 };
 
@@ -71,10 +77,13 @@ class MemoryModel {
 
   // Stage s runs with autograd and keeps its graph until its backward / is recomputed from its
   // input (an activation checkpoint).
+  // Blocks count from the schedule's first block stage.
   bool keeps_graph(size_t stage, const Choices& c) const {
-    return stage > c.recomputed && stage + 1 < schedule_.num_stages();
+    return schedule_.is_block(stage) && stage >= schedule_.first_block() + c.recomputed;
   }
-  bool checkpointed(size_t stage, const Choices& c) const { return stage >= 1 && stage <= c.recomputed; }
+  bool checkpointed(size_t stage, const Choices& c) const {
+    return schedule_.is_block(stage) && stage < schedule_.first_block() + c.recomputed;
+  }
 
   uint64_t unit_bytes(size_t unit, const Choices& c) const;
   uint64_t use_bytes(const Use& use, const Choices& c) const;
@@ -83,7 +92,7 @@ class MemoryModel {
   // Stage s's input (a boundary activation, an activation checkpoint), and the largest one.
   uint64_t input_bytes(size_t stage) const;
   uint64_t largest_input_bytes() const { return largest_input_; }
-  // Stages 1..recomputed's inputs.
+  // The recomputed blocks' inputs.
   uint64_t checkpoint_bytes(const Choices& c) const;
   uint64_t device_checkpoints(const Choices& c) const {
     return c.activations == Placement::kDevice ? checkpoint_bytes(c) : 0;
@@ -96,8 +105,13 @@ class MemoryModel {
   // part (the first such in schedule order): what an error names as the scratch's source, which
   // may be another use than the one that does not fit.
   const Use& largest_scratch_use() const { return largest_scratch_use_; }
-  // The head's loss: its part of the head use's scratch (plan/tiling.h).
+  // The head's loss: its part of the head use's scratch (plan/tiling.h), for the tiles it runs
+  // over (head_logits()).
   uint64_t head_loss_bytes() const;
+  // The logits' tiles the loss runs over: sizes().logits within the vocabulary tiles.
+  LogitsTiling head_logits() const {
+    return within_vocab_tiles(sizes_.logits, sizes_.tokens, sizes_.vocab, sizes_.vocab_tiles);
+  }
   uint64_t held_at(const Use& use, const Choices& c) const;
   uint64_t peak_held(const Choices& c) const;
   // What running `use` needs beside the device-placed state, no unit gathered ahead.
@@ -124,7 +138,7 @@ class MemoryModel {
   uint64_t largest_use_scratch_ = 0;  // scratch's part that no choice changes
   Use largest_scratch_use_{0, Use::kForward};
   uint64_t largest_input_ = 0;
-  std::vector<uint64_t> inputs_before_;  // [s]: stages 1..s-1's inputs (checkpoint_bytes in O(1))
+  std::vector<uint64_t> inputs_before_;  // [s]: the inputs of the blocks before stage s (checkpoint_bytes in O(1))
 };
 
 }  // namespace strata::engine::plan

@@ -4,11 +4,15 @@
 // ahead exactly and never has to trace anything.
 //
 // Stages and units are separate: a stage runs a module; a unit is what is partitioned, gathered
-// and updated. A stage may use several units (its own, a tied embedding, later its tiles), and
-// a unit may be used by several stages (a tied embedding: the embedding and the head).
+// and updated. A stage may use several units (its own, a tied embedding), and a unit may be used
+// by several stages (a tied embedding: the embedding and the head, or their vocabulary tiles);
+// a tied head tile owns no unit of its own. Stages come in three runs: the embedding's (one, or
+// its vocabulary tiles), the blocks' (whole or tiles), the head's (one, or its vocabulary tiles);
+// the last head stage runs the loss (kHead).
 //
 // No libtorch, no device. Thread safety: immutable after construction.
-// Errors: std::invalid_argument for a stage without units or a unit index out of range.
+// Errors: std::invalid_argument for a stage without units, a unit index out of range, or runs
+// of embedding and head stages that do not fit (none, more than the stages, or unequal).
 #pragma once
 
 #include <cstddef>
@@ -24,8 +28,10 @@ struct Use {
 
 class Schedule {
  public:
-  // stage_units[s]: the units stage s uses (its own first); the last stage is the head.
-  Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_units);
+  // stage_units[s]: the units stage s uses (its own first); the first `embedding_stages` are
+  // the embedding's, the last `head_stages` the head's.
+  Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_units, size_t embedding_stages = 1,
+           size_t head_stages = 1);
 
   size_t num_stages() const { return stage_units_.size(); }
   size_t num_units() const { return last_use_stage_.size(); }
@@ -39,8 +45,15 @@ class Schedule {
   size_t last_use_stage(size_t unit) const { return last_use_stage_.at(unit); }
   // Units used by more than one stage (a tied embedding).
   size_t shared_units() const { return shared_units_; }
-  size_t blocks() const { return num_stages() - 2; }  // stages between the embedding and the head
-  bool is_block(size_t stage) const { return stage >= 1 && stage + 1 < num_stages(); }
+  // The block stages: [first_block(), first_head()).
+  size_t first_block() const { return first_block_; }
+  size_t first_head() const { return first_head_; }
+  size_t blocks() const { return first_head_ - first_block_; }
+  bool is_block(size_t stage) const { return stage >= first_block_ && stage < first_head_; }
+  bool is_embedding(size_t stage) const { return stage < first_block_; }
+  bool is_head(size_t stage) const { return stage >= first_head_ && stage < num_stages(); }
+  // The embedding and the head are cut into vocabulary tiles.
+  bool vocab_tiled() const { return first_block_ > 1; }
   // The order the units' gradients become final in the last micro-batch's backward (highest
   // last-use stage first; ties in forward order), restricted to `units` (kept in that order
   // otherwise).
@@ -51,6 +64,7 @@ class Schedule {
   std::vector<size_t> last_use_stage_;
   std::vector<Use> uses_;
   size_t shared_units_ = 0;
+  size_t first_block_ = 1, first_head_ = 1;
 };
 
 }  // namespace strata::engine::plan

@@ -25,6 +25,11 @@ struct LogitsTiling {
 // matmuls large. `count` beyond tokens x vocab is clamped.
 LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count);
 
+// The tiles the loss runs over when the LM head's weight is cut into `vocab_tiles` row ranges
+// (models::LayerTiling::vocab): `t`'s, no wider than a range (so tiled whenever the ranges are
+// more than one).
+LogitsTiling within_vocab_tiles(const LogitsTiling& t, uint64_t tokens, uint64_t vocab, uint64_t vocab_tiles);
+
 // The most tiles placement.tiling "auto" considers: tiles of at least kMinTileTokens tokens x
 // kMinTileVocab vocabulary rows (or the whole of a smaller side). Smaller tiles would spend more
 // on per-tile overhead than they save; an explicit count may still ask for them.
