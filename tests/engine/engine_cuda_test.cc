@@ -3,7 +3,8 @@
 // host-placed state (CPU Adam, pinned staging copies on the copy stream), device-placed state
 // (the CUDA Adam kernel) through a real NCCL process group of one rank, and bf16 compute; blocks
 // kept without recompute, and the graph estimate they are budgeted with against what the CUDA
-// caching allocator really holds; the optimizer group split over GPU, host and swap.
+// caching allocator really holds; the optimizer group split over GPU, host and swap; block and
+// vocabulary tiles.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -135,6 +136,25 @@ TEST(EngineCuda, KeptGraphsMatchLibtorchOnTheGpu) {
   for (size_t i = 0; i < want.losses.size(); ++i)
     EXPECT_NEAR(got.losses[i], want.losses[i], 1e-6 * want.losses[i]) << "step " << i + 1;
   expect_close(got, reference(some, 1, kCuda), 1e-5);
+}
+
+// Blocks and the vocabulary cut into tiles (placement.tiling), host-placed state, tied and
+// untied: libtorch's whole model on the same GPU. The same code the host device runs
+// (tiling_engine_test.cc); here the tile stages' gathers, staging and kernels are CUDA's.
+TEST(EngineCuda, BlockAndVocabularyTilesMatchLibtorchOnTheGpu) {
+  REQUIRE_GPU();
+  for (bool llama : {false, true}) {
+    SCOPED_TRACE(llama ? "llama" : "gpt2");
+    json j = tiny_config(llama, 3);
+    j["optimizer"]["lr"] = 1e-3;
+    j["run"]["steps"] = 5;
+    j["device"] = {{"type", "cuda"}};
+    j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"},
+                      {"tiling", {{"attention", 2}, {"mlp", 3}, {"vocab", 3}, {"head", 5}}}};
+    const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    uint64_t peak = 0;
+    expect_close(run_in_process(tc, UINT64_MAX, &peak, "cuda"), reference(tc, 1, kCuda), 1e-5);
+  }
 }
 
 // The overlapped update with compute copies on the GPU and master weights on the host: the
