@@ -19,10 +19,15 @@ ParameterCoordinator::ParameterCoordinator(const plan::Schedule& schedule, const
 
 ParameterCoordinator::~ParameterCoordinator() {
   for (auto& [u, g] : live_)
-    if (!g.bound && g.work) try {
-        g.work->wait();
+    if (!g.bound) try {
+        wait_gathered(g);
       } catch (...) {
       }
+}
+
+void ParameterCoordinator::wait_gathered(Gathered& g) {
+  if (g.work) g.work->wait();
+  if (g.uploaded) dev_.wait(dev_.compute_stream(), g.uploaded);
 }
 
 void ParameterCoordinator::adopt(size_t u, std::vector<at::Tensor> tensors) {
@@ -40,6 +45,11 @@ bool ParameterCoordinator::fits(uint64_t extra) const {
          dev_.budget();
 }
 
+// A shard off the device is uploaded straight into this rank's slice of the gathered buffer,
+// which the all-gather then fills around it in place; at world size 1 the upload is the whole
+// gather, and the compute stream waits for it only when the unit is bound (on the host device,
+// where waiting blocks the thread, the prefetch then runs beside the compute instead of before
+// it).
 void ParameterCoordinator::start_gather(size_t u) {
   if (before_gather_) before_gather_(u);
   const UnitLayout& L = partition_.unit(u);
@@ -48,7 +58,7 @@ void ParameterCoordinator::start_gather(size_t u) {
   at::Tensor src = store_.tensor(u, kCompute);
   const Placement where = store_.placement(u, kCompute);
   if (where != Placement::kDevice) {
-    g.staging = dev_.empty({int64_t(L.shard_numel)}, cdt_, "staged shard of unit " + L.name);
+    const at::Tensor mine = g.flat.narrow(0, int64_t(L.shard_begin(comm_.rank())), int64_t(L.shard_numel));
     // The upload stream must not write memory the compute stream may still be using.
     dev_.wait(dev_.h2d_stream(), dev_.record(dev_.compute_stream()));
     if (where == Placement::kNvme) {
@@ -57,13 +67,18 @@ void ParameterCoordinator::start_gather(size_t u) {
       offload::IoFuture read = store_.read(u, kCompute, 0, src);
       dev_.launch_host(dev_.h2d_stream(), [read] { read.get(); });
     }
-    dev_.copy_async(g.staging, src, dev_.h2d_stream());
+    dev_.copy_async(mine, src, dev_.h2d_stream());
     prof_.step.h2d_bytes += uint64_t(src.nbytes());
+    if (comm_.world_size() == 1) {
+      g.uploaded = dev_.record(dev_.h2d_stream());
+      live_.emplace(u, std::move(g));
+      return;
+    }
     {
       auto t = prof_.time(prof_.step.wait_params, "wait params", &L.name);  // blocks on the host device only
       dev_.wait(dev_.compute_stream(), dev_.record(dev_.h2d_stream()));
     }
-    src = g.staging;
+    src = mine;
   }
   g.work = comm_.all_gather(g.flat, src);
   prof_.step.network_bytes += uint64_t(src.nbytes()) * uint64_t(comm_.world_size() - 1);
@@ -75,9 +90,8 @@ void ParameterCoordinator::bind(size_t u) {
   if (g.bound) return;
   {
     auto t = prof_.time(prof_.step.wait_params, "wait params", &partition_.unit(u).name);
-    g.work->wait();
+    wait_gathered(g);
   }
-  g.staging = at::Tensor();
   const UnitLayout& L = partition_.unit(u);
   for (size_t i = 0; i < L.tensors.size(); ++i) {
     const TensorSlot& s = L.tensors[i];
@@ -88,7 +102,7 @@ void ParameterCoordinator::bind(size_t u) {
 
 void ParameterCoordinator::release(size_t u) {
   auto it = live_.find(u);
-  if (it != live_.end() && !it->second.bound && it->second.work) it->second.work->wait();
+  if (it != live_.end() && !it->second.bound) wait_gathered(it->second);
   for (at::Tensor& t : tensors_.at(u)) t.set_data(at::empty({0}, at::TensorOptions().dtype(cdt_).device(dev_.torch_device())));
   if (it != live_.end()) live_.erase(it);
 }

@@ -75,10 +75,12 @@ class ParameterCoordinator {
  private:
   struct Gathered {
     at::Tensor flat;                           // compute dtype [padded], on the device
-    at::Tensor staging;                        // host-placed shard copied to the device
-    std::unique_ptr<Communicator::Work> work;  // the all-gather in flight
+    std::unique_ptr<Communicator::Work> work;  // the all-gather in flight (none at world size 1)
+    std::shared_ptr<Event> uploaded;           // world size 1: the shard's upload into `flat`
     bool bound = false;
   };
+  // Waits until `g.flat` holds the unit (the all-gather, or the upload at world size 1).
+  void wait_gathered(Gathered& g);
   void start_gather(size_t u);
   void bind(size_t u);
   bool fits(uint64_t extra) const;

@@ -92,7 +92,8 @@ class Communicator {
   int rank() const { return rank_; }
   int world_size() const { return world_; }
 
-  // out (world_size * n elements) = the ranks' `in` (n elements each) in rank order.
+  // out (world_size * n elements) = the ranks' `in` (n elements each) in rank order. `in` may be
+  // this rank's slice of `out` (in place).
   virtual std::unique_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in) = 0;
   // out (n elements) = sum over ranks of their in[rank * n, (rank + 1) * n).
   virtual std::unique_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in) = 0;
