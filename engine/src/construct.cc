@@ -94,6 +94,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   choice.recomputed = cfg.recompute_blocks == EngineConfig::kRecomputeAuto
                           ? blocks
                           : std::min(blocks, size_t(cfg.recompute_blocks));
+  choice.params_staged = cfg.params != Placement::kDevice;  // kAuto: not known yet, so counted
   choice.activations = cfg.activations;
   choice.prefetch = cfg.prefetch;
 
@@ -108,10 +109,11 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   const PlacementPlan resolved = resolve_placement(
       cfg, *memory, choice, need, usable_device(),
       [this](uint64_t device) { return machine_budgets(cfg, device, local_ranks()); }, agreement(), placement_report);
-  placement_report += describe_tiles(tiles, *memory);
+  choice.params_staged = resolved.params != Placement::kDevice;
+  placement_report += describe_tiles(tiles, *memory, choice);
   if (cfg.mlp_token_chunk > 0)
     placement_report += "; MLP over chunks of " + std::to_string(cfg.mlp_token_chunk) + " tokens";
-  placement_report += "; head logits " + plan::describe(memory->head_logits(), memory->sizes().tokens,
+  placement_report += "; head logits " + plan::describe(memory->sizes().logits, memory->sizes().tokens,
                                                         memory->sizes().vocab) +
                       " (" + format_bytes(memory->head_loss_bytes()) + " for the loss)";
   const bool grads_transient = resolved.grads_transient;

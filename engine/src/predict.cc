@@ -72,6 +72,7 @@ bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const m
   const size_t blocks = schedule.blocks();
   choice.recomputed = cfg.recompute_blocks == EngineConfig::kRecomputeAuto ? blocks
                                                                           : std::min(blocks, size_t(cfg.recompute_blocks));
+  choice.params_staged = cfg.params != Placement::kDevice;
   choice.activations = cfg.activations;
   choice.prefetch = 0;  // gathering ahead is opportunistic: construction checks each use's need alone
   const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, 2 + schedule.shared_units());
@@ -111,6 +112,7 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   choice.recomputed = cfg.recompute_blocks == EngineConfig::kRecomputeAuto
                           ? blocks
                           : std::min(blocks, size_t(cfg.recompute_blocks));
+  choice.params_staged = cfg.params != Placement::kDevice;
   choice.activations = cfg.activations;
   choice.prefetch = cfg.prefetch;
   const size_t transient_limit = 2 + schedule.shared_units();
@@ -125,7 +127,8 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab, out.head_tiles);
     const plan::MemoryModel memory(schedule, sizes);
     out.placement = resolve_placement(cfg, memory, choice, need, usable, budgets, same, out.report);
-    out.report += describe_tiles(out.tiles, memory);
+    choice.params_staged = out.placement.params != Placement::kDevice;
+    out.report += describe_tiles(out.tiles, memory, choice);
     const TierBytes tiers = bytes_by_tier(out.placement, need, out.compute_bytes);
     out.device_state = tiers.device;
     out.host_state = tiers.host;

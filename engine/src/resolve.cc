@@ -64,24 +64,18 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
     if (auto_mlp) t.mlp = std::clamp<int64_t>(int64_t(std::ceil(double(k) * (block - attention) / block)), 1, most_mlp);
     return t;
   };
-  // k = 1, 2, ... (every k to 64, then doubling) until one fits with the vocabulary in the most
-  // tiles "auto" cuts, or no count can grow; at that k, the fewest vocabulary tiles that fit
-  // (whole, then 2, 4, ...). One test a k while nothing fits: a large model's search stays short.
+  // k = 1, 2, ... (every k to 64, then doubling) until one fits or no count can grow; at each k
+  // the vocabulary whole, then in 2, 4, ... tiles (no fewer than kMinTileVocab rows each).
   std::optional<models::LayerTiling> found;
-  for (int64_t k = 1;; k = k < 64 ? k + 1 : k * 2) {
+  for (int64_t k = 1; !found; k = k < 64 ? k + 1 : k * 2) {
     models::LayerTiling t = cut(k);
-    t.vocab = most_vocab;
-    if (fits(t)) {
-      for (int64_t v = chosen.vocab; v < most_vocab; v = std::min(most_vocab, v * 2)) {
-        models::LayerTiling fewer = t;
-        fewer.vocab = v;
-        if (fits(fewer)) {
-          t = fewer;
-          break;
-        }
+    for (int64_t v = chosen.vocab;; v = std::min(most_vocab, v * 2)) {
+      t.vocab = v;
+      if (fits(t)) {
+        found = t;
+        break;
       }
-      found = t;
-      break;
+      if (!auto_vocab || v == most_vocab) break;
     }
     if (t.attention == most_attention && t.mlp == most_mlp) break;
   }
@@ -92,12 +86,12 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
   return {agreed[0], agreed[1], agreed[2]};
 }
 
-std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm) {
+std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm, const plan::Choices& c) {
   std::string out;
   if (!t.blocks_whole())
     out += "; blocks in " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) + " MLP tiles";
   if (t.vocab > 1) out += "; embedding and LM head in " + std::to_string(t.vocab) + " vocabulary tiles";
-  if (!out.empty()) out += " (largest unit " + format_bytes(mm.largest_unit()) + ")";
+  if (!out.empty()) out += " (largest unit " + format_bytes(mm.largest_unit(c)) + ")";
   return out;
 }
 
@@ -278,20 +272,17 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
         source.stage == use.stage && source.kind == use.kind
             ? ""
             : " (the largest, of unit " + stage_name(source.stage) + "'s " + kinds[source.kind] + ")";
-    // (Only while the vocabulary can be cut further: a tile is at least one row.)
-    const bool can_cut_vocabulary = schedule.first_block() < sz.vocab;
-    const bool vocabulary = can_cut_vocabulary && !schedule.is_block(use.stage),
-               source_vocabulary = can_cut_vocabulary && !schedule.is_block(source.stage);
-    if (vocabulary && 4 * mm.use_bytes(use) > need)
+    const bool vocabulary = !schedule.is_block(use.stage), source_vocabulary = !schedule.is_block(source.stage);
+    if (vocabulary && 4 * mm.use_bytes(use, choice) > need)
       add("cut the vocabulary into more tiles (placement.tiling \"vocab\"; this unit's parameters take " +
-          format_bytes(mm.use_bytes(use)) + ")");
+          format_bytes(mm.use_bytes(use, choice)) + ")");
     else if (source_vocabulary && source.kind != plan::Use::kForward && 4 * scratch > need &&
-             mm.use_bytes(source) > head_loss)
+             mm.use_bytes(source, choice) > head_loss)
       add("cut the vocabulary into more tiles (placement.tiling \"vocab\"; the gradient buffers of unit " +
           stage_name(source.stage) + "'s backward are part of the " + format_bytes(scratch) + ")");
-    if (schedule.is_block(use.stage) && 4 * mm.use_bytes(use) > need)
+    if (schedule.is_block(use.stage) && 4 * mm.use_bytes(use, choice) > need)
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; this unit's parameters take " +
-          format_bytes(mm.use_bytes(use)) + ")");
+          format_bytes(mm.use_bytes(use, choice)) + ")");
     else if (schedule.is_block(source.stage) && source.kind == plan::Use::kBackward && 4 * scratch > need)
       // A block's gradient buffers (its units' full size in fp32) make the scratch every use counts.
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; the gradient buffers of unit " +
@@ -302,7 +293,7 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
     const size_t comma = remedies.rfind(", ");
     if (comma != std::string::npos) remedies.replace(comma, 2, " or ");
     throw BudgetExceeded("device budget " + format_bytes(budget) + " cannot run unit " + stage_name(use.stage) +
-                         ": it needs " + format_bytes(need) + " (parameters " + format_bytes(mm.use_bytes(use)) +
+                         ": it needs " + format_bytes(need) + " (parameters " + format_bytes(mm.use_bytes(use, choice)) +
                          ", activations and gradient buffers " + format_bytes(scratch) + scratch_source +
                          ", activation checkpoints on the device " + format_bytes(checkpoints) +
                          ", blocks kept without recompute " + format_bytes(held) + ") beside " + format_bytes(base) +

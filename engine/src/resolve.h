@@ -40,7 +40,7 @@ using Agree = std::function<std::vector<int64_t>(const std::vector<int64_t>&)>;
 
 struct Resolved {
   PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
-  plan::Choices working_set;  // recomputed, activations, prefetch (auto: its start)
+  plan::Choices working_set;  // recomputed, activations, prefetch (auto: its start), params_staged
   uint64_t head_tiles = 1;    // the head's logits tiles asked for (plan::logits_tiling)
   models::LayerTiling tiles;
   std::string report;         // the placement line (`--plan`, the log)
@@ -75,7 +75,7 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
 
 // "; blocks in A attention x M MLP tiles; embedding and LM head in V vocabulary tiles (largest
 // unit B)" for the placement line, each part only when cut.
-std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm);
+std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm, const plan::Choices& c);
 
 // The head's logits tiles: the configured count, or for "auto" the fewest for which `base` (the
 // state the configuration puts on the device explicitly) plus the working set under `choice` (the

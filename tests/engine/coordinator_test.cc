@@ -80,6 +80,7 @@ struct Bench {
     sizes.hidden = 7;
     sizes.vocab = 301;
     memory = std::make_unique<plan::MemoryModel>(schedule, sizes);
+    choice.params_staged = params != Placement::kDevice;
     choice.recomputed = 2;
     PlacementPlan plan{params, Placement::kHost, Placement::kHost, Placement::kHost};
     store = std::make_unique<state::StateStore>(partition, at::kBFloat16, plan, *device, host, swap.get(), prof);
@@ -180,7 +181,7 @@ TEST(ParameterCoordinator, ATightBudgetGathersNothingAheadAndEvictsWhatTheUseNee
       bool only_the_use = true;
       for (size_t u = 0; u < 4; ++u) {
         if (!b.coord->gathered(u)) continue;
-        held += b.memory->unit_bytes(u);
+        held += b.memory->unit_bytes(u, b.choice);
         only_the_use &= std::find(use.begin(), use.end(), u) != use.end();
       }
       EXPECT_TRUE(only_the_use || base + held + b.memory->scratch(b.choice) + b.memory->device_checkpoints(b.choice) <= budget)

@@ -17,8 +17,6 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
   // the reduced fp32 shard), the head's logits.
   const uint64_t logits = head_loss_bytes();
   inputs_before_.assign(schedule_.num_stages() + 1, 0);
-  units_before_.assign(schedule_.num_stages() + 1, 0);
-  for (size_t s = 0; s < schedule_.num_stages(); ++s) units_before_[s + 1] = units_before_[s] + use_bytes({s, Use::kForward});
   for (size_t s = 0; s < schedule_.num_stages(); ++s) {
     largest_input_ = std::max(largest_input_, input_bytes(s));
     inputs_before_[s + 1] = inputs_before_[s] + (schedule_.is_block(s) ? input_bytes(s) : 0);
@@ -48,19 +46,19 @@ uint64_t MemoryModel::head_loss_bytes() const {
   return head_scratch_bytes(sizes_.tokens, sizes_.vocab, sizes_.hidden, sizes_.compute_bytes, head_logits());
 }
 
-uint64_t MemoryModel::unit_bytes(size_t u) const {
-  return sizes_.padded_numel.at(u) * sizes_.compute_bytes;
+uint64_t MemoryModel::unit_bytes(size_t u, const Choices& c) const {
+  return (sizes_.padded_numel.at(u) + (c.params_staged ? sizes_.shard_numel.at(u) : 0)) * sizes_.compute_bytes;
 }
 
-uint64_t MemoryModel::use_bytes(const Use& use) const {
+uint64_t MemoryModel::use_bytes(const Use& use, const Choices& c) const {
   uint64_t b = 0;
-  for (size_t u : schedule_.units_of(use.stage)) b += unit_bytes(u);
+  for (size_t u : schedule_.units_of(use.stage)) b += unit_bytes(u, c);
   return b;
 }
 
-uint64_t MemoryModel::largest_unit() const {
+uint64_t MemoryModel::largest_unit(const Choices& c) const {
   uint64_t b = 0;
-  for (size_t u = 0; u < schedule_.num_units(); ++u) b = std::max(b, unit_bytes(u));
+  for (size_t u = 0; u < schedule_.num_units(); ++u) b = std::max(b, unit_bytes(u, c));
   return b;
 }
 
@@ -74,14 +72,12 @@ uint64_t MemoryModel::checkpoint_bytes(const Choices& c) const {
   return inputs_before_.at(std::min(schedule_.first_block() + c.recomputed, schedule_.first_head()));
 }
 
-// The kept blocks are stages [first kept, first head): each holds its graph from its forward to its
-// backward and its units from its forward on. Use `use` runs after the forward of every kept
-// stage before it (all of them for the head's uses and the head stages'), beside its own graph.
 uint64_t MemoryModel::held_at(const Use& use, const Choices& c) const {
-  const size_t lo = std::min(schedule_.first_block() + c.recomputed, schedule_.first_head()), hi = schedule_.first_head();
-  const size_t before = use.kind == Use::kHead ? hi : std::clamp(use.stage, lo, hi);
-  uint64_t b = (before - lo) * sizes_.graph_bytes + units_before_[before] - units_before_[lo];
-  if (use.kind != Use::kHead && use.stage >= lo && use.stage < hi) b += sizes_.graph_bytes;
+  uint64_t b = 0;
+  for (size_t j = schedule_.first_block() + c.recomputed; j < schedule_.first_head(); ++j) {
+    if (use.kind == Use::kHead || j < use.stage) b += sizes_.graph_bytes + use_bytes({j, Use::kForward}, c);
+    else if (j == use.stage) b += sizes_.graph_bytes;
+  }
   return b;
 }
 
@@ -99,7 +95,7 @@ uint64_t MemoryModel::largest_need(const Choices& c) const {
 
 uint64_t MemoryModel::prefetch_room(const Choices& c, uint64_t base, uint64_t usable) const {
   const uint64_t used = base + largest_need(c);
-  const uint64_t unit = largest_unit();
+  const uint64_t unit = largest_unit(c);
   return usable > used && unit > 0 ? (usable - used) / unit : 0;
 }
 

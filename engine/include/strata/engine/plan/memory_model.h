@@ -7,8 +7,8 @@
 //
 // What the engine holds on the device besides its device-placed state ("base"), while it runs
 // use u of the schedule:
-//   use_bytes(u)        the gathered units of u's stage (full compute-dtype buffers; a shard off
-//                       the device is uploaded straight into its slice of its buffer)
+//   use_bytes(u)        the gathered units of u's stage (full compute-dtype buffers, plus each
+//                       one's staged shard while compute copies live off the device)
 //   scratch             the largest use's boundary activations (input, output and their
 //                       gradients; a block tile's input and output may stack two activations), the fp32 gradient buffers of the units a backward use
 //                       touches (plus a bf16 copy when reducing in bf16, plus the reduced shard),
@@ -61,6 +61,7 @@ struct ModelSizes {
 
 // The decisions the working set depends on.
 struct Choices {
+  bool params_staged = true;                  // compute copies off the device (or not yet placed)
   Placement activations = Placement::kHost;   // kAuto: not decided (no checkpoints counted)
   size_t recomputed = 0;                      // the first `recomputed` blocks recompute; later ones keep graphs
   int prefetch = 1;                           // units gathered ahead
@@ -84,10 +85,9 @@ class MemoryModel {
     return schedule_.is_block(stage) && stage < schedule_.first_block() + c.recomputed;
   }
 
-  // A unit's gathered buffer; a use's units; the largest unit (the same for every choice).
-  uint64_t unit_bytes(size_t unit) const;
-  uint64_t use_bytes(const Use& use) const;
-  uint64_t largest_unit() const;
+  uint64_t unit_bytes(size_t unit, const Choices& c) const;
+  uint64_t use_bytes(const Use& use, const Choices& c) const;
+  uint64_t largest_unit(const Choices& c) const;
   uint64_t activation_bytes() const;  // one [tokens, hidden] activation of a micro-batch
   // Stage s's input (a boundary activation, an activation checkpoint), and the largest one.
   uint64_t input_bytes(size_t stage) const;
@@ -112,17 +112,16 @@ class MemoryModel {
   LogitsTiling head_logits() const {
     return within_vocab_tiles(sizes_.logits, sizes_.tokens, sizes_.vocab, sizes_.vocab_tiles);
   }
-  // O(1): the blocks kept without recompute whose graph (and gathered units) `use` runs beside.
   uint64_t held_at(const Use& use, const Choices& c) const;
   uint64_t peak_held(const Choices& c) const;
   // What running `use` needs beside the device-placed state, no unit gathered ahead.
   uint64_t need(const Use& use, const Choices& c) const {
-    return use_bytes(use) + scratch(c) + device_checkpoints(c) + held_at(use, c);
+    return use_bytes(use, c) + scratch(c) + device_checkpoints(c) + held_at(use, c);
   }
   // The largest need, and with `prefetch` largest units gathered ahead.
   uint64_t largest_need(const Choices& c) const;
   uint64_t working_set(const Choices& c) const {
-    return largest_need(c) + uint64_t(c.prefetch < 0 ? 0 : c.prefetch) * largest_unit();
+    return largest_need(c) + uint64_t(c.prefetch < 0 ? 0 : c.prefetch) * largest_unit(c);
   }
   // How many of the largest unit fit ahead within `usable` bytes (usable_device) beside `base`
   // bytes of device-placed state and the largest need; 0 if not even the need fits.
@@ -140,7 +139,6 @@ class MemoryModel {
   Use largest_scratch_use_{0, Use::kForward};
   uint64_t largest_input_ = 0;
   std::vector<uint64_t> inputs_before_;  // [s]: the inputs of the blocks before stage s (checkpoint_bytes in O(1))
-  std::vector<uint64_t> units_before_;   // [s]: the use bytes of the stages before s (held_at in O(1))
 };
 
 }  // namespace strata::engine::plan
