@@ -113,7 +113,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   placement_report += describe_tiles(tiles, *memory, choice);
   if (cfg.mlp_token_chunk > 0)
     placement_report += "; MLP over chunks of " + std::to_string(cfg.mlp_token_chunk) + " tokens";
-  placement_report += "; head logits " + plan::describe(memory->sizes().logits, memory->sizes().tokens,
+  placement_report += "; head logits " + plan::describe(memory->head_logits(), memory->sizes().tokens,
                                                         memory->sizes().vocab) +
                       " (" + format_bytes(memory->head_loss_bytes()) + " for the loss)";
   const bool grads_transient = resolved.grads_transient;

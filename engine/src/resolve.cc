@@ -64,18 +64,24 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
     if (auto_mlp) t.mlp = std::clamp<int64_t>(int64_t(std::ceil(double(k) * (block - attention) / block)), 1, most_mlp);
     return t;
   };
-  // k = 1, 2, ... (every k to 64, then doubling) until one fits or no count can grow; at each k
-  // the vocabulary whole, then in 2, 4, ... tiles (no fewer than kMinTileVocab rows each).
+  // k = 1, 2, ... (every k to 64, then doubling) until one fits with the vocabulary in the most
+  // tiles "auto" cuts, or no count can grow; at that k, the fewest vocabulary tiles that fit
+  // (whole, then 2, 4, ...). One test a k while nothing fits: a large model's search stays short.
   std::optional<models::LayerTiling> found;
-  for (int64_t k = 1; !found; k = k < 64 ? k + 1 : k * 2) {
+  for (int64_t k = 1;; k = k < 64 ? k + 1 : k * 2) {
     models::LayerTiling t = cut(k);
-    for (int64_t v = chosen.vocab;; v = std::min(most_vocab, v * 2)) {
-      t.vocab = v;
-      if (fits(t)) {
-        found = t;
-        break;
+    t.vocab = most_vocab;
+    if (fits(t)) {
+      for (int64_t v = chosen.vocab; v < most_vocab; v = std::min(most_vocab, v * 2)) {
+        models::LayerTiling fewer = t;
+        fewer.vocab = v;
+        if (fits(fewer)) {
+          t = fewer;
+          break;
+        }
       }
-      if (!auto_vocab || v == most_vocab) break;
+      found = t;
+      break;
     }
     if (t.attention == most_attention && t.mlp == most_mlp) break;
   }
@@ -272,7 +278,10 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
         source.stage == use.stage && source.kind == use.kind
             ? ""
             : " (the largest, of unit " + stage_name(source.stage) + "'s " + kinds[source.kind] + ")";
-    const bool vocabulary = !schedule.is_block(use.stage), source_vocabulary = !schedule.is_block(source.stage);
+    // (Only while the vocabulary can be cut further: a tile is at least one row.)
+    const bool can_cut_vocabulary = schedule.first_block() < sz.vocab;
+    const bool vocabulary = can_cut_vocabulary && !schedule.is_block(use.stage),
+               source_vocabulary = can_cut_vocabulary && !schedule.is_block(source.stage);
     if (vocabulary && 4 * mm.use_bytes(use, choice) > need)
       add("cut the vocabulary into more tiles (placement.tiling \"vocab\"; this unit's parameters take " +
           format_bytes(mm.use_bytes(use, choice)) + ")");

@@ -102,7 +102,7 @@ void Engine::Impl::vocab_head_backward(MicroBatch& mb, size_t s) {
     at::NoGradGuard no_grad;
     if (!h.grad_hidden.defined()) h.grad_hidden = at::zeros(h.hidden.sizes(), h.hidden.options().dtype(at::kFloat));
     const plan::LogitsTiling t = memory->head_logits();
-    // The rows' gradient stays fp32: the reducer reads it into its fp32 buffer as it is.
+    // In the rows' dtype, as autograd gives every other parameter's.
     tile.lm_weight().mutable_grad() =
         tiling::backward_rows(h.hidden, tile.lm_weight(), tile.vocab_begin(), mb.targets, h.lse, h.row_scale,
                               int64_t(t.token_chunk), int64_t(t.vocab_tile), h.grad_hidden, /*want_rows=*/true);

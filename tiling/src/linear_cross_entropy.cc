@@ -93,8 +93,9 @@ at::Tensor backward_rows(const at::Tensor& hidden, const at::Tensor& rows, int64
                          at::Tensor& grad_h, bool want_rows) {
   const Tiles t{hidden.size(0), rows.size(0), chunk, tile};
   const auto f32 = hidden.options().dtype(at::kFloat);
-  // Every row is written tile by tile, unless there are no tokens at all.
-  at::Tensor grad_w = !want_rows ? at::Tensor() : t.tokens ? at::empty(rows.sizes(), f32) : at::zeros(rows.sizes(), f32);
+  // Summed over the token chunks in an fp32 tile, written in the rows' dtype tile by tile (every
+  // row, unless there are no tokens at all): no whole fp32 copy of the rows.
+  at::Tensor grad_w = !want_rows ? at::Tensor() : t.tokens ? at::empty_like(rows) : at::zeros_like(rows);
   at::Tensor grad_w_tile;
   int64_t tile_begin = -1;
   const auto flush = [&] {

@@ -55,9 +55,9 @@ void accumulate_log_sum_exp(const at::Tensor& hidden, const at::Tensor& rows, in
 at::Tensor finish_log_sum_exp(LogSumExp& acc);
 at::Tensor loss_sum(const at::Tensor& lse, const LogSumExp& acc, const at::Tensor& targets, int64_t ignore_index);
 // The gradients of `row_scale` . loss-per-token through rows [row_begin, ...): adds the input's
-// to `grad_hidden` (fp32 [tokens, hidden], undefined: not wanted) and returns the rows' (fp32
-// [rows, hidden], undefined when `want_rows` is false). row_scale: fp32 [tokens], 0 on ignored
-// tokens.
+// to `grad_hidden` (fp32 [tokens, hidden], undefined: not wanted) and returns the rows' ([rows,
+// hidden] in their dtype, summed in fp32 one vocabulary tile at a time; undefined when
+// `want_rows` is false). row_scale: fp32 [tokens], 0 on ignored tokens.
 at::Tensor backward_rows(const at::Tensor& hidden, const at::Tensor& rows, int64_t row_begin, const at::Tensor& targets,
                          const at::Tensor& lse, const at::Tensor& row_scale, int64_t token_chunk, int64_t vocab_tile,
                          at::Tensor& grad_hidden, bool want_rows);
