@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <functional>
 #include <string>
 
 #include "equivalence.h"
@@ -156,21 +157,22 @@ TEST(TiledHead, AutoCutsTheLogitsExactlyWhenTheyDoNotFit) {
   expect_close(got, reference(tc, 1), 1e-5);
 }
 
-// Supervised steps (a loss mask) and evaluation: the tiled head sums the same counted targets.
-TEST(TiledHead, MaskedStepsAndEvaluationEqualTheUntiledHead) {
-  json j = tiny_config(true, 2);
-  j["batch"] = {{"micro_batch", 3}, {"grad_accum", 2}};
+// Three supervised steps (a loss mask, one sequence masked out) and evaluations of `j` with
+// placement.tiling `whole_tiling` and `cut_tiling`: the same counted targets, losses, norms and
+// weights. `check_cut` sees the cut engine's resolved configuration.
+void expect_masked_steps_and_evaluation_equal(const json& j, const json& whole_tiling, const json& cut_tiling,
+                                              const std::function<void(const se::EngineConfig&)>& check_cut) {
   auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
-  const auto engine = [&](uint64_t tiles, std::unique_ptr<se::Device>& dev) {
+  const auto engine = [&](const json& tiling, std::unique_ptr<se::Device>& dev) {
     json jj = j;
-    jj["placement"] = {{"tiling", {{"head", tiles}}}};
+    jj["placement"] = {{"tiling", tiling}};
     const se::TrainConfig tc = parsed(jj);
     dev = se::Device::create("cpu", 0, UINT64_MAX);
     return std::make_unique<se::Engine>(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
   };
   std::unique_ptr<se::Device> d1, d2;
-  auto whole = engine(1, d1), cut = engine(13, d2);
-  EXPECT_EQ(cut->config().head_tiles, 13u);
+  auto whole = engine(whole_tiling, d1), cut = engine(cut_tiling, d2);
+  check_cut(cut->config());
   at::Generator g = at::detail::createCPUGenerator(5);
   const int64_t rows = 6, T = 24;
   for (int s = 0; s < 3; ++s) {
@@ -186,7 +188,17 @@ TEST(TiledHead, MaskedStepsAndEvaluationEqualTheUntiledHead) {
   }
   std::map<std::string, at::Tensor> w;
   for (auto& [n, p] : whole->gather_parameters()) w[n] = p;
-  for (auto& [n, p] : cut->gather_parameters()) EXPECT_LE(relative(p, w.at(n)), 1e-5) << n;
+  const auto got = cut->gather_parameters();
+  EXPECT_EQ(got.size(), w.size());
+  for (auto& [n, p] : got) EXPECT_LE(relative(p, w.at(n)), 1e-5) << n;
+}
+
+// Supervised steps (a loss mask) and evaluation: the tiled head sums the same counted targets.
+TEST(TiledHead, MaskedStepsAndEvaluationEqualTheUntiledHead) {
+  json j = tiny_config(true, 2);
+  j["batch"] = {{"micro_batch", 3}, {"grad_accum", 2}};
+  expect_masked_steps_and_evaluation_equal(j, {{"head", 1}}, {{"head", 13}},
+                                           [](const se::EngineConfig& e) { EXPECT_EQ(e.head_tiles, 13u); });
 }
 
 // bf16 compute: the tiled head rounds each tile's products to bf16 where the untiled one rounds
@@ -528,35 +540,8 @@ TEST(TiledVocab, MaskedStepsAndEvaluationEqualTheWholeVocabulary) {
     json j = tiny_config(true, 2);
     j["model"]["tie_embeddings"] = tied;
     j["batch"] = {{"micro_batch", 3}, {"grad_accum", 2}};
-    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
-    const auto engine = [&](const json& tiling, std::unique_ptr<se::Device>& dev) {
-      json jj = j;
-      jj["placement"] = {{"tiling", tiling}};
-      const se::TrainConfig tc = parsed(jj);
-      dev = se::Device::create("cpu", 0, UINT64_MAX);
-      return std::make_unique<se::Engine>(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
-    };
-    std::unique_ptr<se::Device> d1, d2;
-    auto whole = engine("off", d1), cut = engine({{"vocab", 6}, {"head", 1}}, d2);
-    EXPECT_EQ(cut->config().vocab_tiles, 6u);
-    at::Generator g = at::detail::createCPUGenerator(5);
-    const int64_t rows = 6, T = 24;
-    for (int s = 0; s < 3; ++s) {
-      const at::Tensor ids = at::randint(0, 256, {rows, T + 1}, g, at::kLong);
-      at::Tensor mask = at::rand({rows, T}, g).lt(0.6).to(at::kByte);
-      mask[2].zero_();
-      const se::Engine::EvalResult a = whole->evaluate(ids, mask), b = cut->evaluate(ids, mask);
-      EXPECT_EQ(a.tokens, b.tokens);
-      EXPECT_NEAR(b.loss_sum, a.loss_sum, 1e-6 * a.loss_sum) << "evaluation " << s;
-      const se::StepResult ra = whole->train_step(ids, mask), rb = cut->train_step(ids, mask);
-      EXPECT_NEAR(rb.loss, ra.loss, 1e-6 * ra.loss) << "step " << s;
-      EXPECT_NEAR(rb.grad_norm, ra.grad_norm, 1e-5 * ra.grad_norm) << "step " << s;
-    }
-    std::map<std::string, at::Tensor> w;
-    for (auto& [n, p] : whole->gather_parameters()) w[n] = p;
-    const auto got = cut->gather_parameters();
-    EXPECT_EQ(got.size(), w.size());
-    for (auto& [n, p] : got) EXPECT_LE(relative(p, w.at(n)), 1e-5) << n;
+    expect_masked_steps_and_evaluation_equal(j, "off", {{"vocab", 6}, {"head", 1}},
+                                             [](const se::EngineConfig& e) { EXPECT_EQ(e.vocab_tiles, 6u); });
   }
 }
 
