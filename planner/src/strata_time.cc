@@ -17,10 +17,12 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const GpuSpec& gpu = c.node.gpu;
   const bool fp32 = cfg.compute == engine::Precision::kFp32;
   const double cb = double(p.compute_bytes), A = double(cfg.grad_accum), w = world;
-  // Stages between the embedding and the head (each one stage, or its vocabulary tiles): the
-  // blocks, or their tiles (each a share of a block).
+  // The schedule the engine would run; its block stages are the blocks, or their tiles (each a
+  // share of a block).
   const size_t vocab_tiles = size_t(p.tiles.vocab);
-  const size_t units = p.shard_numel.size(), stages = p.stage_units.size(), block_stages = stages - 2 * vocab_tiles;
+  const size_t units = p.shard_numel.size();
+  const engine::plan::Schedule schedule(p.stage_units, units, vocab_tiles, vocab_tiles);
+  const size_t block_stages = schedule.blocks();
   const double blocks = double(m.layers);
   const double seqs = double(cfg.micro_batch);
 
@@ -44,7 +46,6 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
 
   // --- what one micro-batch moves --------------------------------------------------------------
   // Each use of the schedule gathers its stage's units.
-  const engine::plan::Schedule schedule(p.stage_units, units, vocab_tiles, vocab_tiles);
   std::vector<double> uses_of(units, 0);
   for (const engine::plan::Use& use : schedule.uses())
     for (size_t u : schedule.units_of(use.stage)) uses_of[u] += 1;
