@@ -19,7 +19,9 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   // The blocks' tiles first: the units are built from the stages they make.
   tiles = resolve_tiles(
       cfg, mc,
-      [&](const models::LayerTiling& t) { return tiling_fits(cfg, mc, t, comm.world_size(), usable_device()); },
+      [&](const models::LayerTiling& t, bool efficient_logits) {
+        return tiling_fits(cfg, mc, t, comm.world_size(), usable_device(), efficient_logits);
+      },
       agreement());
   model->set_tiling(tiles);
   model->set_mlp_token_chunk(cfg.mlp_token_chunk);
@@ -91,9 +93,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   const size_t blocks = schedule->blocks();
   // "auto" decides below, once the state is allocated; until then the working set assumes
   // every block is recomputed.
-  choice.recomputed = cfg.recompute_blocks == EngineConfig::kRecomputeAuto
-                          ? blocks
-                          : std::min(blocks, size_t(cfg.recompute_blocks));
+  choice.recomputed = recomputed_stages(cfg.recompute_blocks, blocks, tiles);
   choice.params_staged = cfg.params != Placement::kDevice;  // kAuto: not known yet, so counted
   choice.activations = cfg.activations;
   choice.prefetch = cfg.prefetch;
@@ -169,12 +169,16 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   base_bytes = dev.used();
   params->set_device_state_bytes(base_bytes);
   if (cfg.recompute_blocks == EngineConfig::kRecomputeAuto)
-    choice.recomputed = resolve_recompute(*memory, choice, base_bytes, usable_device(), agreement());
-  const size_t recomputed = choice.recomputed;
-  placement_report += "; recompute " + std::to_string(recomputed) + " of " + std::to_string(blocks) + " blocks";
-  if (recomputed < blocks)
-    placement_report += " (the last " + std::to_string(blocks - recomputed) + " keep their autograd graphs on the device, " +
-                        format_bytes(memory->sizes().graph_bytes) + " each)";
+    choice.recomputed =
+        resolve_recompute(*memory, choice, base_bytes, usable_device(), agreement(), size_t(tiles.block_stages()));
+  // Reported in whole blocks, as placement.recompute counts them.
+  const size_t per_block = size_t(tiles.block_stages()), recomputed = choice.recomputed / per_block,
+               whole_blocks = blocks / per_block;
+  placement_report += "; recompute " + std::to_string(recomputed) + " of " + std::to_string(whole_blocks) + " blocks";
+  if (recomputed < whole_blocks)
+    placement_report += " (the last " + std::to_string(whole_blocks - recomputed) +
+                        " keep their autograd graphs on the device, " + format_bytes(memory->sizes().graph_bytes) +
+                        (per_block > 1 ? " a tile stage)" : " each)");
   place_activations();
   params->set_depth(cfg.prefetch);
   if (cfg.prefetch_auto) {

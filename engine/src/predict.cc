@@ -59,19 +59,19 @@ plan::ModelSizes sizes_of(const EngineConfig& cfg, const models::ModelConfig& mc
 }  // namespace
 
 bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiling& tiling,
-                       int world_size, uint64_t usable) {
+                 int world_size, uint64_t usable, bool efficient_logits) {
   if (usable == UINT64_MAX) return true;
   const UnitPlan units = plan_units(mc, tiling, world_size);
   const plan::Schedule schedule = units.schedule();
   plan::ModelSizes sizes = sizes_of(cfg, mc, units);
+  const uint64_t most_logits_tiles = efficient_logits ? plan::max_efficient_logits_tiles(sizes.tokens, sizes.vocab)
+                                                     : plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab);
   sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab,
-                                     cfg.head_tiles != EngineConfig::kTilesAuto
-                                         ? cfg.head_tiles
-                                         : std::max<uint64_t>(1, plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab)));
+                                     cfg.head_tiles != EngineConfig::kTilesAuto ? cfg.head_tiles
+                                                                                : std::max<uint64_t>(1, most_logits_tiles));
   plan::Choices choice;
   const size_t blocks = schedule.blocks();
-  choice.recomputed = cfg.recompute_blocks == EngineConfig::kRecomputeAuto ? blocks
-                                                                          : std::min(blocks, size_t(cfg.recompute_blocks));
+  choice.recomputed = recomputed_stages(cfg.recompute_blocks, blocks, tiling);
   choice.params_staged = cfg.params != Placement::kDevice;
   choice.activations = cfg.activations;
   choice.prefetch = 0;  // gathering ahead is opportunistic: construction checks each use's need alone
@@ -90,7 +90,11 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   // configuration that does not fit, not an error of the prediction.
   try {
     out.tiles = resolve_tiles(
-        cfg, mc, [&](const models::LayerTiling& t) { return tiling_fits(cfg, mc, t, world_size, usable); }, same);
+        cfg, mc,
+        [&](const models::LayerTiling& t, bool efficient_logits) {
+          return tiling_fits(cfg, mc, t, world_size, usable, efficient_logits);
+        },
+        same);
   } catch (const std::invalid_argument& e) {
     out.fits = false;
     out.error = e.what();
@@ -109,9 +113,7 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
 
   // From here on, construction's order (construct.cc).
   plan::Choices& choice = out.choice;
-  choice.recomputed = cfg.recompute_blocks == EngineConfig::kRecomputeAuto
-                          ? blocks
-                          : std::min(blocks, size_t(cfg.recompute_blocks));
+  choice.recomputed = recomputed_stages(cfg.recompute_blocks, blocks, out.tiles);
   choice.params_staged = cfg.params != Placement::kDevice;
   choice.activations = cfg.activations;
   choice.prefetch = cfg.prefetch;
@@ -136,7 +138,7 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     const uint64_t base = tiers.device;
     const uint64_t room = plan::MemoryModel::usable_device(usable, base, UINT64_MAX);
     if (cfg.recompute_blocks == EngineConfig::kRecomputeAuto)
-      choice.recomputed = resolve_recompute(memory, choice, base, room, same);
+      choice.recomputed = resolve_recompute(memory, choice, base, room, same, size_t(out.tiles.block_stages()));
     // A run measures the machine's budgets for checkpoints once its state is allocated: a derived
     // host budget has the host state taken out already.
     const uint64_t allocated = uint64_t(std::max(1, machine.local_ranks)) * tiers.host;

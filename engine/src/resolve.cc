@@ -44,7 +44,8 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
 }
 
 models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
-                                  const std::function<bool(const models::LayerTiling&)>& fits, const Agree& agree) {
+                                  const std::function<bool(const models::LayerTiling&, bool efficient_logits)>& fits,
+                                  const Agree& agree) {
   const bool auto_attention = cfg.attention_tiles == EngineConfig::kTilesAuto,
              auto_mlp = cfg.mlp_tiles == EngineConfig::kTilesAuto, auto_vocab = cfg.vocab_tiles == EngineConfig::kTilesAuto;
   models::LayerTiling chosen{auto_attention ? 1 : int64_t(cfg.attention_tiles), auto_mlp ? 1 : int64_t(cfg.mlp_tiles),
@@ -67,24 +68,30 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
   // k = 1, 2, ... (every k to 64, then doubling) until one fits with the vocabulary in the most
   // tiles "auto" cuts, or no count can grow; at that k, the fewest vocabulary tiles that fit
   // (whole, then 2, 4, ...). One test a k while nothing fits: a large model's search stays short.
+  // First with efficient logits tiles; only if nothing fits so, with the smallest (an explicit
+  // head count makes the two searches one).
   std::optional<models::LayerTiling> found;
-  for (int64_t k = 1;; k = k < 64 ? k + 1 : k * 2) {
-    models::LayerTiling t = cut(k);
-    t.vocab = most_vocab;
-    if (fits(t)) {
-      for (int64_t v = chosen.vocab; v < most_vocab; v = std::min(most_vocab, v * 2)) {
-        models::LayerTiling fewer = t;
-        fewer.vocab = v;
-        if (fits(fewer)) {
-          t = fewer;
-          break;
+  const auto search = [&](bool efficient_logits) {
+    for (int64_t k = 1;; k = k < 64 ? k + 1 : k * 2) {
+      models::LayerTiling t = cut(k);
+      t.vocab = most_vocab;
+      if (fits(t, efficient_logits)) {
+        for (int64_t v = chosen.vocab; v < most_vocab; v = std::min(most_vocab, v * 2)) {
+          models::LayerTiling fewer = t;
+          fewer.vocab = v;
+          if (fits(fewer, efficient_logits)) {
+            t = fewer;
+            break;
+          }
         }
+        found = t;
+        return;
       }
-      found = t;
-      break;
+      if (t.attention == most_attention && t.mlp == most_mlp) return;
     }
-    if (t.attention == most_attention && t.mlp == most_mlp) break;
-  }
+  };
+  search(true);
+  if (!found && cfg.head_tiles == EngineConfig::kTilesAuto) search(false);
   // None fits: whole blocks and vocabulary (as configured), whose budget check then names what
   // is left.
   const models::LayerTiling pick = found ? *found : cut(1);
@@ -200,18 +207,24 @@ PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel
   return finish(plan);
 }
 
+size_t recomputed_stages(int recompute_blocks, size_t block_stages, const models::LayerTiling& tiling) {
+  if (recompute_blocks == EngineConfig::kRecomputeAuto) return block_stages;
+  const size_t per_block = size_t(std::max<int64_t>(1, tiling.block_stages()));
+  return std::min(block_stages, size_t(std::max(0, recompute_blocks)) * per_block);
+}
+
 size_t resolve_recompute(const plan::MemoryModel& mm, const plan::Choices& choice, uint64_t base, uint64_t usable,
-                         const Agree& agree) {
-  const size_t blocks = mm.schedule().blocks();
-  size_t keep = 0;
-  for (size_t k = 1; k <= blocks; ++k) {
+                         const Agree& agree, size_t stages_per_block) {
+  const size_t stages = mm.schedule().blocks(), step = std::max<size_t>(1, stages_per_block);
+  size_t keep = 0;  // block stages that keep their graphs: the last ones, whole blocks at a time
+  for (size_t k = step; k <= stages; k += step) {
     plan::Choices c = choice;
-    c.recomputed = blocks - k;
+    c.recomputed = stages - k;
     if (base + mm.working_set(c) > usable) break;
     keep = k;
   }
   // Every rank recomputes as many as any rank must: their gathers must stay in step.
-  return size_t(agree({int64_t(blocks - keep)})[0]);
+  return size_t(agree({int64_t(stages - keep)})[0]);
 }
 
 Placement resolve_activations(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
@@ -237,7 +250,7 @@ EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r) {
   e.master = r.placement.master;
   e.moments = r.placement.moments;
   e.activations = r.working_set.activations;
-  e.recompute_blocks = int(r.working_set.recomputed);
+  e.recompute_blocks = int(r.working_set.recomputed / size_t(std::max<int64_t>(1, r.tiles.block_stages())));
   e.head_tiles = r.head_tiles;
   e.attention_tiles = uint64_t(r.tiles.attention);
   e.mlp_tiles = uint64_t(r.tiles.mlp);

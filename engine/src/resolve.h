@@ -68,10 +68,14 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
 // parameters (an explicit count kept), and at each k the vocabulary whole, then in 2, 4, ...
 // tiles. "auto" cuts no MLP tile narrower than 64 features and no vocabulary tile narrower than
 // plan::kMinTileVocab rows. When none fits, whole (construction's budget check then names what is
-// left, with the tiles among the remedies). Agreed: each count the most any rank needs. Throws
-// std::invalid_argument for counts that do not cut the model.
+// left, with the tiles among the remedies). The search runs first with the head's logits in tiles
+// no smaller than efficient (`fits(t, true)`: more vocabulary tiles rather than tiny logits
+// tiles), then, if nothing fits so, with the smallest logits tiles "auto" cuts (`fits(t, false)`).
+// Agreed: each count the most any rank needs. Throws std::invalid_argument for counts that do not
+// cut the model.
 models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
-                                  const std::function<bool(const models::LayerTiling&)>& fits, const Agree& agree);
+                                  const std::function<bool(const models::LayerTiling&, bool efficient_logits)>& fits,
+                                  const Agree& agree);
 
 // "; blocks in A attention x M MLP tiles; embedding and LM head in V vocabulary tiles (largest
 // unit B)" for the placement line, each part only when cut.
@@ -94,9 +98,16 @@ PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel
                                 const std::function<TierBudgets(uint64_t)>& budgets, const Agree& agree,
                                 std::string& report);
 
-// Blocks recomputed: the fewest for which `base` + the working set fits in `usable`, agreed.
+// placement.recompute counts whole blocks; the memory model and the engine count block stages
+// (Choices::recomputed), `tiling.block_stages()` a block. The stages of the first
+// `recompute_blocks` blocks, at most `block_stages` (every block stage): kRecomputeAll gives all,
+// and so does kRecomputeAuto (the leanest, until resolve_recompute decides).
+size_t recomputed_stages(int recompute_blocks, size_t block_stages, const models::LayerTiling& tiling);
+
+// Block stages recomputed for "auto": those of the fewest whole blocks (`stages_per_block`
+// stages each) for which `base` + the working set fits in `usable`, agreed.
 size_t resolve_recompute(const plan::MemoryModel& mm, const plan::Choices& choice, uint64_t base, uint64_t usable,
-                         const Agree& agree);
+                         const Agree& agree, size_t stages_per_block);
 
 // Activation checkpoints' tier for placement.activations "auto": the device if the working set
 // with them there fits `usable` beside `base`; else host RAM if they fit its budget (a configured

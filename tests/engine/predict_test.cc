@@ -104,7 +104,8 @@ TEST(PredictState, IsWhatTheEngineDecides) {
     EXPECT_EQ(p.placement.grads, e.grads);
     EXPECT_EQ(p.placement.master, e.master);
     EXPECT_EQ(p.placement.moments, e.moments);
-    EXPECT_EQ(p.choice.recomputed, size_t(e.recompute_blocks));
+    EXPECT_EQ(p.choice.recomputed, eng.working_set_choices().recomputed);  // block stages
+    EXPECT_EQ(p.choice.recomputed / size_t(p.tiles.block_stages()), size_t(e.recompute_blocks));  // blocks
     EXPECT_EQ(p.choice.activations, e.activations);
     EXPECT_EQ(p.head_tiles, e.head_tiles);
     EXPECT_EQ(uint64_t(p.tiles.attention), e.attention_tiles);

@@ -14,6 +14,8 @@
 #include "strata/engine/placement.h"
 #include "strata/engine/plan/memory_model.h"
 #include "strata/engine/plan/schedule.h"
+#include "strata/engine/plan/tiling.h"
+#include "strata/models/model_config.h"
 
 namespace strata::engine {
 namespace {
@@ -165,13 +167,45 @@ TEST(ResolveRecompute, KeepsTheMostGraphsThatFitAndRecomputesAsManyAsAnyRankMust
     c.recomputed = 3 - keep;
     const uint64_t usable = base + m.memory.working_set(c);  // exactly `keep` graphs fit
     Peer alone;
-    EXPECT_EQ(resolve_recompute(m.memory, choice, base, usable, alone.agree()), 3 - keep) << "keep " << keep;
+    EXPECT_EQ(resolve_recompute(m.memory, choice, base, usable, alone.agree(), 1), 3 - keep) << "keep " << keep;
     Peer peer{{3}};
-    EXPECT_EQ(resolve_recompute(m.memory, choice, base, usable, peer.agree()), 3u) << "a peer that must recompute all";
+    EXPECT_EQ(resolve_recompute(m.memory, choice, base, usable, peer.agree(), 1), 3u) << "a peer that must recompute all";
     if (keep < 3) {
       c.recomputed = 2 - keep;
       EXPECT_GT(base + m.memory.working_set(c), usable) << "one more kept graph would not fit: the test's premise";
     }
+  }
+}
+
+// placement.recompute counts whole blocks: with blocks in 1 attention x 3 MLP tiles (4 stages a
+// block), N blocks are 4 N stages, and "auto" keeps graphs only for whole blocks.
+TEST(ResolveRecompute, CountsWholeBlocksOfTileStages) {
+  const models::LayerTiling whole{1, 1, 1}, tiled{1, 3, 1};
+  EXPECT_EQ(recomputed_stages(1, 3, whole), 1u);
+  EXPECT_EQ(recomputed_stages(1, 8, tiled), 4u);
+  EXPECT_EQ(recomputed_stages(0, 8, tiled), 0u);
+  EXPECT_EQ(recomputed_stages(5, 8, tiled), 8u) << "more than the model has: all";
+  EXPECT_EQ(recomputed_stages(EngineConfig::kRecomputeAll, 8, tiled), 8u);
+  EXPECT_EQ(recomputed_stages(EngineConfig::kRecomputeAuto, 8, tiled), 8u) << "auto starts at the leanest";
+
+  // Embedding, two blocks of 4 tile stages each, a tied head.
+  const plan::Schedule schedule{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9, 0}}, 10};
+  plan::ModelSizes z = Model::sizes();
+  z.padded_numel = {10240, 2048, 3072, 3072, 3072, 2048, 3072, 3072, 3072, 1024};
+  z.shard_numel = {5120, 1024, 1536, 1536, 1536, 1024, 1536, 1536, 1536, 512};
+  const plan::MemoryModel memory(schedule, z);
+  ASSERT_EQ(schedule.blocks(), 8u);
+  plan::Choices choice;
+  choice.recomputed = 8;
+  const uint64_t base = 4321;
+  for (size_t kept_stages = 0; kept_stages <= 8; ++kept_stages) {
+    plan::Choices c = choice;
+    c.recomputed = 8 - kept_stages;
+    const uint64_t usable = base + memory.working_set(c);  // exactly `kept_stages` graphs fit
+    Peer alone;
+    const size_t got = resolve_recompute(memory, choice, base, usable, alone.agree(), 4);
+    EXPECT_EQ(got, 8 - kept_stages / 4 * 4) << kept_stages << " stages' graphs fit: whole blocks only";
+    EXPECT_EQ(got % 4, 0u);
   }
 }
 
@@ -266,6 +300,63 @@ TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
   const int calls = alone.calls;
   EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree()), 6u);
   EXPECT_EQ(alone.calls, calls) << "an explicit count needs no agreement";
+}
+
+// "auto" tiles of the logits: no more than max_efficient_logits_tiles before the vocabulary is
+// cut instead (tiles of 2^22 logits, or up to 16 tiles), within max_auto_logits_tiles.
+TEST(ResolveTiles, EfficientLogitsTilesAreAtLeastFourMegaLogitsOrSixteen) {
+  EXPECT_EQ(plan::max_efficient_logits_tiles(8192, 131072), 256u);  // 2^30 logits / 2^22
+  EXPECT_EQ(plan::max_efficient_logits_tiles(8192, 131073), 257u);
+  EXPECT_EQ(plan::max_efficient_logits_tiles(256, 4096), 16u);    // 16 cheap tiles (the most)
+  EXPECT_EQ(plan::max_efficient_logits_tiles(256, 2048), 8u);     // the most "auto" cuts: 4 x 2
+  EXPECT_EQ(plan::max_efficient_logits_tiles(64, 1000), 1u);      // too small to cut
+}
+
+// The vocabulary search runs with efficient logits tiles first, so that more vocabulary tiles are
+// taken before logits tiles too small to run well; only when nothing fits so does it take the
+// smallest logits tiles, and an explicit head count makes it one search.
+TEST(ResolveTiles, PrefersVocabularyTilesToTinyLogitsTilesAndFallsBackToThem) {
+  models::ModelConfig mc = models::preset("gpt2");
+  mc.layers = 2;
+  mc.hidden = 64;
+  mc.heads = 4;
+  mc.kv_heads = 4;
+  mc.head_dim = 16;
+  mc.intermediate = 256;
+  mc.vocab_size = 16384;
+  mc.max_positions = 64;
+  mc.validate();
+  EngineConfig c = all_auto();
+  ASSERT_EQ(c.vocab_tiles, EngineConfig::kTilesAuto);
+  int efficient_tests = 0, smallest_tests = 0;
+  // Whole blocks fit; the vocabulary fits whole only with the smallest logits tiles, and from 4
+  // vocabulary tiles on with efficient ones.
+  const auto fits = [&](const models::LayerTiling& t, bool efficient) {
+    ++(efficient ? efficient_tests : smallest_tests);
+    return t.blocks_whole() && t.vocab >= (efficient ? 4 : 1);
+  };
+  Peer alone;
+  models::LayerTiling got = resolve_tiles(c, mc, fits, alone.agree());
+  EXPECT_TRUE(got.blocks_whole());
+  EXPECT_EQ(got.vocab, 4) << "more vocabulary tiles, not tiny logits tiles";
+  EXPECT_EQ(smallest_tests, 0);
+  // Nothing fits with efficient logits tiles: the smallest ones, and the vocabulary whole.
+  efficient_tests = smallest_tests = 0;
+  got = resolve_tiles(
+      c, mc, [&](const models::LayerTiling& t, bool efficient) { return fits(t, efficient) && !efficient; },
+      alone.agree());
+  EXPECT_TRUE(got.blocks_whole());
+  EXPECT_EQ(got.vocab, 1);
+  EXPECT_GT(efficient_tests, 0);
+  EXPECT_GT(smallest_tests, 0);
+  // An explicit head count: the two searches are one.
+  c.head_tiles = 8;
+  efficient_tests = smallest_tests = 0;
+  got = resolve_tiles(
+      c, mc, [&](const models::LayerTiling& t, bool efficient) { return fits(t, efficient) && !efficient; },
+      alone.agree());
+  EXPECT_EQ(smallest_tests, 0);
+  EXPECT_EQ(got.vocab, 1) << "none fits: whole, for the budget check to name";
 }
 
 // The error names where the scratch comes from when that is another use than the one that does

@@ -48,6 +48,11 @@ uint64_t max_auto_logits_tiles(uint64_t tokens, uint64_t vocab) {
   return ceil_div(tokens, std::min(tokens, kMinTileTokens)) * ceil_div(vocab, std::min(vocab, kMinTileVocab));
 }
 
+uint64_t max_efficient_logits_tiles(uint64_t tokens, uint64_t vocab) {
+  const uint64_t efficient = std::max(kCheapLogitsTiles, ceil_div(tokens * vocab, kEfficientTileElements));
+  return std::max<uint64_t>(1, std::min(efficient, max_auto_logits_tiles(tokens, vocab)));
+}
+
 uint64_t head_scratch_bytes(uint64_t tokens, uint64_t vocab, uint64_t hidden, uint64_t compute_bytes,
                             const LogitsTiling& t) {
   if (!t.tiled(tokens, vocab)) return tokens * vocab * (8 + compute_bytes);

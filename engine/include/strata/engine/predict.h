@@ -40,10 +40,11 @@ UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiling& ti
 // Whether `tiling` lets the device run a step within `usable` bytes: the state `cfg` places on
 // the device explicitly plus the largest use's need (construction's budget check: nothing
 // gathered ahead) at the leanest automatic choices (every block recomputed unless configured,
-// the head's logits in the most tiles "auto" cuts unless configured). The test
-// placement.tiling "auto" makes for the blocks and the vocabulary (resolve_tiles).
+// the head's logits, unless configured, in the most tiles "auto" cuts: with `efficient_logits`,
+// no more than plan::max_efficient_logits_tiles). The test placement.tiling "auto" makes for the
+// blocks and the vocabulary (resolve_tiles).
 bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiling& tiling,
-                 int world_size, uint64_t usable);
+                 int world_size, uint64_t usable, bool efficient_logits);
 
 struct StatePrediction {
   bool fits = false;

@@ -36,6 +36,15 @@ LogitsTiling within_vocab_tiles(const LogitsTiling& t, uint64_t tokens, uint64_t
 constexpr uint64_t kMinTileTokens = 64, kMinTileVocab = 1024;
 uint64_t max_auto_logits_tiles(uint64_t tokens, uint64_t vocab);
 
+// The most logits tiles "auto" cuts before it would rather cut the vocabulary into more tiles
+// (units): tiles of at least kEfficientTileElements logits (a matmul of 2^23 x hidden FLOP, large
+// enough to run near a GPU's peak), or up to kCheapLogitsTiles tiles whatever their size; never
+// more than max_auto_logits_tiles. Below that size each tile's fixed cost (its kernels, its
+// log-sum-exp bookkeeping) dominates: tens of thousands of 64 x 1024 tiles fit where a few more
+// vocabulary tiles would, and run far slower.
+constexpr uint64_t kEfficientTileElements = uint64_t(1) << 22, kCheapLogitsTiles = 16;
+uint64_t max_efficient_logits_tiles(uint64_t tokens, uint64_t vocab);
+
 // Device bytes the head's loss holds beside its input and the weight's gradient: untiled, the
 // fp32 logits, their fp32 gradient and the compute-dtype gradient (tokens x vocab x (8 +
 // compute_bytes)); tiled, one tile of fp32 logits with its compute-dtype copy (the matmul's
