@@ -22,9 +22,11 @@ struct Tiles {
   }
 };
 
-// One tile's logits in fp32: computed in the inputs' dtype, then widened (as the untiled head).
+// One tile's logits in the inputs' dtype (as the untiled head computes them; widened to fp32 by
+// the caller's first fp32 operation, which reads the narrow tensor once instead of a separate
+// widening pass over the tile: the same numbers, fewer bytes moved).
 at::Tensor tile_logits(const at::Tensor& h, const at::Tensor& w, int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
-  return at::matmul(h.narrow(0, n0, nt), w.narrow(0, v0, vt).t()).to(at::kFloat);
+  return at::matmul(h.narrow(0, n0, nt), w.narrow(0, v0, vt).t());
 }
 
 class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
@@ -70,14 +72,15 @@ void accumulate_log_sum_exp(const at::Tensor& hidden, const at::Tensor& rows, in
                             const at::Tensor& targets, int64_t chunk, int64_t tile, LogSumExp& acc) {
   const Tiles t{hidden.size(0), rows.size(0), chunk, tile};
   t.each([&](int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
-    at::Tensor l = tile_logits(hidden, rows, v0, vt, n0, nt);
+    const at::Tensor l = tile_logits(hidden, rows, v0, vt, n0, nt);  // inputs' dtype: widening is exact
     at::Tensor m = acc.running_max.narrow(0, n0, nt), s = acc.sum_exp.narrow(0, n0, nt);
     const at::Tensor tg = targets.narrow(0, n0, nt) - (row_begin + v0);  // the target's column in this tile
     const at::Tensor here = tg.ge(0).logical_and(tg.lt(vt));
-    const at::Tensor picked = l.gather(1, tg.clamp(0, vt - 1).unsqueeze(1)).squeeze(1);
+    const at::Tensor picked = l.gather(1, tg.clamp(0, vt - 1).unsqueeze(1)).squeeze(1).to(at::kFloat);
     acc.target_logit.narrow(0, n0, nt).add_(at::where(here, picked, 0.0));
-    const at::Tensor m_new = at::maximum(m, std::get<0>(l.max(1)));
-    s.mul_(at::exp(m - m_new)).add_(l.sub_(m_new.unsqueeze(1)).exp_().sum(1));
+    const at::Tensor m_new = at::maximum(m, std::get<0>(l.max(1)).to(at::kFloat));
+    // l - m_new is computed in fp32 (type promotion) straight from the narrow logits.
+    s.mul_(at::exp(m - m_new)).add_(at::sub(l, m_new.unsqueeze(1)).exp_().sum(1));
     m.copy_(m_new);
   });
 }
@@ -108,8 +111,8 @@ at::Tensor backward_rows(const at::Tensor& hidden, const at::Tensor& rows, int64
       tile_begin = v0;
       if (want_rows) grad_w_tile = at::zeros({vt, hidden.size(1)}, f32);
     }
-    at::Tensor p = tile_logits(hidden, rows, v0, vt, n0, nt);
-    p.sub_(lse.narrow(0, n0, nt).unsqueeze(1)).exp_();  // softmax over the whole vocabulary
+    // softmax over the whole vocabulary, in fp32 (l - lse promotes), straight from the narrow logits
+    at::Tensor p = at::sub(tile_logits(hidden, rows, v0, vt, n0, nt), lse.narrow(0, n0, nt).unsqueeze(1)).exp_();
     const at::Tensor tg = targets.narrow(0, n0, nt) - (row_begin + v0);
     const at::Tensor here = tg.ge(0).logical_and(tg.lt(vt));
     const at::Tensor col = tg.clamp(0, vt - 1).unsqueeze(1);
