@@ -78,7 +78,7 @@ void accumulate_log_sum_exp(const at::Tensor& hidden, const at::Tensor& rows, in
     const at::Tensor here = tg.ge(0).logical_and(tg.lt(vt));
     const at::Tensor picked = l.gather(1, tg.clamp(0, vt - 1).unsqueeze(1)).squeeze(1).to(at::kFloat);
     acc.target_logit.narrow(0, n0, nt).add_(at::where(here, picked, 0.0));
-    const at::Tensor m_new = at::maximum(m, std::get<0>(l.max(1)).to(at::kFloat));
+    const at::Tensor m_new = at::maximum(m, at::amax(l, 1).to(at::kFloat));  // values only, no indices
     // l - m_new is computed in fp32 (type promotion) straight from the narrow logits.
     s.mul_(at::exp(m - m_new)).add_(at::sub(l, m_new.unsqueeze(1)).exp_().sum(1));
     m.copy_(m_new);
