@@ -154,7 +154,9 @@ for phase in "${phases[@]}"; do
       rm -f "$out/trace-discard.json"
       echo "== $c"; tail -2 "$out/train.err"
       # The run's own log (run.log in the config; the names do not follow one pattern).
-      f=$out/$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["run"]["log"])' "$repo/bench/configs/$c.json")
+      f=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1])).get("run", {}).get("log", ""))' "$repo/bench/configs/$c.json")
+      [ -n "$f" ] || log "$c: no run.log in its config, no summary"
+      case $f in /*) ;; ?*) f=$out/$f ;; esac
       if [ -f "$f" ]; then
         python3 - "$f" <<'PY'
 import json, sys

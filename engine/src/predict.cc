@@ -64,8 +64,11 @@ bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const m
   const UnitPlan units = plan_units(mc, tiling, world_size);
   const plan::Schedule schedule = units.schedule();
   plan::ModelSizes sizes = sizes_of(cfg, mc, units);
-  const uint64_t most_logits_tiles = efficient_logits ? plan::max_efficient_logits_tiles(sizes.tokens, sizes.vocab)
-                                                     : plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab);
+  const uint64_t most_auto = plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab);
+  // Where the efficient cap is no cap (small logits), the two tests are one.
+  if (plan::max_efficient_logits_tiles(sizes.tokens, sizes.vocab) >= most_auto) efficient_logits = false;
+  const uint64_t most_logits_tiles =
+      efficient_logits ? plan::max_efficient_logits_tiles(sizes.tokens, sizes.vocab) : most_auto;
   sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab,
                                      cfg.head_tiles != EngineConfig::kTilesAuto ? cfg.head_tiles
                                                                                 : std::max<uint64_t>(1, most_logits_tiles));
@@ -74,9 +77,12 @@ bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const m
   choice.recomputed = recomputed_stages(cfg.recompute_blocks, blocks, tiling);
   choice.params_staged = cfg.params != Placement::kDevice;
   choice.activations = cfg.activations;
-  choice.prefetch = 0;  // gathering ahead is opportunistic: construction checks each use's need alone
+  // Gathering ahead is opportunistic: construction checks each use's need alone. The efficient
+  // test makes resolve_head_tiles' own test (the configured prefetch window), so that a cut it
+  // accepts leaves the head a count within max_efficient_logits_tiles.
+  choice.prefetch = efficient_logits ? cfg.prefetch : 0;
   const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, 2 + schedule.shared_units());
-  return explicit_device_bytes(cfg, need) + plan::MemoryModel(schedule, sizes).largest_need(choice) <= usable;
+  return explicit_device_bytes(cfg, need) + plan::MemoryModel(schedule, sizes).working_set(choice) <= usable;
 }
 
 StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig& mc, int world_size,

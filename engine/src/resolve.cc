@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 
@@ -68,11 +69,15 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
   // k = 1, 2, ... (every k to 64, then doubling) until one fits with the vocabulary in the most
   // tiles "auto" cuts, or no count can grow; at that k, the fewest vocabulary tiles that fit
   // (whole, then 2, 4, ...). One test a k while nothing fits: a large model's search stays short.
-  // First with efficient logits tiles; only if nothing fits so, with the smallest (an explicit
-  // head count makes the two searches one).
-  std::optional<models::LayerTiling> found;
-  const auto search = [&](bool efficient_logits) {
-    for (int64_t k = 1;; k = k < 64 ? k + 1 : k * 2) {
+  // With the smallest logits tiles first; then, where the vocabulary can be cut and the head's
+  // tiles are "auto", again with efficient logits tiles at no larger block cut: the same blocks,
+  // more vocabulary tiles rather than tiny logits tiles (never more block tiles for it).
+  struct Found {
+    models::LayerTiling tiling;
+    int64_t k;
+  };
+  const auto search = [&](bool efficient_logits, int64_t most_k) -> std::optional<Found> {
+    for (int64_t k = 1; k <= most_k; k = k < 64 ? k + 1 : k * 2) {
       models::LayerTiling t = cut(k);
       t.vocab = most_vocab;
       if (fits(t, efficient_logits)) {
@@ -84,14 +89,17 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
             break;
           }
         }
-        found = t;
-        return;
+        return Found{t, k};
       }
-      if (t.attention == most_attention && t.mlp == most_mlp) return;
+      if (t.attention == most_attention && t.mlp == most_mlp) break;
     }
+    return std::nullopt;
   };
-  search(true);
-  if (!found && cfg.head_tiles == EngineConfig::kTilesAuto) search(false);
+  std::optional<Found> smallest = search(false, std::numeric_limits<int64_t>::max());
+  if (smallest && auto_vocab && most_vocab > 1 && cfg.head_tiles == EngineConfig::kTilesAuto)
+    if (std::optional<Found> efficient = search(true, smallest->k)) smallest = efficient;
+  const std::optional<models::LayerTiling> found =
+      smallest ? std::optional<models::LayerTiling>(smallest->tiling) : std::nullopt;
   // None fits: whole blocks and vocabulary (as configured), whose budget check then names what
   // is left.
   const models::LayerTiling pick = found ? *found : cut(1);

@@ -68,10 +68,11 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
 // parameters (an explicit count kept), and at each k the vocabulary whole, then in 2, 4, ...
 // tiles. "auto" cuts no MLP tile narrower than 64 features and no vocabulary tile narrower than
 // plan::kMinTileVocab rows. When none fits, whole (construction's budget check then names what is
-// left, with the tiles among the remedies). The search runs first with the head's logits in tiles
-// no smaller than efficient (`fits(t, true)`: more vocabulary tiles rather than tiny logits
-// tiles), then, if nothing fits so, with the smallest logits tiles "auto" cuts (`fits(t, false)`).
-// Agreed: each count the most any rank needs. Throws std::invalid_argument for counts that do not
+// left, with the tiles among the remedies). The search runs with the head's logits in the
+// smallest tiles "auto" cuts (`fits(t, false)`); then, when the vocabulary and the head's tiles
+// are both "auto", again at no larger block cut with the logits in tiles of about
+// plan::kEfficientTileElements (`fits(t, true)`), whose answer is taken when it finds one: more
+// vocabulary tiles rather than tiny logits tiles, never more block tiles for it. Agreed: each count the most any rank needs. Throws std::invalid_argument for counts that do not
 // cut the model.
 models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
                                   const std::function<bool(const models::LayerTiling&, bool efficient_logits)>& fits,

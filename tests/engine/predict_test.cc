@@ -53,6 +53,10 @@ TEST(PredictState, IsWhatTheEngineDecides) {
       {"block tiles auto in a tight device", true,
        {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}, {"tiling", "auto"}},
        {}, 0, 2, 0, 0.6, {{"hidden", 128}, {"heads", 8}, {"kv_heads", 4}, {"intermediate", 1536}, {"vocab_size", 256}}},
+      {"block tiles with recompute auto", true,
+       {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}, {"recompute", "auto"},
+        {"tiling", {{"attention", 2}, {"mlp", 3}}}},
+       {}, 0.02, 2, 0},
   };
   for (const Scenario& sc : scenarios) {
     SCOPED_TRACE(sc.name);
@@ -106,6 +110,7 @@ TEST(PredictState, IsWhatTheEngineDecides) {
     EXPECT_EQ(p.placement.moments, e.moments);
     EXPECT_EQ(p.choice.recomputed, eng.working_set_choices().recomputed);  // block stages
     EXPECT_EQ(p.choice.recomputed / size_t(p.tiles.block_stages()), size_t(e.recompute_blocks));  // blocks
+    EXPECT_EQ(p.choice.recomputed % size_t(p.tiles.block_stages()), 0u) << "whole blocks only";
     EXPECT_EQ(p.choice.activations, e.activations);
     EXPECT_EQ(p.head_tiles, e.head_tiles);
     EXPECT_EQ(uint64_t(p.tiles.attention), e.attention_tiles);
@@ -113,7 +118,7 @@ TEST(PredictState, IsWhatTheEngineDecides) {
     EXPECT_EQ(p.device_state, eng.device_state_bytes());
     EXPECT_EQ(p.working_set, eng.memory_model().working_set(eng.working_set_choices()));
     EXPECT_TRUE(eng.placement_report().starts_with(p.report)) << eng.placement_report() << "\n" << p.report;
-    std::cout << "  " << sc.name << ": " << p.report << "; recompute " << p.choice.recomputed << ", checkpoints "
+    std::cout << "  " << sc.name << ": " << p.report << "; recompute " << p.choice.recomputed << " block stages, checkpoints "
               << se::to_string(p.choice.activations) << ", head tiles " << p.head_tiles << ", block tiles "
               << p.tiles.attention << " x " << p.tiles.mlp << "\n";
   }

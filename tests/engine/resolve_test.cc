@@ -303,8 +303,8 @@ TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
 }
 
 // "auto" tiles of the logits: no more than max_efficient_logits_tiles before the vocabulary is
-// cut instead (tiles of 2^22 logits, or up to 16 tiles), within max_auto_logits_tiles.
-TEST(ResolveTiles, EfficientLogitsTilesAreAtLeastFourMegaLogitsOrSixteen) {
+// cut instead (tiles of about 2^22 logits, or up to 16 tiles), within max_auto_logits_tiles.
+TEST(ResolveTiles, EfficientLogitsTilesAreAboutFourMegaLogitsOrSixteen) {
   EXPECT_EQ(plan::max_efficient_logits_tiles(8192, 131072), 256u);  // 2^30 logits / 2^22
   EXPECT_EQ(plan::max_efficient_logits_tiles(8192, 131073), 257u);
   EXPECT_EQ(plan::max_efficient_logits_tiles(256, 4096), 16u);    // 16 cheap tiles (the most)
@@ -339,7 +339,14 @@ TEST(ResolveTiles, PrefersVocabularyTilesToTinyLogitsTilesAndFallsBackToThem) {
   models::LayerTiling got = resolve_tiles(c, mc, fits, alone.agree());
   EXPECT_TRUE(got.blocks_whole());
   EXPECT_EQ(got.vocab, 4) << "more vocabulary tiles, not tiny logits tiles";
-  EXPECT_EQ(smallest_tests, 0);
+  EXPECT_GT(efficient_tests, 0);
+  // Efficient logits tiles would need the blocks cut: whole blocks and the smallest logits tiles
+  // instead (block tiles are not traded for larger logits tiles).
+  got = resolve_tiles(
+      c, mc, [&](const models::LayerTiling& t, bool efficient) { return efficient ? !t.blocks_whole() : true; },
+      alone.agree());
+  EXPECT_TRUE(got.blocks_whole());
+  EXPECT_EQ(got.vocab, 1);
   // Nothing fits with efficient logits tiles: the smallest ones, and the vocabulary whole.
   efficient_tests = smallest_tests = 0;
   got = resolve_tiles(
@@ -349,14 +356,16 @@ TEST(ResolveTiles, PrefersVocabularyTilesToTinyLogitsTilesAndFallsBackToThem) {
   EXPECT_EQ(got.vocab, 1);
   EXPECT_GT(efficient_tests, 0);
   EXPECT_GT(smallest_tests, 0);
-  // An explicit head count: the two searches are one.
-  c.head_tiles = 8;
-  efficient_tests = smallest_tests = 0;
-  got = resolve_tiles(
-      c, mc, [&](const models::LayerTiling& t, bool efficient) { return fits(t, efficient) && !efficient; },
-      alone.agree());
-  EXPECT_EQ(smallest_tests, 0);
-  EXPECT_EQ(got.vocab, 1) << "none fits: whole, for the budget check to name";
+  // An explicit head count, or a vocabulary that is not "auto": one search.
+  for (const bool explicit_head : {true, false}) {
+    EngineConfig one = c;
+    (explicit_head ? one.head_tiles : one.vocab_tiles) = 8;
+    efficient_tests = smallest_tests = 0;
+    got = resolve_tiles(one, mc, fits, alone.agree());
+    EXPECT_EQ(efficient_tests, 0) << explicit_head;
+    EXPECT_GT(smallest_tests, 0) << explicit_head;
+    EXPECT_EQ(got.vocab, explicit_head ? 1 : 8) << explicit_head;
+  }
 }
 
 // The error names where the scratch comes from when that is another use than the one that does

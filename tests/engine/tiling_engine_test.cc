@@ -296,6 +296,16 @@ TEST_P(TiledBlocks, TrainAsLibtorchDoesWithWholeBlocks) {
   if (k.placement.dump().find("nvme") != std::string::npos)
     j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
   const se::TrainConfig tc = parsed(j);
+  if (k.placement.contains("recompute")) {
+    // placement.recompute counts whole blocks: N blocks are N x (attention + MLP tiles) stages.
+    const int n = k.placement["recompute"].get<int>();
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create("cpu", 0, UINT64_MAX);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), tc.engine,
+                   *comm, *dev);
+    EXPECT_EQ(eng.config().recompute_blocks, n);
+    EXPECT_EQ(eng.working_set_choices().recomputed, size_t(n * (k.attention + k.mlp)));
+  }
   uint64_t peak = 0;
   expect_close(run_in_process(tc, UINT64_MAX, &peak), reference(tc, 1), 1e-5);
 }

@@ -22,11 +22,20 @@ struct Tiles {
   }
 };
 
-// One tile's logits in the inputs' dtype (as the untiled head computes them; widened to fp32 by
-// the caller's first fp32 operation, which reads the narrow tensor once instead of a separate
-// widening pass over the tile: the same numbers, fewer bytes moved).
+// One tile's logits in the inputs' dtype (as the untiled head computes them); minus_in_fp32
+// widens them.
 at::Tensor tile_logits(const at::Tensor& h, const at::Tensor& w, int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
   return at::matmul(h.narrow(0, n0, nt), w.narrow(0, v0, vt).t());
+}
+
+// l - v in fp32 (v: fp32 [rows, 1]), the same numbers either way. A GPU kernel widens a bf16/fp16
+// tile as it reads it, so the promoting subtraction saves a separate widening pass; on the CPU a
+// mixed-dtype operation first copies its input to fp32, so widening once and subtracting in place
+// holds less (and an fp32 tile is reused).
+at::Tensor minus_in_fp32(const at::Tensor& l, const at::Tensor& v) {
+  const bool narrow = l.scalar_type() == at::kBFloat16 || l.scalar_type() == at::kHalf;
+  if (narrow && !l.is_cpu()) return at::sub(l, v);
+  return l.to(at::kFloat).sub_(v);
 }
 
 class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
@@ -79,8 +88,7 @@ void accumulate_log_sum_exp(const at::Tensor& hidden, const at::Tensor& rows, in
     const at::Tensor picked = l.gather(1, tg.clamp(0, vt - 1).unsqueeze(1)).squeeze(1).to(at::kFloat);
     acc.target_logit.narrow(0, n0, nt).add_(at::where(here, picked, 0.0));
     const at::Tensor m_new = at::maximum(m, at::amax(l, 1).to(at::kFloat));  // values only, no indices
-    // l - m_new is computed in fp32 (type promotion) straight from the narrow logits.
-    s.mul_(at::exp(m - m_new)).add_(at::sub(l, m_new.unsqueeze(1)).exp_().sum(1));
+    s.mul_(at::exp(m - m_new)).add_(minus_in_fp32(l, m_new.unsqueeze(1)).exp_().sum(1));
     m.copy_(m_new);
   });
 }
@@ -111,8 +119,8 @@ at::Tensor backward_rows(const at::Tensor& hidden, const at::Tensor& rows, int64
       tile_begin = v0;
       if (want_rows) grad_w_tile = at::zeros({vt, hidden.size(1)}, f32);
     }
-    // softmax over the whole vocabulary, in fp32 (l - lse promotes), straight from the narrow logits
-    at::Tensor p = at::sub(tile_logits(hidden, rows, v0, vt, n0, nt), lse.narrow(0, n0, nt).unsqueeze(1)).exp_();
+    // softmax over the whole vocabulary, in fp32
+    at::Tensor p = minus_in_fp32(tile_logits(hidden, rows, v0, vt, n0, nt), lse.narrow(0, n0, nt).unsqueeze(1)).exp_();
     const at::Tensor tg = targets.narrow(0, n0, nt) - (row_begin + v0);
     const at::Tensor here = tg.ge(0).logical_and(tg.lt(vt));
     const at::Tensor col = tg.clamp(0, vt - 1).unsqueeze(1);

@@ -71,7 +71,8 @@ struct EngineConfig {
   // in forward order; every later block keeps its forward's autograd graph (its saved tensors and
   // its gathered parameters) on the device until its backward, which then runs without
   // recompute. kRecomputeAll: every block (the default); 0: none; kRecomputeAuto: as few as the
-  // device budget holds beside the state and the working set (Engine::recomputed_blocks()).
+  // device budget holds beside the state and the working set (the resolved count:
+  // Engine::config().recompute_blocks). Whole blocks, also when blocks are cut into tile stages.
   static constexpr int kRecomputeAll = 1 << 30, kRecomputeAuto = -1;
   int recompute_blocks = kRecomputeAll;
   // placement.tiling: the LM head's logits [micro_batch x seq_len, vocab] cut into at least this

@@ -40,9 +40,11 @@ UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiling& ti
 // Whether `tiling` lets the device run a step within `usable` bytes: the state `cfg` places on
 // the device explicitly plus the largest use's need (construction's budget check: nothing
 // gathered ahead) at the leanest automatic choices (every block recomputed unless configured,
-// the head's logits, unless configured, in the most tiles "auto" cuts: with `efficient_logits`,
-// no more than plan::max_efficient_logits_tiles). The test placement.tiling "auto" makes for the
-// blocks and the vocabulary (resolve_tiles).
+// the head's logits, unless configured, in the most tiles "auto" cuts). With `efficient_logits`,
+// the logits in no more than plan::max_efficient_logits_tiles, and the configured prefetch window
+// counted (resolve_head_tiles' test), unless that cap is max_auto_logits_tiles itself (then the
+// same test as without). The test placement.tiling "auto" makes for the blocks and the
+// vocabulary (resolve_tiles).
 bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiling& tiling,
                  int world_size, uint64_t usable, bool efficient_logits);
 
@@ -52,7 +54,7 @@ struct StatePrediction {
   std::string report;  // the placement line the engine would print
 
   PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
-  plan::Choices choice;       // recomputed blocks, activation checkpoints' tier, prefetch depth
+  plan::Choices choice;       // recomputed block stages, activation checkpoints' tier, prefetch depth
   int prefetch_deepest = 1;   // prefetch "auto": the deepest gather window the budget holds
   uint64_t head_tiles = 1;
   models::LayerTiling tiles;

@@ -63,7 +63,7 @@ struct ModelSizes {
 struct Choices {
   bool params_staged = true;                  // compute copies off the device (or not yet placed)
   Placement activations = Placement::kHost;   // kAuto: not decided (no checkpoints counted)
-  size_t recomputed = 0;                      // the first `recomputed` blocks recompute; later ones keep graphs
+  size_t recomputed = 0;                      // the first `recomputed` block stages recompute; later ones keep graphs
   int prefetch = 1;                           // units gathered ahead
 };
 

@@ -37,9 +37,9 @@ constexpr uint64_t kMinTileTokens = 64, kMinTileVocab = 1024;
 uint64_t max_auto_logits_tiles(uint64_t tokens, uint64_t vocab);
 
 // The most logits tiles "auto" cuts before it would rather cut the vocabulary into more tiles
-// (units): tiles of at least kEfficientTileElements logits (a matmul of 2^23 x hidden FLOP, large
-// enough to run near a GPU's peak), or up to kCheapLogitsTiles tiles whatever their size; never
-// more than max_auto_logits_tiles. Below that size each tile's fixed cost (its kernels, its
+// (units): tiles of about kEfficientTileElements logits (tokens x vocabulary / 2^22 tiles,
+// rounded up: a matmul of about 2^23 x hidden FLOP, large enough to run near a GPU's peak), or up
+// to kCheapLogitsTiles tiles whatever their size; never more than max_auto_logits_tiles. Below that size each tile's fixed cost (its kernels, its
 // log-sum-exp bookkeeping) dominates: tens of thousands of 64 x 1024 tiles fit where a few more
 // vocabulary tiles would, and run far slower.
 constexpr uint64_t kEfficientTileElements = uint64_t(1) << 22, kCheapLogitsTiles = 16;
