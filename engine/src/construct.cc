@@ -172,13 +172,12 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
     choice.recomputed =
         resolve_recompute(*memory, choice, base_bytes, usable_device(), agreement(), size_t(tiles.block_stages()));
   // Reported in whole blocks, as placement.recompute counts them.
-  const size_t per_block = size_t(tiles.block_stages()), recomputed = choice.recomputed / per_block,
-               whole_blocks = blocks / per_block;
+  const size_t recomputed = tiles.whole_blocks(choice.recomputed), whole_blocks = tiles.whole_blocks(blocks);
   placement_report += "; recompute " + std::to_string(recomputed) + " of " + std::to_string(whole_blocks) + " blocks";
   if (recomputed < whole_blocks)
     placement_report += " (the last " + std::to_string(whole_blocks - recomputed) +
                         " keep their autograd graphs on the device, " + format_bytes(memory->sizes().graph_bytes) +
-                        (per_block > 1 ? " a tile stage)" : " each)");
+                        (tiles.blocks_whole() ? " each)" : " a tile stage)");
   place_activations();
   params->set_depth(cfg.prefetch);
   if (cfg.prefetch_auto) {

@@ -64,11 +64,11 @@ bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const m
   const UnitPlan units = plan_units(mc, tiling, world_size);
   const plan::Schedule schedule = units.schedule();
   plan::ModelSizes sizes = sizes_of(cfg, mc, units);
-  const uint64_t most_auto = plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab);
+  const uint64_t most_auto = plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab),
+                 most_efficient = plan::max_efficient_logits_tiles(sizes.tokens, sizes.vocab);
   // Where the efficient cap is no cap (small logits), the two tests are one.
-  if (plan::max_efficient_logits_tiles(sizes.tokens, sizes.vocab) >= most_auto) efficient_logits = false;
-  const uint64_t most_logits_tiles =
-      efficient_logits ? plan::max_efficient_logits_tiles(sizes.tokens, sizes.vocab) : most_auto;
+  if (most_efficient >= most_auto) efficient_logits = false;
+  const uint64_t most_logits_tiles = efficient_logits ? most_efficient : most_auto;
   sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab,
                                      cfg.head_tiles != EngineConfig::kTilesAuto ? cfg.head_tiles
                                                                                 : std::max<uint64_t>(1, most_logits_tiles));

@@ -258,7 +258,7 @@ EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r) {
   e.master = r.placement.master;
   e.moments = r.placement.moments;
   e.activations = r.working_set.activations;
-  e.recompute_blocks = int(r.working_set.recomputed / size_t(std::max<int64_t>(1, r.tiles.block_stages())));
+  e.recompute_blocks = int(r.tiles.whole_blocks(r.working_set.recomputed));
   e.head_tiles = r.head_tiles;
   e.attention_tiles = uint64_t(r.tiles.attention);
   e.mlp_tiles = uint64_t(r.tiles.mlp);

@@ -18,11 +18,6 @@ using json = nlohmann::json;
 
 namespace {
 
-// Choices::recomputed counts block stages; placement.recompute and the reports count blocks.
-size_t recomputed_blocks(const engine::StatePrediction& p) {
-  return p.choice.recomputed / size_t(std::max<int64_t>(1, p.tiles.block_stages()));
-}
-
 std::string gb(double bytes) {
   char b[32];
   std::snprintf(b, sizeof b, "%.1f GB", bytes / 1e9);
@@ -120,7 +115,7 @@ std::string comparison_table(const Comparison& cmp) {
   const auto* d = cmp.three_d ? &*cmp.three_d : nullptr;
   o << "| configuration | " << c.gpus() << " ranks, micro-batch " << s.config.micro_batch << " x "
     << s.config.grad_accum << "; " << (s.fits() ? s.state.report : "does not fit") << "; recompute "
-    << recomputed_blocks(s.state) << " of " << w.model.layers << " blocks, checkpoints "
+    << s.state.tiles.whole_blocks(s.state.choice.recomputed) << " of " << w.model.layers << " blocks, checkpoints "
     << engine::to_string(s.state.choice.activations) << " | " << (d ? d->config.describe() : "nothing fits") << " |\n";
   o << "| GPU memory per GPU | " << gb(double(s.state.device_bytes())) << " of " << gb(s.device_capacity) << " | "
     << (d ? gb(d->memory()) + " of " + gb(d->capacity) + " (weights " + gb(d->weights) + ", gradients " +
@@ -165,7 +160,7 @@ std::string comparison_json(const Comparison& cmp) {
                  {"placement", s.state.report},
                  {"micro_batch", s.config.micro_batch},
                  {"grad_accum", s.config.grad_accum},
-                 {"recomputed_blocks", recomputed_blocks(s.state)},
+                 {"recomputed_blocks", s.state.tiles.whole_blocks(s.state.choice.recomputed)},
                  {"checkpoints", engine::to_string(s.state.choice.activations)},
                  {"head_tiles", s.state.head_tiles},
                  {"attention_tiles", s.state.tiles.attention},

@@ -109,7 +109,7 @@ TEST(PredictState, IsWhatTheEngineDecides) {
     EXPECT_EQ(p.placement.master, e.master);
     EXPECT_EQ(p.placement.moments, e.moments);
     EXPECT_EQ(p.choice.recomputed, eng.working_set_choices().recomputed);  // block stages
-    EXPECT_EQ(p.choice.recomputed / size_t(p.tiles.block_stages()), size_t(e.recompute_blocks));  // blocks
+    EXPECT_EQ(p.tiles.whole_blocks(p.choice.recomputed), size_t(e.recompute_blocks));  // blocks
     EXPECT_EQ(p.choice.recomputed % size_t(p.tiles.block_stages()), 0u) << "whole blocks only";
     EXPECT_EQ(p.choice.activations, e.activations);
     EXPECT_EQ(p.head_tiles, e.head_tiles);

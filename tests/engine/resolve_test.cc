@@ -312,9 +312,10 @@ TEST(ResolveTiles, EfficientLogitsTilesAreAboutFourMegaLogitsOrSixteen) {
   EXPECT_EQ(plan::max_efficient_logits_tiles(64, 1000), 1u);      // too small to cut
 }
 
-// The vocabulary search runs with efficient logits tiles first, so that more vocabulary tiles are
-// taken before logits tiles too small to run well; only when nothing fits so does it take the
-// smallest logits tiles, and an explicit head count makes it one search.
+// The vocabulary search runs with the smallest logits tiles, then again with efficient ones at no
+// larger block cut, whose answer it takes when there is one: more vocabulary tiles rather than
+// logits tiles too small to run well, never more block tiles; an explicit head or vocabulary count
+// makes it one search.
 TEST(ResolveTiles, PrefersVocabularyTilesToTinyLogitsTilesAndFallsBackToThem) {
   models::ModelConfig mc = models::preset("gpt2");
   mc.layers = 2;

@@ -6,6 +6,7 @@
 // No libtorch. Pure functions; thread-safe.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -29,6 +30,9 @@ struct LayerTiling {
   int64_t vocab = 1;      // row ranges of the embedding and the LM head, 1..vocab_size
   bool blocks_whole() const { return attention == 1 && mlp == 1; }
   int64_t block_stages() const { return blocks_whole() ? 1 : attention + mlp; }
+  // Whole blocks in `stages` block stages (placement.recompute and the reports count blocks; the
+  // engine's schedule and memory model count stages).
+  size_t whole_blocks(size_t stages) const { return stages / size_t(std::max<int64_t>(1, block_stages())); }
   bool operator==(const LayerTiling&) const = default;
 };
 // Throws std::invalid_argument when `t` does not cut `c` (a count below 1, more attention tiles
