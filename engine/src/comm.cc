@@ -24,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -272,7 +273,16 @@ class GlooComm final : public Communicator {
         }
         fail(what + " failed: " + error + " (a peer rank died or timed out" + why + ")", on_failure);
       }
+      release_by_backend();
       if (then) std::exchange(then, {})();
+    }
+    // Gloo's worker thread marks a work complete before it drops its own references to it, and
+    // through it to the work's tensors. A device buffer the caller frees after wait() would stay
+    // counted against the device budget until that thread runs again (on a loaded machine, a
+    // whole time slice later, while training goes on): wait for the backend to let go first.
+    void release_by_backend() {
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      while (w.use_count() > 1 && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
     }
     c10::intrusive_ptr<c10d::Work> w;
     std::string what;

@@ -94,7 +94,6 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   // "auto" decides below, once the state is allocated; until then the working set assumes
   // every block is recomputed.
   choice.recomputed = recomputed_stages(cfg.recompute_blocks, blocks, tiles);
-  choice.params_staged = cfg.params != Placement::kDevice;  // kAuto: not known yet, so counted
   choice.activations = cfg.activations;
   choice.prefetch = cfg.prefetch;
 
@@ -109,7 +108,6 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   const PlacementPlan resolved = resolve_placement(
       cfg, *memory, choice, need, usable_device(),
       [this](uint64_t device) { return machine_budgets(cfg, device, local_ranks()); }, agreement(), placement_report);
-  choice.params_staged = resolved.params != Placement::kDevice;
   placement_report += describe_tiles(tiles, *memory, choice);
   if (cfg.mlp_token_chunk > 0)
     placement_report += "; MLP over chunks of " + std::to_string(cfg.mlp_token_chunk) + " tokens";

@@ -75,7 +75,6 @@ bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const m
   plan::Choices choice;
   const size_t blocks = schedule.blocks();
   choice.recomputed = recomputed_stages(cfg.recompute_blocks, blocks, tiling);
-  choice.params_staged = cfg.params != Placement::kDevice;
   choice.activations = cfg.activations;
   // Gathering ahead is opportunistic: construction checks each use's need alone. The efficient
   // test makes resolve_head_tiles' own test (the configured prefetch window), so that a cut it
@@ -120,7 +119,6 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   // From here on, construction's order (construct.cc).
   plan::Choices& choice = out.choice;
   choice.recomputed = recomputed_stages(cfg.recompute_blocks, blocks, out.tiles);
-  choice.params_staged = cfg.params != Placement::kDevice;
   choice.activations = cfg.activations;
   choice.prefetch = cfg.prefetch;
   const size_t transient_limit = 2 + schedule.shared_units();
@@ -135,7 +133,6 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab, out.head_tiles);
     const plan::MemoryModel memory(schedule, sizes);
     out.placement = resolve_placement(cfg, memory, choice, need, usable, budgets, same, out.report);
-    choice.params_staged = out.placement.params != Placement::kDevice;
     out.report += describe_tiles(out.tiles, memory, choice);
     const TierBytes tiers = bytes_by_tier(out.placement, need, out.compute_bytes);
     out.device_state = tiers.device;

@@ -40,7 +40,7 @@ using Agree = std::function<std::vector<int64_t>(const std::vector<int64_t>&)>;
 
 struct Resolved {
   PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
-  plan::Choices working_set;  // recomputed, activations, prefetch (auto: its start), params_staged
+  plan::Choices working_set;  // recomputed, activations, prefetch (auto: its start)
   uint64_t head_tiles = 1;    // the head's logits tiles asked for (plan::logits_tiling)
   models::LayerTiling tiles;
   std::string report;         // the placement line (`--plan`, the log)

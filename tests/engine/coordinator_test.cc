@@ -80,7 +80,6 @@ struct Bench {
     sizes.hidden = 7;
     sizes.vocab = 301;
     memory = std::make_unique<plan::MemoryModel>(schedule, sizes);
-    choice.params_staged = params != Placement::kDevice;
     choice.recomputed = 2;
     PlacementPlan plan{params, Placement::kHost, Placement::kHost, Placement::kHost};
     store = std::make_unique<state::StateStore>(partition, at::kBFloat16, plan, *device, host, swap.get(), prof);

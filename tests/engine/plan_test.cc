@@ -62,17 +62,13 @@ ModelSizes awkward_sizes() {
   return z;
 }
 
-TEST(MemoryModel, UnitAndUseBytesCountTheStagedShardOnlyOffTheDevice) {
+TEST(MemoryModel, UnitAndUseBytesAreTheGatheredBuffers) {
   const Schedule s = tied_five();
   const MemoryModel m(s, awkward_sizes());
-  Choices c;
-  c.params_staged = true;
-  EXPECT_EQ(m.unit_bytes(2, c), (7168u + 3584u) * 2);
-  EXPECT_EQ(m.use_bytes({4, Use::kHead}, c), (3072u + 1536u + 10240u + 5120u) * 2);  // head and tied embedding
-  EXPECT_EQ(m.largest_unit(c), (10240u + 5120u) * 2);
-  c.params_staged = false;
+  const Choices c;
   EXPECT_EQ(m.unit_bytes(2, c), 7168u * 2);
-  EXPECT_EQ(m.use_bytes({4, Use::kHead}, c), (3072u + 10240u) * 2);
+  EXPECT_EQ(m.use_bytes({4, Use::kHead}, c), (3072u + 10240u) * 2);  // head and tied embedding
+  EXPECT_EQ(m.largest_unit(c), 10240u * 2);
 }
 
 TEST(MemoryModel, ScratchIsTheLargestUsesActivationsGradientBuffersAndLogits) {
@@ -96,7 +92,6 @@ TEST(MemoryModel, KeptBlocksHoldTheirGraphsAndUnitsFromForwardToBackward) {
   const Schedule s = tied_five();
   const MemoryModel m(s, awkward_sizes());
   Choices c;
-  c.params_staged = false;
   c.recomputed = 1;  // block 1 (stage 1) recomputed; stages 2 and 3 keep their graphs
   EXPECT_TRUE(m.checkpointed(1, c));
   EXPECT_FALSE(m.checkpointed(2, c));
@@ -118,26 +113,25 @@ TEST(MemoryModel, WorkingSetIsTheLargestNeedPlusThePrefetchedUnits) {
   const MemoryModel m(s, awkward_sizes());
   for (Placement act : {Placement::kDevice, Placement::kHost, Placement::kNvme, Placement::kAuto})
     for (size_t recomputed : {0u, 1u, 3u})
-      for (int prefetch : {0, 1, 3})
-        for (bool staged : {false, true}) {
-          Choices c{staged, act, recomputed, prefetch};
-          uint64_t largest = 0;
-          for (const Use& u : s.uses()) {
-            const uint64_t need = m.use_bytes(u, c) + m.scratch(c) + m.held_at(u, c) +
-                                  (act == Placement::kDevice ? recomputed * m.activation_bytes() : 0);
-            EXPECT_EQ(m.need(u, c), need);
-            largest = std::max(largest, need);
-          }
-          EXPECT_EQ(m.largest_need(c), largest);
-          EXPECT_EQ(m.working_set(c), largest + uint64_t(prefetch) * m.largest_unit(c));
-          // prefetch_room: how many of the largest unit fit beyond base + the largest need.
-          const uint64_t base = 12345;
-          Choices none = c;
-          none.prefetch = 0;
-          const uint64_t usable = base + m.largest_need(none) + 2 * m.largest_unit(c) + 1;
-          EXPECT_EQ(m.prefetch_room(none, base, usable), 2u);
-          EXPECT_EQ(m.prefetch_room(none, base, base + m.largest_need(none) - 1), 0u);
+      for (int prefetch : {0, 1, 3}) {
+        Choices c{act, recomputed, prefetch};
+        uint64_t largest = 0;
+        for (const Use& u : s.uses()) {
+          const uint64_t need = m.use_bytes(u, c) + m.scratch(c) + m.held_at(u, c) +
+                                (act == Placement::kDevice ? recomputed * m.activation_bytes() : 0);
+          EXPECT_EQ(m.need(u, c), need);
+          largest = std::max(largest, need);
         }
+        EXPECT_EQ(m.largest_need(c), largest);
+        EXPECT_EQ(m.working_set(c), largest + uint64_t(prefetch) * m.largest_unit(c));
+        // prefetch_room: how many of the largest unit fit beyond base + the largest need.
+        const uint64_t base = 12345;
+        Choices none = c;
+        none.prefetch = 0;
+        const uint64_t usable = base + m.largest_need(none) + 2 * m.largest_unit(c) + 1;
+        EXPECT_EQ(m.prefetch_room(none, base, usable), 2u);
+        EXPECT_EQ(m.prefetch_room(none, base, base + m.largest_need(none) - 1), 0u);
+      }
 }
 
 TEST(MemoryModel, UsableDeviceIsTheBudgetOrWhatTheDeviceHasFree) {

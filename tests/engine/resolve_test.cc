@@ -385,7 +385,6 @@ TEST(CheckWorkingSet, NamesTheUseTheScratchComesFromAndTheBlockTilesWhenItIsABlo
   EXPECT_EQ(mm.largest_scratch_use().stage, 1u);
   EXPECT_EQ(mm.largest_scratch_use().kind, plan::Use::kBackward);
   plan::Choices c;
-  c.params_staged = false;
   c.activations = Placement::kHost;
   c.recomputed = 1;
   const uint64_t first_need = mm.need(schedule.uses().front(), c);

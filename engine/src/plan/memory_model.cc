@@ -47,7 +47,7 @@ uint64_t MemoryModel::head_loss_bytes() const {
 }
 
 uint64_t MemoryModel::unit_bytes(size_t u, const Choices& c) const {
-  return (sizes_.padded_numel.at(u) + (c.params_staged ? sizes_.shard_numel.at(u) : 0)) * sizes_.compute_bytes;
+  return sizes_.padded_numel.at(u) * sizes_.compute_bytes;
 }
 
 uint64_t MemoryModel::use_bytes(const Use& use, const Choices& c) const {

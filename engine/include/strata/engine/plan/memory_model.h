@@ -7,8 +7,8 @@
 //
 // What the engine holds on the device besides its device-placed state ("base"), while it runs
 // use u of the schedule:
-//   use_bytes(u)        the gathered units of u's stage (full compute-dtype buffers, plus each
-//                       one's staged shard while compute copies live off the device)
+//   use_bytes(u)        the gathered units of u's stage (full compute-dtype buffers; a shard off
+//                       the device is uploaded straight into its slice, so nothing is staged)
 //   scratch             the largest use's boundary activations (input, output and their
 //                       gradients; a block tile's input and output may stack two activations), the fp32 gradient buffers of the units a backward use
 //                       touches (plus a bf16 copy when reducing in bf16, plus the reduced shard),
@@ -61,7 +61,6 @@ struct ModelSizes {
 
 // The decisions the working set depends on.
 struct Choices {
-  bool params_staged = true;                  // compute copies off the device (or not yet placed)
   Placement activations = Placement::kHost;   // kAuto: not decided (no checkpoints counted)
   size_t recomputed = 0;                      // the first `recomputed` block stages recompute; later ones keep graphs
   int prefetch = 1;                           // units gathered ahead
