@@ -264,6 +264,7 @@ struct Engine::Impl {
     std::optional<tiling::LogSumExp> acc;  // each token's running log-sum-exp and target logit
     at::Tensor lse, row_scale;       // once the last tile is in: the log-sum-exp, the seed per token
     at::Tensor grad_hidden;          // fp32 [tokens, hidden], summed over the tiles' backward
+    Device::Reservation loss_res;    // the loss's device bytes (MemoryModel::head_loss_bytes) until the backward
   };
   struct MicroBatch {
     at::Tensor inputs, targets;   // targets out of the loss are kIgnored
@@ -286,6 +287,9 @@ struct Engine::Impl {
   // vocab_head_loss, after the last stage's forward, is head_loss's value and sets the backward's
   // seed (`scale` times the loss's derivative per token); the backward sets the rows' weight
   // gradient and adds the input's, which the first stage takes through the norm into mb.dy.
+  // The head's loss bytes counted against the budget while it runs (the tiled vocabulary's from
+  // the first head stage's forward to its backward).
+  Device::Reservation reserve_head_loss();
   void vocab_head_forward(MicroBatch& mb, size_t s, bool grad);
   at::Tensor vocab_head_loss(MicroBatch& mb, bool masked, double scale);
   void vocab_head_backward(MicroBatch& mb, size_t s);

@@ -64,12 +64,19 @@ at::Tensor Engine::Impl::head_loss(const at::Tensor& x, const MicroBatch& mb, bo
   return at::cross_entropy_loss(flat, mb.targets, {}, at::Reduction::Sum, kIgnored);
 }
 
+// libtorch allocates the loss's logits (or its tiles' buffers) itself; the ledger counts the bytes
+// the memory model gives them, so that the budget holds what the plan assumed.
+Device::Reservation Engine::Impl::reserve_head_loss() {
+  return dev.reserve(memory->head_loss_bytes(), "the head's loss (its logits; placement.tiling cuts them)");
+}
+
 void Engine::Impl::vocab_head_forward(MicroBatch& mb, size_t s, bool grad) {
   const size_t j = s - schedule->first_head();
   models::HeadStage& tile = model->head_tile(j);
   VocabHeadPass& h = mb.head;
   if (j == 0) {
     h = VocabHeadPass{};
+    h.loss_res = reserve_head_loss();
     at::AutoGradMode mode(grad);
     h.x = grad ? mb.x.detach().requires_grad_(true) : mb.x;
     h.normed = tile.normed(h.x);
@@ -247,6 +254,7 @@ void Engine::Impl::head_use(Pass& pass, MicroBatch& mb) {
     loss = vocab_head_loss(mb, pass.masked, pass.head_scale);
     vocab_head_backward(mb, head);
   } else {
+    const Device::Reservation loss_res = reserve_head_loss();
     at::Tensor xh = mb.x.detach().requires_grad_(true);
     loss = head_loss(xh, mb, pass.masked);
     torch::autograd::backward({loss * pass.head_scale});
@@ -369,6 +377,7 @@ Engine::EvalResult Engine::Impl::evaluate(const at::Tensor& ids, const at::Tenso
       loss_sum += vocab_head_loss(mb, /*masked=*/true, 1.0).to(at::kDouble);
       mb.head = VocabHeadPass{};
     } else {
+      const Device::Reservation loss_res = reserve_head_loss();
       loss_sum += head_loss(mb.x, mb, /*masked=*/true).to(at::kDouble);
     }
     mb.x = at::Tensor();
