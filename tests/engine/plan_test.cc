@@ -76,16 +76,28 @@ TEST(MemoryModel, ScratchIsTheLargestUsesActivationsGradientBuffersAndLogits) {
   const MemoryModel m(s, awkward_sizes());
   const uint64_t act = 111 * 13 * 2;
   EXPECT_EQ(m.activation_bytes(), act);
-  // The head: its own and the tied embedding's gradient buffers (fp32 + bf16 full, fp32 shard),
-  // and the logits (fp32, their fp32 gradient and the compute-dtype output).
-  const uint64_t head = 4 * act + (3072 + 10240) * 6 + (1536 + 5120) * 4 + 111 * 101 * (4 + 4 + 2);
+  // The head: the larger of its logits (fp32, their fp32 gradient and the compute-dtype output)
+  // and its own and the tied embedding's gradient buffers (fp32 + bf16 full, fp32 shard): the
+  // loss is freed before the reduce.
+  const uint64_t grads = (3072 + 10240) * 6 + (1536 + 5120) * 4, logits = 111 * 101 * (4 + 4 + 2);
+  ASSERT_GT(logits, grads);
+  const uint64_t head = 4 * act + logits;
   Choices c;
   c.activations = Placement::kDevice;
   EXPECT_EQ(m.scratch(c), head);
+  EXPECT_EQ(m.largest_scratch_use().kind, Use::kHead);
   c.activations = Placement::kHost;  // one checkpoint on its way back
   EXPECT_EQ(m.scratch(c), head + act);
   c.activations = Placement::kAuto;  // undecided: counted as off the device
   EXPECT_EQ(m.scratch(c), head + act);
+  // A vocabulary whose logits weigh less than the gradient buffers: those alone.
+  ModelSizes narrow = awkward_sizes();
+  narrow.vocab = 37;
+  const MemoryModel mn(s, narrow);
+  ASSERT_LT(111u * 37 * (4 + 4 + 2), grads);
+  c.activations = Placement::kDevice;
+  EXPECT_EQ(mn.scratch(c), 4 * act + grads);
+  EXPECT_EQ(mn.largest_scratch_use().kind, Use::kHead);
 }
 
 TEST(MemoryModel, KeptBlocksHoldTheirGraphsAndUnitsFromForwardToBackward) {

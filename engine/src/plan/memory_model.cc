@@ -14,7 +14,7 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
                                 " stages, the schedule has " + std::to_string(schedule_.num_stages()));
   // Per use: its boundary activations (input and output, each with its gradient), the gradient
   // buffers of the units a backward use touches (fp32 full, a bf16 copy when reducing in bf16,
-  // the reduced fp32 shard), the head's logits.
+  // the reduced fp32 shard), the head's loss.
   const uint64_t logits = head_loss_bytes();
   inputs_before_.assign(schedule_.num_stages() + 1, 0);
   for (size_t s = 0; s < schedule_.num_stages(); ++s) {
@@ -32,8 +32,11 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
                  sizes_.shard_numel[u] * 4;
     const uint64_t boundary =
         2 * (input_bytes(s) + (s + 1 < schedule_.num_stages() ? input_bytes(s + 1) : activation_bytes()));
-    const bool loss = use.kind == Use::kHead || (schedule_.vocab_tiled() && schedule_.is_head(s));
-    const uint64_t scratch = boundary + grads + (loss ? logits : 0);
+    // The whole head's loss is gone before its use reduces its gradients (one or the other);
+    // with vocabulary tiles, the loss's running state lives beside every head stage's reduce.
+    const uint64_t scratch = boundary + (schedule_.vocab_tiled() && schedule_.is_head(s) ? grads + logits
+                                         : use.kind == Use::kHead                        ? std::max(grads, logits)
+                                                                                         : grads);
     if (scratch > largest_use_scratch_) {
       largest_use_scratch_ = scratch;
       largest_scratch_use_ = use;

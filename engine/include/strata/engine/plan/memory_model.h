@@ -10,12 +10,15 @@
 //   use_bytes(u)        the gathered units of u's stage (full compute-dtype buffers; a shard off
 //                       the device is uploaded straight into its slice, so nothing is staged)
 //   scratch             the largest use's boundary activations (input, output and their
-//                       gradients; a block tile's input and output may stack two activations), the fp32 gradient buffers of the units a backward use
-//                       touches (plus a bf16 copy when reducing in bf16, plus the reduced shard),
-//                       the head's loss (head_scratch_bytes: the fp32 logits and their gradients,
-//                       or one tile of them when tiled; on every head stage's use when the
-//                       vocabulary is tiled); plus one activation checkpoint coming
-//                       back when checkpoints live off the device
+//                       gradients; a block tile's input and output may stack two activations),
+//                       plus the fp32 gradient buffers of the units a backward use touches (plus
+//                       a bf16 copy when reducing in bf16, plus the reduced shard); the head's
+//                       use holds its loss (head_scratch_bytes: the fp32 logits and their
+//                       gradients, or one tile of them when tiled) or its gradient buffers, the
+//                       larger (the loss is freed before the reduce); with vocabulary tiles every
+//                       head stage's use holds both (the loss's running state lives from the
+//                       first head stage's forward to its backward); plus one activation
+//                       checkpoint coming back when checkpoints live off the device
 //   device checkpoints  every recomputed block's input, when checkpoints live on the device
 //   held_at(u)          blocks kept without recompute: each one's autograd graph from its forward
 //                       to its backward, and its gathered units until then
