@@ -126,7 +126,7 @@ void run_plan_bench(const PlanBenchOptions& o) {
   }
   std::printf("\n| case | ranks | measured s/step | predicted | error | device peak (measured / predicted) | host state | "
               "NVMe state |\n|---|---|---|---|---|---|---|---|\n");
-  double worst_time = 0, sum_time = 0, worst_memory = 0, measured_mean = 0;
+  double worst_time = 0, sum_time = 0, worst_memory = 0, worst_device = 0, measured_mean = 0;
   json rows = json::array();
   for (const Case& k : cases) {
     const json cj = config_of(k, o.dir, o.steps, o.device);
@@ -147,6 +147,8 @@ void run_plan_bench(const PlanBenchOptions& o) {
     measured_mean += m.seconds / double(cases.size());
     for (auto [p, q] : {std::pair{hostb, m.host_state}, {nvme, m.nvme_state}})
       if (q > 0) worst_memory = std::max(worst_memory, std::abs(p / q - 1));
+    // The device: the plan's reservation (a bound over the step's uses) against the ledger's peak.
+    if (m.device_peak > 0) worst_device = std::max(worst_device, std::abs(dev / m.device_peak - 1));
     std::printf("| %s | %d | %.3f | %.3f | %s | %.1f / %.1f MB (%s) | %.1f / %.1f MB (%s) | %.1f / %.1f MB (%s) |\n",
                 k.name.c_str(), k.ranks, m.seconds, e.time.step, pct(e.time.step, m.seconds).c_str(),
                 m.device_peak / 1e6, dev / 1e6, pct(dev, m.device_peak).c_str(), m.host_state / 1e6, hostb / 1e6,
@@ -157,8 +159,9 @@ void run_plan_bench(const PlanBenchOptions& o) {
                     {"predicted_host", hostb}, {"nvme_state", m.nvme_state}, {"predicted_nvme", nvme},
                     {"bottleneck", e.time.bottleneck}});
   }
-  std::printf("\nstep time: mean error %.1f%%, worst %.1f%%; host and NVMe state: worst error %.1f%%\n",
-              100 * sum_time / double(cases.size()), 100 * worst_time, 100 * worst_memory);
+  std::printf("\nstep time: mean error %.1f%%, worst %.1f%%; host and NVMe state: worst error %.1f%%; device: worst "
+              "error %.1f%%\n",
+              100 * sum_time / double(cases.size()), 100 * worst_time, 100 * worst_memory, 100 * worst_device);
   std::cout << json{{"metric", "plan_step_time_worst_error"},
                     {"value", worst_time},
                     {"baseline", "measured strata train runs (mean s/step)"},
@@ -166,6 +169,7 @@ void run_plan_bench(const PlanBenchOptions& o) {
                     {"ratio", worst_time},
                     {"mean_error", sum_time / double(cases.size())},
                     {"worst_memory_error", worst_memory},
+                    {"worst_device_error", worst_device},
                     {"cases", rows}}
                    .dump()
             << std::endl;
