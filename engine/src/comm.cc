@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cctype>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <fstream>
@@ -255,9 +256,9 @@ class GlooComm final : public Communicator {
 
   struct GlooWork : Work {
     GlooWork(c10::intrusive_ptr<c10d::Work> w, std::string what, std::shared_ptr<const FailureHandler> on_failure,
-             std::shared_ptr<const std::vector<Peer>> peers, int self)
+             std::shared_ptr<const std::vector<Peer>> peers, int self, bool on_gloo)
         : w(std::move(w)), what(std::move(what)), on_failure(std::move(on_failure)), peers(std::move(peers)),
-          self(self) {}
+          self(self), on_gloo(on_gloo) {}
     void wait() override {
       try {
         w->wait();
@@ -273,34 +274,39 @@ class GlooComm final : public Communicator {
         }
         fail(what + " failed: " + error + " (a peer rank died or timed out" + why + ")", on_failure);
       }
-      release_by_backend();
+      if (on_gloo) release_by_backend();
       if (then) std::exchange(then, {})();
     }
     // Gloo's worker thread marks a work complete before it drops its own references to it, and
     // through it to the work's tensors. A device buffer the caller frees after wait() would stay
     // counted against the device budget until that thread runs again (on a loaded machine, a
     // whole time slice later, while training goes on): wait for the backend to let go first.
+    // (NCCL's wait only orders streams; its watchdog keeps its own copy of the work.)
     void release_by_backend() {
       const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
       while (w.use_count() > 1 && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+      if (w.use_count() > 1)
+        std::fprintf(stderr, "strata: Gloo still holds a finished %s after 1 s; its buffers stay counted on the "
+                             "device until it lets go\n", what.c_str());
     }
     c10::intrusive_ptr<c10d::Work> w;
     std::string what;
     std::shared_ptr<const FailureHandler> on_failure;
     std::shared_ptr<const std::vector<Peer>> peers;
     int self;
+    bool on_gloo;                // CPU tensors: wait() also waits for Gloo's worker to let go
     std::function<void()> then;  // after a successful wait (once)
   };
 
   std::unique_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in) override {
-    return guarded("all_gather", [&] {
+    return guarded("all_gather", out.is_cuda(), [&] {
       at::Tensor o = out, i = in;
       return pg(o)._allgather_base(o, i);
     });
   }
   std::unique_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in) override {
     if (out.is_cuda())
-      return guarded("reduce_scatter", [&] {
+      return guarded("reduce_scatter", true, [&] {
         at::Tensor o = out, i = in;
         return pg(o)._reduce_scatter_base(o, i);
       });
@@ -309,7 +315,7 @@ class GlooComm final : public Communicator {
     // An all-to-all hands each rank the world's copies of its chunk, (world - 1) / world of the
     // buffer as a ring reduce-scatter sends, and the rank sums them in rank order.
     at::Tensor recv = at::empty_like(in);
-    std::unique_ptr<Work> work = guarded("reduce_scatter", [&] {
+    std::unique_ptr<Work> work = guarded("reduce_scatter", false, [&] {
       at::Tensor r = recv, i = in;
       std::vector<int64_t> equal_split;
       return pg(r).alltoall_base(r, i, equal_split, equal_split);
@@ -329,7 +335,7 @@ class GlooComm final : public Communicator {
   void all_reduce(const at::Tensor& t, ReduceOp op) override {
     c10d::AllreduceOptions o;
     o.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
-    guarded("all_reduce", [&] {
+    guarded("all_reduce", t.is_cuda(), [&] {
       std::vector<at::Tensor> v{t};
       return pg(t).allreduce(v, o);
     })->wait();
@@ -337,13 +343,13 @@ class GlooComm final : public Communicator {
   void broadcast(const at::Tensor& t, int root) override {
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    guarded("broadcast", [&] {
+    guarded("broadcast", t.is_cuda(), [&] {
       std::vector<at::Tensor> v{t};
       return pg(t).broadcast(v, o);
     })->wait();
   }
   void barrier() override {
-    guarded("barrier", [&] { return pg_->barrier(); })->wait();
+    guarded("barrier", false, [&] { return pg_->barrier(); })->wait();
   }
 
  private:
@@ -356,11 +362,11 @@ class GlooComm final : public Communicator {
     return n == std::string::npos ? s : s.substr(0, n);
   }
   template <typename F>
-  std::unique_ptr<Work> guarded(const char* op, F&& issue) {
+  std::unique_ptr<Work> guarded(const char* op, bool cuda, F&& issue) {
     const std::string what = std::string(op) + " on rank " + std::to_string(rank()) + " of " +
                              std::to_string(world_size());
     try {
-      return std::make_unique<GlooWork>(issue(), what, failure_handler(), peers_, rank());
+      return std::make_unique<GlooWork>(issue(), what, failure_handler(), peers_, rank(), !cuda);
     } catch (const std::exception& e) {
       fail(what + " failed: " + first_line(e.what()), failure_handler());
     }

@@ -286,7 +286,10 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
     const plan::ModelSizes& sz = mm.sizes();
     const plan::LogitsTiling logits = mm.head_logits();
     const uint64_t head_loss = mm.head_loss_bytes();
-    if (2 * head_loss > scratch && logits.tiles(sz.tokens, sz.vocab) < sz.tokens * sz.vocab)
+    // (Without vocabulary tiles the head holds its loss or its gradient buffers, the larger: a
+    // finer cut helps only while the loss is the larger.)
+    const bool loss_binds = mm.schedule().vocab_tiled() || head_loss > mm.head_gradient_bytes();
+    if (loss_binds && 2 * head_loss > scratch && logits.tiles(sz.tokens, sz.vocab) < sz.tokens * sz.vocab)
       // No ", " inside a remedy: the last one before the final remedy becomes " or ".
       add("cut the head's logits into more tiles (placement.tiling; the head's loss takes " + format_bytes(head_loss) +
           " of the " + format_bytes(scratch) + " " +

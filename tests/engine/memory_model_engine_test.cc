@@ -4,6 +4,7 @@
 // construction, naming the budget.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -77,6 +78,37 @@ TEST(MemoryModelInEngine, ThePredictedWorkingSetIsExactlyTheBudgetTheEngineNeeds
       EXPECT_NE(std::string(e.what()).find("cannot run unit"), std::string::npos) << e.what();
     }
   }
+}
+
+// The head's loss is counted while it runs: with logits far larger than any unit or gradient
+// buffer, the ledger's peak reaches the gathered head and the loss's bytes the model gives it,
+// and stays within the model's working set.
+TEST(MemoryModelInEngine, TheHeadsLossIsCountedAgainstTheBudgetWhileItRuns) {
+  json j = tiny_config(false, 2);
+  j["model"]["vocab_size"] = 8192;
+  j["data"]["seq_len"] = 64;
+  j["batch"] = {{"micro_batch", 4}, {"grad_accum", 1}};
+  j["run"]["steps"] = 1;
+  j["placement"] = {{"params", "host"}, {"activations", "host"}, {"tiling", "off"}};
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  uint64_t loss = 0, head_units = 0, largest_grads = 0, bound = 0;
+  {
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(UINT64_MAX);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
+    const se::plan::MemoryModel& m = eng.memory_model();
+    loss = m.head_loss_bytes();
+    for (const se::plan::Use& use : m.schedule().uses())
+      if (use.kind == se::plan::Use::kHead) head_units = m.use_bytes(use, eng.working_set_choices());
+    for (size_t u = 0; u < eng.partition().num_units(); ++u)
+      largest_grads = std::max<uint64_t>(largest_grads, 8 * eng.partition().unit(u).padded_numel());
+    bound = eng.device_state_bytes() + m.working_set(eng.working_set_choices());
+  }
+  ASSERT_GT(loss, 3 * largest_grads) << "the logits must outweigh every gradient buffer";
+  uint64_t peak = 0;
+  run_in_process(tc, UINT64_MAX, &peak);
+  EXPECT_GE(peak, loss + head_units);
+  EXPECT_LE(peak, bound);
 }
 
 }  // namespace

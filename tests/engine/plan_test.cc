@@ -86,6 +86,7 @@ TEST(MemoryModel, ScratchIsTheLargestUsesActivationsGradientBuffersAndLogits) {
   c.activations = Placement::kDevice;
   EXPECT_EQ(m.scratch(c), head);
   EXPECT_EQ(m.largest_scratch_use().kind, Use::kHead);
+  EXPECT_EQ(m.head_gradient_bytes(), grads);
   c.activations = Placement::kHost;  // one checkpoint on its way back
   EXPECT_EQ(m.scratch(c), head + act);
   c.activations = Placement::kAuto;  // undecided: counted as off the device
@@ -98,6 +99,27 @@ TEST(MemoryModel, ScratchIsTheLargestUsesActivationsGradientBuffersAndLogits) {
   c.activations = Placement::kDevice;
   EXPECT_EQ(mn.scratch(c), 4 * act + grads);
   EXPECT_EQ(mn.largest_scratch_use().kind, Use::kHead);
+}
+
+// With vocabulary tiles the loss's running state lives from the first head stage's forward to
+// its backward: every head stage's use holds it beside its own gradient buffers.
+TEST(MemoryModel, VocabularyTilesHoldTheLossBesideEveryHeadStagesGradients) {
+  // Embedding tiles 0 and 1, blocks 2 and 3, head tiles 4 and 5 tied to the embedding's.
+  const Schedule s({{0}, {1}, {2}, {3}, {4, 0}, {5, 1}}, 6, 2, 2);
+  ASSERT_TRUE(s.vocab_tiled());
+  ModelSizes z = awkward_sizes();
+  z.padded_numel = {10240, 10240, 7168, 5120, 3072, 3072};
+  z.shard_numel = {5120, 5120, 3584, 2560, 1536, 1536};
+  z.vocab_tiles = 2;
+  const MemoryModel m(s, z);
+  const uint64_t act = 111 * 13 * 2;
+  const uint64_t grads = (3072 + 10240) * 6 + (1536 + 5120) * 4;  // a head tile's and its embedding tile's
+  Choices c;
+  c.activations = Placement::kDevice;
+  EXPECT_EQ(m.scratch(c), 4 * act + grads + m.head_loss_bytes());
+  EXPECT_TRUE(s.is_head(m.largest_scratch_use().stage));
+  EXPECT_NE(m.largest_scratch_use().kind, Use::kForward);
+  EXPECT_EQ(m.head_gradient_bytes(), grads);
 }
 
 TEST(MemoryModel, KeptBlocksHoldTheirGraphsAndUnitsFromForwardToBackward) {

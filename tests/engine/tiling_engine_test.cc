@@ -556,7 +556,7 @@ TEST(TiledVocab, MaskedStepsAndEvaluationEqualTheWholeVocabulary) {
 }
 
 // A model whose vocabulary dominates (vocabulary 16384 x hidden 64: 4 MiB a weight in fp32,
-// 16 MiB with its staged copy and gradient buffers, beside blocks of 50K parameters): with a
+// 12 MiB with its gradient buffers, beside blocks of 50K parameters): with a
 // budget below what the whole embedding needs, "off" fails naming the embedding and the
 // vocabulary tiles as the remedy; "auto" cuts the vocabulary into the fewest tiles (doubling)
 // that fit, trains within the budget and matches the engine with the whole vocabulary and no

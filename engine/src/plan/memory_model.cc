@@ -30,6 +30,7 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
         grads += sizes_.padded_numel[u] * (4 + (sizes_.reduce_bf16 ? 2 : 0) +
                                            (block && sizes_.mlp_chunked && sizes_.compute_bytes < 4 ? 4 : 0)) +
                  sizes_.shard_numel[u] * 4;
+    if (use.kind == Use::kHead) head_gradients_ = grads;
     const uint64_t boundary =
         2 * (input_bytes(s) + (s + 1 < schedule_.num_stages() ? input_bytes(s + 1) : activation_bytes()));
     // The whole head's loss is gone before its use reduces its gradients (one or the other);
@@ -49,7 +50,7 @@ uint64_t MemoryModel::head_loss_bytes() const {
   return head_scratch_bytes(sizes_.tokens, sizes_.vocab, sizes_.hidden, sizes_.compute_bytes, head_logits());
 }
 
-uint64_t MemoryModel::unit_bytes(size_t u, const Choices& c) const {
+uint64_t MemoryModel::unit_bytes(size_t u, const Choices& /*no choice changes it*/) const {
   return sizes_.padded_numel.at(u) * sizes_.compute_bytes;
 }
 

@@ -1,8 +1,9 @@
 // The parameter coordinator: which units are gathered on the device, and when.
 //
 // A use of the schedule needs its stage's units gathered (acquire): each unit's compute-copy
-// shard is staged to the device when it lives off it (from swap through a host buffer, then the
-// h2d stream), all-gathered into one flat device buffer, and the module's tensors of the unit
+// shard is uploaded, when it lives off the device (from swap through a host buffer, then the h2d
+// stream), straight into its slice of one flat device buffer, which the all-gather fills around
+// it in place, and the module's tensors of the unit
 // become views of it (bound). Before running use k the engine asks for the units of the next
 // `depth` uses (prefetch); after it, units no use within the next depth + 1 needs go (release_
 // after). Every decision uses only sizes and the schedule (the memory model's working set beside

@@ -110,6 +110,10 @@ class MemoryModel {
   // The head's loss: its part of the head use's scratch (plan/tiling.h), for the tiles it runs
   // over (head_logits()).
   uint64_t head_loss_bytes() const;
+  // The head use's gradient buffers (its units' fp32, bf16 and shard bytes at its reduce): without
+  // vocabulary tiles the head's scratch holds the larger of these and the loss, so cutting the
+  // logits shrinks it only while the loss is the larger.
+  uint64_t head_gradient_bytes() const { return head_gradients_; }
   // The logits' tiles the loss runs over: sizes().logits within the vocabulary tiles.
   LogitsTiling head_logits() const {
     return within_vocab_tiles(sizes_.logits, sizes_.tokens, sizes_.vocab, sizes_.vocab_tiles);
@@ -140,6 +144,7 @@ class MemoryModel {
   uint64_t largest_use_scratch_ = 0;  // scratch's part that no choice changes
   Use largest_scratch_use_{0, Use::kForward};
   uint64_t largest_input_ = 0;
+  uint64_t head_gradients_ = 0;
   std::vector<uint64_t> inputs_before_;  // [s]: the inputs of the blocks before stage s (checkpoint_bytes in O(1))
 };
 
