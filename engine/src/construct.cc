@@ -108,7 +108,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   const PlacementPlan resolved = resolve_placement(
       cfg, *memory, choice, need, usable_device(),
       [this](uint64_t device) { return machine_budgets(cfg, device, local_ranks()); }, agreement(), placement_report);
-  placement_report += describe_tiles(tiles, *memory, choice);
+  placement_report += describe_tiles(tiles, *memory);
   if (cfg.mlp_token_chunk > 0)
     placement_report += "; MLP over chunks of " + std::to_string(cfg.mlp_token_chunk) + " tokens";
   placement_report += "; head logits " + plan::describe(memory->head_logits(), memory->sizes().tokens,

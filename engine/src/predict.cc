@@ -133,7 +133,7 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab, out.head_tiles);
     const plan::MemoryModel memory(schedule, sizes);
     out.placement = resolve_placement(cfg, memory, choice, need, usable, budgets, same, out.report);
-    out.report += describe_tiles(out.tiles, memory, choice);
+    out.report += describe_tiles(out.tiles, memory);
     const TierBytes tiers = bytes_by_tier(out.placement, need, out.compute_bytes);
     out.device_state = tiers.device;
     out.host_state = tiers.host;

@@ -107,12 +107,12 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
   return {agreed[0], agreed[1], agreed[2]};
 }
 
-std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm, const plan::Choices& c) {
+std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm) {
   std::string out;
   if (!t.blocks_whole())
     out += "; blocks in " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) + " MLP tiles";
   if (t.vocab > 1) out += "; embedding and LM head in " + std::to_string(t.vocab) + " vocabulary tiles";
-  if (!out.empty()) out += " (largest unit " + format_bytes(mm.largest_unit(c)) + ")";
+  if (!out.empty()) out += " (largest unit " + format_bytes(mm.largest_unit()) + ")";
   return out;
 }
 
@@ -306,16 +306,16 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
     const bool can_cut_vocabulary = schedule.first_block() < sz.vocab;
     const bool vocabulary = can_cut_vocabulary && !schedule.is_block(use.stage),
                source_vocabulary = can_cut_vocabulary && !schedule.is_block(source.stage);
-    if (vocabulary && 4 * mm.use_bytes(use, choice) > need)
+    if (vocabulary && 4 * mm.use_bytes(use) > need)
       add("cut the vocabulary into more tiles (placement.tiling \"vocab\"; this unit's parameters take " +
-          format_bytes(mm.use_bytes(use, choice)) + ")");
+          format_bytes(mm.use_bytes(use)) + ")");
     else if (source_vocabulary && source.kind != plan::Use::kForward && 4 * scratch > need &&
-             mm.use_bytes(source, choice) > head_loss)
+             mm.use_bytes(source) > head_loss)
       add("cut the vocabulary into more tiles (placement.tiling \"vocab\"; the gradient buffers of unit " +
           stage_name(source.stage) + "'s backward are part of the " + format_bytes(scratch) + ")");
-    if (schedule.is_block(use.stage) && 4 * mm.use_bytes(use, choice) > need)
+    if (schedule.is_block(use.stage) && 4 * mm.use_bytes(use) > need)
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; this unit's parameters take " +
-          format_bytes(mm.use_bytes(use, choice)) + ")");
+          format_bytes(mm.use_bytes(use)) + ")");
     else if (schedule.is_block(source.stage) && source.kind == plan::Use::kBackward && 4 * scratch > need)
       // A block's gradient buffers (its units' full size in fp32) make the scratch every use counts.
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; the gradient buffers of unit " +
@@ -326,7 +326,7 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
     const size_t comma = remedies.rfind(", ");
     if (comma != std::string::npos) remedies.replace(comma, 2, " or ");
     throw BudgetExceeded("device budget " + format_bytes(budget) + " cannot run unit " + stage_name(use.stage) +
-                         ": it needs " + format_bytes(need) + " (parameters " + format_bytes(mm.use_bytes(use, choice)) +
+                         ": it needs " + format_bytes(need) + " (parameters " + format_bytes(mm.use_bytes(use)) +
                          ", activations and gradient buffers " + format_bytes(scratch) + scratch_source +
                          ", activation checkpoints on the device " + format_bytes(checkpoints) +
                          ", blocks kept without recompute " + format_bytes(held) + ") beside " + format_bytes(base) +

@@ -80,7 +80,7 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
 
 // "; blocks in A attention x M MLP tiles; embedding and LM head in V vocabulary tiles (largest
 // unit B)" for the placement line, each part only when cut.
-std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm, const plan::Choices& c);
+std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm);
 
 // The head's logits tiles: the configured count, or for "auto" the fewest for which `base` (the
 // state the configuration puts on the device explicitly) plus the working set under `choice` (the

@@ -180,7 +180,7 @@ TEST(ParameterCoordinator, ATightBudgetGathersNothingAheadAndEvictsWhatTheUseNee
       bool only_the_use = true;
       for (size_t u = 0; u < 4; ++u) {
         if (!b.coord->gathered(u)) continue;
-        held += b.memory->unit_bytes(u, b.choice);
+        held += b.memory->unit_bytes(u);
         only_the_use &= std::find(use.begin(), use.end(), u) != use.end();
       }
       EXPECT_TRUE(only_the_use || base + held + b.memory->scratch(b.choice) + b.memory->device_checkpoints(b.choice) <= budget)

@@ -99,7 +99,7 @@ TEST(MemoryModelInEngine, TheHeadsLossIsCountedAgainstTheBudgetWhileItRuns) {
     const se::plan::MemoryModel& m = eng.memory_model();
     loss = m.head_loss_bytes();
     for (const se::plan::Use& use : m.schedule().uses())
-      if (use.kind == se::plan::Use::kHead) head_units = m.use_bytes(use, eng.working_set_choices());
+      if (use.kind == se::plan::Use::kHead) head_units = m.use_bytes(use);
     for (size_t u = 0; u < eng.partition().num_units(); ++u)
       largest_grads = std::max<uint64_t>(largest_grads, 8 * eng.partition().unit(u).padded_numel());
     bound = eng.device_state_bytes() + m.working_set(eng.working_set_choices());

@@ -65,10 +65,9 @@ ModelSizes awkward_sizes() {
 TEST(MemoryModel, UnitAndUseBytesAreTheGatheredBuffers) {
   const Schedule s = tied_five();
   const MemoryModel m(s, awkward_sizes());
-  const Choices c;
-  EXPECT_EQ(m.unit_bytes(2, c), 7168u * 2);
-  EXPECT_EQ(m.use_bytes({4, Use::kHead}, c), (3072u + 10240u) * 2);  // head and tied embedding
-  EXPECT_EQ(m.largest_unit(c), 10240u * 2);
+  EXPECT_EQ(m.unit_bytes(2), 7168u * 2);
+  EXPECT_EQ(m.use_bytes({4, Use::kHead}), (3072u + 10240u) * 2);  // head and tied embedding
+  EXPECT_EQ(m.largest_unit(), 10240u * 2);
 }
 
 TEST(MemoryModel, ScratchIsTheLargestUsesActivationsGradientBuffersAndLogits) {
@@ -151,18 +150,18 @@ TEST(MemoryModel, WorkingSetIsTheLargestNeedPlusThePrefetchedUnits) {
         Choices c{act, recomputed, prefetch};
         uint64_t largest = 0;
         for (const Use& u : s.uses()) {
-          const uint64_t need = m.use_bytes(u, c) + m.scratch(c) + m.held_at(u, c) +
+          const uint64_t need = m.use_bytes(u) + m.scratch(c) + m.held_at(u, c) +
                                 (act == Placement::kDevice ? recomputed * m.activation_bytes() : 0);
           EXPECT_EQ(m.need(u, c), need);
           largest = std::max(largest, need);
         }
         EXPECT_EQ(m.largest_need(c), largest);
-        EXPECT_EQ(m.working_set(c), largest + uint64_t(prefetch) * m.largest_unit(c));
+        EXPECT_EQ(m.working_set(c), largest + uint64_t(prefetch) * m.largest_unit());
         // prefetch_room: how many of the largest unit fit beyond base + the largest need.
         const uint64_t base = 12345;
         Choices none = c;
         none.prefetch = 0;
-        const uint64_t usable = base + m.largest_need(none) + 2 * m.largest_unit(c) + 1;
+        const uint64_t usable = base + m.largest_need(none) + 2 * m.largest_unit() + 1;
         EXPECT_EQ(m.prefetch_room(none, base, usable), 2u);
         EXPECT_EQ(m.prefetch_room(none, base, base + m.largest_need(none) - 1), 0u);
       }

@@ -50,19 +50,19 @@ uint64_t MemoryModel::head_loss_bytes() const {
   return head_scratch_bytes(sizes_.tokens, sizes_.vocab, sizes_.hidden, sizes_.compute_bytes, head_logits());
 }
 
-uint64_t MemoryModel::unit_bytes(size_t u, const Choices& /*no choice changes it*/) const {
+uint64_t MemoryModel::unit_bytes(size_t u) const {
   return sizes_.padded_numel.at(u) * sizes_.compute_bytes;
 }
 
-uint64_t MemoryModel::use_bytes(const Use& use, const Choices& c) const {
+uint64_t MemoryModel::use_bytes(const Use& use) const {
   uint64_t b = 0;
-  for (size_t u : schedule_.units_of(use.stage)) b += unit_bytes(u, c);
+  for (size_t u : schedule_.units_of(use.stage)) b += unit_bytes(u);
   return b;
 }
 
-uint64_t MemoryModel::largest_unit(const Choices& c) const {
+uint64_t MemoryModel::largest_unit() const {
   uint64_t b = 0;
-  for (size_t u = 0; u < schedule_.num_units(); ++u) b = std::max(b, unit_bytes(u, c));
+  for (size_t u = 0; u < schedule_.num_units(); ++u) b = std::max(b, unit_bytes(u));
   return b;
 }
 
@@ -79,7 +79,7 @@ uint64_t MemoryModel::checkpoint_bytes(const Choices& c) const {
 uint64_t MemoryModel::held_at(const Use& use, const Choices& c) const {
   uint64_t b = 0;
   for (size_t j = schedule_.first_block() + c.recomputed; j < schedule_.first_head(); ++j) {
-    if (use.kind == Use::kHead || j < use.stage) b += sizes_.graph_bytes + use_bytes({j, Use::kForward}, c);
+    if (use.kind == Use::kHead || j < use.stage) b += sizes_.graph_bytes + use_bytes({j, Use::kForward});
     else if (j == use.stage) b += sizes_.graph_bytes;
   }
   return b;
@@ -99,7 +99,7 @@ uint64_t MemoryModel::largest_need(const Choices& c) const {
 
 uint64_t MemoryModel::prefetch_room(const Choices& c, uint64_t base, uint64_t usable) const {
   const uint64_t used = base + largest_need(c);
-  const uint64_t unit = largest_unit(c);
+  const uint64_t unit = largest_unit();
   return usable > used && unit > 0 ? (usable - used) / unit : 0;
 }
 

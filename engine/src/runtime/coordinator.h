@@ -85,7 +85,7 @@ class ParameterCoordinator {
   void start_gather(size_t u);
   void bind(size_t u);
   bool fits(uint64_t extra) const;
-  uint64_t unit_bytes(size_t u) const { return memory_.unit_bytes(u, choice_); }
+  uint64_t unit_bytes(size_t u) const { return memory_.unit_bytes(u); }
 
   const plan::Schedule& schedule_;
   const plan::MemoryModel& memory_;

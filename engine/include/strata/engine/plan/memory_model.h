@@ -87,9 +87,9 @@ class MemoryModel {
     return schedule_.is_block(stage) && stage < schedule_.first_block() + c.recomputed;
   }
 
-  uint64_t unit_bytes(size_t unit, const Choices& c) const;
-  uint64_t use_bytes(const Use& use, const Choices& c) const;
-  uint64_t largest_unit(const Choices& c) const;
+  uint64_t unit_bytes(size_t unit) const;
+  uint64_t use_bytes(const Use& use) const;
+  uint64_t largest_unit() const;
   uint64_t activation_bytes() const;  // one [tokens, hidden] activation of a micro-batch
   // Stage s's input (a boundary activation, an activation checkpoint), and the largest one.
   uint64_t input_bytes(size_t stage) const;
@@ -122,12 +122,12 @@ class MemoryModel {
   uint64_t peak_held(const Choices& c) const;
   // What running `use` needs beside the device-placed state, no unit gathered ahead.
   uint64_t need(const Use& use, const Choices& c) const {
-    return use_bytes(use, c) + scratch(c) + device_checkpoints(c) + held_at(use, c);
+    return use_bytes(use) + scratch(c) + device_checkpoints(c) + held_at(use, c);
   }
   // The largest need, and with `prefetch` largest units gathered ahead.
   uint64_t largest_need(const Choices& c) const;
   uint64_t working_set(const Choices& c) const {
-    return largest_need(c) + uint64_t(c.prefetch < 0 ? 0 : c.prefetch) * largest_unit(c);
+    return largest_need(c) + uint64_t(c.prefetch < 0 ? 0 : c.prefetch) * largest_unit();
   }
   // How many of the largest unit fit ahead within `usable` bytes (usable_device) beside `base`
   // bytes of device-placed state and the largest need; 0 if not even the need fits.
