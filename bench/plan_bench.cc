@@ -28,7 +28,8 @@ struct Case {
 };
 
 struct Measured {
-  double seconds = 0;
+  double seconds = 0;             // median of the timed steps
+  std::vector<double> times;      // the timed steps
   double device_peak = 0, host_state = 0, nvme_state = 0;
 };
 
@@ -46,7 +47,7 @@ json config_of(const Case& k, const fs::path& dir, int64_t steps, const std::str
   return j;
 }
 
-Measured measure(const Case& k, const fs::path& config, const fs::path& dir, int64_t steps) {
+Measured measure(const Case& k, const fs::path& config, const fs::path& dir) {
   const fs::path log = fs::absolute(dir / (k.name + ".jsonl"));
   fs::remove(log);
   if (k.nvme) fs::create_directories(dir / ("swap-" + k.name));
@@ -69,6 +70,7 @@ Measured measure(const Case& k, const fs::path& config, const fs::path& dir, int
     m.nvme_state = std::max(m.nvme_state, j.value("nvme_state", 0.0));
   }
   if (times.empty()) throw std::runtime_error("bench plan: no timed step in " + log.string());
+  m.times = times;
   std::sort(times.begin(), times.end());
   m.seconds = times[times.size() / 2];
   return m;
@@ -86,15 +88,16 @@ std::string pct(double predicted, double measured) {
 
 void run_plan_bench(const PlanBenchOptions& o) {
   fs::create_directories(o.dir);
-  planner::Cluster machine;
+  // Calibrated here unless given: rounds before the runs and one after each, so that the
+  // calibration's medians and the runs sample the same stretch of this machine's time (a shared
+  // VM's speed drifts by tens of percent over minutes).
+  std::unique_ptr<Calibration> calibration;
   if (o.cluster.empty()) {
     CalibrateOptions co;
     co.dir = o.dir.string();
     co.device = o.device;
-    machine = calibrate_this_machine(co);
-    std::ofstream(o.dir / "cluster.json") << planner::cluster_json(machine);
-  } else {
-    machine = planner::cluster_from(o.cluster);
+    calibration = std::make_unique<Calibration>(co);
+    calibration->rounds(kCalibrationRounds);
   }
   const bool cuda = o.device == "cuda";
   const int64_t scale = cuda ? 4 : o.quick ? 1 : 2;
@@ -124,16 +127,52 @@ void run_plan_bench(const PlanBenchOptions& o) {
     cases[4] = {"gpt-auto", 1, gpt, automatic, {{"overlap", "forward"}}, mb, seq};
     cases[5] = {"gpt-big-host-after-backward", 1, gpt_big, host, {{"overlap", false}}, mb / 2, 2 * seq};
   }
-  std::printf("\n| case | ranks | measured s/step | predicted | error | device peak (measured / predicted) | host state | "
-              "NVMe state |\n|---|---|---|---|---|---|---|---|\n");
-  double worst_time = 0, sum_time = 0, worst_memory = 0, worst_device = 0, measured_mean = 0;
-  json rows = json::array();
+  // Each case runs `passes` times, the second pass in reverse order (a drift over the bench then
+  // falls on both ends alike); its figure is the median of all its timed steps, and the spread
+  // between its passes' medians is this machine's run-to-run noise, printed beside the errors.
+  const int passes = o.quick ? 1 : 2;
+  std::vector<Measured> measured(cases.size());
+  std::vector<std::vector<double>> pass_medians(cases.size());
+  std::vector<engine::TrainConfig> configs;
+  std::vector<fs::path> config_files;
   for (const Case& k : cases) {
     const json cj = config_of(k, o.dir, o.steps, o.device);
-    const fs::path config = o.dir / (k.name + ".json");
-    std::ofstream(config) << cj.dump(2);
-    const engine::TrainConfig tc = engine::parse_train_config(cj.dump(), config.string());
-    const Measured m = measure(k, config, o.dir, o.steps);
+    config_files.push_back(o.dir / (k.name + ".json"));
+    std::ofstream(config_files.back()) << cj.dump(2);
+    configs.push_back(engine::parse_train_config(cj.dump(), config_files.back().string()));
+  }
+  for (int pass = 0; pass < passes; ++pass)
+    for (size_t j = 0; j < cases.size(); ++j) {
+      const size_t i = pass % 2 ? cases.size() - 1 - j : j;
+      const Measured m = measure(cases[i], config_files[i], o.dir);
+      std::printf("bench plan: pass %d, %s: %.3f s a step (median of %zu)\n", pass + 1, cases[i].name.c_str(),
+                  m.seconds, m.times.size());
+      std::fflush(stdout);
+      pass_medians[i].push_back(m.seconds);
+      std::vector<double> all = measured[i].times;
+      all.insert(all.end(), m.times.begin(), m.times.end());
+      measured[i] = m;
+      measured[i].times = all;
+      std::sort(all.begin(), all.end());
+      measured[i].seconds = all[all.size() / 2];
+      if (calibration) calibration->rounds(1);
+    }
+  planner::Cluster machine;
+  if (calibration) {
+    machine = calibration->cluster();
+    std::ofstream(o.dir / "cluster.json") << planner::cluster_json(machine);
+  } else {
+    machine = planner::cluster_from(o.cluster);
+  }
+
+  std::printf("\n| case | ranks | measured s/step | passes | predicted | error | device peak (measured / predicted) | "
+              "host state | NVMe state |\n|---|---|---|---|---|---|---|---|---|\n");
+  double worst_time = 0, sum_time = 0, worst_memory = 0, worst_device = 0, measured_mean = 0, worst_spread = 0;
+  json rows = json::array();
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& k = cases[i];
+    const engine::TrainConfig& tc = configs[i];
+    const Measured& m = measured[i];
     planner::Cluster c = machine;
     c.nodes = 1;
     c.node.gpus = k.ranks;
@@ -142,6 +181,15 @@ void run_plan_bench(const PlanBenchOptions& o) {
     const double dev = double(e.state.device_bytes()), hostb = double(e.state.host_state),
                  nvme = double(e.state.nvme_state);
     const double err_t = e.time.step / m.seconds - 1;
+    const auto [lo, hi] = std::minmax_element(pass_medians[i].begin(), pass_medians[i].end());
+    const double spread = *hi / *lo - 1;
+    worst_spread = std::max(worst_spread, spread);
+    std::string passes_text;
+    for (double x : pass_medians[i]) {
+      char b[16];
+      std::snprintf(b, sizeof b, "%.3f", x);
+      passes_text += (passes_text.empty() ? "" : " / ") + std::string(b);
+    }
     worst_time = std::max(worst_time, std::abs(err_t));
     sum_time += std::abs(err_t);
     measured_mean += m.seconds / double(cases.size());
@@ -149,19 +197,21 @@ void run_plan_bench(const PlanBenchOptions& o) {
       if (q > 0) worst_memory = std::max(worst_memory, std::abs(p / q - 1));
     // The device: the plan's reservation (a bound over the step's uses) against the ledger's peak.
     if (m.device_peak > 0) worst_device = std::max(worst_device, std::abs(dev / m.device_peak - 1));
-    std::printf("| %s | %d | %.3f | %.3f | %s | %.1f / %.1f MB (%s) | %.1f / %.1f MB (%s) | %.1f / %.1f MB (%s) |\n",
-                k.name.c_str(), k.ranks, m.seconds, e.time.step, pct(e.time.step, m.seconds).c_str(),
+    std::printf("| %s | %d | %.3f | %s | %.3f | %s | %.1f / %.1f MB (%s) | %.1f / %.1f MB (%s) | %.1f / %.1f MB (%s) |\n",
+                k.name.c_str(), k.ranks, m.seconds, passes_text.c_str(), e.time.step, pct(e.time.step, m.seconds).c_str(),
                 m.device_peak / 1e6, dev / 1e6, pct(dev, m.device_peak).c_str(), m.host_state / 1e6, hostb / 1e6,
                 pct(hostb, m.host_state).c_str(), m.nvme_state / 1e6, nvme / 1e6, pct(nvme, m.nvme_state).c_str());
     std::fflush(stdout);
-    rows.push_back({{"case", k.name}, {"ranks", k.ranks}, {"measured_s", m.seconds}, {"predicted_s", e.time.step},
+    rows.push_back({{"case", k.name}, {"ranks", k.ranks}, {"measured_s", m.seconds}, {"passes_s", pass_medians[i]},
+                    {"predicted_s", e.time.step},
                     {"device_peak", m.device_peak}, {"predicted_device", dev}, {"host_state", m.host_state},
                     {"predicted_host", hostb}, {"nvme_state", m.nvme_state}, {"predicted_nvme", nvme},
                     {"bottleneck", e.time.bottleneck}});
   }
-  std::printf("\nstep time: mean error %.1f%%, worst %.1f%%; host and NVMe state: worst error %.1f%%; device: worst "
-              "error %.1f%%\n",
-              100 * sum_time / double(cases.size()), 100 * worst_time, 100 * worst_memory, 100 * worst_device);
+  std::printf("\nstep time: mean error %.1f%%, worst %.1f%% (the same case's passes differ by up to %.1f%%); host and "
+              "NVMe state: worst error %.1f%%; device: worst error %.1f%%\n",
+              100 * sum_time / double(cases.size()), 100 * worst_time, 100 * worst_spread, 100 * worst_memory,
+              100 * worst_device);
   std::cout << json{{"metric", "plan_step_time_worst_error"},
                     {"value", worst_time},
                     {"baseline", "measured strata train runs (mean s/step)"},
@@ -170,6 +220,7 @@ void run_plan_bench(const PlanBenchOptions& o) {
                     {"mean_error", sum_time / double(cases.size())},
                     {"worst_memory_error", worst_memory},
                     {"worst_device_error", worst_device},
+                    {"worst_pass_spread", worst_spread},
                     {"cases", rows}}
                    .dump()
             << std::endl;

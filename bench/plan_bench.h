@@ -15,7 +15,7 @@ namespace strata::bench {
 struct PlanBenchOptions {
   std::filesystem::path dir = "strata-bench-plan";  // logs, configurations, swap
   std::string cluster;   // a cluster file; empty: calibrate this machine first
-  int64_t steps = 5;     // steps per run; the first two are left out of the median
+  int64_t steps = 8;     // steps per run; the first two are left out of the median
   bool quick = false;    // smaller models (CI)
   // "cpu": six configurations on the host device (fp32; 1 and 2 ranks); "cuda": six on GPU 0
   // (bf16, larger models, one rank: placement auto instead of the 2-rank cases).

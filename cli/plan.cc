@@ -102,7 +102,8 @@ int plan_command(const std::vector<std::string>& argv) {
     if (e.fits())
       std::cout << "  step " << t.step << " s (bound " << t.bound << " s, bottleneck " << t.bottleneck
                 << "): compute " << t.compute << " s (matmul " << t.compute_matmul << ", attention "
-                << t.compute_attention << ", memory-bound " << t.compute_memory << "), network " << t.network
+                << t.compute_attention << ", memory-bound " << t.compute_memory << ", engine copies " << t.compute_local
+                << "), network " << t.network
                 << " s, PCIe up " << t.pcie_up << " s, down " << t.pcie_down << " s, NVMe " << t.nvme
                 << " s, CPU optimizer " << t.cpu_optimizer << " s, device optimizer " << t.device_optimizer
                 << " s\n  per rank: device " << e.state.device_bytes() << " B (state " << e.state.device_state

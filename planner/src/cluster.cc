@@ -67,6 +67,17 @@ double matmul_rate(const GpuSpec& g, double flops, bool fp32) {
   return peak * f;
 }
 
+double NodeSpec::disk_seconds(double read, double written, double drives, double sharers) const {
+  if (read <= 0 && written <= 0) return 0;
+  const double scale = drives / sharers, rd = nvme_read * scale, wr = nvme_write * scale, both = nvme_duplex * scale;
+  if (rd <= 0 || wr <= 0) throw std::invalid_argument("strata plan: swap traffic on a node whose drives have no bandwidth");
+  const double turns = (read > 0 ? read / rd : 0) + (written > 0 ? written / wr : 0);
+  if (both <= 0) return turns;
+  // Together: each direction no faster than alone, both no faster than the measured sum, and
+  // never slower than taking turns.
+  return std::min(turns, std::max({read / rd, written / wr, (read + written) / both}));
+}
+
 namespace {
 Cluster parse_cluster_json(const json& j, const std::string& source);
 }  // namespace
@@ -131,6 +142,7 @@ Cluster parse_cluster_json(const json& j, const std::string& source) {
     node.nvme_capacity = v.num("capacity_tb", kTB);
     node.nvme_read = v.num("read_gbps", kGB);
     node.nvme_write = v.num("write_gbps", kGB);
+    node.nvme_duplex = v.num("duplex_gbps", kGB, 0);
   }
   node.pcie_h2d = n.num("pcie_h2d_gbps", kGB);
   node.pcie_d2h = n.num("pcie_d2h_gbps", kGB);
@@ -178,7 +190,8 @@ std::string cluster_json(const Cluster& c) {
     node["nvme"] = {{"drives", n.nvme_drives},
                     {"capacity_tb", n.nvme_capacity / kTB},
                     {"read_gbps", n.nvme_read / kGB},
-                    {"write_gbps", n.nvme_write / kGB}};
+                    {"write_gbps", n.nvme_write / kGB},
+                    {"duplex_gbps", n.nvme_duplex / kGB}};
   return json{{"name", c.name}, {"source", c.source}, {"nodes", c.nodes}, {"node", node}}.dump(2) + "\n";
 }
 

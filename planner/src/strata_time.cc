@@ -40,7 +40,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const double bwd = double(blocks) * 2 * block_fwd + recomputed * block_fwd;
   // The host device's ranks share one CPU and its memory: each gets its share of both.
   const double share = gpu.is_host ? double(per_node) : 1;
-  const double compute_mb = (fwd + head + bwd) * share;
+  const double model_mb = (fwd + head + bwd) * share;
   const models::ForwardFlops ff = models::forward_flops_per_token(m, cfg.seq_len);
   t.flops = 3 * ff.total() * seqs * double(cfg.seq_len) * A;
 
@@ -65,6 +65,20 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
     if (g != Placement::kDevice) down += shard_n * 4;
     if (g == Placement::kNvme && !p.placement.grads_transient) nvme_w += shard_n * 4, nvme_r += shard_n * 4;
   }
+  // The engine's own passes over device memory beside the model's kernels, each byte read or
+  // written: a gathered unit whose shard is on the device copied into its buffer (on one rank
+  // the all-gather is that copy); each unit's gradient zeroed, copied out of autograd's tensor in
+  // fp32, reduced (on one rank a copy) and, kept on the device, added to its accumulator.
+  double local = 0;
+  for (size_t u = 0; u < units; ++u) {
+    const double padded = double(p.padded_numel[u]), shard_n = double(p.shard_numel[u]);
+    if (tier(u, 0) == Placement::kDevice) local += uses_of[u] * (shard_n + padded) * cb;
+    local += padded * (4 + cb + 4) + (w == 1 ? padded * 8 : 0);
+    if (tier(u, 1) == Placement::kDevice) local += shard_n * 12;
+  }
+  // On the host device a copy of n bytes moves 2n (the calibrated copy rate counts n).
+  const double local_mb = local / (gpu.is_host ? 2 * c.node.pcie_h2d : gpu.memory_bandwidth) * share;
+  const double compute_mb = model_mb + local_mb;
   const double ckpt = double(p.checkpoint_bytes);
   if (p.choice.activations != Placement::kDevice) up += ckpt, down += ckpt;
   if (p.choice.activations == Placement::kNvme) nvme_r += ckpt, nvme_w += ckpt;
@@ -76,7 +90,6 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // On the host device, "PCIe" copies are memory copies: calibration measures them there.
   const double h2d = c.node.pcie_h2d / share, d2h = c.node.pcie_d2h / share;
   const double drives = std::max(1, c.node.nvme_drives);
-  const double nvme_rd = c.node.nvme_read * drives / per_node, nvme_wr = c.node.nvme_write * drives / per_node;
   // Bytes over a link: a link that is needed but has no bandwidth is an error in the cluster
   // description (check_cluster catches the usual ones first).
   const auto safe = [](double bytes, double bw) {
@@ -89,7 +102,8 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // across nodes, the time the link itself takes beyond that is waiting, which compute overlaps.
   const double net_cpu_mb = world <= 1 ? 0 : safe(gathered + reduced, c.node.intra_bandwidth);
   const double up_mb = safe(up, h2d), down_mb = safe(down, d2h);
-  const double nvme_mb = safe(nvme_r, nvme_rd) + safe(nvme_w, nvme_wr);
+  const auto disk = [&](double read, double written) { return c.node.disk_seconds(read, written, drives, per_node); };
+  const double nvme_mb = disk(nvme_r, nvme_w);
 
   // A micro-batch: the busiest resource with gathers ahead; without, each gather's transfers
   // wait in line before its compute. The first unit of each micro-batch waits anyway.
@@ -116,7 +130,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // On the host device the device's Adam is the CPU kernel.
   const double dev_opt = gpu.is_host ? safe(device_elems, cpu_rate) : safe(device_elems * 32, gpu.memory_bandwidth);
   // Master and moments read and written back (12 bytes each way an element).
-  const double opt_nvme = safe(group_swap * 12, nvme_rd) + safe(group_swap * 12 + copies_to_swap, nvme_wr);
+  const double opt_nvme = disk(group_swap * 12, group_swap * 12 + copies_to_swap);
   const double opt_up = safe(upload, h2d);
   // Overlapped (optimizer.overlap), the update's CPU Adam and swap traffic hide behind the next
   // micro-batch's forward or this one's backward; on the host device only its disk traffic can
@@ -142,6 +156,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   t.compute_matmul = A * share * (block_passes * block_kinds.matmul + head_passes * head_kinds.matmul);
   t.compute_attention = A * share * block_passes * block_kinds.attention;
   t.compute_memory = A * share * (block_passes * block_kinds.memory + head_passes * head_kinds.memory);
+  t.compute_local = A * local_mb;
   t.network = A * net_mb;
   t.pcie_up = A * up_mb + opt_up;
   t.pcie_down = A * down_mb;

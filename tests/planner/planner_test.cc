@@ -10,8 +10,10 @@
 #include <vector>
 
 #include "strata/engine/config.h"
+#include "strata/engine/plan/schedule.h"
 #include "strata/models/model_shapes.h"
 #include "strata/planner/compare.h"
+#include "strata/planner/compute.h"
 
 namespace strata::planner {
 namespace {
@@ -222,6 +224,11 @@ TEST(Planner, ClusterFilesRoundTripAndBadOnesAreNamed) {
     EXPECT_NEAR(back.node.nvme_capacity, c.node.nvme_capacity, 1);
     EXPECT_NEAR(back.node.inter_bandwidth, c.node.inter_bandwidth, 1);
   }
+  {
+    Cluster c = cluster_preset("h100-box");
+    c.node.nvme_duplex = 3.5e9;
+    EXPECT_NEAR(parse_cluster(cluster_json(c), "round trip").node.nvme_duplex, 3.5e9, 1);
+  }
   const auto fails_with = [](const std::string& text, const std::string& what) {
     try {
       parse_cluster(text, "f.json");
@@ -253,6 +260,105 @@ TEST(Planner, MatmulRateInterpolatesOnLogFlops) {
 }
 
 // The model family of --max-model: 1T is 25600 x 128, sizes grow with the hidden size.
+// A block's products each run at the rate of their own size: with an efficiency curve that
+// punishes small products, the attention projections (h x h) take longer per FLOP than the MLP's
+// (h x 4h). Llama-style blocks run q, k and v as three products, GPT-2 as one.
+TEST(Planner, EachProductRunsAtTheRateOfItsSize) {
+  GpuSpec g;
+  g.peak_flops = 100e12;
+  g.matmul_efficiency = {{1e6, 0.1}, {1e12, 1.0}};
+  g.memory_bandwidth = 1e12;
+  for (const char* preset : {"gpt2", "llama-1b"}) {
+    models::ModelConfig m = models::preset(preset);
+    m.hidden = 512;
+    m.heads = 8;
+    m.kv_heads = std::string(preset) == "gpt2" ? 8 : 4;
+    m.head_dim = 64;
+    m.intermediate = 1376;
+    const double tokens = 4 * 128, d = 512, q = 512, kv = 64.0 * m.kv_heads, f = 1376;
+    const bool gpt2 = std::string(preset) == "gpt2";
+    const Work w = block_forward(m, 4, 128, ShardOf{});
+    // The FLOPs are the block's, however they are split.
+    EXPECT_DOUBLE_EQ(w.gemm_flops(), 2 * tokens * (d * (q + 2 * kv) + q * d + (gpt2 ? 2 : 3) * d * f)) << preset;
+    // The time: each product at its own rate.
+    std::vector<std::pair<double, double>> products = {{2 * tokens * q * d, 1}, {2 * tokens * d * f, gpt2 ? 2 : 3}};
+    if (gpt2) products.push_back({2 * tokens * d * (q + 2 * kv), 1});
+    else products.insert(products.end(), {{2 * tokens * d * q, 1}, {2 * tokens * d * kv, 2}});
+    double expected = 0;
+    for (auto [flops, count] : products) expected += count * flops / matmul_rate(g, flops);
+    EXPECT_NEAR(seconds_by_kind(w, g).matmul, expected, expected * 1e-12) << preset;
+    // Slower than pricing every product at the MLP's size (the old single rate).
+    EXPECT_GT(seconds_by_kind(w, g).matmul, w.gemm_flops() / matmul_rate(g, 2 * tokens * d * f)) << preset;
+    // Scaling the work scales each product's count, not its size: twice the time.
+    EXPECT_NEAR(seconds_by_kind(w.scaled(2), g).matmul, 2 * expected, expected * 1e-12) << preset;
+  }
+}
+
+// Swap reads and writes in flight together: with the measured rate of both at once, a step's
+// swap takes the longest of each direction alone and the two at the duplex rate, never longer
+// than taking turns; without it, turns. Drives add up, ranks divide them.
+TEST(Planner, SwapReadsAndWritesTogetherAtTheMeasuredDuplexRate) {
+  NodeSpec n;
+  n.nvme_read = 2e9;
+  n.nvme_write = 1e9;
+  EXPECT_DOUBLE_EQ(n.disk_seconds(2e9, 1e9, 1, 1), 2.0);  // turns: 1 s + 1 s
+  EXPECT_DOUBLE_EQ(n.disk_seconds(0, 0, 1, 1), 0.0);
+  n.nvme_duplex = 2.4e9;
+  EXPECT_DOUBLE_EQ(n.disk_seconds(2e9, 1e9, 1, 1), 3e9 / 2.4e9);  // together: 1.25 s
+  EXPECT_DOUBLE_EQ(n.disk_seconds(4e9, 0, 1, 1), 2.0);            // reads alone: the read rate
+  EXPECT_DOUBLE_EQ(n.disk_seconds(2e9, 1e9, 2, 1), 3e9 / 4.8e9);  // two drives
+  EXPECT_DOUBLE_EQ(n.disk_seconds(2e9, 1e9, 2, 4), 3e9 / 1.2e9);  // shared by four ranks
+  n.nvme_duplex = 0.5e9;  // a drive slower with both than taking turns: turns
+  EXPECT_DOUBLE_EQ(n.disk_seconds(2e9, 1e9, 1, 1), 2.0);
+  n.nvme_read = 0;
+  EXPECT_THROW(n.disk_seconds(1, 0, 1, 1), std::invalid_argument);
+}
+
+// The engine's own copies on the device (gathers from a device-placed shard, each gradient
+// zeroed, copied out of autograd, reduced and accumulated) count as compute time on the host
+// device, where they take the cores: moving the compute copies off the device removes the
+// gathers' copies, and a wider model copies proportionally more.
+TEST(Planner, EngineCopiesOnTheDeviceCountAsCompute) {
+  Cluster c = cluster_preset("h100-box");
+  c.node.gpu.is_host = true;
+  c.node.gpu.memory = 64.0 * (1 << 30);
+  c.node.pcie_h2d = c.node.pcie_d2h = 10e9;
+  models::ModelConfig m = models::preset("gpt2");
+  m.layers = 2;
+  m.hidden = 256;
+  m.heads = m.kv_heads = 4;
+  m.intermediate = 1024;
+  m.vocab_size = 4096;
+  engine::EngineConfig cfg;
+  cfg.compute = engine::Precision::kFp32;
+  cfg.micro_batch = 2;
+  cfg.seq_len = 64;
+  cfg.params = cfg.grads = cfg.master = cfg.moments = cfg.activations = engine::Placement::kDevice;
+  const StrataEstimate on_device = estimate_strata_as_given(cfg, m, c);
+  ASSERT_TRUE(on_device.fits()) << on_device.state.error;
+  const StrataTime& t = on_device.time;
+  EXPECT_GT(t.compute_local, 0);
+  EXPECT_NEAR(t.compute, t.compute_matmul + t.compute_attention + t.compute_memory + t.compute_local, 1e-12);
+  // Per unit: fp32 gradients zeroed (4 B), copied in (4 + 4), reduced on one rank (4 + 4),
+  // accumulated on the device (12 B of the shard); each of a unit's uses copies its shard into
+  // the gathered buffer (4 + 4). One rank: shard = padded.
+  const engine::StatePrediction& p = on_device.state;
+  const engine::plan::Schedule schedule(p.stage_units, p.shard_numel.size(), size_t(p.tiles.vocab), size_t(p.tiles.vocab));
+  std::vector<double> uses(p.shard_numel.size(), 0);
+  for (const engine::plan::Use& use : schedule.uses())
+    for (size_t u : schedule.units_of(use.stage)) uses[u] += 1;
+  double bytes = 0, gathers = 0;
+  for (size_t u = 0; u < uses.size(); ++u) {
+    bytes += double(p.padded_numel[u]) * (4 + 8 + 8 + 12);
+    gathers += uses[u] * double(p.padded_numel[u]) * 8;
+  }
+  EXPECT_NEAR(t.compute_local, (bytes + gathers) / 20e9, 1e-12);
+  cfg.params = engine::Placement::kHost;
+  const StrataEstimate on_host = estimate_strata_as_given(cfg, m, c);
+  ASSERT_TRUE(on_host.fits()) << on_host.state.error;
+  EXPECT_NEAR(on_host.time.compute_local, bytes / 20e9, 1e-12);
+}
+
 TEST(Planner, FamilyModels) {
   const models::ModelConfig t = family_model(25600);
   EXPECT_EQ(t.layers, 128);

@@ -42,6 +42,11 @@ struct NodeSpec {
   int nvme_drives = 0;
   double nvme_capacity = 0;      // bytes per drive
   double nvme_read = 0, nvme_write = 0;  // bytes/s per drive
+  // Bytes/s per drive read and written together (reads and writes in flight at once, as the
+  // optimizer's swap runs them); 0: unknown, reads and writes are taken to take turns.
+  double nvme_duplex = 0;
+  // Seconds for `read` and `written` bytes on `drives` drives shared by `sharers` ranks.
+  double disk_seconds(double read, double written, double drives, double sharers) const;
   double pcie_h2d = 0, pcie_d2h = 0;     // bytes/s per GPU, each way
   double intra_bandwidth = 0;    // bytes/s per GPU of a collective inside the node (bus bandwidth)
   double inter_bandwidth = 0;    // bytes/s per node each way over the network

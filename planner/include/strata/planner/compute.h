@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "strata/models/model_config.h"
 #include "strata/planner/cluster.h"
@@ -20,11 +21,18 @@
 namespace strata::planner {
 
 struct Work {
-  double gemm_flops = 0;       // dense products (the linear layers, the LM head)
-  double gemm_product = 0;     // FLOPs of one such product (its size sets the efficiency)
+  // Dense products (the linear layers, the LM head), each with its own FLOPs: a product's size sets
+  // the rate it reaches (ClusterSpec's efficiency curve), so a block's small attention projections
+  // run slower than its MLP.
+  struct Gemm {
+    double flops = 0;  // of one product
+    double count = 1;  // how many such products
+  };
+  std::vector<Gemm> gemms;
   double attention_flops = 0;  // q.k and p.v
   double attention_product = 0;
   double memory_bytes = 0;     // memory-bound kernels' traffic
+  double gemm_flops() const;   // all the dense products together
   Work scaled(double f) const;
 };
 

@@ -25,8 +25,9 @@ namespace strata::planner {
 struct StrataTime {
   // Seconds of one step (grad_accum micro-batches and the update) on each resource.
   double compute = 0, network = 0, pcie_up = 0, pcie_down = 0, nvme = 0, cpu_optimizer = 0, device_optimizer = 0;
-  // compute, by kind of work: matrix products, fused attention, memory-bound kernels
-  double compute_matmul = 0, compute_attention = 0, compute_memory = 0;
+  // compute, by kind of work: matrix products, fused attention, memory-bound kernels, and the
+  // engine's own copies of gathered units and gradients on the device
+  double compute_matmul = 0, compute_attention = 0, compute_memory = 0, compute_local = 0;
   double step = 0;
   double bound = 0;          // the busiest resource's total: no schedule does better
   double flops = 0;          // model FLOPs of a step on this rank (3 x forward, no recompute)
