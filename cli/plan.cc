@@ -26,7 +26,7 @@ Equations, sources and blind spots: docs/PLANNER.md.
 
 options:
   --model NAME|FILE    a preset (gpt2 ... gpt-1t, llama-*) or a Hugging Face config.json
-  --cluster NAME|FILE  dgx-a100, dgx2-v100, h100-box (default) or a cluster JSON file
+  --cluster NAME|FILE  dgx-a100, dgx2-v100, h100-box (default), h200-box or a cluster JSON file
   --nodes N[,N...]     node counts to plan for (default: the cluster file's)
   --seq-len N          tokens a sequence (default 2048)
   --global-batch N     sequences a step (default: 8 per GPU)

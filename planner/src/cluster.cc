@@ -294,14 +294,46 @@ Cluster h100_box() {
   return c;
 }
 
+Cluster h200_box() {
+  Cluster c;
+  c.name = "h200-box";
+  c.source =
+      "This project's second GPU machine (docs/PERFORMANCE.md): one H200 (139.8 GiB as CUDA reports it), 16 cores, "
+      "125 GiB RAM, one 64 GiB virtual disk. Measured there by Strata's own benchmarks, not by training runs: "
+      "strata plan --calibrate --device cuda (2026-11-27): bf16 products peak at 700 TFLOP/s, 0.7% of it at "
+      "6.7e7 FLOPs a product, 5% at 5.4e8, 35% at 4.3e9, 87% at 3.4e10, the peak from 2.7e11; PCIe 54.5 GB/s up, "
+      "54.7 down; disk 1.27 GB/s read, 1.94 write. strata bench adam (2026-11-27, 1e8 parameters, 16 threads): CPU "
+      "Adam 4.13 Gparam/s; CUDA Adam's device copy bandwidth 4.17 TB/s. Reserved: the engine's own reserve (8% "
+      "of the GPU) and the CUDA context. Assumed: fp32 peak 67 TFLOPS (H200 datasheet, unused in bf16 runs).";
+  c.node.gpus = 1;
+  GpuSpec& g = c.node.gpu;
+  g.name = "H200";
+  g.memory = 139.8 * kGiB;
+  g.reserved = 11.7 * kGiB;
+  g.peak_flops = 700e12;
+  g.peak_flops_fp32 = 67e12;
+  g.matmul_efficiency = {{6.7e7, 0.007}, {5.37e8, 0.05}, {4.29e9, 0.35}, {3.44e10, 0.87}, {2.75e11, 1.0}};
+  g.memory_bandwidth = 4.17e12;
+  c.node.host_memory = 125 * kGiB;
+  c.node.cpu_adam_rate = 4.13e9;
+  c.node.nvme_drives = 1;
+  c.node.nvme_capacity = 64 * kGiB;
+  c.node.nvme_read = 1.27e9;
+  c.node.nvme_write = 1.94e9;
+  c.node.pcie_h2d = 54.5e9;
+  c.node.pcie_d2h = 54.7e9;
+  return c;
+}
+
 }  // namespace
 
-std::vector<std::string> cluster_presets() { return {"dgx-a100", "dgx2-v100", "h100-box"}; }
+std::vector<std::string> cluster_presets() { return {"dgx-a100", "dgx2-v100", "h100-box", "h200-box"}; }
 
 Cluster cluster_preset(const std::string& name) {
   if (name == "dgx-a100") return dgx_a100();
   if (name == "dgx2-v100") return dgx2_v100();
   if (name == "h100-box") return h100_box();
+  if (name == "h200-box") return h200_box();
   std::string names;
   for (const std::string& n : cluster_presets()) names += (names.empty() ? "" : ", ") + n;
   throw std::invalid_argument("unknown cluster '" + name + "': give a JSON file or one of " + names);
