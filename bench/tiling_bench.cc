@@ -60,13 +60,14 @@ void run_tiling_bench(const TilingBenchOptions& o) {
   auto comm = engine::Communicator::create(engine::DistEnv{}, std::chrono::seconds(60));
 
   // (a) Overhead where both fit.
-  {
+  if (o.parts.find('a') != std::string::npos) {
     const models::ModelConfig c = gpt2_shape("gpt2-tiling-bench", o.layers, o.hidden, o.heads, o.vocab, o.seq);
     auto dev_whole = engine::Device::create(o.device, 0, UINT64_MAX), dev_cut = engine::Device::create(o.device, 0, UINT64_MAX);
     engine::Engine whole(std::make_unique<models::Decoder>(c, 1), engine_config(o, o.batch, o.seq, 1, threads), *comm,
                          *dev_whole);
-    engine::Engine cut(std::make_unique<models::Decoder>(c, 1), engine_config(o, o.batch, o.seq, o.tiles, threads),
-                       *comm, *dev_cut);
+    engine::EngineConfig cut_cfg = engine_config(o, o.batch, o.seq, o.tiles, threads);
+    cut_cfg.head_one_pass = o.head_one_pass;
+    engine::Engine cut(std::make_unique<models::Decoder>(c, 1), cut_cfg, *comm, *dev_cut);
     const uint64_t tokens = uint64_t(o.batch * o.seq), vocab = uint64_t(o.vocab);
     const std::string cut_desc = engine::plan::describe(cut.memory_model().sizes().logits, tokens, vocab);
     std::cerr << "bench tiling (a): " << c.parameters() / 1e6 << "M parameters (" << o.layers << " x " << o.hidden
@@ -138,6 +139,7 @@ void run_tiling_bench(const TilingBenchOptions& o) {
                             {"overhead", vsec[1] / vsec[0] - 1},
                             {"target_ratio_at_most", 1.10},
                             {"tiling", vocab_desc},
+                            {"baseline_tiling", "head logits " + cut_desc},
                             {"largest_unit_bytes_whole", cut.memory_model().largest_unit()},
                             {"largest_unit_bytes_tiled",
                              vocab_cut.memory_model().largest_unit()},
@@ -151,7 +153,7 @@ void run_tiling_bench(const TilingBenchOptions& o) {
   // (b) Capacity in one budget: the largest vocabulary (doubling from 256, up to
   // --capacity-max-vocab) that trains; untiled, then with the head's logits and the vocabulary
   // "auto".
-  {
+  if (o.parts.find('b') != std::string::npos) {
     const int64_t T = o.capacity_tokens;
     const auto largest = [&](uint64_t tiling, uint64_t* tiles_used, uint64_t* vocab_tiles_used) {
       int64_t best = 0;
@@ -199,7 +201,7 @@ void run_tiling_bench(const TilingBenchOptions& o) {
 
   // (c) Capacity in one budget: the largest hidden size (doubling from 128; one GPT-2 block,
   // heads of 64, intermediate 4 x hidden) that trains with whole blocks vs blocks cut "auto".
-  {
+  if (o.parts.find('c') != std::string::npos) {
     const int64_t T = o.hidden_tokens;
     const auto largest = [&](uint64_t block_tiles, engine::EngineConfig* used) {
       int64_t best = 0;

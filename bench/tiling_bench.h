@@ -20,6 +20,7 @@ struct TilingBenchOptions {
   // (a): a GPT-2 shape whose head is a large part of the step.
   int64_t layers = 2, hidden = 256, heads = 4, vocab = 32768, seq = 256, batch = 4;
   uint64_t tiles = 16;
+  bool head_one_pass = false;  // (a) the head's tiles with placement.tiling.head_pass "one"
   int64_t attention_tiles = 2, mlp_tiles = 4;  // (a) the blocks' tiles beside whole blocks
   uint64_t vocab_tiles = 8;  // (a) the embedding's and the LM head's tiles beside them whole
   unsigned steps = 5;  // timed steps per side, round-robin, median reported
@@ -33,6 +34,7 @@ struct TilingBenchOptions {
   unsigned threads = 0;  // 0: every hardware thread
   std::string device = "cpu";     // "cpu" (the host device) or "cuda" (GPU 0)
   std::string compute = "fp32";   // precision.compute: fp32 or bf16
+  std::string parts = "abc";      // which parts run
 };
 
 // Prints a JSON line per part; the last one (c) is the summary.

@@ -197,7 +197,7 @@ with them whole, in one run, fp32 on the host device:
   (c) the blocks cut into tiles: in --hidden-budget, the largest hidden size (doubling from 128 up to
       --hidden-max) of a one-block GPT-2 that trains with whole blocks vs blocks cut "auto"
       (target: at least 8x).
-A JSON line per part; the last one is (c).
+A JSON line per part; the last one is (c) when it runs.
 
   --layers N            (a) transformer blocks (default 2)
   --hidden N            (a) model width (default 256)
@@ -206,6 +206,7 @@ A JSON line per part; the last one is (c).
   --seq N               (a) tokens per sequence (default 256)
   --batch N             (a) sequences per step (default 4)
   --tiles N             (a) the head's tiles (default 16)
+  --head-pass P         (a) the head's tiles in "two" passes (default) or "one" (head_pass)
   --attention-tiles N   (a) each block's attention tiles (default 2, at most --heads)
   --mlp-tiles N         (a) each block's MLP tiles (default 4)
   --vocab-tiles N       (a) the embedding's and LM head's vocabulary tiles (default 8)
@@ -220,6 +221,7 @@ A JSON line per part; the last one is (c).
   --threads N           threads for libtorch and the kernels (default: all)
   --device D            cpu (default: the host device) or cuda
   --compute P           precision.compute: fp32 (default) or bf16
+  --parts LIST          which parts run, of a, b and c (default abc)
 )";
 
 int bench_tiling(const std::vector<std::string>& argv) {
@@ -231,7 +233,7 @@ int bench_tiling(const std::vector<std::string>& argv) {
   strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "tiles", "attention-tiles",
                                 "mlp-tiles", "vocab-tiles", "steps", "budget",
                                 "capacity-hidden", "capacity-tokens", "capacity-max-vocab", "hidden-budget", "hidden-tokens", "hidden-max",
-                                "threads", "device", "compute"}, {});
+                                "threads", "device", "compute", "head-pass", "parts"}, {});
   strata::bench::TilingBenchOptions o;
   o.layers = args.count("layers", unsigned(o.layers));
   o.hidden = args.count("hidden", unsigned(o.hidden));
@@ -240,6 +242,9 @@ int bench_tiling(const std::vector<std::string>& argv) {
   o.seq = args.count("seq", unsigned(o.seq));
   o.batch = args.count("batch", unsigned(o.batch));
   o.tiles = args.count("tiles", unsigned(o.tiles));
+  const std::string pass = args.get("head-pass", "two");
+  if (pass != "one" && pass != "two") throw std::invalid_argument("bench tiling: --head-pass must be one or two, not " + pass);
+  o.head_one_pass = pass == "one";
   o.attention_tiles = args.count("attention-tiles", unsigned(o.attention_tiles));
   o.mlp_tiles = args.count("mlp-tiles", unsigned(o.mlp_tiles));
   o.vocab_tiles = args.count("vocab-tiles", unsigned(o.vocab_tiles));
@@ -254,6 +259,9 @@ int bench_tiling(const std::vector<std::string>& argv) {
   o.threads = args.count("threads", o.threads);
   o.device = args.get("device", o.device);
   o.compute = args.get("compute", o.compute);
+  o.parts = args.get("parts", o.parts);
+  if (o.parts.empty() || o.parts.find_first_not_of("abc") != std::string::npos)
+    throw std::invalid_argument("bench tiling: --parts takes a, b and c, not " + o.parts);
   strata::bench::run_tiling_bench(o);
   return 0;
 }

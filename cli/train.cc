@@ -762,7 +762,7 @@ int run_training(const std::vector<std::string>& argv) {
           {"master", to_string(ec.master)}, {"moments", to_string(ec.moments)},
           {"activations", to_string(ec.activations)}, {"recomputed_blocks", ec.recompute_blocks},
           {"head_tiles", ec.head_tiles}, {"attention_tiles", ec.attention_tiles}, {"mlp_tiles", ec.mlp_tiles}, {"vocab_tiles", ec.vocab_tiles},
-          {"mlp_token_chunk", ec.mlp_token_chunk},
+          {"mlp_token_chunk", ec.mlp_token_chunk}, {"head_one_pass", ec.head_one_pass},
           {"optimizer_device_units", eng.optimizer_device_units()},
           {"optimizer_host_units", eng.optimizer_host_units()}}},
         {"device", device->description()},

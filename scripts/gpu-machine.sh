@@ -70,6 +70,11 @@ bench_tiling() {
     --seq 2048 --batch 4 --budget 2GiB --capacity-hidden 1024 --capacity-tokens 8192 \
     >"$out/bench-tiling.jsonl" 2>"$out/bench-tiling.err" || status=1
   tail -4 "$out/bench-tiling.jsonl"
+  # (a) again with the head's tiles in one pass (placement.tiling.head_pass "one"): its first line.
+  "$strata" bench tiling --device cuda --compute bf16 --threads 16 --hidden 1024 --heads 8 --vocab 131072 \
+    --seq 2048 --batch 4 --head-pass one --parts a \
+    >"$out/bench-tiling-one-pass.jsonl" 2>"$out/bench-tiling-one-pass.err" || status=1
+  head -1 "$out/bench-tiling-one-pass.jsonl"
 }
 
 for phase in "${phases[@]}"; do

@@ -374,6 +374,12 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
           else if (it.key() == "attention") e.attention_tiles = count(it.value(), "tiling.attention");
           else if (it.key() == "mlp") e.mlp_tiles = count(it.value(), "tiling.mlp");
           else if (it.key() == "vocab") e.vocab_tiles = count(it.value(), "tiling.vocab");
+          else if (it.key() == "head_pass") {
+            const json& x = it.value();
+            if (x == "one") e.head_one_pass = true;
+            else if (x == "two") e.head_one_pass = false;
+            else s.fail("tiling.head_pass", "must be \"one\" or \"two\", not " + x.dump());
+          }
           else if (it.key() == "mlp_tokens") {
             const json& x = it.value();
             if (x == "off") e.mlp_token_chunk = 0;
@@ -381,7 +387,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
             else s.fail("tiling.mlp_tokens", "must be \"off\" or a number of tokens >= 1, not " + x.dump());
           }
           else s.fail("tiling." + it.key(), "is not a layer kind that is tiled: \"head\", \"attention\", \"mlp\", "
-                                            "\"vocab\" and \"mlp_tokens\" are");
+                                            "\"vocab\", \"head_pass\" and \"mlp_tokens\" are");
       } else {
         s.fail("tiling", "must be \"auto\", \"off\" or an object {\"head\": tiles, \"attention\": tiles, \"mlp\": tiles, \"vocab\": tiles}, not " +
                              v->dump());

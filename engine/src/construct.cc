@@ -102,8 +102,9 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   const StateBytes need = state_bytes(shard_numel, c10::elementSize(cdt), transient_limit);
   // The head's tiles first: the working set every later decision plans with depends on them.
   const uint64_t explicit_on_device = explicit_device_bytes(cfg, need);
-  head_tiles = resolve_head_tiles(cfg, *schedule, sizes, choice, explicit_on_device, usable_device(), agreement());
-  sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab, head_tiles);
+  const HeadCut head_cut = resolve_head_tiles(cfg, *schedule, sizes, choice, explicit_on_device, usable_device(), agreement());
+  head_tiles = head_cut.count;
+  sizes.logits = head_cut.logits;
   memory = std::make_unique<plan::MemoryModel>(*schedule, std::move(sizes));
   const PlacementPlan resolved = resolve_placement(
       cfg, *memory, choice, need, usable_device(),

@@ -129,8 +129,10 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   out.budgets = budgets(usable);
   try {
     const uint64_t explicit_on_device = explicit_device_bytes(cfg, need);
-    out.head_tiles = resolve_head_tiles(cfg, schedule, sizes, choice, explicit_on_device, usable, same);
-    sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab, out.head_tiles);
+    const HeadCut head_cut = resolve_head_tiles(cfg, schedule, sizes, choice, explicit_on_device, usable, same);
+    out.head_tiles = head_cut.count;
+    out.head_one_pass = head_cut.logits.one_pass;
+    sizes.logits = head_cut.logits;
     const plan::MemoryModel memory(schedule, sizes);
     out.placement = resolve_placement(cfg, memory, choice, need, usable, budgets, same, out.report);
     out.report += describe_tiles(out.tiles, memory);

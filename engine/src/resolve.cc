@@ -116,34 +116,58 @@ std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel
   return out;
 }
 
-uint64_t resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
-                            const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree) {
-  if (cfg.head_tiles != EngineConfig::kTilesAuto) return cfg.head_tiles;
-  const auto fits = [&](uint64_t count) {
+HeadCut resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
+                           const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree) {
+  const auto fits = [&](const plan::LogitsTiling& t) {
     plan::ModelSizes s = sizes;
-    s.logits = plan::logits_tiling(s.tokens, s.vocab, count);
+    s.logits = t;
     return usable == UINT64_MAX || base + plan::MemoryModel(schedule, s).working_set(choice) <= usable;
   };
-  // The cut's bytes are not monotone in the count (a count that adds a token chunk can leave
-  // wider tiles than one fewer), so every count is tried in order up to kScanned; beyond, doubling
-  // and a binary search give about the fewest.
-  constexpr uint64_t kScanned = 4096;
-  const uint64_t most = std::max<uint64_t>(1, plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab));
+  // A count's cut: with head_pass "one", one pass where it fits (fewer products), else two.
+  const bool one_pass_allowed = cfg.head_one_pass && sizes.vocab_tiles <= 1;
+  const auto one_pass_cut = [&](uint64_t count) {
+    const plan::LogitsTiling t = plan::one_pass_tiling(sizes.tokens, sizes.vocab, count);
+    return one_pass_allowed && t.tiled(sizes.tokens, sizes.vocab) ? std::optional<plan::LogitsTiling>(t) : std::nullopt;
+  };
+  const auto cut_that_fits = [&](uint64_t count) -> std::optional<plan::LogitsTiling> {
+    if (const auto one = one_pass_cut(count); one && fits(*one)) return one;
+    const plan::LogitsTiling two = plan::logits_tiling(sizes.tokens, sizes.vocab, count);
+    if (fits(two)) return two;
+    return std::nullopt;
+  };
   uint64_t count = 0;
-  for (uint64_t c = 1; c <= std::min(most, kScanned) && !count; ++c)
-    if (fits(c)) count = c;
-  if (!count && most > kScanned) {
-    uint64_t hi = kScanned;
-    while (hi < most && !fits(hi)) hi = std::min(most, hi * 2);
-    if (fits(hi)) {
-      uint64_t lo = hi / 2;  // did not fit
-      while (hi - lo > 1) (fits(lo + (hi - lo) / 2) ? hi : lo) = lo + (hi - lo) / 2;
-      count = hi;
+  if (cfg.head_tiles != EngineConfig::kTilesAuto) {
+    count = cfg.head_tiles;
+  } else {
+    // The cut's bytes are not monotone in the count (a count that adds a token chunk can leave
+    // wider tiles than one fewer), so every count is tried in order up to kScanned; beyond,
+    // doubling and a binary search give about the fewest.
+    constexpr uint64_t kScanned = 4096;
+    const uint64_t most = std::max<uint64_t>(1, plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab));
+    const auto fits_count = [&](uint64_t c) { return cut_that_fits(c).has_value(); };
+    for (uint64_t c = 1; c <= std::min(most, kScanned) && !count; ++c)
+      if (fits_count(c)) count = c;
+    if (!count && most > kScanned) {
+      uint64_t hi = kScanned;
+      while (hi < most && !fits_count(hi)) hi = std::min(most, hi * 2);
+      if (fits_count(hi)) {
+        uint64_t lo = hi / 2;  // did not fit
+        while (hi - lo > 1) (fits_count(lo + (hi - lo) / 2) ? hi : lo) = lo + (hi - lo) / 2;
+        count = hi;
+      }
     }
+    // Nothing fits: the smallest tiles "auto" cuts; construction's budget check names what is left.
+    if (!count) count = most;
   }
-  // Nothing fits: the smallest tiles "auto" cuts; construction's budget check names what is left.
-  if (!count) count = most;
-  return uint64_t(agree({int64_t(count)})[0]);
+  const std::optional<plan::LogitsTiling> found = cut_that_fits(count);
+  const bool one_pass = found && found->one_pass;
+  // Two passes are the safe choice (no fp32 weight gradient held): code 1, the larger.
+  const std::vector<int64_t> agreed = agree({int64_t(count), one_pass ? 0 : 1});
+  HeadCut cut;
+  cut.count = uint64_t(agreed[0]);
+  cut.logits = agreed[1] == 0 && one_pass_cut(cut.count) ? *one_pass_cut(cut.count)
+                                                          : plan::logits_tiling(sizes.tokens, sizes.vocab, cut.count);
+  return cut;
 }
 
 PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,

@@ -41,7 +41,7 @@ using Agree = std::function<std::vector<int64_t>(const std::vector<int64_t>&)>;
 struct Resolved {
   PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
   plan::Choices working_set;  // recomputed, activations, prefetch (auto: its start)
-  uint64_t head_tiles = 1;    // the head's logits tiles asked for (plan::logits_tiling)
+  uint64_t head_tiles = 1;    // the head's logits tiles asked for (HeadCut::count)
   models::LayerTiling tiles;
   std::string report;         // the placement line (`--plan`, the log)
 };
@@ -82,14 +82,21 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
 // unit B)" for the placement line, each part only when cut.
 std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm);
 
-// The head's logits tiles: the configured count, or for "auto" the fewest for which `base` (the
+// The head's logits cut: the configured count, or for "auto" the fewest for which `base` (the
 // state the configuration puts on the device explicitly) plus the working set under `choice` (the
 // configuration's explicit choices, the leanest automatic ones) fits `usable` (every count up to
 // 4096 tried in order, beyond that about the fewest), up to plan::max_auto_logits_tiles; when none
-// fits, that most (construction's budget check then names what still does not fit). Agreed:
-// every rank takes the most tiles any rank needs (their losses are then computed alike).
-uint64_t resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
-                            const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree);
+// fits, that most (construction's budget check then names what still does not fit). A count is
+// cut in two passes (plan::logits_tiling); with head_pass "one" in one pass
+// (plan::one_pass_tiling: token chunks over the whole vocabulary, no logits recomputed) where
+// that fits too and the head is not in vocabulary tiles. Agreed: every rank takes the most tiles any rank needs, and two passes
+// if any rank needs them (their losses are then computed alike).
+struct HeadCut {
+  uint64_t count = 1;          // tiles asked for
+  plan::LogitsTiling logits;   // the cut
+};
+HeadCut resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
+                           const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree);
 
 // The kinds' tiers and the split: the configuration's explicit ones kept, "auto" ones planned
 // within `budgets(device_bytes_for_state)` (machine_budgets), where the device keeps room for

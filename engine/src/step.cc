@@ -53,9 +53,12 @@ at::Tensor Engine::Impl::head_loss(const at::Tensor& x, const MicroBatch& mb, bo
   const plan::ModelSizes& s = memory->sizes();
   if (s.logits.tiled(s.tokens, s.vocab)) {
     const at::Tensor h = head.normed(x);
-    const at::Tensor sum = tiling::linear_cross_entropy_sum(h.reshape({-1, h.size(-1)}), head.lm_weight(), mb.targets,
-                                                            int64_t(s.logits.token_chunk), int64_t(s.logits.vocab_tile),
-                                                            kIgnored);
+    // The step's backward gives the sum loss_scale (a masked sum) or loss_scale / tokens (a mean):
+    // one pass computes its gradients for that upstream gradient in the forward.
+    const double upstream = masked ? loss_scale : loss_scale / double(std::max<int64_t>(1, mb.targets.numel()));
+    const at::Tensor sum = tiling::linear_cross_entropy_sum(
+        h.reshape({-1, h.size(-1)}), head.lm_weight(), mb.targets, int64_t(s.logits.token_chunk),
+        int64_t(s.logits.vocab_tile ? s.logits.vocab_tile : s.vocab), kIgnored, s.logits.one_pass, upstream);
     return masked ? sum : sum / double(mb.targets.numel());
   }
   const at::Tensor logits = head.forward(x);

@@ -34,9 +34,11 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const double block_fwd = block_kinds.total(), head_fwd = head_kinds.total();
   const double recomputed = double(p.choice.recomputed) * blocks / double(std::max<size_t>(1, block_stages));
   // Forward, backward (twice the forward), the recomputed blocks' forward again; the head's
-  // forward and backward, plus its logits again in the backward when cut into tiles.
+  // forward and backward, plus its logits again in the backward when cut into tiles in two
+  // passes (one pass computes each chunk's gradients with its loss).
   const double fwd = double(blocks) * block_fwd;
-  const double head = (p.head_tiles > 1 || vocab_tiles > 1 ? 4 : 3) * head_fwd;
+  const bool head_recomputed = (p.head_tiles > 1 && !p.head_one_pass) || vocab_tiles > 1;
+  const double head = (head_recomputed ? 4 : 3) * head_fwd;
   const double bwd = double(blocks) * 2 * block_fwd + recomputed * block_fwd;
   // The host device's ranks share one CPU and its memory: each gets its share of both.
   const double share = gpu.is_host ? double(per_node) : 1;
@@ -152,7 +154,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // --- per resource, for the bound and the bottleneck --------------------------------------------
   t.compute = A * compute_mb;
   // By kind: the same passes (each block 3 + recompute, the head 3 or 4) over each kind's time.
-  const double block_passes = double(blocks) * 3 + recomputed, head_passes = p.head_tiles > 1 || vocab_tiles > 1 ? 4 : 3;
+  const double block_passes = double(blocks) * 3 + recomputed, head_passes = head_recomputed ? 4 : 3;
   t.compute_matmul = A * share * (block_passes * block_kinds.matmul + head_passes * head_kinds.matmul);
   t.compute_attention = A * share * block_passes * block_kinds.attention;
   t.compute_memory = A * share * (block_passes * block_kinds.memory + head_passes * head_kinds.memory);

@@ -863,6 +863,20 @@ TEST(TrainConfig, EveryKeyReachesItsField) {
   EXPECT_EQ(c.export_dir, "out");
 }
 
+// placement.tiling.head_pass: "two" (the default) or "one"; anything else is refused by name.
+TEST(TrainConfig, HeadPassIsOneOrTwo) {
+  EXPECT_FALSE(parse_train_config("{}", "t.json").engine.head_one_pass);
+  EXPECT_TRUE(parse_train_config(R"({"placement": {"tiling": {"head": 4, "head_pass": "one"}}})", "t.json")
+                  .engine.head_one_pass);
+  EXPECT_FALSE(parse_train_config(R"({"placement": {"tiling": {"head_pass": "two"}}})", "t.json").engine.head_one_pass);
+  try {
+    parse_train_config(R"({"placement": {"tiling": {"head_pass": 1}}})", "t.json");
+    ADD_FAILURE() << "accepted head_pass 1";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tiling.head_pass"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TrainConfig, RecomputeTakesAllNoneAutoOrABlockCount) {
   auto recompute_of = [](const std::string& value) {
     return parse_train_config(R"({"placement": {"recompute": )" + value + "}}", "test.json").engine.recompute_blocks;

@@ -264,8 +264,10 @@ TEST(EffectiveConfig, ShowsEveryResolvedChoiceAndKeepsTheRest) {
 }
 
 // placement.tiling "auto": the fewest head tiles whose working set fits, exactly (one fewer does
-// not), with the explicit device state counted; a peer needing more tiles wins; an explicit count
-// is kept; a budget that nothing fits gets the most tiles (construction's check then names it).
+// not, in one pass or two), with the explicit device state counted; with head_pass "one" the
+// count cut in one pass where that fits, else in two; a peer needing more tiles, or two passes, wins; an explicit count
+// is kept (in one pass when it fits); a budget that nothing fits gets the most tiles
+// (construction's check then names it).
 TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
   plan::ModelSizes z = Model::sizes();
   z.tokens = 512;
@@ -273,33 +275,81 @@ TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
   const plan::Schedule schedule{{{0}, {1}, {2}, {3}, {4, 0}}, 5};
   plan::Choices lean;
   lean.recomputed = 3;
-  const auto working = [&](uint64_t count) {
+  const auto working = [&](const plan::LogitsTiling& t) {
     plan::ModelSizes s = z;
-    s.logits = plan::logits_tiling(s.tokens, s.vocab, count);
+    s.logits = t;
     return plan::MemoryModel(schedule, s).working_set(lean);
   };
+  const auto two = [&](uint64_t count) { return plan::logits_tiling(z.tokens, z.vocab, count); };
+  const auto one = [&](uint64_t count) { return plan::one_pass_tiling(z.tokens, z.vocab, count); };
+  const auto same_cut = [](const plan::LogitsTiling& a, const plan::LogitsTiling& b) {
+    return a.token_chunk == b.token_chunk && a.vocab_tile == b.vocab_tile && a.one_pass == b.one_pass;
+  };
   EngineConfig c = all_auto();
+  c.head_one_pass = true;
   const uint64_t base = 4096;
+  int one_pass_picks = 0;
   for (uint64_t want : {2ull, 3ull, 7ull, 20ull}) {
-    const uint64_t usable = base + working(want);
-    Peer alone;
-    const uint64_t got = resolve_head_tiles(c, schedule, z, lean, base, usable, alone.agree());
-    EXPECT_LE(base + working(got), usable) << want;
-    for (uint64_t fewer = 1; fewer < got; ++fewer)
-      EXPECT_GT(base + working(fewer), usable) << want << ": " << fewer << " tiles fit too";
-    EXPECT_LE(got, want);
-    Peer more{{int64_t(got) + 5}};
-    EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, base, usable, more.agree()), got + 5);
+    for (const plan::LogitsTiling& room : {two(want), one(want)}) {
+      const uint64_t usable = base + working(room);
+      Peer alone;
+      const HeadCut got = resolve_head_tiles(c, schedule, z, lean, base, usable, alone.agree());
+      EXPECT_LE(base + working(got.logits), usable) << want;
+      for (uint64_t fewer = 1; fewer < got.count; ++fewer) {
+        EXPECT_GT(base + working(two(fewer)), usable) << want << ": " << fewer << " tiles fit too";
+        if (fewer > 1) {
+          EXPECT_GT(base + working(one(fewer)), usable) << want << ": " << fewer << " fit in one pass";
+        }
+      }
+      EXPECT_LE(got.count, want);
+      // One pass whenever it fits at that count.
+      const bool one_fits = base + working(one(got.count)) <= usable;
+      EXPECT_TRUE(same_cut(got.logits, one_fits ? one(got.count) : two(got.count))) << want;
+      one_pass_picks += got.logits.one_pass;
+      Peer more{{int64_t(got.count) + 5, 1}};  // more tiles, and two passes
+      const HeadCut agreed = resolve_head_tiles(c, schedule, z, lean, base, usable, more.agree());
+      EXPECT_EQ(agreed.count, got.count + 5);
+      EXPECT_TRUE(same_cut(agreed.logits, two(got.count + 5)));
+    }
   }
+  EXPECT_GT(one_pass_picks, 0);
   Peer alone;
-  EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, UINT64_MAX, alone.agree()), 1u);  // no limit: untiled
+  EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, UINT64_MAX, alone.agree()).count, 1u);  // no limit: untiled
+  EXPECT_FALSE(resolve_head_tiles(c, schedule, z, lean, 0, UINT64_MAX, alone.agree()).logits.tiled(z.tokens, z.vocab));
   // Nothing fits: the smallest tiles "auto" cuts (64 tokens x 1024 rows: 8 x 3 of them here).
   EXPECT_EQ(plan::max_auto_logits_tiles(z.tokens, z.vocab), 8u * 3u);
-  EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree()), 24u);
+  EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree()).count, 24u);
   c.head_tiles = 6;
-  const int calls = alone.calls;
-  EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree()), 6u);
-  EXPECT_EQ(alone.calls, calls) << "an explicit count needs no agreement";
+  const HeadCut kept = resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree());
+  EXPECT_EQ(kept.count, 6u);
+  EXPECT_TRUE(same_cut(kept.logits, two(6))) << "no room: two passes";
+  EXPECT_TRUE(same_cut(resolve_head_tiles(c, schedule, z, lean, 0, UINT64_MAX, alone.agree()).logits, one(6)));
+  // head_pass "two" (the default): never one pass.
+  c.head_one_pass = false;
+  EXPECT_TRUE(same_cut(resolve_head_tiles(c, schedule, z, lean, 0, UINT64_MAX, alone.agree()).logits, two(6)));
+  c.head_one_pass = true;
+  // Vocabulary tiles: never one pass (the weight's ranges are never together).
+  plan::ModelSizes tiled = z;
+  tiled.vocab_tiles = 2;
+  const plan::Schedule vocab_schedule{{{0}, {1}, {2}, {3}, {4}, {5}}, 6, 2, 2};
+  EXPECT_FALSE(resolve_head_tiles(c, vocab_schedule, tiled, lean, 0, UINT64_MAX, alone.agree()).logits.one_pass);
+}
+
+// One-pass cuts: even token chunks over the whole vocabulary, as many as asked (clamped to the
+// tokens); their scratch holds one chunk's logits and the fp32 weight gradient.
+TEST(ResolveHeadTiles, OnePassCutsAreTokenChunksOverTheWholeVocabulary) {
+  for (auto [tokens, vocab] : {std::pair<uint64_t, uint64_t>{512, 3001}, {1000, 50257}, {7, 64}})
+    for (uint64_t count : {2ull, 3ull, 7ull, 16ull, 1000ull}) {
+      const plan::LogitsTiling t = plan::one_pass_tiling(tokens, vocab, count);
+      EXPECT_TRUE(t.one_pass);
+      EXPECT_EQ(t.vocab_tile, vocab);
+      EXPECT_EQ(t.tiles(tokens, vocab), std::min(count, tokens)) << tokens << " " << count;
+      EXPECT_EQ(plan::head_scratch_bytes(tokens, vocab, 64, 2, t),
+                t.token_chunk * vocab * 6 + t.token_chunk * 64 * 2 + tokens * 64 * 4 + vocab * 64 * 6 + tokens * 16);
+    }
+  EXPECT_FALSE(plan::one_pass_tiling(512, 3001, 1).tiled(512, 3001));
+  EXPECT_EQ(plan::describe(plan::one_pass_tiling(512, 3001, 4), 512, 3001),
+            "4 tiles of 128 tokens x the whole vocabulary in one pass");
 }
 
 // "auto" tiles of the logits: no more than max_efficient_logits_tiles before the vocabulary is

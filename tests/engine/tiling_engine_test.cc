@@ -45,6 +45,7 @@ struct HeadCase {
   uint64_t tiles;
   json placement;  // merged into "placement"
   std::string overlap;
+  bool one_pass = false;  // placement.tiling.head_pass "one"
 };
 
 class TiledHead : public ::testing::TestWithParam<HeadCase> {};
@@ -55,6 +56,7 @@ TEST_P(TiledHead, TrainsAsLibtorchDoesWithWholeLogits) {
   json j = tiling_config(k.llama, 3);
   j["placement"] = k.placement;
   j["placement"]["tiling"] = {{"head", k.tiles}};
+  if (k.one_pass) j["placement"]["tiling"]["head_pass"] = "one";
   j["optimizer"]["overlap"] = k.overlap;
   if (k.overlap == "backward") j["optimizer"].erase("clip_grad_norm");  // not known until the end
   if (k.placement.dump().find("nvme") != std::string::npos)
@@ -72,7 +74,9 @@ INSTANTIATE_TEST_SUITE_P(
                                {{"grads", "nvme"}, {"master", "nvme"}, {"moments", "nvme"}}, "forward"},
                       HeadCase{"gpt2_3_tiles_update_in_backward", false, 3, json::object(), "backward"},
                       HeadCase{"llama_4_tiles_kept_graphs_device_checkpoints", true, 4,
-                               {{"recompute", 1}, {"activations", "device"}}, "forward"}),
+                               {{"recompute", 1}, {"activations", "device"}}, "forward"},
+                      HeadCase{"gpt2_tied_7_tiles_one_pass", false, 7, json::object(), "forward", true},
+                      HeadCase{"llama_6_tiles_one_pass_update_in_backward", true, 6, json::object(), "backward", true}),
     [](const ::testing::TestParamInfo<HeadCase>& i) { return i.param.name; });
 
 // Several ranks: each rank's head computes its own micro-batches' loss tile by tile. Checked
@@ -199,6 +203,20 @@ TEST(TiledHead, MaskedStepsAndEvaluationEqualTheUntiledHead) {
   j["batch"] = {{"micro_batch", 3}, {"grad_accum", 2}};
   expect_masked_steps_and_evaluation_equal(j, {{"head", 1}}, {{"head", 13}},
                                            [](const se::EngineConfig& e) { EXPECT_EQ(e.head_tiles, 13u); });
+}
+
+// The same in one pass (token chunks over the whole vocabulary, each chunk's gradients with its
+// loss), at tiling_config's learning rate: at tiny_config's, Adam's first step (lr x the
+// gradient's sign) turns the chunks' other order of summing the weight gradient into weight
+// differences near 2e-5.
+TEST(TiledHead, MaskedStepsAndEvaluationInOnePassEqualTheUntiledHead) {
+  json j = tiling_config(true, 2);
+  j["batch"] = {{"micro_batch", 3}, {"grad_accum", 2}};
+  expect_masked_steps_and_evaluation_equal(j, {{"head", 1}}, {{"head", 13}, {"head_pass", "one"}},
+                                           [](const se::EngineConfig& e) {
+                                             EXPECT_EQ(e.head_tiles, 13u);
+                                             EXPECT_TRUE(e.head_one_pass);
+                                           });
 }
 
 // bf16 compute: the tiled head rounds each tile's products to bf16 where the untiled one rounds

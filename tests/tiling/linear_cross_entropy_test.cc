@@ -51,6 +51,14 @@ Result tiled(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets
   });
 }
 
+// One pass told the upstream gradient `scale` (as the engine tells it), or `told` instead.
+Result one_pass(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, double scale, int64_t chunk,
+                double told = 0) {
+  return run(h, w, scale, [&](const at::Tensor& hh, const at::Tensor& ww) {
+    return linear_cross_entropy_sum(hh, ww, targets, chunk, ww.size(0), -100, /*one_pass=*/true, told > 0 ? told : scale);
+  });
+}
+
 double rel(const at::Tensor& a, const at::Tensor& b) {
   const double scale = b.to(at::kDouble).abs().max().item<double>();
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / std::max(scale, 1e-30);
@@ -141,6 +149,51 @@ TEST(LinearCrossEntropy, RefusesBadInput) {
   EXPECT_THROW(linear_cross_entropy_sum(h, w.to(at::kBFloat16), at::zeros({4}, at::kLong), 2, 8), std::invalid_argument);
 }
 
+// One pass (token chunks over the whole vocabulary, the gradients computed with the loss and
+// scaled in the backward): the untiled loss and gradients in fp32 for every chunk size, with
+// ignored rows, an upstream gradient other than 1 and only one input wanting a gradient; within
+// bf16's rounding in bf16; refused with vocabulary tiles.
+TEST(LinearCrossEntropy, OnePassEqualsTheUntiledLossAndGradients) {
+  const int64_t tokens = 53, vocab = 211, hidden = 19;
+  at::manual_seed(17);
+  const at::Tensor h = at::randn({tokens, hidden}), w = at::randn({vocab, hidden}) * 0.5;
+  const at::Tensor targets = random_targets(tokens, vocab, 0.2, 12);
+  const Result ref = untiled(h, w, targets, 0.37);
+  for (int64_t chunk : {1, 7, 16, 52, 53, 100}) {
+    const Result got = one_pass(h, w, targets, 0.37, chunk);
+    // Told a wrong upstream gradient, corrected in the backward: the same within rounding.
+    const Result wrong = one_pass(h, w, targets, 0.37, chunk, 1.0);
+    EXPECT_LE(rel(wrong.grad_h, ref.grad_h), 2e-6) << chunk;
+    EXPECT_LE(rel(wrong.grad_w, ref.grad_w), 2e-6) << chunk;
+    EXPECT_LE(rel(got.loss, ref.loss), 1e-6) << chunk;
+    EXPECT_LE(rel(got.grad_h, ref.grad_h), 2e-6) << chunk;
+    EXPECT_LE(rel(got.grad_w, ref.grad_w), 2e-6) << chunk;
+    EXPECT_EQ(got.grad_h.index({targets.eq(-100)}).abs().max().item<float>(), 0.0f) << chunk;
+  }
+  for (const bool frozen_w : {true, false}) {
+    at::Tensor hh = h.clone().requires_grad_(frozen_w), ww = w.clone().requires_grad_(!frozen_w);
+    torch::autograd::backward({linear_cross_entropy_sum(hh, ww, targets, 8, vocab, -100, true) * 0.37});
+    EXPECT_EQ(ww.grad().defined(), !frozen_w);
+    EXPECT_EQ(hh.grad().defined(), frozen_w);
+    EXPECT_LE(rel(frozen_w ? hh.grad() : ww.grad(), frozen_w ? ref.grad_h : ref.grad_w), 2e-6);
+  }
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_LE(rel(linear_cross_entropy_sum(h, w, targets, 5, vocab, -100, true), ref.loss), 1e-6);
+  }
+  EXPECT_THROW(linear_cross_entropy_sum(h, w, targets, 8, vocab - 1, -100, true), std::invalid_argument);
+
+  at::manual_seed(3);
+  const at::Tensor hb = at::randn({96, 32}).to(at::kBFloat16), wb = (at::randn({333, 32}) * 0.3).to(at::kBFloat16);
+  const at::Tensor tb = random_targets(96, 333, 0.1, 5);
+  const Result bref = untiled(hb, wb, tb, 1.0), bgot = one_pass(hb, wb, tb, 1.0, 17);
+  EXPECT_EQ(bgot.grad_h.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(bgot.grad_w.scalar_type(), at::kBFloat16);
+  EXPECT_LE(rel(bgot.loss, bref.loss), 1e-5);
+  EXPECT_LE(rel(bgot.grad_h, bref.grad_h), 2e-2);
+  EXPECT_LE(rel(bgot.grad_w, bref.grad_w), 2e-2);
+}
+
 // The case, 128K vocabulary x 16K tokens, scaled down with the ratio kept (16K x 2K,
 // hidden 256, fp32): the head's forward and backward peak, measured by the counting allocator
 // beside its inputs and their gradients, tiled into 64 tiles is at most 1/16 of the untiled
@@ -181,6 +234,17 @@ TEST(LinearCrossEntropy, PeakMemoryIsOneTileNotTheLogits) {
   EXPECT_LE(rel(got.loss, ref.loss), 1e-5);
   EXPECT_LE(rel(got.grad_h, ref.grad_h), 1e-5);
   EXPECT_LE(rel(got.grad_w, ref.grad_w), 1e-5);
+  // In one pass, 64 token chunks over the whole vocabulary: the fp32 weight gradient is held
+  // from the forward on, and the plan's count still bounds the peak.
+  const LogitsTiling one = engine::plan::one_pass_tiling(tokens, vocab, 64);
+  auto [fused, one_pass_peak] = peak_of([&] { return one_pass(h, w, targets, 1.0, int64_t(one.token_chunk)); });
+  one_pass_peak -= copies;
+  std::printf("%s: %.2f MiB\n", engine::plan::describe(one, tokens, vocab).c_str(), one_pass_peak / 1048576.0);
+  EXPECT_LE(one_pass_peak, int64_t(head_scratch_bytes(tokens, vocab, hidden, 4, one)));
+  EXPECT_LE(one_pass_peak * 4, untiled_peak);
+  EXPECT_LE(rel(fused.loss, ref.loss), 1e-5);
+  EXPECT_LE(rel(fused.grad_h, ref.grad_h), 1e-5);
+  EXPECT_LE(rel(fused.grad_w, ref.grad_w), 1e-5);
 }
 
 // The same operator on a GPU (the engine runs it there): CUDA tensors give the CPU's numbers
@@ -191,13 +255,16 @@ TEST(LinearCrossEntropy, OnTheGpuEqualsTheCpu) {
   for (const at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
     const at::Tensor h = at::randn({300, 64}).to(dt), w = (at::randn({5000, 64}) * 0.1).to(dt);
     const at::Tensor targets = random_targets(300, 5000, 0.1, 8);
-    const Result cpu = tiled(h, w, targets, 0.5, 64, 700);
-    const Result gpu = tiled(h.cuda(), w.cuda(), targets.cuda(), 0.5, 64, 700);
     const double tol = dt == at::kFloat ? 1e-5 : 2e-2;
-    EXPECT_LE(rel(gpu.loss.cpu(), cpu.loss), dt == at::kFloat ? 1e-6 : 1e-4);
-    EXPECT_LE(rel(gpu.grad_h.cpu(), cpu.grad_h), tol);
-    EXPECT_LE(rel(gpu.grad_w.cpu(), cpu.grad_w), tol);
-    EXPECT_TRUE(gpu.grad_w.is_cuda());
+    for (const bool fused : {false, true}) {
+      const Result cpu = fused ? one_pass(h, w, targets, 0.5, 64) : tiled(h, w, targets, 0.5, 64, 700);
+      const Result gpu = fused ? one_pass(h.cuda(), w.cuda(), targets.cuda(), 0.5, 64)
+                               : tiled(h.cuda(), w.cuda(), targets.cuda(), 0.5, 64, 700);
+      EXPECT_LE(rel(gpu.loss.cpu(), cpu.loss), dt == at::kFloat ? 1e-6 : 1e-4) << fused;
+      EXPECT_LE(rel(gpu.grad_h.cpu(), cpu.grad_h), tol) << fused;
+      EXPECT_LE(rel(gpu.grad_w.cpu(), cpu.grad_w), tol) << fused;
+      EXPECT_TRUE(gpu.grad_w.is_cuda());
+    }
   }
 }
 

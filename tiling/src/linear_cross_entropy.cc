@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -65,6 +67,71 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
                                       ctx->saved_data["tile"].toInt(), grad_h, need_w);
     return {need_h ? grad_h.to(hidden.scalar_type()) : at::Tensor(), grad_w, at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor()};
+  }
+};
+
+// Token chunks over the whole vocabulary: each chunk's softmax is exact at once, so its
+// gradients are computed in the forward with the loss's upstream gradient left out (the loss is
+// a sum, so its gradients are linear in it) and scaled by it in the backward. The logits are
+// never recomputed; the fp32 weight gradient lives from the forward to the backward.
+class OnePassCrossEntropy : public torch::autograd::Function<OnePassCrossEntropy> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                            const at::Tensor& targets, int64_t chunk, int64_t ignore_index, double upstream,
+                            bool want_h, bool want_w) {
+    const int64_t tokens = hidden.size(0), vocab = weight.size(0);
+    const auto f32 = hidden.options().dtype(at::kFloat);
+    at::Tensor grad_h = want_h ? at::empty({tokens, hidden.size(1)}, f32) : at::Tensor();
+    at::Tensor grad_w = want_w ? at::zeros({vocab, weight.size(1)}, f32) : at::Tensor();
+    at::Tensor loss = at::zeros({}, f32);
+    for (int64_t n0 = 0; n0 < tokens; n0 += chunk) {
+      const int64_t nt = std::min(chunk, tokens - n0);
+      const at::Tensor h = hidden.narrow(0, n0, nt), tg = targets.narrow(0, n0, nt);
+      const at::Tensor valid = tg.ne(ignore_index);
+      const at::Tensor col = at::where(valid, tg, 0).unsqueeze(1);
+      at::Tensor p;
+      {
+        const at::Tensor l = tile_logits(hidden, weight, 0, vocab, n0, nt);  // inputs' dtype
+        const at::Tensor picked = l.gather(1, col).squeeze(1).to(at::kFloat);
+        const at::Tensor m = at::amax(l, 1).to(at::kFloat);
+        // l - m in a new fp32 tensor (minus_in_fp32 would overwrite an fp32 l, which the softmax
+        // below reads again), freed before the softmax's.
+        at::Tensor shifted = l.scalar_type() == at::kFloat ? at::sub(l, m.unsqueeze(1)) : minus_in_fp32(l, m.unsqueeze(1));
+        const at::Tensor lse = m + at::log(shifted.exp_().sum(1));
+        shifted = at::Tensor();
+        loss.add_(at::where(valid, lse - picked, 0.0).sum());
+        // The softmax as the untiled loss's backward computes it, exp(logit - lse): the same
+        // numbers, not exp(logit - max) / sum's.
+        p = minus_in_fp32(l, lse.unsqueeze(1)).exp_();
+      }
+      // d loss / d logit = (softmax - onehot(target)) x the expected upstream gradient, 0 on
+      // ignored tokens: scaled before the narrowing and the products, as the two-pass loss and
+      // autograd scale.
+      p.scatter_(1, col, p.gather(1, col) - valid.to(at::kFloat).unsqueeze(1));
+      p.mul_((valid.to(at::kFloat) * upstream).unsqueeze(1));
+      const at::Tensor g = p.to(hidden.scalar_type());  // as autograd narrows through the cast
+      p = at::Tensor();
+      if (want_h) grad_h.narrow(0, n0, nt).copy_(at::matmul(g, weight));
+      if (want_w) grad_w.add_(at::matmul(g.t(), h));
+    }
+    ctx->saved_data["grad_h"] = grad_h;
+    ctx->saved_data["grad_w"] = grad_w;
+    ctx->saved_data["dtype"] = int64_t(hidden.scalar_type());
+    ctx->saved_data["upstream"] = upstream;
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    // The upstream gradient over the one the forward assumed: exactly 1 when it was right.
+    const at::Tensor scale = grad_out[0].to(at::kFloat) / float(ctx->saved_data["upstream"].toDouble());
+    const auto dtype = at::ScalarType(ctx->saved_data["dtype"].toInt());
+    at::Tensor grad_h = ctx->saved_data["grad_h"].toTensor(), grad_w = ctx->saved_data["grad_w"].toTensor();
+    ctx->saved_data.clear();  // the fp32 buffers go with the last reference below
+    at::Tensor out_h, out_w;
+    if (grad_h.defined() && ctx->needs_input_grad(0)) out_h = grad_h.mul_(scale).to(dtype);
+    grad_h = at::Tensor();
+    if (grad_w.defined() && ctx->needs_input_grad(1)) out_w = grad_w.mul_(scale).to(dtype);
+    return {out_h, out_w, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -136,7 +203,8 @@ at::Tensor backward_rows(const at::Tensor& hidden, const at::Tensor& rows, int64
 }
 
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                                    int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index) {
+                                    int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index, bool one_pass,
+                                    double upstream) {
   const auto bad = [](const std::string& m) { throw std::invalid_argument("linear_cross_entropy_sum: " + m); };
   if (hidden.dim() != 2 || weight.dim() != 2 || targets.dim() != 1) bad("hidden [tokens, hidden], weight [vocab, hidden] and targets [tokens] expected");
   if (hidden.size(1) != weight.size(1)) bad("hidden has " + std::to_string(hidden.size(1)) + " features, the weight " + std::to_string(weight.size(1)));
@@ -153,6 +221,12 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
     if (out_of_range.any().item<bool>()) bad(range);
   } else {
     at::_assert_async(out_of_range.any().logical_not(), "linear_cross_entropy_sum: " + range);
+  }
+  if (one_pass) {
+    if (vocab_tile < weight.size(0)) bad("one pass needs tiles over the whole vocabulary");
+    if (!(upstream > 0) || !std::isfinite(upstream)) bad("the expected upstream gradient must be positive and finite");
+    return OnePassCrossEntropy::apply(hidden, weight, targets, token_chunk, ignore_index, upstream,
+                                      hidden.requires_grad(), weight.requires_grad());
   }
   return LinearCrossEntropy::apply(hidden, weight, targets, token_chunk, vocab_tile, ignore_index);
 }

@@ -38,10 +38,19 @@ LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count) {
   return t;
 }
 
+LogitsTiling one_pass_tiling(uint64_t tokens, uint64_t vocab, uint64_t count) {
+  if (tokens == 0 || vocab == 0 || count <= 1) return {tokens, vocab};
+  LogitsTiling t{ceil_div(tokens, std::min(count, tokens)), vocab, true};
+  // Even chunks may come out fewer than asked (ceil): smaller ones until the count is reached.
+  while (t.token_chunk > 1 && t.tiles(tokens, vocab) < std::min(count, tokens)) --t.token_chunk;
+  return t;
+}
+
 LogitsTiling within_vocab_tiles(const LogitsTiling& t, uint64_t tokens, uint64_t vocab, uint64_t vocab_tiles) {
   if (vocab_tiles <= 1 || vocab == 0) return t;
   const uint64_t rows = ceil_div(vocab, std::min(vocab, vocab_tiles));
-  return {t.token_chunk ? std::min(t.token_chunk, tokens) : tokens, std::min(t.vocab_tile ? t.vocab_tile : vocab, rows)};
+  return {t.token_chunk ? std::min(t.token_chunk, tokens) : tokens, std::min(t.vocab_tile ? t.vocab_tile : vocab, rows),
+          false};
 }
 
 uint64_t max_auto_logits_tiles(uint64_t tokens, uint64_t vocab) {
@@ -57,12 +66,18 @@ uint64_t head_scratch_bytes(uint64_t tokens, uint64_t vocab, uint64_t hidden, ui
                             const LogitsTiling& t) {
   if (!t.tiled(tokens, vocab)) return tokens * vocab * (8 + compute_bytes);
   const uint64_t chunk = std::min(t.token_chunk, tokens), tile = std::min(t.vocab_tile, vocab);
+  if (t.one_pass)
+    return chunk * vocab * (4 + compute_bytes) + chunk * hidden * compute_bytes + tokens * hidden * 4 +
+           vocab * hidden * (4 + compute_bytes) + tokens * 16;
   return chunk * tile * (4 + compute_bytes) + std::max(chunk, tile) * hidden * compute_bytes + tokens * hidden * 4 +
          tile * hidden * 4 + tokens * 16;
 }
 
 std::string describe(const LogitsTiling& t, uint64_t tokens, uint64_t vocab) {
   if (!t.tiled(tokens, vocab)) return "untiled";
+  if (t.one_pass)
+    return std::to_string(t.tiles(tokens, vocab)) + " tiles of " + std::to_string(std::min(t.token_chunk, tokens)) +
+           " tokens x the whole vocabulary in one pass";
   return std::to_string(t.tiles(tokens, vocab)) + " tiles of " + std::to_string(std::min(t.token_chunk, tokens)) +
          " tokens x " + std::to_string(std::min(t.vocab_tile, vocab)) + " vocabulary rows";
 }

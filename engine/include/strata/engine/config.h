@@ -81,6 +81,13 @@ struct EngineConfig {
   // device (Engine::config() shows the count chosen); 1: untiled.
   static constexpr uint64_t kTilesAuto = 0;
   uint64_t head_tiles = kTilesAuto;
+  // placement.tiling "head_pass": "one" cuts the head's logits into token chunks over the whole
+  // vocabulary where the fp32 weight gradient they hold fits too, and computes each chunk's
+  // gradients with its loss (no logits recomputed in the backward); "two" (the default): tiles
+  // over vocabulary ranges, recomputed in the backward. On the development machine's CPU one
+  // pass ran slower (its chunks of the whole vocabulary leave the cache, and its weight gradient
+  // takes a rank-chunk update per chunk); not yet measured on a GPU, where it saves a product.
+  bool head_one_pass = false;
   // placement.tiling for the blocks (models::LayerTiling): each block's attention cut into this
   // many groups of key/value heads and its MLP into this many slices of the intermediate
   // dimension, each tile a unit of its own. kTilesAuto: whole blocks when the working set fits

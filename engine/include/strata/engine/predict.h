@@ -57,6 +57,7 @@ struct StatePrediction {
   plan::Choices choice;       // recomputed block stages, activation checkpoints' tier, prefetch depth
   int prefetch_deepest = 1;   // prefetch "auto": the deepest gather window the budget holds
   uint64_t head_tiles = 1;
+  bool head_one_pass = false;  // the head's tiles computed in one pass (plan::LogitsTiling::one_pass)
   models::LayerTiling tiles;
 
   // This rank's state by tier, and the device's working set beside it.

@@ -34,8 +34,18 @@ namespace strata::tiling {
 // are the tile's rows and columns; the last ones may be shorter. Throws std::invalid_argument on
 // mismatched shapes or dtypes, and on a target outside [0, vocab) that is not ignore_index (on a
 // GPU a device-side assert instead, so that the host is not blocked).
+//
+// `one_pass` (vocab_tile must then cover the whole vocabulary): each token chunk's softmax is
+// exact at once, so the forward computes the loss and both gradients chunk by chunk and the
+// logits are never recomputed: three products a chunk instead of four, for an fp32 weight
+// gradient [vocab, hidden] held from the forward to the backward (plan::head_scratch_bytes
+// counts it). The forward computes the gradients for the upstream gradient `upstream` (the
+// caller's expected d(objective)/d(loss), > 0), scaled before the narrowing and the products as
+// two passes and autograd scale; the backward multiplies them by the real upstream over it,
+// exactly 1 when it was right (the numbers of two passes then, within summation order).
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                                    int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index = -100);
+                                    int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index = -100,
+                                    bool one_pass = false, double upstream = 1.0);
 
 // The same loss in pieces, for a weight held as row ranges that are never together (the engine's
 // vocabulary tiles): the forward accumulates each range's part of every token's log-sum-exp and

@@ -13,6 +13,10 @@ namespace strata::engine::plan {
 struct LogitsTiling {
   uint64_t token_chunk = 0;  // tokens a tile covers (0: not cut, as token_chunk == tokens)
   uint64_t vocab_tile = 0;   // vocabulary rows a tile covers (0: not cut)
+  // Token chunks over the whole vocabulary, each chunk's loss and gradients computed at once in
+  // the forward (tiling::linear_cross_entropy_sum's one pass): no logits recomputed in the
+  // backward, for an fp32 weight gradient held from the forward to the backward.
+  bool one_pass = false;
   bool tiled(uint64_t tokens, uint64_t vocab) const {
     return (token_chunk && token_chunk < tokens) || (vocab_tile && vocab_tile < vocab);
   }
@@ -25,9 +29,13 @@ struct LogitsTiling {
 // matmuls large. `count` beyond tokens x vocab is clamped.
 LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count);
 
+// `count` tiles in one pass: even token chunks over the whole vocabulary (count clamped to the
+// tokens); 1 or less: the logits whole.
+LogitsTiling one_pass_tiling(uint64_t tokens, uint64_t vocab, uint64_t count);
+
 // The tiles the loss runs over when the LM head's weight is cut into `vocab_tiles` row ranges
 // (models::LayerTiling::vocab): `t`'s, no wider than a range (so tiled whenever the ranges are
-// more than one).
+// more than one), in two passes (the ranges are never together).
 LogitsTiling within_vocab_tiles(const LogitsTiling& t, uint64_t tokens, uint64_t vocab, uint64_t vocab_tiles);
 
 // The most tiles placement.tiling "auto" considers: tiles of at least kMinTileTokens tokens x
@@ -52,11 +60,15 @@ uint64_t max_efficient_logits_tiles(uint64_t tokens, uint64_t vocab);
 // compute_bytes), an upper bound in fp32 where the two are one tensor), one matmul product of
 // the backward in the compute dtype (max(chunk, tile) x hidden), the fp32 input gradient, one
 // fp32 weight-gradient tile and 16 bytes a token (log-sum-exp, running maximum and sum, target
-// logit).
+// logit). In one pass: one chunk's fp32 logits over the whole vocabulary with its compute-dtype
+// copy, the chunk's input-gradient product in the compute dtype, the fp32 input gradient, the
+// fp32 weight gradient with one chunk's product in the compute dtype (vocab x hidden x (4 +
+// compute_bytes)) and 16 bytes a token.
 uint64_t head_scratch_bytes(uint64_t tokens, uint64_t vocab, uint64_t hidden, uint64_t compute_bytes,
                             const LogitsTiling& t);
 
-// "8 tiles of 2048 tokens x 16032 vocabulary rows" or "untiled".
+// "8 tiles of 2048 tokens x 16032 vocabulary rows", "8 tiles of 2048 tokens x the whole
+// vocabulary in one pass" or "untiled".
 std::string describe(const LogitsTiling& t, uint64_t tokens, uint64_t vocab);
 
 }  // namespace strata::engine::plan
