@@ -206,7 +206,8 @@ A JSON line per part; the last one is (c) when it runs.
   --seq N               (a) tokens per sequence (default 256)
   --batch N             (a) sequences per step (default 4)
   --tiles N             (a) the head's tiles (default 16)
-  --head-pass P         (a) the head's tiles in "two" passes (default) or "one" (head_pass)
+  --head-pass P         (a) the head's tiles in "two" passes (default) or "one" (head_pass;
+                        then without the vocabulary-tile line, whose head runs in two)
   --attention-tiles N   (a) each block's attention tiles (default 2, at most --heads)
   --mlp-tiles N         (a) each block's MLP tiles (default 4)
   --vocab-tiles N       (a) the embedding's and LM head's vocabulary tiles (default 8)
@@ -515,9 +516,13 @@ namespace {
 // returns freed heap tops to the kernel, so each step faulted its memory in again: on the host
 // device 430 thousand page faults in an 8-step run, about 5% of its time. Blocks up to 32 MiB
 // (glibc's limit) come from the heap instead, and the heap keeps what it frees for the next step.
-// A user's own MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ wins.
+// A user's own malloc settings win: MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
+// MALLOC_TOP_PAD_ or glibc.malloc tunables leave glibc as they set it.
 void keep_freed_memory_for_reuse() {
-  if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("MALLOC_TRIM_THRESHOLD_")) return;
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("MALLOC_TRIM_THRESHOLD_") || std::getenv("MALLOC_TOP_PAD_") ||
+      (tunables && std::strstr(tunables, "glibc.malloc")))
+    return;
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 64 << 20);

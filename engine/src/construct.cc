@@ -133,7 +133,8 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
     check_working_set(cfg, *memory, choice, planned_device_bytes(resolved, need, c10::elementSize(cdt)),
                       dev.budget(), [this](size_t s) { return stage_names.at(s); });
     placement_report += "; plan only (recompute and activation checkpoints are decided once the state is allocated)";
-    effective = effective_config(cfg, {resolved, choice, head_tiles, tiles, placement_report});
+    effective = effective_config(cfg, {resolved, choice, head_tiles, tiles, placement_report,
+                                       memory->sizes().logits.one_pass});
     return;
   }
 
@@ -192,7 +193,8 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   }
   check_working_set(cfg, *memory, choice, base_bytes, dev.budget(),
                     [this](size_t s) { return stage_names.at(s); });
-  effective = effective_config(cfg, {state->plan(), choice, head_tiles, tiles, placement_report});
+  effective = effective_config(cfg, {state->plan(), choice, head_tiles, tiles, placement_report,
+                                     memory->sizes().logits.one_pass});
 }
 
 void Engine::Impl::place_activations() {

@@ -281,7 +281,9 @@ struct Engine::Impl {
   // The head's loss of one micro-batch from the head's input: the token mean, or with a mask the
   // sum over the counted targets (fp32 logits, as the oracle computes them); with the logits
   // tiled (memory->sizes().logits), tile by tile (tiling::linear_cross_entropy_sum).
-  at::Tensor head_loss(const at::Tensor& x, const MicroBatch& mb, bool masked) const;
+  // `upstream`: the gradient the step's backward gives the head's loss (pass.head_scale); one
+  // pass computes its gradients for it in the forward.
+  at::Tensor head_loss(const at::Tensor& x, const MicroBatch& mb, bool masked, double upstream = 1.0) const;
   // The head in vocabulary tiles, head stage `s`: its forward adds its rows to every token's
   // log-sum-exp (the first stage runs the final norm, with autograd when `grad`);
   // vocab_head_loss, after the last stage's forward, is head_loss's value and sets the backward's

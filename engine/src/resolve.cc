@@ -123,50 +123,52 @@ HeadCut resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedu
     s.logits = t;
     return usable == UINT64_MAX || base + plan::MemoryModel(schedule, s).working_set(choice) <= usable;
   };
-  // A count's cut: with head_pass "one", one pass where it fits (fewer products), else two.
-  const bool one_pass_allowed = cfg.head_one_pass && sizes.vocab_tiles <= 1;
   const auto one_pass_cut = [&](uint64_t count) {
     const plan::LogitsTiling t = plan::one_pass_tiling(sizes.tokens, sizes.vocab, count);
-    return one_pass_allowed && t.tiled(sizes.tokens, sizes.vocab) ? std::optional<plan::LogitsTiling>(t) : std::nullopt;
+    return t.tiled(sizes.tokens, sizes.vocab) ? std::optional<plan::LogitsTiling>(t) : std::nullopt;
   };
-  const auto cut_that_fits = [&](uint64_t count) -> std::optional<plan::LogitsTiling> {
-    if (const auto one = one_pass_cut(count); one && fits(*one)) return one;
-    const plan::LogitsTiling two = plan::logits_tiling(sizes.tokens, sizes.vocab, count);
-    if (fits(two)) return two;
+  const auto two_pass_cut = [&](uint64_t count) { return plan::logits_tiling(sizes.tokens, sizes.vocab, count); };
+  // A count's cut: with `one_pass`, one pass where it fits (fewer products), else two passes.
+  const auto cut_that_fits = [&](uint64_t count, bool one_pass) -> std::optional<plan::LogitsTiling> {
+    if (const auto one = one_pass ? one_pass_cut(count) : std::nullopt; one && fits(*one)) return one;
+    if (const plan::LogitsTiling two = two_pass_cut(count); fits(two)) return two;
     return std::nullopt;
   };
-  uint64_t count = 0;
-  if (cfg.head_tiles != EngineConfig::kTilesAuto) {
-    count = cfg.head_tiles;
-  } else {
+  // The count: the configured one, or the fewest that fits (see the header).
+  const auto count_for = [&](bool one_pass) -> uint64_t {
+    if (cfg.head_tiles != EngineConfig::kTilesAuto) return cfg.head_tiles;
     // The cut's bytes are not monotone in the count (a count that adds a token chunk can leave
     // wider tiles than one fewer), so every count is tried in order up to kScanned; beyond,
     // doubling and a binary search give about the fewest.
     constexpr uint64_t kScanned = 4096;
     const uint64_t most = std::max<uint64_t>(1, plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab));
-    const auto fits_count = [&](uint64_t c) { return cut_that_fits(c).has_value(); };
-    for (uint64_t c = 1; c <= std::min(most, kScanned) && !count; ++c)
-      if (fits_count(c)) count = c;
-    if (!count && most > kScanned) {
+    const auto fits_count = [&](uint64_t c) { return cut_that_fits(c, one_pass).has_value(); };
+    for (uint64_t c = 1; c <= std::min(most, kScanned); ++c)
+      if (fits_count(c)) return c;
+    if (most > kScanned) {
       uint64_t hi = kScanned;
       while (hi < most && !fits_count(hi)) hi = std::min(most, hi * 2);
       if (fits_count(hi)) {
         uint64_t lo = hi / 2;  // did not fit
         while (hi - lo > 1) (fits_count(lo + (hi - lo) / 2) ? hi : lo) = lo + (hi - lo) / 2;
-        count = hi;
+        return hi;
       }
     }
     // Nothing fits: the smallest tiles "auto" cuts; construction's budget check names what is left.
-    if (!count) count = most;
+    return most;
+  };
+  // First the passes, every rank alike: one only if every rank's cut is one pass (two are the
+  // safe choice, code 1, the larger). Then the count under the agreed passes, the most any rank
+  // needs: a rank that wanted one pass looks again with two before it says its count.
+  const bool may_one_pass = cfg.head_one_pass && sizes.vocab_tiles <= 1;
+  bool one_pass = false;
+  if (may_one_pass) {
+    const std::optional<plan::LogitsTiling> mine = cut_that_fits(count_for(true), true);
+    one_pass = agree({mine && mine->one_pass ? 0 : 1})[0] == 0;
   }
-  const std::optional<plan::LogitsTiling> found = cut_that_fits(count);
-  const bool one_pass = found && found->one_pass;
-  // Two passes are the safe choice (no fp32 weight gradient held): code 1, the larger.
-  const std::vector<int64_t> agreed = agree({int64_t(count), one_pass ? 0 : 1});
   HeadCut cut;
-  cut.count = uint64_t(agreed[0]);
-  cut.logits = agreed[1] == 0 && one_pass_cut(cut.count) ? *one_pass_cut(cut.count)
-                                                          : plan::logits_tiling(sizes.tokens, sizes.vocab, cut.count);
+  cut.count = uint64_t(agree({int64_t(count_for(one_pass))})[0]);
+  cut.logits = one_pass && one_pass_cut(cut.count) ? *one_pass_cut(cut.count) : two_pass_cut(cut.count);
   return cut;
 }
 
@@ -284,6 +286,7 @@ EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r) {
   e.activations = r.working_set.activations;
   e.recompute_blocks = int(r.tiles.whole_blocks(r.working_set.recomputed));
   e.head_tiles = r.head_tiles;
+  e.head_one_pass = r.head_one_pass;
   e.attention_tiles = uint64_t(r.tiles.attention);
   e.mlp_tiles = uint64_t(r.tiles.mlp);
   e.vocab_tiles = uint64_t(r.tiles.vocab);

@@ -44,6 +44,7 @@ struct Resolved {
   uint64_t head_tiles = 1;    // the head's logits tiles asked for (HeadCut::count)
   models::LayerTiling tiles;
   std::string report;         // the placement line (`--plan`, the log)
+  bool head_one_pass = false; // the head's cut is in one pass (HeadCut::logits.one_pass)
 };
 
 // This rank's bytes of each kind (StateBytes) from the units' shard sizes, with `transient_buffers`
@@ -89,8 +90,10 @@ std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel
 // fits, that most (construction's budget check then names what still does not fit). A count is
 // cut in two passes (plan::logits_tiling); with head_pass "one" in one pass
 // (plan::one_pass_tiling: token chunks over the whole vocabulary, no logits recomputed) where
-// that fits too and the head is not in vocabulary tiles. Agreed: every rank takes the most tiles any rank needs, and two passes
-// if any rank needs them (their losses are then computed alike).
+// that fits too and the head is not in vocabulary tiles. "auto" takes the fewest count that
+// fits either way, so one pass only where it fits at that count (its fp32 weight gradient
+// rarely leaves room at the fewest). Agreed in two steps, every rank alike: one pass only if
+// every rank's cut is one pass; then the count under the agreed passes, the most any rank needs.
 struct HeadCut {
   uint64_t count = 1;          // tiles asked for
   plan::LogitsTiling logits;   // the cut

@@ -48,17 +48,17 @@ at::Tensor Engine::Impl::to_device(const at::Tensor& t) {
                                                     : t.to(dev.torch_device());
 }
 
-at::Tensor Engine::Impl::head_loss(const at::Tensor& x, const MicroBatch& mb, bool masked) const {
+at::Tensor Engine::Impl::head_loss(const at::Tensor& x, const MicroBatch& mb, bool masked, double upstream) const {
   models::HeadStage& head = model->head();
   const plan::ModelSizes& s = memory->sizes();
   if (s.logits.tiled(s.tokens, s.vocab)) {
     const at::Tensor h = head.normed(x);
-    // The step's backward gives the sum loss_scale (a masked sum) or loss_scale / tokens (a mean):
-    // one pass computes its gradients for that upstream gradient in the forward.
-    const double upstream = masked ? loss_scale : loss_scale / double(std::max<int64_t>(1, mb.targets.numel()));
+    // d(objective)/d(sum): `upstream` for a masked sum, upstream / tokens for a mean. One pass
+    // computes its gradients for it in the forward.
+    const double per_sum = masked ? upstream : upstream / double(std::max<int64_t>(1, mb.targets.numel()));
     const at::Tensor sum = tiling::linear_cross_entropy_sum(
         h.reshape({-1, h.size(-1)}), head.lm_weight(), mb.targets, int64_t(s.logits.token_chunk),
-        int64_t(s.logits.vocab_tile ? s.logits.vocab_tile : s.vocab), kIgnored, s.logits.one_pass, upstream);
+        int64_t(s.logits.vocab_tile ? s.logits.vocab_tile : s.vocab), kIgnored, s.logits.one_pass, per_sum);
     return masked ? sum : sum / double(mb.targets.numel());
   }
   const at::Tensor logits = head.forward(x);
@@ -259,7 +259,7 @@ void Engine::Impl::head_use(Pass& pass, MicroBatch& mb) {
   } else {
     const Device::Reservation loss_res = reserve_head_loss();
     at::Tensor xh = mb.x.detach().requires_grad_(true);
-    loss = head_loss(xh, mb, pass.masked);
+    loss = head_loss(xh, mb, pass.masked, pass.head_scale);
     torch::autograd::backward({loss * pass.head_scale});
     mb.dy = xh.grad();
   }

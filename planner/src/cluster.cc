@@ -70,12 +70,13 @@ double matmul_rate(const GpuSpec& g, double flops, bool fp32) {
 double NodeSpec::disk_seconds(double read, double written, double drives, double sharers) const {
   if (read <= 0 && written <= 0) return 0;
   const double scale = drives / sharers, rd = nvme_read * scale, wr = nvme_write * scale, both = nvme_duplex * scale;
-  if (rd <= 0 || wr <= 0) throw std::invalid_argument("strata plan: swap traffic on a node whose drives have no bandwidth");
+  if ((read > 0 && rd <= 0) || (written > 0 && wr <= 0))
+    throw std::invalid_argument("strata plan: swap traffic on a node whose drives have no bandwidth");
   const double turns = (read > 0 ? read / rd : 0) + (written > 0 ? written / wr : 0);
   if (both <= 0) return turns;
   // Together: each direction no faster than alone, both no faster than the measured sum, and
   // never slower than taking turns.
-  return std::min(turns, std::max({read / rd, written / wr, (read + written) / both}));
+  return std::min(turns, std::max({read > 0 ? read / rd : 0.0, written > 0 ? written / wr : 0.0, (read + written) / both}));
 }
 
 namespace {

@@ -68,13 +68,13 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
     if (g == Placement::kNvme && !p.placement.grads_transient) nvme_w += shard_n * 4, nvme_r += shard_n * 4;
   }
   // The engine's own passes over device memory beside the model's kernels, each byte read or
-  // written: a gathered unit whose shard is on the device copied into its buffer (on one rank
-  // the all-gather is that copy); each unit's gradient zeroed, copied out of autograd's tensor in
+  // written: on one rank, a gathered unit whose shard is on the device copied into its buffer
+  // (the all-gather is that copy; on more, the collective's bytes are counted above); each unit's gradient zeroed, copied out of autograd's tensor in
   // fp32, reduced (on one rank a copy) and, kept on the device, added to its accumulator.
   double local = 0;
   for (size_t u = 0; u < units; ++u) {
     const double padded = double(p.padded_numel[u]), shard_n = double(p.shard_numel[u]);
-    if (tier(u, 0) == Placement::kDevice) local += uses_of[u] * (shard_n + padded) * cb;
+    if (tier(u, 0) == Placement::kDevice && w == 1) local += uses_of[u] * (shard_n + padded) * cb;
     local += padded * (4 + cb + 4) + (w == 1 ? padded * 8 : 0);
     if (tier(u, 1) == Placement::kDevice) local += shard_n * 12;
   }

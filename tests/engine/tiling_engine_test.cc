@@ -215,7 +215,7 @@ TEST(TiledHead, MaskedStepsAndEvaluationInOnePassEqualTheUntiledHead) {
   expect_masked_steps_and_evaluation_equal(j, {{"head", 1}}, {{"head", 13}, {"head_pass", "one"}},
                                            [](const se::EngineConfig& e) {
                                              EXPECT_EQ(e.head_tiles, 13u);
-                                             EXPECT_TRUE(e.head_one_pass);
+                                             EXPECT_TRUE(e.head_one_pass) << "the cut that ran";
                                            });
 }
 

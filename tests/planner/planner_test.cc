@@ -301,7 +301,6 @@ TEST(Planner, MatmulRateInterpolatesOnLogFlops) {
   EXPECT_DOUBLE_EQ(matmul_rate(g, 1e10, true), matmul_rate(g, 1e10) / 2);  // fp32: half the 16-bit peak
 }
 
-// The model family of --max-model: 1T is 25600 x 128, sizes grow with the hidden size.
 // A block's products each run at the rate of their own size: with an efficiency curve that
 // punishes small products, the attention projections (h x h) take longer per FLOP than the MLP's
 // (h x 4h). Llama-style blocks run q, k and v as three products, GPT-2 as one.
@@ -352,8 +351,9 @@ TEST(Planner, SwapReadsAndWritesTogetherAtTheMeasuredDuplexRate) {
   EXPECT_DOUBLE_EQ(n.disk_seconds(2e9, 1e9, 2, 4), 3e9 / 1.2e9);  // shared by four ranks
   n.nvme_duplex = 0.5e9;  // a drive slower with both than taking turns: turns
   EXPECT_DOUBLE_EQ(n.disk_seconds(2e9, 1e9, 1, 1), 2.0);
-  n.nvme_read = 0;
+  n.nvme_read = 0;  // a direction without bandwidth: an error only for traffic that needs it
   EXPECT_THROW(n.disk_seconds(1, 0, 1, 1), std::invalid_argument);
+  EXPECT_DOUBLE_EQ(n.disk_seconds(0, 1e9, 1, 1), 1.0);
 }
 
 // The engine's own copies on the device (gathers from a device-placed shard, each gradient
@@ -401,6 +401,7 @@ TEST(Planner, EngineCopiesOnTheDeviceCountAsCompute) {
   EXPECT_NEAR(on_host.time.compute_local, bytes / 20e9, 1e-12);
 }
 
+// The model family of --max-model: 1T is 25600 x 128, sizes grow with the hidden size.
 TEST(Planner, FamilyModels) {
   const models::ModelConfig t = family_model(25600);
   EXPECT_EQ(t.layers, 128);

@@ -225,8 +225,11 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
   if (one_pass) {
     if (vocab_tile < weight.size(0)) bad("one pass needs tiles over the whole vocabulary");
     if (!(upstream > 0) || !std::isfinite(upstream)) bad("the expected upstream gradient must be positive and finite");
+    // Gradients only where autograd will ask for them: none under no_grad (evaluation), where a
+    // registered parameter still says requires_grad.
+    const bool grad = at::GradMode::is_enabled();
     return OnePassCrossEntropy::apply(hidden, weight, targets, token_chunk, ignore_index, upstream,
-                                      hidden.requires_grad(), weight.requires_grad());
+                                      grad && hidden.requires_grad(), grad && weight.requires_grad());
   }
   return LinearCrossEntropy::apply(hidden, weight, targets, token_chunk, vocab_tile, ignore_index);
 }

@@ -42,7 +42,8 @@ namespace strata::tiling {
 // counts it). The forward computes the gradients for the upstream gradient `upstream` (the
 // caller's expected d(objective)/d(loss), > 0), scaled before the narrowing and the products as
 // two passes and autograd scale; the backward multiplies them by the real upstream over it,
-// exactly 1 when it was right (the numbers of two passes then, within summation order).
+// exactly 1 when it was right (the numbers of two passes then, within summation order). Under
+// no_grad it computes the loss alone.
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                     int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index = -100,
                                     bool one_pass = false, double upstream = 1.0);

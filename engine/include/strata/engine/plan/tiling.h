@@ -29,8 +29,8 @@ struct LogitsTiling {
 // matmuls large. `count` beyond tokens x vocab is clamped.
 LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count);
 
-// `count` tiles in one pass: even token chunks over the whole vocabulary (count clamped to the
-// tokens); 1 or less: the logits whole.
+// At least `count` tiles in one pass (as few over as even chunks allow): token chunks over the
+// whole vocabulary (count clamped to the tokens); 1 or less: the logits whole.
 LogitsTiling one_pass_tiling(uint64_t tokens, uint64_t vocab, uint64_t count);
 
 // The tiles the loss runs over when the LM head's weight is cut into `vocab_tiles` row ranges
