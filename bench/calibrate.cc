@@ -175,7 +175,6 @@ struct Calibration::Impl {
   models::ModelConfig block_config;
   std::unique_ptr<models::Decoder> block_model;
   int64_t block_batch;
-  at::Tensor block_x;
   int64_t copy_elems = 64 << 20;  // 256 MiB of fp32
   size_t adam_count;
   // The Adam probe's arrays and its step count (advanced each call).
@@ -290,8 +289,7 @@ Calibration::Calibration(const CalibrateOptions& o) : impl_(std::make_unique<Imp
     models::Stage* block = &I.block_model->block(0);
     block->to(I.dev, I.primary);
     I.block_batch = cuda ? 8 : 4;
-    I.block_x = at::randn({I.block_batch, mc.max_positions, mc.hidden}, I.opts(I.primary)).requires_grad_(true);
-    const at::Tensor x = I.block_x;
+    const at::Tensor x = at::randn({I.block_batch, mc.max_positions, mc.hidden}, I.opts(I.primary)).requires_grad_(true);
     I.block_probe = I.probe(
         [block, x] {
           const at::Tensor y = block->forward(x);
@@ -373,8 +371,6 @@ void Calibration::rounds(int count) {
           },
           p.window));
 }
-
-int Calibration::rounds_done() const { return impl_->rounds; }
 
 planner::Cluster Calibration::cluster(bool say_it) const {
   const Impl& I = *impl_;

@@ -37,7 +37,6 @@ class Calibration {
   Calibration& operator=(const Calibration&) = delete;
 
   void rounds(int count);
-  int rounds_done() const;
   // The cluster description from the rounds so far (at least one); `say` prints each figure.
   planner::Cluster cluster(bool say = true) const;
 

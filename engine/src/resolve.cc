@@ -168,7 +168,8 @@ HeadCut resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedu
   }
   HeadCut cut;
   cut.count = uint64_t(agree({int64_t(count_for(one_pass))})[0]);
-  cut.logits = one_pass && one_pass_cut(cut.count) ? *one_pass_cut(cut.count) : two_pass_cut(cut.count);
+  const std::optional<plan::LogitsTiling> one = one_pass ? one_pass_cut(cut.count) : std::nullopt;
+  cut.logits = one ? *one : two_pass_cut(cut.count);
   return cut;
 }
 

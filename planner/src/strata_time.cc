@@ -69,8 +69,9 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   }
   // The engine's own passes over device memory beside the model's kernels, each byte read or
   // written: on one rank, a gathered unit whose shard is on the device copied into its buffer
-  // (the all-gather is that copy; on more, the collective's bytes are counted above); each unit's gradient zeroed, copied out of autograd's tensor in
-  // fp32, reduced (on one rank a copy) and, kept on the device, added to its accumulator.
+  // (the all-gather is that copy; on more, the collective's bytes are counted above); each
+  // unit's gradient zeroed, copied out of autograd's tensor in fp32, reduced (on one rank a
+  // copy) and, kept on the device, added to its accumulator.
   double local = 0;
   for (size_t u = 0; u < units; ++u) {
     const double padded = double(p.padded_numel[u]), shard_n = double(p.shard_numel[u]);
