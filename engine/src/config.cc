@@ -57,6 +57,7 @@ void EngineConfig::validate() const {
   if (micro_batch < 1) bad("batch.micro_batch must be >= 1");
   if (grad_accum < 1) bad("batch.grad_accum must be >= 1");
   if (seq_len < 1) bad("data.seq_len must be >= 1");
+  if (mlp_token_chunk < kMlpChunkAuto) bad("placement.tiling.mlp_tokens must be \"auto\", \"off\" or >= 1 tokens");
   if (reduce == Precision::kFp16) bad("precision.reduce must be fp32 or bf16");
   if (!(initial_loss_scale > 0)) bad("precision.initial_loss_scale must be > 0");
   if (loss_scale_window < 1) bad("precision.loss_scale_window must be >= 1");
@@ -368,6 +369,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
       };
       if (v->is_string()) {
         e.head_tiles = e.attention_tiles = e.mlp_tiles = e.vocab_tiles = count(*v, "tiling");
+        e.mlp_token_chunk = *v == "off" ? 0 : EngineConfig::kMlpChunkAuto;
       } else if (v->is_object()) {
         for (auto it = v->begin(); it != v->end(); ++it)
           if (it.key() == "head") e.head_tiles = count(it.value(), "tiling.head");
@@ -383,8 +385,9 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
           else if (it.key() == "mlp_tokens") {
             const json& x = it.value();
             if (x == "off") e.mlp_token_chunk = 0;
+            else if (x == "auto") e.mlp_token_chunk = EngineConfig::kMlpChunkAuto;
             else if (x.is_number_integer() && x.get<int64_t>() >= 1) e.mlp_token_chunk = x.get<int64_t>();
-            else s.fail("tiling.mlp_tokens", "must be \"off\" or a number of tokens >= 1, not " + x.dump());
+            else s.fail("tiling.mlp_tokens", "must be \"auto\", \"off\" or a number of tokens >= 1, not " + x.dump());
           }
           else s.fail("tiling." + it.key(), "is not a layer kind that is tiled: \"head\", \"attention\", \"mlp\", "
                                             "\"vocab\", \"head_pass\" and \"mlp_tokens\" are");

@@ -16,15 +16,21 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   loss_scale = cfg.compute == Precision::kFp16 ? cfg.initial_loss_scale : 1.0;
   exec.threads = cfg.cpu_threads ? cfg.cpu_threads : std::max(1u, std::thread::hardware_concurrency());
   const models::ModelConfig& mc = model->config();
-  // The blocks' tiles first: the units are built from the stages they make.
+  // The MLPs' token chunks, then the blocks' tiles: the units are built from the stages they make.
+  const auto tiling_fits_with = [&](const models::LayerTiling& t, int64_t chunk, bool efficient_logits) {
+    EngineConfig c = cfg;
+    c.mlp_token_chunk = chunk;
+    return tiling_fits(c, mc, t, comm.world_size(), usable_device(), efficient_logits);
+  };
+  mlp_chunk = resolve_mlp_token_chunk(
+      cfg, mc, [&](const models::LayerTiling& t, int64_t chunk) { return tiling_fits_with(t, chunk, false); },
+      agreement());
   tiles = resolve_tiles(
       cfg, mc,
-      [&](const models::LayerTiling& t, bool efficient_logits) {
-        return tiling_fits(cfg, mc, t, comm.world_size(), usable_device(), efficient_logits);
-      },
+      [&](const models::LayerTiling& t, bool efficient_logits) { return tiling_fits_with(t, mlp_chunk, efficient_logits); },
       agreement());
   model->set_tiling(tiles);
-  model->set_mlp_token_chunk(cfg.mlp_token_chunk);
+  model->set_mlp_token_chunk(mlp_chunk);
   stages = model->stages();
 
   // A unit for each stage that owns parameters (a tied head tile after the first owns none);
@@ -86,9 +92,10 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   sizes.tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
   sizes.hidden = uint64_t(mc.hidden);
   sizes.vocab = uint64_t(mc.vocab_size);
-  sizes.graph_bytes = sizes.tokens * model->block_graph_bytes_per_token(c10::elementSize(cdt));
+  for (uint64_t per_token : models::stage_graph_bytes_per_token(mc, tiles, sizes.compute_bytes, mlp_chunk > 0))
+    sizes.graph_bytes.push_back(sizes.tokens * per_token);
   sizes.input_widths = models::stage_input_widths(mc, tiles);
-  sizes.mlp_chunked = cfg.mlp_token_chunk > 0;
+  sizes.mlp_chunked = mlp_chunk > 0;
   sizes.vocab_tiles = uint64_t(tiles.vocab);
   const size_t blocks = schedule->blocks();
   // "auto" decides below, once the state is allocated; until then the working set assumes
@@ -109,9 +116,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   const PlacementPlan resolved = resolve_placement(
       cfg, *memory, choice, need, usable_device(),
       [this](uint64_t device) { return machine_budgets(cfg, device, local_ranks()); }, agreement(), placement_report);
-  placement_report += describe_tiles(tiles, *memory);
-  if (cfg.mlp_token_chunk > 0)
-    placement_report += "; MLP over chunks of " + std::to_string(cfg.mlp_token_chunk) + " tokens";
+  placement_report += describe_tiles(tiles, mlp_chunk, *memory);
   placement_report += "; head logits " + plan::describe(memory->head_logits(), memory->sizes().tokens,
                                                         memory->sizes().vocab) +
                       " (" + format_bytes(memory->head_loss_bytes()) + " for the loss)";
@@ -134,7 +139,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
                       dev.budget(), [this](size_t s) { return stage_names.at(s); });
     placement_report += "; plan only (recompute and activation checkpoints are decided once the state is allocated)";
     effective = effective_config(cfg, {resolved, choice, head_tiles, tiles, placement_report,
-                                       memory->sizes().logits.one_pass});
+                                       memory->sizes().logits.one_pass, mlp_chunk});
     return;
   }
 
@@ -176,8 +181,8 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   placement_report += "; recompute " + std::to_string(recomputed) + " of " + std::to_string(whole_blocks) + " blocks";
   if (recomputed < whole_blocks)
     placement_report += " (the last " + std::to_string(whole_blocks - recomputed) +
-                        " keep their autograd graphs on the device, " + format_bytes(memory->sizes().graph_bytes) +
-                        (tiles.blocks_whole() ? " each)" : " a tile stage)");
+                        " keep their autograd graphs on the device, " +
+                        format_bytes(memory->block_graph_bytes(size_t(tiles.block_stages()))) + " each)";
   place_activations();
   params->set_depth(cfg.prefetch);
   if (cfg.prefetch_auto) {
@@ -194,7 +199,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   check_working_set(cfg, *memory, choice, base_bytes, dev.budget(),
                     [this](size_t s) { return stage_names.at(s); });
   effective = effective_config(cfg, {state->plan(), choice, head_tiles, tiles, placement_report,
-                                     memory->sizes().logits.one_pass});
+                                     memory->sizes().logits.one_pass, mlp_chunk});
 }
 
 void Engine::Impl::place_activations() {

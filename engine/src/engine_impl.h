@@ -99,6 +99,7 @@ struct Engine::Impl {
   plan::Choices choice;
   uint64_t head_tiles = 1;  // the head's logits tiles asked for (memory->sizes().logits is the cut)
   models::LayerTiling tiles;  // how the blocks and the vocabulary are cut into tile stages (resolve_tiles)
+  int64_t mlp_chunk = 0;      // the MLPs run over chunks of this many tokens, 0: whole (resolve_mlp_token_chunk)
   std::vector<std::string> stage_names;  // by stage (a unit is named after the stage owning it)
   std::vector<size_t> unit_stage;        // by unit: the stage that owns it
   const std::vector<size_t>& stage_units(size_t s) const { return schedule->units_of(s); }

@@ -18,6 +18,7 @@ uint64_t element_bytes(Precision p) { return p == Precision::kFp32 ? 4 : 2; }
 UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiling& tiling, int world_size) {
   const std::vector<uint64_t> stage_numel = models::stage_parameters(mc, tiling);
   UnitPlan out;
+  out.tiling = tiling;
   out.stage_units = models::stage_units(mc, tiling);
   std::vector<std::pair<std::string, std::vector<TensorSpec>>> specs;
   for (size_t s = 0; s < stage_numel.size(); ++s) {
@@ -51,7 +52,8 @@ plan::ModelSizes sizes_of(const EngineConfig& cfg, const models::ModelConfig& mc
   sizes.tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
   sizes.hidden = uint64_t(mc.hidden);
   sizes.vocab = uint64_t(mc.vocab_size);
-  sizes.graph_bytes = sizes.tokens * models::block_graph_bytes_per_token(mc, sizes.compute_bytes);
+  for (uint64_t per_token : models::stage_graph_bytes_per_token(mc, units.tiling, sizes.compute_bytes, sizes.mlp_chunked))
+    sizes.graph_bytes.push_back(sizes.tokens * per_token);
   sizes.vocab_tiles = units.vocab_tiles;
   return sizes;
 }
@@ -84,16 +86,27 @@ bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const m
   return explicit_device_bytes(cfg, need) + plan::MemoryModel(schedule, sizes).working_set(choice) <= usable;
 }
 
-StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig& mc, int world_size,
+StatePrediction predict_state(const EngineConfig& given, const models::ModelConfig& mc, int world_size,
                               const MachineShare& machine) {
-  cfg.validate();
+  given.validate();
   mc.validate();
   StatePrediction out;
   const Agree same = [](const std::vector<int64_t>& v) { return v; };
   const uint64_t usable = machine.device;
-  // The blocks' tiles first: the units depend on them. Counts that do not cut this model are a
-  // configuration that does not fit, not an error of the prediction.
+  // The MLPs' token chunks, then the blocks' tiles: the units depend on them. Counts that do not
+  // cut this model are a configuration that does not fit, not an error of the prediction. From
+  // here on `cfg` is the configuration with the chunks resolved.
+  EngineConfig cfg = given;
   try {
+    cfg.mlp_token_chunk = resolve_mlp_token_chunk(
+        given, mc,
+        [&](const models::LayerTiling& t, int64_t chunk) {
+          EngineConfig c = given;
+          c.mlp_token_chunk = chunk;
+          return tiling_fits(c, mc, t, world_size, usable, false);
+        },
+        same);
+    out.mlp_token_chunk = cfg.mlp_token_chunk;
     out.tiles = resolve_tiles(
         cfg, mc,
         [&](const models::LayerTiling& t, bool efficient_logits) {
@@ -113,7 +126,7 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   const plan::Schedule schedule = units.schedule();
   out.compute_bytes = element_bytes(cfg.compute);
   plan::ModelSizes sizes = sizes_of(cfg, mc, units);
-  out.graph_bytes = sizes.graph_bytes;
+  out.graph_bytes = plan::MemoryModel(schedule, sizes).block_graph_bytes(size_t(out.tiles.block_stages()));
   const size_t blocks = schedule.blocks();
 
   // From here on, construction's order (construct.cc).
@@ -134,8 +147,9 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     out.head_one_pass = head_cut.logits.one_pass;
     sizes.logits = head_cut.logits;
     const plan::MemoryModel memory(schedule, sizes);
+    out.head_logits = memory.head_logits();
     out.placement = resolve_placement(cfg, memory, choice, need, usable, budgets, same, out.report);
-    out.report += describe_tiles(out.tiles, memory);
+    out.report += describe_tiles(out.tiles, cfg.mlp_token_chunk, memory);
     const TierBytes tiers = bytes_by_tier(out.placement, need, out.compute_bytes);
     out.device_state = tiers.device;
     out.host_state = tiers.host;

@@ -56,10 +56,8 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
   // Each kind's share of a block's parameters (its norm included).
   const std::vector<uint64_t> split = models::stage_parameters(mc, {1, 1 + int64_t(mc.intermediate > 1)});
   const double attention = double(split.at(1)), block = double(mc.block_parameters());
-  const int64_t most_attention = auto_attention ? mc.kv_heads : chosen.attention;
-  const int64_t most_mlp = auto_mlp ? std::max<int64_t>(1, mc.intermediate / 64) : chosen.mlp;
-  const int64_t most_vocab =
-      auto_vocab ? std::max<int64_t>(1, mc.vocab_size / int64_t(plan::kMinTileVocab)) : chosen.vocab;
+  const models::LayerTiling leanest = leanest_tiling(cfg, mc);
+  const int64_t most_attention = leanest.attention, most_mlp = leanest.mlp, most_vocab = leanest.vocab;
   const auto cut = [&](int64_t k) {
     models::LayerTiling t = chosen;
     if (auto_attention) t.attention = std::clamp<int64_t>(int64_t(std::ceil(double(k) * attention / block)), 1, most_attention);
@@ -107,12 +105,32 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
   return {agreed[0], agreed[1], agreed[2]};
 }
 
-std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm) {
+models::LayerTiling leanest_tiling(const EngineConfig& cfg, const models::ModelConfig& mc) {
+  const auto most = [](uint64_t configured, int64_t most_auto) {
+    return configured == EngineConfig::kTilesAuto ? std::max<int64_t>(1, most_auto) : int64_t(configured);
+  };
+  return {most(cfg.attention_tiles, mc.kv_heads), most(cfg.mlp_tiles, mc.intermediate / 64),
+          most(cfg.vocab_tiles, mc.vocab_size / int64_t(plan::kMinTileVocab))};
+}
+
+int64_t resolve_mlp_token_chunk(const EngineConfig& cfg, const models::ModelConfig& mc,
+                                const std::function<bool(const models::LayerTiling&, int64_t chunk)>& fits,
+                                const Agree& agree) {
+  if (cfg.mlp_token_chunk != EngineConfig::kMlpChunkAuto) return cfg.mlp_token_chunk;
+  const models::LayerTiling leanest = leanest_tiling(cfg, mc);
+  models::check_tiling(mc, leanest);
+  const int64_t chunk =
+      fits(leanest, 0) ? 0 : int64_t(plan::auto_mlp_token_chunk(uint64_t(cfg.micro_batch * cfg.seq_len)));
+  return agree({chunk})[0];
+}
+
+std::string describe_tiles(const models::LayerTiling& t, int64_t mlp_token_chunk, const plan::MemoryModel& mm) {
   std::string out;
   if (!t.blocks_whole())
     out += "; blocks in " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) + " MLP tiles";
   if (t.vocab > 1) out += "; embedding and LM head in " + std::to_string(t.vocab) + " vocabulary tiles";
   if (!out.empty()) out += " (largest unit " + format_bytes(mm.largest_unit()) + ")";
+  if (mlp_token_chunk > 0) out += "; MLP over chunks of " + std::to_string(mlp_token_chunk) + " tokens";
   return out;
 }
 
@@ -291,6 +309,7 @@ EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r) {
   e.attention_tiles = uint64_t(r.tiles.attention);
   e.mlp_tiles = uint64_t(r.tiles.mlp);
   e.vocab_tiles = uint64_t(r.tiles.vocab);
+  e.mlp_token_chunk = r.mlp_token_chunk;
   return e;
 }
 

@@ -3,6 +3,9 @@
 // changed: the decisions live in `Resolved`, immutable once construction ends, and
 // effective_config() shows them as a configuration with nothing left "auto".
 //
+//   resolve_mlp_token_chunk  placement.tiling "mlp_tokens" "auto": whether the MLPs run over token
+//                        chunks (first of all: the blocks' graphs, which every later test
+//                        counts, depend on it)
 //   resolve_tiles        placement.tiling "auto" for the blocks and the vocabulary: how many
 //                        attention and MLP tiles each block is cut into, how many vocabulary
 //                        tiles the embedding and the LM head (first: the units depend on it)
@@ -45,6 +48,7 @@ struct Resolved {
   models::LayerTiling tiles;
   std::string report;         // the placement line (`--plan`, the log)
   bool head_one_pass = false; // the head's cut is in one pass (HeadCut::logits.one_pass)
+  int64_t mlp_token_chunk = 0;  // resolve_mlp_token_chunk
 };
 
 // This rank's bytes of each kind (StateBytes) from the units' shard sizes, with `transient_buffers`
@@ -79,9 +83,21 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
                                   const std::function<bool(const models::LayerTiling&, bool efficient_logits)>& fits,
                                   const Agree& agree);
 
+// The most tiles placement.tiling "auto" would cut (each kind that is "auto" at its most: every
+// key/value head, MLP slices of 64 features, vocabulary ranges of plan::kMinTileVocab rows; the
+// configured count otherwise): the leanest cut resolve_tiles searches towards.
+models::LayerTiling leanest_tiling(const EngineConfig& cfg, const models::ModelConfig& mc);
+
+// The MLPs' token chunk (EngineConfig::mlp_token_chunk): the configured one, or for "auto"
+// none where the leanest tiling fits without chunks (`fits(tiling, 0)`: tiling_fits) and
+// plan::auto_mlp_token_chunk(tokens) where it does not. Agreed: the largest any rank needs.
+int64_t resolve_mlp_token_chunk(const EngineConfig& cfg, const models::ModelConfig& mc,
+                                const std::function<bool(const models::LayerTiling&, int64_t chunk)>& fits,
+                                const Agree& agree);
+
 // "; blocks in A attention x M MLP tiles; embedding and LM head in V vocabulary tiles (largest
-// unit B)" for the placement line, each part only when cut.
-std::string describe_tiles(const models::LayerTiling& t, const plan::MemoryModel& mm);
+// unit B); MLP over chunks of N tokens" for the placement line, each part only when cut.
+std::string describe_tiles(const models::LayerTiling& t, int64_t mlp_token_chunk, const plan::MemoryModel& mm);
 
 // The head's logits cut: the configured count, or for "auto" the fewest for which `base` (the
 // state the configuration puts on the device explicitly) plus the working set under `choice` (the

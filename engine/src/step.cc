@@ -210,8 +210,8 @@ Engine::Impl::MicroBatch Engine::Impl::begin_micro_batch(const at::Tensor& ids_o
 void Engine::Impl::forward_use(Pass& pass, MicroBatch& mb, size_t s) {
   const size_t k = pass.k++;
   if (kept(s)) {  // before the gathers, which must leave room for it
-    kept_graphs.at(s).res = dev.reserve(memory->sizes().graph_bytes, "autograd graph of unit " + stage_names[s]);
-    params->graph_reserved();
+    kept_graphs.at(s).res = dev.reserve(memory->sizes().graph(s), "autograd graph of unit " + stage_names[s]);
+    params->graph_reserved(s);
   }
   params->acquire(k);
   params->prefetch(k, pass.total);
@@ -304,9 +304,13 @@ void Engine::Impl::backward_use(Pass& pass, MicroBatch& mb, size_t s) {
     compute_span("backward " + stage_names[s], mark);
     mb.dy = g.input.grad();
     g = KeptGraph{};  // the graph's memory, then its reservation
-    params->graph_freed();
+    params->graph_freed(s);
     params->unhold(s);
   } else {
+    // The recompute's graph: the working set's scratch counts it (MemoryModel).
+    Device::Reservation graph_res;
+    if (schedule->is_block(s))
+      graph_res = dev.reserve(memory->sizes().graph(s), "autograd graph of unit " + stage_names[s] + " (recomputed)");
     const auto mark = compute_mark();
     at::Tensor y = stages[s]->forward(xin);
     torch::autograd::backward({y}, {mb.dy});

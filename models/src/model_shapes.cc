@@ -118,19 +118,58 @@ std::string stage_name(const ModelConfig& c, const LayerTiling& t, size_t stage)
   return k < t.attention ? name + ".attn." + std::to_string(k) : name + ".mlp." + std::to_string(k - t.attention);
 }
 
-uint64_t block_graph_bytes_per_token(const ModelConfig& c, size_t e) {
-  const uint64_t d = uint64_t(c.hidden), f = uint64_t(c.intermediate), q = uint64_t(c.heads * c.head_dim),
-                 kv = uint64_t(c.kv_heads * c.head_dim), heads = uint64_t(c.heads);
-  const uint64_t lse = 4 * heads;  // the attention's fp32 log-sum-exp
-  if (c.arch == Arch::kGpt2) {
-    // input and ln_1 out, qkv, attention out and its merged copy, the residual and ln_2 out, the
-    // MLP's up projection and gelu out; fp32 mean and rstd of both norms.
-    return e * (9 * d + 2 * f) + lse + 4 * 4;
+namespace {
+
+// One block stage's graph per token, in parts. `norms` counts the norms the stage runs (each saves
+// its output and its per-token statistics; Llama's also its normalized input before the weight,
+// and in a lower-precision dtype an fp32 copy of its input; the norm's input is counted where it
+// is made: the stage's input, or a whole block's residual), `heads` the query heads of its
+// attention (0: none), `mlp` its intermediate features (0: none, or the MLP chunked, which keeps
+// only its input: the norm's output).
+uint64_t graph_parts(const ModelConfig& c, uint64_t e, uint64_t input_width, uint64_t norms, bool residual,
+                     uint64_t heads, uint64_t mlp) {
+  const uint64_t d = uint64_t(c.hidden), hd = uint64_t(c.head_dim), rep = uint64_t(c.heads / c.kv_heads);
+  const uint64_t q = heads * hd, kv = heads / rep * hd;
+  const bool gpt2 = c.arch == Arch::kGpt2;
+  uint64_t b = e * input_width * d + (residual ? e * d : 0);
+  b += norms * (gpt2 ? e * d + 8 : 2 * e * d + (e < 4 ? 4 * d : 0) + 4);
+  // Attention: q, k and v as the kernel takes them (k and v repeated to the query heads for GQA),
+  // its output and the merged copy the projection takes: at most 5 query widths (GPT-2: q, k, v
+  // are one width each); Llama's rotation keeps k before it. The fp32 log-sum-exp per head.
+  if (heads > 0) b += e * (gpt2 ? 5 * q : 5 * q + 2 * kv) + 4 * heads;
+  // The MLP: GPT-2's up projection and its activation; Llama's gate, its activation, up and
+  // their product.
+  b += e * (gpt2 ? 2 : 4) * mlp;
+  return b;
+}
+
+}  // namespace
+
+std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const LayerTiling& t, size_t elem_bytes,
+                                                  bool mlp_chunked) {
+  check_tiling(c, t);
+  const uint64_t e = elem_bytes;
+  std::vector<uint64_t> g(size_t(t.vocab), 0);
+  const auto mlp = [&](uint64_t features) { return mlp_chunked ? 0 : features; };
+  for (int64_t i = 0; i < c.layers; ++i) {
+    if (t.blocks_whole()) {
+      g.push_back(graph_parts(c, e, 1, 2, /*residual=*/true, uint64_t(c.heads), mlp(uint64_t(c.intermediate))));
+      continue;
+    }
+    const int64_t rep = c.heads / c.kv_heads;
+    for (int64_t a = 0; a < t.attention; ++a)
+      g.push_back(graph_parts(c, e, a == 0 ? 1 : 2, a == 0 ? 1 : 0, false,
+                              uint64_t(tile_range(c.kv_heads, t.attention, a).size() * rep), 0));
+    for (int64_t m = 0; m < t.mlp; ++m)
+      g.push_back(graph_parts(c, e, m == 0 ? 1 : 2, m == 0 ? 1 : 0, false, 0,
+                              mlp(uint64_t(tile_range(c.intermediate, t.mlp, m).size()))));
   }
-  // input, norm outs, residual; q and k before and after their rotation; the attention's q, k, v
-  // (repeated for GQA) and out, the merged copy; gate, silu, up and their product; the norms'
-  // fp32 copies of their inputs when computing in lower precision.
-  return e * (4 * d + 7 * q + 2 * kv + 4 * f) + (e < 4 ? 2 * 4 * d : 0) + lse + 2 * 4;
+  g.insert(g.end(), size_t(t.vocab), 0);
+  return g;
+}
+
+uint64_t block_graph_bytes_per_token(const ModelConfig& c, size_t e) {
+  return stage_graph_bytes_per_token(c, {}, e).at(1);
 }
 
 ForwardFlops forward_flops_per_token(const ModelConfig& c, int64_t seq_len) {

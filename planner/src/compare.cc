@@ -166,6 +166,7 @@ std::string comparison_json(const Comparison& cmp) {
                  {"attention_tiles", s.state.tiles.attention},
                  {"mlp_tiles", s.state.tiles.mlp},
                  {"vocab_tiles", s.state.tiles.vocab},
+                 {"mlp_token_chunk", s.state.mlp_token_chunk},
                  {"device_bytes", s.state.device_bytes()},
                  {"host_bytes", s.state.host_state},
                  {"nvme_bytes", s.state.nvme_state},

@@ -33,10 +33,19 @@ Work block_forward(const models::ModelConfig& m, double sequences, int64_t seq_l
   if (gpt2) w.gemms.push_back({2 * tokens * d * (q + 2 * kv) / t, 1});
   else w.gemms = {{2 * tokens * d * q / t, 1}, {2 * tokens * d * kv / t, 2}};
   w.gemms.push_back({2 * tokens * q * d / t, 1});
-  w.gemms.push_back({2 * tokens * d * f / t, gpt2 ? 2.0 : 3.0});
+  w.gemms.push_back(mlp_forward(m, sequences, seq_len, sh).gemms.at(0));
   w.attention_flops = 2 * tokens * 2 * s * q / t;
   w.attention_product = w.attention_flops;  // one batched product over sequences and heads
   w.memory_bytes = 2 * tokens * d * activation_bytes_per_token_hidden(m, seq_len, sh) * (sh.activation_bytes / 2);
+  return w;
+}
+
+Work mlp_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& sh) {
+  const double tokens = sequences * double(seq_len), d = double(m.hidden), f = double(m.intermediate);
+  const double per_product = sh.mlp_token_chunk > 0 ? std::min(tokens, double(sh.mlp_token_chunk)) : tokens;
+  const double products = (m.arch == models::Arch::kGpt2 ? 2.0 : 3.0) * tokens / per_product;
+  Work w;
+  w.gemms.push_back({2 * per_product * d * f / sh.tp, products});
   return w;
 }
 

@@ -29,17 +29,23 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // --- compute of one micro-batch ------------------------------------------------------------
   ShardOf shard;
   shard.activation_bytes = cb;
+  shard.mlp_token_chunk = p.mlp_token_chunk;
   const Seconds block_kinds = seconds_by_kind(block_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
   const Seconds head_kinds = seconds_by_kind(head_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
   const double block_fwd = block_kinds.total(), head_fwd = head_kinds.total();
   const double recomputed = double(p.choice.recomputed) * blocks / double(std::max<size_t>(1, block_stages));
+  // MLPs over token chunks: each block's backward runs its MLP's forward again, chunk by chunk.
+  const Seconds mlp_again_kinds = p.mlp_token_chunk > 0
+                                      ? seconds_by_kind(mlp_forward(m, seqs, cfg.seq_len, shard), gpu, fp32)
+                                      : Seconds{};
   // Forward, backward (twice the forward), the recomputed blocks' forward again; the head's
   // forward and backward, plus its logits again in the backward when cut into tiles in two
   // passes (one pass computes each chunk's gradients with its loss).
   const double fwd = double(blocks) * block_fwd;
-  const bool head_recomputed = (p.head_tiles > 1 && !p.head_one_pass) || vocab_tiles > 1;
+  const bool head_recomputed =
+      p.head_logits.recomputes_logits(uint64_t(cfg.micro_batch * cfg.seq_len), uint64_t(m.vocab_size));
   const double head = (head_recomputed ? 4 : 3) * head_fwd;
-  const double bwd = double(blocks) * 2 * block_fwd + recomputed * block_fwd;
+  const double bwd = double(blocks) * (2 * block_fwd + mlp_again_kinds.total()) + recomputed * block_fwd;
   // The host device's ranks share one CPU and its memory: each gets its share of both.
   const double share = gpu.is_host ? double(per_node) : 1;
   const double model_mb = (fwd + head + bwd) * share;
@@ -156,7 +162,8 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   t.compute = A * compute_mb;
   // By kind: the same passes (each block 3 + recompute, the head 3 or 4) over each kind's time.
   const double block_passes = double(blocks) * 3 + recomputed, head_passes = head_recomputed ? 4 : 3;
-  t.compute_matmul = A * share * (block_passes * block_kinds.matmul + head_passes * head_kinds.matmul);
+  t.compute_matmul = A * share *
+                     (block_passes * block_kinds.matmul + blocks * mlp_again_kinds.matmul + head_passes * head_kinds.matmul);
   t.compute_attention = A * share * block_passes * block_kinds.attention;
   t.compute_memory = A * share * (block_passes * block_kinds.memory + head_passes * head_kinds.memory);
   t.compute_local = A * local_mb;

@@ -58,7 +58,7 @@ ModelSizes awkward_sizes() {
   z.tokens = 3 * 37;
   z.hidden = 13;
   z.vocab = 101;
-  z.graph_bytes = 9973;
+  z.graph_bytes = {0, 9973, 9973, 9973, 0};
   return z;
 }
 
@@ -110,6 +110,7 @@ TEST(MemoryModel, VocabularyTilesHoldTheLossBesideEveryHeadStagesGradients) {
   z.padded_numel = {10240, 10240, 7168, 5120, 3072, 3072};
   z.shard_numel = {5120, 5120, 3584, 2560, 1536, 1536};
   z.vocab_tiles = 2;
+  z.graph_bytes = {0, 0, 9973, 9973, 0, 0};
   const MemoryModel m(s, z);
   const uint64_t act = 111 * 13 * 2;
   const uint64_t grads = (3072 + 10240) * 6 + (1536 + 5120) * 4;  // a head tile's and its embedding tile's
@@ -132,13 +133,33 @@ TEST(MemoryModel, KeptBlocksHoldTheirGraphsAndUnitsFromForwardToBackward) {
   EXPECT_TRUE(m.keeps_graph(3, c));
   EXPECT_FALSE(m.keeps_graph(4, c));  // the head
   const uint64_t g = 9973;
+  // The running stage's own graph is the use's scratch (below), not held.
   EXPECT_EQ(m.held_at({1, Use::kForward}, c), 0u);
-  EXPECT_EQ(m.held_at({2, Use::kForward}, c), g);  // its own graph (its units are the use's)
-  EXPECT_EQ(m.held_at({3, Use::kForward}, c), g + 7168u * 2 + g);
+  EXPECT_EQ(m.held_at({2, Use::kForward}, c), 0u);
+  EXPECT_EQ(m.held_at({3, Use::kForward}, c), g + 7168u * 2);
   EXPECT_EQ(m.held_at({4, Use::kHead}, c), 2 * g + (7168u + 5120u) * 2);
-  EXPECT_EQ(m.held_at({2, Use::kBackward}, c), g);
+  EXPECT_EQ(m.held_at({3, Use::kBackward}, c), g + 7168u * 2);  // stage 2's backward comes later
+  EXPECT_EQ(m.held_at({2, Use::kBackward}, c), 0u);
   EXPECT_EQ(m.peak_held(c), 2 * g + (7168u + 5120u) * 2);
   EXPECT_EQ(m.checkpoint_bytes(c), m.activation_bytes());
+}
+
+// Every block stage's use holds its own graph, kept or recomputed (a recompute builds it in the
+// backward): where graphs outweigh the head's loss, scratch is a block's backward use.
+TEST(MemoryModel, ABlockStagesUseHoldsItsOwnGraph) {
+  const Schedule s = tied_five();
+  ModelSizes z = awkward_sizes();
+  z.graph_bytes = {0, 400000, 500000, 300000, 0};
+  const MemoryModel m(s, z);
+  const uint64_t act = 111 * 13 * 2;
+  Choices c;
+  c.activations = Placement::kDevice;
+  EXPECT_EQ(m.scratch(c), 4 * act + 500000 + 7168u * 6 + 3584u * 4);  // stage 2's backward
+  EXPECT_EQ(m.largest_scratch_use().stage, 2u);
+  EXPECT_EQ(m.largest_scratch_use().kind, Use::kBackward);
+  EXPECT_EQ(m.block_graph_bytes(1), 400000u);
+  z.graph_bytes = {0, 1};
+  EXPECT_THROW(MemoryModel(s, z), std::invalid_argument);
 }
 
 TEST(MemoryModel, WorkingSetIsTheLargestNeedPlusThePrefetchedUnits) {

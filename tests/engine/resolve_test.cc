@@ -34,7 +34,7 @@ struct Model {
     z.tokens = 3 * 37;
     z.hidden = 13;
     z.vocab = 101;
-    z.graph_bytes = 9973;
+    z.graph_bytes = {0, 9973, 9973, 9973, 0};
     return z;
   }
 };
@@ -193,6 +193,7 @@ TEST(ResolveRecompute, CountsWholeBlocksOfTileStages) {
   plan::ModelSizes z = Model::sizes();
   z.padded_numel = {10240, 2048, 3072, 3072, 3072, 2048, 3072, 3072, 3072, 1024};
   z.shard_numel = {5120, 1024, 1536, 1536, 1536, 1024, 1536, 1536, 1536, 512};
+  z.graph_bytes = {0, 9973, 9973, 9973, 9973, 9973, 9973, 9973, 9973, 0};
   const plan::MemoryModel memory(schedule, z);
   ASSERT_EQ(schedule.blocks(), 8u);
   plan::Choices choice;
@@ -252,7 +253,9 @@ TEST(EffectiveConfig, ShowsEveryResolvedChoiceAndKeepsTheRest) {
   r.placement = {Placement::kDevice, Placement::kHost, Placement::kNvme, Placement::kNvme};
   r.working_set.activations = Placement::kHost;
   r.working_set.recomputed = 2;
+  r.mlp_token_chunk = 96;
   const EngineConfig e = effective_config(cfg, r);
+  EXPECT_EQ(e.mlp_token_chunk, 96);
   EXPECT_EQ(e.params, Placement::kDevice);
   EXPECT_EQ(e.grads, Placement::kHost);
   EXPECT_EQ(e.master, Placement::kNvme);
@@ -417,6 +420,65 @@ TEST(ResolveTiles, PrefersVocabularyTilesToTinyLogitsTilesAndFallsBackToThem) {
     EXPECT_GT(smallest_tests, 0) << explicit_head;
     EXPECT_EQ(got.vocab, explicit_head ? 1 : 8) << explicit_head;
   }
+}
+
+// placement.tiling "mlp_tokens" "auto": no chunks where the leanest tiling (every "auto" kind at
+// its most, configured counts as they are) fits without them; an eighth of the tokens (at least
+// 256, or all) where it does not; a peer that chunks makes every rank chunk; a configured value is
+// kept without a test or an agreement.
+TEST(ResolveMlpTokenChunk, ChunksOnlyWhereTheLeanestTilingDoesNotFitWithoutThem) {
+  EXPECT_EQ(plan::auto_mlp_token_chunk(100), 100u);
+  EXPECT_EQ(plan::auto_mlp_token_chunk(256), 256u);
+  EXPECT_EQ(plan::auto_mlp_token_chunk(2048), 256u);
+  EXPECT_EQ(plan::auto_mlp_token_chunk(2049), 257u);
+  EXPECT_EQ(plan::auto_mlp_token_chunk(32768), 4096u);
+
+  models::ModelConfig mc = models::preset("llama-1b");
+  mc.layers = 2;
+  mc.hidden = 64;
+  mc.heads = 4;
+  mc.kv_heads = 2;
+  mc.head_dim = 16;
+  mc.intermediate = 640;
+  mc.vocab_size = 5000;
+  mc.validate();
+  EngineConfig c = all_auto();
+  c.micro_batch = 2;
+  c.seq_len = 2048;
+  ASSERT_EQ(c.mlp_token_chunk, EngineConfig::kMlpChunkAuto);
+  const models::LayerTiling leanest = leanest_tiling(c, mc);
+  EXPECT_EQ(leanest.attention, 2);
+  EXPECT_EQ(leanest.mlp, 10);
+  EXPECT_EQ(leanest.vocab, 4);
+  std::vector<std::pair<models::LayerTiling, int64_t>> asked;
+  const auto fits_unchunked = [&](bool fit) {
+    return [&asked, fit](const models::LayerTiling& t, int64_t chunk) {
+      asked.push_back({t, chunk});
+      return fit || chunk > 0;
+    };
+  };
+  Peer alone;
+  EXPECT_EQ(resolve_mlp_token_chunk(c, mc, fits_unchunked(true), alone.agree()), 0);
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0].first, leanest);
+  EXPECT_EQ(asked[0].second, 0);
+  EXPECT_EQ(resolve_mlp_token_chunk(c, mc, fits_unchunked(false), alone.agree()), 512);
+  Peer chunking{{512}};
+  EXPECT_EQ(resolve_mlp_token_chunk(c, mc, fits_unchunked(true), chunking.agree()), 512) << "a peer chunks";
+  // Configured counts are the leanest cut's.
+  c.attention_tiles = 1;
+  c.mlp_tiles = 3;
+  c.vocab_tiles = 1;
+  EXPECT_EQ(leanest_tiling(c, mc), (models::LayerTiling{1, 3, 1}));
+  // A configured chunk (or "off") is kept: nothing tested, nothing agreed.
+  asked.clear();
+  Peer asked_peer;
+  for (int64_t configured : {int64_t(0), int64_t(7)}) {
+    c.mlp_token_chunk = configured;
+    EXPECT_EQ(resolve_mlp_token_chunk(c, mc, fits_unchunked(false), asked_peer.agree()), configured);
+  }
+  EXPECT_TRUE(asked.empty());
+  EXPECT_EQ(asked_peer.calls, 0);
 }
 
 // The error names where the scratch comes from when that is another use than the one that does

@@ -17,6 +17,7 @@
 #include "launched.h"
 #include "strata/engine/device.h"
 #include "strata/engine/plan/tiling.h"
+#include "strata/engine/predict.h"
 #include "test_util.h"
 
 namespace se = strata::engine;
@@ -432,7 +433,63 @@ TEST(MlpTokenChunks, TrainAsLibtorchDoesOverWholeSequences) {
     expect_close(run_in_process(tc, UINT64_MAX, &peak), reference(tc, 1), 1e-5);
   }
   EXPECT_THROW(parsed(json{{"placement", {{"tiling", {{"mlp_tokens", 0}}}}}}), std::invalid_argument);
+  EXPECT_THROW(parsed(json{{"placement", {{"tiling", {{"mlp_tokens", "some"}}}}}}), std::invalid_argument);
   EXPECT_EQ(parsed(json{{"placement", {{"tiling", {{"mlp_tokens", "off"}}}}}}).engine.mlp_token_chunk, 0);
+  EXPECT_EQ(parsed(json{{"placement", {{"tiling", "off"}}}}).engine.mlp_token_chunk, 0);
+  EXPECT_EQ(parsed(json{{"placement", {{"tiling", {{"mlp_tokens", "auto"}}}}}}).engine.mlp_token_chunk,
+            se::EngineConfig::kMlpChunkAuto);
+  EXPECT_EQ(parsed(json::object()).engine.mlp_token_chunk, se::EngineConfig::kMlpChunkAuto) << "the default";
+}
+
+// Long sequences (placement.tiling "mlp_tokens" "auto"): where the blocks' autograd graphs, whose
+// MLP intermediates grow with the tokens, leave no tiling that fits, the MLPs run over token
+// chunks (plan::auto_mlp_token_chunk); the run stays within the budget and matches libtorch over
+// whole sequences; "off" fails there with BudgetExceeded; with room to spare nothing is chunked.
+TEST(MlpTokenChunks, AutoChunksOnlyWhereNothingFitsWithoutThem) {
+  json j = tiling_config(true, 2);
+  j["model"]["intermediate"] = 512;
+  j["data"]["seq_len"] = 512;
+  j["run"]["steps"] = 3;
+  j["placement"] = {{"tiling", {{"attention", "off"}, {"mlp", "off"}, {"vocab", "off"}, {"mlp_tokens", "auto"}}}};
+  j["device"] = {{"prefetch", 0}};
+  const se::TrainConfig tc = parsed(j);
+  const uint64_t tokens = uint64_t(tc.engine.micro_batch * tc.engine.seq_len);
+  const int64_t chunk = int64_t(se::plan::auto_mlp_token_chunk(tokens));
+  ASSERT_LT(chunk, int64_t(tokens)) << "the test's premise: chunks shorter than the micro-batch";
+  const auto fits = [&](int64_t mlp_chunk, uint64_t budget) {
+    se::EngineConfig e = tc.engine;
+    e.mlp_token_chunk = mlp_chunk;
+    return se::tiling_fits(e, tc.model, {1, 1, 1}, 1, budget, false);
+  };
+  uint64_t lo = 1 << 16, hi = 256 << 20;  // the smallest budget the chunked MLPs fit in
+  while (lo + 1024 < hi) {
+    const uint64_t mid = (lo + hi) / 2;
+    (fits(chunk, mid) ? hi : lo) = mid;
+  }
+  ASSERT_FALSE(fits(0, hi)) << "whole-sequence MLPs must not fit where the chunked ones just do";
+  std::printf("chunks of %lld of %llu tokens fit in %.2f MiB\n", (long long)chunk, (unsigned long long)tokens, hi / 1048576.0);
+  const auto engine_config = [&](uint64_t budget) {
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(budget);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), tc.engine,
+                   *comm, *dev);
+    return eng.config();
+  };
+  EXPECT_EQ(engine_config(hi).mlp_token_chunk, chunk);
+  EXPECT_EQ(engine_config(UINT64_MAX).mlp_token_chunk, 0) << "nothing to save: whole sequences";
+  uint64_t peak = 0;
+  const Trajectory got = run_in_process(tc, hi, &peak);
+  EXPECT_LE(peak, hi);
+  expect_close(got, reference(tc, 1), 1e-5);
+
+  json off = j;
+  off["placement"]["tiling"]["mlp_tokens"] = "off";
+  try {
+    run_in_process(parsed(off), hi, &peak);
+    ADD_FAILURE() << "whole-sequence MLPs ran within a budget they do not fit";
+  } catch (const se::BudgetExceeded& e) {
+    EXPECT_NE(std::string(e.what()).find("block"), std::string::npos) << e.what();
+  }
 }
 
 // A model whose one block is larger than the device budget allows: whole blocks fail with

@@ -9,10 +9,15 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
   if (sizes_.padded_numel.size() != schedule_.num_units() || sizes_.shard_numel.size() != schedule_.num_units())
     throw std::invalid_argument("MemoryModel: sizes for " + std::to_string(sizes_.padded_numel.size()) +
                                 " units, the schedule has " + std::to_string(schedule_.num_units()));
+  if (!sizes_.graph_bytes.empty() && sizes_.graph_bytes.size() != schedule_.num_stages())
+    throw std::invalid_argument("MemoryModel: graph sizes for " + std::to_string(sizes_.graph_bytes.size()) +
+                                " stages, the schedule has " + std::to_string(schedule_.num_stages()));
   if (!sizes_.input_widths.empty() && sizes_.input_widths.size() != schedule_.num_stages())
     throw std::invalid_argument("MemoryModel: input widths for " + std::to_string(sizes_.input_widths.size()) +
                                 " stages, the schedule has " + std::to_string(schedule_.num_stages()));
-  // Per use: its boundary activations (input and output, each with its gradient), the gradient
+  // Per use: its boundary activations (input and output, each with its gradient), a block
+  // stage's graph (a kept stage builds it in its forward and a recomputed one in its backward;
+  // either holds it through the backward: the running stage's, not counted in held_at), the gradient
   // buffers of the units a backward use touches (fp32 full, a bf16 copy when reducing in bf16,
   // the reduced fp32 shard), the head's loss.
   const uint64_t logits = head_loss_bytes();
@@ -35,7 +40,7 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
         2 * (input_bytes(s) + (s + 1 < schedule_.num_stages() ? input_bytes(s + 1) : activation_bytes()));
     // The whole head's loss is gone before its use reduces its gradients (one or the other);
     // with vocabulary tiles, the loss's running state lives beside every head stage's reduce.
-    const uint64_t scratch = boundary + (schedule_.vocab_tiled() && schedule_.is_head(s) ? grads + logits
+    const uint64_t scratch = boundary + (block ? sizes_.graph(s) : 0) + (schedule_.vocab_tiled() && schedule_.is_head(s) ? grads + logits
                                          : use.kind == Use::kHead                        ? std::max(grads, logits)
                                                                                          : grads);
     if (scratch > largest_use_scratch_) {
@@ -76,11 +81,17 @@ uint64_t MemoryModel::checkpoint_bytes(const Choices& c) const {
   return inputs_before_.at(std::min(schedule_.first_block() + c.recomputed, schedule_.first_head()));
 }
 
+uint64_t MemoryModel::block_graph_bytes(size_t stages_per_block) const {
+  uint64_t b = 0;
+  const size_t end = std::min(schedule_.first_block() + stages_per_block, schedule_.first_head());
+  for (size_t s = schedule_.first_block(); s < end; ++s) b += sizes_.graph(s);
+  return b;
+}
+
 uint64_t MemoryModel::held_at(const Use& use, const Choices& c) const {
   uint64_t b = 0;
   for (size_t j = schedule_.first_block() + c.recomputed; j < schedule_.first_head(); ++j) {
-    if (use.kind == Use::kHead || j < use.stage) b += sizes_.graph_bytes + use_bytes({j, Use::kForward});
-    else if (j == use.stage) b += sizes_.graph_bytes;
+    if (use.kind == Use::kHead || j < use.stage) b += sizes_.graph(j) + use_bytes({j, Use::kForward});
   }
   return b;
 }

@@ -62,6 +62,10 @@ uint64_t max_efficient_logits_tiles(uint64_t tokens, uint64_t vocab) {
   return std::max<uint64_t>(1, std::min(efficient, max_auto_logits_tiles(tokens, vocab)));
 }
 
+uint64_t auto_mlp_token_chunk(uint64_t tokens) {
+  return std::max((tokens + 7) / 8, std::min(tokens, kMinAutoMlpChunk));
+}
+
 uint64_t head_scratch_bytes(uint64_t tokens, uint64_t vocab, uint64_t hidden, uint64_t compute_bytes,
                             const LogitsTiling& t) {
   if (!t.tiled(tokens, vocab)) return tokens * vocab * (8 + compute_bytes);

@@ -127,7 +127,7 @@ void ParameterCoordinator::prefetch(size_t k, size_t total) {
   uint64_t graphs_ahead = 0;  // graphs of kept blocks whose forward comes before use j
   for (size_t j = k + 1; j <= k + size_t(depth_) && j < total; ++j) {
     const Use& use = schedule_.use_at(j);
-    if (use.kind == Use::kForward && memory_.keeps_graph(use.stage, choice_)) graphs_ahead += memory_.sizes().graph_bytes;
+    if (use.kind == Use::kForward && memory_.keeps_graph(use.stage, choice_)) graphs_ahead += memory_.sizes().graph(use.stage);
     for (size_t u : schedule_.units_of(use.stage)) {
       if (live_.count(u)) continue;
       if (!fits(unit_bytes(u) + graphs_ahead)) return;

@@ -66,8 +66,9 @@ class ParameterCoordinator {
   void set_depth(int depth) { depth_ = depth; }
 
   void begin_micro_batch();
-  void graph_reserved() { graphs_held_ += memory_.sizes().graph_bytes; }
-  void graph_freed() { graphs_held_ -= memory_.sizes().graph_bytes; }
+  // A kept stage's graph, reserved from its forward to its backward.
+  void graph_reserved(size_t stage) { graphs_held_ += memory_.sizes().graph(stage); }
+  void graph_freed(size_t stage) { graphs_held_ -= memory_.sizes().graph(stage); }
   void hold(size_t stage);
   void unhold(size_t stage);
 

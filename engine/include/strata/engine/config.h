@@ -101,9 +101,11 @@ struct EngineConfig {
   uint64_t vocab_tiles = kTilesAuto;
   // placement.tiling "mlp_tokens": every MLP (whole block or tile) run over chunks of this many
   // tokens, its intermediate activations one chunk at a time (tiling::chunked_mlp; the backward
-  // recomputes them, about one more MLP forward a step). 0: the whole micro-batch at once. Not
-  // chosen automatically: the memory model does not count the MLP's intermediates.
-  int64_t mlp_token_chunk = 0;
+  // recomputes them, about one more MLP forward a step). 0: the whole micro-batch at once.
+  // kMlpChunkAuto: chunks of plan::auto_mlp_token_chunk tokens only where no tiling fits the device
+  // without them (resolve_mlp_token_chunk), else whole.
+  static constexpr int64_t kMlpChunkAuto = -1;
+  int64_t mlp_token_chunk = kMlpChunkAuto;
   std::vector<std::string> nvme_dirs;     // swap directories (one per drive) for "nvme" placement
   unsigned io_queue_depth = 32;           // NVMe requests in flight
   // Construction progress (not in the JSON configuration): called on the constructing thread

@@ -29,6 +29,7 @@ namespace strata::engine {
 // (tile) also using its embedding (tile)'s unit (models::stage_units); and each stage's input
 // width (models::stage_input_widths).
 struct UnitPlan {
+  models::LayerTiling tiling;
   std::vector<uint64_t> unit_numel, padded_numel, shard_numel;
   std::vector<std::vector<size_t>> stage_units;
   std::vector<uint64_t> input_widths;
@@ -58,6 +59,8 @@ struct StatePrediction {
   int prefetch_deepest = 1;   // prefetch "auto": the deepest gather window the budget holds
   uint64_t head_tiles = 1;
   bool head_one_pass = false;  // the head's tiles computed in one pass (plan::LogitsTiling::one_pass)
+  plan::LogitsTiling head_logits;  // the cut the loss runs over (MemoryModel::head_logits)
+  int64_t mlp_token_chunk = 0; // the MLPs over chunks of this many tokens, 0: whole (resolve_mlp_token_chunk)
   models::LayerTiling tiles;
 
   // This rank's state by tier, and the device's working set beside it.
@@ -69,7 +72,7 @@ struct StatePrediction {
   // The units as the engine partitions them, and the stages' units (the schedule).
   std::vector<uint64_t> unit_numel, padded_numel, shard_numel;
   std::vector<std::vector<size_t>> stage_units;
-  uint64_t graph_bytes = 0;   // one kept block's autograd graph a micro-batch
+  uint64_t graph_bytes = 0;   // one kept block's autograd graph a micro-batch (its stages' together)
   uint64_t compute_bytes = 2; // bytes of a compute-copy element
   uint64_t device_bytes() const { return device_state + working_set; }
 };

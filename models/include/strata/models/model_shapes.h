@@ -75,9 +75,17 @@ std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTi
 // "block.3.attn.1", "block.3.mlp.0", "head", "head.2". Throws std::out_of_range past the head.
 std::string stage_name(const ModelConfig& c, const LayerTiling& t, size_t stage);
 
-// Bytes one block's forward with autograd keeps for its backward, per token, with compute
-// copies of `elem_bytes` bytes (Decoder::block_graph_bytes_per_token; tests/models/
-// block_graph_test.cc measures it against a counting allocator).
+// By stage, in schedule order: the bytes per token a stage's forward with autograd keeps for its
+// backward (its input included) with compute copies of `elem_bytes` bytes; 0 off the blocks. A
+// whole block, or each of its tiles (an attention tile its heads' part, an MLP tile its features'
+// part, the first of each its norm). With `mlp_chunked` (tiling::chunked_mlp) an MLP keeps only
+// its input. An upper estimate counted from the stages' operations (attention as the flash kernels
+// save it, no T x T scores), within ~20% of what a counting allocator measures
+// (tests/models/block_graph_test.cc). The engine budgets a kept stage's graph from its forward to
+// its backward, and a recomputed one's during its backward, with it.
+std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const LayerTiling& t, size_t elem_bytes,
+                                                  bool mlp_chunked = false);
+// A whole block's, its MLP not chunked (Decoder::block_graph_bytes_per_token).
 uint64_t block_graph_bytes_per_token(const ModelConfig& c, size_t elem_bytes);
 
 // Multiply-add work (2 FLOPs each) of one token's forward through the model with a sequence of

@@ -41,6 +41,7 @@ struct ShardOf {
   bool sequence_parallel = false;  // norms and dropouts split along the sequence too
   bool flash_attention = true;     // fused attention: no score matrix in memory
   double activation_bytes = 2;     // bytes of an activation element
+  int64_t mlp_token_chunk = 0;     // the MLP's products over chunks of this many tokens (0: all at once)
 };
 
 // Korthikanti et al.'s activation bytes of one block, per token and hidden unit, with 16-bit
@@ -49,7 +50,10 @@ struct ShardOf {
 double activation_bytes_per_token_hidden(const models::ModelConfig& m, int64_t seq_len, const ShardOf& shard);
 
 // One block's forward for `sequences` sequences of `seq_len` tokens, this GPU's 1/tp of it.
+// Its MLP's products (mlp_forward) are a part of it.
 Work block_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& shard);
+// One block's MLP: the up (and gate) and down products, over token chunks when the shard says.
+Work mlp_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& shard);
 // The LM head's forward (the logits' product; the loss's softmax as memory traffic).
 Work head_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& shard);
 

@@ -11,6 +11,8 @@
 //                       the device is uploaded straight into its slice, so nothing is staged)
 //   scratch             the largest use's boundary activations (input, output and their
 //                       gradients; a block tile's input and output may stack two activations),
+//                       plus a block stage's autograd graph (built by a kept stage's forward,
+//                       by a recomputed one's backward; held through the backward either way),
 //                       plus the fp32 gradient buffers of the units a backward use touches (plus
 //                       a bf16 copy when reducing in bf16, plus the reduced shard); the head's
 //                       use holds its loss (head_scratch_bytes: the fp32 logits and their
@@ -20,8 +22,8 @@
 //                       first head stage's forward to its backward); plus one activation
 //                       checkpoint coming back when checkpoints live off the device
 //   device checkpoints  every recomputed block's input, when checkpoints live on the device
-//   held_at(u)          blocks kept without recompute: each one's autograd graph from its forward
-//                       to its backward, and its gathered units until then
+//   held_at(u)          blocks kept without recompute whose forward ran before u and whose
+//                       backward comes after: each one's autograd graph and its gathered units
 // need(u) = use_bytes(u) + scratch + device checkpoints + held_at(u); the working set is the
 // largest need plus `prefetch` of the largest unit gathered ahead.
 //
@@ -46,7 +48,10 @@ struct ModelSizes {
   bool reduce_bf16 = false;            // gradients reduce-scattered in bf16
   uint64_t tokens = 0;                 // micro_batch * seq_len
   uint64_t hidden = 0, vocab = 0;
-  uint64_t graph_bytes = 0;            // one kept block's autograd graph at `tokens`
+  // By stage: the autograd graph its forward with autograd keeps at `tokens` (0 off the blocks;
+  // models::stage_graph_bytes_per_token). Empty: none.
+  std::vector<uint64_t> graph_bytes;
+  uint64_t graph(size_t stage) const { return graph_bytes.empty() ? 0 : graph_bytes.at(stage); }
   // By stage: its input in multiples of [tokens, hidden] (models::stage_input_widths: 2 for a
   // block tile whose input stacks the normed input and the running sum). Empty: 1 everywhere.
   std::vector<uint64_t> input_widths;
@@ -118,6 +123,9 @@ class MemoryModel {
   LogitsTiling head_logits() const {
     return within_vocab_tiles(sizes_.logits, sizes_.tokens, sizes_.vocab, sizes_.vocab_tiles);
   }
+  // One block's autograd graph, its `stages_per_block` stages' together (the first block's; every
+  // block is alike).
+  uint64_t block_graph_bytes(size_t stages_per_block) const;
   uint64_t held_at(const Use& use, const Choices& c) const;
   uint64_t peak_held(const Choices& c) const;
   // What running `use` needs beside the device-placed state, no unit gathered ahead.

@@ -21,6 +21,9 @@ struct LogitsTiling {
     return (token_chunk && token_chunk < tokens) || (vocab_tile && vocab_tile < vocab);
   }
   uint64_t tiles(uint64_t tokens, uint64_t vocab) const;
+  // The backward computes the logits again: tiled in two passes (tiling::linear_cross_entropy_sum,
+  // and the vocabulary-tiled head, whose cut within_vocab_tiles gives). The planner prices it.
+  bool recomputes_logits(uint64_t tokens, uint64_t vocab) const { return tiled(tokens, vocab) && !one_pass; }
 };
 
 // At least `count` tiles (1: the logits whole), as few over as the division allows. The
@@ -52,6 +55,13 @@ uint64_t max_auto_logits_tiles(uint64_t tokens, uint64_t vocab);
 // vocabulary tiles would, and run far slower.
 constexpr uint64_t kEfficientTileElements = uint64_t(1) << 22, kCheapLogitsTiles = 16;
 uint64_t max_efficient_logits_tiles(uint64_t tokens, uint64_t vocab);
+
+// The MLP's token chunk placement.tiling "mlp_tokens" "auto" takes where it chunks: an eighth of
+// the micro-batch's tokens (rounded up), at least kMinAutoMlpChunk (or every token when fewer), so
+// that a chunk's intermediates and their gradients in the backward stay well below the whole MLP's
+// activations that chunking takes out of the graph (4 intermediate widths a token for a gated MLP).
+constexpr uint64_t kMinAutoMlpChunk = 256;
+uint64_t auto_mlp_token_chunk(uint64_t tokens);
 
 // Device bytes the head's loss holds beside its input and the weight's gradient: untiled, the
 // fp32 logits, their fp32 gradient and the compute-dtype gradient (tokens x vocab x (8 +
