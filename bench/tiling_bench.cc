@@ -18,9 +18,11 @@ namespace strata::bench {
 namespace {
 
 // `block_tiles`: placement.tiling for the attention and the MLP alike (1: whole blocks);
-// `vocab_tiles` for the embedding and the LM head (1: whole).
+// `vocab_tiles` for the embedding and the LM head (1: whole); `mlp_token_chunk` for
+// placement.tiling "mlp_tokens" (0: whole sequences, as every side but (d)'s tiled one runs).
 engine::EngineConfig engine_config(const TilingBenchOptions& o, int64_t batch, int64_t seq, uint64_t head_tiles,
-                                   unsigned threads, uint64_t block_tiles = 1, uint64_t vocab_tiles = 1) {
+                                   unsigned threads, uint64_t block_tiles = 1, uint64_t vocab_tiles = 1,
+                                   int64_t mlp_token_chunk = 0) {
   engine::EngineConfig e;
   e.device = o.device;
   if (o.compute == "bf16") e.compute = engine::Precision::kBf16;
@@ -32,6 +34,7 @@ engine::EngineConfig engine_config(const TilingBenchOptions& o, int64_t batch, i
   e.head_tiles = head_tiles;
   e.attention_tiles = e.mlp_tiles = block_tiles;
   e.vocab_tiles = vocab_tiles;
+  e.mlp_token_chunk = mlp_token_chunk;
   return e;
 }
 
@@ -239,6 +242,54 @@ void run_tiling_bench(const TilingBenchOptions& o) {
         {"largest_hidden_tried", o.hidden_max},
         {"attention_tiles_at_largest", cut_cfg.attention_tiles},
         {"mlp_tiles_at_largest", cut_cfg.mlp_tiles},
+        {"device", o.device},
+        {"compute", o.compute},
+        {"threads", threads}};
+    std::cout << line.dump() << std::endl;
+  }
+
+  // (d) Long sequences in one budget: the largest sequence (doubling from 256; one GPT-2 block of
+  // --sequence-hidden, heads of 64, vocabulary 256, one sequence a step) that trains with whole
+  // blocks and whole-sequence MLPs vs everything "auto".
+  if (o.parts.find('d') != std::string::npos) {
+    const int64_t h = o.sequence_hidden;
+    const auto largest = [&](bool cut, engine::EngineConfig* used) {
+      int64_t best = 0;
+      for (int64_t seq = 256; seq <= o.sequence_max; seq *= 2) {
+        uint64_t head = 0;
+        engine::EngineConfig got;
+        const models::ModelConfig c = gpt2_shape("gpt2-tiling-bench", 1, h, std::max<int64_t>(1, h / 64), 256, seq);
+        const engine::EngineConfig e =
+            cut ? engine_config(o, 1, seq, engine::EngineConfig::kTilesAuto, threads, engine::EngineConfig::kTilesAuto,
+                                engine::EngineConfig::kTilesAuto, engine::EngineConfig::kMlpChunkAuto)
+                : engine_config(o, 1, seq, engine::EngineConfig::kTilesAuto, threads);
+        if (!trains_in(c, e, o.sequence_budget, &head, *comm, &got)) break;
+        best = seq;
+        *used = got;
+        std::cerr << "bench tiling (d): sequence " << seq << " trains in " << engine::format_bytes(o.sequence_budget)
+                  << (cut ? " with " + std::to_string(got.attention_tiles) + " attention x " +
+                                std::to_string(got.mlp_tiles) + " MLP tiles, MLP chunks of " +
+                                std::to_string(got.mlp_token_chunk) + " tokens"
+                          : " with whole blocks and whole-sequence MLPs")
+                  << std::endl;
+      }
+      return best;
+    };
+    engine::EngineConfig whole_cfg, cut_cfg;
+    const int64_t whole = largest(false, &whole_cfg), tiled = largest(true, &cut_cfg);
+    nlohmann::json line = {
+        {"metric", "longest_sequence_in_budget"},
+        {"value", tiled},
+        {"baseline", "the same engine with whole blocks and whole-sequence MLPs (tiling attention, mlp and "
+                     "mlp_tokens \"off\")"},
+        {"baseline_value", whole},
+        {"ratio", whole > 0 ? double(tiled) / double(whole) : 0.0},
+        {"budget_bytes", o.sequence_budget},
+        {"hidden", h},
+        {"longest_sequence_tried", o.sequence_max},
+        {"attention_tiles_at_longest", cut_cfg.attention_tiles},
+        {"mlp_tiles_at_longest", cut_cfg.mlp_tiles},
+        {"mlp_token_chunk_at_longest", cut_cfg.mlp_token_chunk},
         {"device", o.device},
         {"compute", o.compute},
         {"threads", threads}};

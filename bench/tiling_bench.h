@@ -9,6 +9,11 @@
 //       as logits elements (tokens x vocabulary), the ratio being the gain (target: >= 16x).
 //   (c) capacity: in one fixed device budget, the largest hidden size (doubling) of a one-block
 //       GPT-2 that trains with whole blocks vs blocks cut "auto" (target: >= 8x).
+//   (d) long sequences: in one fixed device budget, the largest sequence (doubling) of a
+//       one-block GPT-2 that trains with whole blocks and whole-sequence MLPs vs
+//       placement.tiling "auto" (block tiles and MLP token chunks as the memory model decides;
+//       the activation side of tiling). No target: attention and the boundary activations still
+//       grow with the sequence.
 #pragma once
 
 #include <cstdint>
@@ -31,13 +36,16 @@ struct TilingBenchOptions {
   // (c): the budget, tokens a step and the largest hidden size tried.
   uint64_t hidden_budget = 16ull << 20;
   int64_t hidden_tokens = 64, hidden_max = 4096;
+  // (d): the budget, width and longest sequence tried.
+  uint64_t sequence_budget = 16ull << 20;
+  int64_t sequence_hidden = 128, sequence_max = 65536;
   unsigned threads = 0;  // 0: every hardware thread
   std::string device = "cpu";     // "cpu" (the host device) or "cuda" (GPU 0)
   std::string compute = "fp32";   // precision.compute: fp32 or bf16
-  std::string parts = "abc";      // which parts run
+  std::string parts = "abcd";     // which parts run
 };
 
-// Prints a JSON line per part; the last one (c) is the summary.
+// Prints a JSON line per part.
 void run_tiling_bench(const TilingBenchOptions& options);
 
 }  // namespace strata::bench

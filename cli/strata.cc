@@ -197,7 +197,11 @@ with them whole, in one run, fp32 on the host device:
   (c) the blocks cut into tiles: in --hidden-budget, the largest hidden size (doubling from 128 up to
       --hidden-max) of a one-block GPT-2 that trains with whole blocks vs blocks cut "auto"
       (target: at least 8x).
-A JSON line per part; the last one is (c) when it runs.
+  (d) long sequences: in --sequence-budget, the longest sequence (doubling from 256 up to
+      --sequence-max) of a one-block GPT-2 of --sequence-hidden that trains with whole blocks
+      and whole-sequence MLPs vs tiling "auto" (block tiles and MLP token chunks; no target:
+      attention and the activations between stages still grow with the sequence).
+A JSON line per part.
 
   --layers N            (a) transformer blocks (default 2)
   --hidden N            (a) model width (default 256)
@@ -219,10 +223,13 @@ A JSON line per part; the last one is (c) when it runs.
   --hidden-budget BYTES (c) the device budget (default 16MiB)
   --hidden-tokens N     (c) tokens per step (default 64)
   --hidden-max N        (c) the largest hidden size tried (default 4096)
+  --sequence-budget BYTES (d) the device budget (default 16MiB)
+  --sequence-hidden N   (d) model width (default 128)
+  --sequence-max N      (d) the longest sequence tried (default 65536)
   --threads N           threads for libtorch and the kernels (default: all)
   --device D            cpu (default: the host device) or cuda
   --compute P           precision.compute: fp32 (default) or bf16
-  --parts LIST          which parts run, of a, b and c (default abc)
+  --parts LIST          which parts run, of a, b, c and d (default abcd)
 )";
 
 int bench_tiling(const std::vector<std::string>& argv) {
@@ -234,6 +241,7 @@ int bench_tiling(const std::vector<std::string>& argv) {
   strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "tiles", "attention-tiles",
                                 "mlp-tiles", "vocab-tiles", "steps", "budget",
                                 "capacity-hidden", "capacity-tokens", "capacity-max-vocab", "hidden-budget", "hidden-tokens", "hidden-max",
+                                "sequence-budget", "sequence-hidden", "sequence-max",
                                 "threads", "device", "compute", "head-pass", "parts"}, {});
   strata::bench::TilingBenchOptions o;
   o.layers = args.count("layers", unsigned(o.layers));
@@ -257,12 +265,15 @@ int bench_tiling(const std::vector<std::string>& argv) {
   if (args.has("hidden-budget")) o.hidden_budget = strata::engine::parse_bytes(args.get("hidden-budget", ""));
   o.hidden_tokens = args.count("hidden-tokens", unsigned(o.hidden_tokens));
   o.hidden_max = args.count("hidden-max", unsigned(o.hidden_max));
+  if (args.has("sequence-budget")) o.sequence_budget = strata::engine::parse_bytes(args.get("sequence-budget", ""));
+  o.sequence_hidden = args.count("sequence-hidden", unsigned(o.sequence_hidden));
+  o.sequence_max = args.count("sequence-max", unsigned(o.sequence_max));
   o.threads = args.count("threads", o.threads);
   o.device = args.get("device", o.device);
   o.compute = args.get("compute", o.compute);
   o.parts = args.get("parts", o.parts);
-  if (o.parts.empty() || o.parts.find_first_not_of("abc") != std::string::npos)
-    throw std::invalid_argument("bench tiling: --parts takes a, b and c, not " + o.parts);
+  if (o.parts.empty() || o.parts.find_first_not_of("abcd") != std::string::npos)
+    throw std::invalid_argument("bench tiling: --parts takes a, b, c and d, not " + o.parts);
   strata::bench::run_tiling_bench(o);
   return 0;
 }

@@ -64,12 +64,13 @@ status=0
 
 # Tiling on the GPU: the head's logits at 8K tokens x 128K vocabulary (a 4 GiB fp32 logits tensor),
 # the blocks in 2 attention x 4 MLP tiles and the embedding and head in vocabulary tiles beside
-# whole ones, and the largest hidden size and logits in 2 GiB.
+# whole ones, the largest hidden size and logits in 2 GiB, and the longest sequence in 1 GiB.
 bench_tiling() {
   "$strata" bench tiling --device cuda --compute bf16 --threads 16 --hidden 1024 --heads 8 --vocab 131072 \
     --seq 2048 --batch 4 --budget 2GiB --capacity-hidden 1024 --capacity-tokens 8192 \
+    --sequence-budget 1GiB --sequence-hidden 1024 --sequence-max 131072 \
     >"$out/bench-tiling.jsonl" 2>"$out/bench-tiling.err" || status=1
-  tail -4 "$out/bench-tiling.jsonl"
+  tail -5 "$out/bench-tiling.jsonl"
   # (a) again with the head's tiles in one pass (placement.tiling.head_pass "one"): its first line.
   "$strata" bench tiling --device cuda --compute bf16 --threads 16 --hidden 1024 --heads 8 --vocab 131072 \
     --seq 2048 --batch 4 --head-pass one --parts a \

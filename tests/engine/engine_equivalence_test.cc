@@ -1066,11 +1066,12 @@ TEST(EngineAuto, SplitsTheOptimizerGroupOverDeviceHostAndSwapAndTrainsBitwiseAli
   j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
   std::vector<uint64_t> shard;
   // The working set (the memory model's) with every overlap mode this test runs: the update during
-  // backward runs micro-batches of 4.
+  // backward runs one micro-batch a step, of the same 2 sequences (the blocks' graphs, which grow
+  // with the tokens, alike).
   json backward_cfg = j;
   backward_cfg["optimizer"]["overlap"] = "backward";
   backward_cfg["optimizer"]["clip_grad_norm"] = 0;
-  backward_cfg["batch"] = {{"micro_batch", 4}, {"grad_accum", 1}};
+  backward_cfg["batch"] = {{"micro_batch", 2}, {"grad_accum", 1}};
   uint64_t working_set = 0, working_set_forward = 0;
   for (const json& cfg : {j, backward_cfg}) {
     json h = cfg;
@@ -1133,7 +1134,7 @@ TEST(EngineAuto, SplitsTheOptimizerGroupOverDeviceHostAndSwapAndTrainsBitwiseAli
     const bool backward = std::string(overlap) == "backward";
     if (backward) {  // no clipping, one micro-batch: gradients not stored off the device
       j["optimizer"]["clip_grad_norm"] = 0;
-      j["batch"] = {{"micro_batch", 4}, {"grad_accum", 1}};
+      j["batch"] = {{"micro_batch", 2}, {"grad_accum", 1}};
       for (const char* tier : {"host", "nvme"}) {
         json w = j;
         w["optimizer"]["overlap"] = "off";
@@ -1565,13 +1566,16 @@ TEST(EngineEquivalence, FourRanksOverGlooMatchOneProcessLlamaUnderBudget) {
   json j = tiny_config(true, 3);
   j["batch"]["micro_batch"] = 1;
   // Binding: about two units fit beside the working set, so prefetch (2) is cut by the budget
-  // and must be decided the same way on every rank.
-  j["device"] = {{"budget", "400KiB"}, {"prefetch", 2}};
+  // and must be decided the same way on every rank. Whole blocks (a block's recompute graph,
+  // 109 KiB, counted; at 500 KiB "auto" cuts them into tiles, whose sums in another order move
+  // these weights by 2-4e-5 at tiny_config's learning rate). The ledger's peak stays below the
+  // model's need, a bound over the step's uses: 364 KiB measured.
+  j["device"] = {{"budget", "512KiB"}, {"prefetch", 2}};
   j["optimizer"]["no_decay"] = {"norm"};  // parameter groups over shards at four rank offsets
   se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
   const Trajectory got = run_launched(tc, j, 4, dir);
-  EXPECT_LE(got.device_peak, 400u * 1024);
-  EXPECT_GT(got.device_peak, 300u * 1024) << "the budget does not bind";
+  EXPECT_LE(got.device_peak, 512u * 1024);
+  EXPECT_GT(got.device_peak, 320u * 1024) << "the budget does not bind";
   expect_close(got, reference(tc, 4), 1e-5);
 }
 

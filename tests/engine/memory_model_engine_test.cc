@@ -46,8 +46,9 @@ TEST(MemoryModelInEngine, ThePredictedWorkingSetIsExactlyTheBudgetTheEngineNeeds
     json j = tiny_config(false, 2);
     j["run"]["steps"] = 2;
     j["placement"] = mode.placement;
-    // Whole blocks: a budget a byte short must fail here, where "auto" would cut the blocks.
-    j["placement"]["tiling"] = {{"attention", "off"}, {"mlp", "off"}};
+    // Whole blocks and whole-sequence MLPs: a budget a byte short must fail here, where "auto"
+    // would cut the blocks or chunk the MLPs.
+    j["placement"]["tiling"] = {{"attention", "off"}, {"mlp", "off"}, {"mlp_tokens", "off"}};
     for (auto& [k, v] : mode.optimizer.items()) j["optimizer"][k] = v;
     if (mode.nvme) j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
     se::TrainConfig tc = se::parse_train_config(j.dump(), "test");

@@ -63,6 +63,14 @@ TEST_P(TiledHead, TrainsAsLibtorchDoesWithWholeLogits) {
   if (k.placement.dump().find("nvme") != std::string::npos)
     j["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
   const se::TrainConfig tc = parsed(j);
+  if (k.one_pass) {  // the cut that runs is in one pass (its weight gradient fits: no budget)
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(UINT64_MAX);
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), tc.engine,
+                   *comm, *dev);
+    EXPECT_TRUE(eng.config().head_one_pass);
+    EXPECT_EQ(eng.config().head_tiles, k.tiles);
+  }
   uint64_t peak = 0;
   expect_close(run_in_process(tc, UINT64_MAX, &peak), reference(tc, 1), 1e-5);
 }
