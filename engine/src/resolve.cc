@@ -322,8 +322,11 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
   for (const plan::Use& use : mm.schedule().uses()) {
     const uint64_t need = mm.need(use, choice);
     if (base + need <= budget) continue;
-    const uint64_t scratch = mm.scratch(choice), checkpoints = mm.device_checkpoints(choice),
-                   held = mm.held_at(use, choice);
+    // What the use holds beside its parameters: the scratch every use counts, or its own with its
+    // graph, the larger (MemoryModel::need).
+    const uint64_t graph = mm.running_graph(use, choice),
+                   scratch = std::max(mm.scratch(choice), mm.running_scratch(use, choice)),
+                   checkpoints = mm.device_checkpoints(choice), held = mm.held_at(use, choice);
     std::string remedies = "raise device.budget";
     const auto add = [&](const std::string& r) { remedies += ", " + r; };
     if (scratch > 0)
@@ -343,7 +346,8 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
           (logits.tiled(sz.tokens, sz.vocab) ? "in " + plan::describe(logits, sz.tokens, sz.vocab) : "untiled") +
           ")");
     const plan::Schedule& schedule = mm.schedule();
-    const plan::Use& source = mm.largest_scratch_use();  // where the scratch's largest part comes from
+    // Where the scratch's largest part comes from: this use when its own (with its graph) wins.
+    const plan::Use& source = mm.running_scratch(use, choice) >= mm.scratch(choice) ? use : mm.largest_scratch_use();
     const char* kinds[] = {"forward", "head", "backward"};
     const std::string scratch_source =
         source.stage == use.stage && source.kind == use.kind
@@ -367,6 +371,9 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
       // A block's gradient buffers (its units' full size in fp32) make the scratch every use counts.
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; the gradient buffers of unit " +
           stage_name(source.stage) + "'s backward are part of the " + format_bytes(scratch) + ")");
+    if (4 * graph > need)
+      add("cut the blocks into more tiles or run the MLPs over token chunks (placement.tiling \"attention\"/\"mlp\"/"
+          "\"mlp_tokens\"; this unit's autograd graph takes " + format_bytes(graph) + ")");
     if (checkpoints > 0) add("place activation checkpoints on the host (placement.activations)");
     if (held > 0) add("recompute more blocks (placement.recompute)");
     if (base > 0) add("place state on the host (the placement of params, grads, master and moments)");
@@ -375,6 +382,7 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
     throw BudgetExceeded("device budget " + format_bytes(budget) + " cannot run unit " + stage_name(use.stage) +
                          ": it needs " + format_bytes(need) + " (parameters " + format_bytes(mm.use_bytes(use)) +
                          ", activations and gradient buffers " + format_bytes(scratch) + scratch_source +
+                         (graph > 0 ? " with its autograd graph " + format_bytes(graph) : std::string()) +
                          ", activation checkpoints on the device " + format_bytes(checkpoints) +
                          ", blocks kept without recompute " + format_bytes(held) + ") beside " + format_bytes(base) +
                          " of device-placed state; " + remedies);

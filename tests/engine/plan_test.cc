@@ -2,6 +2,9 @@
 // model of the device working set, against sizes computed by hand on awkward numbers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <set>
+
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
@@ -144,19 +147,37 @@ TEST(MemoryModel, KeptBlocksHoldTheirGraphsAndUnitsFromForwardToBackward) {
   EXPECT_EQ(m.checkpoint_bytes(c), m.activation_bytes());
 }
 
-// Every block stage's use holds its own graph, kept or recomputed (a recompute builds it in the
-// backward): where graphs outweigh the head's loss, scratch is a block's backward use.
+// A block stage's backward holds its own graph (a recompute builds it there), and so does a kept
+// stage's forward (it builds it); a recomputed stage's forward runs without one. Only the running
+// use counts it (not scratch, which every use counts).
 TEST(MemoryModel, ABlockStagesUseHoldsItsOwnGraph) {
   const Schedule s = tied_five();
   ModelSizes z = awkward_sizes();
   z.graph_bytes = {0, 400000, 500000, 300000, 0};
   const MemoryModel m(s, z);
-  const uint64_t act = 111 * 13 * 2;
   Choices c;
   c.activations = Placement::kDevice;
-  EXPECT_EQ(m.scratch(c), 4 * act + 500000 + 7168u * 6 + 3584u * 4);  // stage 2's backward
-  EXPECT_EQ(m.largest_scratch_use().stage, 2u);
-  EXPECT_EQ(m.largest_scratch_use().kind, Use::kBackward);
+  c.recomputed = 2;  // stages 1 and 2 recomputed, stage 3 kept
+  const MemoryModel plain(s, awkward_sizes());
+  EXPECT_EQ(m.scratch(c), plain.scratch(c)) << "graphs are not the scratch every use counts";
+  EXPECT_EQ(m.running_graph({2, Use::kForward}, c), 0u);
+  EXPECT_EQ(m.running_graph({2, Use::kBackward}, c), 500000u);
+  EXPECT_EQ(m.running_graph({3, Use::kForward}, c), 300000u);
+  EXPECT_EQ(m.running_graph({3, Use::kBackward}, c), 300000u);
+  EXPECT_EQ(m.running_graph({0, Use::kBackward}, c), 0u);
+  EXPECT_EQ(m.running_graph({4, Use::kHead}, c), 0u);
+  // Stage 2's backward: its own activations and gradient buffers with its graph, more than the
+  // head's scratch; the head's use: the head's scratch (no graph).
+  const uint64_t act = 111 * 13 * 2, own = 4 * act + 7168u * 6 + 3584u * 4;
+  EXPECT_EQ(m.running_scratch({2, Use::kBackward}, c), own + 500000);
+  ASSERT_GT(own + 500000, m.scratch(c));
+  EXPECT_EQ(m.need({2, Use::kBackward}, c), m.use_bytes({2, Use::kBackward}) + own + 500000 +
+                                                m.device_checkpoints(c) + m.held_at({2, Use::kBackward}, c));
+  EXPECT_EQ(m.need({4, Use::kHead}, c), plain.need({4, Use::kHead}, c) + m.held_at({4, Use::kHead}, c) -
+                                            plain.held_at({4, Use::kHead}, c));
+  EXPECT_EQ(m.room_scratch(c), own + 500000) << "the coordinator's room test: the largest with a graph";
+  EXPECT_EQ(plain.room_scratch(c), plain.scratch(c));
+  EXPECT_EQ(m.held_at({4, Use::kHead}, c), 300000u + 5120u * 2);
   EXPECT_EQ(m.block_graph_bytes(1), 400000u);
   z.graph_bytes = {0, 1};
   EXPECT_THROW(MemoryModel(s, z), std::invalid_argument);
@@ -171,13 +192,29 @@ TEST(MemoryModel, WorkingSetIsTheLargestNeedPlusThePrefetchedUnits) {
         Choices c{act, recomputed, prefetch};
         uint64_t largest = 0;
         for (const Use& u : s.uses()) {
-          const uint64_t need = m.use_bytes(u) + m.scratch(c) + m.held_at(u, c) +
+          const uint64_t need = m.use_bytes(u) + std::max(m.scratch(c), m.running_scratch(u, c)) + m.held_at(u, c) +
                                 (act == Placement::kDevice ? recomputed * m.activation_bytes() : 0);
           EXPECT_EQ(m.need(u, c), need);
           largest = std::max(largest, need);
         }
         EXPECT_EQ(m.largest_need(c), largest);
-        EXPECT_EQ(m.working_set(c), largest + uint64_t(prefetch) * m.largest_unit());
+        // Each use's need with the distinct units of the next `prefetch` uses (the schedule a
+        // cycle) that it does not use itself.
+        uint64_t working = 0;
+        const size_t n = s.uses().size();
+        for (size_t k = 0; k < n; ++k) {
+          const std::vector<size_t>& own = s.units_of(s.uses()[k].stage);
+          std::set<size_t> ahead;
+          for (int j = 1; j <= prefetch; ++j)
+            for (size_t u : s.units_of(s.uses()[(k + size_t(j)) % n].stage))
+              if (std::find(own.begin(), own.end(), u) == own.end()) ahead.insert(u);
+          uint64_t bytes = m.need(s.uses()[k], c);
+          for (size_t u : ahead) bytes += m.unit_bytes(u);
+          working = std::max(working, bytes);
+        }
+        EXPECT_EQ(m.working_set(c), working);
+        EXPECT_LE(m.working_set(c), largest + uint64_t(2 * prefetch) * m.largest_unit());
+        if (prefetch == 0) EXPECT_EQ(m.working_set(c), largest);
         // prefetch_room: how many of the largest unit fit beyond base + the largest need.
         const uint64_t base = 12345;
         Choices none = c;

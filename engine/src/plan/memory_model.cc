@@ -15,9 +15,8 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
   if (!sizes_.input_widths.empty() && sizes_.input_widths.size() != schedule_.num_stages())
     throw std::invalid_argument("MemoryModel: input widths for " + std::to_string(sizes_.input_widths.size()) +
                                 " stages, the schedule has " + std::to_string(schedule_.num_stages()));
-  // Per use: its boundary activations (input and output, each with its gradient), a block
-  // stage's graph (a kept stage builds it in its forward and a recomputed one in its backward;
-  // either holds it through the backward: the running stage's, not counted in held_at), the gradient
+  use_scratch_.assign(schedule_.num_stages(), {0, 0, 0});
+  // Per use: its boundary activations (input and output, each with its gradient), the gradient
   // buffers of the units a backward use touches (fp32 full, a bf16 copy when reducing in bf16,
   // the reduced fp32 shard), the head's loss.
   const uint64_t logits = head_loss_bytes();
@@ -40,9 +39,11 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
         2 * (input_bytes(s) + (s + 1 < schedule_.num_stages() ? input_bytes(s + 1) : activation_bytes()));
     // The whole head's loss is gone before its use reduces its gradients (one or the other);
     // with vocabulary tiles, the loss's running state lives beside every head stage's reduce.
-    const uint64_t scratch = boundary + (block ? sizes_.graph(s) : 0) + (schedule_.vocab_tiled() && schedule_.is_head(s) ? grads + logits
+    const uint64_t scratch = boundary + (schedule_.vocab_tiled() && schedule_.is_head(s) ? grads + logits
                                          : use.kind == Use::kHead                        ? std::max(grads, logits)
                                                                                          : grads);
+    use_scratch_[s][use.kind] = scratch;
+    if (block) largest_graph_scratch_ = std::max(largest_graph_scratch_, scratch + sizes_.graph(s));
     if (scratch > largest_use_scratch_) {
       largest_use_scratch_ = scratch;
       largest_scratch_use_ = use;
@@ -105,6 +106,24 @@ uint64_t MemoryModel::peak_held(const Choices& c) const {
 uint64_t MemoryModel::largest_need(const Choices& c) const {
   uint64_t b = 0;
   for (const Use& use : schedule_.uses()) b = std::max(b, need(use, c));
+  return b;
+}
+
+uint64_t MemoryModel::working_set(const Choices& c) const {
+  const std::vector<Use>& uses = schedule_.uses();
+  const size_t n = uses.size(), depth = size_t(std::max(0, c.prefetch));
+  uint64_t b = 0;
+  for (size_t k = 0; k < n; ++k) {
+    std::vector<size_t> live = schedule_.units_of(uses[k].stage);
+    uint64_t ahead = 0;
+    for (size_t j = k + 1; j <= k + depth && j < k + n; ++j)
+      for (size_t u : schedule_.units_of(uses[j % n].stage))
+        if (std::find(live.begin(), live.end(), u) == live.end()) {
+          live.push_back(u);
+          ahead += unit_bytes(u);
+        }
+    b = std::max(b, need(uses[k], c) + ahead);
+  }
   return b;
 }
 

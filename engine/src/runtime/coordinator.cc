@@ -35,12 +35,14 @@ void ParameterCoordinator::adopt(size_t u, std::vector<at::Tensor> tensors) {
   release(u);
 }
 
-// The room test: the device-placed state, the gathered units, the working set's scratch and
-// device checkpoints and the kept graphs, plus `extra`, within the budget.
+// The room test: the device-placed state, the gathered units, the working set's scratch with the
+// largest stage graph (the running use's, or a later one's while what is gathered now is still
+// held: MemoryModel::room_scratch), device checkpoints and the kept graphs, plus `extra`, within
+// the budget.
 bool ParameterCoordinator::fits(uint64_t extra) const {
   uint64_t gathered = 0;
   for (auto& [u, g] : live_) gathered += unit_bytes(u);
-  return base_bytes_ + gathered + extra + memory_.scratch(choice_) + memory_.device_checkpoints(choice_) +
+  return base_bytes_ + gathered + extra + memory_.room_scratch(choice_) + memory_.device_checkpoints(choice_) +
              graphs_held_ <=
          dev_.budget();
 }

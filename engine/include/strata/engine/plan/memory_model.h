@@ -11,8 +11,6 @@
 //                       the device is uploaded straight into its slice, so nothing is staged)
 //   scratch             the largest use's boundary activations (input, output and their
 //                       gradients; a block tile's input and output may stack two activations),
-//                       plus a block stage's autograd graph (built by a kept stage's forward,
-//                       by a recomputed one's backward; held through the backward either way),
 //                       plus the fp32 gradient buffers of the units a backward use touches (plus
 //                       a bf16 copy when reducing in bf16, plus the reduced shard); the head's
 //                       use holds its loss (head_scratch_bytes: the fp32 logits and their
@@ -24,13 +22,19 @@
 //   device checkpoints  every recomputed block's input, when checkpoints live on the device
 //   held_at(u)          blocks kept without recompute whose forward ran before u and whose
 //                       backward comes after: each one's autograd graph and its gathered units
-// need(u) = use_bytes(u) + scratch + device checkpoints + held_at(u); the working set is the
-// largest need plus `prefetch` of the largest unit gathered ahead.
+//   running_graph(u)    u's own block stage's autograd graph where u holds it: a kept stage's
+//                       forward builds it, any block stage's backward holds it (a recomputed
+//                       one builds it there)
+// need(u) = use_bytes(u) + max(scratch, u's own scratch + running_graph(u)) + device checkpoints
+// + held_at(u) (scratch, the largest over uses, bounds what another use may leave behind; the
+// graph lives only within its use); the working set is the largest over uses of need(u) plus
+// the units of the next `prefetch` uses gathered ahead that u does not use.
 //
 // No libtorch, no device, no communicator: pure arithmetic on sizes, the same on every rank.
 // Thread safety: immutable after construction.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -105,9 +109,7 @@ class MemoryModel {
     return c.activations == Placement::kDevice ? checkpoint_bytes(c) : 0;
   }
   // O(1): the engine's room test calls it before every gather.
-  uint64_t scratch(const Choices& c) const {
-    return largest_use_scratch_ + (c.activations != Placement::kDevice ? largest_input_ : 0);
-  }
+  uint64_t scratch(const Choices& c) const { return largest_use_scratch_ + checkpoint_back(c); }
   // The use whose boundary activations, gradient buffers and head loss make scratch()'s largest
   // part (the first such in schedule order): what an error names as the scratch's source, which
   // may be another use than the one that does not fit.
@@ -128,15 +130,30 @@ class MemoryModel {
   uint64_t block_graph_bytes(size_t stages_per_block) const;
   uint64_t held_at(const Use& use, const Choices& c) const;
   uint64_t peak_held(const Choices& c) const;
+  uint64_t running_graph(const Use& use, const Choices& c) const {
+    return schedule_.is_block(use.stage) && (use.kind == Use::kBackward || keeps_graph(use.stage, c))
+               ? sizes_.graph(use.stage)
+               : 0;
+  }
+  // `use`'s activations, gradient buffers and loss, its checkpoint coming back, and its graph:
+  // what it holds beside its parameters while it runs.
+  uint64_t running_scratch(const Use& use, const Choices& c) const {
+    return use_scratch_.at(use.stage)[use.kind] + checkpoint_back(c) + running_graph(use, c);
+  }
+  // The room test of the parameter coordinator (O(1)), for whichever use runs while units are
+  // gathered ahead: scratch, or the largest running scratch with a graph, the larger.
+  uint64_t room_scratch(const Choices& c) const {
+    return std::max(scratch(c), largest_graph_scratch_ + checkpoint_back(c));
+  }
   // What running `use` needs beside the device-placed state, no unit gathered ahead.
   uint64_t need(const Use& use, const Choices& c) const {
-    return use_bytes(use) + scratch(c) + device_checkpoints(c) + held_at(use, c);
+    return use_bytes(use) + std::max(scratch(c), running_scratch(use, c)) + device_checkpoints(c) + held_at(use, c);
   }
-  // The largest need, and with `prefetch` largest units gathered ahead.
+  // The largest need; and the largest need with the units gathered ahead of its use: those of
+  // the next `prefetch` uses that it does not use itself (the schedule taken as a cycle: the
+  // next micro-batch's first uses follow the last), as the parameter coordinator gathers them.
   uint64_t largest_need(const Choices& c) const;
-  uint64_t working_set(const Choices& c) const {
-    return largest_need(c) + uint64_t(c.prefetch < 0 ? 0 : c.prefetch) * largest_unit();
-  }
+  uint64_t working_set(const Choices& c) const;
   // How many of the largest unit fit ahead within `usable` bytes (usable_device) beside `base`
   // bytes of device-placed state and the largest need; 0 if not even the need fits.
   uint64_t prefetch_room(const Choices& c, uint64_t base, uint64_t usable) const;
@@ -153,6 +170,10 @@ class MemoryModel {
   Use largest_scratch_use_{0, Use::kForward};
   uint64_t largest_input_ = 0;
   uint64_t head_gradients_ = 0;
+  std::vector<std::array<uint64_t, 3>> use_scratch_;  // [stage][Use::Kind]: each use's own scratch
+  uint64_t largest_graph_scratch_ = 0;                // the largest own scratch plus graph of a block use
+  // One checkpoint on its way back when checkpoints live off the device.
+  uint64_t checkpoint_back(const Choices& c) const { return c.activations != Placement::kDevice ? largest_input_ : 0; }
   std::vector<uint64_t> inputs_before_;  // [s]: the inputs of the blocks before stage s (checkpoint_bytes in O(1))
 };
 
