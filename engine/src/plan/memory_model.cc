@@ -16,6 +16,7 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
     throw std::invalid_argument("MemoryModel: input widths for " + std::to_string(sizes_.input_widths.size()) +
                                 " stages, the schedule has " + std::to_string(schedule_.num_stages()));
   use_scratch_.assign(schedule_.num_stages(), {0, 0, 0});
+  boundary_.assign(schedule_.num_stages(), 0);
   // Per use: its boundary activations (input and output, each with its gradient), the gradient
   // buffers of the units a backward use touches (fp32 full, a bf16 copy when reducing in bf16,
   // the reduced fp32 shard), the head's loss.
@@ -43,7 +44,8 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
                                          : use.kind == Use::kHead                        ? std::max(grads, logits)
                                                                                          : grads);
     use_scratch_[s][use.kind] = scratch;
-    if (block) largest_graph_scratch_ = std::max(largest_graph_scratch_, scratch + sizes_.graph(s));
+    boundary_[s] = boundary;
+    if (block) largest_graph_scratch_ = std::max(largest_graph_scratch_, boundary + sizes_.graph(s));
     if (scratch > largest_use_scratch_) {
       largest_use_scratch_ = scratch;
       largest_scratch_use_ = use;

@@ -25,9 +25,10 @@
 //   running_graph(u)    u's own block stage's autograd graph where u holds it: a kept stage's
 //                       forward builds it, any block stage's backward holds it (a recomputed
 //                       one builds it there)
-// need(u) = use_bytes(u) + max(scratch, u's own scratch + running_graph(u)) + device checkpoints
-// + held_at(u) (scratch, the largest over uses, bounds what another use may leave behind; the
-// graph lives only within its use); the working set is the largest over uses of need(u) plus
+// need(u) = use_bytes(u) + max(scratch, running scratch of u) + device checkpoints + held_at(u),
+// where u's running scratch is its boundary activations plus the larger of its graph (freed before
+// the reduce) and its own gradient buffers (scratch, the largest over uses, bounds what another use
+// may leave behind; the graph lives only within its use); the working set is the largest over uses of need(u) plus
 // the units of the next `prefetch` uses gathered ahead that u does not use.
 //
 // No libtorch, no device, no communicator: pure arithmetic on sizes, the same on every rank.
@@ -135,10 +136,12 @@ class MemoryModel {
                ? sizes_.graph(use.stage)
                : 0;
   }
-  // `use`'s activations, gradient buffers and loss, its checkpoint coming back, and its graph:
-  // what it holds beside its parameters while it runs.
+  // What `use` holds beside its parameters while it runs: its boundary activations with its graph
+  // (during the compute) or with its gradient buffers (at the reduce, the graph freed), the
+  // larger, and its checkpoint coming back.
   uint64_t running_scratch(const Use& use, const Choices& c) const {
-    return use_scratch_.at(use.stage)[use.kind] + checkpoint_back(c) + running_graph(use, c);
+    return std::max(use_scratch_.at(use.stage)[use.kind], boundary_.at(use.stage) + running_graph(use, c)) +
+           checkpoint_back(c);
   }
   // The room test of the parameter coordinator (O(1)), for whichever use runs while units are
   // gathered ahead: scratch, or the largest running scratch with a graph, the larger.
@@ -171,7 +174,8 @@ class MemoryModel {
   uint64_t largest_input_ = 0;
   uint64_t head_gradients_ = 0;
   std::vector<std::array<uint64_t, 3>> use_scratch_;  // [stage][Use::Kind]: each use's own scratch
-  uint64_t largest_graph_scratch_ = 0;                // the largest own scratch plus graph of a block use
+  std::vector<uint64_t> boundary_;                    // [stage]: its boundary activations
+  uint64_t largest_graph_scratch_ = 0;                // the largest boundary plus graph of a block stage
   // One checkpoint on its way back when checkpoints live off the device.
   uint64_t checkpoint_back(const Choices& c) const { return c.activations != Placement::kDevice ? largest_input_ : 0; }
   std::vector<uint64_t> inputs_before_;  // [s]: the inputs of the blocks before stage s (checkpoint_bytes in O(1))
