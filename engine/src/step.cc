@@ -307,7 +307,7 @@ void Engine::Impl::backward_use(Pass& pass, MicroBatch& mb, size_t s) {
     params->graph_freed(s);
     params->unhold(s);
   } else {
-    // The recompute's graph: the working set's scratch counts it (MemoryModel).
+    // The recompute's graph: the use's running scratch counts it (MemoryModel::running_scratch).
     Device::Reservation graph_res;
     if (schedule->is_block(s))
       graph_res = dev.reserve(memory->sizes().graph(s), "autograd graph of unit " + stage_names[s] + " (recomputed)");

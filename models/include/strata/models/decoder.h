@@ -127,8 +127,9 @@ class Decoder {
   // Bytes one block's forward with autograd keeps for its backward (its input included), per
   // token, with compute copies of `elem_bytes` bytes: an upper estimate counted from the block's
   // operations (attention as the flash kernels save it, no T x T scores), within ~15% of what a
-  // counting allocator measures (tests/models/block_graph_test.cc). The engine budgets the blocks
-  // it does not recompute with it.
+  // counting allocator measures (tests/models/block_graph_test.cc). A whole block's share of
+  // models::stage_graph_bytes_per_token, which the engine budgets graphs with (per stage, by tile
+  // and MLP chunk).
   uint64_t block_graph_bytes_per_token(size_t elem_bytes) const;
 
   // token ids [batch, seq] (int64) -> logits [batch, seq, vocab].

@@ -80,7 +80,7 @@ std::string stage_name(const ModelConfig& c, const LayerTiling& t, size_t stage)
 // whole block, or each of its tiles (an attention tile its heads' part, an MLP tile its features'
 // part, the first of each its norm). With `mlp_chunked` (tiling::chunked_mlp) an MLP keeps only
 // its input. An upper estimate counted from the stages' operations (attention as the flash kernels
-// save it, no T x T scores), within ~20% of what a counting allocator measures
+// save it, no T x T scores), at most 1.25x what a counting allocator measures
 // (tests/models/block_graph_test.cc). The engine budgets a kept stage's graph from its forward to
 // its backward, and a recomputed one's during its backward, with it.
 std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const LayerTiling& t, size_t elem_bytes,

@@ -28,8 +28,8 @@
 // need(u) = use_bytes(u) + max(scratch, running scratch of u) + device checkpoints + held_at(u),
 // where u's running scratch is its boundary activations plus the larger of its graph (freed before
 // the reduce) and its own gradient buffers (scratch, the largest over uses, bounds what another use
-// may leave behind; the graph lives only within its use); the working set is the largest over uses of need(u) plus
-// the units of the next `prefetch` uses gathered ahead that u does not use.
+// may leave behind; the graph lives only within its use); the working set is the largest over
+// uses of need(u) plus the units of the next `prefetch` uses gathered ahead that u does not use.
 //
 // No libtorch, no device, no communicator: pure arithmetic on sizes, the same on every rank.
 // Thread safety: immutable after construction.
