@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -18,9 +20,11 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <exception>
 #include <thread>
 #include <vector>
 
+#include "strata/engine/comm.h"
 #include "strata/kernels/cpu_optim.h"
 #ifdef STRATA_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -106,53 +110,77 @@ DiskRates disk_rates(const std::string& dir, uint64_t bytes, bool& direct) {
   return r;
 }
 
-// TCP over loopback (what Gloo's collectives between this machine's ranks use): bytes/s one way.
-double loopback_rate(uint64_t bytes) {
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+// A free TCP port on loopback (bound, read, closed; the rendezvous binds it again at once).
+int free_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof addr;
-  if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::listen(listener, 1) != 0 || ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    throw std::runtime_error(std::string("calibrate: loopback socket: ") + std::strerror(errno));
-  // Connected here, before the sender starts: a failed connect cannot leave accept() waiting.
-  const int out = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (out < 0 || ::connect(out, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    if (out >= 0) ::close(out);
-    ::close(listener);
-    throw std::runtime_error(std::string("calibrate: loopback connect: ") + std::strerror(errno));
-  }
-  std::thread sender([&] {
-    std::vector<char> buf(1 << 20, 'x');
-    for (uint64_t sent = 0; sent < bytes;) {
-      const ssize_t n = ::send(out, buf.data(), std::min<uint64_t>(buf.size(), bytes - sent), 0);
-      if (n <= 0) break;
-      sent += uint64_t(n);
+  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int err = errno;
+  if (fd >= 0) ::close(fd);
+  if (!ok) throw std::runtime_error(std::string("calibrate: loopback socket: ") + std::strerror(err));
+  return ntohs(addr.sin_port);
+}
+
+// The engine's own collectives between two ranks of this machine, as `strata launch` runs them
+// (Gloo over loopback TCP): an all-gather and a reduce-scatter of a `bytes` fp32 buffer, each
+// rank a thread with its own Communicator. Bytes each rank sends a second (half the buffer in
+// each). Gloo's collectives run far below a plain TCP stream between two threads: 0.35-0.8 GB/s
+// against 2-3.5 GB/s on the 2-core VM (2026-11-27).
+double local_collective_rate(uint64_t bytes) {
+  const int port = free_loopback_port();
+  const int64_t n = int64_t(bytes / 8) * 2;  // even
+  constexpr int kReps = 3;
+  std::array<double, 2> seconds{};
+  std::array<std::exception_ptr, 2> error;
+  const auto rank_main = [&](int r) {
+    try {
+      engine::DistEnv env;
+      env.rank = env.local_rank = r;
+      env.world_size = env.local_world_size = 2;
+      env.master_addr = "127.0.0.1";
+      env.master_port = port;
+      const auto comm = engine::Communicator::create(env, std::chrono::seconds(120));
+      at::Tensor full = at::ones({n}), shard = at::empty({n / 2});
+      const auto once = [&] {
+        comm->all_gather(full, full.narrow(0, r * (n / 2), n / 2))->wait();
+        comm->reduce_scatter(shard, full)->wait();
+      };
+      once();  // connections made, buffers allocated
+      comm->barrier();
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kReps; ++i) once();
+      seconds[size_t(r)] = since(t0) / kReps;
+    } catch (...) {
+      error[size_t(r)] = std::current_exception();
     }
-    ::close(out);
-  });
-  const int fd = ::accept(listener, nullptr, nullptr);
-  std::vector<char> buf(1 << 20);
-  const auto t0 = Clock::now();
-  uint64_t got = 0;
-  for (ssize_t n; (n = ::recv(fd, buf.data(), buf.size(), 0)) > 0;) got += uint64_t(n);
-  const double rate = double(got) / since(t0);
-  sender.join();
-  ::close(fd);
-  ::close(listener);
-  return rate;
+  };
+  std::thread other(rank_main, 1);
+  rank_main(0);
+  other.join();
+  for (const std::exception_ptr& e : error)
+    if (e) std::rethrow_exception(e);
+  return 2.0 * double(n / 2) * 4 / std::max(seconds[0], seconds[1]);
 }
 
 }  // namespace
 
 // A timed operation, run once a round; keeps every round's seconds per call.
+// Blocks in each block probe's stack.
+constexpr int kProbeBlocks = 4;
+
 struct Probe {
   std::function<void()> op;
   double window;  // seconds a round
-  std::vector<double> times;
-  double median() const {
-    std::vector<double> t = times;
+  std::vector<double> times;  // by round
+  // The median over rounds `which` (every round where empty).
+  double median(const std::vector<int>& which = {}) const {
+    std::vector<double> t;
+    if (which.empty()) t = times;
+    for (int r : which) t.push_back(times.at(size_t(r)));
     std::nth_element(t.begin(), t.begin() + long(t.size() / 2), t.end());
     return t[t.size() / 2];
   }
@@ -164,16 +192,21 @@ struct Calibration::Impl {
   unsigned cores;
   at::Device dev{at::kCPU};
   at::ScalarType primary, secondary;
-  planner::Cluster base;  // what no round changes: names, memory, the loopback and the disk
+  planner::Cluster base;  // what no round changes: names, memory, the collectives and the disk
   std::vector<Probe> probes;
   // Which probe measures what.
   std::vector<int64_t> sizes;  // linear layers [4s, s] x [s, 4s]
   std::vector<size_t> linear;
   int64_t secondary_size;
-  size_t secondary_probe, attention_probe, block_probe, copy_up, copy_down, adam_probe;
+  size_t secondary_probe, attention_probe, copy_up, copy_down, adam_probe;
   int64_t att_b, att_heads, att_seq, att_d = 64;
-  models::ModelConfig block_config;
-  std::unique_ptr<models::Decoder> block_model;
+  // Two real GPT blocks, the second twice as wide, over the same tokens.
+  struct Block {
+    models::ModelConfig config;
+    std::unique_ptr<models::Decoder> model;
+    size_t probe = 0;
+  };
+  std::array<Block, 2> blocks;
   int64_t block_batch;
   int64_t copy_elems = 64 << 20;  // 256 MiB of fp32
   size_t adam_count;
@@ -271,28 +304,37 @@ Calibration::Calibration(const CalibrateOptions& o) : impl_(std::make_unique<Imp
         o.seconds / 2);
   }
 
-  // Memory-bound kernels (norms, activations, softmax, residuals) as a block runs them: a real
-  // block's forward and backward is timed, the products' and the attention's share is taken out
-  // as the rates above predict it, and what is left is the memory-bound traffic the planner
-  // counts for that block (planner/compute.h) at this rate.
-  {
-    models::ModelConfig& mc = I.block_config;
+  // Real blocks (norms, activations, softmax, residuals beside the products), forward and
+  // backward, at two widths over the same tokens: the products' share grows as the width squared,
+  // the memory-bound kernels' as the width, which separates the rate of a block's products
+  // (cluster(): against the linear probes') from the memory-bound kernels' rate. Each probe runs
+  // a stack of kProbeBlocks blocks forward, then backward, as training does, so that a block's
+  // weights and activations have left the caches by the time it runs again, as in training (on
+  // the 2-core VM a block of hidden 512 took the same 50 ms either way, 2026-11-27; a block that
+  // fits a larger cache would not).
+  I.block_batch = cuda ? 8 : 4;
+  for (size_t k = 0; k < I.blocks.size(); ++k) {
+    Impl::Block& b = I.blocks[k];
+    models::ModelConfig& mc = b.config;
     mc = models::preset("gpt2");
-    mc.layers = 1;
-    mc.hidden = cuda ? 2048 : 256;
+    mc.layers = kProbeBlocks;
+    mc.hidden = (cuda ? 2048 : 256) << k;
     mc.heads = mc.kv_heads = mc.hidden / 64;
     mc.head_dim = 64;
     mc.intermediate = 4 * mc.hidden;
     mc.vocab_size = 512;
     mc.max_positions = cuda ? 1024 : 128;
-    I.block_model = std::make_unique<models::Decoder>(mc, 1);
-    models::Stage* block = &I.block_model->block(0);
-    block->to(I.dev, I.primary);
-    I.block_batch = cuda ? 8 : 4;
+    b.model = std::make_unique<models::Decoder>(mc, 1);
+    std::vector<models::Stage*> blocks;
+    for (size_t i = 0; i < b.model->num_blocks(); ++i) {
+      blocks.push_back(&b.model->block(i));
+      blocks.back()->to(I.dev, I.primary);
+    }
     const at::Tensor x = at::randn({I.block_batch, mc.max_positions, mc.hidden}, I.opts(I.primary)).requires_grad_(true);
-    I.block_probe = I.probe(
-        [block, x] {
-          const at::Tensor y = block->forward(x);
+    b.probe = I.probe(
+        [blocks, x] {
+          at::Tensor y = x;
+          for (models::Stage* block : blocks) y = block->forward(y);
           y.backward(at::ones_like(y));
         },
         o.seconds);
@@ -337,9 +379,8 @@ Calibration::Calibration(const CalibrateOptions& o) : impl_(std::make_unique<Imp
         o.seconds);
   }
 
-  // Measured once: ranks on this machine reach each other over loopback TCP; RAM; the disk under
-  // `dir`.
-  n.intra_bandwidth = loopback_rate(1ull << 30);
+  // Measured once: the collectives between this machine's ranks; RAM; the disk under `dir`.
+  n.intra_bandwidth = local_collective_rate(64ull << 20);
   n.host_memory = double(meminfo("MemTotal:"));
   if (!cuda) g.memory = n.host_memory;  // the host device's "device memory": its budget limits it in a run
   std::filesystem::create_directories(o.dir);
@@ -353,9 +394,9 @@ Calibration::Calibration(const CalibrateOptions& o) : impl_(std::make_unique<Imp
   n.nvme_write = d.write;
   n.nvme_duplex = d.duplex;
   c.source = std::string("strata plan --calibrate on this machine (compute on ") + (cuda ? "the GPU, bf16" : "the CPU, fp32") +
-             "): libtorch linear layers forward and backward, fused attention, a GPT block forward and backward, a "
-             "256 MiB copy, the CPU Adam kernel on every core (medians of rounds spread over the measurement), 1 GiB "
-             "over loopback TCP, 512 MiB through the I/O engine under " + o.dir;
+             "): libtorch linear layers forward and backward, fused attention, GPT blocks of two widths forward and backward, a "
+             "256 MiB copy, the CPU Adam kernel on every core (medians of rounds spread over the measurement), an "
+             "all-gather and a reduce-scatter of 64 MiB between two local ranks (Gloo over loopback TCP), 512 MiB through the I/O engine under " + o.dir;
 }
 
 Calibration::~Calibration() = default;
@@ -372,9 +413,13 @@ void Calibration::rounds(int count) {
           p.window));
 }
 
-planner::Cluster Calibration::cluster(bool say_it) const {
+int Calibration::rounds_done() const { return impl_->rounds; }
+
+planner::Cluster Calibration::cluster(bool say_it, const std::vector<int>& which) const {
   const Impl& I = *impl_;
   if (I.rounds == 0) throw std::logic_error("calibrate: no round measured yet");
+  for (int r : which)
+    if (r < 0 || r >= I.rounds) throw std::out_of_range("calibrate: no round " + std::to_string(r));
   const bool cuda = I.cuda;
   planner::Cluster c = I.base;
   planner::NodeSpec& n = c.node;
@@ -382,11 +427,11 @@ planner::Cluster Calibration::cluster(bool say_it) const {
   const auto say = [&](const std::string& s) {
     if (say_it && !I.o.quiet) std::cout << "  " << s << std::endl;
   };
-  say("medians of " + std::to_string(I.rounds) + " rounds:");
+  say("medians of " + std::to_string(which.empty() ? I.rounds : int(which.size())) + " rounds:");
   std::vector<std::pair<double, double>> rates;  // (flops of one product, FLOP/s)
   for (size_t i = 0; i < I.sizes.size(); ++i) {
     const int64_t s = I.sizes[i];
-    rates.emplace_back(Impl::linear_flops(s), 3 * Impl::linear_flops(s) / I.probes[I.linear[i]].median());
+    rates.emplace_back(Impl::linear_flops(s), 3 * Impl::linear_flops(s) / I.probes[I.linear[i]].median(which));
     say(std::string("linear ") + (cuda ? "bf16" : "fp32") + " [" + std::to_string(4 * s) + " x " + std::to_string(s) +
         "] x [" + std::to_string(s) + " x " + std::to_string(4 * s) +
         "] and its backward: " + std::to_string(rates.back().second / 1e9) + " GFLOP/s");
@@ -396,41 +441,61 @@ planner::Cluster Calibration::cluster(bool say_it) const {
   (cuda ? g.peak_flops : g.peak_flops_fp32) = peak;
   for (auto [f, r] : rates) g.matmul_efficiency.emplace_back(f, std::min(1.0, r / peak));
   {
-    const double flops = Impl::linear_flops(I.secondary_size), rate = 3 * flops / I.probes[I.secondary_probe].median();
+    const double flops = Impl::linear_flops(I.secondary_size), rate = 3 * flops / I.probes[I.secondary_probe].median(which);
     const double fraction = planner::matmul_rate(g, flops, !cuda) / peak;
     (cuda ? g.peak_flops_fp32 : g.peak_flops) = rate / fraction;
     say(std::string("linear ") + (cuda ? "fp32" : "bf16") + " at " + std::to_string(I.secondary_size) + ": " +
         std::to_string(rate / 1e9) + " GFLOP/s");
   }
   {
-    const double t = I.probes[I.attention_probe].median();
+    const double t = I.probes[I.attention_probe].median(which);
     const double flops = 3 * 4.0 * double(I.att_b * I.att_heads) * double(I.att_seq) * double(I.att_seq) * double(I.att_d);
     g.attention_efficiency = std::min(1.0, flops / t / planner::matmul_rate(g, flops / 3, !cuda));
     say("attention fwd+bwd: " + std::to_string(flops / t / 1e9) + " GFLOP/s (" +
         std::to_string(g.attention_efficiency) + " of the products' rate)");
   }
   {
-    const double t = I.probes[I.block_probe].median();
-    planner::ShardOf shard;
-    shard.activation_bytes = double(c10::elementSize(I.primary));
-    const planner::Work w =
-        planner::block_forward(I.block_config, double(I.block_batch), I.block_config.max_positions, shard);
+    // Each block's time t = a P + W / bw: P its products' and attention's time at the probes'
+    // rates, W its memory-bound kernels' traffic (planner::block_forward, forward and backward).
+    // Two widths give a (how much slower than the isolated probes a block's products run: other
+    // shapes, operands not in cache, autograd between them) and bw; a scales the peaks, so that
+    // every product the planner prices runs at a block's rate.
+    std::array<double, 2> t{}, P{}, W{};
     g.memory_bandwidth = 1;  // only the products' and attention's shares below
-    const planner::Seconds predicted = planner::seconds_by_kind(w, g, !cuda);
-    const double left = std::max(t - 3 * (predicted.matmul + predicted.attention), 0.05 * t);
-    g.memory_bandwidth = 3 * w.memory_bytes / left;
-    say("a block's forward + backward: " + std::to_string(t * 1e3) + " ms, of which memory-bound kernels " +
-        std::to_string(left * 1e3) + " ms: " + std::to_string(g.memory_bandwidth / 1e9) + " GB/s of their traffic");
+    for (size_t k = 0; k < I.blocks.size(); ++k) {
+      const Impl::Block& b = I.blocks[k];
+      planner::ShardOf shard;
+      shard.activation_bytes = double(c10::elementSize(I.primary));
+      const planner::Work w = planner::block_forward(b.config, double(I.block_batch), b.config.max_positions, shard);
+      const planner::Seconds predicted = planner::seconds_by_kind(w, g, !cuda);
+      t[k] = I.probes[b.probe].median(which) / kProbeBlocks;
+      P[k] = 3 * (predicted.matmul + predicted.attention);
+      W[k] = 3 * w.memory_bytes;
+    }
+    double a = (t[1] * W[0] - t[0] * W[1]) / (P[1] * W[0] - P[0] * W[1]);
+    // Noise can make the difference meaningless: a stays within a factor of two of the probes.
+    if (!std::isfinite(a)) a = 1;
+    a = std::clamp(a, 0.5, 2.0);
+    g.peak_flops /= a;
+    g.peak_flops_fp32 /= a;
+    const double left = std::max(t[0] - a * P[0], 0.05 * t[0]);
+    g.memory_bandwidth = W[0] / left;
+    say("a block's forward + backward: " + std::to_string(t[0] * 1e3) + " ms at hidden " +
+        std::to_string(I.blocks[0].config.hidden) + ", " + std::to_string(t[1] * 1e3) + " ms at " +
+        std::to_string(I.blocks[1].config.hidden) + ": its products run " + std::to_string(a) +
+        "x the probes' time (the peaks above divided by that), memory-bound kernels " + std::to_string(left * 1e3) +
+        " ms at the first: " + std::to_string(g.memory_bandwidth / 1e9) + " GB/s of their traffic");
   }
-  n.pcie_h2d = double(I.copy_elems) * 4 / I.probes[I.copy_up].median();
-  n.pcie_d2h = double(I.copy_elems) * 4 / I.probes[I.copy_down].median();
+  n.pcie_h2d = double(I.copy_elems) * 4 / I.probes[I.copy_up].median(which);
+  n.pcie_d2h = double(I.copy_elems) * 4 / I.probes[I.copy_down].median(which);
   if (cuda)
     say("PCIe up " + std::to_string(n.pcie_h2d / 1e9) + " GB/s, down " + std::to_string(n.pcie_d2h / 1e9) + " GB/s");
   else
     say("copy: " + std::to_string(n.pcie_h2d / 1e9) + " GB/s");
-  n.cpu_adam_rate = double(I.adam_count) / I.probes[I.adam_probe].median();
+  n.cpu_adam_rate = double(I.adam_count) / I.probes[I.adam_probe].median(which);
   say("CPU Adam: " + std::to_string(n.cpu_adam_rate / 1e9) + " Gparam/s");
-  say("loopback TCP: " + std::to_string(n.intra_bandwidth / 1e9) + " GB/s");
+  say("collectives between two local ranks (Gloo over loopback): " + std::to_string(n.intra_bandwidth / 1e9) +
+      " GB/s sent by each");
   say(std::string("disk under ") + I.o.dir + (I.direct ? " (direct I/O)" : " (buffered: no O_DIRECT here)") +
       ": read " + std::to_string(n.nvme_read / 1e9) + " GB/s, write " + std::to_string(n.nvme_write / 1e9) +
       " GB/s, both at once " + std::to_string(n.nvme_duplex / 1e9) + " GB/s");

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "strata/planner/cluster.h"
 
@@ -37,8 +38,11 @@ class Calibration {
   Calibration& operator=(const Calibration&) = delete;
 
   void rounds(int count);
-  // The cluster description from the rounds so far (at least one); `say` prints each figure.
-  planner::Cluster cluster(bool say = true) const;
+  int rounds_done() const;
+  // The cluster description from the rounds so far (at least one), or from rounds `which` (each
+  // below rounds_done(); a case of strata bench plan takes those next to its own runs); `say`
+  // prints each figure.
+  planner::Cluster cluster(bool say = true, const std::vector<int>& which = {}) const;
 
  private:
   struct Impl;

@@ -3,7 +3,8 @@
 // configurations (sizes, placements on the host and in swap, overlap modes, 1 and 2 ranks) runs
 // as `strata train` on the host device (under `strata launch` for 2 ranks) or on the GPU, and its median step
 // time and per-tier memory are compared with what `strata plan` predicts for the same
-// configuration. Prints a table of the errors and a final JSON line (metric: the worst step-time
+// configuration; the device bytes in one more run per configuration whose device budget is the
+// plan's (without a budget the engine also keeps what it merely has room for). Prints a table of the errors and a final JSON line (metric: the worst step-time
 // error; baseline: the measured mean step time).
 #pragma once
 

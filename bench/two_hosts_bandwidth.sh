@@ -6,7 +6,7 @@
 # limits the link to each rate in turn ("none": the veth pair as it is); every rate trains the
 # same configuration for --steps steps. The prediction is `strata plan --as-given` of that
 # configuration on a cluster of 2 nodes of this machine (calibrated in the same run with `strata
-# plan --calibrate`), its inter-node bandwidth set to the rate ("none": the calibrated loopback
+# plan --calibrate`), its inter-node bandwidth set to the rate ("none": the calibrated collectives'
 # rate), each node given half of this machine's calibrated rates (both "hosts" share its cores).
 # This kernel has no netem, so latency is the veth pair's own (tens of microseconds).
 #
@@ -100,8 +100,8 @@ c = json.load(open(sys.argv[1]))
 c["nodes"] = 2
 c["node"]["gpus"] = 1
 # Both "hosts" are this one machine: each node of the plan gets half of its cores and memory
-# bandwidth (compute, copies, the CPU optimizer). The loopback rate was measured between two
-# busy processes already, and the disk is not used.
+# bandwidth (compute, copies, the CPU optimizer). The collectives' rate was measured between two
+# ranks of this machine already, and the disk is not used.
 g = c["node"]["gpu"]
 for k in ("peak_tflops", "peak_tflops_fp32", "memory_gbps"):
     if k in g: g[k] /= 2

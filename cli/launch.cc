@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "args.h"
+#include "strata/engine/cpu_share.h"
 #include "train.h"
 
 namespace strata::cli {
@@ -56,7 +57,8 @@ interface Gloo uses is GLOO_SOCKET_IFNAME where set, else the one this host reac
 NCCL's is NCCL_SOCKET_IFNAME where set, else the same. Both are printed at start. If a rank fails, the others on this node are stopped and the launcher
 exits non-zero (ranks on other nodes fail on their own at their next collective). SIGINT,
 SIGTERM and SIGUSR1 are passed on to every rank (`strata train` then stops after the current
-step, saving a checkpoint if it has a directory).
+step, saving a checkpoint if it has a directory). With K > 1, OMP_NUM_THREADS, unless set, is each
+rank's share of this host's cores (the CPUs the launcher may run on, divided by K).
 
   -n, --nproc N, --nproc-per-node N   ranks (processes) on this node
   --port P, --master-port P           rendezvous port (one node: default a free port;
@@ -179,6 +181,7 @@ int launch_main(const std::vector<std::string>& argv) {
   }
   const pid_t launcher = getpid();
   std::vector<pid_t> pids(n, -1);
+  const std::string threads_per_rank = std::to_string(engine::cpu_threads_per_rank(int(n)));
   for (unsigned r = 0; r < n; ++r) {
     pid_t pid = fork();
     if (pid < 0) throw std::runtime_error("fork: " + std::string(strerror(errno)));
@@ -195,6 +198,8 @@ int launch_main(const std::vector<std::string>& argv) {
       setenv("GROUP_RANK", std::to_string(node).c_str(), 1);
       setenv("MASTER_ADDR", master.c_str(), 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      // Each rank's share of the cores, as torchrun does (kept where the caller set it).
+      if (n > 1) setenv("OMP_NUM_THREADS", threads_per_rank.c_str(), 0);
       std::vector<char*> cargv;
       for (auto& s : cmd) cargv.push_back(const_cast<char*>(s.c_str()));
       cargv.push_back(nullptr);

@@ -285,7 +285,9 @@ runs six `strata train` configurations on the host device (GPT and Llama shapes;
 host, on the device, master and moments in swap; optimizer after backward, overlapped with the
 next forward, inside backward; 1 and 2 ranks) twice, the second pass in reverse order, and prints
 each one's median step time (and each pass's) and per-tier memory beside `strata plan`'s
-prediction for the same configuration, then one JSON line with the worst step-time error.
+prediction for the same configuration, then one JSON line with the worst step-time error. Each
+configuration then runs once more with the plan's device bytes as its device budget: the device
+peak there is compared with the plan (the peak without a budget is shown beside).
 
   --dir DIR        work directory: configurations, logs, swap (default strata-bench-plan)
   --cluster FILE   use this cluster description instead of calibrating

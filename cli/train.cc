@@ -36,6 +36,7 @@
 #include "object_paths.h"
 #include "strata/engine/comm.h"
 #include "strata/engine/config.h"
+#include "strata/engine/cpu_share.h"
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"
 #include "strata/models/hf_io.h"
@@ -550,6 +551,8 @@ int run_training(const std::vector<std::string>& argv) {
   }
 
   if (env.local_world_size > 0) tc.engine.local_ranks = env.local_world_size;
+  // This rank's share of the node's cores for its compute, before any op runs (cpu_share.h).
+  engine::apply_compute_threads(env.local_world_size > 0 ? env.local_world_size : env.world_size);
   stop_messages = env.rank == 0;
   auto comm = engine::Communicator::create(
       env, std::chrono::milliseconds(int64_t(ecp->timeout_s * 1000)), ecp->device == "cuda");

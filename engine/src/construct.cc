@@ -3,6 +3,7 @@
 // built and the state placed unit by unit. The configuration is never changed: `effective`
 // shows what was resolved.
 #include "engine_impl.h"
+#include "strata/engine/cpu_share.h"
 #include "strata/engine/predict.h"
 
 #include <optional>
@@ -14,7 +15,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   cfg.validate();
   cdt = scalar_type(cfg.compute);
   loss_scale = cfg.compute == Precision::kFp16 ? cfg.initial_loss_scale : 1.0;
-  exec.threads = cfg.cpu_threads ? cfg.cpu_threads : std::max(1u, std::thread::hardware_concurrency());
+  exec.threads = cfg.cpu_threads ? cfg.cpu_threads : cpu_threads_per_rank(local_ranks());
   const models::ModelConfig& mc = model->config();
   // The MLPs' token chunks, then the blocks' tiles: the units are built from the stages they make.
   const auto tiling_fits_with = [&](const models::LayerTiling& t, int64_t chunk, bool efficient_logits) {

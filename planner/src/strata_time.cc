@@ -107,7 +107,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
     return bytes / bw;
   };
   const double net_mb = safe(gathered + reduced, net_bw);
-  // On the host device Gloo's copies cost CPU time at the loopback rate (intra_gbps, measured);
+  // On the host device Gloo's collectives cost CPU time at their calibrated rate (intra_gbps);
   // across nodes, the time the link itself takes beyond that is waiting, which compute overlaps.
   const double net_cpu_mb = world <= 1 ? 0 : safe(gathered + reduced, c.node.intra_bandwidth);
   const double up_mb = safe(up, h2d), down_mb = safe(down, d2h);

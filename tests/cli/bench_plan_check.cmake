@@ -1,8 +1,9 @@
 # Runs `strata bench plan --quick` (calibrates this machine, runs six small `strata train`
 # configurations, 1 and 2 ranks, host, device and swap placements) and checks its final JSON line:
 # six measured cases, each run's host and NVMe state equal to the planner's prediction to the
-# byte, the device reservation not below the measured peak, and the reported worst error the
-# largest of the cases' errors. Numbers, not speed: the step-time errors are reported, not bounded.
+# byte, each case run again with the planned device bytes as its budget without failing (a plan
+# below the need fails there with BudgetExceeded) and its peak there within the plan, and the
+# reported worst error the largest of the cases' errors. Numbers, not speed: the step-time errors are reported, not bounded.
 execute_process(COMMAND ${STRATA} bench plan --quick --steps 3 --dir ${WORK}
                 OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
@@ -30,6 +31,10 @@ foreach(i RANGE ${last_index})
       message(FATAL_ERROR "${name}: ${tier} state measured ${measured}, predicted ${predicted}")
     endif()
   endforeach()
+  string(JSON failure ERROR_VARIABLE no_failure GET "${last}" cases ${i} failed_at_plan_budget)
+  if(NOT no_failure)
+    message(FATAL_ERROR "${name}: failed with the planned device bytes as its budget: ${failure}")
+  endif()
   string(JSON peak GET "${last}" cases ${i} device_peak)
   string(JSON reserved GET "${last}" cases ${i} predicted_device)
   if(peak GREATER reserved)

@@ -1,6 +1,7 @@
 // The engine's building blocks on their own: the ZeRO-3 partition map, byte sizes, the host
 // device (budget accounting, stream ordering, events, errors) and the training configuration.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -22,6 +23,7 @@
 
 #include "strata/engine/comm.h"
 #include "strata/engine/config.h"
+#include "strata/engine/cpu_share.h"
 #include "strata/engine/device.h"
 #include "strata/engine/partition.h"
 #include "strata/models/model_config.h"
@@ -598,6 +600,32 @@ DistEnv dist_env(const std::map<std::string, std::string>& vars) {
     auto it = vars.find(name);
     return it == vars.end() ? nullptr : it->second.c_str();
   });
+}
+
+// Ranks on one node share its cores: each gets an equal share, never none.
+TEST(CpuShare, RanksOnANodeShareItsCores) {
+  const unsigned cpus = usable_cpus();
+  ASSERT_GE(cpus, 1u);
+  EXPECT_LE(cpus, std::max(1u, std::thread::hardware_concurrency()));
+  EXPECT_EQ(cpu_threads_per_rank(1), cpus);
+  EXPECT_EQ(cpu_threads_per_rank(0), cpus);  // unknown: one rank
+  EXPECT_EQ(cpu_threads_per_rank(2), std::max(1u, cpus / 2));
+  EXPECT_EQ(cpu_threads_per_rank(1000), 1u);
+
+  // The intra-op threads: one rank keeps libtorch's default; several divide it; OMP_NUM_THREADS,
+  // where set, is left to libtorch.
+  const int before = at::get_num_threads();
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  const std::string kept = omp ? omp : "";
+  unsetenv("OMP_NUM_THREADS");
+  EXPECT_EQ(apply_compute_threads(1), before);
+  EXPECT_EQ(apply_compute_threads(1000), 1);
+  at::set_num_threads(before);
+  setenv("OMP_NUM_THREADS", "1", 1);
+  EXPECT_EQ(apply_compute_threads(2), before);
+  if (omp) setenv("OMP_NUM_THREADS", kept.c_str(), 1);
+  else unsetenv("OMP_NUM_THREADS");
+  at::set_num_threads(before);
 }
 
 TEST(DistEnv, NoLauncherVariablesMeanOneProcess) {

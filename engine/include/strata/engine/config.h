@@ -134,7 +134,7 @@ struct EngineConfig {
   // waited for parameters more than 2% of its time while that helps and the budget holds the
   // deeper window (PrefetchTuner in placement.h).
   bool prefetch_auto = false;
-  unsigned cpu_threads = 0;              // optimizer kernel threads; 0: all cores
+  unsigned cpu_threads = 0;              // optimizer kernel threads; 0: this rank's share (cpu_share.h)
   double timeout_s = 300;                // collectives and rendezvous
   void validate() const;                 // throws std::invalid_argument
 };
