@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -200,13 +199,10 @@ struct Calibration::Impl {
   int64_t secondary_size;
   size_t secondary_probe, attention_probe, copy_up, copy_down, adam_probe;
   int64_t att_b, att_heads, att_seq, att_d = 64;
-  // Two real GPT blocks, the second twice as wide, over the same tokens.
-  struct Block {
-    models::ModelConfig config;
-    std::unique_ptr<models::Decoder> model;
-    size_t probe = 0;
-  };
-  std::array<Block, 2> blocks;
+  // A stack of real GPT blocks.
+  models::ModelConfig block_config;
+  std::unique_ptr<models::Decoder> block_model;
+  size_t block_probe = 0;
   int64_t block_batch;
   int64_t copy_elems = 64 << 20;  // 256 MiB of fp32
   size_t adam_count;
@@ -304,34 +300,32 @@ Calibration::Calibration(const CalibrateOptions& o) : impl_(std::make_unique<Imp
         o.seconds / 2);
   }
 
-  // Real blocks (norms, activations, softmax, residuals beside the products), forward and
-  // backward, at two widths over the same tokens: the products' share grows as the width squared,
-  // the memory-bound kernels' as the width, which separates the rate of a block's products
-  // (cluster(): against the linear probes') from the memory-bound kernels' rate. Each probe runs
-  // a stack of kProbeBlocks blocks forward, then backward, as training does, so that a block's
-  // weights and activations have left the caches by the time it runs again, as in training (on
-  // the 2-core VM a block of hidden 512 took the same 50 ms either way, 2026-11-27; a block that
-  // fits a larger cache would not).
-  I.block_batch = cuda ? 8 : 4;
-  for (size_t k = 0; k < I.blocks.size(); ++k) {
-    Impl::Block& b = I.blocks[k];
-    models::ModelConfig& mc = b.config;
+  // Memory-bound kernels (norms, activations, softmax, residuals) as a block runs them: real
+  // blocks' forward and backward are timed, the products' and the attention's share is taken out
+  // as the rates above predict it, and what is left is the memory-bound traffic the planner counts
+  // for a block (planner/compute.h) at this rate. The probe runs a stack of kProbeBlocks blocks
+  // forward, then backward, as training does, so that a block's operands have left the caches by
+  // the time it runs again (on the 2-core VM a block of hidden 512 took the same 50 ms either
+  // way, 2026-11-27; a block that fits a larger cache would not).
+  {
+    models::ModelConfig& mc = I.block_config;
     mc = models::preset("gpt2");
     mc.layers = kProbeBlocks;
-    mc.hidden = (cuda ? 2048 : 256) << k;
+    mc.hidden = cuda ? 2048 : 256;
     mc.heads = mc.kv_heads = mc.hidden / 64;
     mc.head_dim = 64;
     mc.intermediate = 4 * mc.hidden;
     mc.vocab_size = 512;
     mc.max_positions = cuda ? 1024 : 128;
-    b.model = std::make_unique<models::Decoder>(mc, 1);
+    I.block_model = std::make_unique<models::Decoder>(mc, 1);
     std::vector<models::Stage*> blocks;
-    for (size_t i = 0; i < b.model->num_blocks(); ++i) {
-      blocks.push_back(&b.model->block(i));
+    for (size_t i = 0; i < I.block_model->num_blocks(); ++i) {
+      blocks.push_back(&I.block_model->block(i));
       blocks.back()->to(I.dev, I.primary);
     }
+    I.block_batch = cuda ? 8 : 4;
     const at::Tensor x = at::randn({I.block_batch, mc.max_positions, mc.hidden}, I.opts(I.primary)).requires_grad_(true);
-    b.probe = I.probe(
+    I.block_probe = I.probe(
         [blocks, x] {
           at::Tensor y = x;
           for (models::Stage* block : blocks) y = block->forward(y);
@@ -394,7 +388,7 @@ Calibration::Calibration(const CalibrateOptions& o) : impl_(std::make_unique<Imp
   n.nvme_write = d.write;
   n.nvme_duplex = d.duplex;
   c.source = std::string("strata plan --calibrate on this machine (compute on ") + (cuda ? "the GPU, bf16" : "the CPU, fp32") +
-             "): libtorch linear layers forward and backward, fused attention, GPT blocks of two widths forward and backward, a "
+             "): libtorch linear layers forward and backward, fused attention, a stack of GPT blocks forward and backward, a "
              "256 MiB copy, the CPU Adam kernel on every core (medians of rounds spread over the measurement), an "
              "all-gather and a reduce-scatter of 64 MiB between two local ranks (Gloo over loopback TCP), 512 MiB through the I/O engine under " + o.dir;
 }
@@ -455,36 +449,17 @@ planner::Cluster Calibration::cluster(bool say_it, const std::vector<int>& which
         std::to_string(g.attention_efficiency) + " of the products' rate)");
   }
   {
-    // Each block's time t = a P + W / bw: P its products' and attention's time at the probes'
-    // rates, W its memory-bound kernels' traffic (planner::block_forward, forward and backward).
-    // Two widths give a (how much slower than the isolated probes a block's products run: other
-    // shapes, operands not in cache, autograd between them) and bw; a scales the peaks, so that
-    // every product the planner prices runs at a block's rate.
-    std::array<double, 2> t{}, P{}, W{};
+    const double t = I.probes[I.block_probe].median(which) / kProbeBlocks;
+    planner::ShardOf shard;
+    shard.activation_bytes = double(c10::elementSize(I.primary));
+    const planner::Work w =
+        planner::block_forward(I.block_config, double(I.block_batch), I.block_config.max_positions, shard);
     g.memory_bandwidth = 1;  // only the products' and attention's shares below
-    for (size_t k = 0; k < I.blocks.size(); ++k) {
-      const Impl::Block& b = I.blocks[k];
-      planner::ShardOf shard;
-      shard.activation_bytes = double(c10::elementSize(I.primary));
-      const planner::Work w = planner::block_forward(b.config, double(I.block_batch), b.config.max_positions, shard);
-      const planner::Seconds predicted = planner::seconds_by_kind(w, g, !cuda);
-      t[k] = I.probes[b.probe].median(which) / kProbeBlocks;
-      P[k] = 3 * (predicted.matmul + predicted.attention);
-      W[k] = 3 * w.memory_bytes;
-    }
-    double a = (t[1] * W[0] - t[0] * W[1]) / (P[1] * W[0] - P[0] * W[1]);
-    // Noise can make the difference meaningless: a stays within a factor of two of the probes.
-    if (!std::isfinite(a)) a = 1;
-    a = std::clamp(a, 0.5, 2.0);
-    g.peak_flops /= a;
-    g.peak_flops_fp32 /= a;
-    const double left = std::max(t[0] - a * P[0], 0.05 * t[0]);
-    g.memory_bandwidth = W[0] / left;
-    say("a block's forward + backward: " + std::to_string(t[0] * 1e3) + " ms at hidden " +
-        std::to_string(I.blocks[0].config.hidden) + ", " + std::to_string(t[1] * 1e3) + " ms at " +
-        std::to_string(I.blocks[1].config.hidden) + ": its products run " + std::to_string(a) +
-        "x the probes' time (the peaks above divided by that), memory-bound kernels " + std::to_string(left * 1e3) +
-        " ms at the first: " + std::to_string(g.memory_bandwidth / 1e9) + " GB/s of their traffic");
+    const planner::Seconds predicted = planner::seconds_by_kind(w, g, !cuda);
+    const double left = std::max(t - 3 * (predicted.matmul + predicted.attention), 0.05 * t);
+    g.memory_bandwidth = 3 * w.memory_bytes / left;
+    say("a block's forward + backward: " + std::to_string(t * 1e3) + " ms, of which memory-bound kernels " +
+        std::to_string(left * 1e3) + " ms: " + std::to_string(g.memory_bandwidth / 1e9) + " GB/s of their traffic");
   }
   n.pcie_h2d = double(I.copy_elems) * 4 / I.probes[I.copy_up].median(which);
   n.pcie_d2h = double(I.copy_elems) * 4 / I.probes[I.copy_down].median(which);
