@@ -86,14 +86,9 @@ void GradientReducer::reduce(size_t stage) {
       flat = at::Tensor();
     }
     at::Tensor shard = dev_.empty({int64_t(L.shard_numel)}, send.scalar_type(), "reduced gradient of unit " + L.name);
-    {
-      // On the host device (Gloo) the wait blocks until the ranks have exchanged the gradient;
-      // on CUDA it only orders the streams.
-      auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &L.name);
-      comm_.reduce_scatter(shard, send)->wait();
-    }
+    std::shared_ptr<Communicator::Work> work = comm_.reduce_scatter(shard, send);
     prof_.step.network_bytes += uint64_t(shard.nbytes()) * uint64_t(comm_.world_size() - 1);
-    send = at::Tensor();
+    send = at::Tensor();  // the collective holds its buffers until it is done
     flat = at::Tensor();
     if (store_.plan().grads_transient && !store_.tensor(u, kGrad).defined()) {
       lend_(u);
@@ -102,6 +97,16 @@ void GradientReducer::reduce(size_t stage) {
     at::Tensor acc = store_.tensor(u, kGrad);
     const Placement where = store_.placement(u, kGrad);
     const bool fresh = fresh_[u] != 0;
+    // A CPU collective's wait blocks until the ranks have exchanged the gradient (comm.h); a
+    // CUDA one only orders the streams. A shard accumulated off the device is waited for on the
+    // download stream, before its copy: the next stage's backward runs while the ranks exchange
+    // (the collective's buffers stay counted on the device until then).
+    if (where == Placement::kDevice || shard.is_cuda()) {
+      auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &L.name);
+      work->wait();
+    } else {
+      dev_.launch_host(dev_.d2h_stream(), [work] { work->wait(); });
+    }
     if (where == Placement::kDevice) {
       acc.add_(shard);
       continue;
