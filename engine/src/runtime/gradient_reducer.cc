@@ -56,6 +56,7 @@ void GradientReducer::finish_writes() {
 }
 
 void GradientReducer::end_step() {
+  reduces_in_flight_.clear();  // the step's end synchronized the d2h stream
   for (size_t u = 0; u < fresh_.size(); ++u) {
     if (store_.placement(u, kGrad) == Placement::kDevice) store_.tensor(u, kGrad).zero_();
     else fresh_[u] = 1;  // the next step's first reduce overwrites
@@ -105,7 +106,13 @@ void GradientReducer::reduce(size_t stage) {
       auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &L.name);
       work->wait();
     } else {
+      while (reduces_in_flight_.size() >= kMaxReducesInFlight) {
+        auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &L.name);
+        dev_.wait(dev_.compute_stream(), reduces_in_flight_.front());  // the host device: blocks
+        reduces_in_flight_.pop_front();
+      }
       dev_.launch_host(dev_.d2h_stream(), [work] { work->wait(); });
+      reduces_in_flight_.push_back(dev_.record(dev_.d2h_stream()));
     }
     if (where == Placement::kDevice) {
       acc.add_(shard);

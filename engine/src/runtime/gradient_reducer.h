@@ -4,8 +4,9 @@
 // in schedule order; a CPU (Gloo) collective whose shard goes off the device is waited for by a
 // host function on the d2h stream, ahead of that shard's copy, so the training thread goes on with
 // the next stage's backward while the ranks exchange (its buffers stay counted on the device until
-// it is done; a budget that needs their room waits for the d2h stream). CUDA collectives and
-// device-accumulated shards are waited for on the training thread (on CUDA that orders streams).
+// it is done; a budget that needs their room waits for the d2h stream; at most
+// kMaxReducesInFlight at a time). CUDA collectives and device-accumulated shards are waited for
+// on the training thread (on CUDA that orders streams).
 //
 //   device  added in place on the compute stream;
 //   host    copied down on the d2h stream, then (a host function on it) copied into the
@@ -34,7 +35,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -59,6 +62,10 @@ class GradientReducer {
   };
   using UnitFn = std::function<void(size_t)>;
   static constexpr size_t kMaxPendingWrites = 2;
+  // CPU reduce-scatters waited for on the d2h stream and not yet done: before issuing another,
+  // the training thread waits for the oldest while this many are in flight (counted as waiting
+  // for gradients), which bounds the device and host buffers they hold.
+  static constexpr size_t kMaxReducesInFlight = 2;
 
   // `stage_params[s]`: every tensor stage s's module uses; `reduce_bf16`: reduce-scatter in bf16.
   GradientReducer(const plan::Schedule& schedule, const Partition& partition, state::StateStore& store,
@@ -92,6 +99,7 @@ class GradientReducer {
   std::vector<std::vector<ParamRef>> stage_params_;
   const UnitFn lend_;
   std::vector<char> fresh_;  // training thread
+  std::deque<std::shared_ptr<Event>> reduces_in_flight_;  // training thread: each one's d2h wait done
 
   std::mutex mu_;
   std::vector<offload::IoFuture> last_write_;  // by unit, under mu_
