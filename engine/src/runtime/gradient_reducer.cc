@@ -1,6 +1,10 @@
 #include "runtime/gradient_reducer.h"
 
+#include <chrono>
 #include <map>
+#include <stdexcept>
+#include <string>
+#include <thread>
 
 namespace strata::engine::runtime {
 
@@ -108,7 +112,13 @@ void GradientReducer::reduce(size_t stage) {
     } else {
       while (reduces_in_flight_.size() >= kMaxReducesInFlight) {
         auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &L.name);
-        dev_.wait(dev_.compute_stream(), reduces_in_flight_.front());  // the host device: blocks
+        // A failed d2h stream runs nothing more, the event's record included: its error ends
+        // the wait instead of a hang.
+        while (!reduces_in_flight_.front()->done()) {
+          const std::string error = dev_.stream_error(dev_.d2h_stream());
+          if (!error.empty()) throw std::runtime_error("gradient reduce-scatter: the download stream failed: " + error);
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
         reduces_in_flight_.pop_front();
       }
       dev_.launch_host(dev_.d2h_stream(), [work] { work->wait(); });
