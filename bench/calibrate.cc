@@ -18,8 +18,8 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
-#include <memory>
 #include <exception>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -109,28 +109,14 @@ DiskRates disk_rates(const std::string& dir, uint64_t bytes, bool& direct) {
   return r;
 }
 
-// A free TCP port on loopback (bound, read, closed; the rendezvous binds it again at once).
-int free_loopback_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  const int err = errno;
-  if (fd >= 0) ::close(fd);
-  if (!ok) throw std::runtime_error(std::string("calibrate: loopback socket: ") + std::strerror(err));
-  return ntohs(addr.sin_port);
-}
-
 // The engine's own collectives between two ranks of this machine, as `strata launch` runs them
 // (Gloo over loopback TCP): an all-gather and a reduce-scatter of a `bytes` fp32 buffer, each
 // rank a thread with its own Communicator. Bytes each rank sends a second (half the buffer in
-// each). Gloo's collectives run far below a plain TCP stream between two threads: 0.35-0.8 GB/s
-// against 2-3.5 GB/s on the 2-core VM (2026-11-27).
+// each). Gloo's collectives run far below a plain TCP stream between two threads: 0.35-0.41 GB/s
+// against 2-3.5 GB/s on the 2-core VM (2026-11-27). With --device cuda too: a GPU node's NCCL
+// rate is not measured.
 double local_collective_rate(uint64_t bytes) {
-  const int port = free_loopback_port();
+  const int port = engine::free_loopback_port();
   const int64_t n = int64_t(bytes / 8) * 2;  // even
   constexpr int kReps = 3;
   std::array<double, 2> seconds{};
@@ -167,10 +153,10 @@ double local_collective_rate(uint64_t bytes) {
 
 }  // namespace
 
-// A timed operation, run once a round; keeps every round's seconds per call.
-// Blocks in each block probe's stack.
+// Blocks in the block probe's stack.
 constexpr int kProbeBlocks = 4;
 
+// A timed operation, run once a round; keeps every round's seconds per call.
 struct Probe {
   std::function<void()> op;
   double window;  // seconds a round

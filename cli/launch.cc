@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "args.h"
+#include "strata/engine/comm.h"
 #include "strata/engine/cpu_share.h"
 #include "train.h"
 
@@ -99,23 +100,6 @@ std::pair<std::string, std::string> interface_towards(const std::string& addr, i
   return {name, ip};
 }
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("socket: " + std::string(strerror(errno)));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    close(fd);
-    throw std::runtime_error("cannot find a free port: " + std::string(strerror(errno)));
-  }
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 std::string describe(int status) {
   if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
   if (WIFSIGNALED(status)) return std::string("killed by signal ") + strsignal(WTERMSIG(status));
@@ -151,7 +135,7 @@ int launch_main(const std::vector<std::string>& argv) {
   if (nodes > 1 && (!args.has("master-addr") || !args.has("port")))
     throw std::invalid_argument("strata launch: several nodes need --master-addr and --master-port, the same on every node");
   const std::string master = args.get("master-addr", "127.0.0.1");
-  const int port = args.has("port") ? int(args.count("port", 0)) : free_port();
+  const int port = args.has("port") ? int(args.count("port", 0)) : engine::free_loopback_port();
   const unsigned world = nodes * n, first = node * n;
   if (nodes > 1 || master.rfind("127.", 0) != 0) {
     std::string iface = std::getenv("GLOO_SOCKET_IFNAME") ? std::getenv("GLOO_SOCKET_IFNAME") : "";

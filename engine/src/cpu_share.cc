@@ -26,8 +26,7 @@ unsigned cpu_threads_per_rank(int local_ranks) {
 int apply_compute_threads(int local_ranks) {
   const char* omp = std::getenv("OMP_NUM_THREADS");
   // One rank keeps libtorch's own default (its choice between physical and logical cores).
-  if (local_ranks > 1 && !(omp && std::atoi(omp) > 0))
-    at::set_num_threads(std::max(1, std::min(at::get_num_threads(), int(usable_cpus())) / local_ranks));
+  if (local_ranks > 1 && !(omp && std::atoi(omp) > 0)) at::set_num_threads(int(cpu_threads_per_rank(local_ranks)));
   return at::get_num_threads();
 }
 

@@ -103,10 +103,11 @@ void GradientReducer::reduce(size_t stage) {
     const Placement where = store_.placement(u, kGrad);
     const bool fresh = fresh_[u] != 0;
     // A CPU collective's wait blocks until the ranks have exchanged the gradient (comm.h); a
-    // CUDA one only orders the streams. A shard accumulated off the device is waited for on the
-    // download stream, before its copy: the next stage's backward runs while the ranks exchange
-    // (the collective's buffers stay counted on the device until then).
-    if (where == Placement::kDevice || shard.is_cuda()) {
+    // CUDA one only orders the streams. With other ranks, a shard accumulated off the device is
+    // waited for on the download stream, before its copy: the next stage's backward runs while
+    // the ranks exchange (the collective's buffers stay counted on the device until then). Alone,
+    // the reduce is a copy, done when issued.
+    if (where == Placement::kDevice || shard.is_cuda() || comm_.world_size() == 1) {
       auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &L.name);
       work->wait();
     } else {

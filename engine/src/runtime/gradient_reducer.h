@@ -1,11 +1,11 @@
 // The gradient reducer: after a stage's backward, every unit the stage uses is reduce-scattered
 // (gradient or not, so that every rank issues the same collectives) and this rank's shard is
 // accumulated in fp32 where its gradient lives. The collectives are issued on the training thread
-// in schedule order; a CPU (Gloo) collective whose shard goes off the device is waited for by a
-// host function on the d2h stream, ahead of that shard's copy, so the training thread goes on with
-// the next stage's backward while the ranks exchange (its buffers stay counted on the device until
-// it is done; a budget that needs their room waits for the d2h stream; at most
-// kMaxReducesInFlight at a time). CUDA collectives and device-accumulated shards are waited for
+// in schedule order; with other ranks, a CPU (Gloo) collective whose shard goes off the device is
+// waited for by a host function on the d2h stream, ahead of that shard's copy, so the training
+// thread goes on with the next stage's backward while the ranks exchange (its buffers stay counted
+// on the device until it is done; a budget that needs their room waits for the d2h stream; at
+// most kMaxReducesInFlight at a time). CUDA collectives and device-accumulated shards are waited for
 // on the training thread (on CUDA that orders streams).
 //
 //   device  added in place on the compute stream;

@@ -65,6 +65,10 @@ struct DistEnv {
 // list (unbalanced or empty brackets).
 std::string slurm_first_host(const std::string& nodelist);
 
+// A TCP port free on loopback now (bound, read and closed; a rendezvous binds it again at once):
+// MASTER_PORT for ranks of this machine. Throws std::runtime_error naming the socket error.
+int free_loopback_port();
+
 enum class ReduceOp { kSum, kMax };
 
 class Communicator {

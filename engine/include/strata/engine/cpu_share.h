@@ -20,8 +20,8 @@ unsigned usable_cpus();
 unsigned cpu_threads_per_rank(int local_ranks);
 
 // Sets libtorch's intra-op threads where several ranks share the node and $OMP_NUM_THREADS is not
-// set (libtorch reads that itself): its default divided by `local_ranks`, at least 1. One rank
-// keeps libtorch's default. Returns the count in effect.
+// set (libtorch reads that itself): cpu_threads_per_rank(local_ranks), the value `strata launch`
+// gives OMP_NUM_THREADS. One rank keeps libtorch's default. Returns the count in effect.
 int apply_compute_threads(int local_ranks);
 
 }  // namespace strata::engine
