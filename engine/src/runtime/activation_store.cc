@@ -111,8 +111,12 @@ void ActivationStore::read_ahead(size_t s) {
   Slot& a = slots_.at(s);
   if (where_ != Placement::kNvme || a.read.valid() || a.ready) return;  // reading, or fetched
   {
+    // Every write was submitted during the forward, long before; waiting for the ones still
+    // pending (the forward's last few) frees their staging buffers before a read takes one, so
+    // the backward's buffers never add to the forward's.
     auto t = prof_.time(prof_.step.wait_activations, "wait activation write", &unit_names_.at(s));
-    a.written.get();  // written during the forward, long before
+    a.written.get();
+    for (Write& w : writes_) w.written.get();
   }
   prune();
   a.staged = host_.buffer(numel(s), dtype_);

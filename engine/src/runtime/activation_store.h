@@ -8,6 +8,8 @@
 //           and returns); read back into a host buffer two stages ahead of the backward and
 //           copied up one stage ahead. At most kStaging buffers wait for their writes: a disk
 //           slower than the forward holds the forward back instead of growing host memory.
+//           The first read waits for every write still pending, so the backward's read
+//           buffers never add to the forward's staging buffers (kStaging bounds both).
 // Slot s holds stage s's input (a block stage's; the embedding's input is the token ids).
 //
 // Threads and ownership: the training thread owns the store and every slot; host functions on
