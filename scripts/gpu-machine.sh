@@ -145,6 +145,8 @@ for phase in "${phases[@]}"; do
     "$build_dir/tests/planner_tests" >>"$out/planner.txt" 2>&1 || status=1
     "$strata" bench plan --device cuda --cluster "$out/cluster-gpu.json" --dir "$build_dir/bench-plan" \
       >"$out/bench-plan.jsonl" 2>"$out/bench-plan.err" || status=1
+    # Each run's training log (its step timelines: where the GPU steps wait) for the diagnosis.
+    mkdir -p "$out/bench-plan-logs" && cp "$build_dir"/bench-plan/*.jsonl "$out/bench-plan-logs/" 2>/dev/null
     grep -E "^[|]|error" "$out/bench-plan.jsonl" | tail -9
     ;;
   train)
