@@ -35,8 +35,14 @@
 #           forward vs with the backward, beside the baselines without clipping)
 # Results are written to $OUT (default: build-gpu/out); each phase prints a short summary last.
 #
-# A session's GPU time is short (30 minutes, 10 per command, the machine given back 30 s after
-# a call): run scripts/fetch-debs.sh here first, carry .deps, and issue the calls back to back:
+# A session's GPU time is short (15 minutes in all, 10 per command, the machine given back 30 s
+# after a call): run scripts/fetch-debs.sh here first, carry .deps, and issue the calls back to
+# back. With 15 minutes, build only what the GPU evidence needs:
+#   1. STRATA_BUILD_TARGETS="strata cuda_kernels_tests engine_cuda_tests tiling_tests planner_tests"
+#      build gputest          (every never-run CUDA path)
+#   2. tiling planner         (one-pass vs two-pass head on the GPU; the planner's constants, its
+#                             errors and the runs' logs, $OUT/bench-plan-logs)
+# With more time, the whole sequence:
 #   1. build plan gputest     (the build alone takes minutes; gputest is every never-run CUDA path)
 #      then planner           (the planner's constants and its errors on this GPU, ~3 minutes)
 #   2. benchtrain             (STRATA_BENCH_SHAPES=1.4b first if time is short)
