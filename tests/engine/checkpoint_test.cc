@@ -1096,6 +1096,46 @@ TEST(Checkpoint, NodeLocalDirectoriesResumeAtAnotherNodeCount) {
   for (size_t i = 4; i < 8; ++i) EXPECT_EQ(got[i], shared[i]) << "step " << i + 1;
 }
 
+// Node-local checkpoints saved with one cut load with another: 2 nodes x 2 ranks save with
+// blocks in 2 x 3 tiles and the vocabulary in 3, each node into its own directory; 3 nodes x 1
+// rank load whole blocks (node 2 sees no file, nodes 0-1 only their own, so the recut load goes
+// through the exchange) and export before any step: the tiled run's own export, bit for bit.
+// With node 1's files gone, every rank fails naming them.
+TEST(Checkpoint, NodeLocalTiledSaveLoadsWholeAtAnotherNodeCount) {
+  TempDir dir;
+  auto cfg_for = [&](int ranks, const json& tiling) {
+    json j = tiny_llama(4);
+    j["batch"]["micro_batch"] = 24 / 2 / ranks;
+    j["placement"] = {{"tiling", tiling}};
+    return j;
+  };
+  const json cut23 = {{"attention", 2}, {"mlp", 3}, {"vocab", 3}};
+  launch_on_nodes(4, 2, cfg_for(4, cut23), dir, "tiled",
+                  "--checkpoint-dir ckpt --export " + (dir / "tiled4").string());
+  EXPECT_NE(read_file(dir / "tiled.out").find("blocks in 2 attention x 3 MLP tiles"), std::string::npos)
+      << read_file(dir / "tiled.out");
+  ASSERT_TRUE(std::filesystem::exists(dir / "node1/ckpt/step-00000004/rank-00002.data"));
+  ASSERT_FALSE(std::filesystem::exists(dir / "node0/ckpt/step-00000004/rank-00002.data"));
+
+  std::filesystem::rename(dir / "node1/ckpt", dir / "node1-away");
+  launch_on_nodes(3, 1, cfg_for(3, "off"), dir, "missing", "--checkpoint-dir ckpt --resume", /*expect_ok=*/false);
+  const std::string missing = read_file(dir / "missing.out");
+  EXPECT_NE(missing.find("rank-00002.data is missing (saved by rank 2 of 4, needed by rank"), std::string::npos)
+      << missing;
+  EXPECT_NE(missing.find("no rank of this run sees them. Where each node looked: "), std::string::npos) << missing;
+  std::filesystem::remove_all(dir / "node1/ckpt");
+  std::filesystem::rename(dir / "node1-away", dir / "node1/ckpt");
+
+  launch_on_nodes(3, 1, cfg_for(3, "off"), dir, "whole",
+                  "--checkpoint-dir ckpt --resume --export " + (dir / "whole4").string());
+  EXPECT_NE(read_file(dir / "whole.out").find("resumed from ckpt/step-00000004 after step 4"), std::string::npos)
+      << read_file(dir / "whole.out");
+  sm::SafetensorsFile saved(dir / "tiled4" / "model.safetensors"), loaded(dir / "whole4" / "model.safetensors");
+  ASSERT_EQ(loaded.tensors().size(), saved.tensors().size());
+  for (const sm::TensorInfo& t : saved.tensors())
+    EXPECT_TRUE(at::equal(st_tensor(loaded, t.name), st_tensor(saved, t.name))) << t.name;
+}
+
 }  // namespace
 
 namespace {

@@ -84,6 +84,64 @@ std::string rank_list(const std::vector<int>& ranks) {
   return out;
 }
 
+// Which rank of this run sees which saving rank's data file (node-local disks: each node its
+// own), the same picture on every rank (one all-gather).
+struct FilesSeen {
+  int saved = 0;
+  std::vector<int32_t> seen;  // [rank * saved + saving rank]
+  bool sees(int r, int q) const { return seen[size_t(r) * size_t(saved) + size_t(q)] != 0; }
+  // The lowest rank of this run that sees q's file, or -1.
+  int first_seeing(int q) const {
+    for (int r = 0; r < int(seen.size()) / saved; ++r)
+      if (sees(r, q)) return r;
+    return -1;
+  }
+};
+
+FilesSeen files_seen_by_all(Communicator& comm, const fs::path& dir, const json& m) {
+  FilesSeen f;
+  f.saved = m["world_size"].get<int>();
+  std::vector<int32_t> here = files_seen(dir, m, f.saved);
+  at::Tensor all = at::empty({int64_t(comm.world_size()) * f.saved}, at::kInt);
+  comm.all_gather(all, at::from_blob(here.data(), {f.saved}, at::kInt).clone())->wait();
+  f.seen.assign(all.data_ptr<int32_t>(), all.data_ptr<int32_t>() + all.numel());
+  return f;
+}
+
+// Data files no rank of this run sees, by saving rank, with the ranks that need them: every rank
+// has the same picture and throws the same error, naming where each node looked (nodes in the
+// order of their first rank). A collective (it gathers where each rank looked).
+[[noreturn]] void throw_missing_files(Communicator& comm, const fs::path& dir, const json& m,
+                                      std::map<int, std::vector<int>> missing) {
+  const int world = comm.world_size(), saved = m["world_size"].get<int>();
+  const std::vector<std::string> places =
+      all_gather_strings(comm, where_this_rank_runs() + "\t" + fs::absolute(dir).string());
+  std::vector<std::pair<std::string, std::vector<int>>> ranks_at;
+  for (int r = 0; r < world; ++r) {
+    auto it = std::find_if(ranks_at.begin(), ranks_at.end(), [&](const auto& p) { return p.first == places[size_t(r)]; });
+    if (it == ranks_at.end()) ranks_at.push_back({places[size_t(r)], {r}});
+    else it->second.push_back(r);
+  }
+  std::string files, looked;
+  for (auto& [q, needers] : missing) {
+    std::sort(needers.begin(), needers.end());
+    files += std::string(files.empty() ? "" : "; ") + data_prefix(m) + rank_name(q) + ".data is missing (saved by rank " +
+             std::to_string(q) + " of " + std::to_string(saved) + ", needed by rank" + (needers.size() > 1 ? "s " : " ") +
+             rank_list(needers) + ")";
+  }
+  for (const auto& [place, ranks] : ranks_at) {
+    const size_t tab = place.find('\t');
+    looked += std::string(looked.empty() ? "" : "; ") + place.substr(0, tab) + ", rank" +
+              (ranks.size() > 1 ? "s " : " ") + rank_list(ranks) + ": " + place.substr(tab + 1);
+  }
+  if (world == 1) throw std::runtime_error("checkpoint " + dir.string() + ": " + files + ". Looked in " + looked);
+  throw std::runtime_error("checkpoint " + dir.string() + ": " + files + "; no rank of this run sees " +
+                           (missing.size() > 1 ? "them" : "it") + ". Where each node looked: " + looked +
+                           ". Copy " + (missing.size() > 1 ? "them" : "it") +
+                           " into that directory on any node (each rank reads what its node sees; the rest "
+                           "travels over the network)");
+}
+
 
 // A rank whose read fails (a bad chunk, a file that vanished) still takes part in every
 // collective of a load, so that all ranks learn of it together at the end and throw alike:
@@ -122,12 +180,16 @@ CheckpointMeta finish_load(Engine& engine, Communicator& comm, const fs::path& d
 // block tiles, or whole blocks): every element of this rank's slices is found through its whole
 // tensor (whole_runs) in the saved units, and the chunks holding it are read, checked, and their
 // overlap copied, kind by kind and unit by unit. Chunks read stay cached while the next units
-// (a block's other tiles) use the same saved unit, so each is read about once per kind. Every
-// rank reads what it needs itself: each data file it needs must be visible to it (no exchange
-// over the network on this path). Errors are agreed after the reads, as in load_checkpoint.
-void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const json& m, ChunkReader& reader) {
+// (a block's other tiles) use the same saved unit, so each is read about once per kind. Where
+// some rank cannot see a data file its slice of a (unit, kind) needs (node-local disks), that
+// (unit, kind) goes through an exchange, as in load_checkpoint: each chunk it needs is read by
+// the lowest rank that sees its file, copied into a zeroed buffer of the unit at the places of
+// its elements, and a reduce-scatter of the bits hands each rank its slice. Errors are agreed
+// after the reads, as in load_checkpoint.
+void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const json& m, ChunkReader& reader,
+                const FilesSeen& seen) {
   const Partition& part = engine.partition();
-  const int rank = comm.rank();
+  const int rank = comm.rank(), world = comm.world_size();
   LoadFailure failure;
   const auto attempt = [&](const std::function<void()>& f) { failure.attempt(f); };
   // The saved tensors' runs by whole tensor, sorted by their place in it.
@@ -143,23 +205,25 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
   struct Chunk {
     const json* j;
     uint64_t begin, numel;
+    int rank;  // the saving rank, whose data file holds it
   };
   std::vector<std::vector<std::vector<Chunk>>> chunks(kStateKinds);  // [kind][saved unit], sorted by begin
   for (int k = 0; k < kStateKinds; ++k)
     for (const auto& of_unit : chunks_by_unit(m, dir, k)) {
       std::vector<Chunk> cs;
-      for (const json* c : of_unit) cs.push_back({c, (*c)["begin"].get<uint64_t>(), (*c)["numel"].get<uint64_t>()});
+      for (const json* c : of_unit)
+        cs.push_back({c, (*c)["begin"].get<uint64_t>(), (*c)["numel"].get<uint64_t>(), (*c)["rank"].get<int>()});
       std::sort(cs.begin(), cs.end(), [](const Chunk& a, const Chunk& b) { return a.begin < b.begin; });
       chunks[size_t(k)].push_back(std::move(cs));
     }
-  struct Piece {  // [to, to + numel) of this rank's slice comes from [from, ...) of saved unit `unit`
+  struct Piece {  // [to, to + numel) of the range asked for comes from [from, ...) of saved unit `unit`
     uint64_t to, numel, from;
     size_t unit;
   };
-  // This rank's pieces of unit u (one per run of each tensor: per row of a column part).
-  const auto pieces_of = [&](size_t u) {
+  // The pieces of [want_b, want_e) of unit u's elements (one per run of each tensor: per row of a
+  // column part), `to` counted from want_b.
+  const auto pieces_of = [&](size_t u, uint64_t want_b, uint64_t want_e) {
     const UnitLayout& L = part.unit(u);
-    const uint64_t want_b = L.shard_begin(rank), want_e = want_b + L.shard_valid_numel(rank);
     std::vector<Piece> pieces;
     for (const TensorSlot& slot : L.tensors) {
       if (slot.offset + slot.numel <= want_b || slot.offset >= want_e) continue;
@@ -185,6 +249,10 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
     }
     return pieces;
   };
+  const auto pieces_of_rank = [&](size_t u, int r) {
+    const UnitLayout& L = part.unit(u);
+    return pieces_of(u, L.shard_begin(r), L.shard_begin(r) + L.shard_valid_numel(r));
+  };
   // The chunks of saved unit `su` (kind k) overlapping [from, from + n), as an index range.
   const auto overlapping = [&](int k, size_t su, uint64_t from, uint64_t n) {
     const std::vector<Chunk>& cs = chunks[size_t(k)].at(su);
@@ -194,46 +262,101 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
     while (last < cs.size() && cs[last].begin < from + n) ++last;
     return std::make_pair(first, last);
   };
+  // Calls f(chunk, lo, hi) for each chunk of kind k holding elements [lo, hi) of a piece.
+  const auto for_each_overlap = [&](int k, const std::vector<Piece>& pieces, const auto& f) {
+    for (const Piece& p : pieces) {
+      const auto [first, last] = overlapping(k, p.unit, p.from, p.numel);
+      for (size_t i = first; i < last; ++i) {
+        const Chunk& c = chunks[size_t(k)][p.unit][i];
+        const uint64_t lo = std::max(c.begin, p.from), hi = std::min(c.begin + c.numel, p.from + p.numel);
+        if (lo < hi) f(p, c, lo, hi);
+      }
+    }
+  };
+
+  // Which (unit, kind) some rank cannot read alone, and the files no rank sees: the same picture
+  // on every rank (a piece error is the same everywhere too, and surfaces at the reads below).
+  std::vector<uint8_t> exchanged(part.num_units() * kStateKinds, 0);
+  std::map<int, std::vector<int>> missing;  // saving rank -> the ranks of this run that need its file
+  for (size_t u = 0; u < part.num_units(); ++u)
+    for (int r = 0; r < world; ++r) {
+      std::vector<Piece> pieces;
+      try {
+        pieces = pieces_of_rank(u, r);
+      } catch (const std::exception&) {
+        continue;
+      }
+      for (int k = 0; k < kStateKinds; ++k)
+        for_each_overlap(k, pieces, [&](const Piece&, const Chunk& c, uint64_t, uint64_t) {
+          if (seen.sees(r, c.rank)) return;
+          exchanged[u * kStateKinds + size_t(k)] = 1;
+          if (seen.first_seeing(c.rank) < 0) {
+            std::vector<int>& needers = missing[c.rank];
+            if (std::find(needers.begin(), needers.end(), r) == needers.end()) needers.push_back(r);
+          }
+        });
+    }
+  if (!missing.empty()) throw_missing_files(comm, dir, m, std::move(missing));
+
   for (int k = 0; k < kStateKinds; ++k) {
     std::map<const json*, at::Tensor> cache;  // chunks read, while the saved units they belong to are used
-    for (size_t u = 0; u < part.num_units(); ++u) {
-      std::vector<Piece> pieces;
-      attempt([&] { pieces = pieces_of(u); });
+    // Reads the chunks `take` selects among those overlapping `pieces` (or finds them in the
+    // cache), after dropping the cached chunks that are not among them (the saved units before
+    // this one are done with).
+    const auto read = [&](const std::vector<Piece>& pieces, const auto& take) {
       std::vector<const json*> used;
       std::vector<ChunkReader::Request> batch;
-      for (const Piece& p : pieces) {
-        const auto [first, last] = overlapping(k, p.unit, p.from, p.numel);
-        for (size_t i = first; i < last; ++i) {
-          const Chunk& c = chunks[size_t(k)][p.unit][i];
-          if (c.begin + c.numel <= p.from) continue;
-          used.push_back(c.j);
-          if (cache.count(c.j)) continue;
-          at::Tensor buf = aligned_floats(int64_t(c.numel));
-          cache.emplace(c.j, buf);
-          batch.push_back({c.j, buf.data_ptr<float>()});
-        }
-      }
-      // Chunks this unit does not use go (the saved units before it are done with).
+      for_each_overlap(k, pieces, [&](const Piece&, const Chunk& c, uint64_t, uint64_t) {
+        if (!take(c)) return;
+        used.push_back(c.j);
+        if (cache.count(c.j)) return;
+        at::Tensor buf = aligned_floats(int64_t(c.numel));
+        cache.emplace(c.j, buf);
+        batch.push_back({c.j, buf.data_ptr<float>()});
+      });
       std::sort(used.begin(), used.end());
       for (auto it = cache.begin(); it != cache.end();)
         it = std::binary_search(used.begin(), used.end(), it->first) ? std::next(it) : cache.erase(it);
       attempt([&] { reader.read(batch, batch.size()); });
-      if (failure.failed()) {
-        cache.clear();
-        continue;
-      }
-      at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
-      for (const Piece& p : pieces) {
-        const auto [first, last] = overlapping(k, p.unit, p.from, p.numel);
-        for (size_t i = first; i < last; ++i) {
-          const Chunk& c = chunks[size_t(k)][p.unit][i];
-          const uint64_t lo = std::max(c.begin, p.from), hi = std::min(c.begin + c.numel, p.from + p.numel);
-          if (lo >= hi) continue;
-          slice.narrow(0, int64_t(p.to + (lo - p.from)), int64_t(hi - lo))
+      if (failure.failed()) cache.clear();
+    };
+    // Copies what `take` selects of the pieces' elements into `dst` (indexed as the pieces' `to`).
+    const auto copy = [&](const std::vector<Piece>& pieces, const at::Tensor& dst, const auto& take) {
+      for_each_overlap(k, pieces, [&](const Piece& p, const Chunk& c, uint64_t lo, uint64_t hi) {
+        if (take(c))
+          dst.narrow(0, int64_t(p.to + (lo - p.from)), int64_t(hi - lo))
               .copy_(cache.at(c.j).narrow(0, int64_t(lo - c.begin), int64_t(hi - lo)));
-        }
+      });
+    };
+    const auto all = [](const Chunk&) { return true; };
+    for (size_t u = 0; u < part.num_units(); ++u) {
+      const UnitLayout& L = part.unit(u);
+      at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
+      if (exchanged[u * kStateKinds + size_t(k)]) {
+        // The whole unit's elements, each written by the rank that serves its chunk: the lowest
+        // that sees the chunk's file. Zeros elsewhere, so the reduce-scatter of the bits (as
+        // int32: x + 0 is x for every pattern) is exact. One unit's padded buffer at a time.
+        const auto serves = [&](const Chunk& c) { return seen.first_seeing(c.rank) == rank; };
+        at::Tensor send = aligned_floats(int64_t(L.padded_numel()));
+        send.zero_();
+        std::vector<Piece> pieces;
+        attempt([&] { pieces = pieces_of(u, 0, L.padded_numel()); });
+        if (!failure.failed()) read(pieces, serves);
+        if (!failure.failed()) copy(pieces, send, serves);
+        else send.zero_();  // nothing half read travels
+        at::Tensor mine = at::empty({int64_t(L.shard_numel)}, at::kInt);
+        comm.reduce_scatter(mine, send.view(at::kInt))->wait();
+        const int64_t valid = int64_t(L.shard_valid_numel(rank));
+        slice.narrow(0, 0, valid).copy_(mine.view(at::kFloat).narrow(0, 0, valid));
+      } else {
+        std::vector<Piece> pieces;
+        attempt([&] { pieces = pieces_of_rank(u, rank); });
+        if (failure.failed()) continue;
+        read(pieces, all);
+        if (failure.failed()) continue;
+        copy(pieces, slice, all);
       }
-      engine.store_state_slice(u, Engine::StateKind(k), slice);
+      if (!failure.failed()) engine.store_state_slice(u, Engine::StateKind(k), slice);
     }
   }
   failure.agree(comm);
@@ -296,28 +419,20 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
         throw std::runtime_error("checkpoint " + dir.string() + ": the manifest's chunks do not cover " + kKindNames[k] +
                                  " of unit " + m["units"][u]["name"].get<std::string>() + " exactly once");
   }
+  // Who sees which saving rank's data file (node-local disks: each node its own).
+  const FilesSeen seen = files_seen_by_all(comm, dir, m);
   if (!same_units) {
-    load_recut(engine, comm, dir, m, reader);
+    load_recut(engine, comm, dir, m, reader, seen);
     return finish_load(engine, comm, dir, m);
   }
 
-  // Who sees which saving rank's data file (node-local disks: each node its own).
   const int world = comm.world_size();
-  const int saved = m["world_size"].get<int>();
-  std::vector<int32_t> seen_here = files_seen(dir, m, saved);
-  at::Tensor seen_all = at::empty({int64_t(world) * saved}, at::kInt);
-  comm.all_gather(seen_all, at::from_blob(seen_here.data(), {saved}, at::kInt).clone())->wait();
-  const int32_t* seen = seen_all.data_ptr<int32_t>();
-  auto sees = [&](int r, int q) { return seen[size_t(r) * size_t(saved) + size_t(q)] != 0; };
   // The rank that reads a chunk in an exchange: its first owner if that one sees the file, else
   // the lowest rank that does; -1 where none does.
   auto server = [&](const json& c, const UnitLayout& L) {
     const int q = c["rank"].get<int>();
     const int first = int(std::min<uint64_t>(c["begin"].get<uint64_t>() / L.shard_numel, uint64_t(world - 1)));
-    if (sees(first, q)) return first;
-    for (int r = 0; r < world; ++r)
-      if (sees(r, q)) return r;
-    return -1;
+    return seen.sees(first, q) ? first : seen.first_seeing(q);
   };
   // The (unit, kind) pairs some owner cannot read alone go through an exchange; the same picture
   // on every rank.
@@ -330,7 +445,7 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
       const uint64_t b = (*cp)["begin"].get<uint64_t>(), e = b + (*cp)["numel"].get<uint64_t>();
       const bool anywhere = server(*cp, L) >= 0;
       for (int r = int(b / L.shard_numel); r < world && L.shard_begin(r) < e; ++r) {
-        if (L.shard_valid_numel(r) == 0 || L.shard_begin(r) + L.shard_valid_numel(r) <= b || sees(r, q)) continue;
+        if (L.shard_valid_numel(r) == 0 || L.shard_begin(r) + L.shard_valid_numel(r) <= b || seen.sees(r, q)) continue;
         exchanged[u * kStateKinds + size_t(kind_index(*cp, dir))] = 1;
         if (!anywhere) {
           std::vector<int>& needers = missing[q];
@@ -339,36 +454,7 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
       }
     }
   }
-  if (!missing.empty()) {
-    // Every rank has the same picture and throws the same error, naming where each node looked
-    // (nodes in the order of their first rank).
-    const std::vector<std::string> places =
-        all_gather_strings(comm, where_this_rank_runs() + "\t" + fs::absolute(dir).string());
-    std::vector<std::pair<std::string, std::vector<int>>> ranks_at;
-    for (int r = 0; r < world; ++r) {
-      auto it = std::find_if(ranks_at.begin(), ranks_at.end(), [&](const auto& p) { return p.first == places[size_t(r)]; });
-      if (it == ranks_at.end()) ranks_at.push_back({places[size_t(r)], {r}});
-      else it->second.push_back(r);
-    }
-    std::string files, looked;
-    for (auto& [q, needers] : missing) {
-      std::sort(needers.begin(), needers.end());
-      files += std::string(files.empty() ? "" : "; ") + data_prefix(m) + rank_name(q) + ".data is missing (saved by rank " +
-               std::to_string(q) + " of " + std::to_string(saved) + ", needed by rank" + (needers.size() > 1 ? "s " : " ") +
-               rank_list(needers) + ")";
-    }
-    for (const auto& [place, ranks] : ranks_at) {
-      const size_t tab = place.find('\t');
-      looked += std::string(looked.empty() ? "" : "; ") + place.substr(0, tab) + ", rank" +
-                (ranks.size() > 1 ? "s " : " ") + rank_list(ranks) + ": " + place.substr(tab + 1);
-    }
-    if (world == 1) throw std::runtime_error("checkpoint " + dir.string() + ": " + files + ". Looked in " + looked);
-    throw std::runtime_error("checkpoint " + dir.string() + ": " + files + "; no rank of this run sees " +
-                             (missing.size() > 1 ? "them" : "it") + ". Where each node looked: " + looked +
-                             ". Copy " + (missing.size() > 1 ? "them" : "it") +
-                             " into that directory on any node (each rank reads what its node sees; the rest "
-                             "travels over the network)");
-  }
+  if (!missing.empty()) throw_missing_files(comm, dir, m, std::move(missing));
 
   LoadFailure failure;  // every collective below runs even after a failed read
   const auto attempt = [&](const std::function<void()>& f) { failure.attempt(f); };
