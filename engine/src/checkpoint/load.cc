@@ -90,6 +90,8 @@ struct FilesSeen {
   int saved = 0;
   std::vector<int32_t> seen;  // [rank * saved + saving rank]
   bool sees(int r, int q) const { return seen[size_t(r) * size_t(saved) + size_t(q)] != 0; }
+  // Every rank sees every file (a shared directory, an object store): no exchange.
+  bool everywhere() const { return std::all_of(seen.begin(), seen.end(), [](int32_t x) { return x != 0; }); }
   // The lowest rank of this run that sees q's file, or -1.
   int first_seeing(int q) const {
     for (int r = 0; r < int(seen.size()) / saved; ++r)
@@ -278,7 +280,7 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
   // on every rank (a piece error is the same everywhere too, and surfaces at the reads below).
   std::vector<uint8_t> exchanged(part.num_units() * kStateKinds, 0);
   std::map<int, std::vector<int>> missing;  // saving rank -> the ranks of this run that need its file
-  for (size_t u = 0; u < part.num_units(); ++u)
+  for (size_t u = 0; u < part.num_units() && !seen.everywhere(); ++u)
     for (int r = 0; r < world; ++r) {
       std::vector<Piece> pieces;
       try {
@@ -331,7 +333,10 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
     const auto all = [](const Chunk&) { return true; };
     for (size_t u = 0; u < part.num_units(); ++u) {
       const UnitLayout& L = part.unit(u);
-      at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));
+      // After a failure this rank reads nothing more (not even its swap-resident slices) but
+      // takes part in every exchange, sending zeros; the load fails on every rank at the end.
+      at::Tensor slice;
+      const auto get_slice = [&] { attempt([&] { slice = engine.state_slice(u, Engine::StateKind(k)); }); };
       if (exchanged[u * kStateKinds + size_t(k)]) {
         // The whole unit's elements, each written by the rank that serves its chunk: the lowest
         // that sees the chunk's file. Zeros elsewhere, so the reduce-scatter of the bits (as
@@ -346,17 +351,20 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
         else send.zero_();  // nothing half read travels
         at::Tensor mine = at::empty({int64_t(L.shard_numel)}, at::kInt);
         comm.reduce_scatter(mine, send.view(at::kInt))->wait();
+        if (!failure.failed()) get_slice();
+        if (failure.failed()) continue;
         const int64_t valid = int64_t(L.shard_valid_numel(rank));
         slice.narrow(0, 0, valid).copy_(mine.view(at::kFloat).narrow(0, 0, valid));
       } else {
+        if (failure.failed()) continue;
         std::vector<Piece> pieces;
         attempt([&] { pieces = pieces_of_rank(u, rank); });
-        if (failure.failed()) continue;
-        read(pieces, all);
+        if (!failure.failed()) read(pieces, all);
+        if (!failure.failed()) get_slice();
         if (failure.failed()) continue;
         copy(pieces, slice, all);
       }
-      if (!failure.failed()) engine.store_state_slice(u, Engine::StateKind(k), slice);
+      attempt([&] { engine.store_state_slice(u, Engine::StateKind(k), slice); });
     }
   }
   failure.agree(comm);
@@ -488,8 +496,12 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
       const UnitLayout& L = part.unit(u);
       UnitWork w{u, L.shard_begin(rank), {}, {}};
       const uint64_t want_e = w.want_b + L.shard_valid_numel(rank);
-      for (int k = 0; k < kStateKinds; ++k) w.slices[k] = engine.state_slice(u, Engine::StateKind(k));
+      // A rank that failed reads nothing more but takes part in every exchange (sending zeros).
+      attempt([&] {
+        for (int k = 0; k < kStateKinds; ++k) w.slices[k] = engine.state_slice(u, Engine::StateKind(k));
+      });
       for (const json* cp : unit_chunks[u]) {
+        if (failure.failed()) break;
         const json& c = *cp;
         const uint64_t b = c["begin"].get<uint64_t>(), e = b + c["numel"].get<uint64_t>();
         if (e <= w.want_b || b >= want_e) continue;
@@ -531,11 +543,14 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
         if (failure.failed()) send.zero_();  // nothing half read travels
         at::Tensor mine = at::empty({int64_t(L.shard_numel)}, at::kInt);
         comm.reduce_scatter(mine, send.view(at::kInt))->wait();
+        if (failure.failed()) continue;
         const int64_t valid = int64_t(L.shard_valid_numel(rank));
         w.slices[k].narrow(0, 0, valid).copy_(mine.view(at::kFloat).narrow(0, 0, valid));
       }
       if (!failure.failed())
-        for (int k = 0; k < kStateKinds; ++k) engine.store_state_slice(w.unit, Engine::StateKind(k), w.slices[k]);
+        attempt([&] {
+          for (int k = 0; k < kStateKinds; ++k) engine.store_state_slice(w.unit, Engine::StateKind(k), w.slices[k]);
+        });
     }
   }
   failure.agree(comm);
