@@ -283,8 +283,9 @@ constexpr const char* kBenchPlanUsage = R"(usage: strata bench plan [options]
 Calibrates this machine (`strata plan --calibrate`'s rounds, and one more after each run), then
 runs six `strata train` configurations on the host device (GPT and Llama shapes; state on the
 host, on the device, master and moments in swap; optimizer after backward, overlapped with the
-next forward, inside backward; 1 and 2 ranks) twice, the second pass in reverse order, and prints
-each one's median step time (and each pass's) and per-tier memory beside `strata plan`'s
+next forward, inside backward; 1 and 2 ranks) three times, the second pass in reverse order, and
+prints each one's step time (the median of its passes' medians, and each pass's) and per-tier
+memory beside `strata plan`'s
 prediction for the same configuration, then one JSON line with the worst step-time error. Each
 configuration then runs once more with the plan's device bytes as its device budget: the device
 peak there is compared with the plan (the peak without a budget is shown beside).
