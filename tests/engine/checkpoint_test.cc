@@ -1100,7 +1100,7 @@ TEST(Checkpoint, NodeLocalDirectoriesResumeAtAnotherNodeCount) {
 // blocks in 2 x 3 tiles and the vocabulary in 3, each node into its own directory; 3 nodes x 1
 // rank load whole blocks (node 2 sees no file, nodes 0-1 only their own, so the recut load goes
 // through the exchange) and export before any step: the tiled run's own export, bit for bit.
-// With node 1's files gone, every rank fails naming them.
+// With node 1's files gone, every rank fails naming them. And a whole save loads cut alike.
 TEST(Checkpoint, NodeLocalTiledSaveLoadsWholeAtAnotherNodeCount) {
   TempDir dir;
   auto cfg_for = [&](int ranks, const json& tiling) {
@@ -1134,6 +1134,20 @@ TEST(Checkpoint, NodeLocalTiledSaveLoadsWholeAtAnotherNodeCount) {
   ASSERT_EQ(loaded.tensors().size(), saved.tensors().size());
   for (const sm::TensorInfo& t : saved.tensors())
     EXPECT_TRUE(at::equal(st_tensor(loaded, t.name), st_tensor(saved, t.name))) << t.name;
+
+  // The other way: whole blocks saved node-locally load cut 1 x 5 with the vocabulary in 2 (the
+  // MLP's down projection in column parts: a run a row), through the exchange alike.
+  launch_on_nodes(4, 2, cfg_for(4, "off"), dir, "whole_save",
+                  "--checkpoint-dir ckpt-whole --export " + (dir / "saved_whole4").string());
+  const json cut15 = {{"attention", 1}, {"mlp", 5}, {"vocab", 2}};
+  launch_on_nodes(3, 1, cfg_for(3, cut15), dir, "cut_load",
+                  "--checkpoint-dir ckpt-whole --resume --export " + (dir / "cut4").string());
+  EXPECT_NE(read_file(dir / "cut_load.out").find("blocks in 1 attention x 5 MLP tiles"), std::string::npos)
+      << read_file(dir / "cut_load.out");
+  sm::SafetensorsFile whole_saved(dir / "saved_whole4" / "model.safetensors"), cut(dir / "cut4" / "model.safetensors");
+  ASSERT_EQ(cut.tensors().size(), whole_saved.tensors().size());
+  for (const sm::TensorInfo& t : whole_saved.tensors())
+    EXPECT_TRUE(at::equal(st_tensor(cut, t.name), st_tensor(whole_saved, t.name))) << "cut " << t.name;
 }
 
 }  // namespace
