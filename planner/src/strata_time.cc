@@ -76,13 +76,14 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // The engine's own passes over device memory beside the model's kernels, each byte read or
   // written: on one rank, a gathered unit whose shard is on the device copied into its buffer
   // (the all-gather is that copy; on more, the collective's bytes are counted above); each
-  // unit's gradient zeroed, copied out of autograd's tensor in fp32, reduced (on one rank a
-  // copy) and, kept on the device, added to its accumulator.
+  // unit's gradient copied out of autograd's tensor into its fp32 buffer (zeros only where no
+  // gradient came; on one rank that buffer is the reduced shard) and, kept on the device, added
+  // to its accumulator.
   double local = 0;
   for (size_t u = 0; u < units; ++u) {
     const double padded = double(p.padded_numel[u]), shard_n = double(p.shard_numel[u]);
     if (tier(u, 0) == Placement::kDevice && w == 1) local += uses_of[u] * (shard_n + padded) * cb;
-    local += padded * (4 + cb + 4) + (w == 1 ? padded * 8 : 0);
+    local += padded * (cb + 4);
     if (tier(u, 1) == Placement::kDevice) local += shard_n * 12;
   }
   // On the host device a copy of n bytes moves 2n (the calibrated copy rate counts n).

@@ -381,9 +381,9 @@ TEST(Planner, EngineCopiesOnTheDeviceCountAsCompute) {
   const StrataTime& t = on_device.time;
   EXPECT_GT(t.compute_local, 0);
   EXPECT_NEAR(t.compute, t.compute_matmul + t.compute_attention + t.compute_memory + t.compute_local, 1e-12);
-  // Per unit: fp32 gradients zeroed (4 B), copied in (4 + 4), reduced on one rank (4 + 4),
-  // accumulated on the device (12 B of the shard); each of a unit's uses copies its shard into
-  // the gathered buffer (4 + 4). One rank: shard = padded.
+  // Per unit: fp32 gradients copied into their buffer (4 + 4; on one rank that buffer is the
+  // reduced shard), accumulated on the device (12 B of the shard); each of a unit's uses copies
+  // its shard into the gathered buffer (4 + 4). One rank: shard = padded.
   const engine::StatePrediction& p = on_device.state;
   const engine::plan::Schedule schedule(p.stage_units, p.shard_numel.size(), size_t(p.tiles.vocab), size_t(p.tiles.vocab));
   std::vector<double> uses(p.shard_numel.size(), 0);
@@ -391,7 +391,7 @@ TEST(Planner, EngineCopiesOnTheDeviceCountAsCompute) {
     for (size_t u : schedule.units_of(use.stage)) uses[u] += 1;
   double bytes = 0, gathers = 0;
   for (size_t u = 0; u < uses.size(); ++u) {
-    bytes += double(p.padded_numel[u]) * (4 + 8 + 8 + 12);
+    bytes += double(p.padded_numel[u]) * (8 + 12);
     gathers += uses[u] * double(p.padded_numel[u]) * 8;
   }
   EXPECT_NEAR(t.compute_local, (bytes + gathers) / 20e9, 1e-12);

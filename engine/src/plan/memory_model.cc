@@ -19,7 +19,8 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
   boundary_.assign(schedule_.num_stages(), 0);
   // Per use: its boundary activations (input and output, each with its gradient), the gradient
   // buffers of the units a backward use touches (fp32 full, a bf16 copy when reducing in bf16,
-  // the reduced fp32 shard), the head's loss.
+  // the reduced fp32 shard: with other ranks only; alone, the buffer is the shard), the head's
+  // loss.
   const uint64_t logits = head_loss_bytes();
   inputs_before_.assign(schedule_.num_stages() + 1, 0);
   for (size_t s = 0; s < schedule_.num_stages(); ++s) {
@@ -34,7 +35,7 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
       for (size_t u : schedule_.units_of(s))
         grads += sizes_.padded_numel[u] * (4 + (sizes_.reduce_bf16 ? 2 : 0) +
                                            (block && sizes_.mlp_chunked && sizes_.compute_bytes < 4 ? 4 : 0)) +
-                 sizes_.shard_numel[u] * 4;
+                 (sizes_.shard_numel[u] < sizes_.padded_numel[u] ? sizes_.shard_numel[u] * 4 : 0);  // other ranks
     if (use.kind == Use::kHead) head_gradients_ = grads;
     const uint64_t boundary =
         2 * (input_bytes(s) + (s + 1 < schedule_.num_stages() ? input_bytes(s + 1) : activation_bytes()));

@@ -70,17 +70,33 @@ void GradientReducer::end_step() {
 void GradientReducer::reduce(size_t stage) {
   // Every unit the stage uses is reduced, gradient or not, so that the collectives are the same
   // on every rank whatever autograd produced locally.
+  // The units' flat fp32 buffers: autograd's gradients copied in, zeros only where none came
+  // (tensors without a gradient, the padding), so each element is written once.
   std::map<size_t, at::Tensor> flats;
+  std::map<size_t, std::vector<uint8_t>> filled;  // by unit: which of its tensors got a gradient
   for (size_t u : schedule_.units_of(stage)) {
     const UnitLayout& L = partition_.unit(u);
-    flats[u] = dev_.empty({int64_t(L.padded_numel())}, at::kFloat, "gradient of unit " + L.name).zero_();
+    flats[u] = dev_.empty({int64_t(L.padded_numel())}, at::kFloat, "gradient of unit " + L.name);
+    filled[u].assign(L.tensors.size(), 0);
   }
   for (ParamRef& p : stage_params_.at(stage)) {
     at::Tensor g = p.tensor.grad();
     if (!g.defined()) continue;
     const TensorSlot& s = partition_.unit(p.unit).tensors[p.slot];
     flats.at(p.unit).narrow(0, int64_t(s.offset), int64_t(s.numel)).copy_(g.reshape(-1));
+    filled.at(p.unit).at(p.slot) = 1;
     p.tensor.mutable_grad() = at::Tensor();
+  }
+  for (auto& [u, flat] : flats) {
+    const UnitLayout& L = partition_.unit(u);
+    const std::vector<uint8_t>& got = filled.at(u);
+    uint64_t end = 0;  // the tensors fill [0, end) in slot order; the padding follows
+    for (size_t i = 0; i < L.tensors.size(); ++i) {
+      const TensorSlot& s = L.tensors[i];
+      if (!got[i]) flat.narrow(0, int64_t(s.offset), int64_t(s.numel)).zero_();
+      end = std::max(end, s.offset + s.numel);
+    }
+    if (end < L.padded_numel()) flat.narrow(0, int64_t(end), int64_t(L.padded_numel() - end)).zero_();
   }
   for (auto& [u, flat] : flats) {
     const UnitLayout& L = partition_.unit(u);
@@ -90,7 +106,10 @@ void GradientReducer::reduce(size_t stage) {
       send.copy_(flat);
       flat = at::Tensor();
     }
-    at::Tensor shard = dev_.empty({int64_t(L.shard_numel)}, send.scalar_type(), "reduced gradient of unit " + L.name);
+    // Alone, the reduce-scatter is the identity: the buffer is the shard (no copy).
+    at::Tensor shard = comm_.world_size() == 1
+                           ? send
+                           : dev_.empty({int64_t(L.shard_numel)}, send.scalar_type(), "reduced gradient of unit " + L.name);
     std::shared_ptr<Communicator::Work> work = comm_.reduce_scatter(shard, send);
     prof_.step.network_bytes += uint64_t(shard.nbytes()) * uint64_t(comm_.world_size() - 1);
     send = at::Tensor();  // the collective holds its buffers until it is done

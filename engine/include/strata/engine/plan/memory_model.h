@@ -12,7 +12,8 @@
 //   scratch             the largest use's boundary activations (input, output and their
 //                       gradients; a block tile's input and output may stack two activations),
 //                       plus the fp32 gradient buffers of the units a backward use touches (plus
-//                       a bf16 copy when reducing in bf16, plus the reduced shard); the head's
+//                       a bf16 copy when reducing in bf16, plus the reduced shard with other
+//                       ranks: alone, the buffer is the shard); the head's
 //                       use holds its loss (head_scratch_bytes: the fp32 logits and their
 //                       gradients, or one tile of them when tiled) or its gradient buffers, the
 //                       larger (the loss is freed before the reduce); with vocabulary tiles every
