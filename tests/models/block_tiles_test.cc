@@ -179,7 +179,9 @@ TEST(VocabTiles, CuttingALoadedModelKeepsItsValuesAndJoiningRestoresThem) {
     }
     const auto cut = whole_tensors(m);
     for (const auto& [name, t] : before) EXPECT_TRUE(at::equal(cut.at(name), t)) << name;
-    EXPECT_LT(rel(m.forward(ids).detach(), ref), 1e-6);
+    // The tiles' products have other shapes than the whole head's, so the matrix kernels may sum
+    // in another order (1.9e-6 seen under a loaded machine); a wrong row would be off by O(1).
+    EXPECT_LT(rel(m.forward(ids).detach(), ref), 1e-5);
     m.set_tiling({1, 1, 1});
     const auto joined = whole_tensors(m);
     for (const auto& [name, t] : before) EXPECT_TRUE(at::equal(joined.at(name), t)) << name;
