@@ -71,33 +71,29 @@ void GradientReducer::reduce(size_t stage) {
   // Every unit the stage uses is reduced, gradient or not, so that the collectives are the same
   // on every rank whatever autograd produced locally.
   // The units' flat fp32 buffers: autograd's gradients copied in, zeros only where none came
-  // (tensors without a gradient, the padding), so each element is written once.
+  // (tensors without a gradient, the padding after the tensors), so each element is written once.
   std::map<size_t, at::Tensor> flats;
-  std::map<size_t, std::vector<uint8_t>> filled;  // by unit: which of its tensors got a gradient
+  std::map<size_t, std::vector<bool>> missing;  // by unit: its tensors that got no gradient
   for (size_t u : schedule_.units_of(stage)) {
     const UnitLayout& L = partition_.unit(u);
     flats[u] = dev_.empty({int64_t(L.padded_numel())}, at::kFloat, "gradient of unit " + L.name);
-    filled[u].assign(L.tensors.size(), 0);
+    flats[u].narrow(0, int64_t(L.numel), int64_t(L.padded_numel() - L.numel)).zero_();
+    missing[u].assign(L.tensors.size(), true);
   }
   for (ParamRef& p : stage_params_.at(stage)) {
     at::Tensor g = p.tensor.grad();
     if (!g.defined()) continue;
     const TensorSlot& s = partition_.unit(p.unit).tensors[p.slot];
     flats.at(p.unit).narrow(0, int64_t(s.offset), int64_t(s.numel)).copy_(g.reshape(-1));
-    filled.at(p.unit).at(p.slot) = 1;
+    missing.at(p.unit).at(p.slot) = false;
     p.tensor.mutable_grad() = at::Tensor();
   }
-  for (auto& [u, flat] : flats) {
-    const UnitLayout& L = partition_.unit(u);
-    const std::vector<uint8_t>& got = filled.at(u);
-    uint64_t end = 0;  // the tensors fill [0, end) in slot order; the padding follows
-    for (size_t i = 0; i < L.tensors.size(); ++i) {
-      const TensorSlot& s = L.tensors[i];
-      if (!got[i]) flat.narrow(0, int64_t(s.offset), int64_t(s.numel)).zero_();
-      end = std::max(end, s.offset + s.numel);
-    }
-    if (end < L.padded_numel()) flat.narrow(0, int64_t(end), int64_t(L.padded_numel() - end)).zero_();
-  }
+  for (auto& [u, none] : missing)
+    for (size_t i = 0; i < none.size(); ++i)
+      if (none[i]) {
+        const TensorSlot& s = partition_.unit(u).tensors[i];
+        flats.at(u).narrow(0, int64_t(s.offset), int64_t(s.numel)).zero_();
+      }
   for (auto& [u, flat] : flats) {
     const UnitLayout& L = partition_.unit(u);
     at::Tensor send = flat;
@@ -125,7 +121,7 @@ void GradientReducer::reduce(size_t stage) {
     // CUDA one only orders the streams. With other ranks, a shard accumulated off the device is
     // waited for on the download stream, before its copy: the next stage's backward runs while
     // the ranks exchange (the collective's buffers stay counted on the device until then). Alone,
-    // the reduce is a copy, done when issued.
+    // the reduce is the identity, done when issued.
     if (where == Placement::kDevice || shard.is_cuda() || comm_.world_size() == 1) {
       auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &L.name);
       work->wait();
