@@ -729,8 +729,9 @@ TEST(Checkpoint, TilesSavedOneWayResumeAnother) {
     j["batch"]["micro_batch"] = 8 / 2 / ranks;
     j["placement"] = {{"tiling", tiling}};
     // At tiny_llama's 3e-3, 20 Adam steps turn the summation order of tiles and ranks into weight
-    // differences above 1e-5; at 1e-3 they stay below it (tiling_engine_test.cc).
-    j["optimizer"]["lr"] = 1e-3;
+    // differences above 1e-5; at 1e-3 they stayed below it with AVX-512's kernels but not with
+    // AVX2's (the embedding 1.11e-5 apart); at 5e-4 they stay below it with both.
+    j["optimizer"]["lr"] = 5e-4;
     return j;
   };
   const json whole = "off", cut23 = {{"attention", 2}, {"mlp", 3}, {"vocab", 3}},
