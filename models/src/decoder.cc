@@ -251,9 +251,15 @@ class LlamaHead final : public HeadStage {
 class Tile : public Stage {
  protected:
   Tile(const ModelConfig& c, int64_t index, int64_t count) : c_(c), first_(index == 0), last_(index + 1 == count) {}
-  // (normed input, running sum) from the tile's input.
+  // (normed input, running sum) from the tile's input. unbind, not two selects: its backward
+  // stacks the two gradients in one pass, where each select's would fill a zero tensor of the
+  // stacked size, copy its half in, and the two would then be added (five kernels and about ten
+  // activation passes more at every tile boundary of the backward).
   std::pair<at::Tensor, at::Tensor> split_input(const at::Tensor& z) {
-    if (!first_) return {z.select(0, 0), z.select(0, 1)};
+    if (!first_) {
+      const std::vector<at::Tensor> parts = z.unbind(0);
+      return {parts[0], parts[1]};
+    }
     return {norm(z), z};
   }
   at::Tensor join(const at::Tensor& normed, const at::Tensor& sum) const {
