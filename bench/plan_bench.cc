@@ -125,6 +125,8 @@ void run_plan_bench(const PlanBenchOptions& o) {
   const json swap = {{"params", "host"}, {"grads", "host"}, {"master", "nvme"}, {"moments", "nvme"}, {"activations", "host"}};
   const json automatic = {{"params", "auto"}, {"grads", "auto"}, {"master", "auto"}, {"moments", "auto"},
                           {"activations", "auto"}};
+  json block_tiles = host;
+  block_tiles["tiling"] = {{"attention", 2}, {"mlp", 4}};
   const int64_t seq = cuda ? 1024 : 128, mb = cuda ? 8 : 4;
   std::vector<Case> cases = {
       {"gpt-host-after-backward", 1, gpt, host, {{"overlap", false}}, mb, seq},
@@ -133,6 +135,10 @@ void run_plan_bench(const PlanBenchOptions& o) {
       {"llama-host-update-in-backward", 1, llama, host, {{"overlap", "backward"}, {"clip_grad_norm", 0.0}}, mb, seq},
       {"gpt-host-2-ranks", 2, gpt, host, {{"overlap", false}}, mb, seq},
       {"gpt-big-nvme-2-ranks", 2, gpt_big, swap, {{"overlap", "forward"}}, mb / 2, 2 * seq, true},
+      // Block tiles (placement.tiling): the first case's model and placement, each block cut into 2
+      // attention x 4 MLP tiles, units of their own; the planner prices each tile's products at
+      // their own size and the tiles' extra memory traffic.
+      {"gpt-host-block-tiles", 1, gpt, block_tiles, {{"overlap", false}}, mb, seq},
   };
   if (cuda) {  // one GPU: no second rank; automatic placement and the host placement's big model instead
     cases[4] = {"gpt-auto", 1, gpt, automatic, {{"overlap", "forward"}}, mb, seq};

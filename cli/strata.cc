@@ -70,7 +70,7 @@ commands:
                with CPU offload on the same GPT shape (bench/train_baseline.py)
   bench tiling the tiled LM head beside the untiled one: step-time overhead where both fit,
                and the largest vocabulary x tokens that trains in one device budget
-  bench plan   `strata plan`'s predictions beside six measured `strata train` runs on this
+  bench plan   `strata plan`'s predictions beside seven measured `strata train` runs on this
                machine (calibrated first): step time and per-tier memory errors
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
   help         this text
@@ -281,9 +281,9 @@ int bench_tiling(const std::vector<std::string>& argv) {
 constexpr const char* kBenchPlanUsage = R"(usage: strata bench plan [options]
 
 Calibrates this machine (`strata plan --calibrate`'s rounds, and one more after each run), then
-runs six `strata train` configurations on the host device (GPT and Llama shapes; state on the
+runs seven `strata train` configurations on the host device (GPT and Llama shapes; state on the
 host, on the device, master and moments in swap; optimizer after backward, overlapped with the
-next forward, inside backward; 1 and 2 ranks) three times, the second pass in reverse order, and
+next forward, inside backward; 1 and 2 ranks; whole blocks and blocks in tiles) three times, the second pass in reverse order, and
 prints each one's step time (the median of its passes' medians, and each pass's) and per-tier
 memory beside `strata plan`'s
 prediction for the same configuration, then one JSON line with the worst step-time error. Each

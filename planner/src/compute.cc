@@ -25,34 +25,56 @@ double activation_bytes_per_token_hidden(const models::ModelConfig& m, int64_t s
 
 Work block_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& sh) {
   const double t = sh.tp, s = double(seq_len), tokens = sequences * s, d = double(m.hidden),
-               f = double(m.intermediate), q = double(m.heads * m.head_dim), kv = double(m.kv_heads * m.head_dim);
-  // The products as the models run them: GPT-2 one fused q, k, v projection, Llama-style blocks
-  // three; then the output projection and the MLP's up (and gate) and down.
-  const bool gpt2 = m.arch == models::Arch::kGpt2;
+               q = double(m.heads * m.head_dim), kv = double(m.kv_heads * m.head_dim);
+  // The products as the models run them: a whole GPT-2 block one fused q, k, v projection,
+  // Llama-style blocks and every attention tile three; then the output projection and the MLP's
+  // up (and gate) and down. A tile's products cover its key/value heads (and their query heads).
+  const bool gpt2 = m.arch == models::Arch::kGpt2, tiled = sh.block_tiled();
+  const int64_t a = std::max<int64_t>(1, sh.attention_tiles), rep = m.heads / std::max<int64_t>(1, m.kv_heads);
   Work w;
-  if (gpt2) w.gemms.push_back({2 * tokens * d * (q + 2 * kv) / t, 1});
-  else w.gemms = {{2 * tokens * d * q / t, 1}, {2 * tokens * d * kv / t, 2}};
-  w.gemms.push_back({2 * tokens * q * d / t, 1});
-  w.gemms.push_back(mlp_forward(m, sequences, seq_len, sh).gemms.at(0));
+  if (gpt2 && !tiled) w.gemms = {{2 * tokens * d * (q + 2 * kv) / t, 1}, {2 * tokens * q * d / t, 1}};
+  else
+    for (int64_t i = 0; i < a; ++i) {
+      const double kv_i = double(models::tile_range(m.kv_heads, a, i).size() * m.head_dim), q_i = kv_i * double(rep);
+      w.gemms.insert(w.gemms.end(), {{2 * tokens * d * q_i / t, 1}, {2 * tokens * d * kv_i / t, 2}, {2 * tokens * q_i * d / t, 1}});
+    }
+  const Work mlp = mlp_forward(m, sequences, seq_len, sh);
+  w.gemms.insert(w.gemms.end(), mlp.gemms.begin(), mlp.gemms.end());
   w.attention_flops = 2 * tokens * 2 * s * q / t;
-  w.attention_product = w.attention_flops;  // one batched product over sequences and heads
-  w.memory_bytes = 2 * tokens * d * activation_bytes_per_token_hidden(m, seq_len, sh) * (sh.activation_bytes / 2);
+  w.attention_product = w.attention_flops / double(a);  // one batched product over sequences and a tile's heads
+  double per_token_hidden = activation_bytes_per_token_hidden(m, seq_len, sh);
+  if (tiled) {
+    // Per token and hidden unit, in activations: a + m residual adds (read two, write one) where
+    // a whole block has two, and a stack (write two, read two) after each tile but the last of
+    // its kind; a backward then moves twice that, as for the rest.
+    const double mt = double(std::max<int64_t>(1, sh.mlp_tiles)), stacks = double(a - 1) + (mt - 1);
+    per_token_hidden += 3 * (double(a) + mt - 2) + 4 * stacks;
+  }
+  w.memory_bytes = 2 * tokens * d * per_token_hidden * (sh.activation_bytes / 2);
   return w;
 }
 
 Work mlp_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& sh) {
-  const double tokens = sequences * double(seq_len), d = double(m.hidden), f = double(m.intermediate);
+  const double tokens = sequences * double(seq_len), d = double(m.hidden);
   const double per_product = sh.mlp_token_chunk > 0 ? std::min(tokens, double(sh.mlp_token_chunk)) : tokens;
   const double products = (m.arch == models::Arch::kGpt2 ? 2.0 : 3.0) * tokens / per_product;
+  const int64_t tiles = std::max<int64_t>(1, sh.mlp_tiles);
   Work w;
-  w.gemms.push_back({2 * per_product * d * f / sh.tp, products});
+  for (int64_t j = 0; j < tiles; ++j) {
+    const double f_j = double(models::tile_range(m.intermediate, tiles, j).size());
+    w.gemms.push_back({2 * per_product * d * f_j / sh.tp, products});
+  }
   return w;
 }
 
 Work head_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& sh) {
   const double tokens = sequences * double(seq_len), d = double(m.hidden), v = double(m.vocab_size), t = sh.tp;
+  // Each logits tile's product at its own size; as many as cover the logits (the FLOPs stay the
+  // whole head's).
+  const double chunk = sh.logits_token_chunk > 0 ? std::min(tokens, sh.logits_token_chunk) : tokens,
+               rows = sh.logits_vocab_tile > 0 ? std::min(v, sh.logits_vocab_tile) : v;
   Work w;
-  w.gemms = {{2 * tokens * d * v / t, 1}};
+  w.gemms = {{2 * chunk * d * rows / t, (tokens / chunk) * (v / rows)}};
   // The logits written, read by the softmax and its gradient written: in fp32.
   w.memory_bytes = 3 * tokens * v / t * 4;
   return w;

@@ -17,8 +17,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const GpuSpec& gpu = c.node.gpu;
   const bool fp32 = cfg.compute == engine::Precision::kFp32;
   const double cb = double(p.compute_bytes), A = double(cfg.grad_accum), w = world;
-  // The schedule the engine would run; its block stages are the blocks, or their tiles (each a
-  // share of a block).
+  // The schedule the engine would run; its block stages are the blocks, or their tiles.
   const size_t vocab_tiles = size_t(p.tiles.vocab);
   const size_t units = p.shard_numel.size();
   const engine::plan::Schedule schedule(p.stage_units, units, vocab_tiles, vocab_tiles);
@@ -30,6 +29,11 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   ShardOf shard;
   shard.activation_bytes = cb;
   shard.mlp_token_chunk = p.mlp_token_chunk;
+  // Tiles run the block's and the head's products at their own sizes (compute.h).
+  shard.attention_tiles = p.tiles.attention;
+  shard.mlp_tiles = p.tiles.mlp;
+  shard.logits_token_chunk = double(p.head_logits.token_chunk);
+  shard.logits_vocab_tile = double(p.head_logits.vocab_tile);
   const Seconds block_kinds = seconds_by_kind(block_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
   const Seconds head_kinds = seconds_by_kind(head_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
   const double block_fwd = block_kinds.total(), head_fwd = head_kinds.total();

@@ -1,6 +1,6 @@
-# Runs `strata bench plan --quick` (calibrates this machine, runs six small `strata train`
-# configurations, 1 and 2 ranks, host, device and swap placements) and checks its final JSON line:
-# six measured cases, each run's host and NVMe state equal to the planner's prediction to the
+# Runs `strata bench plan --quick` (calibrates this machine, runs seven small `strata train`
+# configurations, 1 and 2 ranks, host, device and swap placements, whole blocks and block tiles)
+# and checks its final JSON line: seven measured cases, each run's host and NVMe state equal to the planner's prediction to the
 # byte, each case run again with the planned device bytes as its budget without failing (a plan
 # below the need fails there with BudgetExceeded) and its peak there within the plan, and the
 # reported worst error the largest of the cases' errors. Numbers, not speed: the step-time errors are reported, not bounded.
@@ -16,8 +16,8 @@ if(NOT metric STREQUAL "plan_step_time_worst_error")
   message(FATAL_ERROR "final line: ${last}")
 endif()
 string(JSON n LENGTH "${last}" cases)
-if(NOT n EQUAL 6)
-  message(FATAL_ERROR "expected 6 cases: ${last}")
+if(NOT n EQUAL 7)
+  message(FATAL_ERROR "expected 7 cases: ${last}")
 endif()
 string(JSON worst GET "${last}" value)
 set(largest 0)

@@ -335,6 +335,62 @@ TEST(Planner, EachProductRunsAtTheRateOfItsSize) {
   }
 }
 
+// Block tiles (placement.tiling) do a whole block's work in more, smaller products: the same
+// FLOPs, each tile's q, k, v, output, up and down products at their own sizes (uneven cuts
+// included), so a curve that punishes small products prices them slower; their memory traffic
+// adds the tiles' residual adds and the stacks that pass (normed input, running sum) on.
+TEST(Planner, BlockTilesRunTheBlocksFlopsInSmallerProducts) {
+  GpuSpec g;
+  g.peak_flops = 100e12;
+  g.matmul_efficiency = {{1e6, 0.1}, {1e12, 1.0}};
+  g.memory_bandwidth = 1e12;
+  for (const char* preset : {"gpt2", "llama-1b"}) {
+    const bool gpt2 = std::string(preset) == "gpt2";
+    models::ModelConfig m = models::preset(preset);
+    m.hidden = 512;
+    m.heads = 8;
+    m.kv_heads = gpt2 ? 8 : 4;
+    m.head_dim = 64;
+    m.intermediate = 1376;
+    const Work whole = block_forward(m, 4, 128, ShardOf{});
+    ShardOf cut;
+    cut.attention_tiles = 3;  // 8 (or 4) key/value heads: 3 + 3 + 2 (2 + 1 + 1)
+    cut.mlp_tiles = 5;        // 1376: 276 + 275 x 4
+    const Work tiled = block_forward(m, 4, 128, cut);
+    EXPECT_NEAR(tiled.gemm_flops(), whole.gemm_flops(), whole.gemm_flops() * 1e-12) << preset;
+    // Every tile's products at their own size: q, k, v and the output per attention tile, up
+    // (gate) and down per MLP tile.
+    const double tokens = 4 * 128, d = 512;
+    const int64_t rep = m.heads / m.kv_heads;
+    std::vector<std::pair<double, double>> products;  // (flops, count)
+    for (int64_t i = 0; i < 3; ++i) {
+      const double kv = double(models::tile_range(m.kv_heads, 3, i).size() * 64), q = kv * double(rep);
+      products.insert(products.end(), {{2 * tokens * d * q, 1}, {2 * tokens * d * kv, 2}, {2 * tokens * q * d, 1}});
+    }
+    for (int64_t j = 0; j < 5; ++j)
+      products.push_back({2 * tokens * d * double(models::tile_range(1376, 5, j).size()), gpt2 ? 2.0 : 3.0});
+    double expected = 0;
+    for (auto [flops, count] : products) expected += count * flops / matmul_rate(g, flops);
+    EXPECT_NEAR(seconds_by_kind(tiled, g).matmul, expected, expected * 1e-12) << preset;
+    EXPECT_GT(seconds_by_kind(tiled, g).matmul, seconds_by_kind(whole, g).matmul * 1.05) << preset;
+    // 3 + 5 residual adds instead of 2 (3 activations each), 2 + 4 stacks (4 each), per token and
+    // hidden unit in 16-bit activations, written and read (the factor 2 of memory_bytes).
+    EXPECT_NEAR(tiled.memory_bytes - whole.memory_bytes, 2 * tokens * d * (3 * 6 + 4 * 6), 1e-6) << preset;
+    EXPECT_DOUBLE_EQ(tiled.attention_flops, whole.attention_flops) << preset;
+  }
+  // The head's logits in tiles: the same FLOPs in tiles of their own size.
+  models::ModelConfig m = models::preset("gpt2");
+  const Work head = head_forward(m, 4, 128, ShardOf{});
+  ShardOf cut;
+  cut.logits_token_chunk = 128;
+  cut.logits_vocab_tile = 4096;
+  const Work tiles = head_forward(m, 4, 128, cut);
+  EXPECT_NEAR(tiles.gemm_flops(), head.gemm_flops(), head.gemm_flops() * 1e-12);
+  ASSERT_EQ(tiles.gemms.size(), 1u);
+  EXPECT_DOUBLE_EQ(tiles.gemms[0].flops, 2.0 * 128 * 768 * 4096);
+  EXPECT_GT(seconds_by_kind(tiles, g).matmul, seconds_by_kind(head, g).matmul);
+}
+
 // Swap reads and writes in flight together: with the measured rate of both at once, a step's
 // swap takes the longest of each direction alone and the two at the duplex rate, never longer
 // than taking turns; without it, turns. Drives add up, ranks divide them.

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "strata/models/model_config.h"
+#include "strata/models/model_shapes.h"
 #include "strata/planner/cluster.h"
 
 namespace strata::planner {
@@ -36,12 +37,22 @@ struct Work {
   Work scaled(double f) const;
 };
 
+// How this GPU's share of the work is cut: 3D parallelism's tensor and sequence parallelism, and
+// Strata's tiles (models::LayerTiling, plan::LogitsTiling), whose products run at their own,
+// smaller sizes.
 struct ShardOf {
   int tp = 1;                      // tensor-parallel ways
   bool sequence_parallel = false;  // norms and dropouts split along the sequence too
   bool flash_attention = true;     // fused attention: no score matrix in memory
   double activation_bytes = 2;     // bytes of an activation element
   int64_t mlp_token_chunk = 0;     // the MLP's products over chunks of this many tokens (0: all at once)
+  // A block cut into attention tiles (groups of key/value heads) and MLP tiles (slices of the
+  // intermediate dimension), 1 x 1: whole. Tiles run GPT-2's q, k and v as three products, each
+  // of its own slice, and pass the normed input and the running sum from tile to tile.
+  int64_t attention_tiles = 1, mlp_tiles = 1;
+  // The LM head's logits in tiles of this many tokens x vocabulary rows (0: the whole side).
+  double logits_token_chunk = 0, logits_vocab_tile = 0;
+  bool block_tiled() const { return attention_tiles > 1 || mlp_tiles > 1; }
 };
 
 // Korthikanti et al.'s activation bytes of one block, per token and hidden unit, with 16-bit
@@ -50,11 +61,16 @@ struct ShardOf {
 double activation_bytes_per_token_hidden(const models::ModelConfig& m, int64_t seq_len, const ShardOf& shard);
 
 // One block's forward for `sequences` sequences of `seq_len` tokens, this GPU's 1/tp of it.
-// Its MLP's products (mlp_forward) are a part of it.
+// Its MLP's products (mlp_forward) are a part of it. Cut into tiles (shard.attention_tiles,
+// shard.mlp_tiles) it has the same FLOPs in more, smaller products, and more memory traffic: each
+// tile adds its output to the running sum (a + m adds where a whole block has 2), and each tile
+// but the last of its kind writes the normed input and the sum for the next (at::stack).
 Work block_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& shard);
-// One block's MLP: the up (and gate) and down products, over token chunks when the shard says.
+// One block's MLP: the up (and gate) and down products of each MLP tile, over token chunks when
+// the shard says.
 Work mlp_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& shard);
-// The LM head's forward (the logits' product; the loss's softmax as memory traffic).
+// The LM head's forward (the logits' product, by logits tile; the loss's softmax as memory
+// traffic).
 Work head_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& shard);
 
 double seconds(const Work& w, const GpuSpec& gpu, bool fp32 = false);
