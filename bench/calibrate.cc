@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -111,15 +112,27 @@ DiskRates disk_rates(const std::string& dir, uint64_t bytes, bool& direct) {
 
 // The engine's own collectives between two ranks of this machine, as `strata launch` runs them
 // (Gloo over loopback TCP): an all-gather and a reduce-scatter of a `bytes` fp32 buffer, each
-// rank a thread with its own Communicator. Bytes each rank sends a second (half the buffer in
-// each). Gloo's collectives run far below a plain TCP stream between two threads: 0.35-0.41 GB/s
-// against 2-3.5 GB/s on the 2-core VM (2026-11-27). With --device cuda too: a GPU node's NCCL
-// rate is not measured.
-double local_collective_rate(uint64_t bytes) {
+// rank a thread with its own Communicator. The rate: bytes each rank sends a second (half the
+// buffer in each). Gloo's collectives run far below a plain TCP stream between two threads:
+// 0.35-0.41 GB/s against 2-3.5 GB/s on the 2-core VM (2026-11-27). The CPU share: the process's
+// CPU time over the timed repetitions (both ranks and Gloo's threads) divided by two ranks' wall
+// time, the part of a collective that takes a core; the rest is waiting for the other rank
+// (0.76 on an AVX2 VM, 2026-11-28). With --device cuda too: a GPU node's NCCL rate is not
+// measured.
+struct CollectiveRate {
+  double bytes_per_s = 0, cpu_share = 1;
+};
+double process_cpu_seconds() {
+  timespec t{};
+  if (clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t) != 0) throw std::runtime_error(std::string("calibrate: clock_gettime: ") + std::strerror(errno));
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
+CollectiveRate local_collective_rate(uint64_t bytes) {
   const int port = engine::free_loopback_port();
   const int64_t n = int64_t(bytes / 8) * 2;  // even
   constexpr int kReps = 3;
   std::array<double, 2> seconds{};
+  double cpu = 0;  // the process's CPU seconds over the timed repetitions (rank 0 reads it)
   std::array<std::exception_ptr, 2> error;
   const auto rank_main = [&](int r) {
     try {
@@ -136,9 +149,12 @@ double local_collective_rate(uint64_t bytes) {
       };
       once();  // connections made, buffers allocated
       comm->barrier();
+      const double cpu0 = process_cpu_seconds();
       const auto t0 = Clock::now();
       for (int i = 0; i < kReps; ++i) once();
       seconds[size_t(r)] = since(t0) / kReps;
+      comm->barrier();  // both ranks done: the CPU time below is theirs
+      if (r == 0) cpu = process_cpu_seconds() - cpu0;
     } catch (...) {
       error[size_t(r)] = std::current_exception();
     }
@@ -148,7 +164,11 @@ double local_collective_rate(uint64_t bytes) {
   other.join();
   for (const std::exception_ptr& e : error)
     if (e) std::rethrow_exception(e);
-  return 2.0 * double(n / 2) * 4 / std::max(seconds[0], seconds[1]);
+  const double wall = std::max(seconds[0], seconds[1]);
+  CollectiveRate out;
+  out.bytes_per_s = 2.0 * double(n / 2) * 4 / wall;
+  out.cpu_share = std::clamp(cpu / (2 * wall * kReps), 0.05, 1.0);
+  return out;
 }
 
 }  // namespace
@@ -360,7 +380,9 @@ Calibration::Calibration(const CalibrateOptions& o) : impl_(std::make_unique<Imp
   }
 
   // Measured once: the collectives between this machine's ranks; RAM; the disk under `dir`.
-  n.intra_bandwidth = local_collective_rate(64ull << 20);
+  const CollectiveRate collectives = local_collective_rate(64ull << 20);
+  n.intra_bandwidth = collectives.bytes_per_s;
+  n.intra_cpu_share = collectives.cpu_share;
   n.host_memory = double(meminfo("MemTotal:"));
   if (!cuda) g.memory = n.host_memory;  // the host device's "device memory": its budget limits it in a run
   std::filesystem::create_directories(o.dir);
@@ -376,7 +398,7 @@ Calibration::Calibration(const CalibrateOptions& o) : impl_(std::make_unique<Imp
   c.source = std::string("strata plan --calibrate on this machine (compute on ") + (cuda ? "the GPU, bf16" : "the CPU, fp32") +
              "): libtorch linear layers forward and backward, fused attention, a stack of GPT blocks forward and backward, a "
              "256 MiB copy, the CPU Adam kernel on every core (medians of rounds spread over the measurement), an "
-             "all-gather and a reduce-scatter of 64 MiB between two local ranks (Gloo over loopback TCP), 512 MiB through the I/O engine under " + o.dir;
+             "all-gather and a reduce-scatter of 64 MiB between two local ranks (Gloo over loopback TCP; their rate and CPU share), 512 MiB through the I/O engine under " + o.dir;
 }
 
 Calibration::~Calibration() = default;
@@ -456,7 +478,7 @@ planner::Cluster Calibration::cluster(bool say_it, const std::vector<int>& which
   n.cpu_adam_rate = double(I.adam_count) / I.probes[I.adam_probe].median(which);
   say("CPU Adam: " + std::to_string(n.cpu_adam_rate / 1e9) + " Gparam/s");
   say("collectives between two local ranks (Gloo over loopback): " + std::to_string(n.intra_bandwidth / 1e9) +
-      " GB/s sent by each");
+      " GB/s sent by each, " + std::to_string(n.intra_cpu_share) + " of their time on a core");
   say(std::string("disk under ") + I.o.dir + (I.direct ? " (direct I/O)" : " (buffered: no O_DIRECT here)") +
       ": read " + std::to_string(n.nvme_read / 1e9) + " GB/s, write " + std::to_string(n.nvme_write / 1e9) +
       " GB/s, both at once " + std::to_string(n.nvme_duplex / 1e9) + " GB/s");

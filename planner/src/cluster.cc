@@ -149,6 +149,9 @@ Cluster parse_cluster_json(const json& j, const std::string& source) {
   node.pcie_d2h = n.num("pcie_d2h_gbps", kGB);
   node.intra_bandwidth = n.num("intra_gbps", kGB, node.gpus > 1 ? -1 : 0);
   node.intra_latency = n.num("intra_latency_us", 1e-6, 0);
+  node.intra_cpu_share = n.num("intra_cpu_share", 1, 1);
+  if (node.intra_cpu_share <= 0 || node.intra_cpu_share > 1)
+    throw std::invalid_argument(n.where + ": \"intra_cpu_share\" must be in (0, 1]");
   node.inter_bandwidth = n.num("inter_gbps", kGB, c.nodes > 1 ? -1 : 0);
   node.inter_latency = n.num("inter_latency_us", 1e-6, 0);
   return c;
@@ -185,6 +188,7 @@ std::string cluster_json(const Cluster& c) {
                {"pcie_d2h_gbps", n.pcie_d2h / kGB},
                {"intra_gbps", n.intra_bandwidth / kGB},
                {"intra_latency_us", n.intra_latency / 1e-6},
+               {"intra_cpu_share", n.intra_cpu_share},
                {"inter_gbps", n.inter_bandwidth / kGB},
                {"inter_latency_us", n.inter_latency / 1e-6}};
   if (n.nvme_drives > 0)

@@ -112,9 +112,12 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
     return bytes / bw;
   };
   const double net_mb = safe(gathered + reduced, net_bw);
-  // On the host device Gloo's collectives cost CPU time at their calibrated rate (intra_gbps);
-  // across nodes, the time the link itself takes beyond that is waiting, which compute overlaps.
-  const double net_cpu_mb = world <= 1 ? 0 : safe(gathered + reduced, c.node.intra_bandwidth);
+  // On the host device Gloo's collectives cost CPU time: their calibrated share
+  // (intra_cpu_share) of their time at the calibrated rate (intra_gbps). The rest of that time,
+  // and across nodes the time the link itself takes beyond it, is waiting, which compute
+  // overlaps (net_mb bounds the micro-batch instead).
+  const double net_cpu_mb =
+      world <= 1 ? 0 : safe(gathered + reduced, c.node.intra_bandwidth) * c.node.intra_cpu_share;
   const double up_mb = safe(up, h2d), down_mb = safe(down, d2h);
   const auto disk = [&](double read, double written) { return c.node.disk_seconds(read, written, drives, per_node); };
   const double nvme_mb = disk(nvme_r, nvme_w);

@@ -269,7 +269,10 @@ TEST(Planner, ClusterFilesRoundTripAndBadOnesAreNamed) {
   {
     Cluster c = cluster_preset("h100-box");
     c.node.nvme_duplex = 3.5e9;
-    EXPECT_NEAR(parse_cluster(cluster_json(c), "round trip").node.nvme_duplex, 3.5e9, 1);
+    c.node.intra_cpu_share = 0.76;
+    const Cluster back = parse_cluster(cluster_json(c), "round trip");
+    EXPECT_NEAR(back.node.nvme_duplex, 3.5e9, 1);
+    EXPECT_DOUBLE_EQ(back.node.intra_cpu_share, 0.76);
   }
   const auto fails_with = [](const std::string& text, const std::string& what) {
     try {
@@ -285,6 +288,10 @@ TEST(Planner, ClusterFilesRoundTripAndBadOnesAreNamed) {
                  "host_memory_gib": 1, "cpu_adam_gparams": 1, "pcie_h2d_gbps": 1, "pcie_d2h_gbps": 1}})",
              "missing \"intra_gbps\"");
   fails_with(R"({"node": {"gpus": 1, "gpu": {"memory_gib": -1}}})", "\"memory_gib\" must be a number >= 0");
+  fails_with(R"({"node": {"gpus": 1, "gpu": {"memory_gib": 1, "peak_tflops": 1, "memory_gbps": 1},
+                 "host_memory_gib": 1, "cpu_adam_gparams": 1, "pcie_h2d_gbps": 1, "pcie_d2h_gbps": 1,
+                 "intra_cpu_share": 1.5}})",
+             "\"intra_cpu_share\" must be in (0, 1]");
   fails_with(R"({"node": {"gpus": 1, "gpu": {"memory_gib": 1, "peak_tflops": 1, "memory_gbps": 1,
                  "matmul_efficiency": [[1e9, 1.5]]}}})",
              "0 < fraction <= 1");
@@ -455,6 +462,50 @@ TEST(Planner, EngineCopiesOnTheDeviceCountAsCompute) {
   const StrataEstimate on_host = estimate_strata_as_given(cfg, m, c);
   ASSERT_TRUE(on_host.fits()) << on_host.state.error;
   EXPECT_NEAR(on_host.time.compute_local, bytes / 20e9, 1e-12);
+}
+
+// Two ranks on the host device: their collectives take the cores for the calibrated share of
+// their time (intra_cpu_share) and add that to the compute; the rest is waiting, which the
+// engine's other work fills, so the micro-batch is never shorter than the collectives' whole time.
+TEST(Planner, HostCollectivesAddTheirCpuShareToTheCompute) {
+  Cluster c = cluster_preset("h100-box");
+  c.node.gpus = 2;
+  GpuSpec& g = c.node.gpu;  // a CPU's rates
+  g.is_host = true;
+  g.memory = 64.0 * (1 << 30);
+  g.peak_flops = g.peak_flops_fp32 = 100e9;
+  g.matmul_efficiency.clear();
+  g.memory_bandwidth = 10e9;
+  c.node.pcie_h2d = c.node.pcie_d2h = 10e9;
+  models::ModelConfig m = models::preset("gpt2");
+  m.layers = 2;
+  m.hidden = 256;
+  m.heads = m.kv_heads = 4;
+  m.intermediate = 1024;
+  m.vocab_size = 4096;
+  engine::EngineConfig cfg;
+  cfg.compute = engine::Precision::kFp32;
+  cfg.micro_batch = 2;
+  cfg.seq_len = 64;
+  cfg.update_overlap = engine::UpdateOverlap::kOff;
+  const auto step = [&](double gbps, double share) {
+    c.node.intra_bandwidth = gbps * 1e9;
+    c.node.intra_cpu_share = share;
+    const StrataEstimate e = estimate_strata_as_given(cfg, m, c);
+    EXPECT_TRUE(e.fits()) << e.state.error;
+    return e.time;
+  };
+  const StrataTime all = step(1, 1.0), part = step(1, 0.6);
+  const double collectives = (all.gathered + all.reduced) / 1e9;
+  ASSERT_GT(collectives, 0);
+  ASSERT_GT(all.compute, collectives);  // the cores are the busiest resource here
+  EXPECT_NEAR(all.step - part.step, 0.4 * collectives, 1e-9 * all.step);
+  // A slow link: the collectives' own time bounds the micro-batch, their CPU share does not add.
+  const StrataTime slow = step(0.05, 0.05);
+  const double slow_collectives = (slow.gathered + slow.reduced) / 0.05e9;
+  ASSERT_GT(slow_collectives, 2 * slow.compute);
+  EXPECT_GE(slow.step, slow_collectives);
+  EXPECT_LT(slow.step, slow_collectives + slow.compute);
 }
 
 // The model family of --max-model: 1T is 25600 x 128, sizes grow with the hidden size.

@@ -49,6 +49,10 @@ struct NodeSpec {
   double disk_seconds(double read, double written, double drives, double sharers) const;
   double pcie_h2d = 0, pcie_d2h = 0;     // bytes/s per GPU, each way
   double intra_bandwidth = 0;    // bytes/s per GPU of a collective inside the node (bus bandwidth)
+  // On the host device: the share of a collective's time at intra_bandwidth that is CPU work on
+  // each rank (copies, the TCP stack); the rest is waiting for the other ranks, which the
+  // engine's own work beside the collective fills. 1: all of it is CPU work.
+  double intra_cpu_share = 1;
   double inter_bandwidth = 0;    // bytes/s per node each way over the network
   double inter_latency = 0;      // seconds, one message between nodes
   double intra_latency = 0;      // seconds, one message inside a node
