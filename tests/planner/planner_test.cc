@@ -419,25 +419,36 @@ TEST(Planner, SwapReadsAndWritesTogetherAtTheMeasuredDuplexRate) {
   EXPECT_DOUBLE_EQ(n.disk_seconds(0, 1e9, 1, 1), 1.0);
 }
 
+// A small GPT-2 and a fp32 step of 2 x 64 tokens on the host device (the h100-box preset with
+// the device made the CPU).
+struct SmallHostRun {
+  Cluster c = cluster_preset("h100-box");
+  models::ModelConfig m = models::preset("gpt2");
+  engine::EngineConfig cfg;
+  SmallHostRun() {
+    c.node.gpu.is_host = true;
+    c.node.gpu.memory = 64.0 * (1 << 30);
+    c.node.pcie_h2d = c.node.pcie_d2h = 10e9;
+    m.layers = 2;
+    m.hidden = 256;
+    m.heads = m.kv_heads = 4;
+    m.intermediate = 1024;
+    m.vocab_size = 4096;
+    cfg.compute = engine::Precision::kFp32;
+    cfg.micro_batch = 2;
+    cfg.seq_len = 64;
+  }
+};
+
 // The engine's own copies on the device (gathers from a device-placed shard, each gradient
 // zeroed, copied out of autograd, reduced and accumulated) count as compute time on the host
 // device, where they take the cores: moving the compute copies off the device removes the
 // gathers' copies, and a wider model copies proportionally more.
 TEST(Planner, EngineCopiesOnTheDeviceCountAsCompute) {
-  Cluster c = cluster_preset("h100-box");
-  c.node.gpu.is_host = true;
-  c.node.gpu.memory = 64.0 * (1 << 30);
-  c.node.pcie_h2d = c.node.pcie_d2h = 10e9;
-  models::ModelConfig m = models::preset("gpt2");
-  m.layers = 2;
-  m.hidden = 256;
-  m.heads = m.kv_heads = 4;
-  m.intermediate = 1024;
-  m.vocab_size = 4096;
-  engine::EngineConfig cfg;
-  cfg.compute = engine::Precision::kFp32;
-  cfg.micro_batch = 2;
-  cfg.seq_len = 64;
+  SmallHostRun run;
+  Cluster& c = run.c;
+  const models::ModelConfig& m = run.m;
+  engine::EngineConfig& cfg = run.cfg;
   cfg.params = cfg.grads = cfg.master = cfg.moments = cfg.activations = engine::Placement::kDevice;
   const StrataEstimate on_device = estimate_strata_as_given(cfg, m, c);
   ASSERT_TRUE(on_device.fits()) << on_device.state.error;
@@ -468,25 +479,15 @@ TEST(Planner, EngineCopiesOnTheDeviceCountAsCompute) {
 // their time (intra_cpu_share) and add that to the compute; the rest is waiting, which the
 // engine's other work fills, so the micro-batch is never shorter than the collectives' whole time.
 TEST(Planner, HostCollectivesAddTheirCpuShareToTheCompute) {
-  Cluster c = cluster_preset("h100-box");
+  SmallHostRun run;
+  Cluster& c = run.c;
+  const models::ModelConfig& m = run.m;
+  engine::EngineConfig& cfg = run.cfg;
   c.node.gpus = 2;
   GpuSpec& g = c.node.gpu;  // a CPU's rates
-  g.is_host = true;
-  g.memory = 64.0 * (1 << 30);
   g.peak_flops = g.peak_flops_fp32 = 100e9;
   g.matmul_efficiency.clear();
   g.memory_bandwidth = 10e9;
-  c.node.pcie_h2d = c.node.pcie_d2h = 10e9;
-  models::ModelConfig m = models::preset("gpt2");
-  m.layers = 2;
-  m.hidden = 256;
-  m.heads = m.kv_heads = 4;
-  m.intermediate = 1024;
-  m.vocab_size = 4096;
-  engine::EngineConfig cfg;
-  cfg.compute = engine::Precision::kFp32;
-  cfg.micro_batch = 2;
-  cfg.seq_len = 64;
   cfg.update_overlap = engine::UpdateOverlap::kOff;
   const auto step = [&](double gbps, double share) {
     c.node.intra_bandwidth = gbps * 1e9;
