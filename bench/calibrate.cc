@@ -117,7 +117,7 @@ DiskRates disk_rates(const std::string& dir, uint64_t bytes, bool& direct) {
 // 0.35-0.41 GB/s against 2-3.5 GB/s on the 2-core VM (2026-11-27). The CPU share: the process's
 // CPU time over the timed repetitions (both ranks and Gloo's threads) divided by two ranks' wall
 // time, the part of a collective that takes a core; the rest is waiting for the other rank
-// (0.76 on an AVX2 VM, 2026-11-28). With --device cuda too: a GPU node's NCCL rate is not
+// (0.71-0.76 on an AVX2 VM, 2026-11-28). With --device cuda too: a GPU node's NCCL rate is not
 // measured.
 struct CollectiveRate {
   double bytes_per_s = 0, cpu_share = 1;
@@ -149,11 +149,13 @@ CollectiveRate local_collective_rate(uint64_t bytes) {
       };
       once();  // connections made, buffers allocated
       comm->barrier();
+      // Rank 0 reads the process's clock and the wall clock between the same two barriers, so
+      // the CPU time and the time it is divided by cover the same window.
       const double cpu0 = process_cpu_seconds();
       const auto t0 = Clock::now();
       for (int i = 0; i < kReps; ++i) once();
+      comm->barrier();  // both ranks done
       seconds[size_t(r)] = since(t0) / kReps;
-      comm->barrier();  // both ranks done: the CPU time below is theirs
       if (r == 0) cpu = process_cpu_seconds() - cpu0;
     } catch (...) {
       error[size_t(r)] = std::current_exception();
@@ -164,10 +166,9 @@ CollectiveRate local_collective_rate(uint64_t bytes) {
   other.join();
   for (const std::exception_ptr& e : error)
     if (e) std::rethrow_exception(e);
-  const double wall = std::max(seconds[0], seconds[1]);
   CollectiveRate out;
-  out.bytes_per_s = 2.0 * double(n / 2) * 4 / wall;
-  out.cpu_share = std::clamp(cpu / (2 * wall * kReps), 0.05, 1.0);
+  out.bytes_per_s = 2.0 * double(n / 2) * 4 / std::max(seconds[0], seconds[1]);
+  out.cpu_share = std::clamp(cpu / (2 * seconds[0] * kReps), 0.05, 1.0);
   return out;
 }
 

@@ -1,6 +1,7 @@
 #include "strata/planner/compute.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace strata::planner {
 
@@ -69,12 +70,16 @@ Work mlp_forward(const models::ModelConfig& m, double sequences, int64_t seq_len
 
 Work head_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& sh) {
   const double tokens = sequences * double(seq_len), d = double(m.hidden), v = double(m.vocab_size), t = sh.tp;
-  // Each logits tile's product at its own size; as many as cover the logits (the FLOPs stay the
-  // whole head's).
+  // Each logits tile's product at its own size, the last chunk and the last rows of each side
+  // smaller where the cut is uneven (plan::LogitsTiling's tiles); the FLOPs stay the whole head's.
   const double chunk = sh.logits_token_chunk > 0 ? std::min(tokens, sh.logits_token_chunk) : tokens,
                rows = sh.logits_vocab_tile > 0 ? std::min(v, sh.logits_vocab_tile) : v;
+  const double full_chunks = std::floor(tokens / chunk), last_chunk = tokens - full_chunks * chunk,
+               full_rows = std::floor(v / rows), last_rows = v - full_rows * rows;
   Work w;
-  w.gemms = {{2 * chunk * d * rows / t, (tokens / chunk) * (v / rows)}};
+  for (auto [c, nc] : {std::pair{chunk, full_chunks}, {last_chunk, 1.0}})
+    for (auto [r, nr] : {std::pair{rows, full_rows}, {last_rows, 1.0}})
+      if (c > 0 && r > 0 && nc * nr > 0) w.gemms.push_back({2 * c * d * r / t, nc * nr});
   // The logits written, read by the softmax and its gradient written: in fp32.
   w.memory_bytes = 3 * tokens * v / t * 4;
   return w;

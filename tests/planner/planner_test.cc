@@ -380,8 +380,8 @@ TEST(Planner, BlockTilesRunTheBlocksFlopsInSmallerProducts) {
     for (auto [flops, count] : products) expected += count * flops / matmul_rate(g, flops);
     EXPECT_NEAR(seconds_by_kind(tiled, g).matmul, expected, expected * 1e-12) << preset;
     EXPECT_GT(seconds_by_kind(tiled, g).matmul, seconds_by_kind(whole, g).matmul * 1.05) << preset;
-    // 3 + 5 residual adds instead of 2 (3 activations each), 2 + 4 stacks (4 each), per token and
-    // hidden unit in 16-bit activations, written and read (the factor 2 of memory_bytes).
+    // 3 + 5 residual adds instead of 2 (3 activations read or written each), 2 + 4 stacks (4
+    // each), per token and hidden unit, at 2 bytes a 16-bit activation.
     EXPECT_NEAR(tiled.memory_bytes - whole.memory_bytes, 2 * tokens * d * (3 * 6 + 4 * 6), 1e-6) << preset;
     EXPECT_DOUBLE_EQ(tiled.attention_flops, whole.attention_flops) << preset;
   }
@@ -393,8 +393,12 @@ TEST(Planner, BlockTilesRunTheBlocksFlopsInSmallerProducts) {
   cut.logits_vocab_tile = 4096;
   const Work tiles = head_forward(m, 4, 128, cut);
   EXPECT_NEAR(tiles.gemm_flops(), head.gemm_flops(), head.gemm_flops() * 1e-12);
-  ASSERT_EQ(tiles.gemms.size(), 1u);
+  // 50257 rows: 12 tiles of 4096 and one of 1105, each over 4 chunks of 128 tokens.
+  ASSERT_EQ(tiles.gemms.size(), 2u);
   EXPECT_DOUBLE_EQ(tiles.gemms[0].flops, 2.0 * 128 * 768 * 4096);
+  EXPECT_DOUBLE_EQ(tiles.gemms[0].count, 4.0 * 12);
+  EXPECT_DOUBLE_EQ(tiles.gemms[1].flops, 2.0 * 128 * 768 * (50257 - 12 * 4096));
+  EXPECT_DOUBLE_EQ(tiles.gemms[1].count, 4.0);
   EXPECT_GT(seconds_by_kind(tiles, g).matmul, seconds_by_kind(head, g).matmul);
 }
 
@@ -473,6 +477,29 @@ TEST(Planner, EngineCopiesOnTheDeviceCountAsCompute) {
   const StrataEstimate on_host = estimate_strata_as_given(cfg, m, c);
   ASSERT_TRUE(on_host.fits()) << on_host.state.error;
   EXPECT_NEAR(on_host.time.compute_local, bytes / 20e9, 1e-12);
+}
+
+// The engine's resolved tiles reach the time model: the same run with its blocks in 2 x 4 tiles
+// plans more compute (more products, each smaller, and the tiles' copies), and its head's logits
+// in 8 tiles more than in 2.
+TEST(Planner, TheResolvedTilesReachTheStepTime) {
+  SmallHostRun run;
+  GpuSpec& g = run.c.node.gpu;
+  g.peak_flops = g.peak_flops_fp32 = 100e12;
+  g.matmul_efficiency = {{1e6, 0.05}, {1e12, 1.0}};  // small products slower
+  const auto compute = [&](uint64_t attention, uint64_t mlp, uint64_t head) {
+    run.cfg.attention_tiles = attention;
+    run.cfg.mlp_tiles = mlp;
+    run.cfg.head_tiles = head;
+    const StrataEstimate e = estimate_strata_as_given(run.cfg, run.m, run.c);
+    EXPECT_TRUE(e.fits()) << e.state.error;
+    return e.time;
+  };
+  const StrataTime whole = compute(1, 1, 1), blocks = compute(2, 4, 1);
+  EXPECT_GT(blocks.compute_matmul, whole.compute_matmul * 1.01);
+  EXPECT_GT(blocks.compute_memory, whole.compute_memory);
+  // Both cuts recompute the logits in the backward; the finer one runs smaller products.
+  EXPECT_GT(compute(1, 1, 8).compute_matmul, compute(1, 1, 2).compute_matmul);
 }
 
 // Two ranks on the host device: their collectives take the cores for the calibrated share of
