@@ -308,21 +308,33 @@ TEST(Planner, MatmulRateInterpolatesOnLogFlops) {
   EXPECT_DOUBLE_EQ(matmul_rate(g, 1e10, true), matmul_rate(g, 1e10) / 2);  // fp32: half the 16-bit peak
 }
 
-// A block's products each run at the rate of their own size: with an efficiency curve that
-// punishes small products, the attention projections (h x h) take longer per FLOP than the MLP's
-// (h x 4h). Llama-style blocks run q, k and v as three products, GPT-2 as one.
-TEST(Planner, EachProductRunsAtTheRateOfItsSize) {
+// A GPU whose efficiency curve punishes small products (10% of peak at 1 MFLOP, all of it at
+// 1 TFLOP), and a block of hidden 512, 8 heads (GPT-2: 8 key/value heads; Llama: 4) and 1376
+// intermediate features.
+GpuSpec small_products_slow() {
   GpuSpec g;
   g.peak_flops = 100e12;
   g.matmul_efficiency = {{1e6, 0.1}, {1e12, 1.0}};
   g.memory_bandwidth = 1e12;
+  return g;
+}
+models::ModelConfig block_512(const std::string& preset) {
+  models::ModelConfig m = models::preset(preset);
+  m.hidden = 512;
+  m.heads = 8;
+  m.kv_heads = preset == "gpt2" ? 8 : 4;
+  m.head_dim = 64;
+  m.intermediate = 1376;
+  return m;
+}
+
+// A block's products each run at the rate of their own size: with an efficiency curve that
+// punishes small products, the attention projections (h x h) take longer per FLOP than the MLP's
+// (h x 4h). Llama-style blocks run q, k and v as three products, GPT-2 as one.
+TEST(Planner, EachProductRunsAtTheRateOfItsSize) {
+  const GpuSpec g = small_products_slow();
   for (const char* preset : {"gpt2", "llama-1b"}) {
-    models::ModelConfig m = models::preset(preset);
-    m.hidden = 512;
-    m.heads = 8;
-    m.kv_heads = std::string(preset) == "gpt2" ? 8 : 4;
-    m.head_dim = 64;
-    m.intermediate = 1376;
+    const models::ModelConfig m = block_512(preset);
     const double tokens = 4 * 128, d = 512, q = 512, kv = 64.0 * m.kv_heads, f = 1376;
     const bool gpt2 = std::string(preset) == "gpt2";
     const Work w = block_forward(m, 4, 128, ShardOf{});
@@ -347,18 +359,10 @@ TEST(Planner, EachProductRunsAtTheRateOfItsSize) {
 // included), so a curve that punishes small products prices them slower; their memory traffic
 // adds the tiles' residual adds and the stacks that pass (normed input, running sum) on.
 TEST(Planner, BlockTilesRunTheBlocksFlopsInSmallerProducts) {
-  GpuSpec g;
-  g.peak_flops = 100e12;
-  g.matmul_efficiency = {{1e6, 0.1}, {1e12, 1.0}};
-  g.memory_bandwidth = 1e12;
+  const GpuSpec g = small_products_slow();
   for (const char* preset : {"gpt2", "llama-1b"}) {
     const bool gpt2 = std::string(preset) == "gpt2";
-    models::ModelConfig m = models::preset(preset);
-    m.hidden = 512;
-    m.heads = 8;
-    m.kv_heads = gpt2 ? 8 : 4;
-    m.head_dim = 64;
-    m.intermediate = 1376;
+    const models::ModelConfig m = block_512(preset);
     const Work whole = block_forward(m, 4, 128, ShardOf{});
     ShardOf cut;
     cut.attention_tiles = 3;  // 8 (or 4) key/value heads: 3 + 3 + 2 (2 + 1 + 1)
