@@ -8,7 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "strata/engine/device.h"
+#include "strata/engine/bytes.h"
 #include "strata/offload/object_store.h"
 
 namespace strata::engine {

@@ -14,12 +14,14 @@
 // completed (retired on later calls), never released from a host function: freeing device
 // memory is a CUDA call, which host functions may not make.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <deque>
 #include <exception>
 #include <mutex>
@@ -109,6 +111,19 @@ class CudaDevice final : public Device {
     cudaDeviceProp p{};
     cudaGetDeviceProperties(&p, index_);
     return std::string("CUDA device ") + std::to_string(index_) + " (" + p.name + ")";
+  }
+  bool pins_host() const override { return true; }
+  at::Tensor host_state(uint64_t numel, at::ScalarType t, const std::string& what) const override {
+    const uint64_t bytes = numel * c10::elementSize(t);
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, std::max<uint64_t>(1, bytes), cudaHostAllocDefault) != cudaSuccess)
+      throw std::runtime_error("cannot pin " + format_bytes(bytes) + " of host memory for " + what + ": " +
+                               cudaGetErrorString(cudaGetLastError()));
+    return at::from_blob(p, {int64_t(numel)}, [](void* q) { cudaFreeHost(q); },
+                         at::TensorOptions().dtype(t).pinned_memory(true));
+  }
+  at::Tensor upload(const at::Tensor& t) const override {
+    return t.is_cpu() ? t.pin_memory().to(torch_device(), /*non_blocking=*/true) : t.to(torch_device());
   }
   Stream& compute_stream() override { return compute_; }
   Stream& h2d_stream() override { return h2d_; }

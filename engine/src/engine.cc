@@ -105,13 +105,12 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
 }
 
 Engine::Counters Engine::counters() const {
-  return {impl_->step, impl_->loss_scale, impl_->good_steps};
+  return {impl_->step, impl_->loss_scaler.scale(), impl_->loss_scaler.good_steps()};
 }
 
 void Engine::set_counters(const Counters& c) {
   impl_->step = c.step;
-  impl_->loss_scale = c.loss_scale;
-  impl_->good_steps = c.good_steps;
+  impl_->loss_scaler.restore(c.loss_scale, c.good_steps);
 }
 
 at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
@@ -207,7 +206,7 @@ void Engine::refresh_compute_copies() {
 }
 
 const plan::MemoryModel& Engine::memory_model() const { return *impl_->memory; }
-const plan::Choices& Engine::working_set_choices() const { return impl_->choice; }
+const plan::Choices& Engine::working_set_choices() const { return impl_->choice(); }
 uint64_t Engine::device_state_bytes() const { return impl_->base_bytes; }
 const Partition& Engine::partition() const { return *impl_->partition; }
 const models::ModelConfig& Engine::model_config() const { return impl_->model->config(); }

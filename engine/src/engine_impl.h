@@ -41,7 +41,7 @@
 #include <unordered_map>
 
 #include "strata/engine/placement.h"
-#include "resolve.h"
+#include "strata/engine/plan/resolve.h"
 #include "strata/engine/plan/memory_model.h"
 #include "strata/tiling/linear_cross_entropy.h"
 #include "strata/engine/plan/schedule.h"
@@ -51,16 +51,17 @@
 #include "runtime/activation_store.h"
 #include "runtime/coordinator.h"
 #include "runtime/gradient_reducer.h"
+#include "runtime/loss_scaler.h"
 #include "runtime/optimizer.h"
 #include "runtime/updater.h"
-#include "runtime/profiler.h"
+#include "profiler.h"
 #include "state/chunk_ring.h"
 #include "state/host_memory.h"
 #include "state/state_store.h"
 
 namespace strata::engine {
 
-using runtime::Profiler;
+
 
 inline at::ScalarType scalar_type(Precision p) {
   switch (p) {
@@ -92,14 +93,14 @@ struct Engine::Impl {
   std::vector<models::Stage*> stages;
   std::unique_ptr<Partition> partition;
   at::ScalarType cdt;
-  // The schedule, the one memory model of the working set, and the choices it was evaluated
-  // with (resolved at construction, fixed afterwards).
-  std::unique_ptr<plan::Schedule> schedule;
-  std::unique_ptr<plan::MemoryModel> memory;
-  plan::Choices choice;
-  uint64_t head_tiles = 1;  // the head's logits tiles asked for (memory->sizes().logits is the cut)
-  models::LayerTiling tiles;  // how the blocks and the vocabulary are cut into tile stages (resolve_tiles)
-  int64_t mlp_chunk = 0;      // the MLPs run over chunks of this many tokens, 0: whole (resolve_mlp_token_chunk)
+  // The resolution (plan/resolve.h), immutable once made: the layout (the cut, the units, the
+  // schedule, the one memory model of the working set, the placement) before the state is
+  // allocated, and the working set's choices after. `schedule` and `memory` point into the layout.
+  std::unique_ptr<const Layout> layout;
+  std::unique_ptr<const WorkingSetPlan> working;
+  const plan::Schedule* schedule = nullptr;
+  const plan::MemoryModel* memory = nullptr;
+  const plan::Choices& choice() const { return working->choice; }
   std::vector<std::string> stage_names;  // by stage (a unit is named after the stage owning it)
   std::vector<size_t> unit_stage;        // by unit: the stage that owns it
   const std::vector<size_t>& stage_units(size_t s) const { return schedule->units_of(s); }
@@ -107,9 +108,8 @@ struct Engine::Impl {
   uint64_t base_bytes = 0;  // device-placed state, allocated at construction
   bool broken = false;      // a step failed half way: the state is undefined
   int64_t step = 0;
-  double loss_scale = 1.0;
+  runtime::LossScaler loss_scaler{cfg.compute == Precision::kFp16, cfg.initial_loss_scale, cfg.loss_scale_window};
   double lr = cfg.lr;  // set_learning_rate
-  int64_t good_steps = 0;
   kernels::CpuExec exec;
   // NVMe tier (when any kind is placed there): this rank's swap files through the I/O engine.
   std::unique_ptr<offload::IoEngine> io;
@@ -180,10 +180,26 @@ struct Engine::Impl {
     Device::Reservation res;
   };
   std::vector<KeptGraph> kept_graphs;  // by stage, for the micro-batch in flight
-  bool kept(size_t s) const { return memory->keeps_graph(s, choice); }
-  bool checkpointed(size_t s) const { return memory->checkpointed(s, choice); }
-  // Resolves placement.activations (resolve_activations), opens
-  // the swap slots of NVMe-placed checkpoints, and adds the placement to the report.
+  bool kept(size_t s) const { return memory->keeps_graph(s, choice()); }
+  bool checkpointed(size_t s) const { return memory->checkpointed(s, choice()); }
+
+  // --- construction (construct.cc) -------------------------------------------------------------
+  // The model's units: the partition of the tensors each stage owns (checked against the
+  // layout's units), each stage's parameters for the reducer, and each unit's module tensors.
+  struct ModelUnits {
+    std::vector<std::vector<runtime::GradientReducer::ParamRef>> stage_params;  // by stage
+    std::vector<std::vector<at::Tensor>> owned;                                // by unit
+  };
+  ModelUnits build_units();
+  // Each unit's shard of the initial weights into the state store, unit by unit; the model's
+  // copy of each goes as soon as its unit is placed.
+  void allocate_state(std::vector<std::vector<at::Tensor>>& owned, bool grads_transient);
+  // The updater and the gradient reducer over the allocated state.
+  void build_update_parts(std::vector<std::vector<runtime::GradientReducer::ParamRef>> stage_params,
+                          bool grads_transient);
+  // The parameter coordinator over the resolved working set, holding the units' module tensors.
+  void build_gathering(std::vector<std::vector<at::Tensor>> owned);
+  // The activation store where the checkpoints were placed (opening the swap space for NVMe).
   void place_activations();
 
   void open_swap();
@@ -303,7 +319,6 @@ struct Engine::Impl {
   StepResult reduce_norm_and_loss(const Pass& pass, std::chrono::steady_clock::time_point t0);
   StepResult skipped_step(std::chrono::steady_clock::time_point t0);
   void apply_update(const Pass& pass, const StepResult& r);
-  void update_loss_scale(bool skipped);
 
   // --- streaming through host buffers (NVMe placement) ----------------------------------------
 
@@ -326,7 +341,6 @@ struct Engine::Impl {
 
   // --- the update on its own thread (optimizer.overlap; runtime/updater.h) ---------------------
   std::unique_ptr<runtime::Updater> updater;
-  size_t transient_limit = 2;    // their number: the multi-use units' held ones plus two
 
   bool overlaps_update() const {
     // Not with device-resident master weights: the CUDA step is already asynchronous.
@@ -345,9 +359,6 @@ struct Engine::Impl {
   // The overlapped update's part on the device (a split optimizer group's first units), on the
   // training thread: one launch on the compute stream, counted as exposed optimizer time.
   void update_device_units(const kernels::AdamConfig& ac, std::vector<double>* sumsq = nullptr);
-  // "backward", after the last micro-batch reduced `stage`'s gradients: the units whose last use
-  // that was are final once the d2h stream gets past their accumulation (or swap write).
-  void signal_final_gradients(size_t stage);
   void wait_updated(size_t u) { updater->wait_updated(u); }
   void finish_update() {
     if (updater) updater->finish();

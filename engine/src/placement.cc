@@ -6,9 +6,31 @@
 #include <fstream>
 #include <stdexcept>
 
-#include "strata/engine/device.h"
+#include "strata/engine/bytes.h"
 
 namespace strata::engine {
+
+namespace state {
+
+const char* kind_name(int kind) {
+  static const char* const names[kKinds] = {"master", "exp_avg", "exp_avg_sq", "grad", "compute"};
+  if (kind < 0 || kind >= kKinds) throw std::out_of_range("unknown state kind " + std::to_string(kind));
+  return names[kind];
+}
+
+Placement kind_tier(const PlacementPlan& plan, int k) {
+  switch (k) {
+    case kMaster: return plan.master;
+    case kExpAvg:
+    case kExpAvgSq: return plan.moments;
+    case kGrad: return plan.grads;
+    case kCompute: return plan.params;
+  }
+  throw std::out_of_range("unknown state kind " + std::to_string(k));
+}
+
+}  // namespace state
+
 namespace {
 
 constexpr Placement kAuto = Placement::kAuto;

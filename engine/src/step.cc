@@ -44,8 +44,7 @@ void Engine::Impl::fail_step() {
 // loss read per micro-batch would each block the host until the device caught up.
 at::Tensor Engine::Impl::to_device(const at::Tensor& t) {
   if (!t.defined()) return t;
-  return dev.torch_device().is_cuda() && t.is_cpu() ? t.pin_memory().to(dev.torch_device(), /*non_blocking=*/true)
-                                                    : t.to(dev.torch_device());
+  return dev.upload(t);
 }
 
 at::Tensor Engine::Impl::head_loss(const at::Tensor& x, const MicroBatch& mb, bool masked, double upstream) const {
@@ -129,8 +128,8 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
   const size_t n = stages.size();
   Pass pass;
   pass.total = uses().size() * size_t(A);
-  pass.denom = loss_scale * double(A) * comm.world_size();  // the gradients' sum over the global batch
-  pass.head_scale = loss_scale;
+  pass.denom = loss_scaler.scale() * double(A) * comm.world_size();  // the gradients' sum over the global batch
+  pass.head_scale = loss_scaler.scale();
   pass.masked = loss_mask.defined();
   if (pass.masked) {
     // The mean is over the whole global batch's counted targets: their number first. The head
@@ -140,8 +139,8 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
     comm.all_reduce(count, ReduceOp::kSum);
     pass.loss_tokens = count.item<double>();
     if (pass.loss_tokens == 0) return skipped_step(t0);  // nothing to learn from: no update
-    pass.head_scale = loss_scale / pass.loss_tokens;
-    pass.denom = loss_scale;
+    pass.head_scale = loss_scaler.scale() / pass.loss_tokens;
+    pass.denom = loss_scaler.scale();
   }
   pass.in_backward = updates_in_backward();
   const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(loss_mask);
@@ -157,7 +156,7 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
     // "backward" overlap: the update starts with the last micro-batch's backward.
     if (pass.in_backward && mb.last) updater->launch_in_backward(adam_config(1.0 / pass.denom), hold_wait());
     head_use(pass, mb);
-    if (choice.activations != Placement::kDevice) {
+    if (choice().activations != Placement::kDevice) {
       // The forward's inputs stay alive in the copy queue beyond their reservations until
       // copied down: that ends here.
       auto t = prof.time(prof.step.wait_activations, "wait activations");
@@ -176,7 +175,7 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
   StepResult r = reduce_norm_and_loss(pass, t0);
   apply_update(pass, r);
   reducer->end_step();
-  update_loss_scale(r.skipped);
+  loss_scaler.update(r.skipped);
   r.step = step;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.tokens = uint64_t(A * cfg.micro_batch * cfg.seq_len) * uint64_t(comm.world_size());
@@ -268,7 +267,7 @@ void Engine::Impl::head_use(Pass& pass, MicroBatch& mb) {
   pass.loss_sum = pass.loss_sum.defined() ? pass.loss_sum + loss_d : loss_d;
   mb.x = at::Tensor();
   reducer->reduce(head);
-  if (pass.in_backward && mb.last) signal_final_gradients(head);
+  if (pass.in_backward && mb.last) reducer->hand_final_gradients(head, *updater);
   params->release_after(k, pass.total);
 }
 
@@ -283,7 +282,7 @@ void Engine::Impl::backward_use(Pass& pass, MicroBatch& mb, size_t s) {
     vocab_head_backward(mb, s);
     compute_span("backward " + stage_names[s], mark);
     reducer->reduce(s);
-    if (pass.in_backward && mb.last) signal_final_gradients(s);
+    if (pass.in_backward && mb.last) reducer->hand_final_gradients(s, *updater);
     params->release_after(k, pass.total);
     return;
   }
@@ -321,7 +320,7 @@ void Engine::Impl::backward_use(Pass& pass, MicroBatch& mb, size_t s) {
     else if (s == 0) mb.dy = at::Tensor();
   }
   reducer->reduce(s);
-  if (pass.in_backward && mb.last) signal_final_gradients(s);
+  if (pass.in_backward && mb.last) reducer->hand_final_gradients(s, *updater);
   params->release_after(k, pass.total);
 }
 
@@ -342,7 +341,7 @@ StepResult Engine::Impl::skipped_step(std::chrono::steady_clock::time_point t0) 
   r.step = step;
   r.loss = std::numeric_limits<double>::quiet_NaN();
   r.skipped = true;
-  r.loss_scale = loss_scale;
+  r.loss_scale = loss_scaler.scale();
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.tokens = uint64_t(cfg.grad_accum * cfg.micro_batch * cfg.seq_len) * uint64_t(comm.world_size());
   r.loss_tokens = 0;
@@ -416,7 +415,7 @@ StepResult Engine::Impl::reduce_norm_and_loss(const Pass& pass, std::chrono::ste
   r.grad_norm = std::sqrt(red[0].item<double>()) / pass.denom;
   if (cfg.prefetch_auto)
     params->set_depth(prefetch_tuner.next(red[2].item<double>() / std::max(red[3].item<double>(), 1e-9)));
-  r.loss_scale = loss_scale;
+  r.loss_scale = loss_scaler.scale();
   r.skipped = !std::isfinite(r.grad_norm);
   return r;
 }
@@ -451,18 +450,6 @@ void Engine::Impl::apply_update(const Pass& pass, const StepResult& r) {
   ++step;
 }
 
-// fp16: halve the scale on an overflow, double it after loss_scale_window good steps.
-void Engine::Impl::update_loss_scale(bool skipped) {
-  if (cfg.compute != Precision::kFp16) return;
-  if (skipped) {
-    loss_scale = std::max(1.0, loss_scale / 2);
-    good_steps = 0;
-  } else if (++good_steps >= cfg.loss_scale_window) {
-    loss_scale *= 2;
-    good_steps = 0;
-  }
-}
-
 void Engine::Impl::optimizer_step(const kernels::AdamConfig& ac) {
   optimizer->update_on_device(ac, units_where(true), nullptr, [this](size_t u) { wait_released(hold, u); });
   const std::vector<size_t> rest = units_where(false);
@@ -482,13 +469,5 @@ void Engine::Impl::update_device_units(const kernels::AdamConfig& ac, std::vecto
   prof.step.optimizer_exposed += prof.step.optimizer - before;
 }
 
-void Engine::Impl::signal_final_gradients(size_t stage) {
-  for (size_t u : stage_units(stage)) {
-    if (schedule->last_use_stage(u) != stage) continue;
-    dev.launch_host(dev.d2h_stream(), [this, u] {
-      updater->mark_final(u, placement(u, kGrad) == Placement::kNvme ? reducer->last_write(u) : offload::IoFuture());
-    });
-  }
-}
 
 }  // namespace strata::engine

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "runtime/coordinator.h"
-#include "runtime/profiler.h"
+#include "profiler.h"
 #include "state/host_memory.h"
 #include "state/state_store.h"
 #include "strata/engine/comm.h"

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "runtime/gradient_reducer.h"
-#include "runtime/profiler.h"
+#include "profiler.h"
 #include "state/host_memory.h"
 #include "state/state_store.h"
 #include "strata/engine/comm.h"
@@ -152,8 +152,6 @@ struct Bench {
   std::unique_ptr<state::StateStore> store;
   std::vector<std::vector<at::Tensor>> params;  // unit u's tensors, in the unit's order
   std::vector<at::Tensor> want;                 // the step's accumulated contributions so far, by unit
-  std::vector<size_t> lent;                     // units passed to `lend`, in order
-  std::vector<at::Tensor> lent_buffers;         // what `lend` gives unit u (transient gradients)
   std::unique_ptr<GradientReducer> reducer;     // last: goes first
 
   // `backend`: the tests that hold writes use the thread pool, whose completions do not queue
@@ -176,16 +174,15 @@ struct Bench {
       std::vector<at::Tensor> ts;
       for (const TensorSpec& s : kUnits[u].second) ts.push_back(at::zeros(s.shape).requires_grad_(true));
       params.push_back(ts);
-      lent_buffers.push_back(state::HostMemory::unpinned(uint64_t(n), at::kFloat).fill_(std::nan("")));
     }
     for (size_t s = 0; s < 4; ++s)
       for (size_t u : schedule.units_of(s))
         for (size_t i = 0; i < params[u].size(); ++i) stage_params[s].push_back({params[u][i], u, i});
+    // Transient gradients: a pool of a buffer per unit (no update gives one back here).
+    uint64_t largest = 0;
+    for (const UnitLayout& L : partition.units()) largest = std::max(largest, L.shard_numel);
     reducer = std::make_unique<GradientReducer>(schedule, partition, *store, host, *device, comm, prof, bf16,
-                                                std::move(stage_params), [this](size_t u) {
-                                                  lent.push_back(u);
-                                                  store->tensor(u, kGrad) = lent_buffers[u];
-                                                });
+                                                std::move(stage_params), plan.grads_transient ? 4 : 0, largest);
   }
   ~Bench() { gate->release(); }  // a test that failed holding writes must not hang the reducer's end
 
@@ -382,35 +379,84 @@ TEST(GradientReducer, EveryUnitAStageUsesIsReducedWithOrWithoutLocalGradients) {
   }
 }
 
-TEST(GradientReducer, TransientGradientsBorrowABufferOncePerUnitAndStepAtTheirFirstReduce) {
+TEST(GradientReducer, TransientGradientsTakeABufferFromItsPoolOncePerUnitAndStepAtTheirFirstReduce) {
   PlacementPlan plan = grads_in(Placement::kHost);
   plan.grads_transient = true;
   Bench b(plan);
+  GradientBuffers* pool = b.reducer->gradient_buffers();
+  ASSERT_NE(pool, nullptr) << "the reducer owns the transient gradients' pool";
+  EXPECT_EQ(pool->size(), 4u);
   for (size_t u = 0; u < 4; ++u) ASSERT_FALSE(b.store->tensor(u, kGrad).defined()) << "no accumulator of its own";
+  // NaN in the buffers first: a first reduce must overwrite its buffer, not add to it.
+  for (size_t u = 0; u < 4; ++u) {
+    pool->take(u);
+    b.store->tensor(u, kGrad).fill_(std::nan(""));
+  }
+  for (size_t u = 0; u < 4; ++u) pool->release(u);
   for (int step = 0; step < 2; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
-    b.lent.clear();
-    // Backward order: the head's stage lends to the head and the tied embedding, whose own stage
-    // later adds to the buffer it already has.
-    const std::vector<std::vector<size_t>> lent_by_stage = {{0, 3}, {2}, {1}, {}};
+    // Backward order: the head's stage takes buffers for the head and the tied embedding, whose
+    // own stage later adds to the buffer it already has.
+    const std::vector<std::vector<size_t>> taken_by_stage = {{0, 3}, {2}, {1}, {}};
+    std::vector<at::Tensor> held(4);
     for (size_t k = 0; k < 4; ++k) {
-      const size_t before = b.lent.size();
       b.reduce(kBackward[k]);
-      std::vector<size_t> now(b.lent.begin() + long(before), b.lent.end());
-      std::sort(now.begin(), now.end());
-      EXPECT_EQ(now, lent_by_stage[k]) << "lent at stage " << kBackward[k];
+      std::vector<size_t> now;
+      for (size_t u = 0; u < 4; ++u) {
+        const at::Tensor& g = b.store->tensor(u, kGrad);
+        if (!g.defined()) continue;
+        if (!held[u].defined()) {
+          now.push_back(u);
+          held[u] = g;
+        } else {
+          EXPECT_TRUE(g.is_same(held[u])) << "unit " << u << " took a second buffer";
+        }
+      }
+      EXPECT_EQ(now, taken_by_stage[k]) << "taken at stage " << kBackward[k];
     }
-    EXPECT_EQ(b.lent.size(), 4u) << "once per unit";
     b.sync();
-    for (size_t u = 0; u < 4; ++u) {
-      // The lent buffer (NaN the first time, the last step's gradient the second) received the
-      // step's gradient, both stages' for the tied unit.
-      EXPECT_TRUE(b.store->tensor(u, kGrad).is_same(b.lent_buffers[u]));
-      EXPECT_TRUE(at::equal(b.lent_buffers[u], b.want[u])) << "unit " << u;
+    // Each buffer (NaN the first time, another unit's last gradient the second) received the
+    // step's gradient, both stages' for the tied unit.
+    for (size_t u = 0; u < 4; ++u) EXPECT_TRUE(at::equal(b.store->tensor(u, kGrad), b.want[u])) << "unit " << u;
+    // The updater's part: each buffer goes back once its update has read it, in another order.
+    for (size_t u : {2, 0, 3, 1}) {
+      pool->release(u);
+      EXPECT_FALSE(b.store->tensor(u, kGrad).defined());
     }
-    // The updater's part: each buffer goes back once its update has read it.
-    for (size_t u = 0; u < 4; ++u) b.store->tensor(u, kGrad) = at::Tensor();
     b.end_step();
+  }
+}
+
+// The updater's one call: after a stage's reduce, each unit whose last use that stage is reaches
+// the sink once its gradient is final (after its accumulation, and for swap gradients with its
+// last write); the tied embedding only after its own stage, not the head's.
+TEST(GradientReducer, HandsEachUnitsFinalGradientOnAfterItsLastUse) {
+  struct Sink final : FinalGradientSink {
+    std::mutex mu;
+    std::vector<std::pair<size_t, bool>> got;  // (unit, with a write to wait for)
+    void mark_final(size_t u, offload::IoFuture written) override {
+      std::lock_guard<std::mutex> lock(mu);
+      got.emplace_back(u, written.valid());
+    }
+  };
+  for (Placement p : {Placement::kHost, Placement::kNvme}) {
+    SCOPED_TRACE(to_string(p));
+    Bench b(grads_in(p));
+    Sink sink;
+    const std::vector<std::vector<size_t>> final_at = {{3}, {2}, {1}, {0}};  // the head's stage uses unit 0 too
+    for (size_t k = 0; k < 4; ++k) {
+      b.reduce(kBackward[k]);
+      b.reducer->hand_final_gradients(kBackward[k], sink);
+      b.sync();
+      b.reducer->finish_writes();  // so that the accumulator can be read back below
+      std::lock_guard<std::mutex> lock(sink.mu);
+      ASSERT_EQ(sink.got.size(), k + 1) << "after stage " << kBackward[k];
+      EXPECT_EQ(sink.got.back().first, final_at[k][0]);
+      EXPECT_EQ(sink.got.back().second, p == Placement::kNvme) << "swap gradients come with their last write";
+      // Final means accumulated: the accumulator holds the unit's whole gradient by now.
+      EXPECT_TRUE(at::equal(b.accumulator(sink.got.back().first), b.want[sink.got.back().first]));
+    }
+    b.reducer->finish_writes();
   }
 }
 

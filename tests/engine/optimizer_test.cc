@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "runtime/optimizer.h"
-#include "runtime/profiler.h"
+#include "profiler.h"
 #include "state/host_memory.h"
 #include "state/state_store.h"
 #include "strata/engine/device.h"

@@ -3,6 +3,8 @@
 // tier, head tiles and device-placed bytes, and the same partition sizes at other world sizes.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -162,6 +164,118 @@ TEST(PredictState, PartitionsLikeTheEngineAtAnyWorldSize) {
       }
     }
   }
+}
+
+// One resolution: for random configurations (placements, recompute, checkpoints, tiles, the head's
+// pass, MLP token chunks, overlap, prefetch, precision, budgets from roomy to tight), an engine
+// built on the host device and predict_state decide alike: the effective configuration, the
+// device-placed state, the working set, the prefetch window and the placement line; where one
+// refuses the configuration, so does the other. The seed is printed; STRATA_SEED replays one.
+TEST(PredictState, RandomConfigurationsResolveAsTheEngineDoes) {
+  const char* env = std::getenv("STRATA_SEED");
+  const uint32_t seed = env ? uint32_t(std::strtoul(env, nullptr, 10)) : std::random_device{}();
+  std::cout << "  seed " << seed << "\n";
+  std::mt19937 rng(seed);
+  const auto pick = [&](const std::vector<json>& xs) { return xs[std::uniform_int_distribution<size_t>(0, xs.size() - 1)(rng)]; };
+  const auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
+  int built = 0, refused = 0, tries = 0;
+  while (built + refused < 20) {
+    ASSERT_LT(++tries, 400) << "too few valid configurations drawn";
+    TempDir swap;
+    const bool llama = chance(0.5);
+    json j = tiny_config(llama, pick({2, 3}).get<int64_t>());
+    if (llama && chance(0.5)) j["model"]["vocab_size"] = 1000;
+    j["data"]["seq_len"] = pick({16, 24, 32});
+    j["batch"]["micro_batch"] = pick({1, 2, 3});
+    j["batch"]["grad_accum"] = pick({1, 2});
+    const std::vector<json> tier = {"auto", "auto", "host", "device", "nvme"};
+    const json group = pick(tier);
+    j["placement"] = {{"params", pick(tier)}, {"grads", pick(tier)}, {"master", group}, {"moments", group},
+                      {"recompute", pick({"auto", "all", "none", 1})}, {"activations", pick({"auto", "host", "device"})}};
+    if (chance(0.6)) {
+      json tiling = json::object();
+      for (const char* k : {"head", "attention", "mlp", "vocab"})
+        if (chance(0.7)) tiling[k] = pick({"auto", "off", 2});
+      if (chance(0.3)) tiling["head_pass"] = pick({"one", "two"});
+      if (chance(0.3)) tiling["mlp_tokens"] = pick({"auto", "off", 16});
+      j["placement"]["tiling"] = chance(0.2) ? json("auto") : tiling;
+    }
+    j["optimizer"]["overlap"] = pick({"off", "forward", "backward"});
+    if (chance(0.3)) j["precision"] = {{"compute", "bf16"}, {"reduce", pick({"fp32", "bf16"})}};
+    j["device"] = {{"prefetch", pick({"auto", 1, 2})}};
+    j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+    se::TrainConfig tc;
+    try {
+      tc = se::parse_train_config(j.dump(), "random");
+    } catch (const std::invalid_argument&) {
+      continue;  // a combination the configuration refuses (e.g. nvme without a directory)
+    }
+    // Budgets: the whole state at world size 1 as the scale, the device beside the leanest
+    // working set (all state on the host), each from a sliver to roomy.
+    se::EngineConfig lean = tc.engine;
+    lean.params = lean.grads = lean.master = lean.moments = se::Placement::kHost;
+    const se::StatePrediction roomy = se::predict_state(tc.engine, tc.model, 1, kUnlimited);
+    const se::StatePrediction all_host = se::predict_state(lean, tc.model, 1, kUnlimited);
+    if (!roomy.fits || !all_host.fits) continue;
+    const double state = double(roomy.device_state + roomy.host_state + roomy.nvme_state);
+    const auto share = [&](double lo, double hi) { return uint64_t(state * std::uniform_real_distribution<double>(lo, hi)(rng)); };
+    j["offload"] = {{"host_budget", std::to_string(share(0.2, 3))}};
+    if (chance(0.6)) {
+      j["offload"]["nvme_dirs"] = {swap.path().string()};
+      j["offload"]["nvme_budget"] = std::to_string(share(0.5, 4));
+    }
+    try {
+      tc = se::parse_train_config(j.dump(), "random");
+    } catch (const std::invalid_argument&) {
+      continue;
+    }
+    const uint64_t device = chance(0.2) ? UINT64_MAX
+                                        : uint64_t(double(all_host.working_set) * std::uniform_real_distribution<double>(0.5, 1.2)(rng)) +
+                                              share(0, 1.2);
+    SCOPED_TRACE(j.dump() + " device " + std::to_string(device));
+    const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {device, 1ull << 50, 1ull << 50, 1});
+    auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+    auto dev = se::Device::create_host(device);
+    std::unique_ptr<se::Engine> eng;
+    std::string why;
+    try {
+      eng = std::make_unique<se::Engine>(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred),
+                                         tc.engine, *comm, *dev);
+    } catch (const std::invalid_argument& e) {
+      why = e.what();  // tile counts that do not cut the model
+    } catch (const std::logic_error& e) {
+      FAIL() << "the engine's construction broke: " << e.what();
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    ASSERT_EQ(p.fits, eng != nullptr) << "prediction: " << (p.fits ? "fits" : p.error) << "\nengine: " << why;
+    if (!eng) {
+      std::cout << "  refused by both: " << p.error << "\n";
+      ++refused;
+      continue;
+    }
+    ++built;
+    const se::EngineConfig& e = eng->config();
+    EXPECT_EQ(p.placement.params, e.params);
+    EXPECT_EQ(p.placement.grads, e.grads);
+    EXPECT_EQ(p.placement.master, e.master);
+    EXPECT_EQ(p.placement.moments, e.moments);
+    EXPECT_EQ(p.choice.activations, e.activations);
+    EXPECT_EQ(p.tiles.whole_blocks(p.choice.recomputed), size_t(e.recompute_blocks));
+    EXPECT_EQ(p.choice.recomputed, eng->working_set_choices().recomputed);
+    EXPECT_EQ(p.choice.prefetch, eng->working_set_choices().prefetch);
+    EXPECT_EQ(p.head_tiles, e.head_tiles);
+    EXPECT_EQ(p.head_one_pass, e.head_one_pass);
+    EXPECT_EQ(uint64_t(p.tiles.attention), e.attention_tiles);
+    EXPECT_EQ(uint64_t(p.tiles.mlp), e.mlp_tiles);
+    EXPECT_EQ(uint64_t(p.tiles.vocab), e.vocab_tiles);
+    EXPECT_EQ(p.mlp_token_chunk, e.mlp_token_chunk);
+    EXPECT_EQ(p.device_state, eng->device_state_bytes());
+    EXPECT_EQ(p.working_set, eng->memory_model().working_set(eng->working_set_choices()));
+    EXPECT_TRUE(eng->placement_report().starts_with(p.report)) << eng->placement_report() << "\n" << p.report;
+  }
+  std::cout << "  " << built << " built, " << refused << " refused by both, in " << tries << " draws\n";
+  EXPECT_GT(built, 0);
 }
 
 TEST(PredictState, SaysWhyItDoesNotFit) {

@@ -1,4 +1,4 @@
-// Resolution on its own (engine/src/resolve.h): placement, recompute and activation checkpoints
+// Resolution on its own (strata/engine/plan/resolve.h): placement, recompute and activation checkpoints
 // decided from a configuration, budgets and the memory model, with the ranks' agreement
 // simulated by a peer whose codes are known. Oracles: the planner's own plan for one rank alone,
 // the memory model's working set for the fit tests, and the element-wise maximum with the peer.
@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "resolve.h"
-#include "strata/engine/device.h"
+#include "strata/engine/bytes.h"
 #include "strata/engine/placement.h"
 #include "strata/engine/plan/memory_model.h"
+#include "strata/engine/plan/resolve.h"
 #include "strata/engine/plan/schedule.h"
 #include "strata/engine/plan/tiling.h"
 #include "strata/models/model_config.h"
@@ -249,12 +249,16 @@ TEST(EffectiveConfig, ShowsEveryResolvedChoiceAndKeepsTheRest) {
   cfg.activations = Placement::kAuto;
   cfg.recompute_blocks = EngineConfig::kRecomputeAuto;
   cfg.lr = 0.125;
-  Resolved r;
-  r.placement = {Placement::kDevice, Placement::kHost, Placement::kNvme, Placement::kNvme};
-  r.working_set.activations = Placement::kHost;
-  r.working_set.recomputed = 2;
-  r.mlp_token_chunk = 96;
-  const EngineConfig e = effective_config(cfg, r);
+  UnitPlan units;
+  units.stage_units = {{0}, {1}, {2}, {3}, {4, 0}};
+  units.unit_numel = units.padded_numel = units.shard_numel = Model().shards;
+  Layout layout(units, Model::sizes());
+  layout.placement = {Placement::kDevice, Placement::kHost, Placement::kNvme, Placement::kNvme};
+  layout.mlp_token_chunk = 96;
+  plan::Choices choice;
+  choice.activations = Placement::kHost;
+  choice.recomputed = 2;
+  const EngineConfig e = effective_config(cfg, layout, choice);
   EXPECT_EQ(e.mlp_token_chunk, 96);
   EXPECT_EQ(e.params, Placement::kDevice);
   EXPECT_EQ(e.grads, Placement::kHost);

@@ -7,7 +7,7 @@
 
 #include <memory>
 
-#include "runtime/profiler.h"
+#include "profiler.h"
 #include "state/host_memory.h"
 #include "state/state_store.h"
 #include "strata/engine/device.h"
@@ -29,7 +29,7 @@ struct StateFixture {
   state::HostMemory host;
   std::unique_ptr<offload::IoEngine> io = offload::IoEngine::create({});
   std::unique_ptr<offload::SwapSpace> swap;
-  runtime::Profiler prof;
+  Profiler prof;
   Partition partition;
   std::unique_ptr<state::StateStore> store;
 

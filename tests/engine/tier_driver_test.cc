@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/profiler.h"
+#include "profiler.h"
 #include "state/host_memory.h"
 #include "state/state_store.h"
 #include "state/tier.h"

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "runtime/optimizer.h"
-#include "runtime/profiler.h"
+#include "profiler.h"
 #include "runtime/updater.h"
 #include "state/host_memory.h"
 #include "state/state_store.h"
@@ -44,6 +44,7 @@ kernels::AdamConfig adam() {
 struct Bench : test::StateFixture {
   plan::Schedule schedule{{{0}, {1}, {2}, {3, 0}}, 4};
   std::unique_ptr<Optimizer> opt;
+  std::unique_ptr<GradientBuffers> buffers;  // transient gradients: the reducer's pool
   std::unique_ptr<Updater> updater;
   std::vector<at::Tensor> grads;
   explicit Bench(const PlacementPlan& plan, size_t pool = 0)
@@ -54,7 +55,8 @@ struct Bench : test::StateFixture {
     opt = std::make_unique<Optimizer>(*store, host, *device, kernels::CpuExec{}, 16 << 10);
     uint64_t largest = 0;
     for (const UnitLayout& L : partition.units()) largest = std::max(largest, L.shard_numel);
-    updater = std::make_unique<Updater>(*opt, *store, schedule, partition, *device, prof, host, pool, largest);
+    if (pool) buffers = std::make_unique<GradientBuffers>(*store, partition, *device, prof, host, pool, largest);
+    updater = std::make_unique<Updater>(*opt, *store, schedule, partition, *device, prof, buffers.get());
     at::manual_seed(31);
     for (size_t u = 0; u < 4; ++u) {
       const int64_t n = int64_t(partition.unit(u).shard_numel);
@@ -160,7 +162,7 @@ TEST(Updater, ABorrowerOfATransientGradientBufferWaitsUntilTheUpdaterFreesOne) {
   b.updater->launch_in_backward(adam(), [](size_t) {});
   // The reducer's part: borrow a buffer, accumulate the gradient into it.
   const auto reduce = [&](size_t u) {
-    b.updater->take_gradient_buffer(u);
+    b.buffers->take(u);
     b.store->tensor(u, kGrad).copy_(b.grads[u]);
   };
   // The backward's order: head, block 1, block 0, embedding.
@@ -184,6 +186,35 @@ TEST(Updater, ABorrowerOfATransientGradientBufferWaitsUntilTheUpdaterFreesOne) {
   for (size_t u = 0; u < 4; ++u) EXPECT_FALSE(b.store->tensor(u, kGrad).defined()) << "unit " << u << "'s buffer went back";
   // Every unit updated with its own gradient: the serial numbers.
   expect_same(b.all(kMaster), serial(kHostPlan, kMaster), "master");
+}
+
+// An update that fails frees no more buffers: a borrower waiting for one gets its error instead of
+// hanging, and the next update lends again.
+TEST(Updater, AFailedUpdateStopsABorrowerWaitingForATransientGradientBuffer) {
+  PlacementPlan plan = kHostPlan;
+  plan.grads_transient = true;
+  Bench b(plan, /*pool=*/1);
+  b.updater->launch_in_backward(adam(), [](size_t) {});
+  b.buffers->take(3);
+  std::atomic<int> outcome{0};  // 1: got a buffer, 2: threw
+  std::thread borrower([&] {
+    try {
+      b.buffers->take(2);
+      outcome = 1;
+    } catch (const std::runtime_error&) {
+      outcome = 2;
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(outcome.load(), 0) << "a second buffer out of a pool of one";
+  b.updater->abort();  // the updater, waiting for gradients, stops with an error
+  borrower.join();
+  EXPECT_EQ(outcome.load(), 2) << "the waiting borrower was not told the update failed";
+  b.buffers->release(3);
+  b.updater->launch_in_backward(adam(), [](size_t) {});
+  b.buffers->take(3);  // lends again
+  EXPECT_TRUE(b.store->tensor(3, kGrad).defined());
+  b.updater->abort();
 }
 
 }  // namespace

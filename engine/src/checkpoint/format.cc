@@ -1,5 +1,6 @@
 // The checkpoint format (format.h) and what reads it without an engine: verify, describe, latest.
 #include "checkpoint/format.h"
+#include "strata/engine/device.h"
 
 #include <ATen/ops/from_blob.h>
 #include <fcntl.h>
@@ -181,10 +182,8 @@ std::map<std::string, std::vector<int64_t>> whole_tensors(const std::vector<Mani
 }
 
 at::Tensor aligned_floats(int64_t n) {
-  const size_t bytes = (size_t(std::max<int64_t>(n, 1)) * 4 + kAlign - 1) / kAlign * kAlign;
-  void* p = std::aligned_alloc(kAlign, bytes);
-  if (!p) throw std::bad_alloc();
-  return at::from_blob(p, {n}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kFloat));
+  static_assert(kAlign == 4096, "Device::unpinned_host aligns to 4 KiB");
+  return Device::unpinned_host(uint64_t(n), at::kFloat);
 }
 
 bool is_object_location(const fs::path& location) { return offload::is_object_store_url(location.string()); }

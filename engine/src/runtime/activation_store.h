@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/profiler.h"
+#include "profiler.h"
 #include "state/host_memory.h"
 #include "strata/engine/config.h"
 #include "strata/engine/device.h"

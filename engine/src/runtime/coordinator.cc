@@ -105,8 +105,12 @@ void ParameterCoordinator::bind(size_t u) {
 void ParameterCoordinator::release(size_t u) {
   auto it = live_.find(u);
   if (it != live_.end() && !it->second.bound) wait_gathered(it->second);
-  for (at::Tensor& t : tensors_.at(u)) t.set_data(at::empty({0}, at::TensorOptions().dtype(cdt_).device(dev_.torch_device())));
+  drop_storage(tensors_.at(u), cdt_, dev_);
   if (it != live_.end()) live_.erase(it);
+}
+
+void ParameterCoordinator::drop_storage(std::vector<at::Tensor>& tensors, at::ScalarType dtype, Device& device) {
+  for (at::Tensor& t : tensors) t.set_data(at::empty({0}, at::TensorOptions().dtype(dtype).device(device.torch_device())));
 }
 
 void ParameterCoordinator::acquire(size_t k) {

@@ -30,7 +30,7 @@
 #include <set>
 #include <vector>
 
-#include "runtime/profiler.h"
+#include "profiler.h"
 #include "state/host_memory.h"
 #include "state/state_store.h"
 #include "strata/engine/comm.h"
@@ -52,6 +52,9 @@ class ParameterCoordinator {
   // Takes unit u's module tensors (slot order) and frees their storage: they hold data only while
   // the unit is gathered.
   void adopt(size_t u, std::vector<at::Tensor> tensors);
+  // Frees the storage of `tensors` (each becomes an empty tensor of `dtype` on `device`), as
+  // adopt and release do: the model's copy of a unit can go before the coordinator exists.
+  static void drop_storage(std::vector<at::Tensor>& tensors, at::ScalarType dtype, Device& device);
   // Device bytes of the state placed there (the rest of the budget is the working set's).
   void set_device_state_bytes(uint64_t bytes) { base_bytes_ = bytes; }
 

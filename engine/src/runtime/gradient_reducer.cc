@@ -13,15 +13,31 @@ using state::kGrad;
 GradientReducer::GradientReducer(const plan::Schedule& schedule, const Partition& partition,
                                  state::StateStore& store, state::HostMemory& host, Device& device,
                                  Communicator& comm, Profiler& prof, bool reduce_bf16,
-                                 std::vector<std::vector<ParamRef>> stage_params, UnitFn lend)
+                                 std::vector<std::vector<ParamRef>> stage_params, size_t transient_buffers,
+                                 uint64_t buffer_numel)
     : schedule_(schedule), partition_(partition), store_(store), host_(host), dev_(device), comm_(comm), prof_(prof),
-      reduce_bf16_(reduce_bf16), stage_params_(std::move(stage_params)), lend_(std::move(lend)),
-      fresh_(partition.num_units(), 1), last_write_(partition.num_units()) {}
+      reduce_bf16_(reduce_bf16), stage_params_(std::move(stage_params)), fresh_(partition.num_units(), 1),
+      last_write_(partition.num_units()) {
+  if (store.plan().grads_transient) {
+    if (transient_buffers == 0)
+      throw std::invalid_argument("GradientReducer: transient gradients need at least one gradient buffer");
+    buffers_ = std::make_unique<GradientBuffers>(store, partition, device, prof, host, transient_buffers, buffer_numel);
+  }
+}
 
 GradientReducer::~GradientReducer() {
   try {
     finish_writes();
   } catch (...) {
+  }
+}
+
+void GradientReducer::hand_final_gradients(size_t stage, FinalGradientSink& sink) {
+  for (size_t u : schedule_.units_of(stage)) {
+    if (schedule_.last_use_stage(u) != stage) continue;
+    dev_.launch_host(dev_.d2h_stream(), [this, &sink, u] {
+      sink.mark_final(u, store_.placement(u, kGrad) == Placement::kNvme ? last_write(u) : offload::IoFuture());
+    });
   }
 }
 
@@ -111,7 +127,7 @@ void GradientReducer::reduce(size_t stage) {
     send = at::Tensor();  // the collective holds its buffers until it is done
     flat = at::Tensor();
     if (store_.plan().grads_transient && !store_.tensor(u, kGrad).defined()) {
-      lend_(u);
+      buffers_->take(u);
       fresh_[u] = 1;
     }
     at::Tensor acc = store_.tensor(u, kGrad);
@@ -122,7 +138,7 @@ void GradientReducer::reduce(size_t stage) {
     // waited for on the download stream, before its copy: the next stage's backward runs while
     // the ranks exchange (the collective's buffers stay counted on the device until then). Alone,
     // the reduce is the identity, done when issued.
-    if (where == Placement::kDevice || shard.is_cuda() || comm_.world_size() == 1) {
+    if (where == Placement::kDevice || !Communicator::wait_blocks_host(shard) || comm_.world_size() == 1) {
       auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &L.name);
       work->wait();
     } else {

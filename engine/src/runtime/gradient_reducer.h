@@ -20,8 +20,9 @@
 //           their writes, plus those of host functions still queued on the d2h stream, so a disk
 //           slower than the backward holds the backward back, not host memory.
 //
-// Transient gradients (the store's plan says so): a unit without an accumulator borrows one
-// (`lend(u)`, the updater's pool) at its first reduce of the step, which overwrites it.
+// Transient gradients (the store's plan says so): the reducer owns their pool of host buffers
+// (runtime/gradient_buffers.h); a unit without an accumulator takes one at its first reduce of
+// the step, which overwrites it, and the updater gives it back once the update has read it.
 //
 // Threads and ownership: the training thread calls every member. Whether a unit's next
 // contribution is its step's first (`fresh_`) is decided on the training thread when the
@@ -42,7 +43,8 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/profiler.h"
+#include "profiler.h"
+#include "runtime/gradient_buffers.h"
 #include "state/host_memory.h"
 #include "state/state_store.h"
 #include "strata/engine/comm.h"
@@ -52,6 +54,16 @@
 
 namespace strata::engine::runtime {
 
+// Who takes a unit's final gradient as soon as it is final (the updater during backward).
+// mark_final runs on the d2h stream's host functions.
+class FinalGradientSink {
+ public:
+  virtual ~FinalGradientSink() = default;
+  // Unit u's gradient is final: accumulated, and for swap-resident gradients submitted as
+  // `written` (its last swap write; an invalid future otherwise).
+  virtual void mark_final(size_t u, offload::IoFuture written) = 0;
+};
+
 class GradientReducer {
  public:
   // A stage's parameter tensor and where it lives in the partition.
@@ -60,20 +72,28 @@ class GradientReducer {
     size_t unit = 0;
     size_t slot = 0;
   };
-  using UnitFn = std::function<void(size_t)>;
   static constexpr size_t kMaxPendingWrites = 2;
   // CPU reduce-scatters waited for on the d2h stream and not yet done: before issuing another,
   // the training thread waits for the oldest while this many are in flight (counted as waiting
   // for gradients), which bounds the device and host buffers they hold.
   static constexpr size_t kMaxReducesInFlight = 2;
 
-  // `stage_params[s]`: every tensor stage s's module uses; `reduce_bf16`: reduce-scatter in bf16.
+  // `stage_params[s]`: every tensor stage s's module uses; `reduce_bf16`: reduce-scatter in bf16;
+  // `transient_buffers`: with transient gradients, how many host buffers of `buffer_numel` fp32
+  // elements the pool holds (allocated now from `host`; at least 1), else unused.
   GradientReducer(const plan::Schedule& schedule, const Partition& partition, state::StateStore& store,
                   state::HostMemory& host, Device& device, Communicator& comm, Profiler& prof, bool reduce_bf16,
-                  std::vector<std::vector<ParamRef>> stage_params, UnitFn lend);
+                  std::vector<std::vector<ParamRef>> stage_params, size_t transient_buffers = 0,
+                  uint64_t buffer_numel = 0);
   ~GradientReducer();  // waits for the swap writes in flight (their buffers go with it)
 
   void reduce(size_t stage);
+  // The transient gradients' pool (the updater gives buffers back to it), or null without them.
+  GradientBuffers* gradient_buffers() { return buffers_.get(); }
+  // After the step's last reduce(stage): each unit whose last use is `stage` goes to `sink` once
+  // its gradient is final (a host function on the d2h stream, after its accumulation or swap
+  // write). `sink` must outlive the d2h stream's work of the step.
+  void hand_final_gradients(size_t stage, FinalGradientSink& sink);
   // Unit u's last swap write submitted so far (invalid if none): from the d2h stream's host
   // functions, ordered after the unit's accumulation.
   offload::IoFuture last_write(size_t u);
@@ -97,7 +117,7 @@ class GradientReducer {
   Profiler& prof_;
   const bool reduce_bf16_;
   std::vector<std::vector<ParamRef>> stage_params_;
-  const UnitFn lend_;
+  std::unique_ptr<GradientBuffers> buffers_;  // transient gradients only
   std::vector<char> fresh_;  // training thread
   std::deque<std::shared_ptr<Event>> reduces_in_flight_;  // training thread: each one's d2h wait done
 

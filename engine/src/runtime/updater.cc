@@ -10,15 +10,9 @@ namespace strata::engine::runtime {
 using state::kGrad;
 
 Updater::Updater(Optimizer& optimizer, state::StateStore& store, const plan::Schedule& schedule,
-                 const Partition& partition, Device& device, Profiler& prof, state::HostMemory& host, size_t pool,
-                 uint64_t buffer_numel)
+                 const Partition& partition, Device& device, Profiler& prof, GradientBuffers* buffers)
     : opt_(optimizer), store_(store), schedule_(schedule), partition_(partition), dev_(device), prof_(prof),
-      units_(partition.num_units()) {
-  for (size_t i = 0; i < pool; ++i)
-    pool_.push_back(host.state(buffer_numel, at::kFloat, "gradient buffer " + std::to_string(i)));
-  pool_used_.assign(pool, 0);
-  pool_slot_.assign(units_, 0);
-}
+      units_(partition.num_units()), buffers_(buffers) {}
 
 Updater::~Updater() { abort(); }
 
@@ -32,6 +26,7 @@ void Updater::start(std::function<void(const UnitFn&)> work) {
     for (size_t u : opt_.units_where(true)) updated_[u] = 1;  // updated on the device, not here
     abort_ = false;
   }
+  if (buffers_) buffers_->reset();
   auto promise = std::make_shared<std::promise<void>>();
   over_ = promise->get_future().share();
   thread_ = std::thread([this, work = std::move(work), promise] {
@@ -69,6 +64,7 @@ void Updater::start(std::function<void(const UnitFn&)> work) {
         cv_.notify_all();
       });
     } catch (...) {
+      if (buffers_) buffers_->fail(std::current_exception());  // a take waiting for a buffer stops
       std::lock_guard<std::mutex> lock(mu_);
       error_ = std::current_exception();
       std::fill(updated_.begin(), updated_.end(), 1);  // nobody waits any longer
@@ -103,7 +99,7 @@ void Updater::launch_in_backward(const kernels::AdamConfig& ac, UnitFn before_wr
 
 void Updater::backward_work(const kernels::AdamConfig& ac, const UnitFn& before_write, const UnitFn& unit_done) {
   const UnitFn consumed = [&](size_t u) {
-    if (!pool_.empty()) release_gradient_buffer(u);
+    if (buffers_) buffers_->release(u);
   };
   bool grads_in_swap = false;
   for (size_t u = 0; u < units_; ++u) grads_in_swap |= store_.placement(u, kGrad) == Placement::kNvme;
@@ -219,30 +215,6 @@ void Updater::abort() {
     finish();
   } catch (...) {
   }
-}
-
-void Updater::take_gradient_buffer(size_t u) {
-  size_t slot = 0;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    const auto free_slot = [&] { return std::find(pool_used_.begin(), pool_used_.end(), 0) != pool_used_.end(); };
-    if (!free_slot()) {
-      auto t = prof_.time(prof_.step.wait_update, "wait update (gradient buffers)", &partition_.unit(u).name);
-      wait_while_d2h_runs(lock, [&] { return free_slot() || error_; });
-    }
-    if (!free_slot()) std::rethrow_exception(error_);  // a failed updater frees nothing more
-    slot = size_t(std::find(pool_used_.begin(), pool_used_.end(), 0) - pool_used_.begin());
-    pool_used_[slot] = 1;
-  }
-  pool_slot_.at(u) = slot;
-  store_.tensor(u, kGrad) = pool_[slot].narrow(0, 0, int64_t(partition_.unit(u).shard_numel));
-}
-
-void Updater::release_gradient_buffer(size_t u) {
-  store_.tensor(u, kGrad) = at::Tensor();
-  std::lock_guard<std::mutex> lock(mu_);
-  pool_used_.at(pool_slot_.at(u)) = 0;
-  cv_.notify_all();
 }
 
 }  // namespace strata::engine::runtime

@@ -17,13 +17,13 @@
 // The updater never issues collectives; the device's units (master on the device) are not its:
 // the engine updates them on the training thread.
 //
-// Transient gradients (gradients_transient): a unit's gradient lives in one of a fixed pool of
-// host buffers from its first reduce (take_gradient_buffer) until its update has read it
-// (released by the updater); a backward faster than the updater waits for a free buffer.
+// Transient gradients (gradients_transient): a unit's gradient lives in one of the gradient
+// reducer's buffers (runtime/gradient_buffers.h) from its first reduce until its update has read
+// it; the updater gives the buffer back then, and tells the pool when it fails.
 //
 // Threads and ownership: the training thread calls every member except mark_final (the d2h
 // stream's host functions). Under `mu_`: the per-unit flags (updated, final, their writes),
-// the pool's slots, the error and the abort flag. The updater thread owns update_seconds_ and
+// the error and the abort flag. The updater thread owns update_seconds_ and
 // the CPU units' entries of unit_sumsq_ while it runs; the training thread reads them only after
 // finish().
 // Errors: the updater's exception is rethrown by finish() (and by wait_updated, which finishes);
@@ -42,22 +42,24 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/gradient_buffers.h"
+#include "runtime/gradient_reducer.h"
 #include "runtime/optimizer.h"
-#include "runtime/profiler.h"
+#include "profiler.h"
 #include "state/state_store.h"
 #include "strata/engine/partition.h"
 #include "strata/engine/plan/schedule.h"
 
 namespace strata::engine::runtime {
 
-class Updater {
+class Updater final : public FinalGradientSink {
  public:
   using UnitFn = std::function<void(size_t)>;
-  // `pool`: with transient gradients, the number of host gradient buffers (each `buffer_numel`
-  // fp32 elements, allocated now from `host`); 0 otherwise.
+  // `buffers`: with transient gradients, the pool each unit's gradient goes back to once its
+  // update has read it (borrowed; it must outlive the updater); null otherwise.
   Updater(Optimizer& optimizer, state::StateStore& store, const plan::Schedule& schedule, const Partition& partition,
-          Device& device, Profiler& prof, state::HostMemory& host, size_t pool, uint64_t buffer_numel);
-  ~Updater();  // aborts and joins a running update
+          Device& device, Profiler& prof, GradientBuffers* buffers);
+  ~Updater() override;  // aborts and joins a running update
 
   // "forward": the CPU's units, in forward order. `before_write(u)` on the updater before u's
   // first write (a checkpoint's hold).
@@ -66,7 +68,7 @@ class Updater {
   void launch_in_backward(const kernels::AdamConfig& ac, UnitFn before_write);
   // From the d2h stream's host function: unit u's gradient is final (`written`: its last swap
   // write, or an invalid future).
-  void mark_final(size_t u, offload::IoFuture written);
+  void mark_final(size_t u, offload::IoFuture written) override;
 
   // "forward": blocks until u's update is done (no-op otherwise); rethrows the updater's error.
   void wait_updated(size_t u);
@@ -81,9 +83,6 @@ class Updater {
   // "backward": each unit's sum of squared gradients (for the norm), complete after finish().
   // The training thread adds the device's units' entries while the updater fills the others'.
   std::vector<double>& unit_sumsq() { return unit_sumsq_; }
-
-  void take_gradient_buffer(size_t u);
-  void release_gradient_buffer(size_t u);
 
  private:
   void start(std::function<void(const UnitFn&)> work);
@@ -114,9 +113,7 @@ class Updater {
   Profiler::Clock::time_point update_begin_;   // updater: when its current unit's work began
   std::vector<double> unit_sumsq_;
 
-  std::vector<at::Tensor> pool_;
-  std::vector<char> pool_used_;     // by slot, under mu_
-  std::vector<size_t> pool_slot_;   // by unit: its slot while it holds one
+  GradientBuffers* const buffers_;  // transient gradients' pool (borrowed), or null
 };
 
 }  // namespace strata::engine::runtime

@@ -25,7 +25,7 @@ namespace strata::engine::state {
 
 class HostMemory {
  public:
-  explicit HostMemory(const Device& device) : cuda_(device.torch_device().is_cuda()) {}
+  explicit HostMemory(const Device& device) : device_(device) {}
 
   at::TensorOptions options(at::ScalarType t) const;  // pinned on a GPU
   at::Tensor state(uint64_t numel, at::ScalarType t, const std::string& what);
@@ -34,7 +34,7 @@ class HostMemory {
   uint64_t state_bytes() const { return state_bytes_; }
 
  private:
-  bool cuda_;
+  const Device& device_;  // how it allocates (pinned or not): Device::pins_host, host_state
   uint64_t state_bytes_ = 0;
 };
 

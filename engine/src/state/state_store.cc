@@ -6,14 +6,8 @@
 
 namespace strata::engine::state {
 
-const char* kind_name(int kind) {
-  static const char* const names[kKinds] = {"master", "exp_avg", "exp_avg_sq", "grad", "compute"};
-  if (kind < 0 || kind >= kKinds) throw std::out_of_range("unknown state kind " + std::to_string(kind));
-  return names[kind];
-}
-
 StateStore::StateStore(const Partition& partition, at::ScalarType compute_dtype, const PlacementPlan& placement,
-                       Device& device, HostMemory& host, offload::SwapSpace* swap, runtime::Profiler& prof)
+                       Device& device, HostMemory& host, offload::SwapSpace* swap, Profiler& prof)
     : partition_(partition), compute_(compute_dtype), plan_(placement), prof_(prof),
       device_(device_tier(device)), host_(host_tier(host)), swap_(swap ? swap_tier(*swap) : nullptr),
       resident_(partition.num_units()), region_(partition.num_units()) {
@@ -26,17 +20,6 @@ TierDriver::Region StateStore::region(size_t u, int k, const char* op) const {
     throw std::logic_error(std::string(op) + ": kind " + kind_name(k) + " of unit " + partition_.unit(u).name +
                            " has no storage in the store (a transient gradient)");
   return r;
-}
-
-Placement kind_tier(const PlacementPlan& plan, int k) {
-  switch (k) {
-    case kMaster: return plan.master;
-    case kExpAvg:
-    case kExpAvgSq: return plan.moments;
-    case kGrad: return plan.grads;
-    case kCompute: return plan.params;
-  }
-  throw std::out_of_range("unknown state kind " + std::to_string(k));
 }
 
 TierDriver& StateStore::driver(Placement p) const {

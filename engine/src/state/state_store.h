@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/profiler.h"
+#include "profiler.h"
 #include "state/chunk_ring.h"
 #include "state/tier.h"
 #include "strata/engine/partition.h"
@@ -36,21 +36,13 @@
 
 namespace strata::engine::state {
 
-enum Kind : int { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGrad = 3, kCompute = 4, kKinds = 5 };
-const char* kind_name(int kind);
-// Where unit u's shard of `kind` lives under `plan`: the kind's tier (of a split optimizer group,
-// per unit: PlacementPlan::unit_tier). The one rule; the store and automatic placement call it.
-Placement kind_tier(const PlacementPlan& plan, int kind);
-inline Placement unit_kind_tier(const PlacementPlan& plan, size_t u, int kind) {
-  return plan.unit_tier(kind_tier(plan, kind), kind != kCompute, u);
-}
 static_assert(ChunkRing::kKinds == kKinds);
 
 class StateStore final : public ChunkRing::Source {
  public:
   // `swap` may be null when nothing is placed in swap.
   StateStore(const Partition& partition, at::ScalarType compute_dtype, const PlacementPlan& placement, Device& device,
-             HostMemory& host, offload::SwapSpace* swap, runtime::Profiler& prof);
+             HostMemory& host, offload::SwapSpace* swap, Profiler& prof);
 
   const PlacementPlan& plan() const { return plan_; }
   // Kind k's tier as planned (of a split optimizer group: the tier of its last units).
@@ -92,7 +84,7 @@ class StateStore final : public ChunkRing::Source {
   const Partition& partition_;
   const at::ScalarType compute_;
   const PlacementPlan plan_;
-  runtime::Profiler& prof_;
+  Profiler& prof_;
   std::unique_ptr<TierDriver> device_, host_, swap_;
   std::vector<std::array<at::Tensor, kKinds>> resident_;
   static constexpr TierDriver::Region kNone = ~TierDriver::Region(0);

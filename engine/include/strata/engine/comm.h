@@ -96,6 +96,9 @@ class Communicator {
   int rank() const { return rank_; }
   int world_size() const { return world_; }
 
+  // Whether Work::wait on a collective over `t` blocks the host until the ranks have exchanged
+  // (CPU tensors, Gloo) rather than only ordering the calling thread's stream (CUDA, NCCL).
+  static bool wait_blocks_host(const at::Tensor& t) { return !t.is_cuda(); }
   // out (world_size * n elements) = the ranks' `in` (n elements each) in rank order. `in` may be
   // this rank's slice of `out` (in place).
   virtual std::unique_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in) = 0;

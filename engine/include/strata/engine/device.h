@@ -29,14 +29,10 @@
 #include <string>
 #include <vector>
 
+#include "strata/engine/bytes.h"
 #include "strata/kernels/cpu_optim.h"
 
 namespace strata::engine {
-
-class BudgetExceeded : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 class Stream {
  public:
@@ -108,6 +104,19 @@ class Device {
   // estimates); UINT64_MAX on the host device, whose only limit is the budget. Automatic
   // placement, prefetch and recompute decisions use min(budget, this).
   virtual uint64_t physical_free() const { return UINT64_MAX; }
+
+  // Host memory as this device copies from and to it (state/host_memory.h is the one caller).
+  // Whether it is pinned: a GPU's is page-locked, so that copies run asynchronously at full speed.
+  virtual bool pins_host() const { return false; }
+  // `numel` elements of host memory for state, exactly that size: pinned on a GPU (never a
+  // caching allocator's power-of-two rounding), page-aligned and unpinned on the host device.
+  // Throws std::runtime_error naming `what` when it cannot be had.
+  virtual at::Tensor host_state(uint64_t numel, at::ScalarType t, const std::string& what) const;
+  // Page-aligned (4 KiB: direct I/O) unpinned host memory, at least a page. Throws std::bad_alloc.
+  static at::Tensor unpinned_host(uint64_t numel, at::ScalarType t);
+  // `t` on this device: from the host asynchronously through pinned memory on a GPU (the caller
+  // orders its use on the compute stream, as torch's non-blocking copies do), as it is on the host.
+  virtual at::Tensor upload(const at::Tensor& t) const { return t.to(torch_device()); }
 
   virtual Stream& compute_stream() = 0;
   // Copies run on two streams, one each way: uploads (units being gathered, checkpoints coming
@@ -191,9 +200,5 @@ class Device {
 // max(4 GiB, 8% of total), at most total. 6.4 GB on an 80 GB H100: the head's backward alone at
 // 16K tokens x 50K vocabulary needs ~3.4 GB more than its estimate.
 uint64_t device_memory_reserve(uint64_t total);
-
-std::string format_bytes(uint64_t bytes);
-// "512MiB", "2GB", "1.5GiB", "4096" -> bytes. Throws std::invalid_argument on junk.
-uint64_t parse_bytes(const std::string& text);
 
 }  // namespace strata::engine

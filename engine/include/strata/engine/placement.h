@@ -62,6 +62,18 @@ struct PlacementPlan {
   }
 };
 
+namespace state {
+// The kinds of state a unit's shard has. The state store holds them (state/state_store.h).
+enum Kind : int { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGrad = 3, kCompute = 4, kKinds = 5 };
+const char* kind_name(int kind);  // "master", ...; std::out_of_range for an unknown kind
+// Where unit u's shard of `kind` lives under `plan`: the kind's tier (of a split optimizer group,
+// per unit: PlacementPlan::unit_tier). The one rule; the store and automatic placement call it.
+Placement kind_tier(const PlacementPlan& plan, int kind);
+inline Placement unit_kind_tier(const PlacementPlan& plan, size_t u, int kind) {
+  return plan.unit_tier(kind_tier(plan, kind), kind != kCompute, u);
+}
+}  // namespace state
+
 // True when gradients need no accumulators: the update runs during backward
 // (optimizer.overlap "backward"), a step has one micro-batch, and the master weights are off the
 // device (`master`: where they are, or will be, placed). Each unit's reduced gradient then goes to

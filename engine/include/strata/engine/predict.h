@@ -1,10 +1,9 @@
 // What the engine would decide and hold for a configuration, without a model, a device or a
-// communicator: the planner's view of one rank (`strata plan`). It runs the engine's own
-// resolution (resolve_head_tiles, resolve_placement, resolve_recompute, resolve_activations,
-// the prefetch room and the budget check of every use) on the one memory model, in the order the
-// engine's construction runs them, with the units sized from the model configuration
-// (models::stage_parameters) and the partition the engine would build at `world_size`. Every
-// rank of a homogeneous cluster decides alike, so agreement is the identity here.
+// communicator: the planner's view of one rank (`strata plan`). It calls the engine's own
+// resolution (plan/resolve.h: resolve_layout, then resolve_working_set with the state the layout
+// would place counted as allocated), with the units sized from the model configuration
+// (plan_units) and the partition the engine would build at `world_size`. Every rank of a
+// homogeneous cluster decides alike, so agreement is the identity here.
 // tests/engine/predict_test.cc checks the prediction against engines really built.
 //
 // Pure function; thread-safe. Errors: std::invalid_argument for an invalid configuration or model
@@ -19,35 +18,11 @@
 #include "strata/engine/config.h"
 #include "strata/engine/placement.h"
 #include "strata/engine/plan/memory_model.h"
+#include "strata/engine/plan/resolve.h"
 #include "strata/models/model_config.h"
 #include "strata/models/model_shapes.h"
 
 namespace strata::engine {
-
-// The units the engine builds for `mc` cut by `tiling`, partitioned at `world_size` as
-// Partition does: one unit per stage owning parameters (models::stage_parameters), a tied head
-// (tile) also using its embedding (tile)'s unit (models::stage_units); and each stage's input
-// width (models::stage_input_widths).
-struct UnitPlan {
-  models::LayerTiling tiling;
-  std::vector<uint64_t> unit_numel, padded_numel, shard_numel;
-  std::vector<std::vector<size_t>> stage_units;
-  std::vector<uint64_t> input_widths;
-  size_t vocab_tiles = 1;  // embedding and head stages
-  plan::Schedule schedule() const;
-};
-UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiling& tiling, int world_size);
-
-// Whether `tiling` lets the device run a step within `usable` bytes: the state `cfg` places on
-// the device explicitly plus the largest use's need (construction's budget check: nothing
-// gathered ahead) at the leanest automatic choices (every block recomputed unless configured,
-// the head's logits, unless configured, in the most tiles "auto" cuts). With `efficient_logits`,
-// the logits in no more than plan::max_efficient_logits_tiles, and the configured prefetch window
-// counted (resolve_head_tiles' test), unless that cap is max_auto_logits_tiles itself (then the
-// same test as without). The test placement.tiling "auto" makes for the blocks and the
-// vocabulary (resolve_tiles).
-bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiling& tiling,
-                 int world_size, uint64_t usable, bool efficient_logits);
 
 struct StatePrediction {
   bool fits = false;

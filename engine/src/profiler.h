@@ -1,5 +1,5 @@
 // The per-step timeline (StepTimeline) and, when profiling, the trace spans: a leaf every part
-// of the engine reports to. Waits are timed by scope (Profiler::time) and named by cause.
+// of the engine (state, runtime, the step) reports to; it includes nothing of theirs. Waits are timed by scope (Profiler::time) and named by cause.
 //
 // Ownership and threads: the training thread owns `step`; the updater thread and I/O
 // completions touch only the atomics and, under `mu`, the spans.
@@ -13,9 +13,9 @@
 #include <utility>
 #include <vector>
 
-#include "strata/engine/engine.h"
+#include "strata/engine/timeline.h"
 
-namespace strata::engine::runtime {
+namespace strata::engine {
 
 struct Profiler {
   using Clock = std::chrono::steady_clock;
@@ -70,4 +70,4 @@ struct Profiler {
   }
 };
 
-}  // namespace strata::engine::runtime
+}  // namespace strata::engine

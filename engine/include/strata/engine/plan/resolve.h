@@ -1,8 +1,18 @@
-// Resolution: what the engine decides once, at construction, from the configuration, this
-// rank's budgets and the one memory model, with every rank agreeing. The configuration is never
-// changed: the decisions live in `Resolved`, immutable once construction ends, and
-// effective_config() shows them as a configuration with nothing left "auto".
+// Resolution: what a rank decides once, from the configuration, the model's shapes, the machine's
+// budgets and the one memory model, with every rank agreeing. The engine's construction and the
+// planner's prediction (predict.h) both call it, so the two cannot disagree. The configuration is
+// never changed: the decisions are two immutable values, and effective_config() shows them as a
+// configuration with nothing left "auto".
 //
+// Two phases, because some decisions plan beside the state the first places:
+//   resolve_layout      (before any state exists) the MLPs' token chunks, the tiles of the blocks
+//                       and the vocabulary, the units and their partition, the schedule, the
+//                       head's logits cut, the memory model, and the placement of each kind.
+//   resolve_working_set (once the layout's state is allocated, or predicted) recompute, the
+//                       activation checkpoints' tier, the prefetch window, and the budget check
+//                       of every use of the schedule.
+//
+// The steps inside them, in order:
 //   resolve_mlp_token_chunk  placement.tiling "mlp_tokens" "auto": whether the MLPs run over token
 //                        chunks (first of all: the blocks' graphs, which every later test
 //                        counts, depend on it)
@@ -16,40 +26,33 @@
 //   resolve_recompute    recompute "auto": how many blocks keep their graphs (needs the
 //                        device-placed state allocated: `base`)
 //   resolve_activations  activation checkpoints "auto": device, else host, else swap
+//   resolve_prefetch     prefetch "auto": how deep the gather window may go
 //
 // Agreement: every decision that changes collectives or memory is passed through `agree`, which
 // returns, element by element, the largest value any rank passed (the engine's: an all-reduce
 // max; tests: a simulated peer). Codes are ordered so that the largest is the safe choice: the
 // slowest tier, the fewest units kept in a faster one, the most blocks recomputed.
-// Pure functions of their arguments and `agree`'s answers; thread-safe. Errors: as
-// plan_placement's, and std::runtime_error when the agreed placement overruns this rank's
-// budgets (naming both).
+// No libtorch, no device, no communicator: sizes only. Pure functions of their arguments and
+// `agree`'s answers; thread-safe. Errors: as plan_placement's, and std::runtime_error when the
+// agreed placement overruns this rank's budgets (naming both).
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "strata/engine/config.h"
 #include "strata/engine/placement.h"
 #include "strata/engine/plan/memory_model.h"
+#include "strata/engine/plan/schedule.h"
 #include "strata/models/model_config.h"
 #include "strata/models/model_shapes.h"
 
 namespace strata::engine {
 
 using Agree = std::function<std::vector<int64_t>(const std::vector<int64_t>&)>;
-
-struct Resolved {
-  PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
-  plan::Choices working_set;  // recomputed, activations, prefetch (auto: its start)
-  uint64_t head_tiles = 1;    // the head's logits tiles asked for (HeadCut::count)
-  models::LayerTiling tiles;
-  std::string report;         // the placement line (`--plan`, the log)
-  bool head_one_pass = false; // the head's cut is in one pass (HeadCut::logits.one_pass)
-  int64_t mlp_token_chunk = 0;  // resolve_mlp_token_chunk
-};
 
 // This rank's bytes of each kind (StateBytes) from the units' shard sizes, with `transient_buffers`
 // gradient buffers of the largest shard for gradients that are not stored.
@@ -125,6 +128,10 @@ PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel
                                 const std::function<TierBudgets(uint64_t)>& budgets, const Agree& agree,
                                 std::string& report);
 
+// The choices every decision before the state's allocation plans with: the configured
+// checkpoints' tier and prefetch, and recompute "auto" as every block (the leanest).
+plan::Choices initial_choices(const EngineConfig& cfg, size_t block_stages, const models::LayerTiling& tiling);
+
 // placement.recompute counts whole blocks; the memory model and the engine count block stages
 // (Choices::recomputed), `tiling.block_stages()` a block. The stages of the first
 // `recompute_blocks` blocks, at most `block_stages` (every block stage): kRecomputeAll gives all,
@@ -144,6 +151,12 @@ Placement resolve_activations(const EngineConfig& cfg, const plan::MemoryModel& 
                               uint64_t base, uint64_t usable, uint64_t host_state, const TierBudgets& budgets,
                               const Agree& agree);
 
+// prefetch "auto": the deepest gather window, in uses, that the room beside `base` holds of the
+// largest unit with nothing gathered ahead (MemoryModel::prefetch_room), at least 1, at most
+// kMaxAutoPrefetch and the schedule's uses less one. PrefetchTuner moves the depth within it.
+constexpr int kMaxAutoPrefetch = 8;
+int resolve_prefetch(const plan::MemoryModel& mm, const plan::Choices& choice, uint64_t base, uint64_t usable);
+
 // Bytes of the state `plan` puts on the device: what the state store allocates there (compute
 // copies at `compute_bytes`, fp32 gradients, master and two moments). `--plan` uses it where
 // nothing is allocated.
@@ -158,7 +171,110 @@ uint64_t planned_device_bytes(const PlacementPlan& plan, const StateBytes& need,
 void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
                        uint64_t base, uint64_t budget, const std::function<std::string(size_t)>& stage_name);
 
-// `cfg` with the resolved choices in place of "auto" (Engine::config()).
-EngineConfig effective_config(const EngineConfig& cfg, const Resolved& r);
+// --- the units --------------------------------------------------------------------------------
+
+// The units the engine builds for `mc` cut by `tiling`, partitioned at `world_size` as
+// Partition does: one unit per stage owning parameters (models::stage_parameters), a tied head
+// (tile) also using its embedding (tile)'s unit (models::stage_units); and each stage's input
+// width (models::stage_input_widths). The engine checks that the model it built has these units.
+struct UnitPlan {
+  models::LayerTiling tiling;
+  std::vector<uint64_t> unit_numel, padded_numel, shard_numel;
+  std::vector<std::vector<size_t>> stage_units;
+  std::vector<uint64_t> input_widths;
+  size_t vocab_tiles = 1;  // embedding and head stages
+  plan::Schedule schedule() const;
+};
+UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiling& tiling, int world_size);
+
+// Whether `tiling` lets the device run a step within `usable` bytes: the state `cfg` places on
+// the device explicitly plus the largest use's need (construction's budget check: nothing
+// gathered ahead) at the leanest automatic choices (every block recomputed unless configured,
+// the head's logits, unless configured, in the most tiles "auto" cuts). With `efficient_logits`,
+// the logits in no more than plan::max_efficient_logits_tiles, and the configured prefetch window
+// counted (resolve_head_tiles' test), unless that cap is max_auto_logits_tiles itself (then the
+// same test as without). The test placement.tiling "auto" makes for the blocks and the
+// vocabulary (resolve_tiles).
+bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiling& tiling,
+                 int world_size, uint64_t usable, bool efficient_logits);
+
+// The sizes the memory model works with for `units` under `cfg` (the head's logits uncut: the
+// head's cut is resolved on them).
+plan::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfig& mc, const UnitPlan& units);
+
+// The gradient buffers held for gradients that are not stored: the multi-use units' held ones (a
+// tied embedding) plus two.
+size_t transient_gradient_buffers(const plan::Schedule& schedule);
+
+// --- the two phases ---------------------------------------------------------------------------
+
+// What a rank's machine offers before any state is allocated.
+struct MachineView {
+  int world_size = 1;
+  uint64_t usable_device = UINT64_MAX;  // device bytes decisions may count on (MemoryModel::usable_device)
+  // The tiers' budgets for state, given the device bytes left for it (machine_budgets on a run,
+  // budgets_from on the planner's cluster).
+  std::function<TierBudgets(uint64_t device_for_state)> budgets;
+  Agree agree;  // the ranks' agreement; the identity where every rank decides alike
+};
+
+// Phase one. Immutable; not copyable or movable (the memory model refers to the schedule).
+struct Layout {
+  Layout(UnitPlan units, plan::ModelSizes sizes);
+  Layout(const Layout&) = delete;
+  Layout& operator=(const Layout&) = delete;
+
+  int64_t mlp_token_chunk = 0;  // resolve_mlp_token_chunk (0: whole MLPs)
+  models::LayerTiling tiles;    // resolve_tiles
+  UnitPlan units;               // the units, their partition and the stages' units
+  plan::Schedule schedule;      // of one micro-batch
+  size_t transient_buffers = 2; // transient_gradient_buffers
+  StateBytes need;              // this rank's state bytes by kind
+  HeadCut head;                 // resolve_head_tiles
+  plan::MemoryModel memory;     // with the head's cut
+  PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
+  std::string report;           // "placement ...[; blocks in ...]": the placement line's start (describe_tiles)
+  std::string head_report;      // "; head logits ... (... for the loss)": the line goes on with it
+};
+
+// The layout's first steps: how the model is cut (resolve_mlp_token_chunk, then resolve_tiles).
+// Throws std::invalid_argument for tile counts that do not cut the model.
+struct Cut {
+  int64_t mlp_token_chunk = 0;
+  models::LayerTiling tiles;
+};
+Cut resolve_cut(const EngineConfig& cfg, const models::ModelConfig& mc, const MachineView& machine);
+
+// The layout of a cut: throws what resolve_head_tiles and resolve_placement throw.
+// resolve_layout(cfg, mc, m) is resolve_layout(cfg, mc, resolve_cut(cfg, mc, m), m).
+std::unique_ptr<const Layout> resolve_layout(const EngineConfig& cfg, const models::ModelConfig& mc, const Cut& cut,
+                                             const MachineView& machine);
+std::unique_ptr<const Layout> resolve_layout(const EngineConfig& cfg, const models::ModelConfig& mc,
+                                             const MachineView& machine);
+
+// What a rank holds once the layout's state is allocated (or, for a prediction, would hold).
+struct Allocated {
+  uint64_t device_state = 0;           // the device-placed state's bytes ("base")
+  uint64_t usable_device = UINT64_MAX; // the device bytes decisions may count on beside it
+  uint64_t budget = UINT64_MAX;        // the device budget every use is checked against
+  uint64_t host_state = 0;             // this rank's state in host RAM
+  TierBudgets budgets;                 // the tiers' budgets measured now (activation checkpoints)
+};
+
+// Phase two. Immutable.
+struct WorkingSetPlan {
+  plan::Choices choice;       // recomputed block stages, checkpoints' tier, prefetch (auto: its start, 1)
+  bool prefetch_auto = false;
+  int prefetch_deepest = 1;   // prefetch "auto": the deepest window the budget holds; else the configured depth
+  std::string report;         // "; recompute ...; activation checkpoints ...[; prefetch auto ...]"
+};
+
+// Throws BudgetExceeded (check_working_set) when a use does not fit beside the state.
+// `stage_name(s)` names stage s in that message.
+WorkingSetPlan resolve_working_set(const EngineConfig& cfg, const Layout& layout, const Allocated& held,
+                                   const Agree& agree, const std::function<std::string(size_t)>& stage_name);
+
+// `cfg` with the resolved choices in place of "auto" (Engine::config(), the planner's view).
+EngineConfig effective_config(const EngineConfig& cfg, const Layout& layout, const plan::Choices& choice);
 
 }  // namespace strata::engine
