@@ -1,0 +1,179 @@
+// The resolution's two phases (resolve_layout, resolve_working_set) and the units they plan with;
+// the steps they run are in resolve.cc.
+#include <algorithm>
+#include <memory>
+#include <string>
+
+#include "strata/engine/bytes.h"
+#include "strata/engine/partition.h"
+#include "strata/engine/plan/resolve.h"
+
+namespace strata::engine {
+
+UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiling& tiling, int world_size) {
+  const std::vector<uint64_t> stage_numel = models::stage_parameters(mc, tiling);
+  UnitPlan out;
+  out.tiling = tiling;
+  out.stage_units = models::stage_units(mc, tiling);
+  std::vector<std::pair<std::string, std::vector<TensorSpec>>> specs;
+  for (size_t s = 0; s < stage_numel.size(); ++s) {
+    if (stage_numel[s] == 0) continue;  // a tied head tile: its embedding tile's unit
+    const std::string name = "unit" + std::to_string(specs.size());
+    specs.push_back({name, {TensorSpec{name, {int64_t(stage_numel[s])}, {}}}});
+  }
+  const Partition partition(specs, world_size);
+  for (const UnitLayout& L : partition.units()) {
+    out.unit_numel.push_back(L.numel);
+    out.padded_numel.push_back(L.padded_numel());
+    out.shard_numel.push_back(L.shard_numel);
+  }
+  out.input_widths = models::stage_input_widths(mc, tiling);
+  out.vocab_tiles = size_t(tiling.vocab);
+  return out;
+}
+
+plan::Schedule UnitPlan::schedule() const { return plan::Schedule(stage_units, unit_numel.size(), vocab_tiles, vocab_tiles); }
+
+plan::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfig& mc, const UnitPlan& units) {
+  plan::ModelSizes sizes;
+  sizes.padded_numel = units.padded_numel;
+  sizes.shard_numel = units.shard_numel;
+  sizes.input_widths = units.input_widths;
+  sizes.mlp_chunked = cfg.mlp_token_chunk > 0;
+  sizes.compute_bytes = cfg.compute == Precision::kFp32 ? 4 : 2;
+  sizes.reduce_bf16 = cfg.reduce == Precision::kBf16;
+  sizes.tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
+  sizes.hidden = uint64_t(mc.hidden);
+  sizes.vocab = uint64_t(mc.vocab_size);
+  for (uint64_t per_token : models::stage_graph_bytes_per_token(mc, units.tiling, sizes.compute_bytes, sizes.mlp_chunked))
+    sizes.graph_bytes.push_back(sizes.tokens * per_token);
+  sizes.vocab_tiles = units.vocab_tiles;
+  return sizes;
+}
+
+bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiling& tiling,
+                 int world_size, uint64_t usable, bool efficient_logits) {
+  if (usable == UINT64_MAX) return true;
+  const UnitPlan units = plan_units(mc, tiling, world_size);
+  const plan::Schedule schedule = units.schedule();
+  plan::ModelSizes sizes = model_sizes(cfg, mc, units);
+  const uint64_t most_auto = plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab),
+                 most_efficient = plan::max_efficient_logits_tiles(sizes.tokens, sizes.vocab);
+  // Where the efficient cap is no cap (small logits), the two tests are one.
+  if (most_efficient >= most_auto) efficient_logits = false;
+  const uint64_t most_logits_tiles = efficient_logits ? most_efficient : most_auto;
+  sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab,
+                                     cfg.head_tiles != EngineConfig::kTilesAuto ? cfg.head_tiles
+                                                                                : std::max<uint64_t>(1, most_logits_tiles));
+  plan::Choices choice;
+  const size_t blocks = schedule.blocks();
+  choice.recomputed = recomputed_stages(cfg.recompute_blocks, blocks, tiling);
+  choice.activations = cfg.activations;
+  // Gathering ahead is opportunistic: construction checks each use's need alone. The efficient
+  // test makes resolve_head_tiles' own test (the configured prefetch window), so that a cut it
+  // accepts leaves the head a count within max_efficient_logits_tiles.
+  choice.prefetch = efficient_logits ? cfg.prefetch : 0;
+  const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, transient_gradient_buffers(schedule));
+  return explicit_device_bytes(cfg, need) + plan::MemoryModel(schedule, sizes).working_set(choice) <= usable;
+}
+
+size_t transient_gradient_buffers(const plan::Schedule& schedule) { return 2 + schedule.shared_units(); }
+
+int resolve_prefetch(const plan::MemoryModel& mm, const plan::Choices& choice, uint64_t base, uint64_t usable) {
+  plan::Choices none_ahead = choice;
+  none_ahead.prefetch = 0;
+  const uint64_t fit = std::min<uint64_t>(
+      {mm.prefetch_room(none_ahead, base, usable), uint64_t(kMaxAutoPrefetch), mm.schedule().uses().size() - 1});
+  return int(std::max<uint64_t>(fit, 1));
+}
+
+Layout::Layout(UnitPlan u, plan::ModelSizes sizes)
+    : units(std::move(u)), schedule(units.schedule()), memory(schedule, std::move(sizes)) {}
+
+Cut resolve_cut(const EngineConfig& cfg, const models::ModelConfig& mc, const MachineView& m) {
+  const auto fits_with = [&](const models::LayerTiling& t, int64_t chunk, bool efficient_logits) {
+    EngineConfig c = cfg;
+    c.mlp_token_chunk = chunk;
+    return tiling_fits(c, mc, t, m.world_size, m.usable_device, efficient_logits);
+  };
+  // The MLPs' token chunks first: the blocks' graphs, which every later test counts, depend on them.
+  Cut cut;
+  cut.mlp_token_chunk = resolve_mlp_token_chunk(
+      cfg, mc, [&](const models::LayerTiling& t, int64_t chunk) { return fits_with(t, chunk, false); }, m.agree);
+  cut.tiles = resolve_tiles(
+      cfg, mc,
+      [&](const models::LayerTiling& t, bool efficient_logits) {
+        return fits_with(t, cut.mlp_token_chunk, efficient_logits);
+      },
+      m.agree);
+  return cut;
+}
+
+std::unique_ptr<const Layout> resolve_layout(const EngineConfig& given, const models::ModelConfig& mc, const Cut& cut,
+                                             const MachineView& m) {
+  EngineConfig cfg = given;
+  cfg.mlp_token_chunk = cut.mlp_token_chunk;
+  UnitPlan units = plan_units(mc, cut.tiles, m.world_size);
+  plan::ModelSizes sizes = model_sizes(cfg, mc, units);
+  const plan::Schedule schedule = units.schedule();
+  const size_t transient = transient_gradient_buffers(schedule);
+  const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, transient);
+  const plan::Choices choice = initial_choices(cfg, schedule.blocks(), cut.tiles);
+  // The head's tiles before the placement: the working set every later decision plans with
+  // depends on them.
+  const HeadCut head =
+      resolve_head_tiles(cfg, schedule, sizes, choice, explicit_device_bytes(cfg, need), m.usable_device, m.agree);
+  sizes.logits = head.logits;
+  auto layout = std::make_unique<Layout>(std::move(units), std::move(sizes));
+  layout->mlp_token_chunk = cut.mlp_token_chunk;
+  layout->tiles = cut.tiles;
+  layout->transient_buffers = transient;
+  layout->need = need;
+  layout->head = head;
+  const plan::MemoryModel& memory = layout->memory;
+  layout->placement =
+      resolve_placement(cfg, memory, choice, need, m.usable_device, m.budgets, m.agree, layout->report);
+  layout->report += describe_tiles(cut.tiles, cut.mlp_token_chunk, memory);
+  layout->head_report = "; head logits " + plan::describe(memory.head_logits(), memory.sizes().tokens, memory.sizes().vocab) +
+                    " (" + format_bytes(memory.head_loss_bytes()) + " for the loss)";
+  return layout;
+}
+
+std::unique_ptr<const Layout> resolve_layout(const EngineConfig& cfg, const models::ModelConfig& mc,
+                                             const MachineView& machine) {
+  return resolve_layout(cfg, mc, resolve_cut(cfg, mc, machine), machine);
+}
+
+WorkingSetPlan resolve_working_set(const EngineConfig& cfg, const Layout& layout, const Allocated& held,
+                                   const Agree& agree, const std::function<std::string(size_t)>& stage_name) {
+  const plan::MemoryModel& memory = layout.memory;
+  const models::LayerTiling& tiles = layout.tiles;
+  const size_t blocks = layout.schedule.blocks();
+  WorkingSetPlan w;
+  plan::Choices& choice = w.choice;
+  choice = initial_choices(cfg, blocks, tiles);
+  const uint64_t base = held.device_state, usable = held.usable_device;
+  if (cfg.recompute_blocks == EngineConfig::kRecomputeAuto)
+    choice.recomputed = resolve_recompute(memory, choice, base, usable, agree, size_t(tiles.block_stages()));
+  // Reported in whole blocks, as placement.recompute counts them.
+  const size_t recomputed = tiles.whole_blocks(choice.recomputed), whole_blocks = tiles.whole_blocks(blocks);
+  w.report += "; recompute " + std::to_string(recomputed) + " of " + std::to_string(whole_blocks) + " blocks";
+  if (recomputed < whole_blocks)
+    w.report += " (the last " + std::to_string(whole_blocks - recomputed) + " keep their autograd graphs on the device, " +
+                format_bytes(memory.block_graph_bytes(size_t(tiles.block_stages()))) + " each)";
+  choice.activations = resolve_activations(cfg, memory, choice, base, usable, held.host_state, held.budgets, agree);
+  w.report += std::string("; activation checkpoints ") + to_string(choice.activations) + " " +
+              format_bytes(memory.checkpoint_bytes(choice)) + " a micro-batch";
+  w.prefetch_auto = cfg.prefetch_auto;
+  w.prefetch_deepest = cfg.prefetch;
+  if (cfg.prefetch_auto) {
+    // As many of the largest unit as fit beside the largest need; the tuner starts at one.
+    w.prefetch_deepest = resolve_prefetch(memory, choice, base, usable);
+    choice.prefetch = 1;
+    w.report += "; prefetch auto (1 to " + std::to_string(w.prefetch_deepest) + " units ahead)";
+  }
+  check_working_set(cfg, memory, choice, base, held.budget, stage_name);
+  return w;
+}
+
+}  // namespace strata::engine
