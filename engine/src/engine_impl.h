@@ -312,9 +312,11 @@ struct Engine::Impl {
   void vocab_head_forward(MicroBatch& mb, size_t s, bool grad);
   at::Tensor vocab_head_loss(MicroBatch& mb, bool masked, double scale);
   void vocab_head_backward(MicroBatch& mb, size_t s);
-  void forward_use(Pass& pass, MicroBatch& mb, size_t stage);
-  void head_use(Pass& pass, MicroBatch& mb);
-  void backward_use(Pass& pass, MicroBatch& mb, size_t stage);
+  // The schedule's uses of one micro-batch, in order, each as use k of the step (Pass::k).
+  void run_micro_batch(Pass& pass, MicroBatch& mb);
+  void forward_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);
+  void head_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);
+  void backward_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);
   void finish_backward();
   StepResult reduce_norm_and_loss(const Pass& pass, std::chrono::steady_clock::time_point t0);
   StepResult skipped_step(std::chrono::steady_clock::time_point t0);

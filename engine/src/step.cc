@@ -125,7 +125,6 @@ void Engine::Impl::vocab_head_backward(MicroBatch& mb, size_t s) {
 StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& loss_mask) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t A = cfg.grad_accum;
-  const size_t n = stages.size();
   Pass pass;
   pass.total = uses().size() * size_t(A);
   pass.denom = loss_scaler.scale() * double(A) * comm.world_size();  // the gradients' sum over the global batch
@@ -152,17 +151,7 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
   for (int64_t m = 0; m < A; ++m) {
     MicroBatch mb = begin_micro_batch(ids_on_device, mask_on_device, m);
     mb.last = m == A - 1;
-    for (size_t s = 0; s + 1 < n; ++s) forward_use(pass, mb, s);
-    // "backward" overlap: the update starts with the last micro-batch's backward.
-    if (pass.in_backward && mb.last) updater->launch_in_backward(adam_config(1.0 / pass.denom), hold_wait());
-    head_use(pass, mb);
-    if (choice().activations != Placement::kDevice) {
-      // The forward's inputs stay alive in the copy queue beyond their reservations until
-      // copied down: that ends here.
-      auto t = prof.time(prof.step.wait_activations, "wait activations");
-      dev.synchronize(dev.d2h_stream());
-    }
-    for (size_t s = n - 1; s-- > 0;) backward_use(pass, mb, s);
+    run_micro_batch(pass, mb);
   }
   finish_backward();
   // "backward": the device's units (a split optimizer group's first ones, final last) are
@@ -186,6 +175,33 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
   return r;
 }
 
+// One micro-batch: the schedule's uses in their order, use k of the step being use
+// k % uses().size() of its micro-batch (what the coordinator's gathers and prefetch count).
+void Engine::Impl::run_micro_batch(Pass& pass, MicroBatch& mb) {
+  for (const Use& use : uses()) {
+    const size_t k = pass.k++;
+    switch (use.kind) {
+      case Use::kForward:
+        forward_use(pass, mb, use.stage, k);
+        break;
+      case Use::kHead:
+        // "backward" overlap: the update starts with the last micro-batch's backward.
+        if (pass.in_backward && mb.last) updater->launch_in_backward(adam_config(1.0 / pass.denom), hold_wait());
+        head_use(pass, mb, use.stage, k);
+        if (choice().activations != Placement::kDevice) {
+          // The forward's inputs stay alive in the copy queue beyond their reservations until
+          // copied down: that ends here.
+          auto t = prof.time(prof.step.wait_activations, "wait activations");
+          dev.synchronize(dev.d2h_stream());
+        }
+        break;
+      case Use::kBackward:
+        backward_use(pass, mb, use.stage, k);
+        break;
+    }
+  }
+}
+
 Engine::Impl::MicroBatch Engine::Impl::begin_micro_batch(const at::Tensor& ids_on_device,
                                                           const at::Tensor& mask_on_device, int64_t m) {
   const int64_t b = cfg.micro_batch, T = cfg.seq_len;
@@ -206,8 +222,7 @@ Engine::Impl::MicroBatch Engine::Impl::begin_micro_batch(const at::Tensor& ids_o
 
 // Stage s forward: without autograd (recomputed later from its checkpoint), or with it for a
 // kept block, whose graph ends at its detached input so that its backward runs on its own.
-void Engine::Impl::forward_use(Pass& pass, MicroBatch& mb, size_t s) {
-  const size_t k = pass.k++;
+void Engine::Impl::forward_use(Pass& pass, MicroBatch& mb, size_t s, size_t k) {
   if (kept(s)) {  // before the gathers, which must leave room for it
     kept_graphs.at(s).res = dev.reserve(memory->sizes().graph(s), "autograd graph of unit " + stage_names[s]);
     params->graph_reserved(s);
@@ -245,8 +260,7 @@ void Engine::Impl::forward_use(Pass& pass, MicroBatch& mb, size_t s) {
 }
 
 // The head: forward, token-mean cross entropy in fp32 (times the loss scale) and backward.
-void Engine::Impl::head_use(Pass& pass, MicroBatch& mb) {
-  const size_t k = pass.k++, head = stages.size() - 1;
+void Engine::Impl::head_use(Pass& pass, MicroBatch& mb, size_t head, size_t k) {
   params->acquire(k);
   params->prefetch(k, pass.total);
   const auto mark = compute_mark();
@@ -273,8 +287,7 @@ void Engine::Impl::head_use(Pass& pass, MicroBatch& mb) {
 
 // Stage s backward: through its kept graph, or recomputed from its checkpoint (stage 0 from the
 // token ids); the next checkpoints are brought back while it runs.
-void Engine::Impl::backward_use(Pass& pass, MicroBatch& mb, size_t s) {
-  const size_t k = pass.k++;
+void Engine::Impl::backward_use(Pass& pass, MicroBatch& mb, size_t s, size_t k) {
   params->acquire(k);
   params->prefetch(k, pass.total);
   if (schedule->is_head(s)) {  // a vocabulary tile of the head (the first also its norm)
@@ -363,7 +376,8 @@ Engine::EvalResult Engine::Impl::evaluate(const at::Tensor& ids, const at::Tenso
   at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(dev.torch_device()));
   for (int64_t m = 0; m < micro_batches; ++m) {
     MicroBatch mb = begin_micro_batch(ids_on_device, mask_on_device, m);
-    for (size_t s = 0; s < head; ++s) {
+    // The schedule's forward uses, up to the head's (use k is stage k's: forward first).
+    for (size_t s = 0; uses()[s].kind == Use::kForward; ++s) {
       params->acquire(s);
       params->prefetch(s, n);
       if (schedule->is_head(s)) {
