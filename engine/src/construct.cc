@@ -25,6 +25,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   model->set_tiling(layout->tiles);
   model->set_mlp_token_chunk(layout->mlp_token_chunk);
   stages = model->stages();
+  head_loss = std::make_unique<runtime::HeadLoss>(*model, *memory, dev);
   ModelUnits units = build_units();
   placement_report = layout->report + layout->head_report;
   const PlacementPlan& resolved = layout->placement;

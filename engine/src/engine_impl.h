@@ -51,6 +51,7 @@
 #include "runtime/activation_store.h"
 #include "runtime/coordinator.h"
 #include "runtime/gradient_reducer.h"
+#include "runtime/head_loss.h"
 #include "runtime/loss_scaler.h"
 #include "runtime/optimizer.h"
 #include "runtime/updater.h"
@@ -273,45 +274,21 @@ struct Engine::Impl {
     bool in_backward = false;  // optimizer.overlap "backward"
     at::Tensor loss_sum;   // double on the device, summed in micro-batch order
   };
-  // The LM head cut into vocabulary tiles (schedule->vocab_tiled()): what one micro-batch's head
-  // stages share, from the first head stage's forward to its backward.
-  struct VocabHeadPass {
-    at::Tensor x, normed;            // the head's input (a leaf) and the final norm's output, with its graph
-    at::Tensor hidden;               // the normed input, detached, [tokens, hidden]
-    std::optional<tiling::LogSumExp> acc;  // each token's running log-sum-exp and target logit
-    at::Tensor lse, row_scale;       // once the last tile is in: the log-sum-exp, the seed per token
-    at::Tensor grad_hidden;          // fp32 [tokens, hidden], summed over the tiles' backward
-    Device::Reservation loss_res;    // the loss's device bytes (MemoryModel::head_loss_bytes) until the backward
-  };
   struct MicroBatch {
     at::Tensor inputs, targets;   // targets out of the loss are kIgnored
     at::Tensor x;                 // the boundary activation going forward
     Device::Reservation x_res;    // its device bytes
     at::Tensor dy;                // the gradient going backward
     bool last = false;            // the step's last micro-batch
-    VocabHeadPass head;           // vocabulary tiles only
+    runtime::HeadLoss::VocabPass head;  // vocabulary tiles only
   };
-  static constexpr int64_t kIgnored = -100;  // as torch's cross entropy's ignore_index
+  static constexpr int64_t kIgnored = runtime::HeadLoss::kIgnored;
+  // The head's loss, whole, in logits tiles or in vocabulary tiles (runtime/head_loss.h).
+  std::unique_ptr<runtime::HeadLoss> head_loss;
   MicroBatch begin_micro_batch(const at::Tensor& ids_on_device, const at::Tensor& mask_on_device, int64_t m);
   // The host's token ids (and mask) on the device, asynchronously from pinned memory on a GPU.
   at::Tensor to_device(const at::Tensor& t);
-  // The head's loss of one micro-batch from the head's input: the token mean, or with a mask the
-  // sum over the counted targets (fp32 logits, as the oracle computes them); with the logits
-  // tiled (memory->sizes().logits), tile by tile (tiling::linear_cross_entropy_sum).
-  // `upstream`: the gradient the step's backward gives the head's loss (pass.head_scale); one
-  // pass computes its gradients for it in the forward.
-  at::Tensor head_loss(const at::Tensor& x, const MicroBatch& mb, bool masked, double upstream = 1.0) const;
-  // The head in vocabulary tiles, head stage `s`: its forward adds its rows to every token's
-  // log-sum-exp (the first stage runs the final norm, with autograd when `grad`);
-  // vocab_head_loss, after the last stage's forward, is head_loss's value and sets the backward's
-  // seed (`scale` times the loss's derivative per token); the backward sets the rows' weight
-  // gradient and adds the input's, which the first stage takes through the norm into mb.dy.
-  // The head's loss bytes counted against the budget while it runs (the tiled vocabulary's from
-  // the first head stage's forward to its backward).
-  Device::Reservation reserve_head_loss();
-  void vocab_head_forward(MicroBatch& mb, size_t s, bool grad);
-  at::Tensor vocab_head_loss(MicroBatch& mb, bool masked, double scale);
-  void vocab_head_backward(MicroBatch& mb, size_t s);
+  void vocab_head_backward(MicroBatch& mb, size_t stage);
   // The schedule's uses of one micro-batch, in order, each as use k of the step (Pass::k).
   void run_micro_batch(Pass& pass, MicroBatch& mb);
   void forward_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);

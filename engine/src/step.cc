@@ -47,132 +47,10 @@ at::Tensor Engine::Impl::to_device(const at::Tensor& t) {
   return dev.upload(t);
 }
 
-at::Tensor Engine::Impl::head_loss(const at::Tensor& x, const MicroBatch& mb, bool masked, double upstream) const {
-  models::HeadStage& head = model->head();
-  const plan::ModelSizes& s = memory->sizes();
-  if (s.logits.tiled(s.tokens, s.vocab)) {
-    const at::Tensor h = head.normed(x);
-    // d(objective)/d(sum): `upstream` for a masked sum, upstream / tokens for a mean. One pass
-    // computes its gradients for it in the forward.
-    const double per_sum = masked ? upstream : upstream / double(std::max<int64_t>(1, mb.targets.numel()));
-    const at::Tensor sum = tiling::linear_cross_entropy_sum(
-        h.reshape({-1, h.size(-1)}), head.lm_weight(), mb.targets, int64_t(s.logits.token_chunk),
-        int64_t(s.logits.vocab_tile ? s.logits.vocab_tile : s.vocab), kIgnored, s.logits.one_pass, per_sum);
-    return masked ? sum : sum / double(mb.targets.numel());
-  }
-  const at::Tensor logits = head.forward(x);
-  const at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
-  if (!masked) return at::cross_entropy_loss(flat, mb.targets);
-  return at::cross_entropy_loss(flat, mb.targets, {}, at::Reduction::Sum, kIgnored);
-}
-
-// libtorch allocates the loss's logits (or its tiles' buffers) itself; the ledger counts the bytes
-// the memory model gives them, so that the budget holds what the plan assumed.
-Device::Reservation Engine::Impl::reserve_head_loss() {
-  return dev.reserve(memory->head_loss_bytes(), "the head's loss (its logits; placement.tiling cuts them)");
-}
-
-void Engine::Impl::vocab_head_forward(MicroBatch& mb, size_t s, bool grad) {
-  const size_t j = s - schedule->first_head();
-  models::HeadStage& tile = model->head_tile(j);
-  VocabHeadPass& h = mb.head;
-  if (j == 0) {
-    h = VocabHeadPass{};
-    h.loss_res = reserve_head_loss();
-    at::AutoGradMode mode(grad);
-    h.x = grad ? mb.x.detach().requires_grad_(true) : mb.x;
-    h.normed = tile.normed(h.x);
-    h.hidden = h.normed.detach().reshape({-1, h.normed.size(-1)});
-    h.acc.emplace(h.hidden);
-  }
-  at::NoGradGuard no_grad;
-  const plan::LogitsTiling t = memory->head_logits();
-  tiling::accumulate_log_sum_exp(h.hidden, tile.lm_weight(), tile.vocab_begin(), mb.targets, int64_t(t.token_chunk),
-                                 int64_t(t.vocab_tile), *h.acc);
-}
-
-at::Tensor Engine::Impl::vocab_head_loss(MicroBatch& mb, bool masked, double scale) {
-  at::NoGradGuard no_grad;
-  VocabHeadPass& h = mb.head;
-  h.lse = tiling::finish_log_sum_exp(*h.acc);
-  const at::Tensor sum = tiling::loss_sum(h.lse, *h.acc, mb.targets, kIgnored);
-  h.acc.reset();
-  // d loss / d (token's loss): 1 for a sum, 1 / tokens for the mean; 0 on ignored targets.
-  const double per_token = masked ? scale : scale / double(mb.targets.numel());
-  h.row_scale = mb.targets.ne(kIgnored).to(at::kFloat) * per_token;
-  return masked ? sum : sum / double(mb.targets.numel());
-}
-
+// Head stage s's backward in vocabulary tiles; the first tile's gives the gradient going back.
 void Engine::Impl::vocab_head_backward(MicroBatch& mb, size_t s) {
-  const size_t j = s - schedule->first_head();
-  models::HeadStage& tile = model->head_tile(j);
-  VocabHeadPass& h = mb.head;
-  {
-    at::NoGradGuard no_grad;
-    if (!h.grad_hidden.defined()) h.grad_hidden = at::zeros(h.hidden.sizes(), h.hidden.options().dtype(at::kFloat));
-    const plan::LogitsTiling t = memory->head_logits();
-    // In the rows' dtype, as autograd gives every other parameter's.
-    tile.lm_weight().mutable_grad() =
-        tiling::backward_rows(h.hidden, tile.lm_weight(), tile.vocab_begin(), mb.targets, h.lse, h.row_scale,
-                              int64_t(t.token_chunk), int64_t(t.vocab_tile), h.grad_hidden, /*want_rows=*/true);
-  }
-  if (j > 0) return;
-  torch::autograd::backward({h.normed}, {h.grad_hidden.view(h.normed.sizes()).to(h.normed.scalar_type())});
-  mb.dy = h.x.grad();
-  h = VocabHeadPass{};
-}
-
-StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& loss_mask) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const int64_t A = cfg.grad_accum;
-  Pass pass;
-  pass.total = uses().size() * size_t(A);
-  pass.denom = loss_scaler.scale() * double(A) * comm.world_size();  // the gradients' sum over the global batch
-  pass.head_scale = loss_scaler.scale();
-  pass.masked = loss_mask.defined();
-  if (pass.masked) {
-    // The mean is over the whole global batch's counted targets: their number first. The head
-    // backpropagates its sum divided by it (times the loss scale), so that fp16 gradients have
-    // the magnitude of a mean's.
-    at::Tensor count = at::tensor({double(loss_mask.ne(0).sum().item<int64_t>())}, at::TensorOptions().dtype(at::kDouble));
-    comm.all_reduce(count, ReduceOp::kSum);
-    pass.loss_tokens = count.item<double>();
-    if (pass.loss_tokens == 0) return skipped_step(t0);  // nothing to learn from: no update
-    pass.head_scale = loss_scaler.scale() / pass.loss_tokens;
-    pass.denom = loss_scaler.scale();
-  }
-  pass.in_backward = updates_in_backward();
-  const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(loss_mask);
-  if (cfg.profile) {
-    compute_spans.clear();
-    step_ref = dev.record_timed(dev.compute_stream());
-    step_ref_host = Profiler::Clock::now();
-  }
-  for (int64_t m = 0; m < A; ++m) {
-    MicroBatch mb = begin_micro_batch(ids_on_device, mask_on_device, m);
-    mb.last = m == A - 1;
-    run_micro_batch(pass, mb);
-  }
-  finish_backward();
-  // "backward": the device's units (a split optimizer group's first ones, final last) are
-  // updated now, on the compute stream, while the updater may still run.
-  if (pass.in_backward) update_device_units(adam_config(1.0 / pass.denom), &updater->unit_sumsq());
-  // "forward": the last update was done long ago (the forward gathered every unit); "backward":
-  // this step's update, whose last units may still be running.
-  finish_update();
-  const int depth_used = params->depth();
-  StepResult r = reduce_norm_and_loss(pass, t0);
-  apply_update(pass, r);
-  reducer->end_step();
-  loss_scaler.update(r.skipped);
-  r.step = step;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  r.tokens = uint64_t(A * cfg.micro_batch * cfg.seq_len) * uint64_t(comm.world_size());
-  r.loss_tokens = pass.masked ? uint64_t(pass.loss_tokens) : r.tokens;
-  r.model_tflops = flops_per_token() * double(r.tokens) / r.seconds / 1e12;
-  r.timeline = finish_timeline();
-  r.timeline.prefetch = depth_used;
-  return r;
+  const at::Tensor dy = head_loss->vocab_backward(mb.head, mb.targets, s - schedule->first_head());
+  if (dy.defined()) mb.dy = dy;
 }
 
 // One micro-batch: the schedule's uses in their order, use k of the step being use
@@ -231,7 +109,7 @@ void Engine::Impl::forward_use(Pass& pass, MicroBatch& mb, size_t s, size_t k) {
   params->prefetch(k, pass.total);
   if (schedule->is_head(s)) {  // a vocabulary tile of the head: the activation stays as it is
     const auto mark = compute_mark();
-    vocab_head_forward(mb, s, /*grad=*/true);
+    head_loss->vocab_forward(mb.head, mb.x, mb.targets, s - schedule->first_head(), /*grad=*/true);
     compute_span("forward " + stage_names[s], mark);
     params->release_after(k, pass.total);
     return;
@@ -266,13 +144,13 @@ void Engine::Impl::head_use(Pass& pass, MicroBatch& mb, size_t head, size_t k) {
   const auto mark = compute_mark();
   at::Tensor loss;
   if (schedule->vocab_tiled()) {
-    vocab_head_forward(mb, head, /*grad=*/true);
-    loss = vocab_head_loss(mb, pass.masked, pass.head_scale);
+    head_loss->vocab_forward(mb.head, mb.x, mb.targets, head - schedule->first_head(), /*grad=*/true);
+    loss = head_loss->vocab_loss(mb.head, mb.targets, pass.masked, pass.head_scale);
     vocab_head_backward(mb, head);
   } else {
-    const Device::Reservation loss_res = reserve_head_loss();
+    const Device::Reservation loss_res = head_loss->reserve();
     at::Tensor xh = mb.x.detach().requires_grad_(true);
-    loss = head_loss(xh, mb, pass.masked, pass.head_scale);
+    loss = head_loss->whole(xh, mb.targets, pass.masked, pass.head_scale);
     torch::autograd::backward({loss * pass.head_scale});
     mb.dy = xh.grad();
   }
@@ -381,7 +259,7 @@ Engine::EvalResult Engine::Impl::evaluate(const at::Tensor& ids, const at::Tenso
       params->acquire(s);
       params->prefetch(s, n);
       if (schedule->is_head(s)) {
-        vocab_head_forward(mb, s, /*grad=*/false);
+        head_loss->vocab_forward(mb.head, mb.x, mb.targets, s - schedule->first_head(), /*grad=*/false);
         params->release_after(s, n);
         continue;
       }
@@ -393,12 +271,12 @@ Engine::EvalResult Engine::Impl::evaluate(const at::Tensor& ids, const at::Tenso
     }
     params->acquire(head);
     if (schedule->vocab_tiled()) {
-      vocab_head_forward(mb, head, /*grad=*/false);
-      loss_sum += vocab_head_loss(mb, /*masked=*/true, 1.0).to(at::kDouble);
-      mb.head = VocabHeadPass{};
+      head_loss->vocab_forward(mb.head, mb.x, mb.targets, head - schedule->first_head(), /*grad=*/false);
+      loss_sum += head_loss->vocab_loss(mb.head, mb.targets, /*masked=*/true, 1.0).to(at::kDouble);
+      mb.head = runtime::HeadLoss::VocabPass{};
     } else {
-      const Device::Reservation loss_res = reserve_head_loss();
-      loss_sum += head_loss(mb.x, mb, /*masked=*/true).to(at::kDouble);
+      const Device::Reservation loss_res = head_loss->reserve();
+      loss_sum += head_loss->whole(mb.x, mb.targets, /*masked=*/true).to(at::kDouble);
     }
     mb.x = at::Tensor();
     params->release_after(head, n);
