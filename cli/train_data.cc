@@ -1,0 +1,77 @@
+// `strata train`: the data and the model a run starts with (train_parts.h).
+#include "train_parts.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <iostream>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "object_paths.h"
+#include "strata/models/hf_io.h"
+#include "strata/models/token_data.h"
+#include "strata/offload/object_store.h"
+
+namespace strata::cli::train {
+namespace {
+
+std::shared_ptr<const models::SampleSource> open_samples(const engine::TrainConfig& tc, const std::string& path,
+                                                         const std::string& format, uint64_t vocab, bool lead) {
+  const uint64_t T = uint64_t(tc.engine.seq_len);
+  if (format != "sft")
+    return std::make_shared<models::TokenWindows>(
+        std::make_shared<models::TokenCorpus>(path, models::parse_token_format(format), vocab), T);
+  auto sft = std::make_shared<models::SftExamples>(path, T, vocab, tc.data_pad_id);
+  if (lead && sft->truncated_examples() > 0)
+    std::cerr << "strata train: warning: " << sft->truncated_examples() << " of " << sft->size() << " examples of "
+              << path << " are longer than seq_len + 1 = " << T + 1 << " tokens and are cut there ("
+              << sft->truncated_loss_tokens() << " response tokens never trained on); raise data.seq_len to keep them\n";
+  return sft;
+}
+
+}  // namespace
+
+DataSources open_data(const engine::TrainConfig& tc, uint64_t vocab, bool lead) {
+  DataSources d;
+  d.train = open_samples(tc, tc.data_path, tc.data_format, vocab, lead);
+  if (!tc.eval_path.empty()) d.eval = open_samples(tc, tc.eval_path, tc.eval_format, vocab, lead);
+  if (tc.eval_split > 0) {  // the last samples are held out
+    const uint64_t n = d.train->size(), held = std::max<uint64_t>(1, uint64_t(std::llround(tc.eval_split * double(n))));
+    if (held >= n)
+      throw std::invalid_argument("data.eval_split " + std::to_string(tc.eval_split) + " of the " + std::to_string(n) +
+                                  " samples of " + d.train->description() + " leaves none to train on");
+    d.eval = std::make_shared<models::SampleRange>(d.train, n - held, n);
+    d.train = std::make_shared<models::SampleRange>(d.train, 0, n - held);
+  }
+  if (d.eval && tc.eval_max_samples > 0 && d.eval->size() > uint64_t(tc.eval_max_samples))
+    d.eval = std::make_shared<models::SampleRange>(d.eval, 0, uint64_t(tc.eval_max_samples));
+  return d;
+}
+
+// A model in a bucket: one rank per node mirrors it into the cache (ranged GETs, files whose
+// size and etag match the last copy skipped), the others wait; then it loads from there.
+void fetch_init_model(engine::TrainConfig& tc, const engine::DistEnv& env, engine::Communicator& comm, bool lead) {
+  if (!offload::is_object_store_url(tc.init_from)) return;
+  const std::string local = cache_path("models", tc.init_from);
+  if (env.local_rank == 0) {
+    const uint64_t bytes = offload::mirror_to_directory(
+        *offload::open_object_store(tc.init_from), local, {}, [&](const std::string& name, uint64_t size) {
+          if (lead) std::cerr << "strata train: fetching " << tc.init_from << "/" << name << " (" << double(size) / (1 << 20) << " MiB)\n";
+        });
+    if (lead)
+      std::cerr << "strata train: model " << tc.init_from << " in " << local << " (" << double(bytes) / (1 << 20)
+                << " MiB fetched)\n";
+  }
+  comm.barrier();
+  tc.init_from = local;
+}
+
+std::unique_ptr<models::Decoder> make_model(const engine::TrainConfig& tc) {
+  return tc.init_from.empty()
+             ? std::make_unique<models::Decoder>(tc.model, tc.init_seed, models::Decoder::Init::kDeferred)
+             : models::load_hf_model(tc.init_from);
+}
+
+}  // namespace strata::cli::train

@@ -1,0 +1,130 @@
+// `strata train`: the run's Hugging Face exports (train_parts.h).
+#include "train_parts.h"
+
+#include <ATen/ops/tensor.h>
+#include <c10/core/GradMode.h>
+
+#include <chrono>
+#include <exception>
+#include <iostream>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
+
+#include "object_paths.h"
+#include "strata/models/hf_io.h"
+#include "strata/offload/object_store.h"
+
+namespace strata::cli::train {
+namespace {
+
+constexpr const char* kExportOverwriteHint =
+    "set run.export_overwrite (--export-overwrite) to replace its config.json and model.safetensors, or give "
+    "another run.export";
+
+}  // namespace
+
+std::string prepare_export(engine::TrainConfig& tc) {
+  // An export to object storage (run.export s3://...) is staged in a local directory of the
+  // cache, then uploaded.
+  std::string export_store;
+  if (offload::is_object_store_url(tc.export_dir)) {
+    if (tc.export_every > 0)
+      throw std::invalid_argument("run.export_every with an export to object storage (" + tc.export_dir +
+                                  ") is not supported: export to a directory, or only at the end");
+    check_export_store(tc.export_dir, tc.export_overwrite, kExportOverwriteHint);
+    export_store = tc.export_dir;
+    tc.export_dir = cache_path("exports", export_store);
+    tc.export_overwrite = true;  // the staging directory is the cache's
+    clear_directory(tc.export_dir);  // nothing of an earlier staged export is uploaded again
+  }
+  if (!tc.export_dir.empty()) {
+    models::ExportDirectory::check(tc.export_dir, tc.export_overwrite, kExportOverwriteHint);
+    check_writable(models::ExportDirectory::temporary(tc.export_dir).parent_path(), "the export's parent directory");
+  }
+  return export_store;
+}
+
+at::ScalarType export_dtype(const engine::TrainConfig& tc, const engine::EngineConfig& ec) {
+  return tc.export_dtype != "auto"                ? models::parse_export_dtype(tc.export_dtype)
+         : ec.compute == engine::Precision::kBf16 ? at::kBFloat16
+                                                  : at::kFloat;
+}
+
+// In the export's dtype.
+void check_export_space(const engine::TrainConfig& tc, const models::ModelConfig& mc, at::ScalarType type) {
+  if (tc.export_dir.empty()) return;
+  const uint64_t exports = 1 + (tc.export_every > 0 && tc.steps > 0 ? uint64_t((tc.steps - 1) / tc.export_every) : 0);
+  check_free_space(models::ExportDirectory::temporary(tc.export_dir).parent_path(),
+                   uint64_t(mc.parameters()) * uint64_t(at::elementSize(type)) * exports,
+                   exports == 1 ? "the export's parent directory"
+                                : "the export's parent directory (" + std::to_string(exports) + " exports)");
+}
+
+Exporter::Exporter(const Run& run, at::ScalarType type, std::string store, int64_t first_step)
+    : run_(run), type_(type), store_(std::move(store)), first_step_(first_step),
+      replace_periodic_(run.tc.export_overwrite || first_step > 0) {}
+
+void Exporter::check_periodic_dirs() const {
+  const engine::TrainConfig& tc = run_.tc;
+  for (int64_t k = first_step_ + 1; tc.export_every > 0 && k < tc.steps; ++k)
+    if (k % tc.export_every == 0) models::ExportDirectory::check(periodic_dir(k), replace_periodic_, kExportOverwriteHint);
+}
+
+bool Exporter::periodic_due(int64_t step) const {
+  const engine::TrainConfig& tc = run_.tc;
+  return tc.export_every > 0 && step % tc.export_every == 0 && step < tc.steps;
+}
+
+void Exporter::export_periodic(int64_t step) { export_model(periodic_dir(step), replace_periodic_); }
+
+std::filesystem::path Exporter::periodic_dir(int64_t step) const {
+  return models::ExportDirectory::beside(run_.tc.export_dir, "-step-" + std::to_string(step));
+}
+
+// Every rank waits for rank 0's write (within distributed.timeout_s) and learns whether it
+// failed, so that a failed export stops every rank at once instead of leaving them in the next
+// step's collectives.
+void Exporter::export_model(const std::filesystem::path& dir, bool overwrite) {
+  std::string failure;
+  try {
+    write(dir, overwrite);
+  } catch (const engine::CommError&) {
+    throw;  // a peer is gone: nothing to agree on
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  at::Tensor failed = at::tensor({failure.empty() ? 0.0 : 1.0}, at::TensorOptions().dtype(at::kDouble));
+  run_.comm.all_reduce(failed, engine::ReduceOp::kSum);
+  if (failed.item<double>() > 0)
+    throw std::runtime_error(!failure.empty() ? failure : "the export on rank 0 failed (rank 0 says why)");
+}
+
+// A Hugging Face model directory of the weights now (collective: every rank gathers), with the
+// tokenizer and generation config of init_from.
+void Exporter::write(const std::filesystem::path& dir, bool overwrite) {
+  const engine::TrainConfig& tc = run_.tc;
+  auto params = run_.eng.gather_parameters();  // collective: every rank
+  if (!run_.lead) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  models::Decoder out(run_.mc, 0, models::Decoder::Init::kDeferred);  // every weight is copied in
+  at::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> by_name(params.begin(), params.end());
+  for (auto& [name, t] : out.hf_parameters()) t.copy_(by_name.at(name));
+  params.clear();
+  models::ExportDirectory target(dir, overwrite, kExportOverwriteHint);
+  models::export_hf_model(out, target.tmp(), type_, tc.export_shard_bytes);
+  const std::vector<std::string> carried =
+      tc.init_from.empty() ? std::vector<std::string>{} : models::copy_tokenizer_files(tc.init_from, target.tmp());
+  target.commit();
+  std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: exported " << dir.string()
+            << " (" << models::hf_dtype_name(type_) << (carried.empty() ? "" : ", with the tokenizer of init_from")
+            << ", " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
+  if (!store_.empty() && dir == std::filesystem::path(tc.export_dir)) upload_export(dir.string(), store_);
+}
+
+}  // namespace strata::cli::train

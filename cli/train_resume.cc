@@ -1,0 +1,124 @@
+// `strata train`: what a run starts from (train_parts.h). Decided before anything is built; a
+// committed checkpoint is never overwritten by a run that did not load it. Rank 0 alone chooses
+// (its error, if any, reaches every rank once they have met): with node-local checkpoint disks
+// only rank 0's holds `latest` and the manifests.
+#include "train_parts.h"
+
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "strata/engine/checkpoint.h"
+#include "strata/engine/checkpoint_store.h"
+#include "strata/offload/object_store.h"
+
+namespace strata::cli::train {
+namespace {
+
+// Rank 0 runs `choose`; what it throws is kept in `error`, for every rank to throw once they meet.
+void on_rank0(const engine::DistEnv& env, std::string& error, const std::function<void()>& choose) {
+  if (env.rank != 0) return;
+  try {
+    choose();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+}
+
+// --resume-from: a committed checkpoint directory, or a stored checkpoint's URL.
+void check_resume_from(const std::filesystem::path& from) {
+  if (offload::is_object_store_url(from.string()))
+    engine::read_checkpoint_meta(from);  // throws, saying why, unless committed
+  else if (!std::filesystem::exists(from / "manifest.json"))
+    throw std::invalid_argument("--resume-from " + from.string() +
+                                ": not a committed checkpoint directory (no manifest.json)");
+}
+
+// --resume: the checkpoint `latest` names, or the store's newest when it holds more steps.
+void choose_latest(const engine::TrainConfig& tc, std::optional<std::filesystem::path>& dir) {
+  dir = engine::resume_point(tc.checkpoint_dir);
+  if (!tc.checkpoint_upload.empty()) {
+    // The store may hold a newer one (saved on another machine, or the local copy pruned).
+    const auto stored = engine::newest_stored_checkpoint(tc.checkpoint_upload);
+    if (stored && (!dir || engine::read_checkpoint_meta(*stored).train_steps >
+                               engine::read_checkpoint_meta(*dir).train_steps))
+      dir = std::filesystem::path(*stored);
+  }
+}
+
+// A run from step 0 with a checkpoint directory: refused where committed checkpoints are.
+void refuse_committed(const engine::TrainConfig& tc) {
+  const auto committed = engine::committed_checkpoints(tc.checkpoint_dir);
+  if (!committed.empty())
+    throw std::invalid_argument("checkpoint directory " + tc.checkpoint_dir + " already holds " +
+                                std::to_string(committed.size()) + " committed checkpoint(s) (the newest " +
+                                committed.back().filename().string() +
+                                "): continue from them with --resume (or --resume-from DIR), or give "
+                                "another --checkpoint-dir; a run that did not load them would overwrite them");
+  if (!tc.checkpoint_upload.empty()) {
+    const auto stored = engine::stored_checkpoints(tc.checkpoint_upload);
+    if (!stored.empty())
+      throw std::invalid_argument("the checkpoint store " + tc.checkpoint_upload + " already holds " +
+                                  std::to_string(stored.size()) + " committed checkpoint(s) (the newest " +
+                                  stored.back() + "): continue from them with --resume, or upload elsewhere; a "
+                                  "run that did not load them would replace them");
+  }
+}
+
+}  // namespace
+
+ResumeRequest choose_resume_point(engine::TrainConfig& tc, const engine::DistEnv& env,
+                                  const std::optional<std::string>& resume_from) {
+  ResumeRequest request;
+  if (resume_from) {
+    const std::filesystem::path from(*resume_from);
+    on_rank0(env, request.error, [&] {
+      request.dir = from;
+      check_resume_from(from);
+    });
+    if (tc.checkpoint_dir.empty()) tc.checkpoint_dir = from.parent_path().string();
+    tier_checkpoints(tc);
+  } else if (tc.resume) {
+    request.latest = true;
+    on_rank0(env, request.error, [&] { choose_latest(tc, request.dir); });
+  } else if (!tc.checkpoint_dir.empty()) {
+    on_rank0(env, request.error, [&] { refuse_committed(tc); });
+  }
+  return request;
+}
+
+ResumePoint agree_on_resume_point(engine::Communicator& comm, engine::TrainConfig& tc,
+                                  const engine::DistEnv& env, const ResumeRequest& request, bool lead) {
+  ResumePoint point;
+  const engine::ResumeChoice choice = engine::agree_resume_point(comm, request.dir, request.error);
+  point.dir = choice.dir;
+  point.fresh_under_resume = request.latest && !point.dir;
+  if (point.dir) {
+    const engine::ResumeBatch rb = engine::resume_batch(choice.meta, tc.engine.micro_batch, tc.engine.grad_accum,
+                                                        env.world_size, tc.allow_batch_change);
+    tc.engine.grad_accum = rb.grad_accum;
+    if (!rb.note.empty() && lead) std::cerr << "strata train: " << rb.note << "\n";
+  }
+  return point;
+}
+
+Start load_resume_point(const Run& run, const ResumePoint& resume) {
+  Start start;
+  if (resume.dir) {
+    const engine::CheckpointMeta meta =
+        engine::load_checkpoint(run.eng, run.comm, *resume.dir, run.tc.checkpoint_transfer);
+    run.loader.set_position(meta.samples_consumed);
+    start.first_step = meta.train_steps;
+    start.resumed_from = resume.dir->string();
+  } else if (resume.fresh_under_resume && run.lead) {
+    std::cerr << "strata train: no committed checkpoint under " << run.tc.checkpoint_dir
+              << " yet: starting at step 0\n";
+  }
+  return start;
+}
+
+}  // namespace strata::cli::train
