@@ -83,11 +83,9 @@ void GradientReducer::end_step() {
   }
 }
 
-void GradientReducer::reduce(size_t stage) {
-  // Every unit the stage uses is reduced, gradient or not, so that the collectives are the same
-  // on every rank whatever autograd produced locally.
-  // The units' flat fp32 buffers: autograd's gradients copied in, zeros only where none came
-  // (tensors without a gradient, the padding after the tensors), so each element is written once.
+// The units' flat fp32 buffers: autograd's gradients copied in, zeros only where none came
+// (tensors without a gradient, the padding after the tensors), so each element is written once.
+std::map<size_t, at::Tensor> GradientReducer::flat_gradients(size_t stage) {
   std::map<size_t, at::Tensor> flats;
   std::map<size_t, std::vector<bool>> missing;  // by unit: its tensors that got no gradient
   for (size_t u : schedule_.units_of(stage)) {
@@ -110,6 +108,13 @@ void GradientReducer::reduce(size_t stage) {
         const TensorSlot& s = partition_.unit(u).tensors[i];
         flats.at(u).narrow(0, int64_t(s.offset), int64_t(s.numel)).zero_();
       }
+  return flats;
+}
+
+void GradientReducer::reduce(size_t stage) {
+  // Every unit the stage uses is reduced, gradient or not, so that the collectives are the same
+  // on every rank whatever autograd produced locally.
+  std::map<size_t, at::Tensor> flats = flat_gradients(stage);
   for (auto& [u, flat] : flats) {
     const UnitLayout& L = partition_.unit(u);
     at::Tensor send = flat;
@@ -130,86 +135,101 @@ void GradientReducer::reduce(size_t stage) {
       buffers_->take(u);
       fresh_[u] = 1;
     }
-    at::Tensor acc = store_.tensor(u, kGrad);
     const Placement where = store_.placement(u, kGrad);
-    const bool fresh = fresh_[u] != 0;
-    // A CPU collective's wait blocks until the ranks have exchanged the gradient (comm.h); a
-    // CUDA one only orders the streams. With other ranks, a shard accumulated off the device is
-    // waited for on the download stream, before its copy: the next stage's backward runs while
-    // the ranks exchange (the collective's buffers stay counted on the device until then). Alone,
-    // the reduce is the identity, done when issued.
-    if (where == Placement::kDevice || !Communicator::wait_blocks_host(shard) || comm_.world_size() == 1) {
-      auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &L.name);
-      work->wait();
-    } else {
-      while (reduces_in_flight_.size() >= kMaxReducesInFlight) {
-        auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &L.name);
-        // A failed d2h stream runs nothing more, the event's record included: its error ends
-        // the wait instead of a hang.
-        while (!reduces_in_flight_.front()->done()) {
-          const std::string error = dev_.stream_error(dev_.d2h_stream());
-          if (!error.empty()) throw std::runtime_error("gradient reduce-scatter: the download stream failed: " + error);
-          std::this_thread::sleep_for(std::chrono::microseconds(100));
-        }
-        reduces_in_flight_.pop_front();
-      }
-      dev_.launch_host(dev_.d2h_stream(), [work] { work->wait(); });
-      reduces_in_flight_.push_back(dev_.record(dev_.d2h_stream()));
-    }
-    if (where == Placement::kDevice) {
-      acc.add_(shard);
-      continue;
-    }
-    fresh_[u] = 0;
-    dev_.wait(dev_.d2h_stream(), dev_.record(dev_.compute_stream()));  // shard is filled there
-    if (where == Placement::kHost && fresh && shard.scalar_type() == at::kFloat) {
-      // The step's first contribution: copied down straight into the accumulator (no add, and
-      // no zeroing after the step).
-      dev_.copy_async(acc, shard, dev_.d2h_stream());
-      prof_.step.d2h_bytes += uint64_t(shard.nbytes());
-      continue;
-    }
-    // Device -> host on the download stream, then accumulated there in fp32.
-    at::Tensor host = host_.buffer(L.shard_numel, shard.scalar_type());
-    dev_.copy_async(host, shard, dev_.d2h_stream());
-    prof_.step.d2h_bytes += uint64_t(shard.nbytes());
-    if (where == Placement::kHost) {
-      dev_.launch_host(dev_.d2h_stream(), [acc, host, fresh]() mutable {
-        if (fresh) acc.copy_(host);
-        else acc.add_(host);
-      });
-      continue;
-    }
-    // Swap: the first micro-batch writes the shard, later ones read, add and write back. The
-    // write is submitted, not waited for: the stream goes on to the next unit, the next
-    // micro-batch's read of this unit waits for it, and the step's end waits for them all.
-    bound_pending_writes();
-    dev_.launch_host(dev_.d2h_stream(), [this, u, host, fresh]() mutable {
-      // On the d2h stream's host function: no pinned (CUDA) allocation here, and the conversion
-      // copy below is pageable too (at::Tensor::to allocates plain CPU memory).
-      at::Tensor h = host.scalar_type() == at::kFloat ? host : host.to(at::kFloat);
-      // Every write of a unit after its previous one (which a read must see, and which must not
-      // land after this one).
-      const offload::IoFuture before = last_write(u);
-      if (before.valid()) before.get();
-      if (!fresh) {
-        at::Tensor sum = state::HostMemory::unpinned(uint64_t(h.numel()), at::kFloat);
-        store_.read(u, kGrad, 0, sum).get();
-        sum.add_(h);
-        h = sum;
-      } else if (!h.is_same(host)) {
-        at::Tensor aligned = state::HostMemory::unpinned(uint64_t(h.numel()), at::kFloat);
-        aligned.copy_(h);
-        h = aligned;
-      }
-      offload::IoFuture written = store_.write(u, kGrad, 0, h);
-      // The entry takes this function's last references (h, and host, which the capture would
-      // otherwise free here), so the training thread frees them.
-      std::lock_guard<std::mutex> lock(mu_);
-      last_write_.at(u) = written;
-      writes_.push_back({written, {std::move(h), std::move(host)}});
-    });
+    wait_reduced(std::move(work), where, shard, L.name);
+    accumulate(u, shard, where);
   }
+}
+
+// A CPU collective's wait blocks until the ranks have exchanged the gradient (comm.h); a CUDA one
+// only orders the streams. With other ranks, a shard accumulated off the device is waited for on
+// the download stream, before its copy: the next stage's backward runs while the ranks exchange
+// (the collective's buffers stay counted on the device until then). Alone, the reduce is the
+// identity, done when issued.
+void GradientReducer::wait_reduced(std::shared_ptr<Communicator::Work> work, Placement where, const at::Tensor& shard,
+                                   const std::string& name) {
+  if (where == Placement::kDevice || !Communicator::wait_blocks_host(shard) || comm_.world_size() == 1) {
+    auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &name);
+    work->wait();
+    return;
+  }
+  while (reduces_in_flight_.size() >= kMaxReducesInFlight) {
+    auto t = prof_.time(prof_.step.wait_grads, "wait gradient reduce-scatter", &name);
+    // A failed d2h stream runs nothing more, the event's record included: its error ends the
+    // wait instead of a hang.
+    while (!reduces_in_flight_.front()->done()) {
+      const std::string error = dev_.stream_error(dev_.d2h_stream());
+      if (!error.empty()) throw std::runtime_error("gradient reduce-scatter: the download stream failed: " + error);
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    reduces_in_flight_.pop_front();
+  }
+  dev_.launch_host(dev_.d2h_stream(), [work] { work->wait(); });
+  reduces_in_flight_.push_back(dev_.record(dev_.d2h_stream()));
+}
+
+// The reduced shard added to unit u's accumulator where it lives (the step's first contribution
+// overwrites it).
+void GradientReducer::accumulate(size_t u, const at::Tensor& shard, Placement where) {
+  at::Tensor acc = store_.tensor(u, kGrad);
+  const bool fresh = fresh_[u] != 0;
+  if (where == Placement::kDevice) {
+    acc.add_(shard);
+    return;
+  }
+  fresh_[u] = 0;
+  dev_.wait(dev_.d2h_stream(), dev_.record(dev_.compute_stream()));  // shard is filled there
+  if (where == Placement::kHost && fresh && shard.scalar_type() == at::kFloat) {
+    // The step's first contribution: copied down straight into the accumulator (no add, and
+    // no zeroing after the step).
+    dev_.copy_async(acc, shard, dev_.d2h_stream());
+    prof_.step.d2h_bytes += uint64_t(shard.nbytes());
+    return;
+  }
+  // Device -> host on the download stream, then accumulated there in fp32.
+  at::Tensor host = host_.buffer(partition_.unit(u).shard_numel, shard.scalar_type());
+  dev_.copy_async(host, shard, dev_.d2h_stream());
+  prof_.step.d2h_bytes += uint64_t(shard.nbytes());
+  if (where == Placement::kHost) {
+    dev_.launch_host(dev_.d2h_stream(), [acc, host, fresh]() mutable {
+      if (fresh) acc.copy_(host);
+      else acc.add_(host);
+    });
+    return;
+  }
+  accumulate_in_swap(u, std::move(host), fresh);
+}
+
+// Swap: the first micro-batch writes the shard, later ones read, add and write back. The write is
+// submitted, not waited for: the stream goes on to the next unit, the next micro-batch's read of
+// this unit waits for it, and the step's end waits for them all.
+void GradientReducer::accumulate_in_swap(size_t u, at::Tensor host, bool fresh) {
+  bound_pending_writes();
+  dev_.launch_host(dev_.d2h_stream(), [this, u, host, fresh]() mutable {
+    // On the d2h stream's host function: no pinned (CUDA) allocation here, and the conversion
+    // copy below is pageable too (at::Tensor::to allocates plain CPU memory).
+    at::Tensor h = host.scalar_type() == at::kFloat ? host : host.to(at::kFloat);
+    // Every write of a unit after its previous one (which a read must see, and which must not
+    // land after this one).
+    const offload::IoFuture before = last_write(u);
+    if (before.valid()) before.get();
+    if (!fresh) {
+      at::Tensor sum = state::HostMemory::unpinned(uint64_t(h.numel()), at::kFloat);
+      store_.read(u, kGrad, 0, sum).get();
+      sum.add_(h);
+      h = sum;
+    } else if (!h.is_same(host)) {
+      at::Tensor aligned = state::HostMemory::unpinned(uint64_t(h.numel()), at::kFloat);
+      aligned.copy_(h);
+      h = aligned;
+    }
+    offload::IoFuture written = store_.write(u, kGrad, 0, h);
+    // The entry takes this function's last references (h, and host, which the capture would
+    // otherwise free here), so the training thread frees them.
+    std::lock_guard<std::mutex> lock(mu_);
+    last_write_.at(u) = written;
+    writes_.push_back({written, {std::move(h), std::move(host)}});
+  });
 }
 
 }  // namespace strata::engine::runtime

@@ -38,8 +38,10 @@
 #include <array>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -107,6 +109,11 @@ class GradientReducer {
 
  private:
   void bound_pending_writes();
+  std::map<size_t, at::Tensor> flat_gradients(size_t stage);
+  void wait_reduced(std::shared_ptr<Communicator::Work> work, Placement where, const at::Tensor& shard,
+                    const std::string& name);
+  void accumulate(size_t u, const at::Tensor& shard, Placement where);
+  void accumulate_in_swap(size_t u, at::Tensor host, bool fresh);
 
   const plan::Schedule& schedule_;
   const Partition& partition_;
