@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -106,9 +107,19 @@ std::string describe(int status) {
   return "stopped";
 }
 
-}  // namespace
+// What to run and where this node's ranks sit among all of them.
+struct LaunchOptions {
+  std::vector<std::string> cmd;  // the command after `--`
+  unsigned n = 0;                // ranks on this node
+  unsigned nodes = 1, node = 0;  // --nnodes, --node-rank
+  unsigned world = 0, first = 0;  // ranks in all, this node's first rank
+  std::string master;
+  int port = 0;
+};
 
-int launch_main(const std::vector<std::string>& argv) {
+// Reads the launcher's own options (before `--`) and the command; nothing when --help printed
+// the usage.
+std::optional<LaunchOptions> parse_launch_options(const std::vector<std::string>& argv) {
   auto sep = std::find(argv.begin(), argv.end(), "--");
   std::vector<std::string> own(argv.begin(), sep);
   for (auto& a : own)
@@ -119,92 +130,158 @@ int launch_main(const std::vector<std::string>& argv) {
   for (const auto& a : own)
     if (a == "--help" || a == "-h") {
       std::cout << kLaunchUsage;
-      return 0;
+      return std::nullopt;
     }
   if (sep == argv.end() || sep + 1 == argv.end())
     throw std::invalid_argument("strata launch: expected `-- command [args...]`\n\n" +
                                 std::string(kLaunchUsage));
-  std::vector<std::string> cmd(sep + 1, argv.end());
+  LaunchOptions o;
+  o.cmd.assign(sep + 1, argv.end());
   Args args(own, {"nproc", "port", "nnodes", "node-rank", "master-addr"}, {});
-  const unsigned n = args.count("nproc", 0);
-  if (n < 1) throw std::invalid_argument("strata launch: -n must be >= 1");
-  const unsigned nodes = args.count("nnodes", 1), node = args.count("node-rank", 0);
-  if (nodes < 1 || node >= nodes)
-    throw std::invalid_argument("strata launch: --node-rank must be in 0 .. --nnodes - 1 (" + std::to_string(node) +
-                                " of " + std::to_string(nodes) + ")");
-  if (nodes > 1 && (!args.has("master-addr") || !args.has("port")))
+  o.n = args.count("nproc", 0);
+  if (o.n < 1) throw std::invalid_argument("strata launch: -n must be >= 1");
+  o.nodes = args.count("nnodes", 1);
+  o.node = args.count("node-rank", 0);
+  if (o.nodes < 1 || o.node >= o.nodes)
+    throw std::invalid_argument("strata launch: --node-rank must be in 0 .. --nnodes - 1 (" + std::to_string(o.node) +
+                                " of " + std::to_string(o.nodes) + ")");
+  if (o.nodes > 1 && (!args.has("master-addr") || !args.has("port")))
     throw std::invalid_argument("strata launch: several nodes need --master-addr and --master-port, the same on every node");
-  const std::string master = args.get("master-addr", "127.0.0.1");
-  const int port = args.has("port") ? int(args.count("port", 0)) : engine::free_loopback_port();
-  const unsigned world = nodes * n, first = node * n;
-  if (nodes > 1 || master.rfind("127.", 0) != 0) {
-    std::string iface = std::getenv("GLOO_SOCKET_IFNAME") ? std::getenv("GLOO_SOCKET_IFNAME") : "";
-    std::string how = "GLOO_SOCKET_IFNAME";
-    if (iface.empty()) {
-      const auto [name, ip] = interface_towards(master, port);
-      iface = name;
-      how = "the route to " + master + ", local address " + ip;
-      setenv("GLOO_SOCKET_IFNAME", iface.c_str(), 1);
-    }
-    // NCCL (the ranks' GPU collectives) goes the same way unless told otherwise.
-    std::string nccl = std::getenv("NCCL_SOCKET_IFNAME") ? std::getenv("NCCL_SOCKET_IFNAME") : "";
-    if (nccl.empty()) {
-      nccl = iface;
-      setenv("NCCL_SOCKET_IFNAME", nccl.c_str(), 1);
-    }
-    std::cerr << "strata launch: node " << node << " of " << nodes << ", ranks " << first << "-" << first + n - 1
-              << " of " << world << ", master " << master << ":" << port << ", interface " << iface << " (" << how
-              << ")" << (nccl == iface ? "" : ", NCCL interface " + nccl + " (NCCL_SOCKET_IFNAME)") << std::endl;
-  }
+  o.master = args.get("master-addr", "127.0.0.1");
+  o.port = args.has("port") ? int(args.count("port", 0)) : engine::free_loopback_port();
+  o.world = o.nodes * o.n;
+  o.first = o.node * o.n;
+  return o;
+}
 
+// Picks the network interfaces Gloo and NCCL use (for the ranks, through the environment) and
+// says which, when the ranks talk beyond loopback.
+void choose_interfaces(const LaunchOptions& o) {
+  if (!(o.nodes > 1 || o.master.rfind("127.", 0) != 0)) return;
+  std::string iface = std::getenv("GLOO_SOCKET_IFNAME") ? std::getenv("GLOO_SOCKET_IFNAME") : "";
+  std::string how = "GLOO_SOCKET_IFNAME";
+  if (iface.empty()) {
+    const auto [name, ip] = interface_towards(o.master, o.port);
+    iface = name;
+    how = "the route to " + o.master + ", local address " + ip;
+    setenv("GLOO_SOCKET_IFNAME", iface.c_str(), 1);
+  }
+  // NCCL (the ranks' GPU collectives) goes the same way unless told otherwise.
+  std::string nccl = std::getenv("NCCL_SOCKET_IFNAME") ? std::getenv("NCCL_SOCKET_IFNAME") : "";
+  if (nccl.empty()) {
+    nccl = iface;
+    setenv("NCCL_SOCKET_IFNAME", nccl.c_str(), 1);
+  }
+  std::cerr << "strata launch: node " << o.node << " of " << o.nodes << ", ranks " << o.first << "-" << o.first + o.n - 1
+            << " of " << o.world << ", master " << o.master << ":" << o.port << ", interface " << iface << " (" << how
+            << ")" << (nccl == iface ? "" : ", NCCL interface " + nccl + " (NCCL_SOCKET_IFNAME)") << std::endl;
+}
+
+// Installs the launcher's handler of the stop signals.
+void install_stop_handlers() {
   for (int sig : kStopSignals) {
     struct sigaction sa {};
     sa.sa_sigaction = on_launcher_stop_signal;
     sa.sa_flags = SA_SIGINFO;
     sigaction(sig, &sa, nullptr);
   }
+}
+
+// In the child forked for local rank `r`: sets up its signals and environment and runs the
+// command; does not return.
+[[noreturn]] void exec_rank(const LaunchOptions& o, unsigned r, pid_t launcher, const std::string& threads_per_rank) {
+  // SIGTERM if the launcher dies (SIGKILL included), rather than training on without it
+  // (the default disposition first, so that it cannot land in the launcher's handler).
+  for (int sig : kStopSignals) signal(sig, SIG_DFL);
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() != launcher) _exit(128 + SIGTERM);
+  setenv("RANK", std::to_string(o.first + r).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(o.world).c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(o.n).c_str(), 1);
+  setenv("GROUP_RANK", std::to_string(o.node).c_str(), 1);
+  setenv("MASTER_ADDR", o.master.c_str(), 1);
+  setenv("MASTER_PORT", std::to_string(o.port).c_str(), 1);
+  // Each rank's share of the cores, as torchrun does (kept where the caller set it).
+  if (o.n > 1) setenv("OMP_NUM_THREADS", threads_per_rank.c_str(), 0);
+  std::vector<char*> cargv;
+  for (auto& s : o.cmd) cargv.push_back(const_cast<char*>(s.c_str()));
+  cargv.push_back(nullptr);
+  execvp(cargv[0], cargv.data());
+  std::cerr << "strata launch: cannot run " << o.cmd[0] << ": " << strerror(errno) << "\n";
+  _exit(127);
+}
+
+// Forks this node's ranks; their pids by local rank.
+std::vector<pid_t> start_ranks(const LaunchOptions& o) {
   const pid_t launcher = getpid();
-  std::vector<pid_t> pids(n, -1);
-  const std::string threads_per_rank = std::to_string(engine::cpu_threads_per_rank(int(n)));
-  for (unsigned r = 0; r < n; ++r) {
+  std::vector<pid_t> pids(o.n, -1);
+  const std::string threads_per_rank = std::to_string(engine::cpu_threads_per_rank(int(o.n)));
+  for (unsigned r = 0; r < o.n; ++r) {
     pid_t pid = fork();
     if (pid < 0) throw std::runtime_error("fork: " + std::string(strerror(errno)));
-    if (pid == 0) {
-      // SIGTERM if the launcher dies (SIGKILL included), rather than training on without it
-      // (the default disposition first, so that it cannot land in the launcher's handler).
-      for (int sig : kStopSignals) signal(sig, SIG_DFL);
-      prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (getppid() != launcher) _exit(128 + SIGTERM);
-      setenv("RANK", std::to_string(first + r).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
-      setenv("GROUP_RANK", std::to_string(node).c_str(), 1);
-      setenv("MASTER_ADDR", master.c_str(), 1);
-      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      // Each rank's share of the cores, as torchrun does (kept where the caller set it).
-      if (n > 1) setenv("OMP_NUM_THREADS", threads_per_rank.c_str(), 0);
-      std::vector<char*> cargv;
-      for (auto& s : cmd) cargv.push_back(const_cast<char*>(s.c_str()));
-      cargv.push_back(nullptr);
-      execvp(cargv[0], cargv.data());
-      std::cerr << "strata launch: cannot run " << cmd[0] << ": " << strerror(errno) << "\n";
-      _exit(127);
-    }
+    if (pid == 0) exec_rank(o, r, launcher, threads_per_rank);
     pids[r] = pid;
   }
+  return pids;
+}
 
-  int result = 0;
-  unsigned running = n;
-  bool stopping = false, died_by_sigint = false;
+// Passes each stop signal a process sent the launcher since the last call on to every live rank.
+void forward_stop_signals(const std::vector<pid_t>& pids) {
+  for (int i = 0; i < 3; ++i)
+    for (unsigned k = to_forward[i].exchange(0); k > 0; --k)
+      for (pid_t p : pids)
+        if (p > 0) kill(p, kStopSignals[i]);
+}
+
+// SIGKILLs the ranks still running, saying so on stderr.
+void kill_remaining(const std::vector<pid_t>& pids, unsigned first) {
+  for (size_t r = 0; r < pids.size(); ++r)
+    if (pids[r] > 0) {
+      std::cerr << "strata launch: rank " << first + r << " is still running 10 s after SIGTERM: killing it (SIGKILL)\n";
+      kill(pids[r], SIGKILL);
+    }
+}
+
+// Whether a rank that ended with `status` ended as a stop signal the launcher got asks it to.
+bool ended_as_asked(int status) {
+  bool asked = false;
+  for (int i = 0; i < 3; ++i)
+    asked |= received[i].load() && ((WIFEXITED(status) && WEXITSTATUS(status) == 128 + kStopSignals[i]) ||
+                                    (WIFSIGNALED(status) && WTERMSIG(status) == kStopSignals[i]));
+  return asked;
+}
+
+// The exit status the launcher passes on for a rank that ended with `status`.
+int exit_status_of(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+
+// Sends every live rank SIGTERM tagged with the failed rank (kPeerFailedTag in train.h).
+void stop_peers(const std::vector<pid_t>& pids, unsigned rank) {
+  for (pid_t p : pids)
+    if (p > 0) {
+      union sigval failed_rank {};
+      failed_rank.sival_int = kPeerFailedTag | int(rank & 0xffff);
+      sigqueue(p, SIGTERM, failed_rank);
+    }
+}
+
+// How the ranks ended, for the launcher's own exit.
+struct Outcome {
+  int result = 0;               // the launcher's exit status
+  bool died_by_sigint = false;  // a rank was killed by a SIGINT the launcher got
+};
+
+// Waits for every rank to end: passes stop signals on, stops the others when one fails and
+// kills those still running 10 s later. Ended ranks' pids become -1.
+Outcome supervise_ranks(std::vector<pid_t>& pids, unsigned first) {
+  Outcome out;
+  unsigned running = unsigned(pids.size());
+  bool stopping = false;
   auto stop_deadline = std::chrono::steady_clock::time_point::max();
   while (running > 0) {
     // Polled, not a blocking wait: a signal arriving just before a blocking waitpid would wait
     // for a rank to end before being passed on.
-    for (int i = 0; i < 3; ++i)
-      for (unsigned k = to_forward[i].exchange(0); k > 0; --k)
-        for (pid_t p : pids)
-          if (p > 0) kill(p, kStopSignals[i]);
+    forward_stop_signals(pids);
     int status = 0;
     pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid < 0) {
@@ -213,11 +290,7 @@ int launch_main(const std::vector<std::string>& argv) {
     }
     if (pid == 0) {  // nothing ended: when stopping, kill at the deadline
       if (std::chrono::steady_clock::now() > stop_deadline) {
-        for (size_t r = 0; r < pids.size(); ++r)
-          if (pids[r] > 0) {
-            std::cerr << "strata launch: rank " << first + r << " is still running 10 s after SIGTERM: killing it (SIGKILL)\n";
-            kill(pids[r], SIGKILL);
-          }
+        kill_remaining(pids, first);
         stop_deadline = std::chrono::steady_clock::time_point::max();
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -231,32 +304,39 @@ int launch_main(const std::vector<std::string>& argv) {
     const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     // A rank that ended as a stop signal the launcher got asks it to (128 + signal, or by the
     // signal): expected; the others are not hurried, their save may still be running.
-    bool asked = false;
-    for (int i = 0; i < 3; ++i)
-      asked |= received[i].load() && ((WIFEXITED(status) && WEXITSTATUS(status) == 128 + kStopSignals[i]) ||
-                                      (WIFSIGNALED(status) && WTERMSIG(status) == kStopSignals[i]));
-    if (asked) {
-      if (result == 0) result = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      died_by_sigint |= WIFSIGNALED(status) && WTERMSIG(status) == SIGINT;
+    if (ended_as_asked(status)) {
+      if (out.result == 0) out.result = exit_status_of(status);
+      out.died_by_sigint |= WIFSIGNALED(status) && WTERMSIG(status) == SIGINT;
     } else if (failed && !stopping) {
       std::cerr << "strata launch: rank " << rank << " " << describe(status)
                 << "; stopping the other ranks\n";
-      result = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      out.result = exit_status_of(status);
       stopping = true;
       stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-      for (pid_t p : pids)
-        if (p > 0) {
-          union sigval failed_rank {};
-          failed_rank.sival_int = kPeerFailedTag | int(rank & 0xffff);
-          sigqueue(p, SIGTERM, failed_rank);
-        }
+      stop_peers(pids, rank);
     }
   }
-  if (died_by_sigint) {  // as the ranks did: the cooperative exit a shell expects
+  return out;
+}
+
+// Ends the launcher as its ranks ended: their status, or SIGINT.
+int exit_as_ranks_did(const Outcome& out) {
+  if (out.died_by_sigint) {  // as the ranks did: the cooperative exit a shell expects
     signal(SIGINT, SIG_DFL);
     raise(SIGINT);
   }
-  return result;
+  return out.result;
+}
+
+}  // namespace
+
+int launch_main(const std::vector<std::string>& argv) {
+  const std::optional<LaunchOptions> o = parse_launch_options(argv);
+  if (!o) return 0;  // --help
+  choose_interfaces(*o);
+  install_stop_handlers();
+  std::vector<pid_t> pids = start_ranks(*o);
+  return exit_as_ranks_did(supervise_ranks(pids, o->first));
 }
 
 }  // namespace strata::cli

@@ -67,54 +67,67 @@ std::vector<int> node_counts(const std::string& s) {
   return out;
 }
 
-}  // namespace
+// `--calibrate`: measures this machine and writes its cluster file.
+int calibrate_command(const Args& args) {
+  bench::CalibrateOptions o;
+  o.output = args.get("output", "strata-cluster.json");
+  o.dir = args.get("dir", ".");
+  o.device = args.get("device", "cpu");
+  const planner::Cluster c = bench::calibrate_this_machine(o);
+  std::ofstream f(o.output);
+  f << planner::cluster_json(c);
+  if (!f.flush()) throw std::runtime_error("cannot write " + o.output);
+  std::cout << "wrote " << o.output << "\n";
+  return 0;
+}
 
-int plan_command(const std::vector<std::string>& argv) {
-  for (const std::string& a : argv)
-    if (a == "--help" || a == "-h") {
-      std::cout << kPlanUsage;
-      return 0;
+// `--as-given`: Strata's predicted step and per-tier bytes for the --config file as it is; 1
+// when it does not fit.
+int plan_as_given(const Args& args) {
+  if (!args.has("config")) throw std::invalid_argument("--as-given needs --config");
+  const engine::TrainConfig tc = engine::load_train_config(args.get("config", ""));
+  planner::Cluster c = planner::cluster_from(args.get("cluster", "h100-box"));
+  if (args.has("nodes")) c.nodes = node_counts(args.get("nodes", "")).front();
+  const planner::StrataEstimate e = planner::estimate_strata_as_given(tc.engine, tc.model, c);
+  const planner::StrataTime& t = e.time;
+  std::cout << "strata plan --as-given: " << tc.model.name << " on " << c.nodes << " x " << c.name << "\n  "
+            << (e.fits() ? e.state.report : "does not fit: " + e.state.error) << "\n";
+  if (e.fits())
+    std::cout << "  step " << t.step << " s (bound " << t.bound << " s, bottleneck " << t.bottleneck
+              << "): compute " << t.compute << " s (matmul " << t.compute_matmul << ", attention "
+              << t.compute_attention << ", memory-bound " << t.compute_memory << ", engine copies " << t.compute_local
+              << "), network " << t.network
+              << " s, PCIe up " << t.pcie_up << " s, down " << t.pcie_down << " s, NVMe " << t.nvme
+              << " s, CPU optimizer " << t.cpu_optimizer << " s, device optimizer " << t.device_optimizer
+              << " s\n  per rank: device " << e.state.device_bytes() << " B (state " << e.state.device_state
+              << ", working set " << e.state.working_set << "), host " << e.state.host_state << " B, NVMe "
+              << e.state.nvme_state << " B\n";
+  return e.fits() ? 0 : 1;
+}
+
+// `--max-model`: the largest model of the family each system trains on `n` nodes of `c`.
+void print_largest_models(const planner::Workload& wn, const planner::Cluster& c, const engine::EngineConfig& base,
+                          int n, bool as_json) {
+  if (!as_json) std::cout << "largest model of the family (GPT, h/200 layers) on " << n << " x " << c.name << ":\n";
+  for (const planner::Largest& l : planner::largest_models(wn, c, base)) {
+    if (as_json) {
+      std::cout << nlohmann::json{{"system", l.system}, {"nodes", n}, {"parameters", l.parameters},
+                                  {"configuration", l.how}}.dump()
+                << "\n";
+    } else {
+      std::cout << "  " << l.system << ": ";
+      if (!l.model) std::cout << "nothing fits\n";
+      else
+        std::cout << l.parameters / 1e9 << "B (" << l.model->layers << " x " << l.model->hidden << "): " << l.how
+                  << "\n";
     }
-  const Args args(argv, {"model", "cluster", "nodes", "seq-len", "global-batch", "micro-batch", "config", "output", "dir",
-                   "device"},
-                  {"max-model", "json", "calibrate", "as-given"});
-  if (args.has("calibrate")) {
-    bench::CalibrateOptions o;
-    o.output = args.get("output", "strata-cluster.json");
-    o.dir = args.get("dir", ".");
-    o.device = args.get("device", "cpu");
-    const planner::Cluster c = bench::calibrate_this_machine(o);
-    std::ofstream f(o.output);
-    f << planner::cluster_json(c);
-    if (!f.flush()) throw std::runtime_error("cannot write " + o.output);
-    std::cout << "wrote " << o.output << "\n";
-    return 0;
   }
-  if (args.has("as-given")) {
-    if (!args.has("config")) throw std::invalid_argument("--as-given needs --config");
-    const engine::TrainConfig tc = engine::load_train_config(args.get("config", ""));
-    planner::Cluster c = planner::cluster_from(args.get("cluster", "h100-box"));
-    if (args.has("nodes")) c.nodes = node_counts(args.get("nodes", "")).front();
-    const planner::StrataEstimate e = planner::estimate_strata_as_given(tc.engine, tc.model, c);
-    const planner::StrataTime& t = e.time;
-    std::cout << "strata plan --as-given: " << tc.model.name << " on " << c.nodes << " x " << c.name << "\n  "
-              << (e.fits() ? e.state.report : "does not fit: " + e.state.error) << "\n";
-    if (e.fits())
-      std::cout << "  step " << t.step << " s (bound " << t.bound << " s, bottleneck " << t.bottleneck
-                << "): compute " << t.compute << " s (matmul " << t.compute_matmul << ", attention "
-                << t.compute_attention << ", memory-bound " << t.compute_memory << ", engine copies " << t.compute_local
-                << "), network " << t.network
-                << " s, PCIe up " << t.pcie_up << " s, down " << t.pcie_down << " s, NVMe " << t.nvme
-                << " s, CPU optimizer " << t.cpu_optimizer << " s, device optimizer " << t.device_optimizer
-                << " s\n  per rank: device " << e.state.device_bytes() << " B (state " << e.state.device_state
-                << ", working set " << e.state.working_set << "), host " << e.state.host_state << " B, NVMe "
-                << e.state.nvme_state << " B\n";
-    return e.fits() ? 0 : 1;
-  }
-  if (!args.has("model")) {
-    std::cerr << kPlanUsage;
-    return 2;
-  }
+  if (!as_json) std::cout << "\n";
+}
+
+// The plan proper: Strata beside 3D parallelism for --model on each node count, as a table or
+// JSON lines.
+int plan_comparison(const Args& args) {
   planner::Workload w;
   w.model = model_from(args.get("model", ""));
   w.seq_len = int64_t(args.count("seq-len", 2048));
@@ -134,25 +147,29 @@ int plan_command(const std::vector<std::string>& argv) {
     const planner::Comparison cmp = planner::compare(wn, c, base, !args.has("micro-batch"));
     if (as_json) std::cout << planner::comparison_json(cmp) << "\n";
     else std::cout << planner::comparison_table(cmp) << "\n";
-    if (args.has("max-model")) {
-      if (!as_json) std::cout << "largest model of the family (GPT, h/200 layers) on " << n << " x " << c.name << ":\n";
-      for (const planner::Largest& l : planner::largest_models(wn, c, base)) {
-        if (as_json) {
-          std::cout << nlohmann::json{{"system", l.system}, {"nodes", n}, {"parameters", l.parameters},
-                                      {"configuration", l.how}}.dump()
-                    << "\n";
-        } else {
-          std::cout << "  " << l.system << ": ";
-          if (!l.model) std::cout << "nothing fits\n";
-          else
-            std::cout << l.parameters / 1e9 << "B (" << l.model->layers << " x " << l.model->hidden << "): " << l.how
-                      << "\n";
-        }
-      }
-      if (!as_json) std::cout << "\n";
-    }
+    if (args.has("max-model")) print_largest_models(wn, c, base, n, as_json);
   }
   return 0;
+}
+
+}  // namespace
+
+int plan_command(const std::vector<std::string>& argv) {
+  for (const std::string& a : argv)
+    if (a == "--help" || a == "-h") {
+      std::cout << kPlanUsage;
+      return 0;
+    }
+  const Args args(argv, {"model", "cluster", "nodes", "seq-len", "global-batch", "micro-batch", "config", "output", "dir",
+                   "device"},
+                  {"max-model", "json", "calibrate", "as-given"});
+  if (args.has("calibrate")) return calibrate_command(args);
+  if (args.has("as-given")) return plan_as_given(args);
+  if (!args.has("model")) {
+    std::cerr << kPlanUsage;
+    return 2;
+  }
+  return plan_comparison(args);
 }
 
 }  // namespace strata::cli

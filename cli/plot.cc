@@ -286,11 +286,8 @@ constexpr int kCellW = kPlotWidth / 2, kCellH = kPlotHeight / 2;
 constexpr int kLeft = 112, kRight = 24, kTop = 66, kBottom = 54;
 constexpr int kScale = 2;  // text: 10 x 16 px glyph cells
 
-void draw_panel(Canvas& cv, const Panel& p, int ox, int oy) {
-  const int left = ox + kLeft, right = ox + kCellW - kRight, top = oy + kTop, bottom = oy + kCellH - kBottom;
-  cv.text(left, oy + 10, p.title, kBlack, kScale);
-
-  // Legend: one row between the title and the plot area, moved left if it would overrun.
+// Draws the legend: one row between the title and the plot area, moved left if it would overrun.
+void draw_legend(Canvas& cv, const Panel& p, int ox, int oy, int left) {
   int legend_w = 0;
   for (const auto& s : p.series) legend_w += 26 + text_width(s.name, kScale) + 20;
   int lx = std::max(ox + 8, std::min(left, ox + kCellW - 8 - (legend_w - 20)));
@@ -305,8 +302,16 @@ void draw_panel(Canvas& cv, const Panel& p, int ox, int oy) {
     cv.text(lx + 26, ly, s.name, kBlack, kScale);
     lx += 26 + text_width(s.name, kScale) + 20;
   }
+}
 
-  // Ranges over the finite values.
+// The data ranges a panel shows, padded.
+struct Ranges {
+  double xlo, xhi, ylo, yhi;
+  bool has_y;  // some series has a finite y value
+};
+
+// The ranges over the panel's finite values, padded (a default y range when there are none).
+Ranges data_ranges(const Panel& p) {
   double xlo = INFINITY, xhi = -INFINITY, ylo = INFINITY, yhi = -INFINITY;
   for (const auto& s : p.series)
     for (auto [x, y] : s.points) {
@@ -330,70 +335,100 @@ void draw_panel(Canvas& cv, const Panel& p, int ox, int oy) {
   }
   const double xpad = (xhi - xlo) * 0.02;
   xlo -= xpad, xhi += xpad;
+  return {xlo, xhi, ylo, yhi, has_y};
+}
 
-  auto sx = [&](double x) { return left + static_cast<int>(std::lround((x - xlo) / (xhi - xlo) * (right - left))); };
-  auto sy = [&](double y) { return bottom - static_cast<int>(std::lround((y - ylo) / (yhi - ylo) * (bottom - top))); };
+// A panel's plot area in pixels and its data ranges: maps a step and a value to pixels.
+struct PlotArea {
+  int left, right, top, bottom;
+  Ranges r;
+  int sx(double x) const { return left + static_cast<int>(std::lround((x - r.xlo) / (r.xhi - r.xlo) * (right - left))); }
+  int sy(double y) const { return bottom - static_cast<int>(std::lround((y - r.ylo) / (r.yhi - r.ylo) * (bottom - top))); }
+};
 
-  // Y ticks, grid lines and labels right-aligned left of the axis (smaller if too wide).
+// Draws the y ticks, grid lines and labels right-aligned left of the axis (smaller if too wide).
+void draw_y_axis(Canvas& cv, const PlotArea& a) {
   double ystep;
-  const std::vector<double> yt = nice_ticks(ylo, yhi, 5, 0, &ystep);
+  const std::vector<double> yt = nice_ticks(a.r.ylo, a.r.yhi, 5, 0, &ystep);
   const std::vector<std::string> yl = format_ticks(yt, ystep);
   int yscale = kScale;
   for (const auto& l : yl)
     if (text_width(l, kScale) > kLeft - 14) yscale = 1;
   for (size_t i = 0; i < yt.size(); ++i) {
-    const int y = sy(yt[i]);
-    cv.fill(left, y, right, y, kGrid);
-    cv.fill(left - 5, y, left - 1, y, kBlack);
-    cv.text(left - 9 - text_width(yl[i], yscale), y - 7 * yscale / 2, yl[i], kGray, yscale);
+    const int y = a.sy(yt[i]);
+    cv.fill(a.left, y, a.right, y, kGrid);
+    cv.fill(a.left - 5, y, a.left - 1, y, kBlack);
+    cv.text(a.left - 9 - text_width(yl[i], yscale), y - 7 * yscale / 2, yl[i], kGray, yscale);
   }
-  // X ticks: as many as fit without their labels touching; steps are integers.
+}
+
+// Draws the x ticks, grid lines, labels and the axis title: as many ticks as fit without their
+// labels touching; steps are integers.
+void draw_x_axis(Canvas& cv, const PlotArea& a) {
   std::vector<double> xt;
   double xstep = 1;
   std::vector<std::string> xl;
   for (int target = 6; target >= 1; --target) {
-    xt = nice_ticks(xlo, xhi, target, 1, &xstep);
+    xt = nice_ticks(a.r.xlo, a.r.xhi, target, 1, &xstep);
     xl = format_ticks(xt, xstep);
     int widest = 0;
     for (const auto& l : xl) widest = std::max(widest, text_width(l, kScale));
-    if (xt.size() < 2 || sx(xt[1]) - sx(xt[0]) >= widest + 16) break;
+    if (xt.size() < 2 || a.sx(xt[1]) - a.sx(xt[0]) >= widest + 16) break;
   }
   for (size_t i = 0; i < xt.size(); ++i) {
-    const int x = sx(xt[i]);
-    cv.fill(x, top, x, bottom, kGrid);
-    cv.fill(x, bottom + 1, x, bottom + 5, kBlack);
-    cv.text(x - text_width(xl[i], kScale) / 2, bottom + 9, xl[i], kGray, kScale);
+    const int x = a.sx(xt[i]);
+    cv.fill(x, a.top, x, a.bottom, kGrid);
+    cv.fill(x, a.bottom + 1, x, a.bottom + 5, kBlack);
+    cv.text(x - text_width(xl[i], kScale) / 2, a.bottom + 9, xl[i], kGray, kScale);
   }
-  cv.text((left + right - text_width("step", kScale)) / 2, bottom + 30, "step", kBlack, kScale);
+  cv.text((a.left + a.right - text_width("step", kScale)) / 2, a.bottom + 30, "step", kBlack, kScale);
+}
 
-  // The series, clipped to the plot area.
-  cv.clip(left + 1, top + 1, right - 1, bottom - 1);
+// Draws the series, clipped to the plot area.
+void draw_series(Canvas& cv, const Panel& p, const PlotArea& a) {
+  cv.clip(a.left + 1, a.top + 1, a.right - 1, a.bottom - 1);
   for (const auto& s : p.series) {
     const auto& pts = s.points;
     for (size_t i = 0; i < pts.size(); ++i) {
       const auto [x, y] = pts[i];
       if (s.ticks_only) {
-        cv.fill(sx(x), bottom - 14, sx(x) + 1, bottom - 1, s.color);
+        cv.fill(a.sx(x), a.bottom - 14, a.sx(x) + 1, a.bottom - 1, s.color);
         continue;
       }
       if (!std::isfinite(y)) continue;
       const bool prev = i > 0 && std::isfinite(pts[i - 1].second);
       const bool next = i + 1 < pts.size() && std::isfinite(pts[i + 1].second);
-      if (prev) cv.line(sx(pts[i - 1].first), sy(pts[i - 1].second), sx(x), sy(y), s.color);
+      if (prev) cv.line(a.sx(pts[i - 1].first), a.sy(pts[i - 1].second), a.sx(x), a.sy(y), s.color);
       // A point with no neighbour to join would otherwise be invisible.
-      if (s.markers || (!prev && !next)) cv.fill(sx(x) - 3, sy(y) - 3, sx(x) + 3, sy(y) + 3, s.color);
+      if (s.markers || (!prev && !next)) cv.fill(a.sx(x) - 3, a.sy(y) - 3, a.sx(x) + 3, a.sy(y) + 3, s.color);
     }
   }
   cv.clip_all();
-  if (!has_y) {
+}
+
+// Draws the frame around the plot area.
+void draw_frame(Canvas& cv, const PlotArea& a) {
+  cv.fill(a.left, a.top, a.right, a.top, kBlack);
+  cv.fill(a.left, a.bottom, a.right, a.bottom, kBlack);
+  cv.fill(a.left, a.top, a.left, a.bottom, kBlack);
+  cv.fill(a.right, a.top, a.right, a.bottom, kBlack);
+}
+
+// Draws panel `p` into the cell whose top left corner is (ox, oy).
+void draw_panel(Canvas& cv, const Panel& p, int ox, int oy) {
+  const int left = ox + kLeft, right = ox + kCellW - kRight, top = oy + kTop, bottom = oy + kCellH - kBottom;
+  cv.text(left, oy + 10, p.title, kBlack, kScale);
+  draw_legend(cv, p, ox, oy, left);
+  const PlotArea a{left, right, top, bottom, data_ranges(p)};
+  draw_y_axis(cv, a);
+  draw_x_axis(cv, a);
+  draw_series(cv, p, a);
+  if (!a.r.has_y) {
     const std::string msg = "no data";
     cv.text((left + right - text_width(msg, kScale)) / 2, (top + bottom) / 2 - 7, msg, kGray, kScale);
   }
   // The frame last, over grid lines and series.
-  cv.fill(left, top, right, top, kBlack);
-  cv.fill(left, bottom, right, bottom, kBlack);
-  cv.fill(left, top, left, bottom, kBlack);
-  cv.fill(right, top, right, bottom, kBlack);
+  draw_frame(cv, a);
 }
 
 }  // namespace

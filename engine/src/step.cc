@@ -47,6 +47,59 @@ at::Tensor Engine::Impl::to_device(const at::Tensor& t) {
   return dev.upload(t);
 }
 
+StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& loss_mask) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t A = cfg.grad_accum;
+  Pass pass;
+  pass.total = uses().size() * size_t(A);
+  pass.denom = loss_scaler.scale() * double(A) * comm.world_size();  // the gradients' sum over the global batch
+  pass.head_scale = loss_scaler.scale();
+  pass.masked = loss_mask.defined();
+  if (pass.masked) {
+    // The mean is over the whole global batch's counted targets: their number first. The head
+    // backpropagates its sum divided by it (times the loss scale), so that fp16 gradients have
+    // the magnitude of a mean's.
+    at::Tensor count = at::tensor({double(loss_mask.ne(0).sum().item<int64_t>())}, at::TensorOptions().dtype(at::kDouble));
+    comm.all_reduce(count, ReduceOp::kSum);
+    pass.loss_tokens = count.item<double>();
+    if (pass.loss_tokens == 0) return skipped_step(t0);  // nothing to learn from: no update
+    pass.head_scale = loss_scaler.scale() / pass.loss_tokens;
+    pass.denom = loss_scaler.scale();
+  }
+  pass.in_backward = updates_in_backward();
+  const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(loss_mask);
+  if (cfg.profile) {
+    compute_spans.clear();
+    step_ref = dev.record_timed(dev.compute_stream());
+    step_ref_host = Profiler::Clock::now();
+  }
+  for (int64_t m = 0; m < A; ++m) {
+    MicroBatch mb = begin_micro_batch(ids_on_device, mask_on_device, m);
+    mb.last = m == A - 1;
+    run_micro_batch(pass, mb);
+  }
+  finish_backward();
+  // "backward": the device's units (a split optimizer group's first ones, final last) are
+  // updated now, on the compute stream, while the updater may still run.
+  if (pass.in_backward) update_device_units(adam_config(1.0 / pass.denom), &updater->unit_sumsq());
+  // "forward": the last update was done long ago (the forward gathered every unit); "backward":
+  // this step's update, whose last units may still be running.
+  finish_update();
+  const int depth_used = params->depth();
+  StepResult r = reduce_norm_and_loss(pass, t0);
+  apply_update(pass, r);
+  reducer->end_step();
+  loss_scaler.update(r.skipped);
+  r.step = step;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.tokens = uint64_t(A * cfg.micro_batch * cfg.seq_len) * uint64_t(comm.world_size());
+  r.loss_tokens = pass.masked ? uint64_t(pass.loss_tokens) : r.tokens;
+  r.model_tflops = flops_per_token() * double(r.tokens) / r.seconds / 1e12;
+  r.timeline = finish_timeline();
+  r.timeline.prefetch = depth_used;
+  return r;
+}
+
 // Head stage s's backward in vocabulary tiles; the first tile's gives the gradient going back.
 void Engine::Impl::vocab_head_backward(MicroBatch& mb, size_t s) {
   const at::Tensor dy = head_loss->vocab_backward(mb.head, mb.targets, s - schedule->first_head());
