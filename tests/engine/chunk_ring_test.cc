@@ -101,7 +101,8 @@ TEST(ChunkRing, UpdatesSwapAndResidentStateChunkByChunkInThePassOrder) {
   // 16 KiB chunks are 4096 fp32 elements: units of 3 chunks and a ragged end, one element, and
   // one exact chunk.
   Fixture f({3 * 4096 + 17, 1, 4096, 9000});
-  HostMemory host(*Device::create_host(UINT64_MAX));
+  const auto device = Device::create_host(UINT64_MAX);  // outlives the host memory
+  HostMemory host(*device);
   ChunkRing ring(*f.src, host, 16 << 10);
   ASSERT_EQ(ring.chunk_numel(), 4096u);
   const std::vector<size_t> order{2, 0, 3, 1};
@@ -150,7 +151,8 @@ TEST(ChunkRing, AFailedSwapReadFailsThePassNamingTheFileAndLosesNoBuffer) {
   rule.offset_end = 4096 * 4 + 1;
   faults->add(rule);
   Fixture f({3 * 4096, 8}, faults);
-  HostMemory host(*Device::create_host(UINT64_MAX));
+  const auto device = Device::create_host(UINT64_MAX);  // outlives the host memory
+  HostMemory host(*device);
   ChunkRing ring(*f.src, host, 16 << 10);
   size_t chunks = 0;
   try {

@@ -15,6 +15,8 @@
 #include "strata/offload/swap_space.h"
 #include "test_util.h"
 
+namespace strata::engine::runtime {}  // (the runtime parts' headers fill it)
+
 namespace strata::test {
 
 using engine::Device;
@@ -22,6 +24,7 @@ using engine::Partition;
 using engine::PlacementPlan;
 namespace state = engine::state;
 namespace runtime = engine::runtime;
+using engine::Profiler;
 
 struct StateFixture {
   TempDir dir;

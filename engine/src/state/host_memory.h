@@ -9,7 +9,8 @@
 //   unpinned(...)   page aligned, never pinned: the only kind a host function on a device
 //                   stream may allocate (CUDA forbids CUDA calls there, and pinning is one).
 //
-// Thread safety: buffer() and unpinned() from any thread (unpinned() also from host functions);
+// Ownership: borrows the Device (which says how host memory is allocated for it); the Device
+// must outlive it. Thread safety: buffer() and unpinned() from any thread (unpinned() also from host functions);
 // state() from the constructing thread. Errors: std::bad_alloc, or std::runtime_error naming
 // `what` and the bytes when pinning fails.
 #pragma once
