@@ -65,5 +65,8 @@ if [ ! -f "$build_dir/build.ninja" ] ||
   cmake -S "$repo" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_PREFIX_PATH="$torch_prefix" -DSTRATA_PYTHON="$venv/bin/python" >/dev/null
 fi
+# ccache keys on paths relative to the checkout (and not on the build directory), so that another
+# clone of the same sources on this machine, CI's included, reuses what was compiled here.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$repo} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 log "building with $jobs jobs"
 cmake --build "$build_dir" -j "$jobs"
