@@ -1,9 +1,9 @@
 // Engine::Impl: the engine's parts and the state they share, for the files that implement it
-// (construct.cc: resolving placement and building the parts; step.cc: the step; engine.cc: the
-// public API). Private to engine/src.
+// (construct.cc: the resolution and building the parts; step.cc: the step; evaluate.cc:
+// evaluation; engine.cc: the public API). Private to engine/src.
 //
-// Ownership: Impl owns every part (state store, optimizer, updater, coordinator, reducer,
-// activation store, swap space) and the configuration as resolved; the parts borrow from it and
+// Ownership: Impl owns every part (state store, optimizer, updater, coordinator, reducer, head
+// loss, loss scaler, activation store, swap space) and the resolution (const once made); the parts borrow from it and
 // are destroyed before what they borrow (declaration order). Threads: the training thread owns
 // Impl; the parts' headers say what their own threads (updater, d2h stream functions) touch.
 #pragma once
