@@ -151,8 +151,8 @@ void run_ckpt_bench(const CkptBenchOptions& o) {
   engine::Engine eng(std::make_unique<models::Decoder>(mc, 1), ec, *comm, *dev);
   // Non-trivial moments: fill them as a trained model would have them.
   for (size_t u = 0; u < eng.partition().num_units(); ++u) {
-    eng.state_slice(u, engine::Engine::StateKind::kExpAvg).normal_(0, 1e-3);
-    eng.state_slice(u, engine::Engine::StateKind::kExpAvgSq).uniform_(0, 1e-6);
+    eng.state_slice(u, engine::state::kExpAvg).normal_(0, 1e-3);
+    eng.state_slice(u, engine::state::kExpAvgSq).uniform_(0, 1e-6);
   }
   const double bytes = double(mc.parameters()) * 12;
   if (!o.store.empty()) {
@@ -217,8 +217,8 @@ void run_ckpt_bench(const CkptBenchOptions& o) {
     // torch::save / torch::load of the same slices (fsync included on the save side).
     std::vector<at::Tensor> tensors;
     for (size_t u = 0; u < eng.partition().num_units(); ++u)
-      for (int k = 0; k < engine::Engine::kStateKinds; ++k)
-        tensors.push_back(eng.state_slice(u, engine::Engine::StateKind(k)));
+      for (int k = 0; k < engine::state::kSavedKinds; ++k)
+        tensors.push_back(eng.state_slice(u, engine::state::Kind(k)));
     t0 = Clock::now();
     torch::save(tensors, tfile.string());
     fsync_file(tfile);

@@ -16,7 +16,7 @@
 
 #include "shell.h"
 #include "strata/offload/file.h"
-#include "strata/offload/pinned_pool.h"
+#include "strata/offload/aligned_buffer.h"
 
 namespace strata::bench {
 
@@ -31,7 +31,7 @@ bool is_write(const std::string& p) { return p == "write" || p == "randwrite"; }
 // Keeps queue_depth blocks in flight, each completion submitting the next block into the same
 // buffer slot, like fio's io_uring engine does.
 double strata_run(offload::IoEngine& io, const offload::File& file, const IoBenchOptions& o,
-                  const std::string& pattern, std::vector<offload::PinnedBuffer>& slots) {
+                  const std::string& pattern, std::vector<offload::AlignedBuffer>& slots) {
   const uint64_t blocks = o.file_bytes / o.block_bytes;
   std::vector<uint64_t> order(blocks);
   std::iota(order.begin(), order.end(), 0);
@@ -139,8 +139,8 @@ std::vector<IoBenchResult> run_io_bench(const IoBenchOptions& o) {
   cfg.queue_depth = o.queue_depth;
   cfg.block_bytes = o.block_bytes;
   auto io = offload::IoEngine::create(cfg);
-  offload::PinnedPool pool(o.queue_depth * o.block_bytes);
-  std::vector<offload::PinnedBuffer> slots;
+  offload::AlignedBuffers pool;
+  std::vector<offload::AlignedBuffer> slots;
   std::mt19937_64 rng(7);
   for (unsigned i = 0; i < o.queue_depth; ++i) {
     slots.push_back(pool.allocate(o.block_bytes));

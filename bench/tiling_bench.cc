@@ -10,7 +10,7 @@
 #include "strata/engine/comm.h"
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"
-#include "strata/engine/plan/tiling.h"
+#include "strata/engine/layout/tiles.h"
 #include "bench_model.h"
 #include "timing.h"
 
@@ -72,7 +72,7 @@ void run_tiling_bench(const TilingBenchOptions& o) {
     cut_cfg.head_one_pass = o.head_one_pass;
     engine::Engine cut(std::make_unique<models::Decoder>(c, 1), cut_cfg, *comm, *dev_cut);
     const uint64_t tokens = uint64_t(o.batch * o.seq), vocab = uint64_t(o.vocab);
-    const std::string cut_desc = engine::plan::describe(cut.memory_model().sizes().logits, tokens, vocab);
+    const std::string cut_desc = engine::layout::describe(cut.memory_model().sizes().logits, tokens, vocab);
     std::cerr << "bench tiling (a): " << c.parameters() / 1e6 << "M parameters (" << o.layers << " x " << o.hidden
               << ", vocab " << o.vocab << "), batch " << o.batch << " x " << o.seq << ", " << o.compute << " on "
               << dev_whole->description() << ", " << threads << " threads; head logits whole vs " << cut_desc
@@ -131,7 +131,7 @@ void run_tiling_bench(const TilingBenchOptions& o) {
     auto dev_vocab = engine::Device::create(o.device, 0, UINT64_MAX);
     engine::Engine vocab_cut(std::make_unique<models::Decoder>(c, 1), vocab_cfg, *comm, *dev_vocab);
     const std::string vocab_desc = std::to_string(o.vocab_tiles) + " vocabulary tiles, head logits " +
-                                   engine::plan::describe(vocab_cut.memory_model().head_logits(), tokens, vocab);
+                                   engine::layout::describe(vocab_cut.memory_model().head_logits(), tokens, vocab);
     std::cerr << "bench tiling (a): embedding and head whole (logits " << cut_desc << ") vs in " << vocab_desc
               << std::endl;
     const std::vector<double> vsec =

@@ -62,7 +62,7 @@ void check_free_space(const std::filesystem::path& dir, uint64_t need, const std
 
 void check_checkpoint_space(const engine::TrainConfig& tc, const models::ModelConfig& mc) {
   if (!tc.checkpoint_dir.empty())
-    check_free_space(tc.checkpoint_dir, uint64_t(mc.parameters()) * engine::Engine::kStateKinds * 4,
+    check_free_space(tc.checkpoint_dir, uint64_t(mc.parameters()) * engine::state::kSavedKinds * 4,
                      "checkpoint directory");
 }
 

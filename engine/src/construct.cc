@@ -1,4 +1,4 @@
-// Building the engine: the resolution's layout (plan/resolve.h; ranks agreeing through
+// Building the engine: the resolution's layout (layout/resolve.h; ranks agreeing through
 // agreement()), the model's units checked against it, the state placed unit by unit, the
 // working set resolved beside the allocated state, and the runtime parts built over both. The
 // configuration is never changed: `effective` shows what was resolved.
@@ -22,7 +22,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   layout = resolve_layout(cfg, model->config(), machine);
   schedule = &layout->schedule;
   memory = &layout->memory;
-  model->set_tiling(layout->tiles);
+  model->set_tiles(layout->tiles);
   model->set_mlp_token_chunk(layout->mlp_token_chunk);
   stages = model->stages();
   head_loss = std::make_unique<runtime::HeadLoss>(*model, *memory, dev);
@@ -97,6 +97,9 @@ Engine::Impl::ModelUnits Engine::Impl::build_units() {
     specs.emplace_back(stage_names[s], std::move(ts));
   }
   partition = std::make_unique<Partition>(specs, comm.world_size());
+  std::vector<std::string> unit_names;
+  for (size_t u = 0; u < partition->num_units(); ++u) unit_names.push_back(partition->unit(u).name);
+  holds = std::make_unique<state::HoldGate>(prof, std::move(unit_names));
   out.stage_params.resize(stages.size());
   std::vector<std::vector<size_t>> units_of(stages.size());
   for (size_t s = 0; s < stages.size(); ++s) {
@@ -166,7 +169,7 @@ void Engine::Impl::build_update_parts(std::vector<std::vector<runtime::GradientR
 
 void Engine::Impl::build_gathering(std::vector<std::vector<at::Tensor>> owned) {
   params = std::make_unique<runtime::ParameterCoordinator>(*schedule, *memory, choice(), *partition, *state, host, dev,
-                                                           comm, prof, [this](size_t u) { wait_updated(u); });
+                                                           comm, prof, updater.get());
   for (size_t u = 0; u < partition->num_units(); ++u) params->adopt(u, std::move(owned[u]));
   params->set_device_state_bytes(base_bytes);
   params->set_depth(choice().prefetch);

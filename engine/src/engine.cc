@@ -5,6 +5,14 @@
 #include <stdexcept>
 
 namespace strata::engine {
+namespace {
+// The state accessors serve the kinds a checkpoint saves (master and moments), nothing else.
+int saved_kind(state::Kind kind) {
+  if (int(kind) < 0 || int(kind) >= state::kSavedKinds)
+    throw std::invalid_argument("state kind " + std::to_string(int(kind)) + " is not saved: master, exp_avg or exp_avg_sq");
+  return int(kind);
+}
+}  // namespace
 
 Engine::Engine(std::unique_ptr<models::Decoder> model, const EngineConfig& config,
                Communicator& comm, Device& device)
@@ -26,7 +34,7 @@ std::vector<TraceSpan> Engine::take_trace() {
 Engine::~Engine() {
   if (!impl_) return;
   impl_->abort_update();
-  impl_->wait_hold_all();  // a snapshot still copying the state out (from swap files that go with us)
+  impl_->holds->wait_all();  // a snapshot still copying the state out (from swap files that go with us)
   // Activation checkpoint writes (a step that failed half way) must finish before their buffers go.
   // (Only those whose host function ran: a failed CUDA stream may never run the others.)
   for (Stream* st : {&impl_->dev.h2d_stream(), &impl_->dev.d2h_stream()}) try {
@@ -85,7 +93,7 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
     const UnitLayout& L = I.partition->unit(u);
     at::Tensor full = at::empty({int64_t(L.padded_numel())}, at::TensorOptions().dtype(at::kFloat));
     at::Tensor master = I.host_buffer(L.shard_numel, at::kFloat);  // aligned: swap reads go direct
-    read_state(u, StateKind::kMaster, 0, L.shard_numel, master.data_ptr<float>());
+    read_state(u, state::kMaster, 0, L.shard_numel, master.data_ptr<float>());
     I.comm.all_gather(full, master)->wait();
     for (const TensorSlot& s : L.tensors) {
       const at::Tensor part = full.narrow(0, int64_t(s.offset), int64_t(s.numel)).view(s.shape);
@@ -113,12 +121,11 @@ void Engine::set_counters(const Counters& c) {
   impl_->loss_scaler.restore(c.loss_scale, c.good_steps);
 }
 
-at::Tensor Engine::state_slice(size_t unit, StateKind kind) {
+at::Tensor Engine::state_slice(size_t unit, state::Kind kind) {
   Impl& I = *impl_;
   I.finish_update();
-  I.wait_hold_all();  // the caller may write into it
-  const int k = int(kind);
-  if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
+  I.holds->wait_all();  // the caller may write into it
+  const int k = saved_kind(kind);
   if (I.placement(unit, k) != Placement::kNvme) return I.tensor(unit, k);
   at::Tensor copy = I.host_buffer(I.partition->unit(unit).shard_numel, at::kFloat);
   I.state->read(unit, k, 0, copy).get();
@@ -135,26 +142,24 @@ std::shared_future<void> Engine::update_finished() const {
   return done.get_future().share();
 }
 
-bool Engine::state_copies_to_file(size_t unit, StateKind kind) const {
-  const int k = int(kind);
-  if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
+bool Engine::state_copies_to_file(size_t unit, state::Kind kind) const {
+  const int k = saved_kind(kind);
   return impl_->state->copies_to_file(unit, k);
 }
 
-void Engine::copy_state_to_file(size_t unit, StateKind kind, uint64_t begin, uint64_t numel, const offload::File& dst,
+void Engine::copy_state_to_file(size_t unit, state::Kind kind, uint64_t begin, uint64_t numel, const offload::File& dst,
                                 uint64_t offset) {
-  const int k = int(kind);
-  if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
+  const int k = saved_kind(kind);
   impl_->state->copy_to_file(unit, k, begin, numel, dst, offset);
 }
 
 void Engine::hold_state(std::shared_ptr<StateHold> hold) {
   Impl& I = *impl_;
-  I.wait_hold_all();  // one snapshot at a time
+  I.holds->wait_all();  // one snapshot at a time
   // read_state copies device-resident state on a stream of its caller's own: whatever updates
   // the compute stream has queued (the device's share of the optimizer) must be done first.
   if (!I.units_where(true).empty()) I.dev.synchronize(I.dev.compute_stream());
-  I.hold = std::move(hold);
+  I.holds->set(std::move(hold));
 }
 
 std::vector<size_t> Engine::update_order() const {
@@ -170,10 +175,9 @@ std::vector<size_t> Engine::update_order() const {
   return device;
 }
 
-void Engine::read_state(size_t unit, StateKind kind, uint64_t begin, uint64_t numel, float* dst) {
+void Engine::read_state(size_t unit, state::Kind kind, uint64_t begin, uint64_t numel, float* dst) {
   Impl& I = *impl_;
-  const int k = int(kind);
-  if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
+  const int k = saved_kind(kind);
   const uint64_t n = I.partition->unit(unit).shard_numel;
   if (begin > n || numel > n - begin)
     throw std::out_of_range("read_state: elements " + std::to_string(begin) + "+" + std::to_string(numel) +
@@ -183,12 +187,11 @@ void Engine::read_state(size_t unit, StateKind kind, uint64_t begin, uint64_t nu
   I.state->read(unit, k, begin, at::from_blob(dst, {int64_t(numel)}, at::TensorOptions().dtype(at::kFloat))).get();
 }
 
-void Engine::store_state_slice(size_t unit, StateKind kind, const at::Tensor& data) {
+void Engine::store_state_slice(size_t unit, state::Kind kind, const at::Tensor& data) {
   Impl& I = *impl_;
   I.finish_update();
-  I.wait_hold_all();
-  const int k = int(kind);
-  if (k < 0 || k > kExpAvgSq) throw std::invalid_argument("unknown state kind");
+  I.holds->wait_all();
+  const int k = saved_kind(kind);
   if (I.placement(unit, k) == Placement::kNvme) {
     TORCH_CHECK(data.is_cpu() && data.is_contiguous() && data.scalar_type() == at::kFloat &&
                     uint64_t(data.numel()) == I.partition->unit(unit).shard_numel,
@@ -205,8 +208,8 @@ void Engine::refresh_compute_copies() {
   impl_->optimizer->refresh_compute_copies();
 }
 
-const plan::MemoryModel& Engine::memory_model() const { return *impl_->memory; }
-const plan::Choices& Engine::working_set_choices() const { return impl_->choice(); }
+const layout::MemoryModel& Engine::memory_model() const { return *impl_->memory; }
+const layout::Choices& Engine::working_set_choices() const { return impl_->choice(); }
 uint64_t Engine::device_state_bytes() const { return impl_->base_bytes; }
 const Partition& Engine::partition() const { return *impl_->partition; }
 const models::ModelConfig& Engine::model_config() const { return impl_->model->config(); }
@@ -218,7 +221,7 @@ MemoryReport Engine::memory() const {
   r.device_peak = impl_->dev.peak();
   r.device_budget = impl_->dev.budget();
   r.host_state = impl_->host.state_bytes();
-  r.nvme_state = impl_->state ? impl_->state->swap_bytes() : 0;
+  r.nvme_state = impl_->state ? impl_->state->nvme_bytes() : 0;
   r.host_activations = impl_->activations ? impl_->activations->host_peak() : 0;
   return r;
 }

@@ -3,9 +3,10 @@
 // evaluation; engine.cc: the public API). Private to engine/src.
 //
 // Ownership: Impl owns every part (state store, optimizer, updater, coordinator, reducer, head
-// loss, loss scaler, activation store, swap space) and the resolution (const once made); the parts borrow from it and
-// are destroyed before what they borrow (declaration order). Threads: the training thread owns
-// Impl; the parts' headers say what their own threads (updater, d2h stream functions) touch.
+// loss, loss scaler, activation store, hold gate, swap space) and the resolution (const once
+// made); the parts borrow from it and are destroyed before what they borrow (declaration order).
+// Threads: the training thread owns Impl; the parts' headers say what their own threads (updater,
+// d2h stream functions) touch, and no other thread calls into Impl.
 #pragma once
 
 #include "strata/engine/engine.h"
@@ -41,10 +42,10 @@
 #include <unordered_map>
 
 #include "strata/engine/placement.h"
-#include "strata/engine/plan/resolve.h"
-#include "strata/engine/plan/memory_model.h"
+#include "strata/engine/layout/resolve.h"
+#include "strata/engine/layout/memory_model.h"
 #include "strata/tiling/linear_cross_entropy.h"
-#include "strata/engine/plan/schedule.h"
+#include "strata/engine/layout/schedule.h"
 #include "strata/kernels/cpu_optim.h"
 #include "strata/offload/io_engine.h"
 #include "strata/offload/swap_space.h"
@@ -54,9 +55,11 @@
 #include "runtime/head_loss.h"
 #include "runtime/loss_scaler.h"
 #include "runtime/optimizer.h"
+#include "runtime/step_driver.h"
 #include "runtime/updater.h"
 #include "profiler.h"
 #include "state/chunk_ring.h"
+#include "state/hold_gate.h"
 #include "state/host_memory.h"
 #include "state/state_store.h"
 
@@ -81,7 +84,7 @@ using state::kGrad;
 using state::kCompute;
 using state::kKinds;
 
-using plan::Use;
+using layout::Use;
 
 struct Engine::Impl {
   // The configuration as given (validated, never changed) and as resolved: `effective` has every
@@ -94,14 +97,14 @@ struct Engine::Impl {
   std::vector<models::Stage*> stages;
   std::unique_ptr<Partition> partition;
   at::ScalarType cdt;
-  // The resolution (plan/resolve.h), immutable once made: the layout (the cut, the units, the
+  // The resolution (layout/resolve.h), immutable once made: the layout (the cut, the units, the
   // schedule, the one memory model of the working set, the placement) before the state is
   // allocated, and the working set's choices after. `schedule` and `memory` point into the layout.
   std::unique_ptr<const Layout> layout;
   std::unique_ptr<const WorkingSetPlan> working;
-  const plan::Schedule* schedule = nullptr;
-  const plan::MemoryModel* memory = nullptr;
-  const plan::Choices& choice() const { return working->choice; }
+  const layout::Schedule* schedule = nullptr;
+  const layout::MemoryModel* memory = nullptr;
+  const layout::Choices& choice() const { return working->choice; }
   std::vector<std::string> stage_names;  // by stage (a unit is named after the stage owning it)
   std::vector<size_t> unit_stage;        // by unit: the stage that owns it
   const std::vector<size_t>& stage_units(size_t s) const { return schedule->units_of(s); }
@@ -117,25 +120,9 @@ struct Engine::Impl {
   std::unique_ptr<offload::SwapSpace> swap;
   Profiler prof;
   std::unique_ptr<runtime::ActivationStore> activations;  // built once its placement is resolved
-  // The latest snapshot's hold (hold_state). An update captures the hold current at its launch
-  // and waits on it unit by unit before changing a unit's saved state.
-  std::shared_ptr<StateHold> hold;
-  void wait_released(const std::shared_ptr<StateHold>& h, size_t u) {
-    if (!h || h->released(u)) return;
-    const auto b = Profiler::Clock::now();
-    h->wait(u);
-    const auto e = Profiler::Clock::now();
-    const double waited = std::chrono::duration<double>(e - b).count();
-    prof.checkpoint_wait_ns += uint64_t(waited * 1e9);
-    checkpoint_waited_here += waited;
-    prof.span(Profiler::on_updater ? "optimizer" : "host", "wait checkpoint snapshot " + partition->unit(u).name, b, e);
-  }
-  // Seconds this thread has waited in wait_released: the training thread's optimizer timers
-  // take them out (they are StepTimeline::wait_checkpoint, not optimizer work).
-  static inline thread_local double checkpoint_waited_here = 0;
-  void wait_hold_all() {
-    if (hold) hold->wait_all();
-  }
+  // The latest snapshot's hold (hold_state), which updates wait on unit by unit before changing
+  // a unit's saved state (built with the partition).
+  std::unique_ptr<state::HoldGate> holds;
   // Profiling: device-timed compute spans of the step in progress, against a reference event
   // recorded at its start.
   std::shared_ptr<Event> step_ref;
@@ -168,7 +155,7 @@ struct Engine::Impl {
     };
   }
   // The device bytes decisions may count on, beside the device-placed state.
-  uint64_t usable_device() const { return plan::MemoryModel::usable_device(dev.budget(), base_bytes, dev.physical_free()); }
+  uint64_t usable_device() const { return layout::MemoryModel::usable_device(dev.budget(), base_bytes, dev.physical_free()); }
 
   Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Communicator& cm, Device& d);
 
@@ -264,7 +251,6 @@ struct Engine::Impl {
   Engine::EvalResult evaluate(const at::Tensor& ids, const at::Tensor& loss_mask);
   // The step's walk over the schedule: its position and what every use adds to.
   struct Pass {
-    size_t k = 0;          // the next use, over the whole step
     size_t total = 0;      // uses in the step
     double denom = 1;      // loss scale x micro-batches x ranks (masked: the loss scale, the
                            // count is in head_scale): the gradients' divisor
@@ -289,8 +275,21 @@ struct Engine::Impl {
   // The host's token ids (and mask) on the device, asynchronously from pinned memory on a GPU.
   at::Tensor to_device(const at::Tensor& t);
   void vocab_head_backward(MicroBatch& mb, size_t stage);
-  // The schedule's uses of one micro-batch, in order, each as use k of the step (Pass::k).
-  void run_micro_batch(Pass& pass, MicroBatch& mb);
+  // The uses of a step, in the schedule's order as the step driver hands them (use k of the
+  // step), run on this engine; the micro-batch in flight lives here.
+  struct StepRunner final : runtime::UseRunner {
+    Impl& I;
+    Pass& pass;
+    const at::Tensor& ids;   // the step's token ids on the device
+    const at::Tensor& mask;  // and its loss mask (undefined: none)
+    MicroBatch mb;
+    StepRunner(Impl& impl, Pass& p, const at::Tensor& i, const at::Tensor& m) : I(impl), pass(p), ids(i), mask(m) {}
+    void begin_micro_batch(int64_t m, bool last) override;
+    void end_micro_batch() override { mb = MicroBatch{}; }
+    void forward(size_t s, size_t k) override { I.forward_use(pass, mb, s, k); }
+    void head(size_t s, size_t k) override;
+    void backward(size_t s, size_t k) override { I.backward_use(pass, mb, s, k); }
+  };
   void forward_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);
   void head_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);
   void backward_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);
@@ -303,7 +302,8 @@ struct Engine::Impl {
 
   // Adam on every local slice where the master weights live, writing the next compute copies:
   // the device's units first, then the CPU's, each waiting for a checkpoint's hold first.
-  void optimizer_step(const kernels::AdamConfig& ac);
+  // The update on the training thread; `before_write(u)` before u's saved state changes.
+  void optimizer_step(const kernels::AdamConfig& ac, const state::HoldGate::Waiter& before_write);
 
   kernels::AdamConfig adam_config(double grad_scale) const {
     kernels::AdamConfig ac;
@@ -326,19 +326,15 @@ struct Engine::Impl {
     return cfg.update_overlap != UpdateOverlap::kOff && state->plan().master != Placement::kDevice;
   }
   bool updates_in_backward() const { return overlaps_update() && cfg.update_overlap == UpdateOverlap::kBackward; }
-  std::function<void(size_t)> hold_wait() {
-    return [this, h = hold](size_t u) { wait_released(h, u); };
-  }
   // "forward": the whole update, in forward order: the device's units here, the CPU's on the
   // updater.
   void launch_update(const kernels::AdamConfig& ac) {
     update_device_units(ac);
-    updater->launch_after_step(ac, hold_wait());
+    updater->launch_after_step(ac, holds->waiter());
   }
   // The overlapped update's part on the device (a split optimizer group's first units), on the
   // training thread: one launch on the compute stream, counted as exposed optimizer time.
   void update_device_units(const kernels::AdamConfig& ac, std::vector<double>* sumsq = nullptr);
-  void wait_updated(size_t u) { updater->wait_updated(u); }
   void finish_update() {
     if (updater) updater->finish();
   }

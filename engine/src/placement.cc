@@ -129,7 +129,7 @@ struct Placer {
       plan.master = plan.moments = Placement::kHost;
       room.take(Placement::kHost, rest_group);
     } else {
-      split_host_and_swap();
+      split_host_and_nvme();
     }
   }
 
@@ -166,7 +166,7 @@ struct Placer {
 
   // The rest of the group split by unit between host RAM and swap, after the device's units (no
   // units given: all in swap).
-  void split_host_and_swap() {
+  void split_host_and_nvme() {
     if (grads_free && transient) take_buffers();
     const bool grads_host = transient || plan.grads == Placement::kHost ||
                             (grads_free && room.fits(Placement::kHost, rest_grads));

@@ -73,11 +73,8 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
     step_ref = dev.record_timed(dev.compute_stream());
     step_ref_host = Profiler::Clock::now();
   }
-  for (int64_t m = 0; m < A; ++m) {
-    MicroBatch mb = begin_micro_batch(ids_on_device, mask_on_device, m);
-    mb.last = m == A - 1;
-    run_micro_batch(pass, mb);
-  }
+  StepRunner runner(*this, pass, ids_on_device, mask_on_device);
+  runtime::run_step_uses(*schedule, A, runner);
   finish_backward();
   // "backward": the device's units (a split optimizer group's first ones, final last) are
   // updated now, on the compute stream, while the updater may still run.
@@ -106,30 +103,22 @@ void Engine::Impl::vocab_head_backward(MicroBatch& mb, size_t s) {
   if (dy.defined()) mb.dy = dy;
 }
 
-// One micro-batch: the schedule's uses in their order, use k of the step being use
-// k % uses().size() of its micro-batch (what the coordinator's gathers and prefetch count).
-void Engine::Impl::run_micro_batch(Pass& pass, MicroBatch& mb) {
-  for (const Use& use : uses()) {
-    const size_t k = pass.k++;
-    switch (use.kind) {
-      case Use::kForward:
-        forward_use(pass, mb, use.stage, k);
-        break;
-      case Use::kHead:
-        // "backward" overlap: the update starts with the last micro-batch's backward.
-        if (pass.in_backward && mb.last) updater->launch_in_backward(adam_config(1.0 / pass.denom), hold_wait());
-        head_use(pass, mb, use.stage, k);
-        if (choice().activations != Placement::kDevice) {
-          // The forward's inputs stay alive in the copy queue beyond their reservations until
-          // copied down: that ends here.
-          auto t = prof.time(prof.step.wait_activations, "wait activations");
-          dev.synchronize(dev.d2h_stream());
-        }
-        break;
-      case Use::kBackward:
-        backward_use(pass, mb, use.stage, k);
-        break;
-    }
+// The step's uses (runtime/step_driver.h) on this engine: each micro-batch's activations and
+// loss live in `mb`, from its begin to its end.
+void Engine::Impl::StepRunner::begin_micro_batch(int64_t m, bool last) {
+  mb = I.begin_micro_batch(ids, mask, m);
+  mb.last = last;
+}
+
+void Engine::Impl::StepRunner::head(size_t s, size_t k) {
+  // "backward" overlap: the update starts with the last micro-batch's backward.
+  if (pass.in_backward && mb.last) I.updater->launch_in_backward(I.adam_config(1.0 / pass.denom), I.holds->waiter());
+  I.head_use(pass, mb, s, k);
+  if (I.choice().activations != Placement::kDevice) {
+    // The forward's inputs stay alive in the copy queue beyond their reservations until copied
+    // down: that ends here.
+    auto t = I.prof.time(I.prof.step.wait_activations, "wait activations");
+    I.dev.synchronize(I.dev.d2h_stream());
   }
 }
 
@@ -336,33 +325,35 @@ void Engine::Impl::apply_update(const Pass& pass, const StepResult& r) {
   if (overlaps_update()) {
     launch_update(ac);
   } else {
-    const double before = prof.step.optimizer, waited_before = checkpoint_waited_here;
+    const double before = prof.step.optimizer;
+    double waited = 0;  // for a checkpoint's snapshot: not optimizer work
     {
       auto t = prof.time(prof.step.optimizer, "optimizer");
-      optimizer_step(ac);
+      optimizer_step(ac, holds->waiter(&waited));
     }
-    prof.step.optimizer -= checkpoint_waited_here - waited_before;
+    prof.step.optimizer -= waited;
     prof.step.optimizer_exposed += prof.step.optimizer - before;
   }
   ++step;
 }
 
-void Engine::Impl::optimizer_step(const kernels::AdamConfig& ac) {
-  optimizer->update_on_device(ac, units_where(true), nullptr, [this](size_t u) { wait_released(hold, u); });
+void Engine::Impl::optimizer_step(const kernels::AdamConfig& ac, const state::HoldGate::Waiter& before_write) {
+  optimizer->update_on_device(ac, units_where(true), nullptr, before_write);
   const std::vector<size_t> rest = units_where(false);
-  if (!rest.empty()) optimizer->update_on_cpu(ac, rest, {}, nullptr, [this](size_t u) { wait_released(hold, u); });
+  if (!rest.empty()) optimizer->update_on_cpu(ac, rest, {}, nullptr, before_write);
 }
 
 void Engine::Impl::update_device_units(const kernels::AdamConfig& ac, std::vector<double>* sumsq) {
   const std::vector<size_t> which = units_where(true);
   if (which.empty()) return;
-  const double before = prof.step.optimizer, waited_before = checkpoint_waited_here;
+  const double before = prof.step.optimizer;
+  double waited = 0;  // for a checkpoint's snapshot: not optimizer work
   {
     auto t = prof.time(prof.step.optimizer, "optimizer (device)");
-    optimizer->update_on_device(ac, which, sumsq, [this](size_t u) { wait_released(hold, u); });
+    optimizer->update_on_device(ac, which, sumsq, holds->waiter(&waited));
     if (cfg.profile) dev.synchronize(dev.compute_stream());  // the kernel's time, not its launch's
   }
-  prof.step.optimizer -= checkpoint_waited_here - waited_before;
+  prof.step.optimizer -= waited;
   prof.step.optimizer_exposed += prof.step.optimizer - before;
 }
 

@@ -244,7 +244,7 @@ class LlamaHead final : public HeadStage {
 
 // ---------------------------------------------------------------- block tiles
 // A block's attention cut into groups of key/value heads, its MLP into slices of the
-// intermediate dimension (LayerTiling). A tile's input is the block's input (its first tile) or
+// intermediate dimension (LayerTiles). A tile's input is the block's input (its first tile) or
 // the previous tile's output stacked [2, ...]: the normed input and the running sum. It adds its
 // contribution to the sum and passes both on, the last tile only the sum. The first tile of each
 // holds the norm and the output projection's bias, so every parameter has one owner.
@@ -369,7 +369,7 @@ class MlpTile final : public Tile {
 };
 
 // ---------------------------------------------------------------- vocabulary tiles
-// The embedding cut into row ranges (LayerTiling::vocab): a tile's forward is the lookup of the
+// The embedding cut into row ranges (LayerTiles::vocab): a tile's forward is the lookup of the
 // token ids in its rows and zero for the others, so that the tiles' sum is the whole lookup
 // exactly (every token gets its row from one tile and zeros from the rest); the first tile also
 // adds GPT-2's positions.
@@ -500,25 +500,25 @@ Decoder::Decoder(const ModelConfig& config, uint64_t seed, Init init) : config_(
 }
 
 Stage& Decoder::embedding() {
-  if (tiling_.vocab != 1) throw std::logic_error("Decoder::embedding: the vocabulary is tiled (read stages())");
+  if (tiles_.vocab != 1) throw std::logic_error("Decoder::embedding: the vocabulary is tiled (read stages())");
   return *embeds_.at(0);
 }
 
 HeadStage& Decoder::head() {
-  if (tiling_.vocab != 1) throw std::logic_error("Decoder::head: the vocabulary is tiled (head_tile())");
+  if (tiles_.vocab != 1) throw std::logic_error("Decoder::head: the vocabulary is tiled (head_tile())");
   return *heads_.at(0);
 }
 
 Stage& Decoder::block(size_t i) {
-  if (!tiling_.blocks_whole()) throw std::logic_error("Decoder::block: the blocks are tiled (read stages())");
+  if (!tiles_.blocks_whole()) throw std::logic_error("Decoder::block: the blocks are tiled (read stages())");
   return *blocks_.at(i).at(0);
 }
 
 std::vector<std::shared_ptr<Stage>> Decoder::make_tiles(int64_t block) const {
   std::vector<std::shared_ptr<Stage>> tiles;
-  for (int64_t a = 0; a < tiling_.attention; ++a)
-    tiles.push_back(std::make_shared<AttentionTile>(config_, block, a, tiling_.attention));
-  for (int64_t m = 0; m < tiling_.mlp; ++m) tiles.push_back(std::make_shared<MlpTile>(config_, block, m, tiling_.mlp));
+  for (int64_t a = 0; a < tiles_.attention; ++a)
+    tiles.push_back(std::make_shared<AttentionTile>(config_, block, a, tiles_.attention));
+  for (int64_t m = 0; m < tiles_.mlp; ++m) tiles.push_back(std::make_shared<MlpTile>(config_, block, m, tiles_.mlp));
   return tiles;
 }
 
@@ -545,12 +545,12 @@ void Decoder::recut(std::vector<Stage*> old, const std::vector<Stage*>& next, bo
     }
 }
 
-void Decoder::set_tiling(const LayerTiling& tiling) {
-  check_tiling(config_, tiling);
-  if (tiling == tiling_) return;
-  const LayerTiling was = tiling_;
-  tiling_ = tiling;
-  if (tiling_.vocab != was.vocab) {
+void Decoder::set_tiles(const LayerTiles& tiling) {
+  check_tiles(config_, tiling);
+  if (tiling == tiles_) return;
+  const LayerTiles was = tiles_;
+  tiles_ = tiling;
+  if (tiles_.vocab != was.vocab) {
     const auto raw = [](const auto& v) {
       std::vector<Stage*> out;
       for (const auto& st : v) out.push_back(st.get());
@@ -558,13 +558,13 @@ void Decoder::set_tiling(const LayerTiling& tiling) {
     };
     std::vector<std::shared_ptr<Stage>> embeds;
     std::vector<std::shared_ptr<HeadStage>> heads;
-    if (tiling_.vocab == 1) {
+    if (tiles_.vocab == 1) {
       embeds = {make_embedding(config_)};
       heads = {make_head(config_, token_weight(*embeds[0]))};
     } else {
-      for (int64_t j = 0; j < tiling_.vocab; ++j) embeds.push_back(std::make_shared<EmbeddingTile>(config_, j, tiling_.vocab));
-      for (int64_t j = 0; j < tiling_.vocab; ++j)
-        heads.push_back(std::make_shared<HeadTile>(config_, j, tiling_.vocab, token_weight(*embeds[size_t(j)])));
+      for (int64_t j = 0; j < tiles_.vocab; ++j) embeds.push_back(std::make_shared<EmbeddingTile>(config_, j, tiles_.vocab));
+      for (int64_t j = 0; j < tiles_.vocab; ++j)
+        heads.push_back(std::make_shared<HeadTile>(config_, j, tiles_.vocab, token_weight(*embeds[size_t(j)])));
     }
     // The embedding first: a tied head's tiles use its new tensors, converted there.
     recut(raw(embeds_), raw(embeds), initialized_ > 0);
@@ -572,10 +572,10 @@ void Decoder::set_tiling(const LayerTiling& tiling) {
     recut(raw(heads_), raw(heads), initialized_ > blocks_.size() + 1);
     heads_ = std::move(heads);
   }
-  if (tiling_.attention == was.attention && tiling_.mlp == was.mlp) return;
+  if (tiles_.attention == was.attention && tiles_.mlp == was.mlp) return;
   for (size_t i = 0; i < blocks_.size(); ++i) {
     std::vector<std::shared_ptr<Stage>> next =
-        tiling_.blocks_whole() ? std::vector<std::shared_ptr<Stage>>{make_block(config_, int64_t(i))}
+        tiles_.blocks_whole() ? std::vector<std::shared_ptr<Stage>>{make_block(config_, int64_t(i))}
                                : make_tiles(int64_t(i));
     std::vector<Stage*> old, fresh;
     for (auto& st : blocks_[i]) old.push_back(st.get());
@@ -610,7 +610,7 @@ std::vector<Stage*> Decoder::group(size_t g) const {
   return members;
 }
 
-std::string Decoder::stage_name(size_t stage) const { return models::stage_name(config_, tiling_, stage); }
+std::string Decoder::stage_name(size_t stage) const { return models::stage_name(config_, tiles_, stage); }
 
 // Initial values: a 1-D tensor a constant by its name, any other normal(0, 0.02) from the one
 // stream, drawn whole in the untiled block's order and then cut into the parts that hold it, so
@@ -686,7 +686,7 @@ at::Tensor Decoder::forward(const at::Tensor& ids) {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Decoder::hf_parameters() {
-  if (!tiling_.blocks_whole() || tiling_.vocab != 1)
+  if (!tiles_.blocks_whole() || tiles_.vocab != 1)
     throw std::logic_error("Decoder::hf_parameters: the model is tiled and holds no whole tensor of what is tiled (read "
                            "stages()' parts())");
   std::vector<std::pair<std::string, at::Tensor>> out;

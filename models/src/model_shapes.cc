@@ -6,7 +6,7 @@
 
 namespace strata::models {
 
-void check_tiling(const ModelConfig& c, const LayerTiling& t) {
+void check_tiles(const ModelConfig& c, const LayerTiles& t) {
   if (t.attention < 1 || t.mlp < 1)
     throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) +
                                 " MLP tiles: each count must be at least 1");
@@ -22,8 +22,8 @@ void check_tiling(const ModelConfig& c, const LayerTiling& t) {
                                 std::to_string(c.vocab_size) + " vocabulary rows (a tile is at least one)");
 }
 
-StageLayout stage_layout(const ModelConfig& c, const LayerTiling& t) {
-  check_tiling(c, t);
+StageLayout stage_layout(const ModelConfig& c, const LayerTiles& t) {
+  check_tiles(c, t);
   return {size_t(t.vocab), size_t(c.layers * t.block_stages()), size_t(t.vocab)};
 }
 
@@ -37,7 +37,7 @@ namespace {
 
 // Elements of attention tile i (of t.attention) and MLP tile j: the norm (and the output bias)
 // belong to the first tile of each.
-uint64_t attention_tile_parameters(const ModelConfig& c, const LayerTiling& t, int64_t i) {
+uint64_t attention_tile_parameters(const ModelConfig& c, const LayerTiles& t, int64_t i) {
   const int64_t d = c.hidden, hd = c.head_dim, rep = c.heads / c.kv_heads;
   const int64_t kv = tile_range(c.kv_heads, t.attention, i).size() * hd, q = kv * rep;
   if (c.arch == Arch::kGpt2) return uint64_t((i == 0 ? 2 * d + d : 0) + 3 * q * d + 3 * q + d * q);
@@ -45,7 +45,7 @@ uint64_t attention_tile_parameters(const ModelConfig& c, const LayerTiling& t, i
                   (c.attention_bias ? q + 2 * kv : 0) + d * q);
 }
 
-uint64_t mlp_tile_parameters(const ModelConfig& c, const LayerTiling& t, int64_t j) {
+uint64_t mlp_tile_parameters(const ModelConfig& c, const LayerTiles& t, int64_t j) {
   const int64_t d = c.hidden, f = tile_range(c.intermediate, t.mlp, j).size();
   if (c.arch == Arch::kGpt2) return uint64_t((j == 0 ? 2 * d + d : 0) + 2 * d * f + f);
   return uint64_t((j == 0 ? d + (c.mlp_bias ? d : 0) : 0) + 3 * d * f + (c.mlp_bias ? 2 * f : 0));
@@ -53,8 +53,8 @@ uint64_t mlp_tile_parameters(const ModelConfig& c, const LayerTiling& t, int64_t
 
 }  // namespace
 
-std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiling& t) {
-  check_tiling(c, t);
+std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiles& t) {
+  check_tiles(c, t);
   const uint64_t d = uint64_t(c.hidden);
   std::vector<uint64_t> n;
   for (int64_t j = 0; j < t.vocab; ++j)
@@ -74,8 +74,8 @@ std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiling& 
   return n;
 }
 
-std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiling& t) {
-  check_tiling(c, t);
+std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiles& t) {
+  check_tiles(c, t);
   std::vector<uint64_t> w(size_t(t.vocab), 1);
   for (int64_t i = 0; i < c.layers; ++i) {
     if (t.blocks_whole()) {
@@ -89,7 +89,7 @@ std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiling
   return w;
 }
 
-std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTiling& t) {
+std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTiles& t) {
   const std::vector<uint64_t> owned = stage_parameters(c, t);
   const StageLayout L = stage_layout(c, t);
   std::vector<std::vector<size_t>> units(owned.size());
@@ -102,7 +102,7 @@ std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTi
   return units;
 }
 
-std::string stage_name(const ModelConfig& c, const LayerTiling& t, size_t stage) {
+std::string stage_name(const ModelConfig& c, const LayerTiles& t, size_t stage) {
   const StageLayout L = stage_layout(c, t);
   if (stage >= L.stages()) throw std::out_of_range("no stage " + std::to_string(stage));
   const auto tile = [&](const std::string& name, size_t j) {
@@ -145,9 +145,9 @@ uint64_t graph_parts(const ModelConfig& c, uint64_t e, uint64_t input_width, uin
 
 }  // namespace
 
-std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const LayerTiling& t, size_t elem_bytes,
+std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const LayerTiles& t, size_t elem_bytes,
                                                   bool mlp_chunked) {
-  check_tiling(c, t);
+  check_tiles(c, t);
   const uint64_t e = elem_bytes;
   std::vector<uint64_t> g(size_t(t.vocab), 0);
   const auto mlp = [&](uint64_t features) { return mlp_chunked ? 0 : features; };

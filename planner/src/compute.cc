@@ -71,7 +71,7 @@ Work mlp_forward(const models::ModelConfig& m, double sequences, int64_t seq_len
 Work head_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& sh) {
   const double tokens = sequences * double(seq_len), d = double(m.hidden), v = double(m.vocab_size), t = sh.tp;
   // Each logits tile's product at its own size, the last chunk and the last rows of each side
-  // smaller where the cut is uneven (plan::LogitsTiling's tiles); the FLOPs stay the whole head's.
+  // smaller where the cut is uneven (layout::LogitsTiles's tiles); the FLOPs stay the whole head's.
   const double chunk = sh.logits_token_chunk > 0 ? std::min(tokens, sh.logits_token_chunk) : tokens,
                rows = sh.logits_vocab_tile > 0 ? std::min(v, sh.logits_vocab_tile) : v;
   const double full_chunks = std::floor(tokens / chunk), last_chunk = tokens - full_chunks * chunk,

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
-#include "strata/engine/plan/schedule.h"
+#include "strata/engine/layout/schedule.h"
 #include "strata/models/model_shapes.h"
 #include "strata/planner/compute.h"
 
@@ -20,7 +20,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // The schedule the engine would run; its block stages are the blocks, or their tiles.
   const size_t vocab_tiles = size_t(p.tiles.vocab);
   const size_t units = p.shard_numel.size();
-  const engine::plan::Schedule schedule(p.stage_units, units, vocab_tiles, vocab_tiles);
+  const engine::layout::Schedule schedule(p.stage_units, units, vocab_tiles, vocab_tiles);
   const size_t block_stages = schedule.blocks();
   const double blocks = double(m.layers);
   const double seqs = double(cfg.micro_batch);
@@ -59,7 +59,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // --- what one micro-batch moves --------------------------------------------------------------
   // Each use of the schedule gathers its stage's units.
   std::vector<double> uses_of(units, 0);
-  for (const engine::plan::Use& use : schedule.uses())
+  for (const engine::layout::Use& use : schedule.uses())
     for (size_t u : schedule.units_of(use.stage)) uses_of[u] += 1;
   const auto tier = [&](size_t u, int kind) {  // kind: 0 compute copy, 1 gradient, 2 optimizer group
     if (kind == 0) return p.placement.params;

@@ -35,8 +35,8 @@ struct TestSource final : ChunkRing::Source {
   std::string name(size_t u, int k) const { return std::to_string(u) + "." + std::to_string(k); }
   uint64_t shard_numel(size_t u) const override { return numel.at(u); }
   at::ScalarType dtype(int k) const override { return k == kOut ? at::kBFloat16 : at::kFloat; }
-  bool in_swap(size_t u, int k) const override { return (k == kA && u % 2 == 0) || (k == kOut && u == 0); }
-  bool streamed(size_t u, int k) const override { return in_swap(u, k) || k == kOut; }
+  bool on_nvme(size_t u, int k) const override { return (k == kA && u % 2 == 0) || (k == kOut && u == 0); }
+  bool streamed(size_t u, int k) const override { return on_nvme(u, k) || k == kOut; }
   void* resident(size_t u, int k, uint64_t begin) override {
     const at::Tensor& t = k == kA ? a.at(u) : k == kB ? b.at(u) : out.at(u);
     return t.defined() ? static_cast<char*>(t.data_ptr()) + begin * t.element_size() : nullptr;
@@ -73,7 +73,7 @@ struct Fixture {
       a0.push_back(at::randn({n}));
       b0.push_back(at::randn({n}));
       src->b.push_back(b0[u].clone());
-      if (src->in_swap(u, kA)) {
+      if (src->on_nvme(u, kA)) {
         swap->allocate(src->name(u, kA), numel[u] * 4);
         at::Tensor init = HostMemory::unpinned(numel[u], at::kFloat);
         init.copy_(a0[u]);
@@ -82,7 +82,7 @@ struct Fixture {
       } else {
         src->a.push_back(a0[u].clone());
       }
-      if (src->in_swap(u, kOut)) {
+      if (src->on_nvme(u, kOut)) {
         swap->allocate(src->name(u, kOut), numel[u] * 2);
         src->out.emplace_back();
       } else {
@@ -134,9 +134,9 @@ TEST(ChunkRing, UpdatesSwapAndResidentStateChunkByChunkInThePassOrder) {
   EXPECT_EQ(events, want);
   for (size_t u = 0; u < 4; ++u) {
     const at::Tensor a_want = f.a0[u] + f.b0[u];
-    const at::Tensor a_got = f.src->in_swap(u, kA) ? f.read_back(u, kA) : f.src->a[u];
+    const at::Tensor a_got = f.src->on_nvme(u, kA) ? f.read_back(u, kA) : f.src->a[u];
     EXPECT_TRUE(at::equal(a_got, a_want)) << "unit " << u;
-    const at::Tensor out_got = f.src->in_swap(u, kOut) ? f.read_back(u, kOut) : f.src->out[u];
+    const at::Tensor out_got = f.src->on_nvme(u, kOut) ? f.read_back(u, kOut) : f.src->out[u];
     EXPECT_TRUE(at::equal(out_got, (a_want * 2).to(at::kBFloat16))) << "unit " << u;
     EXPECT_TRUE(at::equal(f.src->b[u], f.b0[u])) << "an input-only kind is not written";
   }

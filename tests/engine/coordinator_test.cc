@@ -58,19 +58,25 @@ struct Bench {
                        {"block.1", {{"b1.a", {1001}}, {"b1.b", {33, 3}}}},
                        {"head", {{"head.norm", {7}}}}},
                       2, /*align_numel=*/1};
-  plan::Schedule schedule{{{0}, {1}, {2}, {3, 0}}, 4};
-  std::unique_ptr<plan::MemoryModel> memory;
-  plan::Choices choice;
+  layout::Schedule schedule{{{0}, {1}, {2}, {3, 0}}, 4};
+  std::unique_ptr<layout::MemoryModel> memory;
+  layout::Choices choice;
   std::unique_ptr<state::StateStore> store;
   std::unique_ptr<ParameterCoordinator> coord;
   std::vector<std::vector<at::Tensor>> modules;  // the module tensors the coordinator binds
   std::vector<size_t> gathered;                  // units, in the order their gathers started
+  // Stands in for the updater: records each gather's wait for its unit's update.
+  struct RecordingFence : UpdateFence {
+    std::vector<size_t>& seen;
+    explicit RecordingFence(std::vector<size_t>& s) : seen(s) {}
+    void wait_updated(size_t u) override { seen.push_back(u); }
+  } fence{gathered};
 
   Bench(Placement params, uint64_t budget) : device(Device::create_host(budget)), host(*device) {
     offload::SwapConfig sc;
     sc.dirs = {dir.path()};
     swap = std::make_unique<offload::SwapSpace>(*io, sc);
-    plan::ModelSizes sizes;
+    layout::ModelSizes sizes;
     for (const UnitLayout& L : partition.units()) {
       sizes.padded_numel.push_back(L.padded_numel());
       sizes.shard_numel.push_back(L.shard_numel);
@@ -79,12 +85,12 @@ struct Bench {
     sizes.tokens = 4;
     sizes.hidden = 7;
     sizes.vocab = 301;
-    memory = std::make_unique<plan::MemoryModel>(schedule, sizes);
+    memory = std::make_unique<layout::MemoryModel>(schedule, sizes);
     choice.recomputed = 2;
     PlacementPlan plan{params, Placement::kHost, Placement::kHost, Placement::kHost};
     store = std::make_unique<state::StateStore>(partition, at::kBFloat16, plan, *device, host, swap.get(), prof);
     coord = std::make_unique<ParameterCoordinator>(schedule, *memory, choice, partition, *store, host, *device, comm,
-                                                   prof, [this](size_t u) { gathered.push_back(u); });
+                                                   prof, &fence);
     for (size_t u = 0; u < 4; ++u) {
       store->allocate(u, master(u), false);
       std::vector<at::Tensor> ts;
@@ -167,7 +173,7 @@ TEST(ParameterCoordinator, ATightBudgetGathersNothingAheadAndEvictsWhatTheUseNee
     SCOPED_TRACE(to_string(p));
     // Exactly the largest need of one use beside the state: nothing fits ahead.
     Bench probe(p, UINT64_MAX);
-    plan::Choices none = probe.choice;
+    layout::Choices none = probe.choice;
     none.prefetch = 0;
     const uint64_t budget = probe.device->used() + probe.memory->largest_need(none);
     Bench b(p, budget);

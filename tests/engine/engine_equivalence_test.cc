@@ -1280,7 +1280,7 @@ TEST(EngineNvme, StateReallyLivesInTheSwapFiles) {
   // The master slice read back from swap is the initial weights.
   sm::Decoder init(tc.model, tc.init_seed);
   at::Tensor w = init.hf_parameters().front().second.reshape(-1);
-  at::Tensor slice = eng.state_slice(0, se::Engine::StateKind::kMaster);
+  at::Tensor slice = eng.state_slice(0, se::state::kMaster);
   EXPECT_TRUE(slice.narrow(0, 0, w.numel()).equal(w));
 }
 

@@ -146,7 +146,7 @@ struct Bench {
   Profiler prof;
   PeerComm comm;
   Partition partition{kUnits, 2, /*align_numel=*/1};
-  plan::Schedule schedule{{{0}, {1}, {2}, {3, 0}}, 4};
+  layout::Schedule schedule{{{0}, {1}, {2}, {3, 0}}, 4};
   const PlacementPlan plan;
   const bool bf16;
   std::unique_ptr<state::StateStore> store;

@@ -97,10 +97,10 @@ TEST(MemoryModelInEngine, TheHeadsLossIsCountedAgainstTheBudgetWhileItRuns) {
     auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
     auto dev = se::Device::create_host(UINT64_MAX);
     se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm, *dev);
-    const se::plan::MemoryModel& m = eng.memory_model();
+    const se::layout::MemoryModel& m = eng.memory_model();
     loss = m.head_loss_bytes();
-    for (const se::plan::Use& use : m.schedule().uses())
-      if (use.kind == se::plan::Use::kHead) head_units = m.use_bytes(use);
+    for (const se::layout::Use& use : m.schedule().uses())
+      if (use.kind == se::layout::Use::kHead) head_units = m.use_bytes(use);
     for (size_t u = 0; u < eng.partition().num_units(); ++u)
       largest_grads = std::max<uint64_t>(largest_grads, 8 * eng.partition().unit(u).padded_numel());
     bound = eng.device_state_bytes() + m.working_set(eng.working_set_choices());

@@ -129,14 +129,14 @@ TEST(PredictState, IsWhatTheEngineDecides) {
 // The prediction's units are the partition the engine builds from the real tensors.
 TEST(PredictState, PartitionsLikeTheEngineAtAnyWorldSize) {
   for (bool llama : {false, true})
-  for (const sm::LayerTiling tiles : {sm::LayerTiling{1, 1}, sm::LayerTiling{2, 3}, sm::LayerTiling{1, 1, 4},
-                                      sm::LayerTiling{2, 3, 3}}) {
+  for (const sm::LayerTiles tiles : {sm::LayerTiles{1, 1}, sm::LayerTiles{2, 3}, sm::LayerTiles{1, 1, 4},
+                                      sm::LayerTiles{2, 3, 3}}) {
     se::TrainConfig tc = se::parse_train_config(tiny_config(llama, 3).dump(), "test");
     tc.engine.attention_tiles = uint64_t(tiles.attention);
     tc.engine.mlp_tiles = uint64_t(tiles.mlp);
     tc.engine.vocab_tiles = uint64_t(tiles.vocab);
     sm::Decoder m(tc.model, 1, sm::Decoder::Init::kDeferred);
-    m.set_tiling(tiles);
+    m.set_tiles(tiles);
     std::vector<std::pair<std::string, std::vector<se::TensorSpec>>> specs;
     for (sm::Stage* s : m.stages()) {
       std::vector<se::TensorSpec> ts;

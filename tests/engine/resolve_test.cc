@@ -1,4 +1,4 @@
-// Resolution on its own (strata/engine/plan/resolve.h): placement, recompute and activation checkpoints
+// Resolution on its own (strata/engine/layout/resolve.h): placement, recompute and activation checkpoints
 // decided from a configuration, budgets and the memory model, with the ranks' agreement
 // simulated by a peer whose codes are known. Oracles: the planner's own plan for one rank alone,
 // the memory model's working set for the fit tests, and the element-wise maximum with the peer.
@@ -11,10 +11,10 @@
 
 #include "strata/engine/bytes.h"
 #include "strata/engine/placement.h"
-#include "strata/engine/plan/memory_model.h"
-#include "strata/engine/plan/resolve.h"
-#include "strata/engine/plan/schedule.h"
-#include "strata/engine/plan/tiling.h"
+#include "strata/engine/layout/memory_model.h"
+#include "strata/engine/layout/resolve.h"
+#include "strata/engine/layout/schedule.h"
+#include "strata/engine/layout/tiles.h"
 #include "strata/models/model_config.h"
 
 namespace strata::engine {
@@ -22,12 +22,12 @@ namespace {
 
 // Embedding, three blocks, a head tied to the embedding; shards of awkward sizes.
 struct Model {
-  plan::Schedule schedule{{{0}, {1}, {2}, {3}, {4, 0}}, 5};
-  plan::MemoryModel memory{schedule, sizes()};
+  layout::Schedule schedule{{{0}, {1}, {2}, {3}, {4, 0}}, 5};
+  layout::MemoryModel memory{schedule, sizes()};
   std::vector<uint64_t> shards{5120, 3072, 3584, 2560, 1536};
   StateBytes need = state_bytes(shards, 2, 3);
-  static plan::ModelSizes sizes() {
-    plan::ModelSizes z;
+  static layout::ModelSizes sizes() {
+    layout::ModelSizes z;
     z.padded_numel = {10240, 6144, 7168, 5120, 3072};
     z.shard_numel = {5120, 3072, 3584, 2560, 1536};
     z.compute_bytes = 2;
@@ -100,7 +100,7 @@ TEST(ResolvePlacement, AnExplicitPlacementIsKeptAndNeverAsksThePeers) {
 TEST(ResolvePlacement, AloneItIsThePlannersPlanWithTheDeviceKeepingRoomForTheWorkingSet) {
   Model m;
   const EngineConfig cfg = all_auto();
-  plan::Choices choice;
+  layout::Choices choice;
   choice.recomputed = 3;
   choice.prefetch = 2;
   const uint64_t working = m.memory.working_set(choice);
@@ -159,11 +159,11 @@ TEST(ResolvePlacement, APeerWithLessRoomMakesThisRankTakeItsSlowerTiersAndFewerF
 
 TEST(ResolveRecompute, KeepsTheMostGraphsThatFitAndRecomputesAsManyAsAnyRankMust) {
   Model m;
-  plan::Choices choice;
+  layout::Choices choice;
   choice.recomputed = 3;
   const uint64_t base = 77777;
   for (size_t keep = 0; keep <= 3; ++keep) {
-    plan::Choices c = choice;
+    layout::Choices c = choice;
     c.recomputed = 3 - keep;
     const uint64_t usable = base + m.memory.working_set(c);  // exactly `keep` graphs fit
     Peer alone;
@@ -180,7 +180,7 @@ TEST(ResolveRecompute, KeepsTheMostGraphsThatFitAndRecomputesAsManyAsAnyRankMust
 // placement.recompute counts whole blocks: with blocks in 1 attention x 3 MLP tiles (4 stages a
 // block), N blocks are 4 N stages, and "auto" keeps graphs only for whole blocks.
 TEST(ResolveRecompute, CountsWholeBlocksOfTileStages) {
-  const models::LayerTiling whole{1, 1, 1}, tiled{1, 3, 1};
+  const models::LayerTiles whole{1, 1, 1}, tiled{1, 3, 1};
   EXPECT_EQ(recomputed_stages(1, 3, whole), 1u);
   EXPECT_EQ(recomputed_stages(1, 8, tiled), 4u);
   EXPECT_EQ(recomputed_stages(0, 8, tiled), 0u);
@@ -189,18 +189,18 @@ TEST(ResolveRecompute, CountsWholeBlocksOfTileStages) {
   EXPECT_EQ(recomputed_stages(EngineConfig::kRecomputeAuto, 8, tiled), 8u) << "auto starts at the leanest";
 
   // Embedding, two blocks of 4 tile stages each, a tied head.
-  const plan::Schedule schedule{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9, 0}}, 10};
-  plan::ModelSizes z = Model::sizes();
+  const layout::Schedule schedule{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9, 0}}, 10};
+  layout::ModelSizes z = Model::sizes();
   z.padded_numel = {10240, 2048, 3072, 3072, 3072, 2048, 3072, 3072, 3072, 1024};
   z.shard_numel = {5120, 1024, 1536, 1536, 1536, 1024, 1536, 1536, 1536, 512};
   z.graph_bytes = {0, 9973, 9973, 9973, 9973, 9973, 9973, 9973, 9973, 0};
-  const plan::MemoryModel memory(schedule, z);
+  const layout::MemoryModel memory(schedule, z);
   ASSERT_EQ(schedule.blocks(), 8u);
-  plan::Choices choice;
+  layout::Choices choice;
   choice.recomputed = 8;
   const uint64_t base = 4321;
   for (size_t kept_stages = 0; kept_stages <= 8; ++kept_stages) {
-    plan::Choices c = choice;
+    layout::Choices c = choice;
     c.recomputed = 8 - kept_stages;
     const uint64_t usable = base + memory.working_set(c);  // exactly `kept_stages` graphs fit
     Peer alone;
@@ -215,10 +215,10 @@ TEST(ResolveActivations, DeviceIfTheyFitElseHostElseSwapAndTheSlowestAnyRankChos
   EngineConfig cfg;
   cfg.activations = Placement::kAuto;
   cfg.nvme_dirs = {"/unused"};
-  plan::Choices choice;
+  layout::Choices choice;
   choice.recomputed = 3;
   choice.activations = Placement::kAuto;
-  plan::Choices on_device = choice;
+  layout::Choices on_device = choice;
   on_device.activations = Placement::kDevice;
   const uint64_t base = 4096, fits = base + m.memory.working_set(on_device);
   const uint64_t all = m.memory.checkpoint_bytes(choice);
@@ -255,7 +255,7 @@ TEST(EffectiveConfig, ShowsEveryResolvedChoiceAndKeepsTheRest) {
   Layout layout(units, Model::sizes());
   layout.placement = {Placement::kDevice, Placement::kHost, Placement::kNvme, Placement::kNvme};
   layout.mlp_token_chunk = 96;
-  plan::Choices choice;
+  layout::Choices choice;
   choice.activations = Placement::kHost;
   choice.recomputed = 2;
   const EngineConfig e = effective_config(cfg, layout, choice);
@@ -276,20 +276,20 @@ TEST(EffectiveConfig, ShowsEveryResolvedChoiceAndKeepsTheRest) {
 // is kept (in one pass when it fits); a budget that nothing fits gets the most tiles
 // (construction's check then names it).
 TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
-  plan::ModelSizes z = Model::sizes();
+  layout::ModelSizes z = Model::sizes();
   z.tokens = 512;
   z.vocab = 3001;  // the logits dominate: 512 x 3001 x 10 bytes
-  const plan::Schedule schedule{{{0}, {1}, {2}, {3}, {4, 0}}, 5};
-  plan::Choices lean;
+  const layout::Schedule schedule{{{0}, {1}, {2}, {3}, {4, 0}}, 5};
+  layout::Choices lean;
   lean.recomputed = 3;
-  const auto working = [&](const plan::LogitsTiling& t) {
-    plan::ModelSizes s = z;
+  const auto working = [&](const layout::LogitsTiles& t) {
+    layout::ModelSizes s = z;
     s.logits = t;
-    return plan::MemoryModel(schedule, s).working_set(lean);
+    return layout::MemoryModel(schedule, s).working_set(lean);
   };
-  const auto two = [&](uint64_t count) { return plan::logits_tiling(z.tokens, z.vocab, count); };
-  const auto one = [&](uint64_t count) { return plan::one_pass_tiling(z.tokens, z.vocab, count); };
-  const auto same_cut = [](const plan::LogitsTiling& a, const plan::LogitsTiling& b) {
+  const auto two = [&](uint64_t count) { return layout::logits_tiles(z.tokens, z.vocab, count); };
+  const auto one = [&](uint64_t count) { return layout::one_pass_tiles(z.tokens, z.vocab, count); };
+  const auto same_cut = [](const layout::LogitsTiles& a, const layout::LogitsTiles& b) {
     return a.token_chunk == b.token_chunk && a.vocab_tile == b.vocab_tile && a.one_pass == b.one_pass;
   };
   EngineConfig c = all_auto();
@@ -297,7 +297,7 @@ TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
   const uint64_t base = 4096;
   int one_pass_picks = 0;
   for (uint64_t want : {2ull, 3ull, 7ull, 20ull}) {
-    for (const plan::LogitsTiling& room : {two(want), one(want)}) {
+    for (const layout::LogitsTiles& room : {two(want), one(want)}) {
       const uint64_t usable = base + working(room);
       Peer alone;
       const HeadCut got = resolve_head_tiles(c, schedule, z, lean, base, usable, alone.agree());
@@ -324,7 +324,7 @@ TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
   EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, UINT64_MAX, alone.agree()).count, 1u);  // no limit: untiled
   EXPECT_FALSE(resolve_head_tiles(c, schedule, z, lean, 0, UINT64_MAX, alone.agree()).logits.tiled(z.tokens, z.vocab));
   // Nothing fits: the smallest tiles "auto" cuts (64 tokens x 1024 rows: 8 x 3 of them here).
-  EXPECT_EQ(plan::max_auto_logits_tiles(z.tokens, z.vocab), 8u * 3u);
+  EXPECT_EQ(layout::max_auto_logits_tiles(z.tokens, z.vocab), 8u * 3u);
   EXPECT_EQ(resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree()).count, 24u);
   c.head_tiles = 6;
   const HeadCut kept = resolve_head_tiles(c, schedule, z, lean, 0, 1000, alone.agree());
@@ -336,9 +336,9 @@ TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
   EXPECT_TRUE(same_cut(resolve_head_tiles(c, schedule, z, lean, 0, UINT64_MAX, alone.agree()).logits, two(6)));
   c.head_one_pass = true;
   // Vocabulary tiles: never one pass (the weight's ranges are never together).
-  plan::ModelSizes tiled = z;
+  layout::ModelSizes tiled = z;
   tiled.vocab_tiles = 2;
-  const plan::Schedule vocab_schedule{{{0}, {1}, {2}, {3}, {4}, {5}}, 6, 2, 2};
+  const layout::Schedule vocab_schedule{{{0}, {1}, {2}, {3}, {4}, {5}}, 6, 2, 2};
   EXPECT_FALSE(resolve_head_tiles(c, vocab_schedule, tiled, lean, 0, UINT64_MAX, alone.agree()).logits.one_pass);
 }
 
@@ -347,26 +347,26 @@ TEST(ResolveHeadTiles, PicksTheFewestThatFitAndAgrees) {
 TEST(ResolveHeadTiles, OnePassCutsAreTokenChunksOverTheWholeVocabulary) {
   for (auto [tokens, vocab] : {std::pair<uint64_t, uint64_t>{512, 3001}, {1000, 50257}, {7, 64}})
     for (uint64_t count : {2ull, 3ull, 7ull, 16ull, 1000ull}) {
-      const plan::LogitsTiling t = plan::one_pass_tiling(tokens, vocab, count);
+      const layout::LogitsTiles t = layout::one_pass_tiles(tokens, vocab, count);
       EXPECT_TRUE(t.one_pass);
       EXPECT_EQ(t.vocab_tile, vocab);
       EXPECT_EQ(t.tiles(tokens, vocab), std::min(count, tokens)) << tokens << " " << count;
-      EXPECT_EQ(plan::head_scratch_bytes(tokens, vocab, 64, 2, t),
+      EXPECT_EQ(layout::head_scratch_bytes(tokens, vocab, 64, 2, t),
                 t.token_chunk * vocab * 6 + t.token_chunk * 64 * 2 + tokens * 64 * 4 + vocab * 64 * 6 + tokens * 16);
     }
-  EXPECT_FALSE(plan::one_pass_tiling(512, 3001, 1).tiled(512, 3001));
-  EXPECT_EQ(plan::describe(plan::one_pass_tiling(512, 3001, 4), 512, 3001),
+  EXPECT_FALSE(layout::one_pass_tiles(512, 3001, 1).tiled(512, 3001));
+  EXPECT_EQ(layout::describe(layout::one_pass_tiles(512, 3001, 4), 512, 3001),
             "4 tiles of 128 tokens x the whole vocabulary in one pass");
 }
 
 // "auto" tiles of the logits: no more than max_efficient_logits_tiles before the vocabulary is
 // cut instead (tiles of about 2^22 logits, or up to 16 tiles), within max_auto_logits_tiles.
 TEST(ResolveTiles, EfficientLogitsTilesAreAboutFourMegaLogitsOrSixteen) {
-  EXPECT_EQ(plan::max_efficient_logits_tiles(8192, 131072), 256u);  // 2^30 logits / 2^22
-  EXPECT_EQ(plan::max_efficient_logits_tiles(8192, 131073), 257u);
-  EXPECT_EQ(plan::max_efficient_logits_tiles(256, 4096), 16u);    // 16 cheap tiles (the most)
-  EXPECT_EQ(plan::max_efficient_logits_tiles(256, 2048), 8u);     // the most "auto" cuts: 4 x 2
-  EXPECT_EQ(plan::max_efficient_logits_tiles(64, 1000), 1u);      // too small to cut
+  EXPECT_EQ(layout::max_efficient_logits_tiles(8192, 131072), 256u);  // 2^30 logits / 2^22
+  EXPECT_EQ(layout::max_efficient_logits_tiles(8192, 131073), 257u);
+  EXPECT_EQ(layout::max_efficient_logits_tiles(256, 4096), 16u);    // 16 cheap tiles (the most)
+  EXPECT_EQ(layout::max_efficient_logits_tiles(256, 2048), 8u);     // the most "auto" cuts: 4 x 2
+  EXPECT_EQ(layout::max_efficient_logits_tiles(64, 1000), 1u);      // too small to cut
 }
 
 // The vocabulary search runs with the smallest logits tiles, then again with efficient ones at no
@@ -389,26 +389,26 @@ TEST(ResolveTiles, PrefersVocabularyTilesToTinyLogitsTilesAndFallsBackToThem) {
   int efficient_tests = 0, smallest_tests = 0;
   // Whole blocks fit; the vocabulary fits whole only with the smallest logits tiles, and from 4
   // vocabulary tiles on with efficient ones.
-  const auto fits = [&](const models::LayerTiling& t, bool efficient) {
+  const auto fits = [&](const models::LayerTiles& t, bool efficient) {
     ++(efficient ? efficient_tests : smallest_tests);
     return t.blocks_whole() && t.vocab >= (efficient ? 4 : 1);
   };
   Peer alone;
-  models::LayerTiling got = resolve_tiles(c, mc, fits, alone.agree());
+  models::LayerTiles got = resolve_tiles(c, mc, fits, alone.agree());
   EXPECT_TRUE(got.blocks_whole());
   EXPECT_EQ(got.vocab, 4) << "more vocabulary tiles, not tiny logits tiles";
   EXPECT_GT(efficient_tests, 0);
   // Efficient logits tiles would need the blocks cut: whole blocks and the smallest logits tiles
   // instead (block tiles are not traded for larger logits tiles).
   got = resolve_tiles(
-      c, mc, [&](const models::LayerTiling& t, bool efficient) { return efficient ? !t.blocks_whole() : true; },
+      c, mc, [&](const models::LayerTiles& t, bool efficient) { return efficient ? !t.blocks_whole() : true; },
       alone.agree());
   EXPECT_TRUE(got.blocks_whole());
   EXPECT_EQ(got.vocab, 1);
   // Nothing fits with efficient logits tiles: the smallest ones, and the vocabulary whole.
   efficient_tests = smallest_tests = 0;
   got = resolve_tiles(
-      c, mc, [&](const models::LayerTiling& t, bool efficient) { return fits(t, efficient) && !efficient; },
+      c, mc, [&](const models::LayerTiles& t, bool efficient) { return fits(t, efficient) && !efficient; },
       alone.agree());
   EXPECT_TRUE(got.blocks_whole());
   EXPECT_EQ(got.vocab, 1);
@@ -431,11 +431,11 @@ TEST(ResolveTiles, PrefersVocabularyTilesToTinyLogitsTilesAndFallsBackToThem) {
 // 256, or all) where it does not; a peer that chunks makes every rank chunk; a configured value is
 // kept without a test or an agreement.
 TEST(ResolveMlpTokenChunk, ChunksOnlyWhereTheLeanestTilingDoesNotFitWithoutThem) {
-  EXPECT_EQ(plan::auto_mlp_token_chunk(100), 100u);
-  EXPECT_EQ(plan::auto_mlp_token_chunk(256), 256u);
-  EXPECT_EQ(plan::auto_mlp_token_chunk(2048), 256u);
-  EXPECT_EQ(plan::auto_mlp_token_chunk(2049), 257u);
-  EXPECT_EQ(plan::auto_mlp_token_chunk(32768), 4096u);
+  EXPECT_EQ(layout::auto_mlp_token_chunk(100), 100u);
+  EXPECT_EQ(layout::auto_mlp_token_chunk(256), 256u);
+  EXPECT_EQ(layout::auto_mlp_token_chunk(2048), 256u);
+  EXPECT_EQ(layout::auto_mlp_token_chunk(2049), 257u);
+  EXPECT_EQ(layout::auto_mlp_token_chunk(32768), 4096u);
 
   models::ModelConfig mc = models::preset("llama-1b");
   mc.layers = 2;
@@ -450,13 +450,13 @@ TEST(ResolveMlpTokenChunk, ChunksOnlyWhereTheLeanestTilingDoesNotFitWithoutThem)
   c.micro_batch = 2;
   c.seq_len = 2048;
   ASSERT_EQ(c.mlp_token_chunk, EngineConfig::kMlpChunkAuto);
-  const models::LayerTiling leanest = leanest_tiling(c, mc);
+  const models::LayerTiles leanest = leanest_tiling(c, mc);
   EXPECT_EQ(leanest.attention, 2);
   EXPECT_EQ(leanest.mlp, 10);
   EXPECT_EQ(leanest.vocab, 4);
-  std::vector<std::pair<models::LayerTiling, int64_t>> asked;
+  std::vector<std::pair<models::LayerTiles, int64_t>> asked;
   const auto fits_unchunked = [&](bool fit) {
-    return [&asked, fit](const models::LayerTiling& t, int64_t chunk) {
+    return [&asked, fit](const models::LayerTiles& t, int64_t chunk) {
       asked.push_back({t, chunk});
       return fit || chunk > 0;
     };
@@ -473,7 +473,7 @@ TEST(ResolveMlpTokenChunk, ChunksOnlyWhereTheLeanestTilingDoesNotFitWithoutThem)
   c.attention_tiles = 1;
   c.mlp_tiles = 3;
   c.vocab_tiles = 1;
-  EXPECT_EQ(leanest_tiling(c, mc), (models::LayerTiling{1, 3, 1}));
+  EXPECT_EQ(leanest_tiling(c, mc), (models::LayerTiles{1, 3, 1}));
   // A configured chunk (or "off") is kept: nothing tested, nothing agreed.
   asked.clear();
   Peer asked_peer;
@@ -489,18 +489,18 @@ TEST(ResolveMlpTokenChunk, ChunksOnlyWhereTheLeanestTilingDoesNotFitWithoutThem)
 // not fit: here the embedding's forward fails, but most of what it needs is the block's gradient
 // buffers (counted in every use's scratch), so the block tiles are the remedy.
 TEST(CheckWorkingSet, NamesTheUseTheScratchComesFromAndTheBlockTilesWhenItIsABlocksBackward) {
-  plan::Schedule schedule{{{0}, {1}, {2}}, 3};
-  plan::ModelSizes z;
+  layout::Schedule schedule{{{0}, {1}, {2}}, 3};
+  layout::ModelSizes z;
   z.padded_numel = {8192, 65536, 1024};
   z.shard_numel = {8192, 65536, 1024};
   z.compute_bytes = 4;
   z.tokens = 8;
   z.hidden = 16;
   z.vocab = 64;
-  const plan::MemoryModel mm(schedule, z);
+  const layout::MemoryModel mm(schedule, z);
   EXPECT_EQ(mm.largest_scratch_use().stage, 1u);
-  EXPECT_EQ(mm.largest_scratch_use().kind, plan::Use::kBackward);
-  plan::Choices c;
+  EXPECT_EQ(mm.largest_scratch_use().kind, layout::Use::kBackward);
+  layout::Choices c;
   c.activations = Placement::kHost;
   c.recomputed = 1;
   const uint64_t first_need = mm.need(schedule.uses().front(), c);

@@ -44,7 +44,7 @@ struct Bench {
       offload::SwapConfig sc;
       sc.dirs = {dir.path()};
       swap = std::make_unique<offload::SwapSpace>(*io, sc);
-      driver = swap_tier(*swap);
+      driver = nvme_tier(*swap);
     }
   }
 };
@@ -280,7 +280,7 @@ TEST(StateStore, PlacesEachKindByTheSplitPlanAndInitializesItInEveryTier) {
     EXPECT_EQ(b.read(u, kExpAvg).abs().max().item<float>(), 0.0f) << "unit " << u;
     EXPECT_EQ(b.read(u, kExpAvgSq).abs().max().item<float>(), 0.0f) << "unit " << u;
     EXPECT_EQ(s.tensor(u, kMaster).defined(), u < 2) << "resident tensors exactly where not in swap";
-    EXPECT_EQ(s.in_swap(u, kMaster), u == 2);
+    EXPECT_EQ(s.on_nvme(u, kMaster), u == 2);
     EXPECT_TRUE(s.streamed(u, kCompute)) << "a device compute copy passes through a host buffer";
     EXPECT_EQ(s.streamed(u, kMaster), u == 2);
   }
@@ -290,7 +290,7 @@ TEST(StateStore, PlacesEachKindByTheSplitPlanAndInitializesItInEveryTier) {
   EXPECT_FALSE(s.copies_to_file(1, kExpAvg)) << "a host-placed one does not";
   EXPECT_FALSE(s.copies_to_file(0, kMaster)) << "nor a device-placed one";
   // Swap: master, moments and the gradient of the head; its shard of 5 over 2 ranks.
-  EXPECT_EQ(s.swap_bytes(), 4 * b.partition.unit(2).shard_numel * 4);
+  EXPECT_EQ(s.nvme_bytes(), 4 * b.partition.unit(2).shard_numel * 4);
   EXPECT_EQ(b.host.state_bytes(), 4 * b.partition.unit(1).shard_numel * 4);
   EXPECT_EQ(b.device->used(), 4 * b.partition.unit(0).shard_numel * 4 +
                                   2 * (b.partition.unit(0).shard_numel + b.partition.unit(1).shard_numel +

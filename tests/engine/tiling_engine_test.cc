@@ -16,7 +16,7 @@
 #include "equivalence.h"
 #include "launched.h"
 #include "strata/engine/device.h"
-#include "strata/engine/plan/tiling.h"
+#include "strata/engine/layout/tiles.h"
 #include "strata/engine/predict.h"
 #include "test_util.h"
 
@@ -451,7 +451,7 @@ TEST(MlpTokenChunks, TrainAsLibtorchDoesOverWholeSequences) {
 
 // Long sequences (placement.tiling "mlp_tokens" "auto"): where the blocks' autograd graphs, whose
 // MLP intermediates grow with the tokens, leave no tiling that fits, the MLPs run over token
-// chunks (plan::auto_mlp_token_chunk); the run stays within the budget and matches libtorch over
+// chunks (layout::auto_mlp_token_chunk); the run stays within the budget and matches libtorch over
 // whole sequences; "off" fails there with BudgetExceeded; with room to spare nothing is chunked.
 TEST(MlpTokenChunks, AutoChunksOnlyWhereNothingFitsWithoutThem) {
   json j = tiling_config(true, 2);
@@ -462,7 +462,7 @@ TEST(MlpTokenChunks, AutoChunksOnlyWhereNothingFitsWithoutThem) {
   j["device"] = {{"prefetch", 0}};
   const se::TrainConfig tc = parsed(j);
   const uint64_t tokens = uint64_t(tc.engine.micro_batch * tc.engine.seq_len);
-  const int64_t chunk = int64_t(se::plan::auto_mlp_token_chunk(tokens));
+  const int64_t chunk = int64_t(se::layout::auto_mlp_token_chunk(tokens));
   ASSERT_LT(chunk, int64_t(tokens)) << "the test's premise: chunks shorter than the micro-batch";
   const auto fits = [&](int64_t mlp_chunk, uint64_t budget) {
     se::EngineConfig e = tc.engine;
@@ -514,7 +514,7 @@ TEST(TiledBlocks, AutoCutsBlocksThatDoNotFitAndTrainsWithinTheBudget) {
   j["batch"] = {{"micro_batch", 2}, {"grad_accum", 2}};  // one sequence a micro-batch ends ~1e-5 from libtorch untiled
   j["placement"] = {{"params", "host"}, {"grads", "host"}, {"master", "host"}, {"moments", "host"}};
   auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
-  const auto built = [&](const json& jj, uint64_t budget, sm::LayerTiling* tiles) {
+  const auto built = [&](const json& jj, uint64_t budget, sm::LayerTiles* tiles) {
     const se::TrainConfig tc = parsed(jj);
     auto dev = se::Device::create("cpu", 0, budget);
     se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), tc.engine,
@@ -524,7 +524,7 @@ TEST(TiledBlocks, AutoCutsBlocksThatDoNotFitAndTrainsWithinTheBudget) {
   };
   json off = j, auto_ = j;
   off["placement"]["tiling"] = {{"attention", "off"}, {"mlp", "off"}};
-  sm::LayerTiling tiles;
+  sm::LayerTiles tiles;
   const uint64_t whole = built(off, UINT64_MAX, &tiles);
   EXPECT_EQ(built(auto_, UINT64_MAX, &tiles), whole);
   EXPECT_TRUE(tiles.blocks_whole()) << "an unlimited budget needs no tiles";

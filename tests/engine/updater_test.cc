@@ -42,7 +42,7 @@ kernels::AdamConfig adam() {
 
 // Embedding, two blocks, a head tied to the embedding; a shard per unit of awkward size.
 struct Bench : test::StateFixture {
-  plan::Schedule schedule{{{0}, {1}, {2}, {3, 0}}, 4};
+  layout::Schedule schedule{{{0}, {1}, {2}, {3, 0}}, 4};
   std::unique_ptr<Optimizer> opt;
   std::unique_ptr<GradientBuffers> buffers;  // transient gradients: the reducer's pool
   std::unique_ptr<Updater> updater;

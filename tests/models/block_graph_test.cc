@@ -19,7 +19,7 @@ struct Case {
   Arch arch;
   int64_t hidden, heads, kv_heads, intermediate, batch, seq;
   at::ScalarType dtype;
-  LayerTiling tiling;
+  LayerTiles tiling;
   int64_t mlp_chunk;
 };
 
@@ -38,7 +38,7 @@ TEST_P(BlockGraph, EstimateBoundsWhatAutogradKeepsForEveryStage) {
   c.max_positions = 512;
   c.validate();
   Decoder m(c, 3);
-  m.set_tiling(k.tiling);
+  m.set_tiles(k.tiling);
   m.set_mlp_token_chunk(k.mlp_chunk);
   m.to(k.dtype);
   const size_t e = c10::elementSize(k.dtype);

@@ -1,4 +1,4 @@
-// Block and vocabulary tiles (Decoder::set_tiling) against the whole model: the same initial weights at
+// Block and vocabulary tiles (Decoder::set_tiles) against the whole model: the same initial weights at
 // every tiling, the same logits and gradients (to fp32 summation order), values carried over
 // when a loaded model is cut, every tensor element held by exactly one tile, and
 // model_shapes' sizes equal to the tiles'. Awkward sizes: head groups and intermediate slices
@@ -71,8 +71,8 @@ TEST(BlockTiles, SameWeightsLogitsAndGradientsAsWholeBlocks) {
         SCOPED_TRACE(base + (biases ? " with biases" : "") + ", " + std::to_string(cut.attention) + " x " +
                      std::to_string(cut.mlp) + " x " + std::to_string(cut.vocab) + " tiles");
         Decoder tiled(c, 7, Decoder::Init::kDeferred);
-        const LayerTiling t{cut.attention, cut.mlp, cut.vocab};
-        tiled.set_tiling(t);
+        const LayerTiles t{cut.attention, cut.mlp, cut.vocab};
+        tiled.set_tiles(t);
         const StageLayout layout = stage_layout(c, t);
         ASSERT_EQ(tiled.stages().size(), layout.stages());
         ASSERT_EQ(layout.blocks, size_t(c.layers) * size_t(t.block_stages()));
@@ -122,7 +122,7 @@ TEST(BlockTiles, CuttingALoadedModelKeepsItsValuesAndJoiningRestoresThem) {
   const auto before = whole_tensors(m);
   const at::Tensor ids = at::randint(0, c.vocab_size, {1, 19}, at::kLong);
   const at::Tensor ref = m.forward(ids).detach();
-  m.set_tiling({2, 5});
+  m.set_tiles({2, 5});
   EXPECT_EQ(m.stage_name(0), "embedding");
   EXPECT_EQ(m.stage_name(1), "block.0.attn.0");
   EXPECT_EQ(m.stage_name(4), "block.0.mlp.1");
@@ -133,14 +133,14 @@ TEST(BlockTiles, CuttingALoadedModelKeepsItsValuesAndJoiningRestoresThem) {
   const auto cut = whole_tensors(m);
   for (const auto& [name, t] : before) EXPECT_TRUE(at::equal(cut.at(name), t)) << name;
   EXPECT_LT(rel(m.forward(ids).detach(), ref), 1e-5);
-  m.set_tiling({1, 1});
+  m.set_tiles({1, 1});
   const auto joined = whole_tensors(m);
   for (const auto& [name, t] : before) EXPECT_TRUE(at::equal(joined.at(name), t)) << name;
   EXPECT_TRUE(at::equal(m.forward(ids).detach(), ref));
-  EXPECT_THROW(m.set_tiling({4, 1}), std::invalid_argument);  // 3 key/value heads
-  EXPECT_THROW(m.set_tiling({1, 0}), std::invalid_argument);
-  EXPECT_THROW(m.set_tiling({1, 1, 0}), std::invalid_argument);
-  EXPECT_THROW(m.set_tiling({1, 1, 132}), std::invalid_argument);  // 131 vocabulary rows
+  EXPECT_THROW(m.set_tiles({4, 1}), std::invalid_argument);  // 3 key/value heads
+  EXPECT_THROW(m.set_tiles({1, 0}), std::invalid_argument);
+  EXPECT_THROW(m.set_tiles({1, 1, 0}), std::invalid_argument);
+  EXPECT_THROW(m.set_tiles({1, 1, 132}), std::invalid_argument);  // 131 vocabulary rows
 }
 
 // The vocabulary cut (embedding and LM head in row ranges) of a loaded model, tied (GPT-2) and
@@ -159,7 +159,7 @@ TEST(VocabTiles, CuttingALoadedModelKeepsItsValuesAndJoiningRestoresThem) {
     const auto before = whole_tensors(m);
     const at::Tensor ids = at::randint(0, c.vocab_size, {2, 19}, at::kLong);
     const at::Tensor ref = m.forward(ids).detach();
-    m.set_tiling({1, 2, 4});
+    m.set_tiles({1, 2, 4});
     EXPECT_EQ(m.stage_name(0), "embedding.0");
     EXPECT_EQ(m.stage_name(3), "embedding.3");
     EXPECT_EQ(m.stage_name(4), "block.0.attn.0");
@@ -182,7 +182,7 @@ TEST(VocabTiles, CuttingALoadedModelKeepsItsValuesAndJoiningRestoresThem) {
     // The tiles' products have other shapes than the whole head's, so the matrix kernels may sum
     // in another order (1.9e-6 seen under a loaded machine); a wrong row would be off by O(1).
     EXPECT_LT(rel(m.forward(ids).detach(), ref), 1e-5);
-    m.set_tiling({1, 1, 1});
+    m.set_tiles({1, 1, 1});
     const auto joined = whole_tensors(m);
     for (const auto& [name, t] : before) EXPECT_TRUE(at::equal(joined.at(name), t)) << name;
     EXPECT_TRUE(at::equal(m.forward(ids).detach(), ref));

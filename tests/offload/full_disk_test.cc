@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "strata/offload/io_engine.h"
-#include "strata/offload/pinned_pool.h"
+#include "strata/offload/aligned_buffer.h"
 #include "strata/offload/swap_space.h"
 #include "test_util.h"
 
@@ -34,24 +34,24 @@ class FullDisk : public ::testing::TestWithParam<IoBackend> {
   test::TempDir dir_;
   bool mounted_ = false;
   std::unique_ptr<IoEngine> io_;
-  PinnedPool pool_{16 << 20};
+  AlignedBuffers pool_;
 };
 
 TEST_P(FullDisk, WritePastCapacityFailsWithEnospcAndEarlierDataSurvives) {
   File keep = File::open(dir_ / "keep.bin", OpenMode::kTruncate);
-  PinnedBuffer a = pool_.allocate(1 << 20);
+  AlignedBuffer a = pool_.allocate(1 << 20);
   test::fill_random(a.data(), a.size(), 1);
   io_->write(keep, 0, a.span()).get();
 
   File big = File::open(dir_ / "big.bin", OpenMode::kTruncate);
-  PinnedBuffer b = pool_.allocate(8 << 20);
+  AlignedBuffer b = pool_.allocate(8 << 20);
   const IoStatus s = io_->write(big, 0, b.span()).wait();
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(s.is_no_space()) << s.message();
   EXPECT_NE(s.message().find((dir_ / "big.bin").string()), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("No space left on device"), std::string::npos) << s.message();
 
-  PinnedBuffer back = pool_.allocate(1 << 20);
+  AlignedBuffer back = pool_.allocate(1 << 20);
   io_->read(keep, 0, back.span()).get();
   EXPECT_EQ(0, std::memcmp(a.data(), back.data(), a.size()));
 }
@@ -62,7 +62,7 @@ TEST_P(FullDisk, SwapAllocationBeyondTheDiskFailsUpFrontAndKeepsOtherPartitions)
   c.stripe_bytes = 256 << 10;
   SwapSpace swap(*io_, c);
   swap.allocate("embed", 2 << 20);
-  PinnedBuffer a = pool_.allocate(2 << 20);
+  AlignedBuffer a = pool_.allocate(2 << 20);
   test::fill_random(a.data(), a.size(), 2);
   swap.write("embed", 0, a.span()).get();
   try {
@@ -74,7 +74,7 @@ TEST_P(FullDisk, SwapAllocationBeyondTheDiskFailsUpFrontAndKeepsOtherPartitions)
     EXPECT_NE(std::string(e.what()).find("fallocate"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(swap.contains("block0.moments"));
-  PinnedBuffer back = pool_.allocate(2 << 20);
+  AlignedBuffer back = pool_.allocate(2 << 20);
   swap.read("embed", 0, back.span()).get();
   EXPECT_EQ(0, std::memcmp(a.data(), back.data(), a.size()));
   swap.allocate("block0.small", 1 << 20);  // what still fits still works

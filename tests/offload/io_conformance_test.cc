@@ -15,7 +15,7 @@
 
 #include "strata/offload/fault_injection.h"
 #include "strata/offload/io_engine.h"
-#include "strata/offload/pinned_pool.h"
+#include "strata/offload/aligned_buffer.h"
 #include "test_util.h"
 
 namespace strata::offload {
@@ -53,7 +53,7 @@ class IoConformance : public ::testing::TestWithParam<IoBackend> {
     return e;
   }
   TempDir dir_;
-  PinnedPool pool_{256ull << 20};
+  AlignedBuffers pool_;
 };
 
 TEST_P(IoConformance, AwkwardSizesOffsetsAndBuffersRoundTrip) {
@@ -69,7 +69,7 @@ TEST_P(IoConformance, AwkwardSizesOffsetsAndBuffersRoundTrip) {
     const uint64_t n = sizes[i];
     // Alternate aligned and unaligned file offsets and memory addresses.
     if (i % 2 == 1) offset += 1 + rng() % 4000;
-    PinnedBuffer buf = pool_.allocate(n + 64);
+    AlignedBuffer buf = pool_.allocate(n + 64);
     std::byte* data = buf.data() + (i % 3 == 2 ? 17 : 0);
     test::fill_random(data, n, 100 + i);
     io->write(f, offset, {data, n}).get();
@@ -79,7 +79,7 @@ TEST_P(IoConformance, AwkwardSizesOffsetsAndBuffersRoundTrip) {
   }
   ASSERT_EQ(f.size(), expect.size());
   // Whole file through the engine into a pinned and into an unaligned buffer.
-  PinnedBuffer back = pool_.allocate(expect.size() + 64);
+  AlignedBuffer back = pool_.allocate(expect.size() + 64);
   io->read(f, 0, {back.data(), expect.size()}).get();
   EXPECT_EQ(0, std::memcmp(back.data(), expect.data(), expect.size()));
   io->read(f, 0, {back.data() + 3, expect.size()}).get();
@@ -108,8 +108,8 @@ TEST_P(IoConformance, HundredsInFlightInterleavedReadsAndWritesVerifyByChecksum)
   std::mt19937_64 rng(2);
   std::vector<uint64_t> len(kSlots);
   for (auto& l : len) l = 1 + rng() % kSlot;
-  PinnedBuffer src = pool_.allocate(kSlots * kSlot);
-  PinnedBuffer dst = pool_.allocate(kSlots * kSlot);
+  AlignedBuffer src = pool_.allocate(kSlots * kSlot);
+  AlignedBuffer dst = pool_.allocate(kSlots * kSlot);
   test::fill_random(src.data(), kSlots * kSlot, 3);
   // Phase 1: even slots written, all at once.
   std::vector<IoRequest> reqs;
@@ -148,7 +148,7 @@ TEST_P(IoConformance, HundredsInFlightInterleavedReadsAndWritesVerifyByChecksum)
 TEST_P(IoConformance, ContinuationsCanChainFurtherIo) {
   auto io = make(4);
   File f = File::open(dir_ / "c.bin", OpenMode::kTruncate);
-  PinnedBuffer a = pool_.allocate(8192), b = pool_.allocate(8192);
+  AlignedBuffer a = pool_.allocate(8192), b = pool_.allocate(8192);
   test::fill_random(a.data(), 8192, 4);
   IoPromise chained;
   io->write(f, 0, a.span()).then([&](const IoStatus& s) {
@@ -161,7 +161,7 @@ TEST_P(IoConformance, ContinuationsCanChainFurtherIo) {
 
 TEST_P(IoConformance, DestructorWaitsForEverythingInFlight) {
   File f = File::open(dir_ / "d.bin", OpenMode::kTruncate);
-  PinnedBuffer a = pool_.allocate(64 << 20);
+  AlignedBuffer a = pool_.allocate(64 << 20);
   test::fill_random(a.data(), a.size(), 5);
   std::vector<IoFuture> futures;
   {
@@ -187,7 +187,7 @@ TEST_P(IoConformance, ZeroLengthCompletesAtOnce) {
 TEST_P(IoConformance, ReadPastEndOfFileFailsNamingFileAndOffset) {
   auto io = make();
   File f = File::open(dir_ / "e.bin", OpenMode::kTruncate);
-  PinnedBuffer a = pool_.allocate(8192);
+  AlignedBuffer a = pool_.allocate(8192);
   io->write(f, 0, {a.data(), 5000}).get();
   const IoStatus s = io->read(f, 0, {a.data(), 8192}).wait();
   ASSERT_FALSE(s.ok());
@@ -202,7 +202,7 @@ TEST_P(IoConformance, ReadPastEndOfFileFailsNamingFileAndOffset) {
 TEST_P(IoConformance, FileThatShrankIsReportedNotZeroFilled) {
   auto io = make();
   File f = File::open(dir_ / "s.bin", OpenMode::kTruncate);
-  PinnedBuffer a = pool_.allocate(1 << 20);
+  AlignedBuffer a = pool_.allocate(1 << 20);
   test::fill_random(a.data(), a.size(), 6);
   io->write(f, 0, a.span()).get();
   ASSERT_EQ(truncate((dir_ / "s.bin").c_str(), 100000), 0);  // someone else shrinks it
@@ -220,7 +220,7 @@ TEST_P(IoConformance, ShortTransfersAreResubmittedForTheRemainder) {
   auto io = make(8, 128 << 10, faults);
   File f = File::open(dir_ / "short.bin", OpenMode::kTruncate);
   const size_t n = (1 << 20) + 777;
-  PinnedBuffer a = pool_.allocate(n), b = pool_.allocate(n);
+  AlignedBuffer a = pool_.allocate(n), b = pool_.allocate(n);
   test::fill_random(a.data(), n, 7);
   io->write(f, 4096, {a.data(), n}).get();
   io->read(f, 4096, {b.data(), n}).get();
@@ -237,7 +237,7 @@ TEST_P(IoConformance, TransientErrorsAreRetriedABoundedNumberOfTimes) {
   faults->add({.kind = IoRequest::Kind::kRead, .error = EINTR, .uses = 2});
   auto io = make(4, 1 << 20, faults, /*max_retries=*/5);
   File f = File::open(dir_ / "t.bin", OpenMode::kTruncate);
-  PinnedBuffer a = pool_.allocate(65536), b = pool_.allocate(65536);
+  AlignedBuffer a = pool_.allocate(65536), b = pool_.allocate(65536);
   test::fill_random(a.data(), 65536, 8);
   io->write(f, 0, a.span()).get();
   io->read(f, 0, b.span()).get();
@@ -257,14 +257,14 @@ TEST_P(IoConformance, InjectedEnospcAndEioFailOnlyTheirRequestsAndCorruptNothing
   auto io = make(16, 256 << 10, faults);
   File f = File::open(dir_ / "fault.bin", OpenMode::kTruncate);
   constexpr uint64_t kRegion = 1 << 20;
-  PinnedBuffer a = pool_.allocate(8 * kRegion), b = pool_.allocate(8 * kRegion);
+  AlignedBuffer a = pool_.allocate(8 * kRegion), b = pool_.allocate(8 * kRegion);
   test::fill_random(a.data(), 8 * kRegion, 9);
   io->write(f, 0, a.span()).get();  // good data everywhere first
 
   // Region 5 of a rewrite fails with ENOSPC; the others of the same batch succeed.
   faults->add({.kind = IoRequest::Kind::kWrite, .offset_begin = 5 * kRegion,
                .offset_end = 6 * kRegion, .error = ENOSPC, .uses = -1});
-  PinnedBuffer c = pool_.allocate(8 * kRegion);
+  AlignedBuffer c = pool_.allocate(8 * kRegion);
   test::fill_random(c.data(), 8 * kRegion, 10);
   std::vector<IoRequest> reqs;
   for (uint64_t r = 0; r < 8; ++r)
@@ -299,7 +299,7 @@ TEST_P(IoConformance, WriteToReadOnlyFileFailsWithEbadf) {
   auto io = make();
   { File w = File::open(dir_ / "ro.bin", OpenMode::kTruncate); }
   File f = File::open(dir_ / "ro.bin", OpenMode::kRead);
-  PinnedBuffer a = pool_.allocate(4096);
+  AlignedBuffer a = pool_.allocate(4096);
   const IoStatus s = io->write(f, 0, a.span()).wait();
   EXPECT_EQ(s.error(), EBADF) << s.message();
 }

@@ -11,7 +11,7 @@
 #include <random>
 #include <set>
 
-#include "strata/offload/pinned_pool.h"
+#include "strata/offload/aligned_buffer.h"
 #include "strata/offload/swap_space.h"
 #include "test_util.h"
 
@@ -52,7 +52,7 @@ class SwapSpaceTest : public ::testing::TestWithParam<IoBackend> {
   TempDir root_;
   std::vector<std::filesystem::path> dirs_;
   std::unique_ptr<IoEngine> io_;
-  PinnedPool pool_{64 << 20};
+  AlignedBuffers pool_;
 };
 
 TEST_P(SwapSpaceTest, StripedPartitionsRoundTripAndFollowTheDocumentedLayout) {
@@ -63,7 +63,7 @@ TEST_P(SwapSpaceTest, StripedPartitionsRoundTripAndFollowTheDocumentedLayout) {
     const std::string name = "block" + std::to_string(i) + ".master";
     swap.allocate(name, sizes[i]);
     data[name] = test::random_bytes(sizes[i], 50 + i);
-    PinnedBuffer b = pool_.allocate(sizes[i]);
+    AlignedBuffer b = pool_.allocate(sizes[i]);
     std::memcpy(b.data(), data[name].data(), sizes[i]);
     swap.write(name, 0, b.span()).get();
   }
@@ -91,7 +91,7 @@ TEST_P(SwapSpaceTest, StripedPartitionsRoundTripAndFollowTheDocumentedLayout) {
   }
   // Reads through the swap API: whole partitions and random sub-ranges.
   std::mt19937_64 rng(11);
-  PinnedBuffer buf = pool_.allocate(5 << 20);
+  AlignedBuffer buf = pool_.allocate(5 << 20);
   for (auto& [name, expect] : data) {
     if (expect.empty()) continue;
     swap.read(name, 0, {buf.data(), expect.size()}).get();
@@ -126,7 +126,7 @@ TEST_P(SwapSpaceTest, LocatedPiecesCopiedFileToFileEqualThePartition) {
   swap.allocate("x", 13);  // the partition under test does not start in directory 0
   swap.allocate("block.exp_avg", bytes);
   const auto data = test::random_bytes(bytes, 7);
-  PinnedBuffer b = pool_.allocate(bytes);
+  AlignedBuffer b = pool_.allocate(bytes);
   std::memcpy(b.data(), data.data(), bytes);
   swap.write("block.exp_avg", 0, {b.data(), bytes}).get();
   File out = File::open(root_ / "copy.bin", OpenMode::kTruncate);

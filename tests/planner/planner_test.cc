@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "strata/engine/config.h"
-#include "strata/engine/plan/schedule.h"
+#include "strata/engine/layout/schedule.h"
 #include "strata/models/model_shapes.h"
 #include "strata/planner/compare.h"
 #include "strata/planner/compute.h"
@@ -467,9 +467,9 @@ TEST(Planner, EngineCopiesOnTheDeviceCountAsCompute) {
   // reduced shard), accumulated on the device (12 B of the shard); each of a unit's uses copies
   // its shard into the gathered buffer (4 + 4). One rank: shard = padded.
   const engine::StatePrediction& p = on_device.state;
-  const engine::plan::Schedule schedule(p.stage_units, p.shard_numel.size(), size_t(p.tiles.vocab), size_t(p.tiles.vocab));
+  const engine::layout::Schedule schedule(p.stage_units, p.shard_numel.size(), size_t(p.tiles.vocab), size_t(p.tiles.vocab));
   std::vector<double> uses(p.shard_numel.size(), 0);
-  for (const engine::plan::Use& use : schedule.uses())
+  for (const engine::layout::Use& use : schedule.uses())
     for (size_t u : schedule.units_of(use.stage)) uses[u] += 1;
   double bytes = 0, gathers = 0;
   for (size_t u = 0; u < uses.size(); ++u) {

@@ -8,15 +8,15 @@
 #include <tuple>
 
 #include "counting_allocator.h"
-#include "strata/engine/plan/tiling.h"
+#include "strata/engine/layout/tiles.h"
 #include "strata/tiling/linear_cross_entropy.h"
 
 namespace strata::tiling {
 namespace {
 
-using engine::plan::head_scratch_bytes;
-using engine::plan::logits_tiling;
-using engine::plan::LogitsTiling;
+using engine::layout::head_scratch_bytes;
+using engine::layout::logits_tiles;
+using engine::layout::LogitsTiles;
 
 struct Result {
   at::Tensor loss, grad_h, grad_w;
@@ -205,7 +205,7 @@ TEST(LinearCrossEntropy, PeakMemoryIsOneTileNotTheLogits) {
   const at::Tensor h = at::randn({tokens, hidden}), w = at::randn({vocab, hidden}) * 0.1;
   const at::Tensor targets = random_targets(tokens, vocab, 0, 4);
   test::CountingAllocator& counting = test::CountingAllocator::install();
-  const LogitsTiling cut = logits_tiling(tokens, vocab, 64);
+  const LogitsTiles cut = logits_tiles(tokens, vocab, 64);
   ASSERT_GE(cut.tiles(tokens, vocab), 64u);
 
   const auto peak_of = [&](auto&& f) {
@@ -227,7 +227,7 @@ TEST(LinearCrossEntropy, PeakMemoryIsOneTileNotTheLogits) {
   RecordProperty("untiled_peak", std::to_string(untiled_peak));
   RecordProperty("tiled_peak", std::to_string(tiled_peak));
   std::printf("head forward+backward peak beside inputs and gradients: untiled %.1f MiB (logits %.1f MiB), %s %.2f MiB\n", untiled_peak / 1048576.0,
-              logits / 1048576.0, engine::plan::describe(cut, tokens, vocab).c_str(), tiled_peak / 1048576.0);
+              logits / 1048576.0, engine::layout::describe(cut, tokens, vocab).c_str(), tiled_peak / 1048576.0);
   EXPECT_GE(untiled_peak, logits);  // the untiled head really holds its logits
   EXPECT_LE(tiled_peak * 16, untiled_peak);
   EXPECT_LE(tiled_peak, int64_t(head_scratch_bytes(tokens, vocab, hidden, 4, cut)));
@@ -236,10 +236,10 @@ TEST(LinearCrossEntropy, PeakMemoryIsOneTileNotTheLogits) {
   EXPECT_LE(rel(got.grad_w, ref.grad_w), 1e-5);
   // In one pass, 64 token chunks over the whole vocabulary: the fp32 weight gradient is held
   // from the forward on, and the plan's count still bounds the peak.
-  const LogitsTiling one = engine::plan::one_pass_tiling(tokens, vocab, 64);
+  const LogitsTiles one = engine::layout::one_pass_tiles(tokens, vocab, 64);
   auto [fused, one_pass_peak] = peak_of([&] { return one_pass(h, w, targets, 1.0, int64_t(one.token_chunk)); });
   one_pass_peak -= copies;
-  std::printf("%s: %.2f MiB\n", engine::plan::describe(one, tokens, vocab).c_str(), one_pass_peak / 1048576.0);
+  std::printf("%s: %.2f MiB\n", engine::layout::describe(one, tokens, vocab).c_str(), one_pass_peak / 1048576.0);
   EXPECT_LE(one_pass_peak, int64_t(head_scratch_bytes(tokens, vocab, hidden, 4, one)));
   EXPECT_LE(one_pass_peak * 4, untiled_peak);
   EXPECT_LE(rel(fused.loss, ref.loss), 1e-5);
@@ -271,19 +271,19 @@ TEST(LinearCrossEntropy, OnTheGpuEqualsTheCpu) {
 TEST(LogitsTilingRule, CutsTheVocabularyFirstAndCoversEveryCount) {
   for (uint64_t tokens : {1ull, 100ull, 8192ull})
     for (uint64_t vocab : {1ull, 512ull, 50257ull})
-      EXPECT_FALSE(logits_tiling(tokens, vocab, 1).tiled(tokens, vocab)) << tokens << " x " << vocab;
-  const LogitsTiling none = logits_tiling(16384, 131072, 1);
+      EXPECT_FALSE(logits_tiles(tokens, vocab, 1).tiled(tokens, vocab)) << tokens << " x " << vocab;
+  const LogitsTiles none = logits_tiles(16384, 131072, 1);
   EXPECT_FALSE(none.tiled(16384, 131072));
   EXPECT_EQ(none.tiles(16384, 131072), 1u);
-  const LogitsTiling sixteen = logits_tiling(16384, 131072, 16);
+  const LogitsTiles sixteen = logits_tiles(16384, 131072, 16);
   EXPECT_EQ(sixteen.token_chunk, 16384u);  // the vocabulary alone takes 16 cuts
   EXPECT_EQ(sixteen.vocab_tile, 8192u);
-  const LogitsTiling many = logits_tiling(16384, 131072, 1024);
+  const LogitsTiles many = logits_tiles(16384, 131072, 1024);
   EXPECT_LT(many.token_chunk, 16384u);  // then tokens too
   for (uint64_t tokens : {1ull, 7ull, 300ull, 4096ull})
     for (uint64_t vocab : {1ull, 13ull, 5000ull, 50257ull})
       for (uint64_t count : {1ull, 2ull, 3ull, 17ull, 64ull, 1000ull, 1ull << 40}) {
-        const LogitsTiling t = logits_tiling(tokens, vocab, count);
+        const LogitsTiles t = logits_tiles(tokens, vocab, count);
         const uint64_t n = t.tiles(tokens, vocab);
         EXPECT_GE(n, std::min(count, tokens * vocab)) << tokens << " " << vocab << " " << count;
         EXPECT_LE(n, 2 * std::min(count, tokens * vocab)) << tokens << " " << vocab << " " << count;

@@ -1,6 +1,7 @@
 // The checkpoint format's one definition (docs/FORMATS.md, "Checkpoints"): the layout of a
 // checkpoint directory, the manifest, chunking, and the atomic file writes the commit protocol
-// rests on. Private to engine/src; save.cc, load.cc, export.cc and chunk_reader.cc use it.
+// rests on. Private to engine/src; the checkpoint/ sources (save, load, export, inspect, the chunk
+// reader) use it.
 //
 //   <root>/latest                      name of the newest committed checkpoint
 //   <root>/<name>/rank-RRRRR.data      a rank's chunks: <= kChunkElements fp32 each, at
@@ -23,6 +24,7 @@
 #include <string>
 
 #include "strata/engine/partition.h"
+#include "strata/engine/placement.h"
 #include "strata/offload/object_store.h"
 
 namespace strata::engine {
@@ -42,8 +44,7 @@ constexpr int kFormatWithoutParts = 1;
 int format_version(const nlohmann::json& units);
 constexpr uint64_t kChunkElements = 1ull << 20;  // 4 MiB of fp32
 constexpr uint64_t kAlign = 4096;
-constexpr int kStateKinds = 3;
-inline const char* const kKindNames[kStateKinds] = {"master", "exp_avg", "exp_avg_sq"};
+// The kinds saved are state::kSavedKinds (placement.h), named by state::kind_name.
 
 // "rank-00007".
 std::string rank_name(int rank);
@@ -118,6 +119,6 @@ std::string chunk_name(const json& chunk, const json& units);
 std::vector<std::vector<const json*>> chunks_by_unit(const json& manifest, const fs::path& dir, int kind = -1);
 
 // Sorts `chunks` by their first element; true if they cover [0, numel) exactly, each once.
-bool sort_and_check_tiling(std::vector<const json*>& chunks, uint64_t numel);
+bool sort_and_check_cover(std::vector<const json*>& chunks, uint64_t numel);
 
 }  // namespace strata::engine::ckpt

@@ -45,7 +45,7 @@ struct Snapshot {
   fs::path root, dir;
   std::string name;
   int rank = 0;
-  std::vector<SnapshotSlice> slices;  // unit-major: slices[u * kStateKinds + k]
+  std::vector<SnapshotSlice> slices;  // unit-major: slices[u * state::kSavedKinds + k]
   std::vector<size_t> order;  // the units in the order the writer copies them out
   std::shared_future<void> update_finished;  // before any slice may be read
   std::shared_ptr<StateHold> hold;  // each unit released once copied out
@@ -57,7 +57,6 @@ struct Snapshot {
 
 namespace {
 
-static_assert(kStateKinds == Engine::kStateKinds);
 
 // Bytes of RAM the kernel says could be allocated now without swapping (/proc/meminfo), and the
 // total; 0s if unknown.
@@ -100,11 +99,11 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
   for (size_t u = 0; u < part.num_units(); ++u) {
     const UnitLayout& L = part.unit(u);
     const uint64_t valid = L.shard_valid_numel(snap.rank);
-    for (int k = 0; k < kStateKinds; ++k) {
+    for (int k = 0; k < state::kSavedKinds; ++k) {
       SnapshotSlice s{u, k, L.shard_begin(snap.rank), valid, {},
-                      engine.state_copies_to_file(u, Engine::StateKind(k))};
+                      engine.state_copies_to_file(u, state::Kind(k))};
       if (!s.in_files && !async) {
-        at::Tensor slice = engine.state_slice(u, Engine::StateKind(k));  // waits for the update
+        at::Tensor slice = engine.state_slice(u, state::Kind(k));  // waits for the update
         if (slice.is_cpu()) s.data = slice.narrow(0, 0, int64_t(valid));
       }
       if (!s.in_files && !s.data.defined()) staged += valid * 4;
@@ -121,7 +120,7 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
                    {"world_size", comm.world_size()},
                    {"model", json::parse(engine.model_config().to_hf_json("float32"))},
                    {"units", partition_json(part)},
-                   {"state_kinds", {kKindNames[0], kKindNames[1], kKindNames[2]}},
+                   {"state_kinds", {state::kind_name(0), state::kind_name(1), state::kind_name(2)}},
                    {"counters", {{"optimizer_step", c.step}, {"loss_scale", c.loss_scale},
                                  {"good_steps", c.good_steps}}},
                    {"train_steps", meta.train_steps},
@@ -168,15 +167,15 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
     Staging staging(snap.staging_bytes);
     try {
       for (size_t u : snap.order) {
-        for (int k = 0; k < kStateKinds; ++k) {
-          const SnapshotSlice& s = snap.slices.at(u * kStateKinds + size_t(k));
+        for (int k = 0; k < state::kSavedKinds; ++k) {
+          const SnapshotSlice& s = snap.slices.at(u * state::kSavedKinds + size_t(k));
           for (uint64_t e = 0; e < s.numel; e += kChunkElements) {
             const uint64_t n = std::min(kChunkElements, s.numel - e);
-            json c = {{"unit", s.unit}, {"kind", kKindNames[s.kind]}, {"rank", snap.rank},
+            json c = {{"unit", s.unit}, {"kind", state::kind_name(s.kind)}, {"rank", snap.rank},
                       {"begin", s.begin + e}, {"numel", n},
                       {"file", data_path.filename().string()}, {"offset", offset}};
             if (s.in_files) {
-              engine.copy_state_to_file(u, Engine::StateKind(k), e, n, file, offset);
+              engine.copy_state_to_file(u, state::Kind(k), e, n, file, offset);
               copied_chunks.push_back(chunks.size());
             } else {
               const float* from = nullptr;
@@ -184,7 +183,7 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
                 from = s.data.data_ptr<float>() + e;
               } else {
                 float* buf = staging.take();
-                engine.read_state(u, Engine::StateKind(k), e, n, buf);
+                engine.read_state(u, state::Kind(k), e, n, buf);
                 from = buf;
               }
               std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(from), n * 4);

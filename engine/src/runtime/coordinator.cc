@@ -6,15 +6,15 @@
 
 namespace strata::engine::runtime {
 
-using plan::Use;
+using layout::Use;
 using state::kCompute;
 
-ParameterCoordinator::ParameterCoordinator(const plan::Schedule& schedule, const plan::MemoryModel& memory,
-                                           const plan::Choices& choice, const Partition& partition,
+ParameterCoordinator::ParameterCoordinator(const layout::Schedule& schedule, const layout::MemoryModel& memory,
+                                           const layout::Choices& choice, const Partition& partition,
                                            state::StateStore& store, state::HostMemory& host, Device& device,
-                                           Communicator& comm, Profiler& prof, UnitFn before_gather)
+                                           Communicator& comm, Profiler& prof, UpdateFence* fence)
     : schedule_(schedule), memory_(memory), choice_(choice), partition_(partition), store_(store), host_(host),
-      dev_(device), comm_(comm), prof_(prof), before_gather_(std::move(before_gather)),
+      dev_(device), comm_(comm), prof_(prof), fence_(fence),
       cdt_(store.dtype(kCompute)), tensors_(partition.num_units()) {}
 
 ParameterCoordinator::~ParameterCoordinator() {
@@ -53,7 +53,7 @@ bool ParameterCoordinator::fits(uint64_t extra) const {
 // where waiting blocks the thread, the prefetch then runs beside the compute instead of before
 // it).
 void ParameterCoordinator::start_gather(size_t u) {
-  if (before_gather_) before_gather_(u);
+  if (fence_) fence_->wait_updated(u);
   const UnitLayout& L = partition_.unit(u);
   Gathered g;
   g.flat = dev_.empty({int64_t(L.padded_numel())}, cdt_, "parameters of unit " + L.name);

@@ -16,8 +16,8 @@
 //
 // Ownership: owns the gathered buffers and the module tensors it binds (their storage; the
 // stages' modules share the tensor objects). Borrows everything else (all must outlive it).
-// Threads: the training thread only. `before_gather(u)` runs first on every gather (the updater's
-// wait for u's update). Errors: BudgetExceeded from the device, collective errors from the
+// Threads: the training thread only. Every gather of unit u first waits for the update running
+// behind to be done with u (`fence`, runtime/update_fence.h; none: nothing runs behind). Errors: BudgetExceeded from the device, collective errors from the
 // communicator, I/O errors from a staged swap read surface at the h2d stream's synchronize.
 #pragma once
 
@@ -31,22 +31,22 @@
 #include <vector>
 
 #include "profiler.h"
+#include "runtime/update_fence.h"
 #include "state/host_memory.h"
 #include "state/state_store.h"
 #include "strata/engine/comm.h"
 #include "strata/engine/device.h"
 #include "strata/engine/partition.h"
-#include "strata/engine/plan/memory_model.h"
-#include "strata/engine/plan/schedule.h"
+#include "strata/engine/layout/memory_model.h"
+#include "strata/engine/layout/schedule.h"
 
 namespace strata::engine::runtime {
 
 class ParameterCoordinator {
  public:
-  using UnitFn = std::function<void(size_t)>;
-  ParameterCoordinator(const plan::Schedule& schedule, const plan::MemoryModel& memory, const plan::Choices& choice,
+  ParameterCoordinator(const layout::Schedule& schedule, const layout::MemoryModel& memory, const layout::Choices& choice,
                        const Partition& partition, state::StateStore& store, state::HostMemory& host, Device& device,
-                       Communicator& comm, Profiler& prof, UnitFn before_gather);
+                       Communicator& comm, Profiler& prof, UpdateFence* fence);
   ~ParameterCoordinator();  // waits for gathers in flight (their buffers go with it)
 
   // Takes unit u's module tensors (slot order) and frees their storage: they hold data only while
@@ -91,16 +91,16 @@ class ParameterCoordinator {
   bool fits(uint64_t extra) const;
   uint64_t unit_bytes(size_t u) const { return memory_.unit_bytes(u); }
 
-  const plan::Schedule& schedule_;
-  const plan::MemoryModel& memory_;
-  const plan::Choices& choice_;
+  const layout::Schedule& schedule_;
+  const layout::MemoryModel& memory_;
+  const layout::Choices& choice_;
   const Partition& partition_;
   state::StateStore& store_;
   state::HostMemory& host_;
   Device& dev_;
   Communicator& comm_;
   Profiler& prof_;
-  const UnitFn before_gather_;
+  UpdateFence* const fence_;  // borrowed; may be null
   const at::ScalarType cdt_;
 
   std::vector<std::vector<at::Tensor>> tensors_;  // by unit: the module tensors, slot order

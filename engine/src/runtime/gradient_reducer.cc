@@ -10,7 +10,7 @@ namespace strata::engine::runtime {
 
 using state::kGrad;
 
-GradientReducer::GradientReducer(const plan::Schedule& schedule, const Partition& partition,
+GradientReducer::GradientReducer(const layout::Schedule& schedule, const Partition& partition,
                                  state::StateStore& store, state::HostMemory& host, Device& device,
                                  Communicator& comm, Profiler& prof, bool reduce_bf16,
                                  std::vector<std::vector<ParamRef>> stage_params, size_t transient_buffers,
@@ -197,13 +197,13 @@ void GradientReducer::accumulate(size_t u, const at::Tensor& shard, Placement wh
     });
     return;
   }
-  accumulate_in_swap(u, std::move(host), fresh);
+  accumulate_on_nvme(u, std::move(host), fresh);
 }
 
 // Swap: the first micro-batch writes the shard, later ones read, add and write back. The write is
 // submitted, not waited for: the stream goes on to the next unit, the next micro-batch's read of
 // this unit waits for it, and the step's end waits for them all.
-void GradientReducer::accumulate_in_swap(size_t u, at::Tensor host, bool fresh) {
+void GradientReducer::accumulate_on_nvme(size_t u, at::Tensor host, bool fresh) {
   bound_pending_writes();
   dev_.launch_host(dev_.d2h_stream(), [this, u, host, fresh]() mutable {
     // On the d2h stream's host function: no pinned (CUDA) allocation here, and the conversion

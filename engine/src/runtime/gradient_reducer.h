@@ -52,7 +52,7 @@
 #include "strata/engine/comm.h"
 #include "strata/engine/device.h"
 #include "strata/engine/partition.h"
-#include "strata/engine/plan/schedule.h"
+#include "strata/engine/layout/schedule.h"
 
 namespace strata::engine::runtime {
 
@@ -83,7 +83,7 @@ class GradientReducer {
   // `stage_params[s]`: every tensor stage s's module uses; `reduce_bf16`: reduce-scatter in bf16;
   // `transient_buffers`: with transient gradients, how many host buffers of `buffer_numel` fp32
   // elements the pool holds (allocated now from `host`; at least 1), else unused.
-  GradientReducer(const plan::Schedule& schedule, const Partition& partition, state::StateStore& store,
+  GradientReducer(const layout::Schedule& schedule, const Partition& partition, state::StateStore& store,
                   state::HostMemory& host, Device& device, Communicator& comm, Profiler& prof, bool reduce_bf16,
                   std::vector<std::vector<ParamRef>> stage_params, size_t transient_buffers = 0,
                   uint64_t buffer_numel = 0);
@@ -113,9 +113,9 @@ class GradientReducer {
   void wait_reduced(std::shared_ptr<Communicator::Work> work, Placement where, const at::Tensor& shard,
                     const std::string& name);
   void accumulate(size_t u, const at::Tensor& shard, Placement where);
-  void accumulate_in_swap(size_t u, at::Tensor host, bool fresh);
+  void accumulate_on_nvme(size_t u, at::Tensor host, bool fresh);
 
-  const plan::Schedule& schedule_;
+  const layout::Schedule& schedule_;
   const Partition& partition_;
   state::StateStore& store_;
   state::HostMemory& host_;

@@ -11,7 +11,7 @@ namespace strata::engine::runtime {
 
 at::Tensor HeadLoss::whole(const at::Tensor& x, const at::Tensor& targets, bool masked, double upstream) const {
   models::HeadStage& head = model_.head();
-  const plan::ModelSizes& s = memory_.sizes();
+  const layout::ModelSizes& s = memory_.sizes();
   if (s.logits.tiled(s.tokens, s.vocab)) {
     const at::Tensor h = head.normed(x);
     // d(objective)/d(sum): `upstream` for a masked sum, upstream / tokens for a mean. One pass
@@ -47,7 +47,7 @@ void HeadLoss::vocab_forward(VocabPass& h, const at::Tensor& x, const at::Tensor
     h.acc.emplace(h.hidden);
   }
   at::NoGradGuard no_grad;
-  const plan::LogitsTiling t = memory_.head_logits();
+  const layout::LogitsTiles t = memory_.head_logits();
   tiling::accumulate_log_sum_exp(h.hidden, tile.lm_weight(), tile.vocab_begin(), targets, int64_t(t.token_chunk),
                                  int64_t(t.vocab_tile), *h.acc);
 }
@@ -68,7 +68,7 @@ at::Tensor HeadLoss::vocab_backward(VocabPass& h, const at::Tensor& targets, siz
   {
     at::NoGradGuard no_grad;
     if (!h.grad_hidden.defined()) h.grad_hidden = at::zeros(h.hidden.sizes(), h.hidden.options().dtype(at::kFloat));
-    const plan::LogitsTiling t = memory_.head_logits();
+    const layout::LogitsTiles t = memory_.head_logits();
     // In the rows' dtype, as autograd gives every other parameter's.
     tile.lm_weight().mutable_grad() =
         tiling::backward_rows(h.hidden, tile.lm_weight(), tile.vocab_begin(), targets, h.lse, h.row_scale,

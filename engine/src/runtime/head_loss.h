@@ -20,7 +20,7 @@
 #include <optional>
 
 #include "strata/engine/device.h"
-#include "strata/engine/plan/memory_model.h"
+#include "strata/engine/layout/memory_model.h"
 #include "strata/models/decoder.h"
 #include "strata/tiling/linear_cross_entropy.h"
 
@@ -30,7 +30,7 @@ class HeadLoss {
  public:
   static constexpr int64_t kIgnored = -100;  // as torch's cross entropy's ignore_index
 
-  HeadLoss(models::Decoder& model, const plan::MemoryModel& memory, Device& device)
+  HeadLoss(models::Decoder& model, const layout::MemoryModel& memory, Device& device)
       : model_(model), memory_(memory), dev_(device) {}
 
   // The whole head's loss from its input `x`: the token mean, or with `masked` the sum over the
@@ -64,7 +64,7 @@ class HeadLoss {
 
  private:
   models::Decoder& model_;
-  const plan::MemoryModel& memory_;
+  const layout::MemoryModel& memory_;
   Device& dev_;
 };
 

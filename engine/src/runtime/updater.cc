@@ -9,7 +9,7 @@ namespace strata::engine::runtime {
 
 using state::kGrad;
 
-Updater::Updater(Optimizer& optimizer, state::StateStore& store, const plan::Schedule& schedule,
+Updater::Updater(Optimizer& optimizer, state::StateStore& store, const layout::Schedule& schedule,
                  const Partition& partition, Device& device, Profiler& prof, GradientBuffers* buffers)
     : opt_(optimizer), store_(store), schedule_(schedule), partition_(partition), dev_(device), prof_(prof),
       units_(partition.num_units()), buffers_(buffers) {}
@@ -101,9 +101,9 @@ void Updater::backward_work(const kernels::AdamConfig& ac, const UnitFn& before_
   const UnitFn consumed = [&](size_t u) {
     if (buffers_) buffers_->release(u);
   };
-  bool grads_in_swap = false;
-  for (size_t u = 0; u < units_; ++u) grads_in_swap |= store_.placement(u, kGrad) == Placement::kNvme;
-  if (!grads_in_swap) {
+  bool grads_on_nvme = false;
+  for (size_t u = 0; u < units_; ++u) grads_on_nvme |= store_.placement(u, kGrad) == Placement::kNvme;
+  if (!grads_on_nvme) {
     // One pass over the units in the order their gradients become final: the first chunks of
     // each unit's swap-resident master and moments are read while its gradient is still on its
     // way (the chunk ring runs ahead across units), and its update starts once the gradient is

@@ -45,19 +45,20 @@
 #include "runtime/gradient_buffers.h"
 #include "runtime/gradient_reducer.h"
 #include "runtime/optimizer.h"
+#include "runtime/update_fence.h"
 #include "profiler.h"
 #include "state/state_store.h"
 #include "strata/engine/partition.h"
-#include "strata/engine/plan/schedule.h"
+#include "strata/engine/layout/schedule.h"
 
 namespace strata::engine::runtime {
 
-class Updater final : public FinalGradientSink {
+class Updater final : public FinalGradientSink, public UpdateFence {
  public:
   using UnitFn = std::function<void(size_t)>;
   // `buffers`: with transient gradients, the pool each unit's gradient goes back to once its
   // update has read it (borrowed; it must outlive the updater); null otherwise.
-  Updater(Optimizer& optimizer, state::StateStore& store, const plan::Schedule& schedule, const Partition& partition,
+  Updater(Optimizer& optimizer, state::StateStore& store, const layout::Schedule& schedule, const Partition& partition,
           Device& device, Profiler& prof, GradientBuffers* buffers);
   ~Updater() override;  // aborts and joins a running update
 
@@ -71,7 +72,7 @@ class Updater final : public FinalGradientSink {
   void mark_final(size_t u, offload::IoFuture written) override;
 
   // "forward": blocks until u's update is done (no-op otherwise); rethrows the updater's error.
-  void wait_updated(size_t u);
+  void wait_updated(size_t u) override;
   // Joins the updater: its time goes into the step's timeline (optimizer, swap traffic); rethrows
   // its error once.
   void finish();
@@ -93,7 +94,7 @@ class Updater final : public FinalGradientSink {
 
   Optimizer& opt_;
   state::StateStore& store_;
-  const plan::Schedule& schedule_;
+  const layout::Schedule& schedule_;
   const Partition& partition_;
   Device& dev_;
   Profiler& prof_;

@@ -34,7 +34,7 @@ void ChunkRing::run(unsigned in, unsigned out, const std::vector<size_t>& units,
     sl.writes.clear();
     const Chunk& c = items[i];
     for (int k = 0; k < kKinds; ++k)
-      if ((in & buffered) >> k & 1 && source_.in_swap(c.unit, k))
+      if ((in & buffered) >> k & 1 && source_.on_nvme(c.unit, k))
         sl.reads.push_back(source_.read(c.unit, k, c.begin, sl.buf[k].narrow(0, 0, int64_t(c.numel))));
   };
   auto drain_writes = [&] {
@@ -65,7 +65,7 @@ void ChunkRing::run(unsigned in, unsigned out, const std::vector<size_t>& units,
       for (int k = 0; k < kKinds; ++k) {
         if (!((out & buffered) >> k & 1) || !source_.streamed(c.unit, k)) continue;
         const at::Tensor b = sl.buf[k].narrow(0, 0, int64_t(c.numel));
-        if (source_.in_swap(c.unit, k)) sl.writes.push_back(source_.write(c.unit, k, c.begin, b));
+        if (source_.on_nvme(c.unit, k)) sl.writes.push_back(source_.write(c.unit, k, c.begin, b));
         else source_.store(c.unit, k, c.begin, b);
       }
     }

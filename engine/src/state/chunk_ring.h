@@ -42,7 +42,7 @@ class ChunkRing {
     virtual at::ScalarType dtype(int kind) const = 0;
     // Kind k of unit u passes through a ring buffer (in swap, or a compute copy on a GPU).
     virtual bool streamed(size_t unit, int kind) const = 0;
-    virtual bool in_swap(size_t unit, int kind) const = 0;
+    virtual bool on_nvme(size_t unit, int kind) const = 0;
     // Resident host state of a kind that is not streamed: its element `begin`; nullptr if none.
     virtual void* resident(size_t unit, int kind, uint64_t begin) = 0;
     // Swap: elements [begin, begin + numel) of (unit, kind) into / from host memory.

@@ -9,7 +9,7 @@ namespace strata::engine::state {
 StateStore::StateStore(const Partition& partition, at::ScalarType compute_dtype, const PlacementPlan& placement,
                        Device& device, HostMemory& host, offload::SwapSpace* swap, Profiler& prof)
     : partition_(partition), compute_(compute_dtype), plan_(placement), prof_(prof),
-      device_(device_tier(device)), host_(host_tier(host)), swap_(swap ? swap_tier(*swap) : nullptr),
+      device_(device_tier(device)), host_(host_tier(host)), swap_(swap ? nvme_tier(*swap) : nullptr),
       resident_(partition.num_units()), region_(partition.num_units()) {
   for (auto& r : region_) r.fill(kNone);
 }

@@ -68,13 +68,13 @@ class StateStore final : public ChunkRing::Source {
   // is a checkpoint's.
   bool copies_to_file(size_t u, int k) const;
   void copy_to_file(size_t u, int k, uint64_t begin, uint64_t numel, const offload::File& dst, uint64_t offset);
-  uint64_t swap_bytes() const { return swap_ ? swap_->bytes() : 0; }
+  uint64_t nvme_bytes() const { return swap_ ? swap_->bytes() : 0; }
 
   // ChunkRing::Source.
   uint64_t shard_numel(size_t u) const override { return partition_.unit(u).shard_numel; }
   at::ScalarType dtype(int k) const override { return k == kCompute ? compute_ : at::kFloat; }
   bool streamed(size_t u, int k) const override;
-  bool in_swap(size_t u, int k) const override { return placement(u, k) == Placement::kNvme; }
+  bool on_nvme(size_t u, int k) const override { return placement(u, k) == Placement::kNvme; }
   void* resident(size_t u, int k, uint64_t begin) override;
   void store(size_t u, int k, uint64_t begin, const at::Tensor& src) override;
 

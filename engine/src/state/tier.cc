@@ -100,9 +100,9 @@ class HostTier final : public TensorTier {
   HostMemory& host_;
 };
 
-class SwapTier final : public TierDriver {
+class NvmeTier final : public TierDriver {
  public:
-  explicit SwapTier(offload::SwapSpace& s) : swap_(s) {}
+  explicit NvmeTier(offload::SwapSpace& s) : swap_(s) {}
   Placement tier() const override { return Placement::kNvme; }
   Region allocate(const std::string& name, uint64_t numel, at::ScalarType dtype) override {
     swap_.allocate(name, numel * c10::elementSize(dtype));
@@ -137,6 +137,6 @@ class SwapTier final : public TierDriver {
 
 std::unique_ptr<TierDriver> device_tier(Device& device) { return std::make_unique<DeviceTier>(device); }
 std::unique_ptr<TierDriver> host_tier(HostMemory& host) { return std::make_unique<HostTier>(host); }
-std::unique_ptr<TierDriver> swap_tier(offload::SwapSpace& swap) { return std::make_unique<SwapTier>(swap); }
+std::unique_ptr<TierDriver> nvme_tier(offload::SwapSpace& swap) { return std::make_unique<NvmeTier>(swap); }
 
 }  // namespace strata::engine::state

@@ -88,6 +88,6 @@ std::unique_ptr<TierDriver> device_tier(Device& device);
 // Regions from HostMemory::state (counted in its state_bytes()).
 std::unique_ptr<TierDriver> host_tier(HostMemory& host);
 // Regions are partitions of `swap` named after them.
-std::unique_ptr<TierDriver> swap_tier(offload::SwapSpace& swap);
+std::unique_ptr<TierDriver> nvme_tier(offload::SwapSpace& swap);
 
 }  // namespace strata::engine::state

@@ -76,7 +76,7 @@ struct EngineConfig {
   static constexpr int kRecomputeAll = 1 << 30, kRecomputeAuto = -1;
   int recompute_blocks = kRecomputeAll;
   // placement.tiling: the LM head's logits [micro_batch x seq_len, vocab] cut into at least this
-  // many tiles (token chunks x vocabulary tiles, plan::logits_tiling), so that the loss never
+  // many tiles (token chunks x vocabulary tiles, layout::logits_tiles), so that the loss never
   // holds more than one tile of them. kTilesAuto: the fewest that let the working set fit the
   // device (Engine::config() shows the count chosen); 1: untiled.
   static constexpr uint64_t kTilesAuto = 0;
@@ -88,7 +88,7 @@ struct EngineConfig {
   // pass ran slower (its chunks of the whole vocabulary leave the cache, and its weight gradient
   // takes a rank-chunk update per chunk); not yet measured on a GPU, where it saves a product.
   bool head_one_pass = false;
-  // placement.tiling for the blocks (models::LayerTiling): each block's attention cut into this
+  // placement.tiling for the blocks (models::LayerTiles): each block's attention cut into this
   // many groups of key/value heads and its MLP into this many slices of the intermediate
   // dimension, each tile a unit of its own. kTilesAuto: whole blocks when the working set fits
   // the device, else the fewest tiles that fit (both kinds cut in proportion to their
@@ -102,7 +102,7 @@ struct EngineConfig {
   // placement.tiling "mlp_tokens": every MLP (whole block or tile) run over chunks of this many
   // tokens, its intermediate activations one chunk at a time (tiling::chunked_mlp; the backward
   // recomputes them, about one more MLP forward a step). 0: the whole micro-batch at once.
-  // kMlpChunkAuto: chunks of plan::auto_mlp_token_chunk tokens only where no tiling fits the device
+  // kMlpChunkAuto: chunks of layout::auto_mlp_token_chunk tokens only where no tiling fits the device
   // without them (resolve_mlp_token_chunk), else whole.
   static constexpr int64_t kMlpChunkAuto = -1;
   int64_t mlp_token_chunk = kMlpChunkAuto;

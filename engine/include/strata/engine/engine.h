@@ -45,7 +45,8 @@
 #include "strata/engine/device.h"
 #include "strata/engine/timeline.h"
 #include "strata/engine/partition.h"
-#include "strata/engine/plan/memory_model.h"
+#include "strata/engine/placement.h"
+#include "strata/engine/layout/memory_model.h"
 #include "strata/models/decoder.h"
 
 namespace strata::offload {
@@ -153,15 +154,15 @@ class Engine {
   };
   Counters counters() const;
   void set_counters(const Counters& c);
-  enum class StateKind { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2 };
-  static constexpr int kStateKinds = 3;
+  // The state accessors below take one of the saved kinds (state::kMaster, kExpAvg, kExpAvgSq:
+  // placement.h); any other kind throws std::invalid_argument.
   // This rank's fp32 slice (shard_numel elements) of one unit's state: the tensor where it is
   // placed, or for NVMe-placed state a host copy read from swap. After writing into it (a
   // checkpoint load), store_state_slice() it (a no-op unless on NVMe), then call
   // refresh_compute_copies() once. Training thread; waits for the update running behind and for
   // a checkpoint's hold on every unit (the caller may write into the result).
-  at::Tensor state_slice(size_t unit, StateKind kind);
-  void store_state_slice(size_t unit, StateKind kind, const at::Tensor& data);
+  at::Tensor state_slice(size_t unit, state::Kind kind);
+  void store_state_slice(size_t unit, state::Kind kind, const at::Tensor& data);
   // --- snapshots (a checkpoint's writer copying the state out while training goes on) ---
   // State that lives in files (NVMe swap), for snapshots that copy it to a checkpoint file to
   // file: whether this rank's slice of (unit, kind) does, and the copy of its elements
@@ -169,8 +170,8 @@ class Engine {
   // process's memory. Same caller contract as read_state (any thread, state held); a slice that
   // is not in files throws std::logic_error (read_state it instead), a range outside the slice
   // std::out_of_range, the disk IoError.
-  bool state_copies_to_file(size_t unit, StateKind kind) const;
-  void copy_state_to_file(size_t unit, StateKind kind, uint64_t begin, uint64_t numel, const offload::File& dst,
+  bool state_copies_to_file(size_t unit, state::Kind kind) const;
+  void copy_state_to_file(size_t unit, state::Kind kind, uint64_t begin, uint64_t numel, const offload::File& dst,
                           uint64_t offset);
   // Ready when the last step's update (running behind with optimizer.overlap) is complete;
   // ready at once when none runs; holds the update's exception if it failed. Any thread may
@@ -190,7 +191,7 @@ class Engine {
   // of the calling thread's own; host RAM; swap: a read). The caller makes sure the engine does
   // not change it meanwhile: update_finished() ready and a StateHold not yet releasing the unit.
   // Throws std::out_of_range for a range outside the slice, IoError from swap.
-  void read_state(size_t unit, StateKind kind, uint64_t begin, uint64_t numel, float* dst);
+  void read_state(size_t unit, state::Kind kind, uint64_t begin, uint64_t numel, float* dst);
   // compute copy = master rounded to the compute dtype, exactly what the optimizer writes.
   void refresh_compute_copies();
 
@@ -212,12 +213,12 @@ class Engine {
   // One line: each kind's tier and bytes on this rank, and for automatic placement the budgets.
   const std::string& placement_report() const;
 
-  // The one memory model of the device working set (plan/memory_model.h), the choices this
+  // The one memory model of the device working set (layout/memory_model.h), the choices this
   // engine resolved (placement, recompute, checkpoints, prefetch), and the device-placed state
   // beside which it runs: every use needs device_state_bytes() + memory_model().need(use, ...)
   // of the device budget, which construction checks.
-  const plan::MemoryModel& memory_model() const;
-  const plan::Choices& working_set_choices() const;
+  const layout::MemoryModel& memory_model() const;
+  const layout::Choices& working_set_choices() const;
   uint64_t device_state_bytes() const;
 
   const Partition& partition() const;

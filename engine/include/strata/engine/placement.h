@@ -65,6 +65,9 @@ struct PlacementPlan {
 namespace state {
 // The kinds of state a unit's shard has. The state store holds them (state/state_store.h).
 enum Kind : int { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGrad = 3, kCompute = 4, kKinds = 5 };
+// The kinds a checkpoint saves, and Engine's state_slice/read_state serve: the fp32 master
+// weights and the two moments, the first kSavedKinds of Kind.
+constexpr int kSavedKinds = 3;
 const char* kind_name(int kind);  // "master", ...; std::out_of_range for an unknown kind
 // Where unit u's shard of `kind` lives under `plan`: the kind's tier (of a split optimizer group,
 // per unit: PlacementPlan::unit_tier). The one rule; the store and automatic placement call it.

@@ -1,6 +1,6 @@
 // What the engine would decide and hold for a configuration, without a model, a device or a
 // communicator: the planner's view of one rank (`strata plan`). It calls the engine's own
-// resolution (plan/resolve.h: resolve_layout, then resolve_working_set with the state the layout
+// resolution (layout/resolve.h: resolve_layout, then resolve_working_set with the state the layout
 // would place counted as allocated), with the units sized from the model configuration
 // (plan_units) and the partition the engine would build at `world_size`. Every rank of a
 // homogeneous cluster decides alike, so agreement is the identity here.
@@ -17,8 +17,8 @@
 
 #include "strata/engine/config.h"
 #include "strata/engine/placement.h"
-#include "strata/engine/plan/memory_model.h"
-#include "strata/engine/plan/resolve.h"
+#include "strata/engine/layout/memory_model.h"
+#include "strata/engine/layout/resolve.h"
 #include "strata/models/model_config.h"
 #include "strata/models/model_shapes.h"
 
@@ -30,13 +30,13 @@ struct StatePrediction {
   std::string report;  // the placement line the engine would print
 
   PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
-  plan::Choices choice;       // recomputed block stages, activation checkpoints' tier, prefetch depth
+  layout::Choices choice;       // recomputed block stages, activation checkpoints' tier, prefetch depth
   int prefetch_deepest = 1;   // prefetch "auto": the deepest gather window the budget holds
   uint64_t head_tiles = 1;
-  bool head_one_pass = false;  // the head's tiles computed in one pass (plan::LogitsTiling::one_pass)
-  plan::LogitsTiling head_logits;  // the cut the loss runs over (MemoryModel::head_logits)
+  bool head_one_pass = false;  // the head's tiles computed in one pass (layout::LogitsTiles::one_pass)
+  layout::LogitsTiles head_logits;  // the cut the loss runs over (MemoryModel::head_logits)
   int64_t mlp_token_chunk = 0; // the MLPs over chunks of this many tokens, 0: whole (resolve_mlp_token_chunk)
-  models::LayerTiling tiles;
+  models::LayerTiles tiles;
 
   // This rank's state by tier, and the device's working set beside it.
   uint64_t device_state = 0, host_state = 0, nvme_state = 0;

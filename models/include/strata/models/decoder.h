@@ -65,7 +65,7 @@ class Stage : public torch::nn::Module {
 
 // The head: the final norm, then the LM head. The engine's tiled loss uses the two parts apart
 // (the logits are never formed whole); forward() is lm_head(normed(x)). A head tile (the
-// vocabulary cut, LayerTiling::vocab) holds rows [vocab_begin(), vocab_begin() + rows) of the LM
+// vocabulary cut, LayerTiles::vocab) holds rows [vocab_begin(), vocab_begin() + rows) of the LM
 // head; only the first holds the norm, and a later tile's forward() takes the normed input.
 class HeadStage : public Stage {
  public:
@@ -101,7 +101,7 @@ class Decoder {
   size_t num_blocks() const { return blocks_.size(); }
   // The head whole (throws std::logic_error when the vocabulary is tiled: head_tile()).
   HeadStage& head();
-  // Head tile j of tiling().vocab (the whole head when the vocabulary is not tiled).
+  // Head tile j of tiles().vocab (the whole head when the vocabulary is not tiled).
   HeadStage& head_tile(size_t j) { return *heads_.at(j); }
   // All stages in schedule order: the embedding (or its vocabulary tiles), blocks (each whole,
   // or its attention tiles then its MLP tiles)..., the head (or its vocabulary tiles).
@@ -111,14 +111,14 @@ class Decoder {
   // "embedding", "embedding.1", "block.3", "block.3.attn.1", "block.3.mlp.0", "head", "head.1".
   std::string stage_name(size_t stage) const;
 
-  // Cuts every block into tile stages and the vocabulary into row ranges (LayerTiling; 1 x 1 x 1
+  // Cuts every block into tile stages and the vocabulary into row ranges (LayerTiles; 1 x 1 x 1
   // joins them whole again). Weights already initialized or loaded are copied into the tiles'
   // slices (one block's, or the embedding's and head's, extra memory at a time); stages not yet
   // initialized stay so and get the values the untiled model would have (the random stream is
   // drawn per whole tensor, then sliced). Invalidates earlier stages().
-  // Throws std::invalid_argument for a tiling that does not cut the model (check_tiling).
-  void set_tiling(const LayerTiling& tiling);
-  const LayerTiling& tiling() const { return tiling_; }
+  // Throws std::invalid_argument for a tiling that does not cut the model (check_tiles).
+  void set_tiles(const LayerTiles& tiling);
+  const LayerTiles& tiles() const { return tiles_; }
   // Every block's (or MLP tile's) MLP over chunks of `tokens` tokens, so that its intermediate
   // activations exist one chunk at a time (tiling::chunked_mlp; the backward recomputes them);
   // 0 (the default): the whole sequence at once. Throws std::invalid_argument below 0.
@@ -150,7 +150,7 @@ class Decoder {
   static void recut(std::vector<Stage*> old, const std::vector<Stage*>& next, bool holds);
 
   ModelConfig config_;
-  LayerTiling tiling_;
+  LayerTiles tiles_;
   int64_t mlp_chunk_ = 0;
   std::vector<std::shared_ptr<Stage>> embeds_;               // the embedding, or its vocabulary tiles
   std::vector<std::vector<std::shared_ptr<Stage>>> blocks_;  // per block: its stages (one when whole)

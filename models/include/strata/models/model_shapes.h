@@ -24,7 +24,7 @@ namespace strata::models {
 // vocabulary is cut into `vocab` row ranges: the embedding into as many stages (each adds the
 // lookup of the tokens in its rows), the LM head into as many (each its rows' logits); a tied
 // head tile uses its embedding tile's rows.
-struct LayerTiling {
+struct LayerTiles {
   int64_t attention = 1;  // groups of key/value heads, 1..kv_heads
   int64_t mlp = 1;        // slices of the intermediate dimension, 1..intermediate
   int64_t vocab = 1;      // row ranges of the embedding and the LM head, 1..vocab_size
@@ -33,12 +33,12 @@ struct LayerTiling {
   // Whole blocks in `stages` block stages (placement.recompute and the reports count blocks; the
   // engine's schedule and memory model count stages).
   size_t whole_blocks(size_t stages) const { return stages / size_t(std::max<int64_t>(1, block_stages())); }
-  bool operator==(const LayerTiling&) const = default;
+  bool operator==(const LayerTiles&) const = default;
 };
 // Throws std::invalid_argument when `t` does not cut `c` (a count below 1, more attention tiles
 // than key/value heads, more MLP tiles than intermediate features, more vocabulary tiles than
 // rows).
-void check_tiling(const ModelConfig& c, const LayerTiling& t);
+void check_tiles(const ModelConfig& c, const LayerTiles& t);
 // Part i of [0, n) cut into `parts` near-equal parts (the first n % parts one longer): the one
 // rule for where tiles begin and end.
 struct Range {
@@ -54,26 +54,26 @@ struct StageLayout {
   size_t first_head() const { return embedding + blocks; }
   size_t stages() const { return embedding + blocks + head; }
 };
-StageLayout stage_layout(const ModelConfig& c, const LayerTiling& t);
+StageLayout stage_layout(const ModelConfig& c, const LayerTiles& t);
 
 // Elements of the parameters each stage owns, in schedule order: the embedding (GPT-2: token
 // and position embeddings; tiled: each tile its rows, the first also the positions), each block
 // (or each of its tiles), the head (its final norm, and the LM head when the embeddings are not
 // tied; tiled: the first tile the norm, each its LM head rows, so that a tied head tile after the
 // first owns nothing). The sum is ModelConfig::parameters().
-std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiling& t = {});
+std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiles& t = {});
 // By stage: its input activation in multiples of [tokens, hidden] (1, or 2 for a tile after the
 // first of a block's attention or MLP: its input stacks the normed input and the running sum).
 // The embedding's input (token ids) counts as 1, as every output that is not another stage's
 // input (the head's).
-std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiling& t = {});
+std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiles& t = {});
 // The units each stage uses, in schedule order: a unit for each stage that owns parameters
 // (numbered in stage order), and a tied head's (tile's) embedding (tile) unit. What the engine
 // builds from the modules' tensors (tests/models/model_shapes_test.cc checks that both agree).
-std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTiling& t = {});
+std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTiles& t = {});
 // Stage s's name, which is also its unit's: "embedding", "embedding.2", "block.3",
 // "block.3.attn.1", "block.3.mlp.0", "head", "head.2". Throws std::out_of_range past the head.
-std::string stage_name(const ModelConfig& c, const LayerTiling& t, size_t stage);
+std::string stage_name(const ModelConfig& c, const LayerTiles& t, size_t stage);
 
 // By stage, in schedule order: the bytes per token a stage's forward with autograd keeps for its
 // backward (its input included) with compute copies of `elem_bytes` bytes; 0 off the blocks. A
@@ -83,7 +83,7 @@ std::string stage_name(const ModelConfig& c, const LayerTiling& t, size_t stage)
 // save it, no T x T scores), at most 1.25x what a counting allocator measures
 // (tests/models/block_graph_test.cc). The engine budgets a kept stage's graph from its forward to
 // its backward, and a recomputed one's during its backward, with it.
-std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const LayerTiling& t, size_t elem_bytes,
+std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const LayerTiles& t, size_t elem_bytes,
                                                   bool mlp_chunked = false);
 // A whole block's, its MLP not chunked (Decoder::block_graph_bytes_per_token).
 uint64_t block_graph_bytes_per_token(const ModelConfig& c, size_t elem_bytes);

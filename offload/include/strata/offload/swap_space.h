@@ -79,7 +79,8 @@ class SwapSpace {
   uint64_t size(const std::string& name) const;
 
   // Asynchronous transfer of [offset, offset + data.size()) of a partition. Best speed with
-  // `offset` a multiple of `alignment` and buffers from a PinnedPool; anything else still works.
+  // `offset` a multiple of `alignment` and page-aligned buffers (pinned on GPU machines:
+  // state::HostMemory); anything else still works.
   IoFuture write(const std::string& name, uint64_t offset, std::span<const std::byte> src);
   IoFuture read(const std::string& name, uint64_t offset, std::span<std::byte> dst);
 

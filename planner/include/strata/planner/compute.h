@@ -38,7 +38,7 @@ struct Work {
 };
 
 // How this GPU's share of the work is cut: 3D parallelism's tensor and sequence parallelism, and
-// Strata's tiles (models::LayerTiling, plan::LogitsTiling), whose products run at their own,
+// Strata's tiles (models::LayerTiles, layout::LogitsTiles), whose products run at their own,
 // smaller sizes.
 struct ShardOf {
   int tp = 1;                      // tensor-parallel ways

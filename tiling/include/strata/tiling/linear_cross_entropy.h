@@ -16,7 +16,7 @@
 // Memory beside the inputs and the gradients autograd returns: one tile of fp32 logits (reused as
 // its softmax gradient) with its copy in the inputs' dtype, one matmul product of the backward
 // ([token_chunk or vocab_tile, hidden]), the fp32 input gradient [tokens, hidden], one fp32
-// weight-gradient tile [vocab_tile, hidden], and four fp32 numbers a token; plan::head_scratch_bytes
+// weight-gradient tile [vocab_tile, hidden], and four fp32 numbers a token; layout::head_scratch_bytes
 // bounds these (and the memory model counts it).
 //
 // Thread safety: a pure function of its arguments; autograd may run it on any thread.
@@ -38,7 +38,7 @@ namespace strata::tiling {
 // `one_pass` (vocab_tile must then cover the whole vocabulary): each token chunk's softmax is
 // exact at once, so the forward computes the loss and both gradients chunk by chunk and the
 // logits are never recomputed: three products a chunk instead of four, for an fp32 weight
-// gradient [vocab, hidden] held from the forward to the backward (plan::head_scratch_bytes
+// gradient [vocab, hidden] held from the forward to the backward (layout::head_scratch_bytes
 // counts it). The forward computes the gradients for the upstream gradient `upstream` (the
 // caller's expected d(objective)/d(loss), > 0), scaled before the narrowing and the products as
 // two passes and autograd scale; the backward multiplies them by the real upstream over it,

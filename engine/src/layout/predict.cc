@@ -4,7 +4,7 @@
 #include <memory>
 #include <stdexcept>
 
-#include "strata/engine/plan/resolve.h"
+#include "strata/engine/layout/resolve.h"
 #include "strata/models/model_shapes.h"
 
 namespace strata::engine {
@@ -41,10 +41,10 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     out.shard_numel = units.shard_numel;
     EngineConfig chunked = cfg;
     chunked.mlp_token_chunk = cut.mlp_token_chunk;
-    const plan::ModelSizes sizes = model_sizes(chunked, mc, units);
+    const layout::ModelSizes sizes = model_sizes(chunked, mc, units);
     out.compute_bytes = sizes.compute_bytes;
-    const plan::Schedule schedule = units.schedule();
-    out.graph_bytes = plan::MemoryModel(schedule, sizes).block_graph_bytes(size_t(cut.tiles.block_stages()));
+    const layout::Schedule schedule = units.schedule();
+    out.graph_bytes = layout::MemoryModel(schedule, sizes).block_graph_bytes(size_t(cut.tiles.block_stages()));
     out.choice = initial_choices(cfg, schedule.blocks(), cut.tiles);
   }
   out.budgets = budgets(usable);
@@ -58,12 +58,12 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     const TierBytes tiers = bytes_by_tier(layout->placement, layout->need, out.compute_bytes);
     out.device_state = tiers.device;
     out.host_state = tiers.host;
-    out.nvme_state = tiers.swap;
+    out.nvme_state = tiers.nvme;
     // What a run measures once its state is allocated: the device room beside it, and the RAM
     // left once every local rank's host state is allocated (a derived host budget has it taken out).
     Allocated held;
     held.device_state = tiers.device;
-    held.usable_device = plan::MemoryModel::usable_device(usable, tiers.device, UINT64_MAX);
+    held.usable_device = layout::MemoryModel::usable_device(usable, tiers.device, UINT64_MAX);
     held.budget = usable;
     held.host_state = tiers.host;
     const uint64_t allocated = uint64_t(std::max(1, machine.local_ranks)) * tiers.host;

@@ -9,10 +9,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "strata/engine/plan/memory_model.h"
-#include "strata/engine/plan/schedule.h"
+#include "strata/engine/layout/memory_model.h"
+#include "strata/engine/layout/schedule.h"
 
-namespace strata::engine::plan {
+namespace strata::engine::layout {
 namespace {
 
 // Embedding (unit 0), three blocks (units 1-3), a head (unit 4) tied to the embedding.
@@ -243,4 +243,4 @@ TEST(MemoryModel, RejectsSizesOfAnotherSchedule) {
 }
 
 }  // namespace
-}  // namespace strata::engine::plan
+}  // namespace strata::engine::layout

@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <string>
 
-namespace strata::engine::plan {
+namespace strata::engine::layout {
 
-struct LogitsTiling {
+struct LogitsTiles {
   uint64_t token_chunk = 0;  // tokens a tile covers (0: not cut, as token_chunk == tokens)
   uint64_t vocab_tile = 0;   // vocabulary rows a tile covers (0: not cut)
   // Token chunks over the whole vocabulary, each chunk's loss and gradients computed at once in
@@ -30,16 +30,16 @@ struct LogitsTiling {
 // vocabulary is cut first (each weight tile is then read once a pass); tokens only once a
 // vocabulary tile would be narrower than the token chunk, so tiles stay near square and their
 // matmuls large. `count` beyond tokens x vocab is clamped.
-LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count);
+LogitsTiles logits_tiles(uint64_t tokens, uint64_t vocab, uint64_t count);
 
 // At least `count` tiles in one pass (as few over as even chunks allow): token chunks over the
 // whole vocabulary (count clamped to the tokens); 1 or less: the logits whole.
-LogitsTiling one_pass_tiling(uint64_t tokens, uint64_t vocab, uint64_t count);
+LogitsTiles one_pass_tiles(uint64_t tokens, uint64_t vocab, uint64_t count);
 
 // The tiles the loss runs over when the LM head's weight is cut into `vocab_tiles` row ranges
-// (models::LayerTiling::vocab): `t`'s, no wider than a range (so tiled whenever the ranges are
+// (models::LayerTiles::vocab): `t`'s, no wider than a range (so tiled whenever the ranges are
 // more than one), in two passes (the ranges are never together).
-LogitsTiling within_vocab_tiles(const LogitsTiling& t, uint64_t tokens, uint64_t vocab, uint64_t vocab_tiles);
+LogitsTiles within_vocab_tiles(const LogitsTiles& t, uint64_t tokens, uint64_t vocab, uint64_t vocab_tiles);
 
 // The most tiles placement.tiling "auto" considers: tiles of at least kMinTileTokens tokens x
 // kMinTileVocab vocabulary rows (or the whole of a smaller side). Smaller tiles would spend more
@@ -75,10 +75,10 @@ uint64_t auto_mlp_token_chunk(uint64_t tokens);
 // fp32 weight gradient with one chunk's product in the compute dtype (vocab x hidden x (4 +
 // compute_bytes)) and 16 bytes a token.
 uint64_t head_scratch_bytes(uint64_t tokens, uint64_t vocab, uint64_t hidden, uint64_t compute_bytes,
-                            const LogitsTiling& t);
+                            const LogitsTiles& t);
 
 // "8 tiles of 2048 tokens x 16032 vocabulary rows", "8 tiles of 2048 tokens x the whole
 // vocabulary in one pass" or "untiled".
-std::string describe(const LogitsTiling& t, uint64_t tokens, uint64_t vocab);
+std::string describe(const LogitsTiles& t, uint64_t tokens, uint64_t vocab);
 
-}  // namespace strata::engine::plan
+}  // namespace strata::engine::layout

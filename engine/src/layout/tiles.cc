@@ -1,19 +1,19 @@
-#include "strata/engine/plan/tiling.h"
+#include "strata/engine/layout/tiles.h"
 
 #include <algorithm>
 #include <cmath>
 
-namespace strata::engine::plan {
+namespace strata::engine::layout {
 namespace {
 uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 }  // namespace
 
-uint64_t LogitsTiling::tiles(uint64_t tokens, uint64_t vocab) const {
+uint64_t LogitsTiles::tiles(uint64_t tokens, uint64_t vocab) const {
   const uint64_t c = token_chunk ? token_chunk : tokens, v = vocab_tile ? vocab_tile : vocab;
   return c && v ? ceil_div(tokens, c) * ceil_div(vocab, v) : 1;
 }
 
-LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count) {
+LogitsTiles logits_tiles(uint64_t tokens, uint64_t vocab, uint64_t count) {
   if (tokens == 0 || vocab == 0 || count <= 1) return {tokens, vocab};
   count = std::min(count, tokens * vocab);
   // Chunks of tokens: about sqrt(count * tokens / vocab), so that a tile's sides compare as the
@@ -26,7 +26,7 @@ LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count) {
   // Even sizes; cutting n into ceil(n / size) pieces may give fewer than asked: then one more
   // vocabulary piece at a time (tokens once the vocabulary is cut to single rows) until the count
   // is reached.
-  LogitsTiling t{ceil_div(tokens, chunks), ceil_div(vocab, pieces)};
+  LogitsTiles t{ceil_div(tokens, chunks), ceil_div(vocab, pieces)};
   // Each turn shrinks a side by at least one, so the loop ends (at 1 x 1 tiles at the latest).
   const auto shrink = [](uint64_t n, uint64_t size) {
     return std::min(size - 1, ceil_div(n, ceil_div(n, size) + 1));
@@ -38,15 +38,15 @@ LogitsTiling logits_tiling(uint64_t tokens, uint64_t vocab, uint64_t count) {
   return t;
 }
 
-LogitsTiling one_pass_tiling(uint64_t tokens, uint64_t vocab, uint64_t count) {
+LogitsTiles one_pass_tiles(uint64_t tokens, uint64_t vocab, uint64_t count) {
   if (tokens == 0 || vocab == 0 || count <= 1) return {tokens, vocab};
-  LogitsTiling t{ceil_div(tokens, std::min(count, tokens)), vocab, true};
+  LogitsTiles t{ceil_div(tokens, std::min(count, tokens)), vocab, true};
   // Even chunks may come out fewer than asked (ceil): smaller ones until the count is reached.
   while (t.token_chunk > 1 && t.tiles(tokens, vocab) < std::min(count, tokens)) --t.token_chunk;
   return t;
 }
 
-LogitsTiling within_vocab_tiles(const LogitsTiling& t, uint64_t tokens, uint64_t vocab, uint64_t vocab_tiles) {
+LogitsTiles within_vocab_tiles(const LogitsTiles& t, uint64_t tokens, uint64_t vocab, uint64_t vocab_tiles) {
   if (vocab_tiles <= 1 || vocab == 0) return t;
   const uint64_t rows = ceil_div(vocab, std::min(vocab, vocab_tiles));
   return {t.token_chunk ? std::min(t.token_chunk, tokens) : tokens, std::min(t.vocab_tile ? t.vocab_tile : vocab, rows),
@@ -67,7 +67,7 @@ uint64_t auto_mlp_token_chunk(uint64_t tokens) {
 }
 
 uint64_t head_scratch_bytes(uint64_t tokens, uint64_t vocab, uint64_t hidden, uint64_t compute_bytes,
-                            const LogitsTiling& t) {
+                            const LogitsTiles& t) {
   if (!t.tiled(tokens, vocab)) return tokens * vocab * (8 + compute_bytes);
   const uint64_t chunk = std::min(t.token_chunk, tokens), tile = std::min(t.vocab_tile, vocab);
   if (t.one_pass)
@@ -77,7 +77,7 @@ uint64_t head_scratch_bytes(uint64_t tokens, uint64_t vocab, uint64_t hidden, ui
          tile * hidden * 4 + tokens * 16;
 }
 
-std::string describe(const LogitsTiling& t, uint64_t tokens, uint64_t vocab) {
+std::string describe(const LogitsTiles& t, uint64_t tokens, uint64_t vocab) {
   if (!t.tiled(tokens, vocab)) return "untiled";
   if (t.one_pass)
     return std::to_string(t.tiles(tokens, vocab)) + " tiles of " + std::to_string(std::min(t.token_chunk, tokens)) +
@@ -86,4 +86,4 @@ std::string describe(const LogitsTiling& t, uint64_t tokens, uint64_t vocab) {
          " tokens x " + std::to_string(std::min(t.vocab_tile, vocab)) + " vocabulary rows";
 }
 
-}  // namespace strata::engine::plan
+}  // namespace strata::engine::layout

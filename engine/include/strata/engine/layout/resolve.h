@@ -45,8 +45,8 @@
 
 #include "strata/engine/config.h"
 #include "strata/engine/placement.h"
-#include "strata/engine/plan/memory_model.h"
-#include "strata/engine/plan/schedule.h"
+#include "strata/engine/layout/memory_model.h"
+#include "strata/engine/layout/schedule.h"
 #include "strata/models/model_config.h"
 #include "strata/models/model_shapes.h"
 
@@ -66,7 +66,7 @@ uint64_t explicit_device_bytes(const EngineConfig& cfg, const StateBytes& need);
 // gradients not stored count as their host buffers (or, for the device share's units, on the
 // device).
 struct TierBytes {
-  uint64_t device = 0, host = 0, swap = 0;
+  uint64_t device = 0, host = 0, nvme = 0;
 };
 TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t compute_bytes);
 
@@ -75,79 +75,79 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
 // fit, for k = 1, 2, ...: attention and MLP cut into about k x their share of the block's
 // parameters (an explicit count kept), and at each k the vocabulary whole, then in 2, 4, ...
 // tiles. "auto" cuts no MLP tile narrower than 64 features and no vocabulary tile narrower than
-// plan::kMinTileVocab rows. When none fits, whole (construction's budget check then names what is
+// layout::kMinTileVocab rows. When none fits, whole (construction's budget check then names what is
 // left, with the tiles among the remedies). The search runs with the head's logits in the
 // smallest tiles "auto" cuts (`fits(t, false)`); then, when the vocabulary and the head's tiles
 // are both "auto", again at no larger block cut with the logits in tiles of about
-// plan::kEfficientTileElements (`fits(t, true)`), whose answer is taken when it finds one: more
+// layout::kEfficientTileElements (`fits(t, true)`), whose answer is taken when it finds one: more
 // vocabulary tiles rather than tiny logits tiles, never more block tiles for it. Agreed: each count the most any rank needs. Throws std::invalid_argument for counts that do not
 // cut the model.
-models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
-                                  const std::function<bool(const models::LayerTiling&, bool efficient_logits)>& fits,
+models::LayerTiles resolve_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
+                                  const std::function<bool(const models::LayerTiles&, bool efficient_logits)>& fits,
                                   const Agree& agree);
 
 // The most tiles placement.tiling "auto" would cut (each kind that is "auto" at its most: every
-// key/value head, MLP slices of 64 features, vocabulary ranges of plan::kMinTileVocab rows; the
+// key/value head, MLP slices of 64 features, vocabulary ranges of layout::kMinTileVocab rows; the
 // configured count otherwise): the leanest cut resolve_tiles searches towards.
-models::LayerTiling leanest_tiling(const EngineConfig& cfg, const models::ModelConfig& mc);
+models::LayerTiles leanest_tiling(const EngineConfig& cfg, const models::ModelConfig& mc);
 
 // The MLPs' token chunk (EngineConfig::mlp_token_chunk): the configured one, or for "auto"
 // none where the leanest tiling fits without chunks (`fits(tiling, 0)`: tiling_fits) and
-// plan::auto_mlp_token_chunk(tokens) where it does not. Agreed: the largest any rank needs.
+// layout::auto_mlp_token_chunk(tokens) where it does not. Agreed: the largest any rank needs.
 int64_t resolve_mlp_token_chunk(const EngineConfig& cfg, const models::ModelConfig& mc,
-                                const std::function<bool(const models::LayerTiling&, int64_t chunk)>& fits,
+                                const std::function<bool(const models::LayerTiles&, int64_t chunk)>& fits,
                                 const Agree& agree);
 
 // "; blocks in A attention x M MLP tiles; embedding and LM head in V vocabulary tiles (largest
 // unit B); MLP over chunks of N tokens" for the placement line, each part only when cut.
-std::string describe_tiles(const models::LayerTiling& t, int64_t mlp_token_chunk, const plan::MemoryModel& mm);
+std::string describe_tiles(const models::LayerTiles& t, int64_t mlp_token_chunk, const layout::MemoryModel& mm);
 
 // The head's logits cut: the configured count, or for "auto" the fewest for which `base` (the
 // state the configuration puts on the device explicitly) plus the working set under `choice` (the
 // configuration's explicit choices, the leanest automatic ones) fits `usable` (every count up to
-// 4096 tried in order, beyond that about the fewest), up to plan::max_auto_logits_tiles; when none
+// 4096 tried in order, beyond that about the fewest), up to layout::max_auto_logits_tiles; when none
 // fits, that most (construction's budget check then names what still does not fit). A count is
-// cut in two passes (plan::logits_tiling); with head_pass "one" in one pass
-// (plan::one_pass_tiling: token chunks over the whole vocabulary, no logits recomputed) where
+// cut in two passes (layout::logits_tiles); with head_pass "one" in one pass
+// (layout::one_pass_tiles: token chunks over the whole vocabulary, no logits recomputed) where
 // that fits too and the head is not in vocabulary tiles. "auto" takes the fewest count that
 // fits either way, so one pass only where it fits at that count (its fp32 weight gradient
 // rarely leaves room at the fewest). Agreed in two steps, every rank alike: one pass only if
 // every rank's cut is one pass; then the count under the agreed passes, the most any rank needs.
 struct HeadCut {
   uint64_t count = 1;          // tiles asked for
-  plan::LogitsTiling logits;   // the cut
+  layout::LogitsTiles logits;   // the cut
 };
-HeadCut resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
-                           const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree);
+HeadCut resolve_head_tiles(const EngineConfig& cfg, const layout::Schedule& schedule, const layout::ModelSizes& sizes,
+                           const layout::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree);
 
 // The kinds' tiers and the split: the configuration's explicit ones kept, "auto" ones planned
 // within `budgets(device_bytes_for_state)` (machine_budgets), where the device keeps room for
 // `mm.working_set(choice)` out of `usable_device`. Writes the placement line to `report`.
-PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
+PlacementPlan resolve_placement(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
                                 const StateBytes& need, uint64_t usable_device,
                                 const std::function<TierBudgets(uint64_t)>& budgets, const Agree& agree,
                                 std::string& report);
 
 // The choices every decision before the state's allocation plans with: the configured
 // checkpoints' tier and prefetch, and recompute "auto" as every block (the leanest).
-plan::Choices initial_choices(const EngineConfig& cfg, size_t block_stages, const models::LayerTiling& tiling);
+layout::Choices initial_choices(const EngineConfig& cfg, size_t block_stages, const models::LayerTiles& tiling);
 
 // placement.recompute counts whole blocks; the memory model and the engine count block stages
 // (Choices::recomputed), `tiling.block_stages()` a block. The stages of the first
 // `recompute_blocks` blocks, at most `block_stages` (every block stage): kRecomputeAll gives all,
 // and so does kRecomputeAuto (the leanest, until resolve_recompute decides).
-size_t recomputed_stages(int recompute_blocks, size_t block_stages, const models::LayerTiling& tiling);
+size_t recomputed_stages(int recompute_blocks, size_t block_stages, const models::LayerTiles& tiling);
 
 // Block stages recomputed for "auto": those of the fewest whole blocks (`stages_per_block`
 // stages each) for which `base` + the working set fits in `usable`, agreed.
-size_t resolve_recompute(const plan::MemoryModel& mm, const plan::Choices& choice, uint64_t base, uint64_t usable,
+size_t resolve_recompute(const layout::MemoryModel& mm, const layout::Choices& choice, uint64_t base, uint64_t usable,
                          const Agree& agree, size_t stages_per_block);
 
 // Activation checkpoints' tier for placement.activations "auto": the device if the working set
 // with them there fits `usable` beside `base`; else host RAM if they fit its budget (a configured
 // host budget also holds `host_state` bytes of state) or no swap directory is given; else swap.
 // An explicit placement is returned as it is.
-Placement resolve_activations(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
+Placement resolve_activations(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
                               uint64_t base, uint64_t usable, uint64_t host_state, const TierBudgets& budgets,
                               const Agree& agree);
 
@@ -155,7 +155,7 @@ Placement resolve_activations(const EngineConfig& cfg, const plan::MemoryModel& 
 // largest unit with nothing gathered ahead (MemoryModel::prefetch_room), at least 1, at most
 // kMaxAutoPrefetch and the schedule's uses less one. PrefetchTuner moves the depth within it.
 constexpr int kMaxAutoPrefetch = 8;
-int resolve_prefetch(const plan::MemoryModel& mm, const plan::Choices& choice, uint64_t base, uint64_t usable);
+int resolve_prefetch(const layout::MemoryModel& mm, const layout::Choices& choice, uint64_t base, uint64_t usable);
 
 // Bytes of the state `plan` puts on the device: what the state store allocates there (compute
 // copies at `compute_bytes`, fp32 gradients, master and two moments). `--plan` uses it where
@@ -168,7 +168,7 @@ uint64_t planned_device_bytes(const PlacementPlan& plan, const StateBytes& need,
 // micro-batch, activation checkpoints off the device, more blocks recomputed, state off the
 // device, the blocks or the vocabulary in more tiles). `stage_name(s)` names stage s (and the
 // unit it owns).
-void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
+void check_working_set(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
                        uint64_t base, uint64_t budget, const std::function<std::string(size_t)>& stage_name);
 
 // --- the units --------------------------------------------------------------------------------
@@ -178,33 +178,33 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
 // (tile) also using its embedding (tile)'s unit (models::stage_units); and each stage's input
 // width (models::stage_input_widths). The engine checks that the model it built has these units.
 struct UnitPlan {
-  models::LayerTiling tiling;
+  models::LayerTiles tiling;
   std::vector<uint64_t> unit_numel, padded_numel, shard_numel;
   std::vector<std::vector<size_t>> stage_units;
   std::vector<uint64_t> input_widths;
   size_t vocab_tiles = 1;  // embedding and head stages
-  plan::Schedule schedule() const;
+  layout::Schedule schedule() const;
 };
-UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiling& tiling, int world_size);
+UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiles& tiling, int world_size);
 
 // Whether `tiling` lets the device run a step within `usable` bytes: the state `cfg` places on
 // the device explicitly plus the largest use's need (construction's budget check: nothing
 // gathered ahead) at the leanest automatic choices (every block recomputed unless configured,
 // the head's logits, unless configured, in the most tiles "auto" cuts). With `efficient_logits`,
-// the logits in no more than plan::max_efficient_logits_tiles, and the configured prefetch window
+// the logits in no more than layout::max_efficient_logits_tiles, and the configured prefetch window
 // counted (resolve_head_tiles' test), unless that cap is max_auto_logits_tiles itself (then the
 // same test as without). The test placement.tiling "auto" makes for the blocks and the
 // vocabulary (resolve_tiles).
-bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiling& tiling,
+bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiling,
                  int world_size, uint64_t usable, bool efficient_logits);
 
 // The sizes the memory model works with for `units` under `cfg` (the head's logits uncut: the
 // head's cut is resolved on them).
-plan::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfig& mc, const UnitPlan& units);
+layout::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfig& mc, const UnitPlan& units);
 
 // The gradient buffers held for gradients that are not stored: the multi-use units' held ones (a
 // tied embedding) plus two.
-size_t transient_gradient_buffers(const plan::Schedule& schedule);
+size_t transient_gradient_buffers(const layout::Schedule& schedule);
 
 // --- the two phases ---------------------------------------------------------------------------
 
@@ -220,18 +220,18 @@ struct MachineView {
 
 // Phase one. Immutable; not copyable or movable (the memory model refers to the schedule).
 struct Layout {
-  Layout(UnitPlan units, plan::ModelSizes sizes);
+  Layout(UnitPlan units, layout::ModelSizes sizes);
   Layout(const Layout&) = delete;
   Layout& operator=(const Layout&) = delete;
 
   int64_t mlp_token_chunk = 0;  // resolve_mlp_token_chunk (0: whole MLPs)
-  models::LayerTiling tiles;    // resolve_tiles
+  models::LayerTiles tiles;    // resolve_tiles
   UnitPlan units;               // the units, their partition and the stages' units
-  plan::Schedule schedule;      // of one micro-batch
+  layout::Schedule schedule;      // of one micro-batch
   size_t transient_buffers = 2; // transient_gradient_buffers
   StateBytes need;              // this rank's state bytes by kind
   HeadCut head;                 // resolve_head_tiles
-  plan::MemoryModel memory;     // with the head's cut
+  layout::MemoryModel memory;     // with the head's cut
   PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
   std::string report;           // "placement ...[; blocks in ...]": the placement line's start (describe_tiles)
   std::string head_report;      // "; head logits ... (... for the loss)": the line goes on with it
@@ -241,7 +241,7 @@ struct Layout {
 // Throws std::invalid_argument for tile counts that do not cut the model.
 struct Cut {
   int64_t mlp_token_chunk = 0;
-  models::LayerTiling tiles;
+  models::LayerTiles tiles;
 };
 Cut resolve_cut(const EngineConfig& cfg, const models::ModelConfig& mc, const MachineView& machine);
 
@@ -263,7 +263,7 @@ struct Allocated {
 
 // Phase two. Immutable.
 struct WorkingSetPlan {
-  plan::Choices choice;       // recomputed block stages, checkpoints' tier, prefetch (auto: its start, 1)
+  layout::Choices choice;       // recomputed block stages, checkpoints' tier, prefetch (auto: its start, 1)
   bool prefetch_auto = false;
   int prefetch_deepest = 1;   // prefetch "auto": the deepest window the budget holds; else the configured depth
   std::string report;         // "; recompute ...; activation checkpoints ...[; prefetch auto ...]"
@@ -275,6 +275,6 @@ WorkingSetPlan resolve_working_set(const EngineConfig& cfg, const Layout& layout
                                    const Agree& agree, const std::function<std::string(size_t)>& stage_name);
 
 // `cfg` with the resolved choices in place of "auto" (Engine::config(), the planner's view).
-EngineConfig effective_config(const EngineConfig& cfg, const Layout& layout, const plan::Choices& choice);
+EngineConfig effective_config(const EngineConfig& cfg, const Layout& layout, const layout::Choices& choice);
 
 }  // namespace strata::engine

@@ -1,10 +1,10 @@
-#include "strata/engine/plan/schedule.h"
+#include "strata/engine/layout/schedule.h"
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
-namespace strata::engine::plan {
+namespace strata::engine::layout {
 
 Schedule::Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_units, size_t embedding_stages,
                    size_t head_stages)
@@ -45,4 +45,4 @@ std::vector<size_t> Schedule::in_final_gradient_order(std::vector<size_t> units)
   return units;
 }
 
-}  // namespace strata::engine::plan
+}  // namespace strata::engine::layout

@@ -41,10 +41,10 @@
 #include <vector>
 
 #include "strata/engine/config.h"
-#include "strata/engine/plan/schedule.h"
-#include "strata/engine/plan/tiling.h"
+#include "strata/engine/layout/schedule.h"
+#include "strata/engine/layout/tiles.h"
 
-namespace strata::engine::plan {
+namespace strata::engine::layout {
 
 // The sizes the working set depends on.
 struct ModelSizes {
@@ -65,8 +65,8 @@ struct ModelSizes {
   // block stage's backward also holds fp32 sums of its MLP weights' gradients (counted as its
   // units' padded size, an upper bound).
   bool mlp_chunked = false;
-  LogitsTiling logits;                 // the head's loss: its tiles of the logits (default: untiled)
-  // The embedding and the LM head cut into this many row ranges (models::LayerTiling::vocab):
+  LogitsTiles logits;                 // the head's loss: its tiles of the logits (default: untiled)
+  // The embedding and the LM head cut into this many row ranges (models::LayerTiles::vocab):
   // the loss then runs tile by tile within each range (within_vocab_tiles), and every use of a
   // head stage holds it (the running log-sum-exp and the input's gradient live from the first
   // head stage's forward to its backward).
@@ -116,7 +116,7 @@ class MemoryModel {
   // part (the first such in schedule order): what an error names as the scratch's source, which
   // may be another use than the one that does not fit.
   const Use& largest_scratch_use() const { return largest_scratch_use_; }
-  // The head's loss: its part of the head use's scratch (plan/tiling.h), for the tiles it runs
+  // The head's loss: its part of the head use's scratch (layout/tiles.h), for the tiles it runs
   // over (head_logits()).
   uint64_t head_loss_bytes() const;
   // The head use's gradient buffers (its units' fp32, bf16 and shard bytes at its reduce): without
@@ -124,7 +124,7 @@ class MemoryModel {
   // logits shrinks it only while the loss is the larger.
   uint64_t head_gradient_bytes() const { return head_gradients_; }
   // The logits' tiles the loss runs over: sizes().logits within the vocabulary tiles.
-  LogitsTiling head_logits() const {
+  LogitsTiles head_logits() const {
     return within_vocab_tiles(sizes_.logits, sizes_.tokens, sizes_.vocab, sizes_.vocab_tiles);
   }
   // One block's autograd graph, its `stages_per_block` stages' together (the first block's; every
@@ -182,4 +182,4 @@ class MemoryModel {
   std::vector<uint64_t> inputs_before_;  // [s]: the inputs of the blocks before stage s (checkpoint_bytes in O(1))
 };
 
-}  // namespace strata::engine::plan
+}  // namespace strata::engine::layout

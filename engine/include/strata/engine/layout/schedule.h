@@ -18,7 +18,7 @@
 #include <cstddef>
 #include <vector>
 
-namespace strata::engine::plan {
+namespace strata::engine::layout {
 
 // One use of a stage by the schedule.
 struct Use {
@@ -67,4 +67,4 @@ class Schedule {
   size_t first_block_ = 1, first_head_ = 1;
 };
 
-}  // namespace strata::engine::plan
+}  // namespace strata::engine::layout

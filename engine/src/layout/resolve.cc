@@ -1,4 +1,4 @@
-#include "strata/engine/plan/resolve.h"
+#include "strata/engine/layout/resolve.h"
 
 #include <algorithm>
 #include <cmath>
@@ -39,27 +39,27 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
       const Placement kind = state::unit_kind_tier(p, u, k);
       if (k == state::kGrad && p.grads_transient && kind != Placement::kDevice) continue;  // counted as the buffers
       const uint64_t bytes = need.unit_numel[u] * (k == state::kCompute ? compute_bytes : 4);
-      (kind == Placement::kDevice ? b.device : kind == Placement::kHost ? b.host : b.swap) += bytes;
+      (kind == Placement::kDevice ? b.device : kind == Placement::kHost ? b.host : b.nvme) += bytes;
     }
   return b;
 }
 
-models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
-                                  const std::function<bool(const models::LayerTiling&, bool efficient_logits)>& fits,
+models::LayerTiles resolve_tiles(const EngineConfig& cfg, const models::ModelConfig& mc,
+                                  const std::function<bool(const models::LayerTiles&, bool efficient_logits)>& fits,
                                   const Agree& agree) {
   const bool auto_attention = cfg.attention_tiles == EngineConfig::kTilesAuto,
              auto_mlp = cfg.mlp_tiles == EngineConfig::kTilesAuto, auto_vocab = cfg.vocab_tiles == EngineConfig::kTilesAuto;
-  models::LayerTiling chosen{auto_attention ? 1 : int64_t(cfg.attention_tiles), auto_mlp ? 1 : int64_t(cfg.mlp_tiles),
+  models::LayerTiles chosen{auto_attention ? 1 : int64_t(cfg.attention_tiles), auto_mlp ? 1 : int64_t(cfg.mlp_tiles),
                              auto_vocab ? 1 : int64_t(cfg.vocab_tiles)};
-  models::check_tiling(mc, chosen);
+  models::check_tiles(mc, chosen);
   if (!auto_attention && !auto_mlp && !auto_vocab) return chosen;
   // Each kind's share of a block's parameters (its norm included).
   const std::vector<uint64_t> split = models::stage_parameters(mc, {1, 1 + int64_t(mc.intermediate > 1)});
   const double attention = double(split.at(1)), block = double(mc.block_parameters());
-  const models::LayerTiling leanest = leanest_tiling(cfg, mc);
+  const models::LayerTiles leanest = leanest_tiling(cfg, mc);
   const int64_t most_attention = leanest.attention, most_mlp = leanest.mlp, most_vocab = leanest.vocab;
   const auto cut = [&](int64_t k) {
-    models::LayerTiling t = chosen;
+    models::LayerTiles t = chosen;
     if (auto_attention) t.attention = std::clamp<int64_t>(int64_t(std::ceil(double(k) * attention / block)), 1, most_attention);
     if (auto_mlp) t.mlp = std::clamp<int64_t>(int64_t(std::ceil(double(k) * (block - attention) / block)), 1, most_mlp);
     return t;
@@ -71,16 +71,16 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
   // tiles are "auto", again with efficient logits tiles at no larger block cut: the same blocks,
   // more vocabulary tiles rather than tiny logits tiles (never more block tiles for it).
   struct Found {
-    models::LayerTiling tiling;
+    models::LayerTiles tiling;
     int64_t k;
   };
   const auto search = [&](bool efficient_logits, int64_t most_k) -> std::optional<Found> {
     for (int64_t k = 1; k <= most_k; k = k < 64 ? k + 1 : k * 2) {
-      models::LayerTiling t = cut(k);
+      models::LayerTiles t = cut(k);
       t.vocab = most_vocab;
       if (fits(t, efficient_logits)) {
         for (int64_t v = chosen.vocab; v < most_vocab; v = std::min(most_vocab, v * 2)) {
-          models::LayerTiling fewer = t;
+          models::LayerTiles fewer = t;
           fewer.vocab = v;
           if (fits(fewer, efficient_logits)) {
             t = fewer;
@@ -96,35 +96,35 @@ models::LayerTiling resolve_tiles(const EngineConfig& cfg, const models::ModelCo
   std::optional<Found> smallest = search(false, std::numeric_limits<int64_t>::max());
   if (smallest && auto_vocab && most_vocab > 1 && cfg.head_tiles == EngineConfig::kTilesAuto)
     if (std::optional<Found> efficient = search(true, smallest->k)) smallest = efficient;
-  const std::optional<models::LayerTiling> found =
-      smallest ? std::optional<models::LayerTiling>(smallest->tiling) : std::nullopt;
+  const std::optional<models::LayerTiles> found =
+      smallest ? std::optional<models::LayerTiles>(smallest->tiling) : std::nullopt;
   // None fits: whole blocks and vocabulary (as configured), whose budget check then names what
   // is left.
-  const models::LayerTiling pick = found ? *found : cut(1);
+  const models::LayerTiles pick = found ? *found : cut(1);
   const std::vector<int64_t> agreed = agree({pick.attention, pick.mlp, pick.vocab});
   return {agreed[0], agreed[1], agreed[2]};
 }
 
-models::LayerTiling leanest_tiling(const EngineConfig& cfg, const models::ModelConfig& mc) {
+models::LayerTiles leanest_tiling(const EngineConfig& cfg, const models::ModelConfig& mc) {
   const auto most = [](uint64_t configured, int64_t most_auto) {
     return configured == EngineConfig::kTilesAuto ? std::max<int64_t>(1, most_auto) : int64_t(configured);
   };
   return {most(cfg.attention_tiles, mc.kv_heads), most(cfg.mlp_tiles, mc.intermediate / 64),
-          most(cfg.vocab_tiles, mc.vocab_size / int64_t(plan::kMinTileVocab))};
+          most(cfg.vocab_tiles, mc.vocab_size / int64_t(layout::kMinTileVocab))};
 }
 
 int64_t resolve_mlp_token_chunk(const EngineConfig& cfg, const models::ModelConfig& mc,
-                                const std::function<bool(const models::LayerTiling&, int64_t chunk)>& fits,
+                                const std::function<bool(const models::LayerTiles&, int64_t chunk)>& fits,
                                 const Agree& agree) {
   if (cfg.mlp_token_chunk != EngineConfig::kMlpChunkAuto) return cfg.mlp_token_chunk;
-  const models::LayerTiling leanest = leanest_tiling(cfg, mc);
-  models::check_tiling(mc, leanest);
+  const models::LayerTiles leanest = leanest_tiling(cfg, mc);
+  models::check_tiles(mc, leanest);
   const int64_t chunk =
-      fits(leanest, 0) ? 0 : int64_t(plan::auto_mlp_token_chunk(uint64_t(cfg.micro_batch * cfg.seq_len)));
+      fits(leanest, 0) ? 0 : int64_t(layout::auto_mlp_token_chunk(uint64_t(cfg.micro_batch * cfg.seq_len)));
   return agree({chunk})[0];
 }
 
-std::string describe_tiles(const models::LayerTiling& t, int64_t mlp_token_chunk, const plan::MemoryModel& mm) {
+std::string describe_tiles(const models::LayerTiles& t, int64_t mlp_token_chunk, const layout::MemoryModel& mm) {
   std::string out;
   if (!t.blocks_whole())
     out += "; blocks in " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) + " MLP tiles";
@@ -134,22 +134,22 @@ std::string describe_tiles(const models::LayerTiling& t, int64_t mlp_token_chunk
   return out;
 }
 
-HeadCut resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedule, const plan::ModelSizes& sizes,
-                           const plan::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree) {
-  const auto fits = [&](const plan::LogitsTiling& t) {
-    plan::ModelSizes s = sizes;
+HeadCut resolve_head_tiles(const EngineConfig& cfg, const layout::Schedule& schedule, const layout::ModelSizes& sizes,
+                           const layout::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree) {
+  const auto fits = [&](const layout::LogitsTiles& t) {
+    layout::ModelSizes s = sizes;
     s.logits = t;
-    return usable == UINT64_MAX || base + plan::MemoryModel(schedule, s).working_set(choice) <= usable;
+    return usable == UINT64_MAX || base + layout::MemoryModel(schedule, s).working_set(choice) <= usable;
   };
   const auto one_pass_cut = [&](uint64_t count) {
-    const plan::LogitsTiling t = plan::one_pass_tiling(sizes.tokens, sizes.vocab, count);
-    return t.tiled(sizes.tokens, sizes.vocab) ? std::optional<plan::LogitsTiling>(t) : std::nullopt;
+    const layout::LogitsTiles t = layout::one_pass_tiles(sizes.tokens, sizes.vocab, count);
+    return t.tiled(sizes.tokens, sizes.vocab) ? std::optional<layout::LogitsTiles>(t) : std::nullopt;
   };
-  const auto two_pass_cut = [&](uint64_t count) { return plan::logits_tiling(sizes.tokens, sizes.vocab, count); };
+  const auto two_pass_cut = [&](uint64_t count) { return layout::logits_tiles(sizes.tokens, sizes.vocab, count); };
   // A count's cut: with `one_pass`, one pass where it fits (fewer products), else two passes.
-  const auto cut_that_fits = [&](uint64_t count, bool one_pass) -> std::optional<plan::LogitsTiling> {
+  const auto cut_that_fits = [&](uint64_t count, bool one_pass) -> std::optional<layout::LogitsTiles> {
     if (const auto one = one_pass ? one_pass_cut(count) : std::nullopt; one && fits(*one)) return one;
-    if (const plan::LogitsTiling two = two_pass_cut(count); fits(two)) return two;
+    if (const layout::LogitsTiles two = two_pass_cut(count); fits(two)) return two;
     return std::nullopt;
   };
   // The count: the configured one, or the fewest that fits (see the header).
@@ -159,7 +159,7 @@ HeadCut resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedu
     // wider tiles than one fewer), so every count is tried in order up to kScanned; beyond,
     // doubling and a binary search give about the fewest.
     constexpr uint64_t kScanned = 4096;
-    const uint64_t most = std::max<uint64_t>(1, plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab));
+    const uint64_t most = std::max<uint64_t>(1, layout::max_auto_logits_tiles(sizes.tokens, sizes.vocab));
     const auto fits_count = [&](uint64_t c) { return cut_that_fits(c, one_pass).has_value(); };
     for (uint64_t c = 1; c <= std::min(most, kScanned); ++c)
       if (fits_count(c)) return c;
@@ -181,17 +181,17 @@ HeadCut resolve_head_tiles(const EngineConfig& cfg, const plan::Schedule& schedu
   const bool may_one_pass = cfg.head_one_pass && sizes.vocab_tiles <= 1;
   bool one_pass = false;
   if (may_one_pass) {
-    const std::optional<plan::LogitsTiling> mine = cut_that_fits(count_for(true), true);
+    const std::optional<layout::LogitsTiles> mine = cut_that_fits(count_for(true), true);
     one_pass = agree({mine && mine->one_pass ? 0 : 1})[0] == 0;
   }
   HeadCut cut;
   cut.count = uint64_t(agree({int64_t(count_for(one_pass))})[0]);
-  const std::optional<plan::LogitsTiling> one = one_pass ? one_pass_cut(cut.count) : std::nullopt;
+  const std::optional<layout::LogitsTiles> one = one_pass ? one_pass_cut(cut.count) : std::nullopt;
   cut.logits = one ? *one : two_pass_cut(cut.count);
   return cut;
 }
 
-PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
+PlacementPlan resolve_placement(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
                                 const StateBytes& need, uint64_t usable_device,
                                 const std::function<TierBudgets(uint64_t)>& budgets_for, const Agree& agree,
                                 std::string& report) {
@@ -219,11 +219,11 @@ PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel
   PlacementPlan plan = plan_placement(cfg, need, budgets);
   // This rank's bytes in host RAM and in swap under a plan (as StateStore::placement will say).
   const uint64_t compute_bytes = mm.sizes().compute_bytes;
-  const auto host_and_swap = [&](const PlacementPlan& p) {
+  const auto host_and_nvme = [&](const PlacementPlan& p) {
     const TierBytes b = bytes_by_tier(p, need, compute_bytes);
-    return std::pair<uint64_t, uint64_t>{b.host, b.swap};
+    return std::pair<uint64_t, uint64_t>{b.host, b.nvme};
   };
-  const auto [planned_host, planned_swap] = host_and_swap(plan);
+  const auto [planned_host, planned_nvme] = host_and_nvme(plan);
   // Every rank takes the slowest tier any rank chose for each kind, and of a split optimizer
   // group the fewest units on the device and in host RAM (a group wholly in a tier counts as
   // all units there), so that all agree.
@@ -240,8 +240,8 @@ PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel
   // A rank may now hold more in host RAM or swap than it planned (another rank chose a slower
   // tier, or fewer units on the device or in host RAM): check those budgets again, so that it
   // fails here, clearly, not on a full disk or out of memory.
-  const auto [hosted, swapped] = host_and_swap(plan);
-  if ((swapped > planned_swap && swapped > budgets.nvme) || (hosted > planned_host && hosted > budgets.host))
+  const auto [hosted, swapped] = host_and_nvme(plan);
+  if ((swapped > planned_nvme && swapped > budgets.nvme) || (hosted > planned_host && hosted > budgets.host))
     throw std::runtime_error("automatic placement: the ranks agreed on placing " + format_bytes(hosted) +
                              " of this rank's state in host RAM and " + format_bytes(swapped) +
                              " in swap, over its budgets of " + format_bytes(budgets.host) + " and " +
@@ -260,26 +260,26 @@ PlacementPlan resolve_placement(const EngineConfig& cfg, const plan::MemoryModel
   return finish(plan);
 }
 
-plan::Choices initial_choices(const EngineConfig& cfg, size_t block_stages, const models::LayerTiling& tiling) {
-  plan::Choices choice;
+layout::Choices initial_choices(const EngineConfig& cfg, size_t block_stages, const models::LayerTiles& tiling) {
+  layout::Choices choice;
   choice.recomputed = recomputed_stages(cfg.recompute_blocks, block_stages, tiling);
   choice.activations = cfg.activations;
   choice.prefetch = cfg.prefetch;
   return choice;
 }
 
-size_t recomputed_stages(int recompute_blocks, size_t block_stages, const models::LayerTiling& tiling) {
+size_t recomputed_stages(int recompute_blocks, size_t block_stages, const models::LayerTiles& tiling) {
   if (recompute_blocks == EngineConfig::kRecomputeAuto) return block_stages;
   const size_t per_block = size_t(std::max<int64_t>(1, tiling.block_stages()));
   return std::min(block_stages, size_t(std::max(0, recompute_blocks)) * per_block);
 }
 
-size_t resolve_recompute(const plan::MemoryModel& mm, const plan::Choices& choice, uint64_t base, uint64_t usable,
+size_t resolve_recompute(const layout::MemoryModel& mm, const layout::Choices& choice, uint64_t base, uint64_t usable,
                          const Agree& agree, size_t stages_per_block) {
   const size_t stages = mm.schedule().blocks(), step = std::max<size_t>(1, stages_per_block);
   size_t keep = 0;  // block stages that keep their graphs: the last ones, whole blocks at a time
   for (size_t k = step; k <= stages; k += step) {
-    plan::Choices c = choice;
+    layout::Choices c = choice;
     c.recomputed = stages - k;
     if (base + mm.working_set(c) > usable) break;
     keep = k;
@@ -288,11 +288,11 @@ size_t resolve_recompute(const plan::MemoryModel& mm, const plan::Choices& choic
   return size_t(agree({int64_t(stages - keep)})[0]);
 }
 
-Placement resolve_activations(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
+Placement resolve_activations(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
                               uint64_t base, uint64_t usable, uint64_t host_state, const TierBudgets& budgets,
                               const Agree& agree) {
   if (cfg.activations != Placement::kAuto) return cfg.activations;
-  plan::Choices on_device = choice;
+  layout::Choices on_device = choice;
   on_device.activations = Placement::kDevice;
   Placement p = Placement::kHost;
   const uint64_t all = mm.checkpoint_bytes(choice);
@@ -304,7 +304,7 @@ Placement resolve_activations(const EngineConfig& cfg, const plan::MemoryModel& 
   return Placement(agree({int64_t(p)})[0]);
 }
 
-EngineConfig effective_config(const EngineConfig& cfg, const Layout& layout, const plan::Choices& choice) {
+EngineConfig effective_config(const EngineConfig& cfg, const Layout& layout, const layout::Choices& choice) {
   EngineConfig e = cfg;
   e.params = layout.placement.params;
   e.grads = layout.placement.grads;
@@ -325,9 +325,9 @@ uint64_t planned_device_bytes(const PlacementPlan& plan, const StateBytes& need,
   return bytes_by_tier(plan, need, compute_bytes).device;
 }
 
-void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, const plan::Choices& choice,
+void check_working_set(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
                        uint64_t base, uint64_t budget, const std::function<std::string(size_t)>& stage_name) {
-  for (const plan::Use& use : mm.schedule().uses()) {
+  for (const layout::Use& use : mm.schedule().uses()) {
     const uint64_t need = mm.need(use, choice);
     if (base + need <= budget) continue;
     // What the use holds beside its parameters: the scratch every use counts, or its own with its
@@ -341,8 +341,8 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
       add("lower batch.micro_batch or data.seq_len (the activations of " + std::to_string(cfg.micro_batch) + " x " +
           std::to_string(cfg.seq_len) + " = " + std::to_string(cfg.micro_batch * cfg.seq_len) +
           " tokens a micro-batch are part of the " + format_bytes(scratch) + ")");
-    const plan::ModelSizes& sz = mm.sizes();
-    const plan::LogitsTiling logits = mm.head_logits();
+    const layout::ModelSizes& sz = mm.sizes();
+    const layout::LogitsTiles logits = mm.head_logits();
     const uint64_t head_loss = mm.head_loss_bytes();
     // (Without vocabulary tiles the head holds its loss or its gradient buffers, the larger: a
     // finer cut helps only while the loss is the larger.)
@@ -351,11 +351,11 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
       // No ", " inside a remedy: the last one before the final remedy becomes " or ".
       add("cut the head's logits into more tiles (placement.tiling; the head's loss takes " + format_bytes(head_loss) +
           " of the " + format_bytes(scratch) + " " +
-          (logits.tiled(sz.tokens, sz.vocab) ? "in " + plan::describe(logits, sz.tokens, sz.vocab) : "untiled") +
+          (logits.tiled(sz.tokens, sz.vocab) ? "in " + layout::describe(logits, sz.tokens, sz.vocab) : "untiled") +
           ")");
-    const plan::Schedule& schedule = mm.schedule();
+    const layout::Schedule& schedule = mm.schedule();
     // Where the scratch's largest part comes from: this use when its own (with its graph) wins.
-    const plan::Use& source = mm.running_scratch(use, choice) >= mm.scratch(choice) ? use : mm.largest_scratch_use();
+    const layout::Use& source = mm.running_scratch(use, choice) >= mm.scratch(choice) ? use : mm.largest_scratch_use();
     const char* kinds[] = {"forward", "head", "backward"};
     const std::string scratch_source =
         source.stage == use.stage && source.kind == use.kind
@@ -368,14 +368,14 @@ void check_working_set(const EngineConfig& cfg, const plan::MemoryModel& mm, con
     if (vocabulary && 4 * mm.use_bytes(use) > need)
       add("cut the vocabulary into more tiles (placement.tiling \"vocab\"; this unit's parameters take " +
           format_bytes(mm.use_bytes(use)) + ")");
-    else if (source_vocabulary && source.kind != plan::Use::kForward && 4 * scratch > need &&
+    else if (source_vocabulary && source.kind != layout::Use::kForward && 4 * scratch > need &&
              mm.use_bytes(source) > head_loss)
       add("cut the vocabulary into more tiles (placement.tiling \"vocab\"; the gradient buffers of unit " +
           stage_name(source.stage) + "'s backward are part of the " + format_bytes(scratch) + ")");
     if (schedule.is_block(use.stage) && 4 * mm.use_bytes(use) > need)
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; this unit's parameters take " +
           format_bytes(mm.use_bytes(use)) + ")");
-    else if (schedule.is_block(source.stage) && source.kind == plan::Use::kBackward && 4 * scratch > need)
+    else if (schedule.is_block(source.stage) && source.kind == layout::Use::kBackward && 4 * scratch > need)
       // A block's gradient buffers (its units' full size in fp32) make the scratch every use counts.
       add("cut the blocks into more tiles (placement.tiling \"attention\" and \"mlp\"; the gradient buffers of unit " +
           stage_name(source.stage) + "'s backward are part of the " + format_bytes(scratch) + ")");

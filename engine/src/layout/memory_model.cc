@@ -1,9 +1,9 @@
-#include "strata/engine/plan/memory_model.h"
+#include "strata/engine/layout/memory_model.h"
 
 #include <algorithm>
 #include <stdexcept>
 
-namespace strata::engine::plan {
+namespace strata::engine::layout {
 
 MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_(schedule), sizes_(std::move(sizes)) {
   if (sizes_.padded_numel.size() != schedule_.num_units() || sizes_.shard_numel.size() != schedule_.num_units())
@@ -141,4 +141,4 @@ uint64_t MemoryModel::usable_device(uint64_t budget, uint64_t base, uint64_t phy
   return std::min(budget, base + physical_free);
 }
 
-}  // namespace strata::engine::plan
+}  // namespace strata::engine::layout

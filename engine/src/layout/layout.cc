@@ -6,11 +6,11 @@
 
 #include "strata/engine/bytes.h"
 #include "strata/engine/partition.h"
-#include "strata/engine/plan/resolve.h"
+#include "strata/engine/layout/resolve.h"
 
 namespace strata::engine {
 
-UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiling& tiling, int world_size) {
+UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiles& tiling, int world_size) {
   const std::vector<uint64_t> stage_numel = models::stage_parameters(mc, tiling);
   UnitPlan out;
   out.tiling = tiling;
@@ -32,10 +32,10 @@ UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiling& ti
   return out;
 }
 
-plan::Schedule UnitPlan::schedule() const { return plan::Schedule(stage_units, unit_numel.size(), vocab_tiles, vocab_tiles); }
+layout::Schedule UnitPlan::schedule() const { return layout::Schedule(stage_units, unit_numel.size(), vocab_tiles, vocab_tiles); }
 
-plan::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfig& mc, const UnitPlan& units) {
-  plan::ModelSizes sizes;
+layout::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfig& mc, const UnitPlan& units) {
+  layout::ModelSizes sizes;
   sizes.padded_numel = units.padded_numel;
   sizes.shard_numel = units.shard_numel;
   sizes.input_widths = units.input_widths;
@@ -51,21 +51,21 @@ plan::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfig&
   return sizes;
 }
 
-bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiling& tiling,
+bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiling,
                  int world_size, uint64_t usable, bool efficient_logits) {
   if (usable == UINT64_MAX) return true;
   const UnitPlan units = plan_units(mc, tiling, world_size);
-  const plan::Schedule schedule = units.schedule();
-  plan::ModelSizes sizes = model_sizes(cfg, mc, units);
-  const uint64_t most_auto = plan::max_auto_logits_tiles(sizes.tokens, sizes.vocab),
-                 most_efficient = plan::max_efficient_logits_tiles(sizes.tokens, sizes.vocab);
+  const layout::Schedule schedule = units.schedule();
+  layout::ModelSizes sizes = model_sizes(cfg, mc, units);
+  const uint64_t most_auto = layout::max_auto_logits_tiles(sizes.tokens, sizes.vocab),
+                 most_efficient = layout::max_efficient_logits_tiles(sizes.tokens, sizes.vocab);
   // Where the efficient cap is no cap (small logits), the two tests are one.
   if (most_efficient >= most_auto) efficient_logits = false;
   const uint64_t most_logits_tiles = efficient_logits ? most_efficient : most_auto;
-  sizes.logits = plan::logits_tiling(sizes.tokens, sizes.vocab,
+  sizes.logits = layout::logits_tiles(sizes.tokens, sizes.vocab,
                                      cfg.head_tiles != EngineConfig::kTilesAuto ? cfg.head_tiles
                                                                                 : std::max<uint64_t>(1, most_logits_tiles));
-  plan::Choices choice;
+  layout::Choices choice;
   const size_t blocks = schedule.blocks();
   choice.recomputed = recomputed_stages(cfg.recompute_blocks, blocks, tiling);
   choice.activations = cfg.activations;
@@ -74,24 +74,24 @@ bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const m
   // accepts leaves the head a count within max_efficient_logits_tiles.
   choice.prefetch = efficient_logits ? cfg.prefetch : 0;
   const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, transient_gradient_buffers(schedule));
-  return explicit_device_bytes(cfg, need) + plan::MemoryModel(schedule, sizes).working_set(choice) <= usable;
+  return explicit_device_bytes(cfg, need) + layout::MemoryModel(schedule, sizes).working_set(choice) <= usable;
 }
 
-size_t transient_gradient_buffers(const plan::Schedule& schedule) { return 2 + schedule.shared_units(); }
+size_t transient_gradient_buffers(const layout::Schedule& schedule) { return 2 + schedule.shared_units(); }
 
-int resolve_prefetch(const plan::MemoryModel& mm, const plan::Choices& choice, uint64_t base, uint64_t usable) {
-  plan::Choices none_ahead = choice;
+int resolve_prefetch(const layout::MemoryModel& mm, const layout::Choices& choice, uint64_t base, uint64_t usable) {
+  layout::Choices none_ahead = choice;
   none_ahead.prefetch = 0;
   const uint64_t fit = std::min<uint64_t>(
       {mm.prefetch_room(none_ahead, base, usable), uint64_t(kMaxAutoPrefetch), mm.schedule().uses().size() - 1});
   return int(std::max<uint64_t>(fit, 1));
 }
 
-Layout::Layout(UnitPlan u, plan::ModelSizes sizes)
+Layout::Layout(UnitPlan u, layout::ModelSizes sizes)
     : units(std::move(u)), schedule(units.schedule()), memory(schedule, std::move(sizes)) {}
 
 Cut resolve_cut(const EngineConfig& cfg, const models::ModelConfig& mc, const MachineView& m) {
-  const auto fits_with = [&](const models::LayerTiling& t, int64_t chunk, bool efficient_logits) {
+  const auto fits_with = [&](const models::LayerTiles& t, int64_t chunk, bool efficient_logits) {
     EngineConfig c = cfg;
     c.mlp_token_chunk = chunk;
     return tiling_fits(c, mc, t, m.world_size, m.usable_device, efficient_logits);
@@ -99,10 +99,10 @@ Cut resolve_cut(const EngineConfig& cfg, const models::ModelConfig& mc, const Ma
   // The MLPs' token chunks first: the blocks' graphs, which every later test counts, depend on them.
   Cut cut;
   cut.mlp_token_chunk = resolve_mlp_token_chunk(
-      cfg, mc, [&](const models::LayerTiling& t, int64_t chunk) { return fits_with(t, chunk, false); }, m.agree);
+      cfg, mc, [&](const models::LayerTiles& t, int64_t chunk) { return fits_with(t, chunk, false); }, m.agree);
   cut.tiles = resolve_tiles(
       cfg, mc,
-      [&](const models::LayerTiling& t, bool efficient_logits) {
+      [&](const models::LayerTiles& t, bool efficient_logits) {
         return fits_with(t, cut.mlp_token_chunk, efficient_logits);
       },
       m.agree);
@@ -114,11 +114,11 @@ std::unique_ptr<const Layout> resolve_layout(const EngineConfig& given, const mo
   EngineConfig cfg = given;
   cfg.mlp_token_chunk = cut.mlp_token_chunk;
   UnitPlan units = plan_units(mc, cut.tiles, m.world_size);
-  plan::ModelSizes sizes = model_sizes(cfg, mc, units);
-  const plan::Schedule schedule = units.schedule();
+  layout::ModelSizes sizes = model_sizes(cfg, mc, units);
+  const layout::Schedule schedule = units.schedule();
   const size_t transient = transient_gradient_buffers(schedule);
   const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, transient);
-  const plan::Choices choice = initial_choices(cfg, schedule.blocks(), cut.tiles);
+  const layout::Choices choice = initial_choices(cfg, schedule.blocks(), cut.tiles);
   // The head's tiles before the placement: the working set every later decision plans with
   // depends on them.
   const HeadCut head =
@@ -130,11 +130,11 @@ std::unique_ptr<const Layout> resolve_layout(const EngineConfig& given, const mo
   layout->transient_buffers = transient;
   layout->need = need;
   layout->head = head;
-  const plan::MemoryModel& memory = layout->memory;
+  const layout::MemoryModel& memory = layout->memory;
   layout->placement =
       resolve_placement(cfg, memory, choice, need, m.usable_device, m.budgets, m.agree, layout->report);
   layout->report += describe_tiles(cut.tiles, cut.mlp_token_chunk, memory);
-  layout->head_report = "; head logits " + plan::describe(memory.head_logits(), memory.sizes().tokens, memory.sizes().vocab) +
+  layout->head_report = "; head logits " + layout::describe(memory.head_logits(), memory.sizes().tokens, memory.sizes().vocab) +
                     " (" + format_bytes(memory.head_loss_bytes()) + " for the loss)";
   return layout;
 }
@@ -146,11 +146,11 @@ std::unique_ptr<const Layout> resolve_layout(const EngineConfig& cfg, const mode
 
 WorkingSetPlan resolve_working_set(const EngineConfig& cfg, const Layout& layout, const Allocated& held,
                                    const Agree& agree, const std::function<std::string(size_t)>& stage_name) {
-  const plan::MemoryModel& memory = layout.memory;
-  const models::LayerTiling& tiles = layout.tiles;
+  const layout::MemoryModel& memory = layout.memory;
+  const models::LayerTiles& tiles = layout.tiles;
   const size_t blocks = layout.schedule.blocks();
   WorkingSetPlan w;
-  plan::Choices& choice = w.choice;
+  layout::Choices& choice = w.choice;
   choice = initial_choices(cfg, blocks, tiles);
   const uint64_t base = held.device_state, usable = held.usable_device;
   if (cfg.recompute_blocks == EngineConfig::kRecomputeAuto)

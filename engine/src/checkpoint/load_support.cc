@@ -1,0 +1,117 @@
+// Which rank of a load sees which saving rank's data file, the error naming the files none sees,
+// and the end of every load (load_support.h).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <stdexcept>
+
+#include "checkpoint/commit.h"
+#include "checkpoint/format.h"
+#include "checkpoint/load_support.h"
+#include "strata/engine/checkpoint.h"
+
+namespace strata::engine::ckpt {
+
+namespace {
+
+// Per saving rank: whether this process sees its data file in `dir`, at least as long as its
+// chunks reach. An object store is one place every rank reads.
+std::vector<int32_t> files_seen(const fs::path& dir, const json& m, int saved_world) {
+  std::vector<int32_t> seen(size_t(saved_world), 1);
+  if (is_object_location(dir)) return seen;
+  std::vector<uint64_t> reach(size_t(saved_world), 0);
+  std::vector<std::string> file{size_t(saved_world)};
+  for (const json& c : m["chunks"]) {
+    const int q = c["rank"].get<int>();
+    if (q < 0 || q >= saved_world) throw std::runtime_error("checkpoint " + dir.string() + ": a chunk of rank " +
+                                                            std::to_string(q) + " in a save of " +
+                                                            std::to_string(saved_world) + " ranks");
+    reach[size_t(q)] = std::max(reach[size_t(q)], c["offset"].get<uint64_t>() + c["numel"].get<uint64_t>() * 4);
+    file[size_t(q)] = c["file"].get<std::string>();
+  }
+  const std::string prefix = data_prefix(m);  // "<save id>/" in a checkpoint a store holds
+  for (size_t q = 0; q < seen.size(); ++q) {
+    if (reach[q] == 0) continue;
+    std::error_code ec;
+    const uintmax_t size = fs::file_size(dir / (prefix + file[q]), ec);
+    seen[q] = !ec && size >= reach[q];
+  }
+  return seen;
+}
+
+// "node 1 (host h1)": where this rank runs, for errors about node-local files.
+std::string where_this_rank_runs() {
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  const int node = DistEnv::from_env().node;
+  return node >= 0 ? "node " + std::to_string(node) + " (host " + host + ")" : "host " + std::string(host);
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    out += (out.empty() ? "" : ", ") + std::to_string(ranks[i]) + (j > i ? "-" + std::to_string(ranks[j]) : "");
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+FilesSeen files_seen_by_all(Communicator& comm, const fs::path& dir, const json& m) {
+  FilesSeen f;
+  f.saved = m["world_size"].get<int>();
+  std::vector<int32_t> here = files_seen(dir, m, f.saved);
+  at::Tensor all = at::empty({int64_t(comm.world_size()) * f.saved}, at::kInt);
+  comm.all_gather(all, at::from_blob(here.data(), {f.saved}, at::kInt).clone())->wait();
+  f.seen.assign(all.data_ptr<int32_t>(), all.data_ptr<int32_t>() + all.numel());
+  return f;
+}
+
+[[noreturn]] void throw_missing_files(Communicator& comm, const fs::path& dir, const json& m,
+                                      std::map<int, std::vector<int>> missing) {
+  const int world = comm.world_size(), saved = m["world_size"].get<int>();
+  const std::vector<std::string> places =
+      all_gather_strings(comm, where_this_rank_runs() + "\t" + fs::absolute(dir).string());
+  std::vector<std::pair<std::string, std::vector<int>>> ranks_at;
+  for (int r = 0; r < world; ++r) {
+    auto it = std::find_if(ranks_at.begin(), ranks_at.end(), [&](const auto& p) { return p.first == places[size_t(r)]; });
+    if (it == ranks_at.end()) ranks_at.push_back({places[size_t(r)], {r}});
+    else it->second.push_back(r);
+  }
+  std::string files, looked;
+  for (auto& [q, needers] : missing) {
+    std::sort(needers.begin(), needers.end());
+    files += std::string(files.empty() ? "" : "; ") + data_prefix(m) + rank_name(q) + ".data is missing (saved by rank " +
+             std::to_string(q) + " of " + std::to_string(saved) + ", needed by rank" + (needers.size() > 1 ? "s " : " ") +
+             rank_list(needers) + ")";
+  }
+  for (const auto& [place, ranks] : ranks_at) {
+    const size_t tab = place.find('\t');
+    looked += std::string(looked.empty() ? "" : "; ") + place.substr(0, tab) + ", rank" +
+              (ranks.size() > 1 ? "s " : " ") + rank_list(ranks) + ": " + place.substr(tab + 1);
+  }
+  if (world == 1) throw std::runtime_error("checkpoint " + dir.string() + ": " + files + ". Looked in " + looked);
+  throw std::runtime_error("checkpoint " + dir.string() + ": " + files + "; no rank of this run sees " +
+                           (missing.size() > 1 ? "them" : "it") + ". Where each node looked: " + looked +
+                           ". Copy " + (missing.size() > 1 ? "them" : "it") +
+                           " into that directory on any node (each rank reads what its node sees; the rest "
+                           "travels over the network)");
+}
+
+CheckpointMeta finish_load(Engine& engine, Communicator& comm, const fs::path& dir, const json& m) {
+  engine.refresh_compute_copies();
+  const json& c = m["counters"];
+  engine.set_counters({c["optimizer_step"].get<int64_t>(), c["loss_scale"].get<double>(),
+                       c["good_steps"].get<int64_t>()});
+  comm.barrier();
+  return checkpoint_meta(m, dir);
+}
+
+}  // namespace strata::engine::ckpt

@@ -1,0 +1,85 @@
+// What both ways of loading a checkpoint share (load.cc: the same cut of the model as the save;
+// load_recut.cc: another cut): which rank of this run sees which saving rank's data file
+// (node-local disks: each node its own), the error naming the files no rank sees, the agreement
+// on a failed read, and the end of every load. Private to engine/src/checkpoint.
+//
+// Ownership: the manifest's JSON belongs to the caller; FilesSeen and LoadFailure are values.
+// Errors: std::runtime_error naming the checkpoint, thrown alike on every rank (the picture of
+// who sees what, and every rank's failure, are gathered first).
+// Thread safety: files_seen_by_all, throw_missing_files, LoadFailure::agree, finish_load and
+// load_recut are collectives, called by every rank in the same order on the training thread.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "checkpoint/chunk_reader.h"
+#include "checkpoint/commit.h"
+#include "checkpoint/format.h"
+#include "strata/engine/checkpoint.h"
+
+namespace strata::engine::ckpt {
+
+// Which rank of this run sees which saving rank's data file (node-local disks: each node its
+// own), the same picture on every rank (one all-gather).
+struct FilesSeen {
+  int saved = 0;
+  std::vector<int32_t> seen;  // [rank * saved + saving rank]
+  bool sees(int r, int q) const { return seen[size_t(r) * size_t(saved) + size_t(q)] != 0; }
+  // Every rank sees every file (a shared directory, an object store): no exchange.
+  bool everywhere() const { return std::all_of(seen.begin(), seen.end(), [](int32_t x) { return x != 0; }); }
+  // The lowest rank of this run that sees q's file, or -1.
+  int first_seeing(int q) const {
+    for (int r = 0; r < int(seen.size()) / saved; ++r)
+      if (sees(r, q)) return r;
+    return -1;
+  }
+};
+
+FilesSeen files_seen_by_all(Communicator& comm, const fs::path& dir, const json& m);
+
+// Data files no rank of this run sees, by saving rank, with the ranks that need them: every rank
+// has the same picture and throws the same error, naming where each node looked (nodes in the
+// order of their first rank). A collective (it gathers where each rank looked).
+[[noreturn]] void throw_missing_files(Communicator& comm, const fs::path& dir, const json& m,
+                                      std::map<int, std::vector<int>> missing);
+
+// A rank whose read fails (a bad chunk, a file that vanished) still takes part in every
+// collective of a load, so that all ranks learn of it together at the end and throw alike:
+// attempt() keeps the first error, agree() throws the first rank's on every rank.
+struct LoadFailure {
+  std::string message;
+  void attempt(const std::function<void()>& f) {
+    if (!message.empty()) return;
+    try {
+      f();
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+  }
+  bool failed() const { return !message.empty(); }
+  void agree(Communicator& comm) const {
+    const std::vector<std::string> failures = all_gather_strings(comm, message);
+    for (int r = 0; r < comm.world_size(); ++r)
+      if (!failures[size_t(r)].empty())
+        throw std::runtime_error(r == comm.rank() ? failures[size_t(r)]
+                                                  : "rank " + std::to_string(r) + ": " + failures[size_t(r)]);
+  }
+};
+
+// The end of every load: compute copies from the loaded masters, the counters, and a barrier.
+CheckpointMeta finish_load(Engine& engine, Communicator& comm, const fs::path& dir, const json& m);
+
+// Loads checkpoint `dir` (manifest `m`, read through `reader`) whose units cut the model's
+// tensors otherwise than this run's (load_recut.cc). The manifest's chunks have been checked to
+// cover every (unit, kind) exactly once; `seen` is files_seen_by_all's picture. Errors are agreed
+// after the reads (LoadFailure); the caller then calls finish_load.
+void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const json& m, ChunkReader& reader,
+                const FilesSeen& seen);
+
+}  // namespace strata::engine::ckpt
