@@ -32,16 +32,15 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   const auto stage_name = [this](size_t s) { return stage_names.at(s); };
 
   if (cfg.plan_only) {
-    // Nothing is allocated: the run's own test, with the device-placed state it would allocate,
-    // at the choices it starts from.
+    // Nothing is allocated: phase two as the run would make it, with the state the layout places
+    // counted as allocated (what the planner's prediction does).
     state = std::make_unique<state::StateStore>(*partition, cdt, resolved, dev, host, nullptr, prof);
     optimizer = std::make_unique<runtime::Optimizer>(*state, host, dev, exec, cfg.nvme_chunk_bytes);
-    WorkingSetPlan planned;
-    planned.choice = initial_choices(cfg, schedule->blocks(), layout->tiles);
-    check_working_set(cfg, *memory, planned.choice,
-                      planned_device_bytes(resolved, layout->need, c10::elementSize(cdt)), dev.budget(), stage_name);
-    working = std::make_unique<const WorkingSetPlan>(std::move(planned));
-    placement_report += "; plan only (recompute and activation checkpoints are decided once the state is allocated)";
+    const MachineFree offered = machine_free(cfg);
+    const Allocated held = predicted_allocation(cfg, *layout, c10::elementSize(cdt), dev.budget(), dev.physical_free(),
+                                                offered.host_available, offered.nvme_free, local_ranks());
+    working = std::make_unique<const WorkingSetPlan>(resolve_working_set(cfg, *layout, held, agreement(), stage_name));
+    placement_report += working->report + "; plan only (nothing allocated: predicted from the state the layout places)";
     effective = effective_config(cfg, *layout, choice());
     return;
   }

@@ -254,13 +254,19 @@ TierBudgets budgets_from(const EngineConfig& cfg, uint64_t device, uint64_t host
   return b;
 }
 
-TierBudgets machine_budgets(const EngineConfig& cfg, uint64_t device, int local_ranks) {
-  uint64_t free = 0;
+MachineFree machine_free(const EngineConfig& cfg) {
+  MachineFree m;
   for (const std::string& d : cfg.nvme_dirs) {
     struct statvfs st {};
-    if (::statvfs(d.c_str(), &st) == 0) free += uint64_t(st.f_bavail) * st.f_frsize;
+    if (::statvfs(d.c_str(), &st) == 0) m.nvme_free += uint64_t(st.f_bavail) * st.f_frsize;
   }
-  return budgets_from(cfg, device, mem_available(), free, local_ranks);
+  m.host_available = mem_available();
+  return m;
+}
+
+TierBudgets machine_budgets(const EngineConfig& cfg, uint64_t device, int local_ranks) {
+  const MachineFree m = machine_free(cfg);
+  return budgets_from(cfg, device, m.host_available, m.nvme_free, local_ranks);
 }
 
 int PrefetchTuner::next(double waited) {

@@ -24,6 +24,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -819,6 +820,58 @@ TEST(EngineRecompute, KeptGraphsCountInTheBudgetAndAutoKeepsWhatFits) {
   const Trajectory every = run_in_process(config("all"), budget, &peak);
   for (size_t i = 0; i < every.losses.size(); ++i) EXPECT_EQ(some.losses[i], every.losses[i]) << "step " << i + 1;
   for (auto& [name, w] : every.params) EXPECT_TRUE(some.params.at(name).equal(w)) << name;
+}
+
+// `--plan` (plan_only: nothing allocated) decides recompute, the activation checkpoints' tier and
+// the prefetch window as the run does: the same resolution of the working set, over the state the
+// layout places counted as allocated. Over budgets from the smallest that runs to unlimited, a
+// plan builds exactly where the run builds, with the same choices and the same report.
+TEST(EngineRecompute, PlanDecidesTheWorkingSetAsTheRunDoes) {
+  json j = tiny_config(false, 6);
+  j["device"] = {{"prefetch", "auto"}};
+  j["placement"] = {{"recompute", "auto"}, {"activations", "auto"}, {"tiling", {{"attention", "off"}, {"mlp", "off"}}}};
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  struct Built {
+    bool ok = false;
+    int recomputed = -1;
+    se::Placement activations = se::Placement::kAuto;
+    std::string report;
+  };
+  const auto build = [&](uint64_t budget, bool plan) {
+    se::EngineConfig ec = tc.engine;
+    ec.plan_only = plan;
+    auto dev = se::Device::create_host(budget);
+    Built b;
+    try {
+      se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), ec, *comm,
+                     *dev);
+      b = {true, eng.config().recompute_blocks, eng.config().activations, eng.placement_report()};
+    } catch (const se::BudgetExceeded&) {
+    }
+    return b;
+  };
+  uint64_t lo = 1 << 16, hi = 64 << 20;  // the smallest budget the run builds with
+  ASSERT_TRUE(build(hi, false).ok);
+  while (lo + 1024 < hi) {
+    const uint64_t mid = (lo + hi) / 2;
+    (build(mid, false).ok ? hi : lo) = mid;
+  }
+  std::set<int> seen;
+  const std::string plan_only = "; plan only";
+  for (uint64_t budget : {lo, hi, hi + (hi >> 4), hi + (hi >> 3), hi + (hi >> 2), hi + (hi >> 1), 2 * hi, 4 * hi,
+                          uint64_t(UINT64_MAX)}) {
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    const Built run = build(budget, false), plan = build(budget, true);
+    ASSERT_EQ(plan.ok, run.ok);
+    if (!run.ok) continue;
+    EXPECT_EQ(plan.recomputed, run.recomputed);
+    EXPECT_EQ(plan.activations, run.activations);
+    EXPECT_EQ(plan.report.substr(0, plan.report.find(plan_only)), run.report);
+    EXPECT_NE(plan.report.find(plan_only), std::string::npos) << plan.report;
+    seen.insert(run.recomputed);
+  }
+  EXPECT_GE(seen.size(), 3u) << "the budgets span all, some and none of the blocks recomputed";
 }
 
 // --- prefetch depth from the budget and the measured waits ----------------------------------

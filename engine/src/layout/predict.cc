@@ -61,14 +61,8 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     out.nvme_state = tiers.nvme;
     // What a run measures once its state is allocated: the device room beside it, and the RAM
     // left once every local rank's host state is allocated (a derived host budget has it taken out).
-    Allocated held;
-    held.device_state = tiers.device;
-    held.usable_device = layout::MemoryModel::usable_device(usable, tiers.device, UINT64_MAX);
-    held.budget = usable;
-    held.host_state = tiers.host;
-    const uint64_t allocated = uint64_t(std::max(1, machine.local_ranks)) * tiers.host;
-    held.budgets = budgets_from(cfg, 0, machine.host_available - std::min(machine.host_available, allocated),
-                                machine.nvme_free, machine.local_ranks);
+    const Allocated held = predicted_allocation(cfg, *layout, out.compute_bytes, usable, UINT64_MAX,
+                                                machine.host_available, machine.nvme_free, machine.local_ranks);
     const WorkingSetPlan working = resolve_working_set(
         cfg, *layout, held, same, [&](size_t s) { return models::stage_name(mc, cut.tiles, s); });
     out.choice = working.choice;

@@ -321,6 +321,20 @@ EngineConfig effective_config(const EngineConfig& cfg, const Layout& layout, con
   return e;
 }
 
+Allocated predicted_allocation(const EngineConfig& cfg, const Layout& layout, uint64_t compute_bytes, uint64_t budget,
+                               uint64_t physical_free, uint64_t host_available, uint64_t nvme_free, int local_ranks) {
+  const TierBytes tiers = bytes_by_tier(layout.placement, layout.need, compute_bytes);
+  Allocated held;
+  held.device_state = tiers.device;
+  const uint64_t free_after = physical_free == UINT64_MAX ? UINT64_MAX : physical_free - std::min(physical_free, tiers.device);
+  held.usable_device = layout::MemoryModel::usable_device(budget, tiers.device, free_after);
+  held.budget = budget;
+  held.host_state = tiers.host;
+  const uint64_t allocated = uint64_t(std::max(1, local_ranks)) * tiers.host;
+  held.budgets = budgets_from(cfg, 0, host_available - std::min(host_available, allocated), nvme_free, local_ranks);
+  return held;
+}
+
 uint64_t planned_device_bytes(const PlacementPlan& plan, const StateBytes& need, uint64_t compute_bytes) {
   return bytes_by_tier(plan, need, compute_bytes).device;
 }

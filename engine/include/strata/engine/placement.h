@@ -92,7 +92,12 @@ PlacementPlan plan_placement(const EngineConfig& config, const StateBytes& need,
 // The one rule: a run applies it to this machine (machine_budgets), the planner to a cluster's.
 TierBudgets budgets_from(const EngineConfig& config, uint64_t device, uint64_t host_available, uint64_t nvme_free,
                          int local_ranks);
-// budgets_from this machine: MemAvailable and the free space of the directories' file systems.
+// What this machine offers now: MemAvailable, and the free space of offload.nvme_dirs' file systems.
+struct MachineFree {
+  uint64_t host_available = 0, nvme_free = 0;
+};
+MachineFree machine_free(const EngineConfig& config);
+// budgets_from this machine (machine_free).
 TierBudgets machine_budgets(const EngineConfig& config, uint64_t device, int local_ranks);
 
 // device.prefetch "auto": the gather depth, tuned from what each step measured. `waited` is the

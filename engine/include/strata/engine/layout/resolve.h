@@ -261,6 +261,13 @@ struct Allocated {
   TierBudgets budgets;                 // the tiers' budgets measured now (activation checkpoints)
 };
 
+// What a run would hold once the layout's state is allocated, from what the machine offers before
+// (a prediction: the planner, `--plan`): the device-placed state beside the device `budget` and
+// its `physical_free` memory (UINT64_MAX: unknown), and the tiers' budgets from `host_available`
+// less every local rank's host state, and `nvme_free`.
+Allocated predicted_allocation(const EngineConfig& cfg, const Layout& layout, uint64_t compute_bytes, uint64_t budget,
+                               uint64_t physical_free, uint64_t host_available, uint64_t nvme_free, int local_ranks);
+
 // Phase two. Immutable.
 struct WorkingSetPlan {
   layout::Choices choice;       // recomputed block stages, checkpoints' tier, prefetch (auto: its start, 1)
