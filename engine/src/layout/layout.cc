@@ -1,5 +1,5 @@
 // The resolution's two phases (resolve_layout, resolve_working_set) and the units they plan with;
-// the steps they run are in resolve.cc.
+// the steps they run are in resolve.cc (the layout's) and working_set.cc (the working set's).
 #include <algorithm>
 #include <memory>
 #include <string>
