@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, and runs Strata's main job: the README's fine-tuning quick
+# Installs what is missing, builds the `strata` program (not the tests), and runs Strata's main job: the README's fine-tuning quick
 # start without the interruption. A tiny Llama made by transformers stands in for a downloaded
 # model (scripts/make-tiny-model.py); its chats (configs/finetune-chats.jsonl) become supervised
 # examples with the loss on the answers (`strata data prepare --chat`); `strata train` on
@@ -10,7 +10,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${STRATA_BUILD_DIR:-$repo/build}
-"$repo/scripts/setup.sh"
+"$repo/scripts/setup.sh" --target strata  # the program alone; scripts/test.sh builds the rest
 cd "$repo"
 py=${STRATA_CACHE:-$HOME/.cache/strata}/venv/bin/python
 rm -rf build/quickstart && mkdir -p build/quickstart/swap

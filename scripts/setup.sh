@@ -4,9 +4,20 @@
 # under $STRATA_CACHE (default ~/.cache/strata) and rebuilt only when requirements change,
 # and the build directory is reused (ccache makes rebuilds cheap).
 #
-# Usage: scripts/setup.sh [--no-build]
+# Usage: scripts/setup.sh [--no-build] [--target NAME]...
+#   --target: build only these CMake targets and what they need (scripts/run-main.sh builds the
+#             `strata` program alone); default: everything, the test suite's included.
 # Environment: STRATA_CACHE, STRATA_BUILD_DIR (default build), STRATA_JOBS (default nproc).
 set -euo pipefail
+build=1 targets=() names=()
+while (($#)); do
+  case $1 in
+    --no-build) build=0; shift ;;
+    --target) [ $# -ge 2 ] || { echo "setup.sh: --target needs a name" >&2; exit 2; }
+              targets+=(--target "$2"); names+=("$2"); shift 2 ;;
+    *) echo "setup.sh: unknown argument $1 (--no-build, --target NAME)" >&2; exit 2 ;;
+  esac
+done
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${STRATA_CACHE:-$HOME/.cache/strata}
@@ -48,7 +59,7 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   echo "$want" >"$stamp"
 fi
 
-[ "${1:-}" = "--no-build" ] && exit 0
+((build)) || exit 0
 
 # --- Configure and build ---------------------------------------------------------------------
 # The torch wheel is a CUDA 13 build whose CMake package needs the CUDA toolkit to configure
@@ -68,5 +79,5 @@ fi
 # ccache keys on paths relative to the checkout (and not on the build directory), so that another
 # clone of the same sources on this machine, CI's included, reuses what was compiled here.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$repo} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
-log "building with $jobs jobs"
-cmake --build "$build_dir" -j "$jobs"
+log "building ${names[*]:-everything} with $jobs jobs"
+cmake --build "$build_dir" -j "$jobs" "${targets[@]}"
