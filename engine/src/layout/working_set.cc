@@ -68,10 +68,6 @@ Allocated predicted_allocation(const EngineConfig& cfg, const Layout& layout, ui
   return held;
 }
 
-uint64_t planned_device_bytes(const PlacementPlan& plan, const StateBytes& need, uint64_t compute_bytes) {
-  return bytes_by_tier(plan, need, compute_bytes).device;
-}
-
 void check_working_set(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
                        uint64_t base, uint64_t budget, const std::function<std::string(size_t)>& stage_name) {
   for (const layout::Use& use : mm.schedule().uses()) {

@@ -157,10 +157,6 @@ Placement resolve_activations(const EngineConfig& cfg, const layout::MemoryModel
 constexpr int kMaxAutoPrefetch = 8;
 int resolve_prefetch(const layout::MemoryModel& mm, const layout::Choices& choice, uint64_t base, uint64_t usable);
 
-// Bytes of the state `plan` puts on the device: what the state store allocates there (compute
-// copies at `compute_bytes`, fp32 gradients, master and two moments). `--plan` uses it where
-// nothing is allocated.
-uint64_t planned_device_bytes(const PlacementPlan& plan, const StateBytes& need, uint64_t compute_bytes);
 
 // The one test that the budget runs every use of the schedule beside `base` bytes of
 // device-placed state (the run and `--plan` alike). Throws BudgetExceeded naming the first unit
