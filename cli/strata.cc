@@ -22,6 +22,7 @@
 #include "train_bench.h"
 #include "tiling_bench.h"
 #include "plan_bench.h"
+#include "scale_bench.h"
 #include "plot.h"
 #include "strata/engine/device.h"
 #include "train.h"
@@ -54,10 +55,10 @@ commands:
   ckpt inspect DIR   summary of a checkpoint (DIR: a checkpoint, or a root with `latest`; or
                      s3://bucket/prefix[/step-N]: a stored checkpoint, or a store's newest)
   ckpt verify DIR    read every chunk of a checkpoint and check its CRC32C and coverage
-  ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR]
+  ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR] [--shard-size SIZE]
                      (DIR or OUT may be s3:// URLs)
                      stream the master weights into a Hugging Face model directory
-                     (config.json + safetensors, sharded above 5 GB) that transformers loads,
+                     (config.json + safetensors, sharded above SIZE, default 5 GB) that transformers loads,
                      with MODEL_DIR's tokenizer files; a non-empty OUT needs --force (its
                      other files, e.g. a tokenizer, are kept)
   bench io     bandwidth of the NVMe I/O engine beside fio (same file system, block size,
@@ -72,6 +73,8 @@ commands:
                and the largest vocabulary x tokens that trains in one device budget
   bench plan   `strata plan`'s predictions beside seven measured `strata train` runs on this
                machine (calibrated first): step time and per-tier memory errors
+  bench scale  checkpoint metadata a load reads per rank, gpt-1t saved by 512 and 4096 ranks,
+               beside format 2's
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
   help         this text
 
@@ -316,6 +319,47 @@ int bench_plan(const std::vector<std::string>& argv) {
   return 0;
 }
 
+constexpr const char* kBenchScaleUsage = R"(usage: strata bench scale [options]
+
+The checkpoint metadata a load reads per rank as the world that saved it grows: the metadata of a
+checkpoint of the model (format 3, the engine's own writer, no data) saved by each world size,
+read as one rank of a load at that size reads it, in a fresh process (seconds, bytes, peak RSS);
+beside it, the same checkpoint in format 2 (every chunk in the manifest) at the first size.
+
+  --preset NAME    model preset (default gpt-1t)
+  --ranks LIST     saving world sizes, comma-separated (default 512,4096)
+  --dir DIR        where the metadata is written, then removed (default strata-bench-scale)
+  --no-baseline    skip format 2 (a few hundred MB of JSON at gpt-1t)
+)";
+
+int bench_scale(const std::vector<std::string>& argv) {
+  for (const auto& a : argv)
+    if (a == "--help" || a == "-h") {
+      std::cout << kBenchScaleUsage;
+      return 0;
+    }
+  strata::cli::Args args(argv, {"preset", "ranks", "dir", "read-metadata", "rank"}, {"no-baseline"});
+  if (args.has("read-metadata"))
+    return strata::bench::read_metadata_as_a_load(args.get("read-metadata", ""), int(args.count("rank", 0u)));
+  strata::bench::ScaleBenchOptions o;
+  o.preset = args.get("preset", o.preset);
+  o.dir = args.get("dir", o.dir.string());
+  o.baseline = !args.has("no-baseline");
+  if (args.has("ranks")) {
+    o.saved_worlds.clear();
+    const std::string list = args.get("ranks", "");
+    for (size_t at = 0; at <= list.size();) {
+      const size_t comma = std::min(list.find(',', at), list.size());
+      const int n = std::stoi(list.substr(at, comma - at));
+      if (n < 1) throw std::invalid_argument("bench scale: --ranks takes world sizes >= 1");
+      o.saved_worlds.push_back(n);
+      at = comma + 1;
+    }
+  }
+  strata::bench::run_scale_bench(o);
+  return 0;
+}
+
 int bench_step(const std::vector<std::string>& argv) {
   for (const auto& a : argv)
     if (a == "--help" || a == "-h") {
@@ -452,6 +496,7 @@ std::filesystem::path checkpoint_arg(const std::string& arg) {
 
 int ckpt_export(const std::vector<std::string>& argv) {
   std::string dtype = "float32", tokenizer_from;
+  uint64_t shard_bytes = 5'000'000'000;  // as run.export_shard_size
   bool force = false;
   std::vector<std::string> pos;
   for (size_t i = 0; i < argv.size(); ++i) {
@@ -460,13 +505,15 @@ int ckpt_export(const std::vector<std::string>& argv) {
     else if (argv[i].starts_with("--dtype=")) dtype = argv[i].substr(8);
     else if (argv[i] == "--tokenizer-from" && i + 1 < argv.size()) tokenizer_from = argv[++i];
     else if (argv[i].starts_with("--tokenizer-from=")) tokenizer_from = argv[i].substr(17);
+    else if (argv[i] == "--shard-size" && i + 1 < argv.size()) shard_bytes = strata::cli::parse_size(argv[++i]);
+    else if (argv[i].starts_with("--shard-size=")) shard_bytes = strata::cli::parse_size(argv[i].substr(13));
     else if (argv[i].starts_with("-")) {
       std::cerr << "strata ckpt export: unknown option " << argv[i] << "\n";
       return 2;
     } else pos.push_back(argv[i]);
   }
   if (pos.size() != 2) {
-    std::cerr << "usage: strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR]\n";
+    std::cerr << "usage: strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR] [--shard-size SIZE]\n";
     return 2;
   }
   const std::filesystem::path dir = checkpoint_arg(pos[0]);
@@ -478,7 +525,7 @@ int ckpt_export(const std::vector<std::string>& argv) {
   const bool tty = isatty(STDERR_FILENO);
   const auto r = strata::engine::export_checkpoint_hf(dir, out, dtype, [&](uint64_t done, uint64_t total) {
     if (tty) std::cerr << "\rexport " << done * 100 / std::max<uint64_t>(total, 1) << "% (" << done << " / " << total << " bytes)" << std::flush;
-  }, force || !out_url.empty(), tokenizer_from);
+  }, force || !out_url.empty(), tokenizer_from, shard_bytes);
   if (tty) std::cerr << "\n";
   if (!out_url.empty()) strata::cli::upload_export(out, out_url);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -490,7 +537,7 @@ int ckpt_export(const std::vector<std::string>& argv) {
 int ckpt(const std::vector<std::string>& argv) {
   if (!argv.empty() && argv[0] == "export") return ckpt_export({argv.begin() + 1, argv.end()});
   if (argv.size() != 2 || (argv[0] != "inspect" && argv[0] != "verify")) {
-    std::cerr << "usage: strata ckpt inspect|verify DIR\n       strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR]\n";
+    std::cerr << "usage: strata ckpt inspect|verify DIR\n       strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR] [--shard-size SIZE]\n";
     return 2;
   }
   const std::filesystem::path dir = checkpoint_arg(argv[1]);
@@ -573,7 +620,8 @@ int main(int argc, char** argv) {
       if (args.size() >= 2 && args[1] == "train") return bench_train({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "tiling") return bench_tiling({args.begin() + 2, args.end()});
       if (args.size() >= 2 && args[1] == "plan") return bench_plan({args.begin() + 2, args.end()});
-      std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt, train, tiling, plan)\n";
+      if (args.size() >= 2 && args[1] == "scale") return bench_scale({args.begin() + 2, args.end()});
+      std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt, train, tiling, plan, scale)\n";
       return 2;
     }
     std::cerr << "strata: unknown command '" << args[0] << "'\n\n" << kUsage;

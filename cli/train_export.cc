@@ -2,7 +2,6 @@
 #include "train_parts.h"
 
 #include <ATen/ops/tensor.h>
-#include <c10/core/GradMode.h>
 
 #include <chrono>
 #include <exception>
@@ -104,26 +103,24 @@ void Exporter::export_model(const std::filesystem::path& dir, bool overwrite) {
     throw std::runtime_error(!failure.empty() ? failure : "the export on rank 0 failed (rank 0 says why)");
 }
 
-// A Hugging Face model directory of the weights now (collective: every rank gathers), with the
-// tokenizer and generation config of init_from.
+// A Hugging Face model directory of the weights now, with the tokenizer and generation config of
+// init_from: streamed tensor by tensor to rank 0, which writes (engine::export_engine_hf, a
+// collective).
 void Exporter::write(const std::filesystem::path& dir, bool overwrite) {
   const engine::TrainConfig& tc = run_.tc;
-  auto params = run_.eng.gather_parameters();  // collective: every rank
-  if (!run_.lead) return;
   const auto t0 = std::chrono::steady_clock::now();
-  models::Decoder out(run_.mc, 0, models::Decoder::Init::kDeferred);  // every weight is copied in
-  at::NoGradGuard no_grad;
-  std::map<std::string, at::Tensor> by_name(params.begin(), params.end());
-  for (auto& [name, t] : out.hf_parameters()) t.copy_(by_name.at(name));
-  params.clear();
-  models::ExportDirectory target(dir, overwrite, kExportOverwriteHint);
-  models::export_hf_model(out, target.tmp(), type_, tc.export_shard_bytes);
-  const std::vector<std::string> carried =
-      tc.init_from.empty() ? std::vector<std::string>{} : models::copy_tokenizer_files(tc.init_from, target.tmp());
-  target.commit();
+  engine::EngineExport options;
+  options.type = type_;
+  options.shard_bytes = tc.export_shard_bytes;
+  options.overwrite = overwrite;
+  options.overwrite_hint = kExportOverwriteHint;
+  options.tokenizer_from = tc.init_from;
+  const engine::ExportResult done = engine::export_engine_hf(run_.eng, run_.comm, dir, options);
+  if (!run_.lead) return;
   std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: exported " << dir.string()
-            << " (" << models::hf_dtype_name(type_) << (carried.empty() ? "" : ", with the tokenizer of init_from")
-            << ", " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
+            << " (" << models::hf_dtype_name(type_)
+            << (done.tokenizer_files.empty() ? "" : ", with the tokenizer of init_from") << ", "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
   if (!store_.empty() && dir == std::filesystem::path(tc.export_dir)) upload_export(dir.string(), store_);
 }
 

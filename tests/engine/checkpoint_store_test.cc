@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "checkpoint_trainer.h"
+#include "saved_chunks.h"
 #include "s3_server.h"
 #include "strata/engine/checkpoint_store.h"
 #include "strata/offload/s3.h"
@@ -713,9 +714,16 @@ TEST(StoredCheckpoint, RestoreReadsRunsOfChunksInFewGetsAndNamesACorruptOne) {
     const std::vector<std::byte> bytes = store->get_all(key);
     return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   }());
+  // The manifest names each rank's index object beside its data, under the save id.
+  const std::vector<json> all_chunks = strata::test::saved_chunks(m, [&](int q) {
+    char name[64];
+    std::snprintf(name, sizeof name, "step-1/%s/rank-%05d.index.json", m["store"]["save_id"].get<std::string>().c_str(), q);
+    const std::vector<std::byte> bytes = store->get_all(name);
+    return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  });
   size_t chunks = 0;
   const json* second = nullptr;  // the embedding's master weights, second of three chunks
-  for (const json& c : m["chunks"]) {
+  for (const json& c : all_chunks) {
     ++chunks;
     if (m["units"][c["unit"].get<size_t>()]["name"] == "embedding" && c["kind"] == "master" &&
         c["begin"].get<uint64_t>() == (1ull << 20))

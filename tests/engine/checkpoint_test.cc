@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iomanip>
 #include <numeric>
 #include <thread>
 #include <random>
@@ -32,6 +33,7 @@
 #include "strata/offload/crc32c.h"
 #include "strata/offload/fault_injection.h"
 #include "checkpoint_trainer.h"
+#include "saved_chunks.h"
 #include "test_util.h"
 
 namespace se = strata::engine;
@@ -418,8 +420,8 @@ TEST(Checkpoint, AsyncSaveAfterAFailedBackgroundUpdateFailsAndCommitsNothing) {
 
 // A manifest whose parts do not cover a whole tensor exactly once (a tile's part moved onto its
 // neighbour's, or cut short) is refused, naming the tensor, before anything is read; so is a
-// part whose shape is not its whole tensor's outside the cut. A tiled save is format 2, a
-// whole-block one format 1 as before.
+// part whose shape is not its whole tensor's outside the cut. Tiled and whole-block saves are
+// both format 3 (format 2 only marked tiled ones).
 TEST(Checkpoint, PartsThatDoNotCoverTheirTensorAreRefused) {
   TempDir dir;
   json cfg = tiny_llama(1);
@@ -437,8 +439,8 @@ TEST(Checkpoint, PartsThatDoNotCoverTheirTensorAreRefused) {
     b.save(dir.path(), "whole");
   }
   const auto manifest_of = [&](const std::string& name) { return json::parse(std::ifstream(dir / name / "manifest.json")); };
-  EXPECT_EQ(manifest_of("tiled")["format"], 2);
-  EXPECT_EQ(manifest_of("whole")["format"], 1);
+  EXPECT_EQ(manifest_of("tiled")["format"], 3);
+  EXPECT_EQ(manifest_of("whole")["format"], 3);
   const auto load_with = [&](const std::function<void(json&)>& edit) {
     json m = manifest_of("tiled");
     edit(m);
@@ -488,9 +490,16 @@ TEST(Checkpoint, CorruptMissingAndUncommittedAreClearErrors) {
 
   // A flipped byte anywhere in the data is detected, naming the file and chunk.
   const json manifest = json::parse(std::ifstream(ck / "manifest.json"));
+  const std::vector<json> chunks = strata::test::saved_chunks(manifest, [&](int q) {
+    std::ostringstream name;
+    name << "rank-" << std::setw(5) << std::setfill('0') << q << ".index.json";
+    std::ostringstream text;
+    text << std::ifstream(ck / name.str()).rdbuf();
+    return text.str();
+  });
   std::mt19937 rng(7);
   for (int trial = 0; trial < 5; ++trial) {
-    const json& c = manifest["chunks"][rng() % manifest["chunks"].size()];
+    const json& c = chunks[rng() % chunks.size()];
     const uint64_t at = c["offset"].get<uint64_t>() + rng() % (c["numel"].get<uint64_t>() * 4);
     std::fstream f(data, std::ios::in | std::ios::out | std::ios::binary);
     f.seekg(int64_t(at));

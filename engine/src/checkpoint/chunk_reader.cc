@@ -12,8 +12,8 @@
 
 namespace strata::engine::ckpt {
 
-ChunkReader::ChunkReader(fs::path location, const json& manifest, offload::TransferOptions transfer)
-    : dir_(std::move(location)), units_(manifest["units"]), data_prefix_(data_prefix(manifest)), transfer_(transfer) {
+ChunkReader::ChunkReader(fs::path location, ChunkCatalog& catalog, offload::TransferOptions transfer)
+    : dir_(std::move(location)), catalog_(catalog), transfer_(transfer) {
   if (is_object_location(dir_)) {
     ObjectLocation at = open_object_location(dir_);
     store_ = std::move(at.store);
@@ -23,8 +23,8 @@ ChunkReader::ChunkReader(fs::path location, const json& manifest, offload::Trans
   }
 }
 
-offload::File& ChunkReader::file(const json& chunk) {
-  const std::string name = data_prefix_ + chunk["file"].get<std::string>();
+offload::File& ChunkReader::file(const Chunk& chunk) {
+  const std::string name = catalog_.data_file(chunk.rank);
   auto it = files_.find(name);
   if (it == files_.end()) {
     if (!fs::exists(dir_ / name))
@@ -47,15 +47,9 @@ void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window)
     std::vector<const Request*> requests;
   };
   std::vector<Run> runs;  // one per request, then sorted by (object, offset) and merged
-  try {
-    for (const Request& r : batch) {
-      const json& c = *r.chunk;
-      runs.push_back({object_name_ + "/" + data_prefix_ + c["file"].get<std::string>(), c["offset"].get<uint64_t>(),
-                      c["numel"].get<uint64_t>() * 4, reinterpret_cast<std::byte*>(r.dst), {&r}});
-    }
-  } catch (const json::exception& e) {  // a malformed chunk entry
-    throw std::runtime_error("checkpoint " + dir_.string() + ": " + e.what());
-  }
+  for (const Request& r : batch)
+    runs.push_back({object_name_ + "/" + catalog_.data_file(r.chunk.rank), r.chunk.offset, r.chunk.numel * 4,
+                    reinterpret_cast<std::byte*>(r.dst), {&r}});
   std::stable_sort(runs.begin(), runs.end(),
                    [](const Run& a, const Run& b) { return a.key != b.key ? a.key < b.key : a.offset < b.offset; });
   std::vector<Run> merged;
@@ -76,7 +70,7 @@ void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window)
   offload::run_parallel(runs.size(), threads, [&](size_t i) {
     const Run& run = runs[i];
     const auto name = [&] {  // the run's chunks, for an error
-      std::string n = chunk_name(*run.requests.front()->chunk, units_);
+      std::string n = catalog_.name(run.requests.front()->chunk);
       if (run.requests.size() > 1)
         n += " and the " + std::to_string(run.requests.size() - 1) + " chunk" + (run.requests.size() > 2 ? "s" : "") +
              " after it";
@@ -97,22 +91,17 @@ void ChunkReader::read_objects(const std::vector<Request>& batch, size_t window)
     } catch (const offload::ObjectStoreError& e) {
       throw std::runtime_error("checkpoint " + dir_.string() + ": cannot read chunk " + name() + ": " + e.what());
     }
-    for (const Request* r : run.requests) {
-      const json& c = *r->chunk;
-      uint32_t want = 0;
-      try {
-        want = c["crc32c"].get<uint32_t>();
-      } catch (const json::exception& e) {
-        throw std::runtime_error("checkpoint " + dir_.string() + ": " + e.what());
-      }
-      if (offload::crc32c(r->dst, c["numel"].get<uint64_t>() * 4) != want)
-        throw std::runtime_error("checkpoint " + dir_.string() + ": chunk " + chunk_name(c, units_) +
+    for (const Request* r : run.requests)
+      if (offload::crc32c(r->dst, r->chunk.numel * 4) != r->chunk.crc32c)
+        throw std::runtime_error("checkpoint " + dir_.string() + ": chunk " + catalog_.name(r->chunk) +
                                  " is corrupt (CRC32C mismatch)");
-    }
   });
 }
 
-void ChunkReader::read(const std::vector<Request>& batch, size_t window) {
+void ChunkReader::read(const std::vector<Request>& asked, size_t window) {
+  // Placed here, on the caller's thread: the catalog reads an index file at its rank's first chunk.
+  std::vector<Request> batch = asked;
+  for (Request& r : batch) r.chunk = catalog_.place(r.chunk);
   if (store_) {
     read_objects(batch, window);
     return;
@@ -128,21 +117,19 @@ void ChunkReader::read(const std::vector<Request>& batch, size_t window) {
     flight.pop_front();
     const offload::IoStatus st = f.done.wait();
     if (!error.empty()) return;
-    const json& c = *f.request->chunk;
-    const uint64_t bytes = c["numel"].get<uint64_t>() * 4;
+    const Chunk& c = f.request->chunk;
     if (!st.ok())
-      error = "checkpoint " + dir_.string() + ": cannot read chunk " + chunk_name(c, units_) + ": " + st.message();
-    else if (offload::crc32c(f.request->dst, bytes) != c["crc32c"].get<uint32_t>())
-      error = "checkpoint " + dir_.string() + ": chunk " + chunk_name(c, units_) + " is corrupt (CRC32C mismatch)";
+      error = "checkpoint " + dir_.string() + ": cannot read chunk " + catalog_.name(c) + ": " + st.message();
+    else if (offload::crc32c(f.request->dst, c.numel * 4) != c.crc32c)
+      error = "checkpoint " + dir_.string() + ": chunk " + catalog_.name(c) + " is corrupt (CRC32C mismatch)";
   };
   for (const Request& r : batch) {
     while (flight.size() >= std::max<size_t>(window, 1)) finish_one();
     if (!error.empty()) break;
-    const json& c = *r.chunk;
+    const Chunk& c = r.chunk;
     offload::IoFuture done;
     try {
-      done = io_->read(file(c), c["offset"].get<uint64_t>(),
-                       {reinterpret_cast<std::byte*>(r.dst), c["numel"].get<uint64_t>() * 4});
+      done = io_->read(file(c), c.offset, {reinterpret_cast<std::byte*>(r.dst), c.numel * 4});
     } catch (...) {
       while (!flight.empty()) flight.front().done.wait(), flight.pop_front();
       throw;

@@ -4,8 +4,8 @@
 // per run of chunks adjacent both in their data object and in memory (up to the transfer's part
 // size). Each chunk is checked against its CRC32C.
 //
-// Ownership: the reader owns its I/O engine, open files and store client; the manifest's JSON
-// (the chunks passed to read()) must outlive it. Destinations belong to the caller.
+// Ownership: the reader owns its I/O engine, open files and store client; the catalog must
+// outlive it. Destinations belong to the caller.
 // Errors: std::runtime_error naming the checkpoint and the chunk (file, offset, unit, kind,
 // elements): a missing data file or object, a failed or short read, a CRC mismatch. read() waits
 // for every read of its batch before it returns or throws, so no read lands in memory the caller
@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/catalog.h"
 #include "checkpoint/format.h"
 #include "strata/offload/file.h"
 #include "strata/offload/io_engine.h"
@@ -29,13 +30,13 @@ namespace strata::engine::ckpt {
 
 class ChunkReader {
  public:
-  // `location`: the checkpoint's directory or object URL; `manifest`: its manifest; `transfer`:
-  // the object reads' largest request and how many are in flight.
-  ChunkReader(fs::path location, const json& manifest, offload::TransferOptions transfer = {});
+  // `location`: the checkpoint's directory or object URL; `catalog`: its chunks; `transfer`: the
+  // object reads' largest request and how many are in flight.
+  ChunkReader(fs::path location, ChunkCatalog& catalog, offload::TransferOptions transfer = {});
 
   // One chunk into `dst`: numel x 4 bytes (page-aligned memory is read with direct I/O).
   struct Request {
-    const json* chunk;
+    Chunk chunk;  // placed or not: the reader places it through the catalog
     float* dst;
   };
   // Reads and checks every request; at most `window` in flight at once.
@@ -44,12 +45,11 @@ class ChunkReader {
   const fs::path& dir() const { return dir_; }
 
  private:
-  offload::File& file(const json& chunk);
+  offload::File& file(const Chunk& chunk);
   void read_objects(const std::vector<Request>& batch, size_t window);
 
   fs::path dir_;
-  const json& units_;
-  std::string data_prefix_;  // "<save id>/" for uploaded checkpoints
+  ChunkCatalog& catalog_;
   std::unique_ptr<offload::IoEngine> io_;
   std::map<std::string, offload::File> files_;
   std::unique_ptr<offload::ObjectStore> store_;  // set for an object location

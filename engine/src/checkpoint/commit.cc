@@ -6,8 +6,9 @@
 //     rank made), writes rank-R.data with the I/O engine, and fsyncs it.
 //  2. Each rank writes rank-R.index.json atomically (temporary file, fsync, rename, fsync of
 //     the directory).
-//  3. The index entries travel to rank 0 over the communicator (an all-gather, which is also the
-//     barrier): no rank reads a file another rank wrote.
+//  3. Each rank's file sizes and index CRC travel to rank 0 over the communicator (an all-gather
+//     of three numbers a rank, which is also the barrier): no rank reads a file another rank
+//     wrote, and the manifest names each index with its size and CRC.
 //  4. Rank 0 writes manifest.json atomically. This is the commit point: a directory without a
 //     manifest is never loaded, whatever else it holds.
 //  5. Rank 0 replaces <root>/latest atomically; then every rank passes a barrier.
@@ -92,17 +93,20 @@ void agree_written(Communicator& comm, const fs::path& dir, const std::string& e
                              "; the previous checkpoint is intact");
 }
 
-// Steps 3-5 (collective): indexes to rank 0, manifest, latest, barrier.
-void commit(Communicator& comm, const fs::path& root, const std::string& name, json manifest,
-            const std::string& index) {
-  const std::vector<std::string> indexes = all_gather_strings(comm, index);
+// Steps 3-5 (collective): the ranks' file records to rank 0, manifest, latest, barrier.
+void commit(Communicator& comm, const fs::path& root, const std::string& name, json manifest, const RankFiles& mine) {
+  at::Tensor record = at::empty({3}, at::kLong);
+  record[0] = int64_t(mine.data_bytes);
+  record[1] = int64_t(mine.index_bytes);
+  record[2] = int64_t(mine.index_crc32c);
+  at::Tensor all = at::empty({3 * int64_t(comm.world_size())}, at::kLong);
+  comm.all_gather(all, record)->wait();
   if (comm.rank() == 0) {
-    json all_chunks = json::array();
-    for (const std::string& s : indexes) {
-      const json index_of_rank = json::parse(s);
-      for (const json& c : index_of_rank["chunks"]) all_chunks.push_back(c);
-    }
-    manifest["chunks"] = std::move(all_chunks);
+    json ranks = json::array();
+    const int64_t* r = all.data_ptr<int64_t>();
+    for (int q = 0; q < comm.world_size(); ++q, r += 3)
+      ranks.push_back({{"data_bytes", r[0]}, {"index_bytes", r[1]}, {"index_crc32c", uint32_t(r[2])}});
+    manifest["ranks"] = std::move(ranks);
     write_atomically((root / name) / "manifest.json", manifest.dump(1));
     write_atomically(root / "latest", name + "\n");
   }

@@ -22,9 +22,13 @@ void uncommit_existing(Communicator& comm, const fs::path& root, const std::stri
 // Between steps 2 and 3: every rank learns whether any rank's writes failed (`error`: this
 // rank's, empty if none); all then throw alike, naming the checkpoint directory `dir`.
 void agree_written(Communicator& comm, const fs::path& dir, const std::string& error);
-// Steps 3-5: every rank's index (this rank's: `index`, JSON) to rank 0, which writes the
-// manifest (`manifest` plus every rank's chunks) and then `latest`; a barrier.
-void commit(Communicator& comm, const fs::path& root, const std::string& name, json manifest,
-            const std::string& index);
+// What a rank wrote (steps 1-2): its data file's and index file's sizes and the index's CRC32C.
+struct RankFiles {
+  uint64_t data_bytes = 0, index_bytes = 0;
+  uint32_t index_crc32c = 0;
+};
+// Steps 3-5: every rank's RankFiles (this rank's: `mine`) to rank 0, which writes the manifest
+// (`manifest` plus "ranks") and then `latest`; a barrier. Three numbers a rank: O(world) bytes.
+void commit(Communicator& comm, const fs::path& root, const std::string& name, json manifest, const RankFiles& mine);
 
 }  // namespace strata::engine::ckpt

@@ -168,13 +168,6 @@ void check_whole_coverage(const std::vector<ManifestTensor>& tensors, const std:
   }
 }
 
-int format_version(const json& units) {
-  for (const json& u : units)
-    for (const json& t : u["tensors"])
-      if (t.contains("of")) return kFormatVersion;
-  return kFormatWithoutParts;
-}
-
 std::map<std::string, std::vector<int64_t>> whole_tensors(const std::vector<ManifestTensor>& tensors) {
   std::map<std::string, std::vector<int64_t>> out;
   for (const ManifestTensor& t : tensors) out[t.slot.whole_name()] = t.slot.whole_shape();
@@ -211,9 +204,9 @@ json parse_manifest(const std::string& text, const std::string& where) {
     throw std::runtime_error("checkpoint " + where + " is not valid JSON: " + e.what());
   }
   const int format = m.value("format", 0);
-  if ((format != kFormatVersion && format != kFormatWithoutParts) || m.value("kind", "") != "strata-checkpoint")
+  if (format < kFormatWithoutParts || format > kFormatVersion || m.value("kind", "") != "strata-checkpoint")
     throw std::runtime_error("checkpoint " + where + ": not a Strata checkpoint of format " +
-                             std::to_string(kFormatWithoutParts) + " or " + std::to_string(kFormatVersion));
+                             std::to_string(kFormatWithoutParts) + " to " + std::to_string(kFormatVersion));
   return m;
 }
 
@@ -241,42 +234,6 @@ json read_manifest(const fs::path& dir) {
     throw std::runtime_error("checkpoint " + dir.string() +
                              " has no manifest.json: it was never committed (or is not a checkpoint)");
   return parse_manifest(read_text(manifest_path), manifest_path.string());
-}
-
-int kind_index(const json& c, const fs::path& dir) {
-  for (int k = 0; k < state::kSavedKinds; ++k)
-    if (c["kind"] == state::kind_name(k)) return k;
-  throw std::runtime_error("checkpoint " + dir.string() + ": unknown state kind " + c["kind"].dump());
-}
-
-std::string chunk_name(const json& c, const json& units) {
-  return c["file"].get<std::string>() + " at offset " + std::to_string(c["offset"].get<uint64_t>()) +
-         " (unit " + units[c["unit"].get<size_t>()]["name"].get<std::string>() + ", " +
-         c["kind"].get<std::string>() + ", elements " + std::to_string(c["begin"].get<uint64_t>()) +
-         "+" + std::to_string(c["numel"].get<uint64_t>()) + ")";
-}
-
-std::vector<std::vector<const json*>> chunks_by_unit(const json& m, const fs::path& dir, int kind) {
-  std::vector<std::vector<const json*>> out(m["units"].size());
-  for (const json& c : m["chunks"]) {
-    const size_t u = c["unit"].get<size_t>();
-    if (u >= out.size())
-      throw std::runtime_error("checkpoint " + dir.string() + ": chunk of unknown unit " + std::to_string(u));
-    if (kind < 0 || kind_index(c, dir) == kind) out[u].push_back(&c);
-  }
-  return out;
-}
-
-bool sort_and_check_cover(std::vector<const json*>& chunks, uint64_t numel) {
-  std::sort(chunks.begin(), chunks.end(), [](const json* a, const json* b) {
-    return (*a)["begin"].get<uint64_t>() < (*b)["begin"].get<uint64_t>();
-  });
-  uint64_t next = 0;
-  for (const json* c : chunks) {
-    if ((*c)["begin"].get<uint64_t>() != next) return false;
-    next += (*c)["numel"].get<uint64_t>();
-  }
-  return next == numel;
 }
 
 CheckpointMeta checkpoint_meta(const json& m, const fs::path& dir) {

@@ -6,7 +6,7 @@
 //   <root>/latest                      name of the newest committed checkpoint
 //   <root>/<name>/rank-RRRRR.data      a rank's chunks: <= kChunkElements fp32 each, at
 //                                      kAlign-aligned offsets
-//   <root>/<name>/rank-RRRRR.index.json
+//   <root>/<name>/rank-RRRRR.index.json where the rank's chunks are, and their CRCs (catalog.h)
 //   <root>/<name>/manifest.json        written last: the commit point
 //
 // Errors: std::runtime_error naming the path and errno's text.
@@ -36,12 +36,12 @@ namespace strata::engine::ckpt {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-// Format 2 adds tensors that are parts of whole tensors ("of": block tiles); a checkpoint without
-// parts is written as format 1, which earlier binaries read. Both are read.
-constexpr int kFormatVersion = 2;
+// Format 2 added tensors that are parts of whole tensors ("of": block tiles). Format 3 moved the
+// chunk list out of the manifest into one index file per rank (catalog.h): the metadata grows
+// with units x ranks, not with the bytes. Saves write format 3; all three are read.
+constexpr int kFormatVersion = 3;
+constexpr int kFormatWithIndexes = 3;
 constexpr int kFormatWithoutParts = 1;
-// The version a manifest with these units is written as.
-int format_version(const nlohmann::json& units);
 constexpr uint64_t kChunkElements = 1ull << 20;  // 4 MiB of fp32
 constexpr uint64_t kAlign = 4096;
 // The kinds saved are state::kSavedKinds (placement.h), named by state::kind_name.
@@ -110,15 +110,5 @@ std::optional<json> read_stored_manifest(offload::ObjectStore& store, const std:
 CheckpointMeta checkpoint_meta(const json& manifest, const fs::path& dir);
 // Parses and checks a manifest's text (`where` names it in errors).
 json parse_manifest(const std::string& text, const std::string& where);
-// Index of a chunk's state kind; throws for an unknown one.
-int kind_index(const json& chunk, const fs::path& dir);
-// "rank-00001.data at offset 8192 (unit block.0, master, elements 0+1024)".
-std::string chunk_name(const json& chunk, const json& units);
-// The chunks of each unit (of kind `kind`, or all kinds with -1), in manifest order; throws for a
-// chunk of an unknown unit.
-std::vector<std::vector<const json*>> chunks_by_unit(const json& manifest, const fs::path& dir, int kind = -1);
-
-// Sorts `chunks` by their first element; true if they cover [0, numel) exactly, each once.
-bool sort_and_check_cover(std::vector<const json*>& chunks, uint64_t numel);
 
 }  // namespace strata::engine::ckpt

@@ -9,6 +9,7 @@
 #include <system_error>
 #include <vector>
 
+#include "checkpoint/catalog.h"
 #include "checkpoint/chunk_reader.h"
 #include "checkpoint/format.h"
 #include "strata/engine/checkpoint.h"
@@ -19,43 +20,36 @@ using namespace ckpt;
 
 uint64_t verify_checkpoint(const fs::path& dir) {
   const json m = read_manifest(dir);
-  const json& units = m["units"];
-  ChunkReader reader(dir, m);
+  // A format 1-2 manifest's chunks are checked to cover every (unit, kind) here; format 3's
+  // index files, one saving rank at a time below, to describe exactly that rank's slices.
+  ChunkCatalog catalog(dir, m);
+  ChunkReader reader(dir, catalog);
   // Every chunk read and checked, a window of them at a time (one buffer each).
   constexpr size_t kWindow = 16;
   std::vector<at::Tensor> buffers;
   std::vector<ChunkReader::Request> batch;
   uint64_t bytes = 0;
-  const json& chunks = m["chunks"];
-  for (size_t i = 0; i < chunks.size(); i += kWindow) {
-    batch.clear();
-    for (size_t j = i; j < std::min(chunks.size(), i + kWindow); ++j) {
-      const json& c = chunks[j];
-      if (c["unit"].get<size_t>() >= units.size())
-        throw std::runtime_error("checkpoint " + dir.string() + ": chunk of unknown unit");
-      const size_t slot = j - i;
-      const int64_t n = int64_t(c["numel"].get<uint64_t>());
-      if (buffers.size() <= slot) buffers.push_back(aligned_floats(int64_t(kChunkElements)));
-      if (buffers[slot].numel() < n) buffers[slot] = aligned_floats(n);
-      batch.push_back({&c, buffers[slot].data_ptr<float>()});
-      bytes += uint64_t(n) * 4;
+  for (int q = 0; q < catalog.saved_world(); ++q) {
+    const std::vector<Chunk> chunks = catalog.of_rank(q);
+    for (size_t i = 0; i < chunks.size(); i += kWindow) {
+      batch.clear();
+      for (size_t j = i; j < std::min(chunks.size(), i + kWindow); ++j) {
+        const size_t slot = j - i;
+        const int64_t n = int64_t(chunks[j].numel);
+        if (buffers.size() <= slot) buffers.push_back(aligned_floats(int64_t(kChunkElements)));
+        if (buffers[slot].numel() < n) buffers[slot] = aligned_floats(n);
+        batch.push_back({chunks[j], buffers[slot].data_ptr<float>()});
+        bytes += uint64_t(n) * 4;
+      }
+      reader.read(batch, kWindow);
     }
-    reader.read(batch, kWindow);
-  }
-  // Coverage: per (unit, kind) the chunks, sorted by begin, must tile [0, numel).
-  for (int k = 0; k < state::kSavedKinds; ++k) {
-    std::vector<std::vector<const json*>> of_unit = chunks_by_unit(m, dir, k);
-    for (size_t u = 0; u < units.size(); ++u)
-      if (!sort_and_check_cover(of_unit[u], units[u]["numel"].get<uint64_t>()))
-        throw std::runtime_error("checkpoint " + dir.string() + ": the chunks of " + state::kind_name(k) + " of unit " +
-                                 units[u]["name"].get<std::string>() + " do not cover its " +
-                                 std::to_string(units[u]["numel"].get<uint64_t>()) + " elements exactly");
   }
   return bytes;
 }
 
 std::string describe_checkpoint(const fs::path& dir) {
   const json m = read_manifest(dir);
+  const ChunkCatalog catalog(dir, m);
   uint64_t params = 0;
   for (const json& u : m["units"]) params += u["numel"].get<uint64_t>();
   std::ostringstream out;
@@ -66,7 +60,7 @@ std::string describe_checkpoint(const fs::path& dir) {
       << "  train steps " << m["train_steps"] << ", optimizer steps "
       << m["counters"]["optimizer_step"] << ", loss scale " << m["counters"]["loss_scale"]
       << ", samples consumed " << m["samples_consumed"] << "\n"
-      << "  " << m["chunks"].size() << " chunks, " << params * 12 << " bytes of fp32 master and moments\n";
+      << "  " << catalog.chunk_count() << " chunks, " << params * 12 << " bytes of fp32 master and moments\n";
   return out.str();
 }
 

@@ -62,57 +62,45 @@ bool same_units_as_saved(const json& m, const Partition& part, const fs::path& d
   return same_units;
 }
 
-// Each (unit, kind)'s chunks cover its elements exactly once: checked before any collective,
-// alike on every rank. So every rank's slices are covered too (no count needed after the reads),
-// and an exchange writes each chunk at its own place in a buffer.
-void check_chunks_cover(const json& m, const fs::path& dir) {
-  for (int k = 0; k < state::kSavedKinds; ++k) {
-    std::vector<std::vector<const json*>> of_kind = chunks_by_unit(m, dir, k);
-    for (size_t u = 0; u < m["units"].size(); ++u)
-      if (!sort_and_check_cover(of_kind[u], m["units"][u]["numel"].get<uint64_t>()))
-        throw std::runtime_error("checkpoint " + dir.string() + ": the manifest's chunks do not cover " + state::kind_name(k) +
-                                 " of unit " + m["units"][u]["name"].get<std::string>() + " exactly once");
-  }
-}
-
 // The rank that reads a chunk in an exchange: its first owner if that one sees the file, else
 // the lowest rank that does; -1 where none does.
-int server_of(const json& c, const UnitLayout& L, const FilesSeen& seen, int world) {
-  const int q = c["rank"].get<int>();
-  const int first = int(std::min<uint64_t>(c["begin"].get<uint64_t>() / L.shard_numel, uint64_t(world - 1)));
-  return seen.sees(first, q) ? first : seen.first_seeing(q);
+int server_of(const Chunk& c, const UnitLayout& L, const FilesSeen& seen, int world) {
+  const int first = int(std::min<uint64_t>(c.begin / L.shard_numel, uint64_t(world - 1)));
+  return seen.sees(first, c.rank) ? first : seen.first_seeing(c.rank);
 }
 
 // The (unit, kind) pairs some owner cannot read alone go through an exchange
 // ([unit * kSavedKinds + kind]); the same picture on every rank. Files no rank sees are thrown
 // (throw_missing_files: a collective).
+// Computed from the chunks' places alone: no index file is read.
 std::vector<uint8_t> plan_exchanges(Communicator& comm, const fs::path& dir, const json& m, const Partition& part,
-                                    const std::vector<std::vector<const json*>>& unit_chunks, const FilesSeen& seen) {
+                                    const ChunkCatalog& catalog, const FilesSeen& seen) {
   const int world = comm.world_size();
   std::vector<uint8_t> exchanged(part.num_units() * state::kSavedKinds, 0);
   std::map<int, std::vector<int>> missing;  // saving rank -> the ranks of this run that need its file
-  for (size_t u = 0; u < part.num_units(); ++u) {
+  for (size_t u = 0; u < part.num_units() && !seen.everywhere(); ++u) {
     const UnitLayout& L = part.unit(u);
-    for (const json* cp : unit_chunks[u]) {
-      const int q = (*cp)["rank"].get<int>();
-      const uint64_t b = (*cp)["begin"].get<uint64_t>(), e = b + (*cp)["numel"].get<uint64_t>();
-      const bool anywhere = server_of(*cp, L, seen, world) >= 0;
-      for (int r = int(b / L.shard_numel); r < world && L.shard_begin(r) < e; ++r) {
-        if (L.shard_valid_numel(r) == 0 || L.shard_begin(r) + L.shard_valid_numel(r) <= b || seen.sees(r, q)) continue;
-        exchanged[u * state::kSavedKinds + size_t(kind_index(*cp, dir))] = 1;
-        if (!anywhere) {
-          std::vector<int>& needers = missing[q];
-          if (std::find(needers.begin(), needers.end(), r) == needers.end()) needers.push_back(r);
+    for (int k = 0; k < state::kSavedKinds; ++k)
+      for (const Chunk& c : catalog.chunks(u, k)) {
+        const bool anywhere = server_of(c, L, seen, world) >= 0;
+        for (int r = int(c.begin / L.shard_numel); r < world && L.shard_begin(r) < c.end(); ++r) {
+          if (L.shard_valid_numel(r) == 0 || L.shard_begin(r) + L.shard_valid_numel(r) <= c.begin ||
+              seen.sees(r, c.rank))
+            continue;
+          exchanged[u * state::kSavedKinds + size_t(k)] = 1;
+          if (!anywhere) {
+            std::vector<int>& needers = missing[c.rank];
+            if (std::find(needers.begin(), needers.end(), r) == needers.end()) needers.push_back(r);
+          }
         }
       }
-    }
   }
   if (!missing.empty()) throw_missing_files(comm, dir, m, std::move(missing));
   return exchanged;
 }
 
 struct Overlap {
-  const json* chunk;
+  Chunk chunk;
   int kind;
   at::Tensor buf;  // the chunk's elements: a view of the slice itself, or a buffer
   bool direct;
@@ -131,7 +119,7 @@ struct SameCutLoad {
   const fs::path& dir;
   ChunkReader& reader;
   const FilesSeen& seen;
-  const std::vector<std::vector<const json*>>& unit_chunks;  // chunks_by_unit
+  const ChunkCatalog& catalog;
   const std::vector<uint8_t>& exchanged;                     // plan_exchanges
   LoadFailure& failure;                                      // every collective runs even after a failed read
   int rank, world;
@@ -147,17 +135,15 @@ UnitWork plan_unit(const SameCutLoad& ctx, size_t u, uint64_t& bytes) {
   ctx.failure.attempt([&] {
     for (int k = 0; k < state::kSavedKinds; ++k) w.slices[k] = ctx.engine.state_slice(u, state::Kind(k));
   });
-  for (const json* cp : ctx.unit_chunks[u]) {
-    if (ctx.failure.failed()) break;
-    const json& c = *cp;
-    const uint64_t b = c["begin"].get<uint64_t>(), e = b + c["numel"].get<uint64_t>();
-    if (e <= w.want_b || b >= want_e) continue;
-    const int k = kind_index(c, ctx.dir);
+  for (int k = 0; k < state::kSavedKinds && !ctx.failure.failed(); ++k) {
     if (ctx.exchanged[u * state::kSavedKinds + size_t(k)]) continue;
-    const bool direct = b >= w.want_b && e <= want_e && w.slices[k].is_cpu();
-    at::Tensor buf = direct ? w.slices[k].narrow(0, int64_t(b - w.want_b), int64_t(e - b)) : aligned_floats(int64_t(e - b));
-    w.overlaps.push_back({&c, k, buf, direct});
-    bytes += (e - b) * 4;
+    for (const Chunk& c : ctx.catalog.overlapping(u, k, w.want_b, want_e)) {
+      const uint64_t b = c.begin, e = c.end();
+      const bool direct = b >= w.want_b && e <= want_e && w.slices[k].is_cpu();
+      at::Tensor buf = direct ? w.slices[k].narrow(0, int64_t(b - w.want_b), int64_t(e - b)) : aligned_floats(int64_t(e - b));
+      w.overlaps.push_back({c, k, buf, direct});
+      bytes += (e - b) * 4;
+    }
   }
   return w;
 }
@@ -173,12 +159,8 @@ void exchange_unit(const SameCutLoad& ctx, UnitWork& w) {
     at::Tensor send = aligned_floats(int64_t(L.padded_numel()));
     send.zero_();
     std::vector<ChunkReader::Request> served;
-    for (const json* cp : ctx.unit_chunks[w.unit]) {
-      const json& c = *cp;
-      if (kind_index(c, ctx.dir) != k) continue;
-      if (server_of(c, L, ctx.seen, ctx.world) == ctx.rank)
-        served.push_back({&c, send.data_ptr<float>() + c["begin"].get<uint64_t>()});
-    }
+    for (const Chunk& c : ctx.catalog.chunks(w.unit, k))
+      if (server_of(c, L, ctx.seen, ctx.world) == ctx.rank) served.push_back({c, send.data_ptr<float>() + c.begin});
     ctx.failure.attempt([&] { ctx.reader.read(served, served.size()); });
     if (ctx.failure.failed()) send.zero_();  // nothing half read travels
     at::Tensor mine = at::empty({int64_t(L.shard_numel)}, at::kInt);
@@ -194,7 +176,7 @@ void exchange_unit(const SameCutLoad& ctx, UnitWork& w) {
 void finish_unit(const SameCutLoad& ctx, UnitWork& w) {
   const UnitLayout& L = ctx.engine.partition().unit(w.unit);
   for (const Overlap& o : w.overlaps) {
-    const uint64_t b = (*o.chunk)["begin"].get<uint64_t>(), e = b + (*o.chunk)["numel"].get<uint64_t>();
+    const uint64_t b = o.chunk.begin, e = o.chunk.end();
     const uint64_t lo = std::max(b, w.want_b), hi = std::min(e, w.want_b + L.shard_valid_numel(ctx.rank));
     if (!o.direct)
       w.slices[o.kind].narrow(0, int64_t(lo - w.want_b), int64_t(hi - lo)).copy_(o.buf.narrow(0, int64_t(lo - b), int64_t(hi - lo)));
@@ -260,19 +242,20 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
   const Partition& part = engine.partition();
   const bool same_units = same_units_as_saved(m, part, dir);
 
-  ChunkReader reader(dir, m, transfer);
-  const std::vector<std::vector<const json*>> unit_chunks = chunks_by_unit(m, dir);
-  check_chunks_cover(m, dir);
+  // Alike on every rank, before any collective: a format 1-2 manifest's chunks are checked to
+  // cover every (unit, kind) exactly once (format 3's follow from its shards).
+  ChunkCatalog catalog(dir, m);
+  ChunkReader reader(dir, catalog, transfer);
   // Who sees which saving rank's data file (node-local disks: each node its own).
-  const FilesSeen seen = files_seen_by_all(comm, dir, m);
+  const FilesSeen seen = files_seen_by_all(comm, dir, catalog);
   if (!same_units) {
-    load_recut(engine, comm, dir, m, reader, seen);
+    load_recut(engine, comm, dir, m, catalog, reader, seen);
     return finish_load(engine, comm, dir, m);
   }
 
-  const std::vector<uint8_t> exchanged = plan_exchanges(comm, dir, m, part, unit_chunks, seen);
+  const std::vector<uint8_t> exchanged = plan_exchanges(comm, dir, m, part, catalog, seen);
   LoadFailure failure;  // every collective below runs even after a failed read
-  load_same_cut({engine, comm, dir, reader, seen, unit_chunks, exchanged, failure, comm.rank(), comm.world_size()});
+  load_same_cut({engine, comm, dir, reader, seen, catalog, exchanged, failure, comm.rank(), comm.world_size()});
   failure.agree(comm);
   return finish_load(engine, comm, dir, m);
 }

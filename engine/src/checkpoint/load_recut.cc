@@ -24,11 +24,6 @@ struct SavedRun {
   uint64_t whole_begin, numel, flat_begin;
   size_t unit;
 };
-struct Chunk {
-  const json* j;
-  uint64_t begin, numel;
-  int rank;  // the saving rank, whose data file holds it
-};
 struct Piece {  // [to, to + numel) of the range asked for comes from [from, ...) of saved unit `unit`
   uint64_t to, numel, from;
   size_t unit;
@@ -38,20 +33,12 @@ struct Piece {  // [to, to + numel) of the range asked for comes from [from, ...
 // them. Built from the manifest alike on every rank; read-only after.
 class SavedCut {
  public:
-  SavedCut(const Partition& part, const fs::path& dir, const json& m)
-      : part_(part), dir_(dir), chunks_(state::kSavedKinds) {
+  SavedCut(const Partition& part, const fs::path& dir, const json& m, const ChunkCatalog& catalog)
+      : part_(part), dir_(dir), catalog_(catalog) {
     for (const ManifestTensor& t : manifest_tensors(m["units"], dir.string()))
       for (const WholeRun& r : whole_runs(t.slot)) saved_[t.slot.whole_name()].push_back({r.whole_begin, r.numel, r.flat_begin, t.unit});
     for (auto& [name, runs] : saved_)
       std::sort(runs.begin(), runs.end(), [](const SavedRun& a, const SavedRun& b) { return a.whole_begin < b.whole_begin; });
-    for (int k = 0; k < state::kSavedKinds; ++k)
-      for (const auto& of_unit : chunks_by_unit(m, dir, k)) {
-        std::vector<Chunk> cs;
-        for (const json* c : of_unit)
-          cs.push_back({c, (*c)["begin"].get<uint64_t>(), (*c)["numel"].get<uint64_t>(), (*c)["rank"].get<int>()});
-        std::sort(cs.begin(), cs.end(), [](const Chunk& a, const Chunk& b) { return a.begin < b.begin; });
-        chunks_[size_t(k)].push_back(std::move(cs));
-      }
   }
 
   // The pieces of [want_b, want_e) of unit u's elements (one per run of each tensor: per row of a
@@ -91,31 +78,18 @@ class SavedCut {
   // Calls f(piece, chunk, lo, hi) for each chunk of kind k holding elements [lo, hi) of a piece.
   template <class F>
   void for_each_overlap(int k, const std::vector<Piece>& pieces, const F& f) const {
-    for (const Piece& p : pieces) {
-      const auto [first, last] = overlapping(k, p.unit, p.from, p.numel);
-      for (size_t i = first; i < last; ++i) {
-        const Chunk& c = chunks_[size_t(k)][p.unit][i];
-        const uint64_t lo = std::max(c.begin, p.from), hi = std::min(c.begin + c.numel, p.from + p.numel);
+    for (const Piece& p : pieces)
+      for (const Chunk& c : catalog_.overlapping(p.unit, k, p.from, p.from + p.numel)) {
+        const uint64_t lo = std::max(c.begin, p.from), hi = std::min(c.end(), p.from + p.numel);
         if (lo < hi) f(p, c, lo, hi);
       }
-    }
   }
 
  private:
-  // The chunks of saved unit `su` (kind k) overlapping [from, from + n), as an index range.
-  std::pair<size_t, size_t> overlapping(int k, size_t su, uint64_t from, uint64_t n) const {
-    const std::vector<Chunk>& cs = chunks_[size_t(k)].at(su);
-    auto it = std::upper_bound(cs.begin(), cs.end(), from, [](uint64_t x, const Chunk& c) { return x < c.begin; });
-    const size_t first = it == cs.begin() ? 0 : size_t(it - cs.begin()) - 1;
-    size_t last = first;
-    while (last < cs.size() && cs[last].begin < from + n) ++last;
-    return std::make_pair(first, last);
-  }
-
   const Partition& part_;
   const fs::path& dir_;
-  std::map<std::string, std::vector<SavedRun>> saved_;    // by whole tensor, sorted by whole_begin
-  std::vector<std::vector<std::vector<Chunk>>> chunks_;  // [kind][saved unit], sorted by begin
+  const ChunkCatalog& catalog_;
+  std::map<std::string, std::vector<SavedRun>> saved_;  // by whole tensor, sorted by whole_begin
 };
 
 // Which (unit, kind) some rank cannot read alone ([unit * kSavedKinds + kind]), and the files no
@@ -167,20 +141,20 @@ void load_kind(const RecutLoad& ctx, int k) {
   const int rank = ctx.comm.rank();
   LoadFailure& failure = ctx.failure;
   const auto attempt = [&](const std::function<void()>& f) { failure.attempt(f); };
-  std::map<const json*, at::Tensor> cache;  // chunks read, while the saved units they belong to are used
+  std::map<Chunk, at::Tensor> cache;  // chunks read, while the saved units they belong to are used
   // Reads the chunks `take` selects among those overlapping `pieces` (or finds them in the
   // cache), after dropping the cached chunks that are not among them (the saved units before
   // this one are done with).
   const auto read = [&](const std::vector<Piece>& pieces, const auto& take) {
-    std::vector<const json*> used;
+    std::vector<Chunk> used;
     std::vector<ChunkReader::Request> batch;
     ctx.cut.for_each_overlap(k, pieces, [&](const Piece&, const Chunk& c, uint64_t, uint64_t) {
       if (!take(c)) return;
-      used.push_back(c.j);
-      if (cache.count(c.j)) return;
+      used.push_back(c);
+      if (cache.count(c)) return;
       at::Tensor buf = aligned_floats(int64_t(c.numel));
-      cache.emplace(c.j, buf);
-      batch.push_back({c.j, buf.data_ptr<float>()});
+      cache.emplace(c, buf);
+      batch.push_back({c, buf.data_ptr<float>()});
     });
     std::sort(used.begin(), used.end());
     for (auto it = cache.begin(); it != cache.end();)
@@ -193,7 +167,7 @@ void load_kind(const RecutLoad& ctx, int k) {
     ctx.cut.for_each_overlap(k, pieces, [&](const Piece& p, const Chunk& c, uint64_t lo, uint64_t hi) {
       if (take(c))
         dst.narrow(0, int64_t(p.to + (lo - p.from)), int64_t(hi - lo))
-            .copy_(cache.at(c.j).narrow(0, int64_t(lo - c.begin), int64_t(hi - lo)));
+            .copy_(cache.at(c).narrow(0, int64_t(lo - c.begin), int64_t(hi - lo)));
     });
   };
   const auto all = [](const Chunk&) { return true; };
@@ -246,11 +220,11 @@ void load_kind(const RecutLoad& ctx, int k) {
 // the lowest rank that sees its file, copied into a zeroed buffer of the unit at the places of
 // its elements, and a reduce-scatter of the bits hands each rank its slice. Errors are agreed
 // after the reads, as in load_checkpoint.
-void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const json& m, ChunkReader& reader,
-                const FilesSeen& seen) {
+void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const json& m, const ChunkCatalog& catalog,
+                ChunkReader& reader, const FilesSeen& seen) {
   const Partition& part = engine.partition();
   LoadFailure failure;
-  const SavedCut cut(part, dir, m);
+  const SavedCut cut(part, dir, m, catalog);
   const std::vector<uint8_t> exchanged = plan_exchanges(comm, dir, m, part, cut, seen);
   const RecutLoad ctx{engine, comm, reader, seen, cut, exchanged, failure};
   for (int k = 0; k < state::kSavedKinds; ++k) load_kind(ctx, k);

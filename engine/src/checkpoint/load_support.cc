@@ -18,27 +18,19 @@ namespace strata::engine::ckpt {
 
 namespace {
 
-// Per saving rank: whether this process sees its data file in `dir`, at least as long as its
-// chunks reach. An object store is one place every rank reads.
-std::vector<int32_t> files_seen(const fs::path& dir, const json& m, int saved_world) {
-  std::vector<int32_t> seen(size_t(saved_world), 1);
+// Per saving rank: whether this process sees its data file in the checkpoint, as long as the save
+// wrote it. An object store is one place every rank reads.
+std::vector<int32_t> files_seen(const fs::path& dir, const ChunkCatalog& catalog) {
+  std::vector<int32_t> seen(size_t(catalog.saved_world()), 1);
   if (is_object_location(dir)) return seen;
-  std::vector<uint64_t> reach(size_t(saved_world), 0);
-  std::vector<std::string> file{size_t(saved_world)};
-  for (const json& c : m["chunks"]) {
-    const int q = c["rank"].get<int>();
-    if (q < 0 || q >= saved_world) throw std::runtime_error("checkpoint " + dir.string() + ": a chunk of rank " +
-                                                            std::to_string(q) + " in a save of " +
-                                                            std::to_string(saved_world) + " ranks");
-    reach[size_t(q)] = std::max(reach[size_t(q)], c["offset"].get<uint64_t>() + c["numel"].get<uint64_t>() * 4);
-    file[size_t(q)] = c["file"].get<std::string>();
-  }
-  const std::string prefix = data_prefix(m);  // "<save id>/" in a checkpoint a store holds
-  for (size_t q = 0; q < seen.size(); ++q) {
-    if (reach[q] == 0) continue;
+  for (int q = 0; q < catalog.saved_world(); ++q) {
+    const uint64_t reach = catalog.data_bytes(q);
+    if (reach == 0) continue;
     std::error_code ec;
-    const uintmax_t size = fs::file_size(dir / (prefix + file[q]), ec);
-    seen[q] = !ec && size >= reach[q];
+    const uintmax_t size = fs::file_size(dir / catalog.data_file(q), ec);
+    // Format 3 reads where the chunks are from the index file beside the data.
+    const bool index = catalog.format() < kFormatWithIndexes || fs::exists(dir / catalog.index_file(q), ec);
+    seen[size_t(q)] = !ec && size >= reach && index;
   }
   return seen;
 }
@@ -64,13 +56,21 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 }  // namespace
 
-FilesSeen files_seen_by_all(Communicator& comm, const fs::path& dir, const json& m) {
+FilesSeen files_seen_by_all(Communicator& comm, const fs::path& dir, const ChunkCatalog& catalog) {
   FilesSeen f;
-  f.saved = m["world_size"].get<int>();
-  std::vector<int32_t> here = files_seen(dir, m, f.saved);
-  at::Tensor all = at::empty({int64_t(comm.world_size()) * f.saved}, at::kInt);
-  comm.all_gather(all, at::from_blob(here.data(), {f.saved}, at::kInt).clone())->wait();
-  f.seen.assign(all.data_ptr<int32_t>(), all.data_ptr<int32_t>() + all.numel());
+  f.saved = catalog.saved_world();
+  f.words = (size_t(f.saved) + 31) / 32;
+  const std::vector<int32_t> here = files_seen(dir, catalog);
+  std::vector<uint32_t> mine(f.words, 0);
+  for (int q = 0; q < f.saved; ++q)
+    if (here[size_t(q)]) mine[size_t(q) / 32] |= 1u << (q % 32);
+  at::Tensor all = at::empty({int64_t(comm.world_size()) * int64_t(f.words)}, at::kInt);
+  comm.all_gather(all, at::from_blob(mine.data(), {int64_t(f.words)}, at::kInt).clone())->wait();
+  f.bits.assign(reinterpret_cast<const uint32_t*>(all.data_ptr<int32_t>()),
+                reinterpret_cast<const uint32_t*>(all.data_ptr<int32_t>()) + all.numel());
+  f.all = true;
+  for (int r = 0; r < comm.world_size() && f.all; ++r)
+    for (int q = 0; q < f.saved && f.all; ++q) f.all = f.sees(r, q);
   return f;
 }
 
@@ -101,8 +101,8 @@ FilesSeen files_seen_by_all(Communicator& comm, const fs::path& dir, const json&
   throw std::runtime_error("checkpoint " + dir.string() + ": " + files + "; no rank of this run sees " +
                            (missing.size() > 1 ? "them" : "it") + ". Where each node looked: " + looked +
                            ". Copy " + (missing.size() > 1 ? "them" : "it") +
-                           " into that directory on any node (each rank reads what its node sees; the rest "
-                           "travels over the network)");
+                           " (with the .index.json beside it) into that directory on any node (each rank reads what its "
+                           "node sees; the rest travels over the network)");
 }
 
 CheckpointMeta finish_load(Engine& engine, Communicator& comm, const fs::path& dir, const json& m) {

@@ -16,6 +16,7 @@
 #include <span>
 #include <thread>
 
+#include "checkpoint/catalog.h"
 #include "checkpoint/commit.h"
 #include "checkpoint/format.h"
 #include "checkpoint/staging.h"
@@ -115,11 +116,15 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
   snap.staging_bytes = staging_limit(options.staging_bytes, staged);
   snap.options = options;
   const Engine::Counters c = engine.counters();
-  snap.manifest = {{"format", format_version(partition_json(part))},
+  json shards = json::array();
+  for (size_t u = 0; u < part.num_units(); ++u) shards.push_back(part.unit(u).shard_numel);
+  snap.manifest = {{"format", kFormatVersion},
                    {"kind", "strata-checkpoint"},
                    {"world_size", comm.world_size()},
                    {"model", json::parse(engine.model_config().to_hf_json("float32"))},
                    {"units", partition_json(part)},
+                   {"shards", std::move(shards)},
+                   {"chunk_elements", kChunkElements},
                    {"state_kinds", {state::kind_name(0), state::kind_name(1), state::kind_name(2)}},
                    {"counters", {{"optimizer_step", c.step}, {"loss_scale", c.loss_scale},
                                  {"good_steps", c.good_steps}}},
@@ -133,13 +138,13 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
   return snap;
 }
 
-// Steps 1-2 (this rank alone, any thread): the data file and the index; returns the index.
+// Steps 1-2 (this rank alone, any thread): the data file and the index; returns their record.
 // Unit by unit in snap.order, once the update running behind is over (if it failed, the state
 // is half updated and the save fails with its error): slices in files are copied file to file
 // inside the kernel (Engine::copy_state_to_file), the others written from the state or from
 // staging buffers they are copied into (Engine::read_state); then the unit is released to the
 // engine. The CRCs of file-to-file copies are computed by reading the data file back.
-std::string write_rank_files(Engine& engine, Snapshot& snap) {
+RankFiles write_rank_files(Engine& engine, Snapshot& snap) {
   struct ReleaseAll {  // on every way out: nothing may wait on this save for ever
     StateHold* h;
     ~ReleaseAll() { if (h) h->release_all(); }
@@ -151,7 +156,7 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
   io_config.fault_injector = snap.options.io_fault_injector;
   auto io = offload::IoEngine::create(io_config);
   offload::File file = offload::File::open(data_path, offload::OpenMode::kTruncate);
-  json chunks = json::array();
+  std::vector<SliceRecord> slices;  // the index: where each slice's chunks are, and their CRCs
   // Writes straight from the state: a synchronous save only, whose caller (the training thread)
   // is blocked until they are done, so the state cannot change under them although their units
   // are released before.
@@ -161,7 +166,11 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
     for (uint64_t e = 0; e < s.numel; e += kChunkElements) total += chunk_extent(std::min(kChunkElements, s.numel - e));
   if (total > 0) file.reserve(0, total);
   uint64_t offset = 0;
-  std::vector<size_t> copied_chunks;  // their CRC is computed from the file
+  struct Copied {  // a chunk copied file to file: its CRC is computed from the file
+    size_t slice, chunk;
+    uint64_t offset, numel;
+  };
+  std::vector<Copied> copied_chunks;
   std::exception_ptr first;
   {
     Staging staging(snap.staging_bytes);
@@ -169,14 +178,14 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
       for (size_t u : snap.order) {
         for (int k = 0; k < state::kSavedKinds; ++k) {
           const SnapshotSlice& s = snap.slices.at(u * state::kSavedKinds + size_t(k));
+          if (s.numel > 0) slices.push_back({u, k, offset, {}});
           for (uint64_t e = 0; e < s.numel; e += kChunkElements) {
             const uint64_t n = std::min(kChunkElements, s.numel - e);
-            json c = {{"unit", s.unit}, {"kind", state::kind_name(s.kind)}, {"rank", snap.rank},
-                      {"begin", s.begin + e}, {"numel", n},
-                      {"file", data_path.filename().string()}, {"offset", offset}};
+            std::vector<uint32_t>& crcs = slices.back().crc32c;
             if (s.in_files) {
               engine.copy_state_to_file(u, state::Kind(k), e, n, file, offset);
-              copied_chunks.push_back(chunks.size());
+              copied_chunks.push_back({slices.size() - 1, crcs.size(), offset, n});
+              crcs.push_back(0);
             } else {
               const float* from = nullptr;
               if (s.data.defined()) {
@@ -190,9 +199,8 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
               offload::IoFuture w = io->write(file, offset, bytes);  // first: the CRC overlaps the write
               if (s.data.defined()) direct_writes.push_back(std::move(w));
               else staging.writing(std::move(w));
-              c["crc32c"] = offload::crc32c(bytes.data(), bytes.size());
+              crcs.push_back(offload::crc32c(bytes.data(), bytes.size()));
             }
-            chunks.push_back(std::move(c));
             offset += chunk_extent(n);
           }
         }
@@ -216,24 +224,23 @@ std::string write_rank_files(Engine& engine, Snapshot& snap) {
   }
   if (first) std::rethrow_exception(first);
   std::vector<unsigned char> buf;
-  for (size_t i : copied_chunks) {
-    json& c = chunks[i];
-    const uint64_t n = c["numel"].get<uint64_t>() * 4;
+  for (const Copied& c : copied_chunks) {
+    const uint64_t n = c.numel * 4;
     buf.resize(n);
     // Through the page cache the copy went through (buffered descriptor).
     for (uint64_t got = 0; got < n;) {
-      const ssize_t r = ::pread(file.buffered_fd(), buf.data() + got, n - got, off_t(c["offset"].get<uint64_t>() + got));
+      const ssize_t r = ::pread(file.buffered_fd(), buf.data() + got, n - got, off_t(c.offset + got));
       if (r < 0 && errno == EINTR) continue;
       if (r <= 0) fail_errno("cannot read back", data_path);
       got += uint64_t(r);
     }
-    c["crc32c"] = offload::crc32c(buf.data(), n);
+    slices[c.slice].crc32c[c.chunk] = offload::crc32c(buf.data(), n);
   }
   file.sync();
   snap.report.data_bytes = offset;
-  const json index = {{"format", kFormatWithoutParts}, {"rank", snap.rank}, {"chunks", chunks}};  // no units in it
-  write_atomically(snap.dir / (rank_name(snap.rank) + ".index.json"), index.dump(1));
-  return index.dump();
+  const std::string index = index_text(snap.rank, kChunkElements, slices);
+  write_atomically(snap.dir / (rank_name(snap.rank) + ".index.json"), index);
+  return {offset, index.size(), offload::crc32c(index.data(), index.size())};
 }
 
 }  // namespace
@@ -243,14 +250,15 @@ fs::path save_checkpoint(Engine& engine, Communicator& comm, const fs::path& roo
   uncommit_existing(comm, root, name);
   Snapshot snap = take_snapshot(engine, comm, root, name, meta, /*async=*/false, options);
   // A rank whose writes failed must still take part in the collectives, then all ranks fail.
-  std::string index, error;
+  RankFiles written;
+  std::string error;
   try {
-    index = write_rank_files(engine, snap);
+    written = write_rank_files(engine, snap);
   } catch (const std::exception& e) {
     error = e.what();
   }
   agree_written(comm, snap.dir, error);
-  commit(comm, snap.root, snap.name, snap.manifest, index);
+  commit(comm, snap.root, snap.name, snap.manifest, written);
   return snap.dir;
 }
 
@@ -260,7 +268,8 @@ struct AsyncCheckpointer::Pending {
   Snapshot snap;
   std::thread writer;
   std::atomic<bool> done{false};
-  std::string index, error;
+  RankFiles written;
+  std::string error;
 };
 
 AsyncCheckpointer::AsyncCheckpointer(Communicator& comm, CheckpointOptions options)
@@ -283,7 +292,7 @@ double AsyncCheckpointer::start(Engine& engine, const fs::path& root, const std:
   try {
     p->writer = std::thread([p, &engine] {
       try {
-        p->index = write_rank_files(engine, p->snap);
+        p->written = write_rank_files(engine, p->snap);
       } catch (const std::exception& e) {
         p->error = e.what();
       }
@@ -316,7 +325,7 @@ std::optional<fs::path> AsyncCheckpointer::complete() {
   std::unique_ptr<Pending> p = std::move(pending_);
   if (p->writer.joinable()) p->writer.join();
   agree_written(comm_, p->snap.dir, p->error);
-  commit(comm_, p->snap.root, p->snap.name, p->snap.manifest, p->index);
+  commit(comm_, p->snap.root, p->snap.name, p->snap.manifest, p->written);
   last_report_ = p->snap.report;
   return p->snap.dir;
 }

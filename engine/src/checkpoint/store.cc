@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <random>
 #include <set>
+#include <span>
 #include <stdexcept>
 #include <thread>
 
@@ -115,11 +116,16 @@ void CheckpointUploader::start(const fs::path& dir_arg) {
   p->thread = std::thread([this, raw] {
     const auto t0 = std::chrono::steady_clock::now();
     const std::string file = rank_name(comm_.rank()) + ".data";
+    const std::string index = rank_name(comm_.rank()) + ".index.json";
     try {
       if (raw->error.empty()) {
-        const offload::ObjectInfo info = offload::put_file(*store_, raw->name + "/" + raw->save_id + "/" + file,
-                                                           (raw->dir / file).string(), transfer_);
-        raw->bytes = info.size;
+        const std::string prefix = raw->name + "/" + raw->save_id + "/";
+        const offload::ObjectInfo info = offload::put_file(*store_, prefix + file, (raw->dir / file).string(), transfer_);
+        // The index (format 3) beside its data, immutable under the save id like it; the
+        // manifest names its size and CRC.
+        const std::string text = read_text(raw->dir / index);
+        store_->put(prefix + index, std::as_bytes(std::span(text)));
+        raw->bytes = info.size + text.size();
       }
     } catch (const std::exception& e) {
       raw->error = e.what();

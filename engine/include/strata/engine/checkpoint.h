@@ -136,6 +136,7 @@ std::string describe_checkpoint(const std::filesystem::path& checkpoint_dir);
 struct ExportResult {
   uint64_t tensors = 0;
   uint64_t bytes = 0;  // tensor bytes written
+  std::vector<std::string> tokenizer_files;  // copied in from `tokenizer_from`
 };
 // The files are written into a temporary directory beside out_dir (`<out_dir>.export-tmp`) and
 // renamed into out_dir once complete, so a failed export leaves out_dir as it was. An out_dir that
@@ -147,7 +148,28 @@ struct ExportResult {
 ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
                                   const std::filesystem::path& out_dir, const std::string& dtype,
                                   const std::function<void(uint64_t, uint64_t)>& progress = {},
-                                  bool overwrite = false, const std::filesystem::path& tokenizer_from = {});
+                                  bool overwrite = false, const std::filesystem::path& tokenizer_from = {},
+                                  uint64_t shard_bytes = 5'000'000'000);
+
+// Collective: the engine's weights now (fp32 masters) as a Hugging Face model directory, as
+// export_checkpoint_hf writes a checkpoint's, streamed: tensor by tensor in unit order, each one's
+// elements broadcast in pieces of at most 64 MiB from the rank whose slice holds them (read where
+// the slice lives: device, host or swap). Rank 0 writes, holding one tensor in the export type
+// (two for a transposed one, a tiled tensor's whole) and one piece; every other rank one piece.
+// Waits for an asynchronous save in flight, then holds the state while it reads (hold_state).
+// Call on the training thread of every rank. A failure on rank 0 (a full disk, an existing
+// out_dir without `overwrite`) is thrown there after every rank has done the export's
+// collectives; the other ranks return (agree on it with an all-reduce, as the CLI does).
+struct EngineExport {
+  at::ScalarType type = at::kFloat;
+  uint64_t shard_bytes = 5'000'000'000;  // models::kDefaultShardBytes
+  bool overwrite = false;
+  std::string overwrite_hint;            // how to overwrite, in the refusal of a non-empty out_dir
+  std::filesystem::path tokenizer_from;  // a Hugging Face directory whose tokenizer files are copied in
+  std::function<void(uint64_t done, uint64_t total)> progress;  // bytes written, on rank 0
+};
+ExportResult export_engine_hf(Engine& engine, Communicator& comm, const std::filesystem::path& out_dir,
+                              const EngineExport& options);
 
 // Collective: deletes all but the `keep` newest checkpoints under `root` (by name order; the
 // latest is always kept), as rank 0 sees them. Rank 0 un-commits each (removes its manifest)

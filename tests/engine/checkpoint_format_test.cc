@@ -1,0 +1,331 @@
+// Checkpoint format 3 (docs/FORMATS.md): the chunks follow from the manifest's shards, where they
+// lie and their CRCs are in one index file per saving rank, read only for the ranks a reader reads
+// and checked against the manifest; the formats before it still load, verify and export.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "checkpoint/catalog.h"
+#include "checkpoint/chunk_reader.h"
+#include "checkpoint/format.h"
+#include "checkpoint_trainer.h"
+#include "saved_chunks.h"
+#include "strata/engine/checkpoint.h"
+#include "strata/models/decoder.h"
+#include "strata/models/hf_io.h"
+#include "strata/models/safetensors.h"
+#include "strata/offload/crc32c.h"
+#include "test_util.h"
+
+namespace se = strata::engine;
+namespace sm = strata::models;
+namespace ck = strata::engine::ckpt;
+namespace fs = std::filesystem;
+using nlohmann::json;
+using strata::test::Losses;
+using strata::test::TempDir;
+using strata::test::Trainer;
+using strata::test::expect_bitwise;
+using strata::test::tiny_llama;
+
+namespace {
+
+constexpr int kKinds = 3;
+
+std::string slurp(const fs::path& p) {
+  std::ostringstream s;
+  s << std::ifstream(p, std::ios::binary).rdbuf();
+  return s.str();
+}
+void spit(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
+std::string index_name(int q) { return ck::rank_name(q) + ".index.json"; }
+
+// A format 3 checkpoint written by hand from the format's description, with small chunks so that
+// slices have several: units of `numels` elements, `world` saving ranks, random values.
+struct Synthetic {
+  json manifest;
+  std::vector<uint64_t> shard;
+  std::vector<std::vector<std::vector<float>>> values;  // [unit][kind]: the unit's elements
+  uint64_t data_bytes = 0;                             // all ranks' data files
+};
+
+Synthetic write_synthetic(const fs::path& dir, const std::vector<uint64_t>& numels, int world, uint64_t chunk) {
+  Synthetic s;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  json units = json::array(), ranks = json::array();
+  for (size_t u = 0; u < numels.size(); ++u) {
+    units.push_back({{"name", "unit" + std::to_string(u)}, {"numel", numels[u]},
+                     {"tensors", {{{"name", "t" + std::to_string(u)}, {"shape", {numels[u]}}}}}});
+    s.shard.push_back((numels[u] + uint64_t(world) - 1) / uint64_t(world) / 8 * 8 + 8);  // aligned to 8, padded
+    s.values.emplace_back();
+    for (int k = 0; k < kKinds; ++k) {
+      s.values[u].emplace_back(numels[u]);
+      for (float& x : s.values[u][size_t(k)]) x = dist(rng);
+    }
+  }
+  for (int q = 0; q < world; ++q) {
+    std::string data;
+    std::vector<ck::SliceRecord> slices;
+    for (size_t u = numels.size(); u-- > 0;)  // in another order than the units': readers go by offsets
+      for (int k = 0; k < kKinds; ++k) {
+        const uint64_t b = uint64_t(q) * s.shard[u];
+        if (b >= numels[u]) continue;
+        const uint64_t valid = std::min(s.shard[u], numels[u] - b);
+        ck::SliceRecord r{u, k, data.size(), {}};
+        for (uint64_t e = 0; e < valid; e += chunk) {
+          const uint64_t n = std::min(chunk, valid - e);
+          const float* from = s.values[u][size_t(k)].data() + b + e;
+          r.crc32c.push_back(strata::offload::crc32c(from, n * 4));
+          std::string bytes(reinterpret_cast<const char*>(from), n * 4);
+          bytes.resize(ck::chunk_extent(n), '\0');
+          data += bytes;
+        }
+        slices.push_back(std::move(r));
+      }
+    spit(dir / (ck::rank_name(q) + ".data"), data);
+    s.data_bytes += data.size();
+    const std::string index = ck::index_text(q, chunk, slices);
+    spit(dir / index_name(q), index);
+    ranks.push_back({{"data_bytes", data.size()}, {"index_bytes", index.size()},
+                     {"index_crc32c", strata::offload::crc32c(index.data(), index.size())}});
+  }
+  s.manifest = {{"format", 3}, {"kind", "strata-checkpoint"}, {"world_size", world}, {"model", json::object()},
+                {"units", units}, {"shards", s.shard}, {"chunk_elements", chunk}, {"ranks", ranks},
+                {"state_kinds", {"master", "exp_avg", "exp_avg_sq"}},
+                {"counters", {{"optimizer_step", 1}, {"loss_scale", 1.0}, {"good_steps", 0}}},
+                {"train_steps", 1}, {"samples_consumed", 8}, {"global_batch", 8}};
+  spit(dir / "manifest.json", s.manifest.dump(1));
+  return s;
+}
+
+// Reads `chunks` through the catalog and checks every element against the values written.
+void expect_values(ck::ChunkCatalog& catalog, const fs::path& dir, const std::vector<ck::Chunk>& chunks,
+                   const Synthetic& s) {
+  ck::ChunkReader reader(dir, catalog);
+  std::vector<std::vector<float>> got;
+  std::vector<ck::ChunkReader::Request> batch;
+  got.reserve(chunks.size());
+  for (const ck::Chunk& c : chunks) {
+    got.emplace_back(c.numel);
+    batch.push_back({c, got.back().data()});
+  }
+  reader.read(batch, 4);
+  for (size_t i = 0; i < chunks.size(); ++i)
+    ASSERT_EQ(std::memcmp(got[i].data(), s.values[chunks[i].unit][size_t(chunks[i].kind)].data() + chunks[i].begin,
+                          chunks[i].numel * 4),
+              0)
+        << catalog.name(chunks[i]);
+}
+
+// Units of awkward sizes over 5 ranks: one so small that only rank 0 holds any of it, slices of
+// one partial chunk and of several.
+const std::vector<uint64_t> kNumels = {5, 1000, 12345, 777};
+
+TEST(CheckpointCatalog, ChunksFollowFromTheShardsAndOnlyTheRanksReadHaveTheirIndexRead) {
+  TempDir dir;
+  const Synthetic s = write_synthetic(dir.path(), kNumels, 5, 300);
+  ck::ChunkCatalog catalog(dir.path(), ck::parse_manifest(slurp(dir / "manifest.json"), "test"));
+  uint64_t count = 0;
+  for (size_t u = 0; u < kNumels.size(); ++u)
+    for (int k = 0; k < kKinds; ++k) {
+      uint64_t next = 0;
+      for (const ck::Chunk& c : catalog.chunks(u, k)) {
+        EXPECT_EQ(c.begin, next) << catalog.name(c);
+        EXPECT_EQ(uint64_t(c.rank), c.begin / s.shard[u]) << catalog.name(c);
+        EXPECT_LE(c.numel, 300u);
+        EXPECT_LE(c.end(), uint64_t(c.rank + 1) * s.shard[u]) << "a chunk crosses its rank's slice";
+        next = c.end();
+        ++count;
+      }
+      EXPECT_EQ(next, kNumels[u]);
+    }
+  EXPECT_EQ(catalog.chunk_count(), count);
+  EXPECT_EQ(catalog.index_bytes_read(), 0u) << "the chunks' places need no index";
+
+  // Rank 3's slices, and a range straddling ranks 1 and 2 of unit 2: only those ranks' indexes.
+  std::vector<ck::Chunk> of_3;
+  for (size_t u = 0; u < kNumels.size(); ++u)
+    for (int k = 0; k < kKinds; ++k)
+      for (const ck::Chunk& c : catalog.overlapping(u, k, 3 * s.shard[u], 4 * s.shard[u])) of_3.push_back(c);
+  ASSERT_FALSE(of_3.empty());
+  expect_values(catalog, dir.path(), of_3, s);
+  EXPECT_EQ(catalog.index_bytes_read(), fs::file_size(dir / index_name(3)));
+  expect_values(catalog, dir.path(), catalog.overlapping(2, 1, 2 * s.shard[2] - 10, 2 * s.shard[2] + 10), s);
+  EXPECT_EQ(catalog.index_bytes_read(),
+            fs::file_size(dir / index_name(3)) + fs::file_size(dir / index_name(1)) + fs::file_size(dir / index_name(2)));
+
+  // verify reads every chunk, rank by rank; describe counts them without reading an index.
+  uint64_t elements = 0;
+  for (uint64_t n : kNumels) elements += n * kKinds;
+  EXPECT_EQ(se::verify_checkpoint(dir.path()), elements * 4);
+  const std::string described = se::describe_checkpoint(dir.path());
+  EXPECT_NE(described.find("format 3, saved by 5 ranks"), std::string::npos) << described;
+  EXPECT_NE(described.find(std::to_string(count) + " chunks"), std::string::npos) << described;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(CheckpointCatalog, AnIndexFileThatIsNotTheSavedOneIsRefusedNamingIt) {
+  TempDir dir;
+  const Synthetic s = write_synthetic(dir.path(), kNumels, 5, 300);
+  const auto read_rank = [&](int q) {
+    ck::ChunkCatalog catalog(dir.path(), ck::parse_manifest(slurp(dir / "manifest.json"), "test"));
+    expect_values(catalog, dir.path(), catalog.of_rank(q), s);
+  };
+  const std::string good = slurp(dir / index_name(2));
+
+  // One changed digit of one CRC: the manifest's CRC of the index catches it before any data.
+  std::string bad = good;
+  bad[bad.rfind('"') - 1] = bad[bad.rfind('"') - 1] == '0' ? '1' : '0';
+  spit(dir / index_name(2), bad);
+  std::string why = error_of([&] { read_rank(2); });
+  EXPECT_NE(why.find("index file rank-00002.index.json is not the one saved"), std::string::npos) << why;
+  EXPECT_NE(error_of([&] { se::verify_checkpoint(dir.path()); }).find("rank-00002.index.json"), std::string::npos);
+  read_rank(1);  // the other ranks' metadata is untouched, and read alone
+
+  // Missing.
+  fs::remove(dir / index_name(2));
+  why = error_of([&] { read_rank(2); });
+  EXPECT_NE(why.find("index file rank-00002.index.json is missing"), std::string::npos) << why;
+
+  // An index that matches the manifest's record but not the slices: one CRC too few for unit 2.
+  json index = json::parse(good);
+  for (json& slice : index["slices"])
+    if (slice[0] == 2 && slice[1] == 0) slice[3] = slice[3].get<std::string>().substr(8);
+  const std::string edited = index.dump();
+  spit(dir / index_name(2), edited);
+  json m = s.manifest;
+  m["ranks"][2]["index_bytes"] = edited.size();
+  m["ranks"][2]["index_crc32c"] = strata::offload::crc32c(edited.data(), edited.size());
+  spit(dir / "manifest.json", m.dump());
+  why = error_of([&] { read_rank(2); });
+  EXPECT_NE(why.find("rank-00002.index.json: unit unit2 master has"), std::string::npos) << why;
+
+  // A data file shorter than the manifest says is one this rank does not see (a load then asks
+  // the rank that does); reading it is an error naming the chunk.
+  spit(dir / index_name(2), good);
+  spit(dir / "manifest.json", s.manifest.dump());
+  read_rank(2);
+  fs::resize_file(dir / (ck::rank_name(4) + ".data"), 4096);
+  why = error_of([&] { read_rank(4); });
+  EXPECT_NE(why.find("rank-00004.data at offset"), std::string::npos) << why;
+}
+
+// A checkpoint written by a binary of format 2 (the chunk list in the manifest, index files
+// without units) still loads bitwise, verifies and exports alike. It is made from a format 3 save
+// by the format's second reader (saved_chunks.h), as format 2 wrote it.
+TEST(Checkpoint, FormatTwoCheckpointsStillLoadVerifyAndExport) {
+  TempDir dir;
+  const se::TrainConfig tc = se::parse_train_config(tiny_llama(2).dump(), "test");
+  Losses r;
+  Trainer a(tc);
+  a.train(2, r);
+  a.save(dir.path(), "new");
+  const fs::path v3 = dir / "new", v2 = dir / "old";
+  fs::create_directories(v2);
+  json m = json::parse(slurp(v3 / "manifest.json"));
+  ASSERT_EQ(m["format"], 3);
+  ASSERT_FALSE(m.contains("chunks"));
+  const std::vector<json> chunks = strata::test::saved_chunks(m, [&](int q) { return slurp(v3 / index_name(q)); });
+  const int world = m["world_size"].get<int>();
+  for (int q = 0; q < world; ++q) {
+    fs::copy_file(v3 / (ck::rank_name(q) + ".data"), v2 / (ck::rank_name(q) + ".data"));
+    json mine = json::array();
+    for (const json& c : chunks)
+      if (c["rank"] == q) mine.push_back(c);
+    spit(v2 / index_name(q), json{{"format", 1}, {"rank", q}, {"chunks", mine}}.dump(1));
+  }
+  m["format"] = 2;
+  m["chunks"] = chunks;
+  for (const char* key : {"shards", "chunk_elements", "ranks"}) m.erase(key);
+  spit(v2 / "manifest.json", m.dump(1));
+
+  Trainer b(tc);
+  b.load(v2);
+  expect_bitwise(b.params(), a.params());
+  EXPECT_EQ(se::verify_checkpoint(v2), se::verify_checkpoint(v3));
+  const std::string d2 = se::describe_checkpoint(v2), d3 = se::describe_checkpoint(v3);
+  EXPECT_EQ(d2.substr(d2.find(" chunks") - 3), d3.substr(d3.find(" chunks") - 3));
+  se::export_checkpoint_hf(v2, dir / "hf2", "float32");
+  se::export_checkpoint_hf(v3, dir / "hf3", "float32");
+  EXPECT_EQ(slurp(dir / "hf2" / "model.safetensors"), slurp(dir / "hf3" / "model.safetensors"));
+  // A chunk list that misses a chunk is refused before anything is read.
+  m["chunks"].erase(m["chunks"].begin() + 1);
+  spit(v2 / "manifest.json", m.dump(1));
+  const std::string why = error_of([&] { b.load(v2); });
+  EXPECT_NE(why.find("the manifest's chunks do not cover"), std::string::npos) << why;
+}
+
+// The streamed export of a running engine (export_engine_hf: tensor by tensor, broadcast in
+// pieces) writes every tensor bitwise as the export before it did (every unit all-gathered
+// whole, copied into a model and written by models::export_hf_model), in fp32 and bf16, with the
+// state on the host or in swap, whole blocks or tiles; and its refusal of a non-empty directory
+// leaves the engine usable.
+void engine_export_matches(json cfg) {
+  TempDir dir, swap;
+  if (cfg.contains("placement") && cfg["placement"].contains("master"))
+    cfg["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
+  const se::TrainConfig tc = se::parse_train_config(cfg.dump(), "test");
+  Losses r;
+  Trainer a(tc);
+  a.train(2, r);
+  for (const at::ScalarType type : {at::kFloat, at::kBFloat16}) {
+    const std::string tag = type == at::kFloat ? "f32" : "bf16";
+    sm::Decoder before(tc.model, 0, sm::Decoder::Init::kDeferred);
+    {
+      at::NoGradGuard no_grad;
+      std::map<std::string, at::Tensor> by_name;
+      for (auto& [n, t] : a.engine().gather_parameters()) by_name[n] = t;
+      for (auto& [n, t] : before.hf_parameters()) t.copy_(by_name.at(n));
+    }
+    sm::export_hf_model(before, dir / ("gathered-" + tag), type);
+    se::EngineExport options;
+    options.type = type;
+    options.shard_bytes = 20000;  // several shards
+    const se::ExportResult done = se::export_engine_hf(a.engine(), a.comm(), dir / ("streamed-" + tag), options);
+    EXPECT_GT(done.tensors, 0u);
+    const sm::SafetensorsCheckpoint want(dir / ("gathered-" + tag)), got(dir / ("streamed-" + tag));
+    EXPECT_TRUE(fs::exists(dir / ("streamed-" + tag) / "model.safetensors.index.json")) << "not sharded";
+    ASSERT_EQ(got.names(), want.names());
+    for (const std::string& name : want.names()) {
+      const sm::TensorView w = want.get(name), g = got.get(name);
+      EXPECT_EQ(g.info->dtype, w.info->dtype) << name;
+      EXPECT_EQ(g.info->shape, w.info->shape) << name;
+      ASSERT_EQ(g.data.size(), w.data.size()) << name;
+      EXPECT_EQ(std::memcmp(g.data.data(), w.data.data(), w.data.size()), 0) << tag << " " << name;
+    }
+    EXPECT_EQ(slurp(dir / ("gathered-" + tag) / "config.json"), slurp(dir / ("streamed-" + tag) / "config.json"));
+  }
+  const std::string why = error_of([&] { se::export_engine_hf(a.engine(), a.comm(), dir / "streamed-f32", {}); });
+  EXPECT_NE(why.find("is not empty"), std::string::npos) << why;
+  a.train(1, r);  // the hold was released
+}
+
+TEST(EngineExport, StreamedExportEqualsTheGatheredOneWholeBlocks) { engine_export_matches(tiny_llama(3)); }
+
+TEST(EngineExport, StreamedExportEqualsTheGatheredOneTiledWithStateInSwap) {
+  json cfg = tiny_llama(3);
+  cfg["placement"] = {{"tiling", {{"attention", 2}, {"mlp", 3}, {"vocab", 2}}}, {"params", "host"}, {"grads", "host"},
+                      {"master", "nvme"}, {"moments", "nvme"}};
+  engine_export_matches(cfg);
+}
+
+}  // namespace
