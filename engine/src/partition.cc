@@ -1,6 +1,7 @@
 #include "strata/engine/partition.h"
 
 #include "strata/engine/config.h"
+#include "strata/engine/shard.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -49,8 +50,7 @@ Partition::Partition(
         throw std::invalid_argument("tensor " + s.name + " appears twice in the partition");
       u.tensors.push_back(std::move(slot));
     }
-    const uint64_t per_rank = (u.numel + uint64_t(world_size) - 1) / uint64_t(world_size);
-    u.shard_numel = std::max<uint64_t>(1, (per_rank + align_numel - 1) / align_numel) * align_numel;
+    u.shard_numel = shard_numel_of(u.numel, world_size, align_numel);
     units_.push_back(std::move(u));
   }
 }

@@ -4,9 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstddef>
 #include <functional>
-#include <map>
 #include <cstdio>
 #include <sstream>
 #include <stdexcept>
@@ -230,57 +228,24 @@ std::vector<Largest> largest_models(const Workload& w, const Cluster& c, const e
   std::vector<Largest> out;
   // `fits` gives the configuration that fits, or none and why not.
   using Verdict = std::pair<std::optional<std::string>, std::string>;
-  // The largest size that fits, taking fitting to get only harder as the model grows: a search
-  // up in doubling steps, then halving the gap (about 14 sizes weighed of the ladder's 58), and
-  // the three sizes above the answer weighed too, as a walk up the ladder would, the search going
-  // on above any of them that fits.
   const auto walk = [&](const std::string& system, const std::function<Verdict(const Workload&)>& fits) {
-    std::map<size_t, std::pair<Workload, Verdict>> weighed;
-    const auto at = [&](size_t i) -> const std::pair<Workload, Verdict>& {
-      auto it = weighed.find(i);
-      if (it != weighed.end()) return it->second;
-      Workload x = w;
-      x.model = family_model(ladder[i]);
-      if (x.seq_len > x.model.max_positions) x.model.max_positions = x.seq_len;
-      Verdict v = fits(x);
-      return weighed.emplace(i, std::make_pair(std::move(x), std::move(v))).first->second;
-    };
-    const auto fits_at = [&](size_t i) { return at(i).second.first.has_value(); };
-    const auto largest_from = [&](ptrdiff_t lo) {  // lo fits (or is -1)
-      ptrdiff_t hi = ptrdiff_t(ladder.size());
-      for (ptrdiff_t step = 1; lo + step < hi; step *= 2) {
-        if (!fits_at(size_t(lo + step))) {
-          hi = lo + step;
-          break;
-        }
-        lo += step;
-      }
-      while (hi - lo > 1) {
-        const ptrdiff_t mid = lo + (hi - lo) / 2;
-        (fits_at(size_t(mid)) ? lo : hi) = mid;
-      }
-      return lo;
-    };
-    ptrdiff_t top = largest_from(-1);
-    for (bool more = true; more;) {
-      more = false;
-      for (ptrdiff_t j = top + 1; j <= top + 3 && j < ptrdiff_t(ladder.size()); ++j)
-        if (fits_at(size_t(j))) {
-          top = largest_from(j);
-          more = true;
-          break;
-        }
-    }
     Largest best{system, std::nullopt, 0, "", ""};
-    if (top >= 0) {
-      const auto& [x, v] = at(size_t(top));
-      best.model = x.model;
-      best.parameters = double(x.model.parameters());
-      best.how = *v.first;
-    }
-    if (top + 1 < ptrdiff_t(ladder.size())) {
-      const auto& [x, v] = at(size_t(top + 1));
-      best.limit = x.model.name + ": " + v.second;
+    int misses = 0;
+    for (int64_t h : ladder) {
+      Workload x = w;
+      x.model = family_model(h);
+      if (x.seq_len > x.model.max_positions) x.model.max_positions = x.seq_len;
+      const Verdict v = fits(x);
+      if (v.first) {
+        best.model = x.model;
+        best.parameters = double(x.model.parameters());
+        best.how = *v.first;
+        best.limit.clear();
+        misses = 0;
+      } else {
+        if (best.limit.empty()) best.limit = x.model.name + ": " + v.second;
+        if (best.model && ++misses >= 3) break;  // three sizes in a row do not fit: the largest is behind us
+      }
     }
     out.push_back(best);
   };

@@ -6,6 +6,7 @@
 
 #include "strata/engine/bytes.h"
 #include "strata/engine/partition.h"
+#include "strata/engine/shard.h"
 #include "strata/engine/layout/resolve.h"
 
 namespace strata::engine {
@@ -15,17 +16,13 @@ UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiles& til
   UnitPlan out;
   out.tiling = tiling;
   out.stage_units = models::stage_units(mc, tiling);
-  std::vector<std::pair<std::string, std::vector<TensorSpec>>> specs;
-  for (size_t s = 0; s < stage_numel.size(); ++s) {
-    if (stage_numel[s] == 0) continue;  // a tied head tile: its embedding tile's unit
-    const std::string name = "unit" + std::to_string(specs.size());
-    specs.push_back({name, {TensorSpec{name, {int64_t(stage_numel[s])}, {}}}});
-  }
-  const Partition partition(specs, world_size);
-  for (const UnitLayout& L : partition.units()) {
-    out.unit_numel.push_back(L.numel);
-    out.padded_numel.push_back(L.padded_numel());
-    out.shard_numel.push_back(L.shard_numel);
+  // The partition's sizes without building one (no names): this runs for every cut weighed.
+  for (const uint64_t numel : stage_numel) {
+    if (numel == 0) continue;  // a tied head tile: its embedding tile's unit
+    const uint64_t shard = shard_numel_of(numel, world_size, Partition::kDefaultAlignNumel);
+    out.unit_numel.push_back(numel);
+    out.padded_numel.push_back(shard * uint64_t(world_size));
+    out.shard_numel.push_back(shard);
   }
   out.input_widths = models::stage_input_widths(mc, tiling);
   out.vocab_tiles = size_t(tiling.vocab);
