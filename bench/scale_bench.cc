@@ -28,6 +28,15 @@ using nlohmann::json;
 
 namespace {
 
+// Removes a flat directory (std::filesystem::remove_all must not be called in binaries that link
+// libtorch: docs/ARCHITECTURE.md, Build).
+void remove_flat_dir(const fs::path& d) {
+  std::error_code ec;
+  if (!fs::exists(d, ec)) return;
+  for (const auto& e : fs::directory_iterator(d)) ::unlink(e.path().c_str());
+  ::rmdir(d.c_str());
+}
+
 // The model's units as the engine cuts it (whole blocks), one flat tensor each.
 engine::Partition model_partition(const models::ModelConfig& mc, int world) {
   std::vector<std::pair<std::string, std::vector<engine::TensorSpec>>> specs;
@@ -140,10 +149,12 @@ uint64_t write_format2(const fs::path& dir, const models::ModelConfig& mc, const
 struct Reading {
   uint64_t bytes = 0, chunks = 0, peak_rss = 0;
   double seconds = 0;
+  uint64_t rss_before = 0;  // the reading process's resident bytes before it read anything
+  double added_mib() const { return (double(peak_rss) - double(rss_before)) / 1048576.0; }
 };
 
-// Runs this program's `bench scale --read-metadata DIR --rank R` in a fresh process: its output,
-// and its peak RSS from the kernel.
+// Runs this program's `bench scale --read-metadata DIR --rank R` in a fresh process: its output
+// (the bytes it read, its seconds, its resident bytes before and at the peak of the reading).
 Reading read_in_child(const fs::path& dir, int rank) {
   int fds[2];
   if (::pipe(fds) != 0) throw std::runtime_error("bench scale: pipe failed");
@@ -169,15 +180,35 @@ Reading read_in_child(const fs::path& dir, int rank) {
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
     throw std::runtime_error("bench scale: reading " + dir_s + " failed: " + out);
   const json j = json::parse(out.substr(out.rfind('{')));
-  return {j["bytes"].get<uint64_t>(), j["chunks"].get<uint64_t>(), uint64_t(ru.ru_maxrss) * 1024,
-          j["seconds"].get<double>()};
+  (void)ru;  // ru_maxrss would include the program's start-up peak: the child reports its own
+  return {j["bytes"].get<uint64_t>(), j["chunks"].get<uint64_t>(), j["rss_peak"].get<uint64_t>(),
+          j["seconds"].get<double>(), j["rss_before"].get<uint64_t>()};
 }
 
 double exponent(double y0, double y1, double x0, double x1) { return std::log(y1 / y0) / std::log(x1 / x0); }
 
 }  // namespace
 
+// This process's resident bytes (`what`: "VmRSS:" now, "VmHWM:" the peak), from /proc/self/status.
+uint64_t resident_bytes(const std::string& what) {
+  std::ifstream in("/proc/self/status");
+  std::string key;
+  uint64_t kb = 0;
+  while (in >> key) {
+    if (key == what) {
+      in >> kb;
+      return kb * 1024;
+    }
+    std::getline(in, key);
+  }
+  return 0;
+}
+
 int read_metadata_as_a_load(const fs::path& dir, int rank) {
+  // The peak is reset first (clear_refs 5), so that the peak below is the reading's: the
+  // program's own pages (libtorch's among them) plus what the reading adds.
+  std::ofstream("/proc/self/clear_refs") << "5";
+  const uint64_t rss_before = resident_bytes("VmRSS:");
   const auto t0 = std::chrono::steady_clock::now();
   const std::string text = ck::read_text(dir / "manifest.json");
   const json m = ck::parse_manifest(text, dir.string());
@@ -203,7 +234,8 @@ int read_metadata_as_a_load(const fs::path& dir, int rank) {
       }
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::cout << json{{"bytes", text.size() + catalog.index_bytes_read()}, {"seconds", seconds}, {"chunks", chunks}}.dump()
+  std::cout << json{{"bytes", text.size() + catalog.index_bytes_read()}, {"seconds", seconds}, {"chunks", chunks},
+                    {"rss_before", rss_before}, {"rss_peak", resident_bytes("VmHWM:")}}.dump()
             << std::endl;
   return 0;
 }
@@ -224,15 +256,16 @@ void run_scale_bench(const ScaleBenchOptions& o) {
   for (int world : o.saved_worlds) {
     const engine::Partition part = model_partition(mc, world);
     const fs::path dir = o.dir / ("format3-" + std::to_string(world));
-    fs::remove_all(dir);
+    remove_flat_dir(dir);
     const Written w = write_format3(dir, mc, part);
     const Reading r = read_in_child(dir, world / 2);
-    fs::remove_all(dir);
+    remove_flat_dir(dir);
     std::printf("  format 3, saved by %5d ranks: %zu units, %llu chunks; manifest %.2f MB, index files %.2f MB in all; "
-                "a rank's load reads %.3f MB (%llu chunks placed) in %.3f s, peak RSS %.0f MiB\n",
+                "a rank's load reads %.3f MB (%llu chunks placed) in %.3f s, peak RSS %.0f MiB (%.0f MiB above the "
+                "program's own before reading)\n",
                 world, part.num_units(), static_cast<unsigned long long>(w.chunks), w.manifest_bytes / 1e6,
                 w.index_bytes / 1e6, r.bytes / 1e6, static_cast<unsigned long long>(r.chunks), r.seconds,
-                r.peak_rss / 1048576.0);
+                r.peak_rss / 1048576.0, r.added_mib());
     rows.push_back({world, w, r});
   }
   for (size_t i = 1; i < rows.size(); ++i)
@@ -249,25 +282,26 @@ void run_scale_bench(const ScaleBenchOptions& o) {
                {"value", first.read.bytes},
                {"seconds", first.read.seconds},
                {"peak_rss_bytes", first.read.peak_rss},
+               {"rss_added_bytes", first.read.peak_rss - std::min(first.read.peak_rss, first.read.rss_before)},
                {"whole_metadata_bytes", first.written.manifest_bytes + first.written.index_bytes}};
   if (o.baseline) {
     const engine::Partition part = model_partition(mc, first.world);
     const fs::path dir = o.dir / ("format2-" + std::to_string(first.world));
-    fs::remove_all(dir);
+    remove_flat_dir(dir);
     const uint64_t bytes = write_format2(dir, mc, part);
     const Reading r = read_in_child(dir, first.world / 2);
-    fs::remove_all(dir);
+    remove_flat_dir(dir);
     std::printf("  format 2, saved by %5d ranks: manifest %.1f MB (every chunk listed; every rank receives and "
-                "parses it) read in %.2f s, peak RSS %.0f MiB\n",
-                first.world, bytes / 1e6, r.seconds, r.peak_rss / 1048576.0);
+                "parses it) read in %.2f s, peak RSS %.0f MiB (%.0f MiB above the program's own)\n",
+                first.world, bytes / 1e6, r.seconds, r.peak_rss / 1048576.0, r.added_mib());
     line["baseline"] = "format 2: the manifest listing every chunk, which every rank received and parsed";
     line["baseline_value"] = r.bytes;
     line["baseline_seconds"] = r.seconds;
     line["baseline_peak_rss_bytes"] = r.peak_rss;
+    line["baseline_rss_added_bytes"] = r.peak_rss - std::min(r.peak_rss, r.rss_before);
     line["ratio"] = double(first.read.bytes) / double(r.bytes);
   }
-  std::error_code ec;
-  fs::remove(o.dir, ec);
+  ::rmdir(o.dir.c_str());
   std::cout << line.dump() << std::endl;
 }
 
