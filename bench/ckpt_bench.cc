@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench_model.h"
+#include "flat_dir.h"
 #include "io_bench.h"
 #include "shell.h"
 #include "timing.h"
@@ -44,14 +45,6 @@ void fsync_file(const fs::path& p) {
   if (fd < 0) throw std::runtime_error("bench ckpt: cannot open " + p.string());
   ::fsync(fd);
   ::close(fd);
-}
-
-// Removes a flat directory (std::filesystem::remove_all must not be called in binaries that link
-// libtorch: docs/ARCHITECTURE.md, Build).
-void remove_flat_dir(const fs::path& d) {
-  if (!fs::exists(d)) return;
-  for (const auto& e : fs::directory_iterator(d)) ::unlink(e.path().c_str());
-  ::rmdir(d.c_str());
 }
 
 // Tiered saves: the save as the training loop does it (asynchronous local save, then the

@@ -1,7 +1,8 @@
 #include "scale_bench.h"
 
+#include "flat_dir.h"
+
 #include <nlohmann/json.hpp>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -27,15 +28,6 @@ namespace ck = engine::ckpt;
 using nlohmann::json;
 
 namespace {
-
-// Removes a flat directory (std::filesystem::remove_all must not be called in binaries that link
-// libtorch: docs/ARCHITECTURE.md, Build).
-void remove_flat_dir(const fs::path& d) {
-  std::error_code ec;
-  if (!fs::exists(d, ec)) return;
-  for (const auto& e : fs::directory_iterator(d)) ::unlink(e.path().c_str());
-  ::rmdir(d.c_str());
-}
 
 // The model's units as the engine cuts it (whole blocks), one flat tensor each.
 engine::Partition model_partition(const models::ModelConfig& mc, int world) {
@@ -175,12 +167,10 @@ Reading read_in_child(const fs::path& dir, int rank) {
   for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, size_t(n));
   ::close(fds[0]);
   int status = 0;
-  struct rusage ru {};
-  ::wait4(pid, &status, 0, &ru);
+  ::waitpid(pid, &status, 0);
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
     throw std::runtime_error("bench scale: reading " + dir_s + " failed: " + out);
   const json j = json::parse(out.substr(out.rfind('{')));
-  (void)ru;  // ru_maxrss would include the program's start-up peak: the child reports its own
   return {j["bytes"].get<uint64_t>(), j["chunks"].get<uint64_t>(), j["rss_peak"].get<uint64_t>(),
           j["seconds"].get<double>(), j["rss_before"].get<uint64_t>()};
 }

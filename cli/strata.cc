@@ -496,7 +496,7 @@ std::filesystem::path checkpoint_arg(const std::string& arg) {
 
 int ckpt_export(const std::vector<std::string>& argv) {
   std::string dtype = "float32", tokenizer_from;
-  uint64_t shard_bytes = 5'000'000'000;  // as run.export_shard_size
+  uint64_t shard_bytes = strata::models::kDefaultShardBytes;  // as run.export_shard_size
   bool force = false;
   std::vector<std::string> pos;
   for (size_t i = 0; i < argv.size(); ++i) {

@@ -44,7 +44,7 @@ std::string index_text(int rank, uint64_t chunk_elements, const std::vector<Slic
     list.push_back(json::array({s.unit, s.kind, s.offset, std::move(crcs)}));
   }
   // One slice a line: small, and still readable.
-  std::string out = "{\"format\": " + std::to_string(kFormatVersion) + ", \"rank\": " + std::to_string(rank) +
+  std::string out = "{\"format\": " + std::to_string(kFormatWithIndexes) + ", \"rank\": " + std::to_string(rank) +
                     ", \"chunk_elements\": " + std::to_string(chunk_elements) + ", \"slices\": [";
   for (size_t i = 0; i < list.size(); ++i) out += (i ? ",\n " : "\n ") + list[i].dump();
   return out + "\n]}\n";

@@ -28,6 +28,7 @@
 
 #include "strata/engine/comm.h"
 #include "strata/engine/engine.h"
+#include "strata/models/sharded_safetensors.h"
 #include "strata/offload/fault_injection.h"
 #include "strata/offload/object_store.h"
 
@@ -149,7 +150,7 @@ ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
                                   const std::filesystem::path& out_dir, const std::string& dtype,
                                   const std::function<void(uint64_t, uint64_t)>& progress = {},
                                   bool overwrite = false, const std::filesystem::path& tokenizer_from = {},
-                                  uint64_t shard_bytes = 5'000'000'000);
+                                  uint64_t shard_bytes = models::kDefaultShardBytes);
 
 // Collective: the engine's weights now (fp32 masters) as a Hugging Face model directory, as
 // export_checkpoint_hf writes a checkpoint's, streamed: tensor by tensor in unit order, each one's
@@ -162,7 +163,7 @@ ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
 // collectives; the other ranks return (agree on it with an all-reduce, as the CLI does).
 struct EngineExport {
   at::ScalarType type = at::kFloat;
-  uint64_t shard_bytes = 5'000'000'000;  // models::kDefaultShardBytes
+  uint64_t shard_bytes = models::kDefaultShardBytes;
   bool overwrite = false;
   std::string overwrite_hint;            // how to overwrite, in the refusal of a non-empty out_dir
   std::filesystem::path tokenizer_from;  // a Hugging Face directory whose tokenizer files are copied in
