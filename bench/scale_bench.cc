@@ -232,6 +232,7 @@ int read_metadata_as_a_load(const fs::path& dir, int rank) {
 
 void run_scale_bench(const ScaleBenchOptions& o) {
   if (o.saved_worlds.empty()) throw std::invalid_argument("bench scale: no world sizes");
+  run_world_scaling(o);
   const models::ModelConfig mc = models::preset(o.preset);
   std::string tag = o.preset;
   if (tag.rfind("gpt-", 0) == 0) tag = tag.substr(4);

@@ -73,8 +73,8 @@ commands:
                and the largest vocabulary x tokens that trains in one device budget
   bench plan   `strata plan`'s predictions beside seven measured `strata train` runs on this
                machine (calibrated first): step time and per-tier memory errors
-  bench scale  checkpoint metadata a load reads per rank, gpt-1t saved by 512 and 4096 ranks,
-               beside format 2's
+  bench scale  collectives, steps, saves and loads at 1-32 ranks on this machine; checkpoint
+               metadata a load reads per rank, gpt-1t saved by 512 and 4096 ranks, beside format 2's
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
   help         this text
 
@@ -321,16 +321,41 @@ int bench_plan(const std::vector<std::string>& argv) {
 
 constexpr const char* kBenchScaleUsage = R"(usage: strata bench scale [options]
 
-The checkpoint metadata a load reads per rank as the world that saved it grows: the metadata of a
-checkpoint of the model (format 3, the engine's own writer, no data) saved by each world size,
-read as one rank of a load at that size reads it, in a fresh process (seconds, bytes, peak RSS);
-beside it, the same checkpoint in format 2 (every chunk in the manifest) at the first size.
+How the engine's costs grow with the world size and the model, in three parts:
+- the engine's all-gather and reduce-scatter at each world size of --worlds but 1 (processes of
+  `strata launch` on this machine): seconds, and the bytes and write calls one rank sends;
+- a tiny Llama trained 5 steps, saved and resumed at each world size: step, save and load
+  seconds, collective bytes a step, the checkpoint's metadata bytes, peak RSS;
+- the checkpoint metadata a load reads per rank as the world that saved it grows: the metadata
+  of a checkpoint of the model (format 3, the engine's own writer, no data) saved by each size of
+  --ranks, read as one rank of a load at that size reads it, in a fresh process (seconds, bytes,
+  peak RSS); beside it, the same checkpoint in format 2 (every chunk in the manifest) at the
+  first size.
+Each part prints its growth exponents against the world size; the final JSON line is the
+metadata part's.
 
+  --worlds LIST    ranks on this machine, comma-separated (default 1,2,4,8,16,32; 0: skip the
+                   first two parts)
+  --bytes SIZE     the collectives' buffer (default 16MiB)
   --preset NAME    model preset (default gpt-1t)
   --ranks LIST     saving world sizes, comma-separated (default 512,4096)
   --dir DIR        where the metadata is written, then removed (default strata-bench-scale)
   --no-baseline    skip format 2 (a few hundred MB of JSON at gpt-1t)
 )";
+
+// "1,2,4" -> {1, 2, 4}; every size >= `least`.
+std::vector<int> world_list(const std::string& list, const char* flag, int least) {
+  std::vector<int> out;
+  for (size_t at = 0; at <= list.size();) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    const int n = std::stoi(list.substr(at, comma - at));
+    if (n < least)
+      throw std::invalid_argument(std::string("bench scale: ") + flag + " takes world sizes >= " + std::to_string(least));
+    out.push_back(n);
+    at = comma + 1;
+  }
+  return out;
+}
 
 int bench_scale(const std::vector<std::string>& argv) {
   for (const auto& a : argv)
@@ -338,23 +363,21 @@ int bench_scale(const std::vector<std::string>& argv) {
       std::cout << kBenchScaleUsage;
       return 0;
     }
-  strata::cli::Args args(argv, {"preset", "ranks", "dir", "read-metadata", "rank"}, {"no-baseline"});
+  strata::cli::Args args(argv, {"preset", "ranks", "dir", "read-metadata", "rank", "worlds", "bytes", "iters"},
+                         {"no-baseline", "collective-rank"});
   if (args.has("read-metadata"))
     return strata::bench::read_metadata_as_a_load(args.get("read-metadata", ""), int(args.count("rank", 0u)));
   strata::bench::ScaleBenchOptions o;
+  if (args.has("bytes")) o.collective_bytes = args.size("bytes", o.collective_bytes);
+  o.collective_iters = int(args.count("iters", unsigned(o.collective_iters)));
+  if (args.has("collective-rank")) return strata::bench::collective_rank(o.collective_bytes, o.collective_iters);
   o.preset = args.get("preset", o.preset);
   o.dir = args.get("dir", o.dir.string());
   o.baseline = !args.has("no-baseline");
-  if (args.has("ranks")) {
-    o.saved_worlds.clear();
-    const std::string list = args.get("ranks", "");
-    for (size_t at = 0; at <= list.size();) {
-      const size_t comma = std::min(list.find(',', at), list.size());
-      const int n = std::stoi(list.substr(at, comma - at));
-      if (n < 1) throw std::invalid_argument("bench scale: --ranks takes world sizes >= 1");
-      o.saved_worlds.push_back(n);
-      at = comma + 1;
-    }
+  if (args.has("ranks")) o.saved_worlds = world_list(args.get("ranks", ""), "--ranks", 1);
+  if (args.has("worlds")) {
+    o.worlds = world_list(args.get("worlds", ""), "--worlds", 0);
+    if (o.worlds == std::vector<int>{0}) o.worlds.clear();
   }
   strata::bench::run_scale_bench(o);
   return 0;

@@ -2,7 +2,8 @@
 // TensorBoard scalars, the progress line, the per-step timeline and the Chrome trace.
 #include "train_parts.h"
 
-#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -115,25 +116,27 @@ std::string bar(double frac, int width) {
 
 }  // namespace
 
-std::vector<NodeTraffic> node_traffic(engine::Communicator& comm, const engine::DistEnv& env,
-                                      const engine::StepTimeline& t) {
-  if (comm.world_size() <= 1) return {};
-  at::Tensor mine = at::empty({4}, at::kLong);
-  mine[0] = int64_t(std::max(env.node, 0));
-  mine[1] = int64_t(t.nvme_read_bytes);
-  mine[2] = int64_t(t.nvme_write_bytes);
+NodeTrafficSum::NodeTrafficSum(engine::Communicator& comm, const engine::DistEnv& env)
+    : comm_(comm), node_(std::max(env.node, 0)) {
+  if (comm.world_size() <= 1) return;
+  at::Tensor highest = at::full({1}, node_, at::kLong);
+  comm.all_reduce(highest, engine::ReduceOp::kMax);
+  nodes_ = highest.item<int64_t>() + 1;
+}
+
+std::vector<NodeTraffic> NodeTrafficSum::operator()(const engine::StepTimeline& t) {
+  if (comm_.world_size() <= 1 || nodes_ <= 1) return {};
+  // Per node: ranks, swap reads, swap writes, network bytes.
+  at::Tensor table = at::zeros({nodes_ * 4}, at::kLong);
+  int64_t* mine = table.data_ptr<int64_t>() + 4 * node_;
+  mine[0] = 1, mine[1] = int64_t(t.nvme_read_bytes), mine[2] = int64_t(t.nvme_write_bytes);
   mine[3] = int64_t(t.network_bytes);
-  at::Tensor all = at::empty({4 * comm.world_size()}, at::kLong);
-  comm.all_gather(all, mine)->wait();
-  const int64_t* a = all.data_ptr<int64_t>();
-  std::map<int64_t, NodeTraffic> by_node;
-  for (int r = 0; r < comm.world_size(); ++r) {
-    NodeTraffic& n = by_node[a[4 * r]];
-    n.nvme_read += uint64_t(a[4 * r + 1]), n.nvme_write += uint64_t(a[4 * r + 2]), n.network += uint64_t(a[4 * r + 3]);
-  }
-  if (by_node.size() <= 1) return {};
+  comm_.all_reduce(table, engine::ReduceOp::kSum);
+  const int64_t* a = table.data_ptr<int64_t>();
   std::vector<NodeTraffic> out;
-  for (auto& [id, n] : by_node) n.node = id, out.push_back(n);
+  for (int64_t n = 0; n < nodes_; ++n, a += 4)
+    if (a[0] > 0) out.push_back({n, uint64_t(a[1]), uint64_t(a[2]), uint64_t(a[3])});
+  if (out.size() <= 1) return {};
   return out;
 }
 
@@ -198,6 +201,7 @@ void RunLog::open_log(const Start& start) {
       {"data", run_.data.train->description()},
       {"eval_data", run_.data.eval ? run_.data.eval->description() : ""},
       {"resumed_from", start.resumed_from},
+      {"load_seconds", start.load_seconds},
       {"first_step", start.first_step + 1}};
   write(line);
 }
@@ -217,7 +221,8 @@ void RunLog::print_banner(const Start& start, const engine::MemoryReport& m0) co
             << " per rank\n  data: " << data.train->description()
             << (data.eval ? "\n  evaluation: " + data.eval->description() : std::string()) << "\n";
   if (!start.resumed_from.empty())
-    std::cerr << "  resumed from " << start.resumed_from << " after step " << start.first_step << "\n";
+    std::cerr << "  resumed from " << start.resumed_from << " after step " << start.first_step << " (loaded in "
+              << start.load_seconds << " s)\n";
 }
 
 void RunLog::step(int64_t step, double lr, const engine::StepResult& r, const engine::MemoryReport& mem,

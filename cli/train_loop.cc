@@ -46,6 +46,7 @@ StepsDone train_steps(const Run& run, Checkpoints& checkpoints, RunLog& log, Exp
   StepsDone done;
   done.steps = first_step;
   const engine::LrSchedule schedule = tc.schedule();  // a function of the step: resumes exactly
+  NodeTrafficSum node_traffic(run.comm, run.env);
   for (int64_t s = first_step; s < tc.steps; ++s) {
     if ((done.stopped_by = agreed_stop_signal(run.comm)) != 0) break;
     run.loader.next(ids.data_ptr<int64_t>(), loss_mask.defined() ? loss_mask.data_ptr<uint8_t>() : nullptr);
@@ -53,7 +54,7 @@ StepsDone train_steps(const Run& run, Checkpoints& checkpoints, RunLog& log, Exp
     run.eng.set_learning_rate(lr);
     const engine::StepResult r = run.eng.train_step(ids, loss_mask);
     const engine::MemoryReport mem = run.eng.memory();
-    const std::vector<NodeTraffic> traffic = node_traffic(run.comm, run.env, r.timeline);
+    const std::vector<NodeTraffic> traffic = node_traffic(r.timeline);
     done.tokens_total += double(r.tokens);
     done.seconds_total += r.seconds;
     done.steps = s + 1;

@@ -107,6 +107,7 @@ ResumePoint agree_on_resume_point(engine::Communicator& comm, engine::TrainConfi
 struct Start {
   int64_t first_step = 0;    // steps the loaded checkpoint holds; 0 without one
   std::string resumed_from;  // the checkpoint loaded; empty without one
+  double load_seconds = 0;   // how long loading it took (every rank's load, ended by a barrier)
 };
 
 // Collective with a resume point: loads it into the engine and moves the data position to it.
@@ -191,12 +192,21 @@ struct NodeTraffic {
   uint64_t nvme_read = 0, nvme_write = 0, network = 0;
 };
 
-// Collective on every run of more than one rank (every rank calls it after each step): each
-// node's traffic, nodes in the order of their number (DistEnv::node; a rank without one counts
-// as node 0). The node numbers travel with the numbers, so that every rank takes the same view
-// whatever its own environment says. Empty on one node: the rank's own timeline says it all.
-std::vector<NodeTraffic> node_traffic(engine::Communicator& comm, const engine::DistEnv& env,
-                                      const engine::StepTimeline& t);
+// Each node's traffic after each step, on every rank, nodes in the order of their number
+// (DistEnv::node; a rank without one counts as node 0). Every rank adds its numbers into its
+// node's row of a nodes x 4 table that one all-reduce sums: O(nodes) bytes a rank a step, not
+// O(world). Empty on one node: the rank's own timeline says it all.
+class NodeTrafficSum {
+ public:
+  // Collective (one all-reduce): the ranks agree on the table's size, the highest node number.
+  NodeTrafficSum(engine::Communicator& comm, const engine::DistEnv& env);
+  // Collective: every rank calls it after each step, with its own timeline.
+  std::vector<NodeTraffic> operator()(const engine::StepTimeline& t);
+
+ private:
+  engine::Communicator& comm_;
+  int64_t node_ = 0, nodes_ = 1;
+};
 
 // Rank 0 with a progress line, for EngineConfig::on_unit_placed: the placement of the initial
 // weights (minutes for a large model), a line that updates on a terminal, else one line per

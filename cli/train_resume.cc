@@ -4,6 +4,7 @@
 // only rank 0's holds `latest` and the manifests.
 #include "train_parts.h"
 
+#include <chrono>
 #include <exception>
 #include <filesystem>
 #include <functional>
@@ -109,8 +110,10 @@ ResumePoint agree_on_resume_point(engine::Communicator& comm, engine::TrainConfi
 Start load_resume_point(const Run& run, const ResumePoint& resume) {
   Start start;
   if (resume.dir) {
+    const auto t0 = std::chrono::steady_clock::now();
     const engine::CheckpointMeta meta =
         engine::load_checkpoint(run.eng, run.comm, *resume.dir, run.tc.checkpoint_transfer);
+    start.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     run.loader.set_position(meta.samples_consumed);
     start.first_step = meta.train_steps;
     start.resumed_from = resume.dir->string();

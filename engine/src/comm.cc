@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cctype>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -102,51 +103,74 @@ std::string lost_host(const std::vector<Peer>& peers, int self, const std::strin
          (ranks.find(',') == std::string::npos ? " " : "s ") + ranks + ") is lost";
 }
 
-// Whether `addr` answers at all within `ms`: a TCP connect to a port nothing listens on is
-// refused at once by a host that is there; a host behind a cut link gives no answer (or
-// "unreachable").
-bool host_answers(const std::string& addr, int ms) {
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(1);
-  if (inet_pton(AF_INET, addr.c_str(), &a.sin_addr) != 1) return true;  // not an IPv4 address: no claim
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
-  if (fd < 0) return true;
-  bool answered = false;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
-    answered = true;
-  } else if (errno == EINPROGRESS) {
-    pollfd p{fd, POLLOUT, 0};
-    if (poll(&p, 1, ms) == 1) {
+// Which of `addrs` answer at all within `ms`, probed at once (a rank with hundreds of peer
+// hosts waits `ms`, not `ms` per host): a TCP connect to a port nothing listens on is refused
+// at once by a host that is there; a host behind a cut link gives no answer (or "unreachable").
+// Anything not an IPv4 address counts as answering (no claim made).
+std::vector<bool> hosts_answer(const std::vector<std::string>& addrs, int ms) {
+  std::vector<bool> answered(addrs.size(), true);
+  std::vector<pollfd> polls;
+  std::vector<size_t> which;
+  for (size_t i = 0; i < addrs.size(); ++i) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(1);
+    if (inet_pton(AF_INET, addrs[i].c_str(), &a.sin_addr) != 1) continue;
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    if (fd < 0) continue;
+    const bool connected = connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    if (connected || errno != EINPROGRESS) {
+      answered[i] = connected || errno == ECONNREFUSED;
+      close(fd);
+      continue;
+    }
+    answered[i] = false;
+    polls.push_back({fd, POLLOUT, 0});
+    which.push_back(i);
+  }
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  size_t open = polls.size();
+  while (open > 0) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
+    if (left.count() <= 0 || poll(polls.data(), polls.size(), int(left.count())) <= 0) break;
+    for (size_t k = 0; k < polls.size(); ++k) {
+      if (polls[k].fd < 0 || polls[k].revents == 0) continue;
       int err = 0;
       socklen_t len = sizeof err;
-      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-      answered = err == 0 || err == ECONNREFUSED;
+      getsockopt(polls[k].fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      answered[which[k]] = err == 0 || err == ECONNREFUSED;
+      close(polls[k].fd);
+      polls[k].fd = -1;  // poll ignores negative descriptors
+      --open;
     }
-  } else {
-    answered = errno == ECONNREFUSED;
   }
-  close(fd);
+  for (const pollfd& p : polls)
+    if (p.fd >= 0) close(p.fd);
   return answered;
 }
 
 // After an error that names no peer (a timeout): "; host 10.0.0.2 (h1: ranks 2, 3) does not answer" for
 // each other host that does not answer a connection within a second; "" if all do.
 std::string silent_hosts(const std::vector<Peer>& peers, int self) {
-  std::string out;
-  std::vector<std::string> seen;
+  std::vector<std::string> addrs;
+  std::vector<size_t> first_rank;
   for (size_t r = 0; r < peers.size(); ++r) {
     const std::string& addr = peers[r].addr;
     if (int(r) == self || addr.empty() || addr == peers[size_t(self)].addr ||
-        std::find(seen.begin(), seen.end(), addr) != seen.end())
+        std::find(addrs.begin(), addrs.end(), addr) != addrs.end())
       continue;
-    seen.push_back(addr);
-    if (host_answers(addr, 1000)) continue;
+    addrs.push_back(addr);
+    first_rank.push_back(r);
+  }
+  const std::vector<bool> answered = hosts_answer(addrs, 1000);
+  std::string out;
+  for (size_t i = 0; i < addrs.size(); ++i) {
+    if (answered[i]) continue;
     std::string ranks;
     for (size_t q = 0; q < peers.size(); ++q)
-      if (peers[q].addr == addr) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
-    out += "; host " + addr + " (" + peers[r].host + ": rank" + (ranks.find(',') == std::string::npos ? " " : "s ") +
-           ranks + ") does not answer";
+      if (peers[q].addr == addrs[i]) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
+    out += "; host " + addrs[i] + " (" + peers[first_rank[i]].host + ": rank" +
+           (ranks.find(',') == std::string::npos ? " " : "s ") + ranks + ") does not answer";
   }
   return out;
 }
@@ -185,6 +209,36 @@ std::string gone_peers(const std::vector<Peer>& peers, int self) {
   return "; " + gone + (gone.find(", ") == std::string::npos ? " is" : " are") + " gone";
 }
 
+// Every rank's "host addr pid" line, through the store, in O(world) requests in all: each rank
+// sets its own key; rank 0 reads them all and publishes one list; the others read that list
+// (one request each, which waits until rank 0 has set it). Reading every peer's key from every
+// rank was world^2 requests to rank 0's store: 16.7 million at 4096 ranks.
+std::shared_ptr<const std::vector<Peer>> exchange_peers(c10d::Store& store, const DistEnv& env, const std::string& me) {
+  store.set("strata/peer/" + std::to_string(env.rank), std::vector<uint8_t>(me.begin(), me.end()));
+  std::string all;
+  if (env.rank == 0) {
+    for (int r = 0; r < env.world_size; ++r) {
+      const std::vector<uint8_t> v = store.get("strata/peer/" + std::to_string(r));
+      all.append(v.begin(), v.end()).push_back('\n');
+    }
+    store.set("strata/peers", std::vector<uint8_t>(all.begin(), all.end()));
+  } else {
+    const std::vector<uint8_t> v = store.get("strata/peers");
+    all.assign(v.begin(), v.end());
+  }
+  auto peers = std::make_shared<std::vector<Peer>>();
+  peers->reserve(size_t(env.world_size));
+  for (size_t begin = 0, end; (end = all.find('\n', begin)) != std::string::npos; begin = end + 1) {
+    const std::string s = all.substr(begin, end - begin);
+    const size_t a = s.find(' '), b = s.rfind(' ');
+    peers->push_back({s.substr(0, a), a < b ? s.substr(a + 1, b - a - 1) : "", std::atol(s.c_str() + b + 1)});
+  }
+  if (peers->size() != size_t(env.world_size))
+    throw std::runtime_error("the rendezvous's peer list has " + std::to_string(peers->size()) + " ranks, not " +
+                             std::to_string(env.world_size));
+  return peers;
+}
+
 // Gloo for CPU tensors and, when asked for, NCCL for CUDA tensors (its unique id travels through
 // the store), each under its own key prefix in the one TCPStore.
 class GlooComm final : public Communicator {
@@ -207,15 +261,7 @@ class GlooComm final : public Communicator {
         // "host addr pid"; the host name has no spaces, the address may be empty.
         const std::string addr = loopback ? "127.0.0.1" : ifname ? interface_address(ifname) : "";
         const std::string me = this_host() + " " + addr + " " + std::to_string(long(getpid()));
-        store_->set("strata/peer/" + std::to_string(env.rank), std::vector<uint8_t>(me.begin(), me.end()));
-        auto peers = std::make_shared<std::vector<Peer>>(size_t(env.world_size));
-        for (int r = 0; r < env.world_size; ++r) {
-          const std::vector<uint8_t> v = store_->get("strata/peer/" + std::to_string(r));
-          const std::string s(v.begin(), v.end());
-          const size_t a = s.find(' '), b = s.rfind(' ');
-          (*peers)[size_t(r)] = {s.substr(0, a), a < b ? s.substr(a + 1, b - a - 1) : "", std::atol(s.c_str() + b + 1)};
-        }
-        peers_ = std::move(peers);
+        peers_ = exchange_peers(*store_, env, me);
       }
       auto pg_opts = c10d::ProcessGroupGloo::Options::create(timeout);
       pg_opts->devices.push_back(

@@ -33,6 +33,7 @@
 #include "strata/offload/crc32c.h"
 #include "strata/offload/fault_injection.h"
 #include "checkpoint_trainer.h"
+#include "launched.h"
 #include "saved_chunks.h"
 #include "test_util.h"
 
@@ -44,6 +45,10 @@ using strata::test::Losses;
 using strata::test::Trainer;
 using strata::test::expect_bitwise;
 using strata::test::tiny_llama;
+using strata::test::launch;
+using strata::test::launch_on_nodes;
+using strata::test::losses;
+using strata::test::read_file;
 
 namespace {
 
@@ -544,34 +549,6 @@ TEST(Checkpoint, CorruptMissingAndUncommittedAreClearErrors) {
 
 // --- resharding through the command line -----------------------------------------------------
 
-std::string read_file(const std::filesystem::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void launch(int ranks, const json& cfg, const TempDir& dir, const std::string& tag, const std::string& extra) {
-  const auto cfg_path = dir / (tag + ".json");
-  std::ofstream(cfg_path) << cfg.dump(2);
-  const std::string cmd = std::string(STRATA_BIN) + " launch -n " + std::to_string(ranks) + " -- " +
-                          STRATA_BIN + " train --config " + cfg_path.string() + " " + extra + " > " +
-                          (dir / (tag + ".out")).string() + " 2>&1";
-  const int st = std::system(cmd.c_str());
-  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << read_file(dir / (tag + ".out"));
-}
-
-std::vector<double> losses(const std::filesystem::path& log) {
-  std::vector<double> out;
-  std::istringstream lines(read_file(log));
-  std::string line;
-  while (std::getline(lines, line)) {
-    json j = json::parse(line);
-    if (!j.contains("event")) out.push_back(j["loss"].get<double>());
-  }
-  return out;
-}
-
 void reshard(int before, int after) {
   TempDir dir;
   const int64_t global = 8;
@@ -1033,21 +1010,6 @@ TEST(Checkpoint, ResumeNeverStartsOverExistingCheckpointsSilently) {
   EXPECT_NE(bad_from_out.find("not a committed checkpoint directory"), std::string::npos) << bad_from_out;
 }
 TEST(Checkpoint, ResumeAtFewerRanks4To2) { reshard(4, 2); }
-
-// Checkpoints on disks each node sees differently, simulated on one machine: each rank works in
-// <dir>/node<RANK / per_node>, where the relative checkpoint directory `ckpt` resolves.
-void launch_on_nodes(int ranks, int per_node, const json& cfg, const TempDir& dir, const std::string& tag,
-                     const std::string& extra, bool expect_ok = true) {
-  const auto cfg_path = dir / (tag + ".json");
-  std::ofstream(cfg_path) << cfg.dump(2);
-  const std::string node = "\"" + dir.path().string() + "/node$((RANK / " + std::to_string(per_node) + "))\"";
-  const std::string cmd = std::string(STRATA_BIN) + " launch -n " + std::to_string(ranks) + " -- sh -c 'mkdir -p " +
-                          node + " && cd " + node + " && exec " + STRATA_BIN + " train --config " + cfg_path.string() +
-                          " " + extra + "' > " + (dir / (tag + ".out")).string() + " 2>&1";
-  const int st = std::system(cmd.c_str());
-  const bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
-  ASSERT_EQ(ok, expect_ok) << read_file(dir / (tag + ".out"));
-}
 
 // 2 nodes x 2 ranks save, each node into its own directory (the manifest only on node 0's); 3
 // nodes x 1 rank resume: node 2 sees no file and nodes 0-1 only their own, so the slices travel

@@ -67,6 +67,16 @@ std::string broadcast_string(Communicator& comm, const std::string& s, int root)
   return std::string(reinterpret_cast<const char*>(words.data_ptr<int32_t>()), size_t(n));
 }
 
+std::optional<RankError> first_error(Communicator& comm, const std::string& mine) {
+  // The maximum of (world - rank) over the failed ranks names the lowest of them.
+  at::Tensor flag = at::full({1}, mine.empty() ? int64_t(0) : int64_t(comm.world_size() - comm.rank()), at::kLong);
+  comm.all_reduce(flag, ReduceOp::kMax);
+  const int64_t v = flag.item<int64_t>();
+  if (v == 0) return std::nullopt;
+  const int rank = comm.world_size() - int(v);
+  return RankError{rank, broadcast_string(comm, mine, rank)};
+}
+
 // Step 0 (collective): un-commit an existing checkpoint of this name.
 void uncommit_existing(Communicator& comm, const fs::path& root, const std::string& name) {
   const fs::path dir = root / name;

@@ -3,6 +3,7 @@
 // Thread safety: collectives, called by every rank in the same order on the training thread.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,16 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 
 // Rank `root`'s string, on every rank.
 std::string broadcast_string(Communicator& comm, const std::string& s, int root);
+
+// How ranks agree on a failure: the lowest rank whose `mine` is not empty, with its message, on
+// every rank; nullopt when no rank failed. One all-reduce of one number, then one broadcast of
+// that rank's message: O(1) messages and bytes a rank at any world size (gathering every rank's
+// string was O(world x length) on every rank).
+struct RankError {
+  int rank;
+  std::string message;
+};
+std::optional<RankError> first_error(Communicator& comm, const std::string& mine);
 
 // Step 0: un-commits an existing checkpoint <root>/<name> (refuses the latest one).
 void uncommit_existing(Communicator& comm, const fs::path& root, const std::string& name);

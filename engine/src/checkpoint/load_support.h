@@ -67,11 +67,8 @@ struct LoadFailure {
   }
   bool failed() const { return !message.empty(); }
   void agree(Communicator& comm) const {
-    const std::vector<std::string> failures = all_gather_strings(comm, message);
-    for (int r = 0; r < comm.world_size(); ++r)
-      if (!failures[size_t(r)].empty())
-        throw std::runtime_error(r == comm.rank() ? failures[size_t(r)]
-                                                  : "rank " + std::to_string(r) + ": " + failures[size_t(r)]);
+    if (const std::optional<RankError> e = first_error(comm, message))
+      throw std::runtime_error(e->rank == comm.rank() ? e->message : "rank " + std::to_string(e->rank) + ": " + e->message);
   }
 };
 

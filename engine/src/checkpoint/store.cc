@@ -150,12 +150,10 @@ std::optional<std::string> CheckpointUploader::complete(bool wait) {
   const std::string where = "upload of " + p->name + " to " + store_url_;
   const std::string intact = "; the local checkpoint " + p->dir.string() + " is intact";
 
-  const std::vector<std::string> errors = all_gather_strings(comm_, p->error);
-  for (size_t r = 0; r < errors.size(); ++r)
-    if (!errors[r].empty()) {
-      last_error_ = where + " failed on rank " + std::to_string(r) + ": " + errors[r] + intact;
-      return std::nullopt;
-    }
+  if (const std::optional<ckpt::RankError> e = ckpt::first_error(comm_, p->error)) {
+    last_error_ = where + " failed on rank " + std::to_string(e->rank) + ": " + e->message + intact;
+    return std::nullopt;
+  }
 
   std::string commit_error;
   last_warning_.clear();
@@ -188,7 +186,7 @@ std::optional<std::string> CheckpointUploader::complete(bool wait) {
         commit_error = e.what();
     }
   }
-  const std::string agreed = all_gather_strings(comm_, commit_error)[0];
+  const std::string agreed = broadcast_string(comm_, commit_error, 0);  // rank 0 committed, or not
   if (!agreed.empty()) {
     last_error_ = where + " not committed: " + agreed + intact;
     return std::nullopt;
@@ -230,7 +228,7 @@ void prune_stored_checkpoints(Communicator& comm, const std::string& store_url, 
       error = e.what();
     }
   }
-  const std::string agreed = all_gather_strings(comm, error)[0];
+  const std::string agreed = broadcast_string(comm, error, 0);  // rank 0 pruned, or not
   if (!agreed.empty()) throw std::runtime_error("pruning the checkpoints in " + store_url + ": " + agreed);
 }
 
