@@ -3,9 +3,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <stdexcept>
 
@@ -58,19 +61,51 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 FilesSeen files_seen_by_all(Communicator& comm, const fs::path& dir, const ChunkCatalog& catalog) {
   FilesSeen f;
+  const int world = comm.world_size();
   f.saved = catalog.saved_world();
   f.words = (size_t(f.saved) + 31) / 32;
   const std::vector<int32_t> here = files_seen(dir, catalog);
   std::vector<uint32_t> mine(f.words, 0);
   for (int q = 0; q < f.saved; ++q)
     if (here[size_t(q)]) mine[size_t(q) / 32] |= 1u << (q % 32);
-  at::Tensor all = at::empty({int64_t(comm.world_size()) * int64_t(f.words)}, at::kInt);
-  comm.all_gather(all, at::from_blob(mine.data(), {int64_t(f.words)}, at::kInt).clone())->wait();
-  f.bits.assign(reinterpret_cast<const uint32_t*>(all.data_ptr<int32_t>()),
-                reinterpret_cast<const uint32_t*>(all.data_ptr<int32_t>()) + all.numel());
+  // FNV-1a over the words: ranks with the same digest are taken to see the same files.
+  uint64_t digest = 1469598103934665603ull;
+  for (uint32_t w : mine)
+    for (int byte = 0; byte < 4; ++byte) digest = (digest ^ ((w >> (8 * byte)) & 0xffu)) * 1099511628211ull;
+  at::Tensor digests = at::empty({world}, at::kLong);
+  comm.all_gather(digests, at::full({1}, int64_t(digest), at::kLong))->wait();
+  std::vector<int64_t> group_digest;
+  f.group.resize(size_t(world));
+  for (int r = 0; r < world; ++r) {
+    const int64_t d = digests[r].item<int64_t>();
+    const auto it = std::find(group_digest.begin(), group_digest.end(), d);
+    f.group[size_t(r)] = int(it - group_digest.begin());
+    if (it == group_digest.end()) {
+      group_digest.push_back(d);
+      f.leader.push_back(r);
+    }
+  }
+  const size_t groups = f.leader.size(), g = size_t(f.group[size_t(comm.rank())]);
+  at::Tensor table = at::zeros({int64_t(groups * f.words)}, at::kInt);
+  if (f.leader[g] == comm.rank()) std::memcpy(table.data_ptr<int32_t>() + g * f.words, mine.data(), f.words * 4);
+  comm.all_reduce(table, ReduceOp::kSum);  // one row a group, only its leader's non-zero: exact
+  f.bits.assign(reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>()),
+                reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>()) + table.numel());
+  at::Tensor differs = at::full({1}, int32_t(!std::equal(mine.begin(), mine.end(), f.bits.begin() + long(g * f.words))),
+                                at::kInt);
+  comm.all_reduce(differs, ReduceOp::kMax);
+  if (differs.item<int32_t>() != 0) {
+    // Two pictures with one digest: every rank its own group.
+    at::Tensor all = at::empty({int64_t(world) * int64_t(f.words)}, at::kInt);
+    comm.all_gather(all, at::from_blob(mine.data(), {int64_t(f.words)}, at::kInt).clone())->wait();
+    f.bits.assign(reinterpret_cast<const uint32_t*>(all.data_ptr<int32_t>()),
+                  reinterpret_cast<const uint32_t*>(all.data_ptr<int32_t>()) + all.numel());
+    f.leader.resize(size_t(world));
+    for (int r = 0; r < world; ++r) f.group[size_t(r)] = f.leader[size_t(r)] = r;
+  }
   f.all = true;
-  for (int r = 0; r < comm.world_size() && f.all; ++r)
-    for (int q = 0; q < f.saved && f.all; ++q) f.all = f.sees(r, q);
+  for (size_t k = 0; k < f.leader.size() && f.all; ++k)
+    for (int q = 0; q < f.saved && f.all; ++q) f.all = (f.bits[k * f.words + size_t(q) / 32] >> (q % 32) & 1u) != 0;
   return f;
 }
 

@@ -71,7 +71,7 @@ bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const m
   // accepts leaves the head a count within max_efficient_logits_tiles.
   choice.prefetch = efficient_logits ? cfg.prefetch : 0;
   const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, transient_gradient_buffers(schedule));
-  return explicit_device_bytes(cfg, need) + layout::MemoryModel(schedule, sizes).working_set(choice) <= usable;
+  return explicit_device_bytes(cfg, need) + layout::MemoryModel(schedule, std::move(sizes)).working_set(choice) <= usable;
 }
 
 size_t transient_gradient_buffers(const layout::Schedule& schedule) { return 2 + schedule.shared_units(); }

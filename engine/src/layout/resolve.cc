@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 #include <stdexcept>
+#include <utility>
 
 #include "strata/engine/bytes.h"
 #include "strata/engine/partition.h"
@@ -141,7 +142,7 @@ HeadCut resolve_head_tiles(const EngineConfig& cfg, const layout::Schedule& sche
   const auto fits = [&](const layout::LogitsTiles& t) {
     layout::ModelSizes s = sizes;
     s.logits = t;
-    return usable == UINT64_MAX || base + layout::MemoryModel(schedule, s).working_set(choice) <= usable;
+    return usable == UINT64_MAX || base + layout::MemoryModel(schedule, std::move(s)).working_set(choice) <= usable;
   };
   const auto one_pass_cut = [&](uint64_t count) {
     const layout::LogitsTiles t = layout::one_pass_tiles(sizes.tokens, sizes.vocab, count);

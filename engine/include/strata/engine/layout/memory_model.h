@@ -180,6 +180,8 @@ class MemoryModel {
   // One checkpoint on its way back when checkpoints live off the device.
   uint64_t checkpoint_back(const Choices& c) const { return c.activations != Placement::kDevice ? largest_input_ : 0; }
   std::vector<uint64_t> inputs_before_;  // [s]: the inputs of the blocks before stage s (checkpoint_bytes in O(1))
+  std::vector<uint64_t> stage_bytes_;    // [s]: its units' compute copies (use_bytes in O(1))
+  std::vector<uint64_t> held_before_;    // [s]: the graphs and compute copies of the stages before s (held_at in O(1))
 };
 
 }  // namespace strata::engine::layout
