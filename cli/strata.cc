@@ -370,14 +370,15 @@ int bench_scale(const std::vector<std::string>& argv) {
   strata::bench::ScaleBenchOptions o;
   if (args.has("bytes")) o.collective_bytes = args.size("bytes", o.collective_bytes);
   o.collective_iters = int(args.count("iters", unsigned(o.collective_iters)));
+  if (o.collective_iters < 1) throw std::invalid_argument("bench scale: --iters must be at least 1");
   if (args.has("collective-rank")) return strata::bench::collective_rank(o.collective_bytes, o.collective_iters);
   o.preset = args.get("preset", o.preset);
   o.dir = args.get("dir", o.dir.string());
   o.baseline = !args.has("no-baseline");
   if (args.has("ranks")) o.saved_worlds = world_list(args.get("ranks", ""), "--ranks", 1);
   if (args.has("worlds")) {
-    o.worlds = world_list(args.get("worlds", ""), "--worlds", 0);
-    if (o.worlds == std::vector<int>{0}) o.worlds.clear();
+    const std::string worlds = args.get("worlds", "");
+    o.worlds = worlds == "0" ? std::vector<int>{} : world_list(worlds, "--worlds", 1);
   }
   strata::bench::run_scale_bench(o);
   return 0;

@@ -6,8 +6,14 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${STRATA_BUILD_DIR:-$repo/build}
 "$repo/scripts/setup.sh"
 cd "$build_dir"
-# The 32-rank tests (label ranks32: 12 GB of RAM and minutes on 2 cores) stay out unless the
-# arguments select tests themselves (`scripts/test.sh -L ranks32` runs only them; bench/scale.sh does).
-select=(-LE '^ranks32$')
-for a in "$@"; do case "$a" in -L|-LE|-R|-E|--label-regex|--label-exclude|--tests-regex|--exclude-regex) select=() ;; esac; done
-ctest --output-on-failure -j "${STRATA_JOBS:-$(nproc)}" --timeout 900 "${select[@]}" "$@"
+# The 32-rank tests (ctest's test "ranks32": 12 GB of RAM and minutes on 2 cores) stay out, by
+# name, unless the arguments include tests themselves (`scripts/test.sh -L ranks32` runs only them)
+# or give their own name exclusion (-E), which then replaces this one.
+exclusion=(-E '^ranks32$')
+for a in "$@"; do
+  case "$a" in
+    -LE|-LE?*|--label-exclude) ;;  # label exclusions (-LE gpu) combine with the name exclusion
+    -L|-L?*|-R|-R?*|-I|-I?*|-U|-E|-E?*|--label-regex|--tests-regex|--tests-information|--union|--exclude-regex) exclusion=() ;;
+  esac
+done
+ctest --output-on-failure -j "${STRATA_JOBS:-$(nproc)}" --timeout 900 ${exclusion[@]+"${exclusion[@]}"} "$@"

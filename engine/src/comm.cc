@@ -132,7 +132,10 @@ std::vector<bool> hosts_answer(const std::vector<std::string>& addrs, int ms) {
   size_t open = polls.size();
   while (open > 0) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
-    if (left.count() <= 0 || poll(polls.data(), polls.size(), int(left.count())) <= 0) break;
+    if (left.count() <= 0) break;
+    const int ready = poll(polls.data(), polls.size(), int(left.count()));
+    if (ready < 0 && errno == EINTR) continue;  // a signal (a launcher's SIGTERM): the deadline still holds
+    if (ready <= 0) break;
     for (size_t k = 0; k < polls.size(); ++k) {
       if (polls[k].fd < 0 || polls[k].revents == 0) continue;
       int err = 0;

@@ -7,7 +7,7 @@
 // - (16 ranks) when one rank is killed, every other rank fails on its own within
 //   distributed.timeout_s (60) + 10 s, naming the dead rank.
 // Ranks16.* run in CI (serially: ctest's RUN_SERIAL), Ranks32.* carry the label ranks32 and run
-// by hand or from bench/scale.sh (docs/PERFORMANCE.md records them).
+// when asked (`scripts/test.sh -L ranks32`; docs/PERFORMANCE.md records them).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -111,8 +111,9 @@ void save_resumes(int ranks) {
 }
 
 // Saved by `ranks` on nodes of 4 ranks, each node into its own directory; resumed by `ranks` on
-// nodes of 2: a node of the resuming run sees half of one saving node's files, or (the upper
-// half of the ranks) none, so most slices travel through the exchange. Bitwise the straight run.
+// nodes of 2: resuming node k < ranks / 4 sees saving node k's files (those of ranks 4k..4k+3,
+// which its own ranks 2k, 2k+1 mostly do not hold), the upper half of the ranks none, so most
+// slices travel through the exchange. Bitwise the straight run.
 void node_local_load(int ranks) {
   TempDir dir;
   straight_run(ranks, dir);

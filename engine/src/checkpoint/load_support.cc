@@ -76,8 +76,9 @@ FilesSeen files_seen_by_all(Communicator& comm, const fs::path& dir, const Chunk
   comm.all_gather(digests, at::full({1}, int64_t(digest), at::kLong))->wait();
   std::vector<int64_t> group_digest;
   f.group.resize(size_t(world));
+  const int64_t* digest_of = digests.data_ptr<int64_t>();
   for (int r = 0; r < world; ++r) {
-    const int64_t d = digests[r].item<int64_t>();
+    const int64_t d = digest_of[r];
     const auto it = std::find(group_digest.begin(), group_digest.end(), d);
     f.group[size_t(r)] = int(it - group_digest.begin());
     if (it == group_digest.end()) {
