@@ -53,7 +53,7 @@ Measured measure(const Case& k, const fs::path& config, const fs::path& dir, con
   const fs::path log = fs::absolute(dir / (log_name + ".jsonl"));
   fs::remove(log);
   if (k.nvme) fs::create_directories(dir / ("swap-" + k.name));
-  const std::string self = shell_quote(fs::read_symlink("/proc/self/exe").string());
+  const std::string self = self_command();
   std::string cmd = "cd " + shell_quote(dir.string()) + " && ";
   if (k.ranks > 1) cmd += self + " launch -n " + std::to_string(k.ranks) + " -- ";
   cmd += self + " train --config " + shell_quote(fs::absolute(config).string()) + " --log " +

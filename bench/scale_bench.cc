@@ -175,8 +175,6 @@ Reading read_in_child(const fs::path& dir, int rank) {
           j["seconds"].get<double>(), j["rss_before"].get<uint64_t>()};
 }
 
-double exponent(double y0, double y1, double x0, double x1) { return std::log(y1 / y0) / std::log(x1 / x0); }
-
 }  // namespace
 
 // This process's resident bytes (`what`: "VmRSS:" now, "VmHWM:" the peak), from /proc/self/status.
@@ -263,11 +261,13 @@ void run_scale_bench(const ScaleBenchOptions& o) {
     std::printf("  growth from %d to %d ranks (exponent of the world size): per-rank load bytes %.2f, load seconds "
                 "%.2f, whole checkpoint's metadata %.2f\n",
                 rows[0].world, rows[i].world,
-                exponent(double(rows[0].read.bytes), double(rows[i].read.bytes), rows[0].world, rows[i].world),
-                exponent(rows[0].read.seconds, rows[i].read.seconds, rows[0].world, rows[i].world),
-                exponent(double(rows[0].written.manifest_bytes + rows[0].written.index_bytes),
-                         double(rows[i].written.manifest_bytes + rows[i].written.index_bytes), rows[0].world,
-                         rows[i].world));
+                growth_exponent({double(rows[0].world), double(rows[i].world)},
+                                {double(rows[0].read.bytes), double(rows[i].read.bytes)}),
+                growth_exponent({double(rows[0].world), double(rows[i].world)},
+                                {rows[0].read.seconds, rows[i].read.seconds}),
+                growth_exponent({double(rows[0].world), double(rows[i].world)},
+                                {double(rows[0].written.manifest_bytes + rows[0].written.index_bytes),
+                                 double(rows[i].written.manifest_bytes + rows[i].written.index_bytes)}));
   const Row& first = rows.front();
   json line = {{"metric", "load_metadata_bytes_per_rank_" + tag + "_" + std::to_string(first.world)},
                {"value", first.read.bytes},

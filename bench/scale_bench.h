@@ -41,6 +41,11 @@ void run_scale_bench(const ScaleBenchOptions& options);
 // The world-size parts (called by run_scale_bench before the metadata part).
 void run_world_scaling(const ScaleBenchOptions& options);
 
+// A figure's growth exponent: the least-squares slope of log(y) against log(x) over the points
+// with x > 1 (one rank has no collectives to grow) and y > 0; NaN with fewer than two such points.
+// For two points, log(y1 / y0) / log(x1 / x0).
+double growth_exponent(const std::vector<double>& x, const std::vector<double>& y);
+
 // The child process of the collectives part: one rank (DistEnv::from_env) all-gathers and
 // reduce-scatters a buffer of `buffer_bytes` fp32 `iters` times each, and prints what it sent and
 // how long it took, per collective, as one JSON line.

@@ -4,6 +4,7 @@
 
 #include "flat_dir.h"
 #include "shell.h"
+#include "timing.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
@@ -45,34 +46,11 @@ WriteCounters write_counters() {
   return c;
 }
 
-// The slope of log(y) against log(x), least squares over the points with x > 1 (one rank has no
-// collectives to grow) and y > 0.
-double growth_exponent(const std::vector<double>& x, const std::vector<double>& y) {
-  std::vector<std::pair<double, double>> p;
-  for (size_t i = 0; i < x.size(); ++i)
-    if (x[i] > 1 && y[i] > 0) p.push_back({std::log(x[i]), std::log(y[i])});
-  if (p.size() < 2) return std::nan("");
-  double mx = 0, my = 0;
-  for (auto [a, b] : p) mx += a, my += b;
-  mx /= double(p.size()), my /= double(p.size());
-  double sxy = 0, sxx = 0;
-  for (auto [a, b] : p) sxy += (a - mx) * (b - my), sxx += (a - mx) * (a - mx);
-  return sxy / sxx;
-}
-
-std::string self_exe() { return shell_quote(fs::read_symlink("/proc/self/exe").string()); }
-
 std::string slurp(const fs::path& p) {
   std::ifstream in(p);
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 // --- collectives ----------------------------------------------------------------------------
@@ -84,7 +62,7 @@ struct CollectiveRow {
 };
 
 CollectiveRow collectives_at(int world, uint64_t buffer_bytes, int iters) {
-  const std::string out = run_capture(self_exe() + " launch -n " + std::to_string(world) + " -- " + self_exe() +
+  const std::string out = run_capture(self_command() + " launch -n " + std::to_string(world) + " -- " + self_command() +
                                           " bench scale --collective-rank --bytes " + std::to_string(buffer_bytes) +
                                           " --iters " + std::to_string(iters),
                                       "bench scale");
@@ -132,7 +110,7 @@ json tiny_run_config(int64_t steps) {
 RunRow run_at(int world, const fs::path& root) {
   const fs::path dir = root / ("world-" + std::to_string(world));
   fs::create_directories(dir);
-  const std::string launch = self_exe() + " launch -n " + std::to_string(world) + " -- " + self_exe() + " train";
+  const std::string launch = self_command() + " launch -n " + std::to_string(world) + " -- " + self_command() + " train";
   std::ofstream(dir / "first.json") << tiny_run_config(5).dump();
   std::ofstream(dir / "second.json") << tiny_run_config(6).dump();
   const std::string ckpt = shell_quote((dir / "ckpt").string());
@@ -178,6 +156,19 @@ RunRow run_at(int world, const fs::path& root) {
 std::vector<double> column(const std::vector<int>& worlds) { return {worlds.begin(), worlds.end()}; }
 
 }  // namespace
+
+double growth_exponent(const std::vector<double>& x, const std::vector<double>& y) {
+  std::vector<std::pair<double, double>> p;
+  for (size_t i = 0; i < x.size(); ++i)
+    if (x[i] > 1 && y[i] > 0) p.push_back({std::log(x[i]), std::log(y[i])});
+  if (p.size() < 2) return std::nan("");
+  double mx = 0, my = 0;
+  for (auto [a, b] : p) mx += a, my += b;
+  mx /= double(p.size()), my /= double(p.size());
+  double sxy = 0, sxx = 0;
+  for (auto [a, b] : p) sxy += (a - mx) * (b - my), sxx += (a - mx) * (a - mx);
+  return sxy / sxx;
+}
 
 int collective_rank(uint64_t buffer_bytes, int iters) {
   const engine::DistEnv env = engine::DistEnv::from_env();

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <stdexcept>
 #include <string>
@@ -16,6 +17,10 @@ inline std::string shell_quote(const std::string& s) {
   for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
   return out + "'";
 }
+
+// This program (the strata binary the benchmark runs in), quoted for the shell: the benchmarks
+// run `strata train` and `strata launch` as children of themselves.
+inline std::string self_command() { return shell_quote(std::filesystem::read_symlink("/proc/self/exe").string()); }
 
 // Runs `command` through the shell; its stderr passes through, its stdout is returned. A
 // failure (exit status or signal) throws, naming `who` and the command.

@@ -63,7 +63,7 @@ RunResult strata_run(const fs::path& config, const TrainBenchOptions& o) {
   r.name = config.stem().string();
   const fs::path log = fs::absolute(o.dir / (r.name + ".jsonl"));
   fs::remove(log);
-  std::string cmd = "cd " + shell_quote(o.dir.string()) + " && " + shell_quote(fs::read_symlink("/proc/self/exe").string()) +
+  std::string cmd = "cd " + shell_quote(o.dir.string()) + " && " + self_command() +
                     " train --config " + shell_quote(fs::absolute(config).string()) + " --steps " +
                     std::to_string(o.steps) + " --log " + shell_quote(log.string()) + " --no-progress";
   if (o.profile) cmd += " --profile " + shell_quote(fs::absolute(o.dir / (r.name + ".trace.json")).string());

@@ -1,0 +1,17 @@
+// `strata bench NAME [options]`: the benchmarks (bench/), each run beside its baseline, ending
+// with a JSON line (docs/PERFORMANCE.md).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace strata::cli {
+
+// `args`: what follows `strata bench`. Returns the exit status; throws on bad options.
+int bench_main(const std::vector<std::string>& args);
+
+// The interpreter of Strata's Python tools (the benchmarks' baselines, `strata data`):
+// $STRATA_PYTHON, else the one the build was configured with, else python3.
+std::string python_interpreter();
+
+}  // namespace strata::cli
