@@ -231,6 +231,7 @@ int read_metadata_as_a_load(const fs::path& dir, int rank) {
 void run_scale_bench(const ScaleBenchOptions& o) {
   if (o.saved_worlds.empty()) throw std::invalid_argument("bench scale: no world sizes");
   run_world_scaling(o);
+  const json many_ranks = run_many_rank_tests(o);
   const models::ModelConfig mc = models::preset(o.preset);
   std::string tag = o.preset;
   if (tag.rfind("gpt-", 0) == 0) tag = tag.substr(4);
@@ -292,6 +293,7 @@ void run_scale_bench(const ScaleBenchOptions& o) {
     line["baseline_rss_added_bytes"] = r.peak_rss - std::min(r.peak_rss, r.rss_before);
     line["ratio"] = double(first.read.bytes) / double(r.bytes);
   }
+  if (!many_ranks.is_null()) line["ranks32_tests"] = many_ranks;
   ::rmdir(o.dir.c_str());
   std::cout << line.dump() << std::endl;
 }

@@ -7,6 +7,8 @@
 // - a tiny Llama trained, saved and resumed: step time, rank 0's collective bytes a step, save
 //   and load seconds, the checkpoint's metadata bytes, rank 0's peak RSS saving and loading.
 // Each figure's growth exponent against the world size (a least-squares slope in log-log).
+// Then the many-rank tests at 32 ranks (tests/engine/many_ranks_test.cc, Ranks32.*), which stay
+// out of CI: each one's result and seconds, recorded in the final JSON line.
 //
 // Checkpoint metadata of a large model (scale_bench.cc): for a model preset (default gpt-1t) it
 // synthesizes a checkpoint's metadata as `saved_worlds` ranks would save it (format 3: the
@@ -21,6 +23,7 @@
 #pragma once
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -34,12 +37,20 @@ struct ScaleBenchOptions {
   std::vector<int> worlds = {1, 2, 4, 8, 16, 32};  // ranks on this machine; empty: metadata only
   uint64_t collective_bytes = 16ull << 20;          // the collectives' whole buffer
   int collective_iters = 5;
+  // The 32-rank tests (many_ranks_tests, Ranks32.*): "auto" runs the binary of the build tree
+  // this strata belongs to (<its directory>/tests/many_ranks_tests) when there is one, "off"
+  // skips them, anything else is the binary's path.
+  std::string many_rank_tests = "auto";
 };
 
 void run_scale_bench(const ScaleBenchOptions& options);
 
 // The world-size parts (called by run_scale_bench before the metadata part).
 void run_world_scaling(const ScaleBenchOptions& options);
+
+// Runs the 32-rank tests (options.many_rank_tests) and prints each one's result and seconds;
+// returns {"passed", "failed", "seconds"} for the final JSON line, or null when skipped.
+nlohmann::json run_many_rank_tests(const ScaleBenchOptions& options);
 
 // A figure's growth exponent: the least-squares slope of log(y) against log(x) over the points
 // with x > 1 (one rank has no collectives to grow) and y > 0; NaN with fewer than two such points.

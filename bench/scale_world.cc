@@ -20,6 +20,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include <unistd.h>
+
 #include "strata/engine/comm.h"
 
 namespace strata::bench {
@@ -256,6 +258,46 @@ void run_world_scaling(const ScaleBenchOptions& o) {
               growth_exponent(x, step), growth_exponent(x, save), growth_exponent(x, load), growth_exponent(x, net),
               growth_exponent(x, manifest), growth_exponent(x, meta));
   remove_tree(root);
+}
+
+json run_many_rank_tests(const ScaleBenchOptions& o) {
+  if (o.many_rank_tests == "off") return nullptr;
+  const fs::path self = fs::read_symlink("/proc/self/exe");
+  const fs::path binary = o.many_rank_tests == "auto" ? self.parent_path() / "tests" / "many_ranks_tests"
+                                                      : fs::path(o.many_rank_tests);
+  if (!fs::exists(binary)) {
+    if (o.many_rank_tests != "auto") throw std::invalid_argument("bench scale: no test binary " + binary.string());
+    std::printf("the 32-rank tests: skipped (no %s beside this strata: build the tests, or pass "
+                "--many-rank-tests PATH)\n", binary.c_str());
+    return nullptr;
+  }
+  std::printf("the many-rank tests at 32 ranks (%s --gtest_filter='Ranks32.*'; 32 processes of one thread, Gloo "
+              "over loopback):\n", binary.c_str());
+  std::fflush(stdout);
+  const fs::path report = fs::temp_directory_path() / ("strata-ranks32-" + std::to_string(::getpid()) + ".json");
+  const std::string command = shell_quote(binary.string()) + " --gtest_filter='Ranks32.*' --gtest_output=json:" +
+                              shell_quote(report.string()) + " > /dev/null 2>&1";
+  const auto t0 = std::chrono::steady_clock::now();
+  const int status = std::system(command.c_str());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  json result = {{"passed", 0}, {"failed", 0}, {"seconds", seconds}};
+  std::ifstream in(report);
+  if (!in) {
+    std::printf("  the test binary wrote no report (exit status %d): counted as one failure\n", status);
+    result["failed"] = 1;
+    return result;
+  }
+  const json r = json::parse(in);
+  ::unlink(report.c_str());
+  for (const json& suite : r.value("testsuites", json::array()))
+    for (const json& t : suite.value("testsuite", json::array())) {
+      const bool ok = !t.contains("failures") || t["failures"].empty();
+      result[ok ? "passed" : "failed"] = result[ok ? "passed" : "failed"].get<int>() + 1;
+      std::printf("  %s.%s: %s in %s\n", suite.value("name", "").c_str(), t.value("name", "").c_str(),
+                  ok ? "passed" : "FAILED", t.value("time", "?").c_str());
+    }
+  std::printf("  %d passed, %d failed, %.0f s in all\n", result["passed"].get<int>(), result["failed"].get<int>(), seconds);
+  return result;
 }
 
 }  // namespace strata::bench

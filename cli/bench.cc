@@ -284,8 +284,10 @@ How the engine's costs grow with the world size and the model, in three parts:
   --ranks, read as one rank of a load at that size reads it, in a fresh process (seconds, bytes,
   peak RSS); beside it, the same checkpoint in format 2 (every chunk in the manifest) at the
   first size.
-Each part prints its growth exponents against the world size; the final JSON line is the
-metadata part's.
+Each part prints its growth exponents against the world size. Between the second and the third,
+the 32-rank tests (Ranks32.*, out of CI: about 3.5 min and 12 GB of RAM on 2 cores), when the
+test binary was built. The final JSON line is the metadata part's, with the tests' results
+("ranks32_tests").
 
   --worlds LIST    ranks on this machine, comma-separated (default 1,2,4,8,16,32; 0: skip the
                    first two parts)
@@ -294,6 +296,9 @@ metadata part's.
   --ranks LIST     saving world sizes, comma-separated (default 512,4096)
   --dir DIR        where the metadata is written, then removed (default strata-bench-scale)
   --no-baseline    skip format 2 (a few hundred MB of JSON at gpt-1t)
+  --many-rank-tests PATH|auto|off
+                   the 32-rank tests' binary (default auto: tests/many_ranks_tests beside this
+                   strata, skipped when absent; off: skip)
 )";
 
 // "1,2,4" -> {1, 2, 4}; every size >= `least`.
@@ -312,7 +317,8 @@ std::vector<int> world_list(const std::string& list, const char* flag, int least
 
 int bench_scale(const std::vector<std::string>& argv) {
   if (printed_usage(argv, kBenchScaleUsage)) return 0;
-  strata::cli::Args args(argv, {"preset", "ranks", "dir", "read-metadata", "rank", "worlds", "bytes", "iters"},
+  strata::cli::Args args(argv, {"preset", "ranks", "dir", "read-metadata", "rank", "worlds", "bytes", "iters",
+                                 "many-rank-tests"},
                          {"no-baseline", "collective-rank"});
   if (args.has("read-metadata"))
     return strata::bench::read_metadata_as_a_load(args.get("read-metadata", ""), int(args.count("rank", 0u)));
@@ -324,6 +330,7 @@ int bench_scale(const std::vector<std::string>& argv) {
   o.preset = args.get("preset", o.preset);
   o.dir = args.get("dir", o.dir.string());
   o.baseline = !args.has("no-baseline");
+  o.many_rank_tests = args.get("many-rank-tests", o.many_rank_tests);
   if (args.has("ranks")) o.saved_worlds = world_list(args.get("ranks", ""), "--ranks", 1);
   if (args.has("worlds")) {
     const std::string worlds = args.get("worlds", "");

@@ -52,6 +52,14 @@ class LocalComm final : public Communicator {
     if (in.data_ptr() != out.data_ptr()) out.copy_(in.view_as(out));  // in place: nothing to do
     return std::make_unique<Done>();
   }
+  std::unique_ptr<Work> all_to_all(const at::Tensor& out, const std::vector<int64_t>& out_counts, const at::Tensor& in,
+                                   const std::vector<int64_t>& in_counts) override {
+    TORCH_CHECK(out_counts.size() == 1 && in_counts.size() == 1 && out_counts[0] == in_counts[0] &&
+                    out.numel() == out_counts[0] && in.numel() == in_counts[0],
+                "all_to_all: a world of one sends itself what it receives");
+    if (in.numel() > 0 && in.data_ptr() != out.data_ptr()) out.copy_(in);
+    return std::make_unique<Done>();
+  }
   void all_reduce(const at::Tensor&, ReduceOp) override {}
   void broadcast(const at::Tensor&, int) override {}
   void barrier() override {}
@@ -351,24 +359,55 @@ class GlooComm final : public Communicator {
     // Gloo has no reduce-scatter of its own: its _reduce_scatter_base all-reduces the whole
     // buffer, twice the bytes on the network (measured between two hosts, docs/PERFORMANCE.md).
     // An all-to-all hands each rank the world's copies of its chunk, (world - 1) / world of the
-    // buffer as a ring reduce-scatter sends, and the rank sums them in rank order.
-    at::Tensor recv = at::empty_like(in);
-    std::unique_ptr<Work> work = guarded("reduce_scatter", false, [&] {
-      at::Tensor r = recv, i = in;
-      std::vector<int64_t> equal_split;
-      return pg(r).alltoall_base(r, i, equal_split, equal_split);
+    // buffer as a ring reduce-scatter sends, and the rank sums them in rank order. The copies
+    // received take as much memory as the buffer: a buffer over kSliceBytes goes in slices of
+    // each rank's chunk instead, a slice's pieces staged and received within kSliceBytes, one
+    // all-to-all after another before this returns (the issuing thread waits; Work::wait may
+    // come from another thread, so later slices cannot be issued there in the ranks' order).
+    const int64_t n = out.numel(), world = world_size();
+    if (uint64_t(in.numel()) * uint64_t(in.element_size()) <= kSliceBytes) {
+      at::Tensor recv = at::empty_like(in);
+      std::unique_ptr<Work> work = guarded("reduce_scatter", false, [&] {
+        at::Tensor r = recv, i = in;
+        std::vector<int64_t> equal_split;
+        return pg(r).alltoall_base(r, i, equal_split, equal_split);
+      });
+      static_cast<GlooWork&>(*work).then = [out, recv, world] { sum_in_rank_order(out.view({-1}), recv, world); };
+      return work;
+    }
+    const int64_t slice = std::max<int64_t>(1, int64_t(kSliceBytes / 2 / uint64_t(in.element_size())) / world);
+    const at::Tensor whole = in.view({world, n});
+    for (int64_t at = 0; at < n; at += slice) {
+      const int64_t len = std::min(slice, n - at);
+      at::Tensor staged = whole.narrow(1, at, len).contiguous().view({-1}), recv = at::empty_like(staged);
+      guarded("reduce_scatter", false, [&] {
+        std::vector<int64_t> equal_split;
+        return pg(recv).alltoall_base(recv, staged, equal_split, equal_split);
+      })->wait();
+      sum_in_rank_order(out.view({-1}).narrow(0, at, len), recv, world);
+    }
+    return std::make_unique<LocalComm::Done>();
+  }
+  // The most a CPU reduce-scatter holds beside its buffer: a buffer up to this size goes in one
+  // all-to-all (its copies received), a larger one in slices staged and received within it.
+  static constexpr uint64_t kSliceBytes = 64ull << 20;
+  // out (n elements) = the sum of recv's world pieces of n, in rank order, in out's own type
+  // (int32 sums bit patterns exactly); bf16 and fp16 in an fp32 buffer, rounded once at the end.
+  static void sum_in_rank_order(const at::Tensor& out, const at::Tensor& recv, int64_t world) {
+    const int64_t n = out.numel();
+    const bool widen = out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf;
+    at::Tensor sum = widen ? at::empty({n}, out.options().dtype(at::kFloat)) : out;
+    sum.copy_(recv.narrow(0, 0, n));
+    for (int64_t r = 1; r < world; ++r) sum.add_(recv.narrow(0, r * n, n));
+    if (widen) out.copy_(sum);
+  }
+  std::unique_ptr<Work> all_to_all(const at::Tensor& out, const std::vector<int64_t>& out_counts, const at::Tensor& in,
+                                   const std::vector<int64_t>& in_counts) override {
+    return guarded("all_to_all", out.is_cuda(), [&] {
+      at::Tensor o = out, i = in;
+      std::vector<int64_t> oc = out_counts, ic = in_counts;
+      return pg(o).alltoall_base(o, i, oc, ic);
     });
-    static_cast<GlooWork&>(*work).then = [out, recv, world = world_size()] {
-      const int64_t n = out.numel();
-      // Summed in place in `out`, in its own type (int32 sums bit patterns exactly: a checkpoint
-      // exchange); bf16 and fp16 in an fp32 buffer, rounded once at the end.
-      const bool widen = out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf;
-      at::Tensor sum = widen ? at::empty({n}, out.options().dtype(at::kFloat)) : out.view({n});
-      sum.copy_(recv.narrow(0, 0, n));
-      for (int r = 1; r < world; ++r) sum.add_(recv.narrow(0, int64_t(r) * n, n));
-      if (widen) out.view({n}).copy_(sum);
-    };
-    return work;
   }
   void all_reduce(const at::Tensor& t, ReduceOp op) override {
     c10d::AllreduceOptions o;

@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <array>
+#include <set>
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +20,7 @@
 
 #include "checkpoint/catalog.h"
 #include "checkpoint/chunk_reader.h"
+#include "checkpoint/exchange.h"
 #include "checkpoint/format.h"
 #include "checkpoint_trainer.h"
 #include "saved_chunks.h"
@@ -317,6 +321,82 @@ void engine_export_matches(json cfg) {
   const std::string why = error_of([&] { se::export_engine_hf(a.engine(), a.comm(), dir / "streamed-f32", {}); });
   EXPECT_NE(why.find("is not empty"), std::string::npos) << why;
   a.train(1, r);  // the hold was released
+}
+
+// The node-local exchange's rounds (exchange.h), planned from random needs of awkward sizes: every
+// need in one round, a chunk's needs together, and in each round every rank's reads, sends and
+// receipts within their bounds (or one chunk alone over them); the same plan whatever the order of
+// the needs; and ranks that share nothing share rounds.
+TEST(CheckpointExchange, RoundsKeepEveryRankWithinItsBoundsAndRunDisjointRanksTogether) {
+  std::mt19937 rng(20261129);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int world = 2 + int(rng() % 9);
+    const ck::ExchangeLimits limits{4 * (8 + rng() % 60), 4 * (8 + rng() % 60), 4 * (16 + rng() % 120)};
+    std::vector<ck::ExchangeNeed> needs;
+    std::map<std::pair<size_t, uint64_t>, int> server_of;  // (unit, begin) -> server
+    for (size_t unit = 0; unit < 3; ++unit)
+      for (uint64_t begin = 0, n = 0; begin < 400; begin += n) {
+        n = 1 + rng() % 90;
+        ck::Chunk c;
+        c.unit = unit;
+        c.kind = 0;
+        c.begin = begin;
+        c.numel = n;
+        c.rank = int(rng() % 5);
+        server_of[{unit, begin}] = int(rng() % uint32_t(world));
+        for (uint64_t at = begin; at < begin + n;) {  // cut among owners
+          const uint64_t len = std::min<uint64_t>(1 + rng() % 40, begin + n - at);
+          needs.push_back({c, at, len, int(rng() % uint32_t(world)), rng() % 1000});
+          at += len;
+        }
+      }
+    const auto server = [&](const ck::Chunk& c) { return server_of.at({c.unit, c.begin}); };
+    const ck::ExchangePlan plan = ck::plan_exchange(needs, server, world, limits);
+    ASSERT_EQ(plan.needs.size(), needs.size());
+    // [round][rank]: bytes read, sent, received, and how many chunks each is made of.
+    std::map<std::pair<uint32_t, int>, std::array<uint64_t, 3>> bytes;
+    std::map<std::pair<uint32_t, int>, std::array<std::set<std::pair<size_t, uint64_t>>, 3>> chunks;
+    for (size_t i = 0; i < plan.needs.size(); ++i) {
+      const ck::ExchangeNeed& n = plan.needs[i];
+      const std::pair<size_t, uint64_t> id{n.chunk.unit, n.chunk.begin};
+      ASSERT_LT(plan.round[i], plan.rounds);
+      ASSERT_EQ(plan.server[i], server(n.chunk));
+      if (i > 0 && plan.needs[i - 1].chunk == n.chunk) {
+        EXPECT_EQ(plan.round[i], plan.round[i - 1]) << "a chunk's needs in two rounds";
+      }
+      const int q = plan.server[i];
+      if (chunks[{plan.round[i], q}][0].insert(id).second) bytes[{plan.round[i], q}][0] += n.chunk.numel * 4;
+      if (n.owner == q) continue;
+      bytes[{plan.round[i], q}][1] += n.numel * 4;
+      chunks[{plan.round[i], q}][1].insert(id);
+      bytes[{plan.round[i], n.owner}][2] += n.numel * 4;
+      chunks[{plan.round[i], n.owner}][2].insert(id);
+    }
+    const uint64_t cap[3] = {limits.read_bytes, limits.send_bytes, limits.receive_bytes};
+    for (const auto& [at, b] : bytes)
+      for (int role = 0; role < 3; ++role)
+        EXPECT_TRUE(b[size_t(role)] <= cap[role] || chunks[at][size_t(role)].size() == 1)
+            << "trial " << trial << " round " << at.first << " rank " << at.second << " role " << role << ": "
+            << b[size_t(role)] << " bytes over " << cap[role];
+    std::shuffle(needs.begin(), needs.end(), rng);
+    const ck::ExchangePlan again = ck::plan_exchange(needs, server, world, limits);
+    EXPECT_EQ(again.round, plan.round);
+    EXPECT_EQ(again.rounds, plan.rounds);
+  }
+  // Four servers, each sending eight chunks of 100 elements to its own owner, one chunk a round
+  // (bounds of 400 bytes): eight rounds, not 32.
+  std::vector<ck::ExchangeNeed> needs;
+  for (int s = 0; s < 4; ++s)
+    for (int j = 0; j < 8; ++j) {
+      ck::Chunk c;
+      c.rank = s;
+      c.begin = uint64_t(s * 8 + j) * 100;
+      c.numel = 100;
+      needs.push_back({c, c.begin, 100, 4 + s, 0});
+    }
+  const ck::ExchangePlan plan =
+      ck::plan_exchange(needs, [](const ck::Chunk& c) { return c.rank; }, 8, ck::ExchangeLimits{400, 400, 400});
+  EXPECT_EQ(plan.rounds, 8u);
 }
 
 TEST(EngineExport, StreamedExportEqualsTheGatheredOneWholeBlocks) { engine_export_matches(tiny_llama(3)); }

@@ -52,6 +52,13 @@ using strata::test::read_file;
 
 namespace {
 
+// An environment variable set for the processes started in its scope, then unset.
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name); }
+  const char* name;
+};
+
 TEST(Crc32c, KnownValueAndIncremental) {
   const std::string s = "123456789";
   EXPECT_EQ(strata::offload::crc32c(s.data(), s.size()), 0xE3069283u);
@@ -1049,8 +1056,12 @@ TEST(Checkpoint, NodeLocalDirectoriesResumeAtAnotherNodeCount) {
   std::filesystem::remove_all(dir / "node1/ckpt");
   std::filesystem::rename(dir / "node1-away", dir / "node1/ckpt");
 
-  launch_on_nodes(3, 1, cfg_for(3, 8), dir, "second",
-                  "--log " + (dir / "resumed.jsonl").string() + " --checkpoint-dir ckpt --resume");
+  {
+    // The exchange in rounds of at most 4 KiB in flight a rank: a chunk a round, many rounds.
+    const ScopedEnv small_rounds("STRATA_EXCHANGE_BYTES", "4096");
+    launch_on_nodes(3, 1, cfg_for(3, 8), dir, "second",
+                    "--log " + (dir / "resumed.jsonl").string() + " --checkpoint-dir ckpt --resume");
+  }
   EXPECT_NE(read_file(dir / "second.out").find("resumed from ckpt/step-00000004 after step 4"), std::string::npos)
       << read_file(dir / "second.out");
   const std::vector<double> want = losses(dir / "straight.jsonl"), got = losses(dir / "resumed.jsonl");
@@ -1098,8 +1109,11 @@ TEST(Checkpoint, NodeLocalTiledSaveLoadsWholeAtAnotherNodeCount) {
   std::filesystem::remove_all(dir / "node1/ckpt");
   std::filesystem::rename(dir / "node1-away", dir / "node1/ckpt");
 
-  launch_on_nodes(3, 1, cfg_for(3, "off"), dir, "whole",
-                  "--checkpoint-dir ckpt --resume --export " + (dir / "whole4").string());
+  {
+    const ScopedEnv small_rounds("STRATA_EXCHANGE_BYTES", "4096");  // many rounds of the exchange
+    launch_on_nodes(3, 1, cfg_for(3, "off"), dir, "whole",
+                    "--checkpoint-dir ckpt --resume --export " + (dir / "whole4").string());
+  }
   EXPECT_NE(read_file(dir / "whole.out").find("resumed from ckpt/step-00000004 after step 4"), std::string::npos)
       << read_file(dir / "whole.out");
   sm::SafetensorsFile saved(dir / "tiled4" / "model.safetensors"), loaded(dir / "whole4" / "model.safetensors");

@@ -39,6 +39,10 @@ class PeerComm final : public Communicator {
     return std::make_unique<Done>();
   }
   std::unique_ptr<Work> reduce_scatter(const at::Tensor&, const at::Tensor&) override { throw std::logic_error("unused"); }
+  std::unique_ptr<Work> all_to_all(const at::Tensor&, const std::vector<int64_t>&, const at::Tensor&,
+                                   const std::vector<int64_t>&) override {
+    throw std::logic_error("unused");
+  }
   void all_reduce(const at::Tensor&, ReduceOp) override { throw std::logic_error("unused"); }
   void broadcast(const at::Tensor&, int) override { throw std::logic_error("unused"); }
   void barrier() override {}

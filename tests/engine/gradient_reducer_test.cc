@@ -65,6 +65,10 @@ class PeerComm final : public Communicator {
   };
   std::vector<Call> calls;
 
+  std::unique_ptr<Work> all_to_all(const at::Tensor&, const std::vector<int64_t>&, const at::Tensor&,
+                                   const std::vector<int64_t>&) override {
+    throw std::logic_error("unused");
+  }
   std::unique_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in) override {
     if (in.numel() != 2 * out.numel() || in.scalar_type() != out.scalar_type() || !in.is_contiguous() ||
         !out.is_contiguous())

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -483,6 +484,56 @@ TEST(ResolveMlpTokenChunk, ChunksOnlyWhereTheLeanestTilingDoesNotFitWithoutThem)
   }
   EXPECT_TRUE(asked.empty());
   EXPECT_EQ(asked_peer.calls, 0);
+}
+
+// tiling_fits weighs a model of many layers through one of a few (tiling_device_bytes): the same
+// bytes as the whole model's, on random models, cuts and choices of awkward sizes: every
+// placement of the state, checkpoints on the device or not, prefetch windows longer than a block,
+// tied heads or not, several ranks. Where blocks keep their graphs the whole model is weighed.
+TEST(TilingFits, AFewLayersStandForAllOfThemExactly) {
+  std::mt19937 rng(20261129);
+  const auto pick = [&](int64_t lo, int64_t hi) { return lo + int64_t(rng() % uint64_t(hi - lo + 1)); };
+  int shortcuts = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    models::ModelConfig mc = models::preset(trial % 2 ? "llama-1b" : "gpt2");
+    mc.heads = pick(2, 6);
+    mc.kv_heads = trial % 2 ? mc.heads / (mc.heads % 2 ? 1 : 2) : mc.heads;
+    mc.head_dim = 8 * pick(1, 3);
+    mc.hidden = mc.heads * mc.head_dim;
+    mc.intermediate = 64 * pick(1, 6) + pick(0, 3) * 8;
+    mc.vocab_size = pick(300, 3000);
+    mc.layers = pick(1, 24);
+    mc.tie_embeddings = rng() % 2;
+    mc.max_positions = 256;
+    mc.validate();
+    EngineConfig c;
+    c.micro_batch = pick(1, 3);
+    c.seq_len = pick(16, 200);
+    c.compute = rng() % 2 ? Precision::kBf16 : Precision::kFp32;
+    const Placement places[] = {Placement::kDevice, Placement::kHost};
+    c.params = places[rng() % 2];
+    c.grads = places[rng() % 2];
+    c.master = c.moments = places[rng() % 2];
+    const Placement checkpoints[] = {Placement::kDevice, Placement::kHost, Placement::kAuto};
+    c.activations = checkpoints[rng() % 3];
+    c.prefetch = int(pick(0, 9));
+    c.recompute_blocks = rng() % 4 == 0 ? int(pick(0, mc.layers)) : EngineConfig::kRecomputeAuto;
+    c.mlp_token_chunk = rng() % 2 ? 0 : 64;
+    const models::LayerTiles tiles{pick(1, mc.kv_heads), pick(1, std::max<int64_t>(1, mc.intermediate / 64)),
+                                   pick(1, 3)};
+    const int world = int(pick(1, 7));
+    const bool efficient = rng() % 2;
+    const uint64_t whole = tiling_device_bytes(c, mc, tiles, world, efficient, /*few_layers=*/false);
+    EXPECT_EQ(tiling_device_bytes(c, mc, tiles, world, efficient), whole)
+        << "trial " << trial << ": " << mc.layers << " layers in " << tiles.attention << " x " << tiles.mlp
+        << " tiles, prefetch " << c.prefetch << ", checkpoints " << to_string(c.activations);
+    EXPECT_EQ(tiling_fits(c, mc, tiles, world, whole, efficient), true);
+    EXPECT_EQ(tiling_fits(c, mc, tiles, world, whole - 1, efficient), false);
+    const int64_t per_block = tiles.block_stages();
+    shortcuts += c.recompute_blocks == EngineConfig::kRecomputeAuto &&
+                 mc.layers > 2 * ((c.prefetch + per_block - 1) / per_block + 1) + 1;
+  }
+  EXPECT_GT(shortcuts, 100) << "the trials rarely took the few layers' way";
 }
 
 // The error names where the scratch comes from when that is another use than the one that does

@@ -2,7 +2,7 @@
 // every rank gets it over the communicator; each rank reads the chunks that overlap its own
 // slices, checked (ChunkReader), unit by unit. Where the checkpoint is on node-local disks and
 // some rank lacks a data file it needs, every chunk is read by one rank that sees its file and
-// reaches its owners through a reduce-scatter of the chunk's bits (zeros elsewhere: exact).
+// its owners' pieces reach them through bounded rounds of all-to-all (exchange.h).
 // A checkpoint saved with another cut of the model's tensors loads through load_recut.cc; what
 // both share is in load_support.h.
 #include <ATen/core/Tensor.h>
@@ -16,6 +16,7 @@
 
 #include "checkpoint/chunk_reader.h"
 #include "checkpoint/commit.h"
+#include "checkpoint/exchange.h"
 #include "checkpoint/format.h"
 #include "checkpoint/load_support.h"
 #include "strata/engine/checkpoint.h"
@@ -123,6 +124,7 @@ struct SameCutLoad {
   const std::vector<uint8_t>& exchanged;                     // plan_exchanges
   LoadFailure& failure;                                      // every collective runs even after a failed read
   int rank, world;
+  ExchangeLimits limits;
 };
 
 // Unit u's slices and the chunks that overlap them, other than an exchanged (unit, kind)'s, each
@@ -148,26 +150,22 @@ UnitWork plan_unit(const SameCutLoad& ctx, size_t u, uint64_t& bytes) {
   return w;
 }
 
-// The exchange: the serving ranks read their chunks into a zeroed buffer of the unit's padded
-// size at the chunks' places, and a reduce-scatter of the bits (as int32: x + 0 is x for every
-// pattern, -0 and NaN included) hands each rank its slice. One kind at a time: one unit's padded
-// buffer is the extra memory.
+// The exchange (exchange.h): what each rank's slice needs of each chunk, the chunk read by its
+// server and the pieces sent to their owners in bounded rounds. One kind at a time.
 void exchange_unit(const SameCutLoad& ctx, UnitWork& w) {
   const UnitLayout& L = ctx.engine.partition().unit(w.unit);
   for (int k = 0; k < state::kSavedKinds; ++k) {
     if (!ctx.exchanged[w.unit * state::kSavedKinds + size_t(k)]) continue;
-    at::Tensor send = aligned_floats(int64_t(L.padded_numel()));
-    send.zero_();
-    std::vector<ChunkReader::Request> served;
+    std::vector<ExchangeNeed> needs;
     for (const Chunk& c : ctx.catalog.chunks(w.unit, k))
-      if (server_of(c, L, ctx.seen, ctx.world) == ctx.rank) served.push_back({c, send.data_ptr<float>() + c.begin});
-    ctx.failure.attempt([&] { ctx.reader.read(served, served.size()); });
-    if (ctx.failure.failed()) send.zero_();  // nothing half read travels
-    at::Tensor mine = at::empty({int64_t(L.shard_numel)}, at::kInt);
-    ctx.comm.reduce_scatter(mine, send.view(at::kInt))->wait();
-    if (ctx.failure.failed()) continue;
-    const int64_t valid = int64_t(L.shard_valid_numel(ctx.rank));
-    w.slices[k].narrow(0, 0, valid).copy_(mine.view(at::kFloat).narrow(0, 0, valid));
+      for (int r = int(std::min<uint64_t>(c.begin / L.shard_numel, uint64_t(ctx.world - 1)));
+           r < ctx.world && L.shard_begin(r) < c.end(); ++r) {
+        const uint64_t b = std::max(c.begin, L.shard_begin(r)), e = std::min(c.end(), L.shard_begin(r) + L.shard_valid_numel(r));
+        if (b < e) needs.push_back({c, b, e - b, r, b - L.shard_begin(r)});
+      }
+    const ExchangePlan plan = plan_exchange(
+        std::move(needs), [&](const Chunk& c) { return server_of(c, L, ctx.seen, ctx.world); }, ctx.world, ctx.limits);
+    exchange_slices(ctx.comm, ctx.reader, ctx.failure, plan, ctx.failure.failed() ? at::Tensor() : w.slices[k]);
   }
 }
 
@@ -255,7 +253,8 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
 
   const std::vector<uint8_t> exchanged = plan_exchanges(comm, dir, m, part, catalog, seen);
   LoadFailure failure;  // every collective below runs even after a failed read
-  load_same_cut({engine, comm, dir, reader, seen, catalog, exchanged, failure, comm.rank(), comm.world_size()});
+  load_same_cut({engine, comm, dir, reader, seen, catalog, exchanged, failure, comm.rank(), comm.world_size(),
+                 ExchangeLimits::from_env()});
   failure.agree(comm);
   return finish_load(engine, comm, dir, m);
 }

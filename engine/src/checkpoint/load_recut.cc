@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "checkpoint/chunk_reader.h"
+#include "checkpoint/exchange.h"
 #include "checkpoint/format.h"
 #include "checkpoint/load_support.h"
 #include "strata/engine/checkpoint.h"
@@ -131,11 +132,12 @@ struct RecutLoad {
   const SavedCut& cut;
   const std::vector<uint8_t>& exchanged;  // plan_exchanges
   LoadFailure& failure;
+  ExchangeLimits limits;
 };
 
 // Kind k of this rank's slices, unit by unit: the chunks overlapping each slice read (or found in
-// the cache) and their overlap copied, or, for an exchanged (unit, kind), the unit's chunks this
-// rank serves read into a zeroed buffer and a reduce-scatter of it.
+// the cache) and their overlap copied, or, for an exchanged (unit, kind), the exchange
+// (exchange.h): the chunks this rank serves read and their pieces sent to the ranks that need them.
 void load_kind(const RecutLoad& ctx, int k) {
   const Partition& part = ctx.engine.partition();
   const int rank = ctx.comm.rank();
@@ -178,23 +180,27 @@ void load_kind(const RecutLoad& ctx, int k) {
     at::Tensor slice;
     const auto get_slice = [&] { attempt([&] { slice = ctx.engine.state_slice(u, state::Kind(k)); }); };
     if (ctx.exchanged[u * state::kSavedKinds + size_t(k)]) {
-      // The whole unit's elements, each written by the rank that serves its chunk: the lowest
-      // that sees the chunk's file. Zeros elsewhere, so the reduce-scatter of the bits (as
-      // int32: x + 0 is x for every pattern) is exact. One unit's padded buffer at a time.
-      const auto serves = [&](const Chunk& c) { return ctx.seen.first_seeing(c.rank) == rank; };
-      at::Tensor send = aligned_floats(int64_t(L.padded_numel()));
-      send.zero_();
-      std::vector<Piece> pieces;
-      attempt([&] { pieces = ctx.cut.pieces_of(u, 0, L.padded_numel()); });
-      if (!failure.failed()) read(pieces, serves);
-      if (!failure.failed()) copy(pieces, send, serves);
-      else send.zero_();  // nothing half read travels
-      at::Tensor mine = at::empty({int64_t(L.shard_numel)}, at::kInt);
-      ctx.comm.reduce_scatter(mine, send.view(at::kInt))->wait();
+      // What every rank's slice needs of each saved chunk, the same list on every rank whatever
+      // failed where (a piece error is the same everywhere), through the exchange (exchange.h).
+      std::vector<ExchangeNeed> needs;
+      for (int r = 0; r < ctx.comm.world_size(); ++r) {
+        std::vector<Piece> pieces;
+        try {  // not through attempt(): after a failure, too, every rank lists the same needs
+          pieces = ctx.cut.pieces_of_rank(u, r);
+        } catch (const std::exception& e) {
+          const std::string what = e.what();
+          attempt([&] { throw std::runtime_error(what); });
+        }
+        ctx.cut.for_each_overlap(k, pieces, [&](const Piece& p, const Chunk& c, uint64_t lo, uint64_t hi) {
+          needs.push_back({c, lo, hi - lo, r, p.to + (lo - p.from)});
+        });
+      }
+      const ExchangePlan plan = plan_exchange(
+          std::move(needs), [&](const Chunk& c) { return ctx.seen.first_seeing(c.rank); }, ctx.comm.world_size(),
+          ctx.limits);
       if (!failure.failed()) get_slice();
+      exchange_slices(ctx.comm, ctx.reader, failure, plan, failure.failed() ? at::Tensor() : slice);
       if (failure.failed()) continue;
-      const int64_t valid = int64_t(L.shard_valid_numel(rank));
-      slice.narrow(0, 0, valid).copy_(mine.view(at::kFloat).narrow(0, 0, valid));
     } else {
       if (failure.failed()) continue;
       std::vector<Piece> pieces;
@@ -217,16 +223,16 @@ void load_kind(const RecutLoad& ctx, int k) {
 // (a block's other tiles) use the same saved unit, so each is read about once per kind. Where
 // some rank cannot see a data file its slice of a (unit, kind) needs (node-local disks), that
 // (unit, kind) goes through an exchange, as in load_checkpoint: each chunk it needs is read by
-// the lowest rank that sees its file, copied into a zeroed buffer of the unit at the places of
-// its elements, and a reduce-scatter of the bits hands each rank its slice. Errors are agreed
-// after the reads, as in load_checkpoint.
+// the lowest rank that sees its file and the pieces each rank's slice needs of it are sent there,
+// in rounds of bounded size (exchange.h). Errors are agreed after the reads, as in
+// load_checkpoint.
 void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const json& m, const ChunkCatalog& catalog,
                 ChunkReader& reader, const FilesSeen& seen) {
   const Partition& part = engine.partition();
   LoadFailure failure;
   const SavedCut cut(part, dir, m, catalog);
   const std::vector<uint8_t> exchanged = plan_exchanges(comm, dir, m, part, cut, seen);
-  const RecutLoad ctx{engine, comm, reader, seen, cut, exchanged, failure};
+  const RecutLoad ctx{engine, comm, reader, seen, cut, exchanged, failure, ExchangeLimits::from_env()};
   for (int k = 0; k < state::kSavedKinds; ++k) load_kind(ctx, k);
   failure.agree(comm);
 }

@@ -48,9 +48,17 @@ layout::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfi
   return sizes;
 }
 
-bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiling,
-                 int world_size, uint64_t usable, bool efficient_logits) {
-  if (usable == UINT64_MAX) return true;
+namespace {
+
+// tiling_device_bytes' terms for the whole of `mc`.
+struct FitTerms {
+  uint64_t explicit_state = 0;  // the state `cfg` places on the device
+  uint64_t working_set = 0;
+  uint64_t device_checkpoints = 0;  // the working set's part that grows with the layers
+};
+
+FitTerms fit_terms(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiling,
+                   int world_size, bool efficient_logits) {
   const UnitPlan units = plan_units(mc, tiling, world_size);
   const layout::Schedule schedule = units.schedule();
   layout::ModelSizes sizes = model_sizes(cfg, mc, units);
@@ -71,7 +79,39 @@ bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const m
   // accepts leaves the head a count within max_efficient_logits_tiles.
   choice.prefetch = efficient_logits ? cfg.prefetch : 0;
   const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, transient_gradient_buffers(schedule));
-  return explicit_device_bytes(cfg, need) + layout::MemoryModel(schedule, std::move(sizes)).working_set(choice) <= usable;
+  const layout::MemoryModel mm(schedule, std::move(sizes));
+  return {explicit_device_bytes(cfg, need), mm.working_set(choice), mm.device_checkpoints(choice)};
+}
+
+}  // namespace
+
+uint64_t tiling_device_bytes(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiling,
+                             int world_size, bool efficient_logits, bool few_layers) {
+  // Blocks farther than the prefetch window (at most cfg.prefetch uses) plus one from either end
+  // of the model see alike neighbours, alike units ahead and alike scratch; with every block
+  // recomputed nothing they hold depends on how many came before, so one of them stands for all.
+  const int64_t per_block = std::max<int64_t>(1, tiling.block_stages());
+  const int64_t margin = (std::max(0, cfg.prefetch) + per_block - 1) / per_block + 1, fewest = 2 * margin + 1;
+  const size_t all_block_stages = size_t(mc.layers) * size_t(per_block);
+  const bool all_recomputed = recomputed_stages(cfg.recompute_blocks, all_block_stages, tiling) == all_block_stages;
+  if (!few_layers || !all_recomputed || mc.layers <= fewest) {
+    const FitTerms t = fit_terms(cfg, mc, tiling, world_size, efficient_logits);
+    return t.explicit_state + t.working_set;
+  }
+  models::ModelConfig few = mc, fewer = mc;
+  few.layers = fewest;
+  fewer.layers = fewest - 1;
+  const FitTerms a = fit_terms(cfg, few, tiling, world_size, efficient_logits);
+  const uint64_t block_state = a.explicit_state - fit_terms(cfg, fewer, tiling, world_size, efficient_logits).explicit_state;
+  const uint64_t more = uint64_t(mc.layers - fewest);
+  // Every need counts the device checkpoints: one recomputed block's input per block.
+  const uint64_t checkpoints = a.device_checkpoints / uint64_t(fewest) * uint64_t(mc.layers);
+  return a.explicit_state + more * block_state + a.working_set - a.device_checkpoints + checkpoints;
+}
+
+bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiling,
+                 int world_size, uint64_t usable, bool efficient_logits) {
+  return usable == UINT64_MAX || tiling_device_bytes(cfg, mc, tiling, world_size, efficient_logits) <= usable;
 }
 
 size_t transient_gradient_buffers(const layout::Schedule& schedule) { return 2 + schedule.shared_units(); }

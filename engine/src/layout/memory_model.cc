@@ -64,9 +64,12 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
   // scratch() adds one checkpoint on its way back when checkpoints live off the device.
 }
 
-uint64_t MemoryModel::head_loss_bytes() const {
-  return head_scratch_bytes(sizes_.tokens, sizes_.vocab, sizes_.hidden, sizes_.compute_bytes, head_logits());
+uint64_t head_loss_bytes(const ModelSizes& s) {
+  return head_scratch_bytes(s.tokens, s.vocab, s.hidden, s.compute_bytes,
+                            within_vocab_tiles(s.logits, s.tokens, s.vocab, s.vocab_tiles));
 }
+
+uint64_t MemoryModel::head_loss_bytes() const { return layout::head_loss_bytes(sizes_); }
 
 uint64_t MemoryModel::unit_bytes(size_t u) const {
   return sizes_.padded_numel.at(u) * sizes_.compute_bytes;

@@ -139,10 +139,23 @@ std::string describe_tiles(const models::LayerTiles& t, int64_t mlp_token_chunk,
 
 HeadCut resolve_head_tiles(const EngineConfig& cfg, const layout::Schedule& schedule, const layout::ModelSizes& sizes,
                            const layout::Choices& choice, uint64_t base, uint64_t usable, const Agree& agree) {
+  // The cut enters the working set only through the head's loss bytes, which it never shrinks
+  // with (layout::head_loss_bytes): a cut whose loss is no larger than one that fit fits, one
+  // whose loss is no smaller than one that did not does not, and only the others build a model
+  // (thousands of counts are weighed, each model O(stages)).
+  uint64_t fit_loss = 0, miss_loss = UINT64_MAX;
+  bool any_fit = false;
+  layout::ModelSizes trial = sizes;
   const auto fits = [&](const layout::LogitsTiles& t) {
-    layout::ModelSizes s = sizes;
-    s.logits = t;
-    return usable == UINT64_MAX || base + layout::MemoryModel(schedule, std::move(s)).working_set(choice) <= usable;
+    if (usable == UINT64_MAX) return true;
+    trial.logits = t;
+    const uint64_t loss = layout::head_loss_bytes(trial);
+    if (any_fit && loss <= fit_loss) return true;
+    if (loss >= miss_loss) return false;
+    const bool fit = base + layout::MemoryModel(schedule, trial).working_set(choice) <= usable;
+    if (fit) any_fit = true, fit_loss = std::max(fit_loss, loss);
+    else miss_loss = std::min(miss_loss, loss);
+    return fit;
   };
   const auto one_pass_cut = [&](uint64_t count) {
     const layout::LogitsTiles t = layout::one_pass_tiles(sizes.tokens, sizes.vocab, count);

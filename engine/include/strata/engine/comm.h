@@ -22,6 +22,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace strata::engine {
 
@@ -104,6 +105,12 @@ class Communicator {
   virtual std::unique_ptr<Work> all_gather(const at::Tensor& out, const at::Tensor& in) = 0;
   // out (n elements) = sum over ranks of their in[rank * n, (rank + 1) * n).
   virtual std::unique_ptr<Work> reduce_scatter(const at::Tensor& out, const at::Tensor& in) = 0;
+  // Each rank sends in_counts[r] elements to rank r and receives out_counts[r] from it: `in` is
+  // the pieces for ranks 0, 1, ... one after another, `out` the pieces from them, likewise. The
+  // counts agree pairwise (this rank's in_counts[r] is rank r's out_counts[this rank]); any may be
+  // 0, and so may a whole side. 1-D contiguous tensors of one dtype; the bytes travel unchanged.
+  virtual std::unique_ptr<Work> all_to_all(const at::Tensor& out, const std::vector<int64_t>& out_counts,
+                                           const at::Tensor& in, const std::vector<int64_t>& in_counts) = 0;
   virtual void all_reduce(const at::Tensor& t, ReduceOp op) = 0;
   virtual void broadcast(const at::Tensor& t, int root) = 0;
   virtual void barrier() = 0;

@@ -73,6 +73,10 @@ struct ModelSizes {
   uint64_t vocab_tiles = 1;
 };
 
+// The head's loss bytes for `sizes` (its logits within its vocabulary tiles): the only term of the
+// working set the logits' cut enters, and the working set never shrinks as it grows.
+uint64_t head_loss_bytes(const ModelSizes& sizes);
+
 // The decisions the working set depends on.
 struct Choices {
   Placement activations = Placement::kHost;   // kAuto: not decided (no checkpoints counted)

@@ -193,6 +193,15 @@ UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiles& til
 // vocabulary (resolve_tiles).
 bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiling,
                  int world_size, uint64_t usable, bool efficient_logits);
+// The bytes tiling_fits weighs against `usable`. With `few_layers` (what tiling_fits uses), when
+// every block is recomputed (no graph is held across blocks) a model of many layers is weighed
+// through one of a few: its blocks are alike, so the largest need is met among the first and last
+// few blocks, which the prefetch window reaches from the ends, or in any block between; what grows
+// with the layers (the explicitly placed state, the device checkpoints) is added for the rest.
+// The same bytes as the whole model's (the tests compare), in time independent of the layers:
+// `strata plan --max-model` weighs models of 600 layers cut into thousands of tiles each.
+uint64_t tiling_device_bytes(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiling,
+                             int world_size, bool efficient_logits, bool few_layers = true);
 
 // The sizes the memory model works with for `units` under `cfg` (the head's logits uncut: the
 // head's cut is resolved on them).
