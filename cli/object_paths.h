@@ -1,12 +1,15 @@
 // Object-store URLs where `strata` takes a path (model.init_from, run.export, checkpoint
 // directories, `ckpt export`'s output): their local side in Strata's cache, and the upload of an
-// export. Thread safety: none needed (the training thread, or rank 0 alone).
+// export as it is written. Thread safety: none needed (the training thread, or rank 0 alone).
 #pragma once
 
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iostream>
+#include <memory>
+#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -40,20 +43,48 @@ inline void check_export_store(const std::string& url, bool overwrite, const std
                                 there.front().key + (there.size() > 1 ? ", ..." : "") + "): " + hint);
 }
 
-// Uploads the export staged in `dir` to `url`, config.json last (a reader that finds it finds
-// the weights), then removes objects there that the export does not have (an earlier export's
-// shards). Prints what it did.
-inline void upload_export(const std::string& dir, const std::string& url) {
-  auto store = offload::open_object_store(url);
-  const uint64_t bytes = offload::upload_directory(*store, dir, "config.json");
-  std::size_t stale = 0;
-  for (const auto& o : store->list(""))
-    if (o.key.find('/') == std::string::npos && !std::filesystem::exists(std::filesystem::path(dir) / o.key)) {
-      store->remove(o.key);
-      ++stale;
-    }
-  std::cerr << "strata: uploaded the export to " << store->url() << " (" << double(bytes) / (1 << 20) << " MiB"
-            << (stale ? ", " + std::to_string(stale) + " stale object(s) of an earlier export removed" : "") << ")\n";
-}
+// An export to object storage, uploaded as it is written: each weights file (a shard) goes up as
+// soon as the writer completes it and leaves the staging directory, so staging holds one shard,
+// not the model (engine::EngineExport::on_weights_file, export_checkpoint_hf's). The store's
+// config.json of an earlier export goes before the first shard, so that no reader takes an old
+// config beside new shards; finish() uploads the rest of the staging directory (the index, the
+// tokenizer, config.json last) and removes objects there that this export does not have (an
+// earlier export's shards). Rank 0 alone, on one thread.
+class ExportUpload {
+ public:
+  explicit ExportUpload(const std::string& url) : store_(offload::open_object_store(url)) {}
+
+  // Uploads `file` under its name, then removes it.
+  void weights_file(const std::filesystem::path& file) {
+    if (uploaded_.empty()) store_->remove("config.json");
+    const std::string key = file.filename().string();
+    bytes_ += offload::put_file(*store_, key, file.string()).size;
+    uploaded_.insert(key);
+    std::filesystem::remove(file);
+  }
+  std::function<void(const std::filesystem::path&)> on_weights_file() {
+    return [this](const std::filesystem::path& f) { weights_file(f); };
+  }
+
+  // After the export committed into `dir` (the staging directory).
+  void finish(const std::string& dir) {
+    bytes_ += offload::upload_directory(*store_, dir, "config.json");
+    std::size_t stale = 0;
+    for (const auto& o : store_->list(""))
+      if (o.key.find('/') == std::string::npos && !uploaded_.count(o.key) &&
+          !std::filesystem::exists(std::filesystem::path(dir) / o.key)) {
+        store_->remove(o.key);
+        ++stale;
+      }
+    std::cerr << "strata: uploaded the export to " << store_->url() << " (" << double(bytes_) / (1 << 20) << " MiB"
+              << (uploaded_.empty() ? "" : ", " + std::to_string(uploaded_.size()) + " weights file(s) as they were written")
+              << (stale ? ", " + std::to_string(stale) + " stale object(s) of an earlier export removed" : "") << ")\n";
+  }
+
+ private:
+  std::unique_ptr<offload::ObjectStore> store_;
+  std::set<std::string> uploaded_;
+  uint64_t bytes_ = 0;
+};
 
 }  // namespace strata::cli

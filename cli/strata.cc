@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <iostream>
 #include <sstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -120,17 +121,24 @@ int ckpt_export(const std::vector<std::string>& argv) {
     return 2;
   }
   const std::filesystem::path dir = checkpoint_arg(pos[0]);
-  // OUT in object storage: staged in the cache, then uploaded (config.json last).
+  // OUT in object storage: staged in the cache, each shard uploaded as it is written, config.json
+  // last.
   const std::string out_url = strata::offload::is_object_store_url(pos[1]) ? pos[1] : "";
   if (!out_url.empty()) strata::cli::check_export_store(out_url, force, "pass --force to replace it");
   const std::string out = out_url.empty() ? pos[1] : strata::cli::cache_path("exports", out_url);
+  std::optional<strata::cli::ExportUpload> upload;
+  if (!out_url.empty()) {
+    upload.emplace(out_url);
+    strata::cli::clear_directory(out);  // nothing of an earlier staged export is uploaded again
+  }
   const auto t0 = std::chrono::steady_clock::now();
   const bool tty = isatty(STDERR_FILENO);
   const auto r = strata::engine::export_checkpoint_hf(dir, out, dtype, [&](uint64_t done, uint64_t total) {
     if (tty) std::cerr << "\rexport " << done * 100 / std::max<uint64_t>(total, 1) << "% (" << done << " / " << total << " bytes)" << std::flush;
-  }, force || !out_url.empty(), tokenizer_from, shard_bytes);
+  }, force || !out_url.empty(), tokenizer_from, shard_bytes,
+     upload ? upload->on_weights_file() : std::function<void(const std::filesystem::path&)>());
   if (tty) std::cerr << "\n";
-  if (!out_url.empty()) strata::cli::upload_export(out, out_url);
+  if (upload) upload->finish(out);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::cout << "exported " << dir.string() << " to " << pos[1] << ": " << r.tensors << " tensors, " << r.bytes
             << " bytes of " << dtype << " in " << s << " s\n";

@@ -7,6 +7,7 @@
 #include <exception>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -29,7 +30,7 @@ constexpr const char* kExportOverwriteHint =
 
 std::string prepare_export(engine::TrainConfig& tc) {
   // An export to object storage (run.export s3://...) is staged in a local directory of the
-  // cache, then uploaded.
+  // cache, each shard uploaded as soon as it is written (ExportUpload).
   std::string export_store;
   if (offload::is_object_store_url(tc.export_dir)) {
     if (tc.export_every > 0)
@@ -115,13 +116,18 @@ void Exporter::write(const std::filesystem::path& dir, bool overwrite) {
   options.overwrite = overwrite;
   options.overwrite_hint = kExportOverwriteHint;
   options.tokenizer_from = tc.init_from;
+  std::optional<ExportUpload> upload;  // to object storage: each shard uploaded as it is written
+  if (run_.lead && !store_.empty() && dir == std::filesystem::path(tc.export_dir)) {
+    upload.emplace(store_);
+    options.on_weights_file = upload->on_weights_file();
+  }
   const engine::ExportResult done = engine::export_engine_hf(run_.eng, run_.comm, dir, options);
   if (!run_.lead) return;
   std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: exported " << dir.string()
             << " (" << models::hf_dtype_name(type_)
             << (done.tokenizer_files.empty() ? "" : ", with the tokenizer of init_from") << ", "
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
-  if (!store_.empty() && dir == std::filesystem::path(tc.export_dir)) upload_export(dir.string(), store_);
+  if (upload) upload->finish(dir.string());
 }
 
 }  // namespace strata::cli::train

@@ -82,6 +82,7 @@ void ShardedSafetensorsWriter::end_tensor() {
   if (last_of_shard_[sh] == tensor_) {
     writers_[sh]->finish();
     writers_[sh].reset();
+    if (on_shard_) on_shard_(files_[sh]);
   }
 }
 

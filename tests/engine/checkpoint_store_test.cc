@@ -321,8 +321,9 @@ TEST(TieredSaves, TrainingResumesFromTheStoreAloneAtAnotherWorldSize) {
   EXPECT_TRUE(hf->head("config.json"));
 }
 
-// Fine-tuning a model that lives in a bucket, exported into one: the same bytes as the same run
-// from and to local directories.
+// Fine-tuning a model that lives in a bucket, exported into one in shards: the same bytes as the
+// same run from and to local directories, each shard uploaded as it was written (none is left in
+// the staging directory).
 TEST(TieredSaves, InitFromAndExportToABucketEqualTheLocalRun) {
   TempDir dir;
   setenv("STRATA_CACHE", (dir / "cache").c_str(), 1);  // the model's mirror and the staged export
@@ -338,7 +339,7 @@ TEST(TieredSaves, InitFromAndExportToABucketEqualTheLocalRun) {
               {"data", {{"path", "/usr/share/common-licenses"}, {"format", "bytes"}, {"seq_len", 24}, {"seed", 7}}},
               {"batch", {{"micro_batch", 2}, {"grad_accum", 1}}},
               {"optimizer", {{"lr", 1e-3}}},
-              {"run", {{"steps", 3}, {"progress", false}, {"export", to}}}};
+              {"run", {{"steps", 3}, {"progress", false}, {"export", to}, {"export_shard_size", "100KB"}}}};
     std::ofstream(dir / (tag + ".json")) << j.dump(2);
     return run_strata("train --config " + (dir / (tag + ".json")).string(), dir / (tag + ".out"));
   };
@@ -346,9 +347,21 @@ TEST(TieredSaves, InitFromAndExportToABucketEqualTheLocalRun) {
   const std::string out = finetune(bucket_model, bucket_out, "bucket");
   EXPECT_NE(out.find("fetching " + bucket_model + "/model.safetensors"), std::string::npos) << out;
   EXPECT_NE(out.find("uploaded the export to " + bucket_out), std::string::npos) << out;
-  const auto weights = so::open_object_store(bucket_out)->get_all("model.safetensors");
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(weights.data()), weights.size()),
-            read_bytes(dir / "local-out" / "model.safetensors"));
+  // Every file of the local export, shards and index, is in the bucket with the same bytes.
+  std::vector<std::string> shards;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "local-out")) {
+    const std::string name = e.path().filename().string();
+    if (name.starts_with("model-")) shards.push_back(name);
+    if (!name.starts_with("model")) continue;
+    const auto got = so::open_object_store(bucket_out)->get_all(name);
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(got.data()), got.size()), read_bytes(e.path())) << name;
+  }
+  ASSERT_GE(shards.size(), 3u) << "the export was meant to be sharded";
+  EXPECT_NE(out.find(std::to_string(shards.size()) + " weights file(s) as they were written"), std::string::npos) << out;
+  const std::filesystem::path staged =
+      dir / "cache" / "exports" / bucket_out.substr(std::string("s3://").size());
+  EXPECT_TRUE(std::filesystem::exists(staged / "config.json"));
+  for (const std::string& name : shards) EXPECT_FALSE(std::filesystem::exists(staged / name)) << name << " stayed staged";
   // An export over a non-empty bucket prefix is refused without export_overwrite; with it, a
   // second run finds the mirror of the model current and fetches nothing.
   const std::string cmd = std::string(STRATA_BIN) + " train --config " + (dir / "bucket.json").string() + " > " +

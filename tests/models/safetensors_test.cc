@@ -843,10 +843,17 @@ TEST(ShardedSafetensors, CutsLikeTransformersAndReadsBackThroughTheIndex) {
   {
     ShardedSafetensorsWriter w(dir.path(), specs, 48, {{"format", "pt"}});
     EXPECT_EQ(w.shards(), 4u);  // {a}, {c}, {b, d, e}, {f}
+    // Each shard is announced once, complete under its name, as its last tensor's bytes go in.
+    std::vector<std::pair<std::string, size_t>> announced;  // file, its tensors
+    w.on_shard_complete([&](const std::string& file) { announced.push_back({file, SafetensorsFile(dir / file).tensors().size()}); });
     const auto bytes = std::as_bytes(std::span(all));
     for (size_t at = 0; at < bytes.size(); at += 7) w.append(bytes.subspan(at, std::min<size_t>(7, bytes.size() - at)));
     w.finish();
     EXPECT_EQ(w.files().back(), "model.safetensors.index.json");
+    EXPECT_EQ(announced, (std::vector<std::pair<std::string, size_t>>{{"model-00001-of-00004.safetensors", 1},
+                                                                      {"model-00002-of-00004.safetensors", 1},
+                                                                      {"model-00003-of-00004.safetensors", 3},
+                                                                      {"model-00004-of-00004.safetensors", 1}}));
   }
   const nlohmann::json index = nlohmann::json::parse(std::ifstream(dir / "model.safetensors.index.json"));
   EXPECT_EQ(index["metadata"]["total_size"], all.size() * 4);

@@ -173,7 +173,8 @@ ExportResult write_tensors(const ExportPlan& plan, const models::ModelConfig& mc
 
 ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, const std::string& dtype,
                                   const std::function<void(uint64_t, uint64_t)>& progress, bool overwrite,
-                                  const fs::path& tokenizer_from, uint64_t shard_bytes) {
+                                  const fs::path& tokenizer_from, uint64_t shard_bytes,
+                                  const std::function<void(const fs::path&)>& on_weights_file) {
   if (!tokenizer_from.empty() && !fs::is_regular_file(tokenizer_from / "config.json") &&
       !fs::is_regular_file(tokenizer_from / "tokenizer.json") && !fs::is_regular_file(tokenizer_from / "tokenizer_config.json"))
     throw std::invalid_argument("export: " + tokenizer_from.string() + " is not a Hugging Face model or tokenizer directory");
@@ -191,6 +192,7 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   models::ExportDirectory out(out_dir, overwrite, "pass --force to replace its config.json and model.safetensors");
   const fs::path& tmp = out.tmp();
   models::ShardedSafetensorsWriter writer(tmp, plan.specs, shard_bytes, {{"format", "pt"}});
+  if (on_weights_file) writer.on_shard_complete([&](const std::string& file) { on_weights_file(tmp / file); });
   ChunkReader reader(dir, catalog);
   TensorReader tensors(reader, catalog);
   std::string failure;
@@ -243,6 +245,8 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
     try {
       out.emplace(out_dir, options.overwrite, options.overwrite_hint);
       writer.emplace(out->tmp(), plan.specs, options.shard_bytes, std::map<std::string, std::string>{{"format", "pt"}});
+      if (options.on_weights_file)
+        writer->on_shard_complete([&, tmp = out->tmp()](const std::string& file) { options.on_weights_file(tmp / file); });
     } catch (const std::exception& e) {
       failure = e.what();
     }

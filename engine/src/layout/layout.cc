@@ -90,6 +90,9 @@ uint64_t tiling_device_bytes(const EngineConfig& cfg, const models::ModelConfig&
   // Blocks farther than the prefetch window (at most cfg.prefetch uses) plus one from either end
   // of the model see alike neighbours, alike units ahead and alike scratch; with every block
   // recomputed nothing they hold depends on how many came before, so one of them stands for all.
+  // This rests on every layer of a family having the same shapes (models::stage_* repeat a block
+  // at a time); a family whose layers differ (alternating attention kinds with other graph sizes)
+  // must be weighed whole here. TilingFits.AFewLayersStandForAllOfThemExactly compares.
   const int64_t per_block = std::max<int64_t>(1, tiling.block_stages());
   const int64_t margin = (std::max(0, cfg.prefetch) + per_block - 1) / per_block + 1, fewest = 2 * margin + 1;
   const size_t all_block_stages = size_t(mc.layers) * size_t(per_block);

@@ -146,11 +146,15 @@ struct ExportResult {
 // tokenizer, say) is kept. Weights above models::kDefaultShardBytes are sharded with an index.
 // `tokenizer_from` (a Hugging Face model directory, e.g. the run's model.init_from): its
 // tokenizer files and generation_config.json are copied in (models::copy_tokenizer_files).
+// `on_weights_file`, if set, is called with each weights file (a shard, in the temporary
+// directory) as soon as it is complete; it may move the file away (an upload to object storage):
+// the commit then moves what is left. Its exceptions fail the export.
 ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
                                   const std::filesystem::path& out_dir, const std::string& dtype,
                                   const std::function<void(uint64_t, uint64_t)>& progress = {},
                                   bool overwrite = false, const std::filesystem::path& tokenizer_from = {},
-                                  uint64_t shard_bytes = models::kDefaultShardBytes);
+                                  uint64_t shard_bytes = models::kDefaultShardBytes,
+                                  const std::function<void(const std::filesystem::path&)>& on_weights_file = {});
 
 // Collective: the engine's weights now (fp32 masters) as a Hugging Face model directory, as
 // export_checkpoint_hf writes a checkpoint's, streamed: tensor by tensor in unit order, each one's
@@ -168,6 +172,8 @@ struct EngineExport {
   std::string overwrite_hint;            // how to overwrite, in the refusal of a non-empty out_dir
   std::filesystem::path tokenizer_from;  // a Hugging Face directory whose tokenizer files are copied in
   std::function<void(uint64_t done, uint64_t total)> progress;  // bytes written, on rank 0
+  // On rank 0, each weights file as soon as it is complete (as export_checkpoint_hf's).
+  std::function<void(const std::filesystem::path& file)> on_weights_file;
 };
 ExportResult export_engine_hf(Engine& engine, Communicator& comm, const std::filesystem::path& out_dir,
                               const EngineExport& options);

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -43,6 +44,11 @@ class ShardedSafetensorsWriter {
   void finish();
   // The file names written into `dir` (shards, then the index when there is one).
   const std::vector<std::string>& files() const { return files_; }
+  // Called with each shard's file name (in `dir`) as soon as the shard is complete, before the
+  // next tensor is taken; it may move the file away (an export to object storage uploads each
+  // shard and stages no more than one). Not called for the index, which finish() writes. Its
+  // exceptions propagate from the append or write that completed the shard.
+  void on_shard_complete(std::function<void(const std::string& file)> f) { on_shard_ = std::move(f); }
   size_t shards() const { return shard_specs_.size(); }
 
  private:
@@ -61,6 +67,7 @@ class ShardedSafetensorsWriter {
   size_t tensor_ = 0;
   uint64_t left_in_tensor_ = 0, total_bytes_ = 0;
   bool finished_ = false;
+  std::function<void(const std::string&)> on_shard_;
 };
 
 // transformers' default shard limit (save_pretrained's max_shard_size "5GB"): run.export_shard_size
