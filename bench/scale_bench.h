@@ -38,8 +38,8 @@ struct ScaleBenchOptions {
   uint64_t collective_bytes = 16ull << 20;          // the collectives' whole buffer
   int collective_iters = 5;
   // The 32-rank tests (many_ranks_tests, Ranks32.*): "auto" runs the binary of the build tree
-  // this strata belongs to (<its directory>/tests/many_ranks_tests) when there is one, "off"
-  // skips them, anything else is the binary's path.
+  // this strata belongs to (<its directory>/tests/many_ranks_tests) when there is one and the
+  // world-size parts run, "off" skips them, anything else is the binary's path.
   std::string many_rank_tests = "auto";
 };
 

@@ -261,7 +261,7 @@ void run_world_scaling(const ScaleBenchOptions& o) {
 }
 
 json run_many_rank_tests(const ScaleBenchOptions& o) {
-  if (o.many_rank_tests == "off") return nullptr;
+  if (o.many_rank_tests == "off" || (o.worlds.empty() && o.many_rank_tests == "auto")) return nullptr;
   const fs::path self = fs::read_symlink("/proc/self/exe");
   const fs::path binary = o.many_rank_tests == "auto" ? self.parent_path() / "tests" / "many_ranks_tests"
                                                       : fs::path(o.many_rank_tests);
@@ -275,8 +275,11 @@ json run_many_rank_tests(const ScaleBenchOptions& o) {
               "over loopback):\n", binary.c_str());
   std::fflush(stdout);
   const fs::path report = fs::temp_directory_path() / ("strata-ranks32-" + std::to_string(::getpid()) + ".json");
-  const std::string command = shell_quote(binary.string()) + " --gtest_filter='Ranks32.*' --gtest_output=json:" +
-                              shell_quote(report.string()) + " > /dev/null 2>&1";
+  // As ctest runs them: the same time limit (1800 s), temporary directories where it puts them
+  // when STRATA_TEST_DIR is set.
+  const std::string command = "timeout 1800 " + shell_quote(binary.string()) +
+                              " --gtest_filter='Ranks32.*' --gtest_output=json:" + shell_quote(report.string()) +
+                              " > /dev/null 2>&1";
   const auto t0 = std::chrono::steady_clock::now();
   const int status = std::system(command.c_str());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -287,16 +290,27 @@ json run_many_rank_tests(const ScaleBenchOptions& o) {
     result["failed"] = 1;
     return result;
   }
-  const json r = json::parse(in);
+  json r;
+  try {
+    r = json::parse(in);
+  } catch (const std::exception& e) {
+    r = json::object();
+    std::printf("  the report is not JSON (%s)\n", e.what());
+  }
   ::unlink(report.c_str());
   for (const json& suite : r.value("testsuites", json::array()))
     for (const json& t : suite.value("testsuite", json::array())) {
-      const bool ok = !t.contains("failures") || t["failures"].empty();
+      // Passed: ran to the end without a failure (a skipped or unfinished test did not pass).
+      const bool ok = t.value("result", "") == "COMPLETED" && (!t.contains("failures") || t["failures"].empty());
       result[ok ? "passed" : "failed"] = result[ok ? "passed" : "failed"].get<int>() + 1;
       std::printf("  %s.%s: %s in %s\n", suite.value("name", "").c_str(), t.value("name", "").c_str(),
                   ok ? "passed" : "FAILED", t.value("time", "?").c_str());
     }
-  std::printf("  %d passed, %d failed, %.0f s in all\n", result["passed"].get<int>(), result["failed"].get<int>(), seconds);
+  // No test found, or the binary failed beyond what the report says (a crash, the time limit).
+  if (result["passed"].get<int>() + result["failed"].get<int>() == 0 || (status != 0 && result["failed"] == 0))
+    result["failed"] = result["failed"].get<int>() + 1;
+  std::printf("  %d passed, %d failed (exit status %d), %.0f s in all\n", result["passed"].get<int>(),
+              result["failed"].get<int>(), status, seconds);
   return result;
 }
 

@@ -285,8 +285,8 @@ How the engine's costs grow with the world size and the model, in three parts:
   peak RSS); beside it, the same checkpoint in format 2 (every chunk in the manifest) at the
   first size.
 Each part prints its growth exponents against the world size. Between the second and the third,
-the 32-rank tests (Ranks32.*, out of CI: about 3.5 min and 12 GB of RAM on 2 cores), when the
-test binary was built. The final JSON line is the metadata part's, with the tests' results
+the 32-rank tests (Ranks32.*, out of CI: 2-4 min and 12 GB of RAM on 2 cores), when the test
+binary was built and --worlds is not 0. The final JSON line is the metadata part's, with the tests' results
 ("ranks32_tests").
 
   --worlds LIST    ranks on this machine, comma-separated (default 1,2,4,8,16,32; 0: skip the

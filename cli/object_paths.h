@@ -3,6 +3,7 @@
 // export as it is written. Thread safety: none needed (the training thread, or rank 0 alone).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -12,6 +13,8 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "strata/offload/object_store.h"
 
@@ -44,21 +47,26 @@ inline void check_export_store(const std::string& url, bool overwrite, const std
 }
 
 // An export to object storage, uploaded as it is written: each weights file (a shard) goes up as
-// soon as the writer completes it and leaves the staging directory, so staging holds one shard,
-// not the model (engine::EngineExport::on_weights_file, export_checkpoint_hf's). The store's
-// config.json of an earlier export goes before the first shard, so that no reader takes an old
-// config beside new shards; finish() uploads the rest of the staging directory (the index, the
-// tokenizer, config.json last) and removes objects there that this export does not have (an
-// earlier export's shards). Rank 0 alone, on one thread.
+// soon as the writer completes it and leaves the staging directory, so staging holds the shards
+// being written (one, or two while a tensor larger than the limit makes its own), not the model
+// (engine::EngineExport::on_weights_file, export_checkpoint_hf's). The store's config.json of an
+// earlier export goes before the first shard, so that no reader takes an old config beside new
+// shards: an export that then fails leaves the prefix without a usable model (the earlier one's
+// shards partly replaced). finish() uploads the rest of the staging directory (the index, the
+// tokenizer), removes objects there that this export does not have (an earlier export's shards),
+// and puts config.json last: a reader that finds it finds only this export's weights. The store
+// is opened at first use, so that its errors are the export's (on rank 0, inside the export's
+// collectives). Rank 0 alone, on one thread.
 class ExportUpload {
  public:
-  explicit ExportUpload(const std::string& url) : store_(offload::open_object_store(url)) {}
+  explicit ExportUpload(std::string url) : url_(std::move(url)) {}
 
   // Uploads `file` under its name, then removes it.
   void weights_file(const std::filesystem::path& file) {
-    if (uploaded_.empty()) store_->remove("config.json");
+    offload::ObjectStore& s = store();
+    if (uploaded_.empty()) s.remove("config.json");
     const std::string key = file.filename().string();
-    bytes_ += offload::put_file(*store_, key, file.string()).size;
+    bytes_ += offload::put_file(s, key, file.string()).size;
     uploaded_.insert(key);
     std::filesystem::remove(file);
   }
@@ -68,20 +76,35 @@ class ExportUpload {
 
   // After the export committed into `dir` (the staging directory).
   void finish(const std::string& dir) {
-    bytes_ += offload::upload_directory(*store_, dir, "config.json");
+    offload::ObjectStore& s = store();
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+      if (e.is_regular_file() && e.path().filename() != "config.json") names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    s.remove("config.json");  // an earlier export's, when no shard went up before
+    for (const std::string& name : names) {
+      bytes_ += offload::put_file(s, name, dir + "/" + name).size;
+      uploaded_.insert(name);
+    }
     std::size_t stale = 0;
-    for (const auto& o : store_->list(""))
-      if (o.key.find('/') == std::string::npos && !uploaded_.count(o.key) &&
-          !std::filesystem::exists(std::filesystem::path(dir) / o.key)) {
-        store_->remove(o.key);
+    for (const auto& o : s.list(""))
+      if (o.key.find('/') == std::string::npos && o.key != "config.json" && !uploaded_.count(o.key)) {
+        s.remove(o.key);
         ++stale;
       }
-    std::cerr << "strata: uploaded the export to " << store_->url() << " (" << double(bytes_) / (1 << 20) << " MiB"
-              << (uploaded_.empty() ? "" : ", " + std::to_string(uploaded_.size()) + " weights file(s) as they were written")
+    const std::size_t streamed = uploaded_.size() - names.size();
+    bytes_ += offload::put_file(s, "config.json", dir + "/config.json").size;
+    std::cerr << "strata: uploaded the export to " << s.url() << " (" << double(bytes_) / (1 << 20) << " MiB"
+              << (streamed ? ", " + std::to_string(streamed) + " weights file(s) as they were written" : "")
               << (stale ? ", " + std::to_string(stale) + " stale object(s) of an earlier export removed" : "") << ")\n";
   }
 
  private:
+  offload::ObjectStore& store() {
+    if (!store_) store_ = offload::open_object_store(url_);
+    return *store_;
+  }
+  std::string url_;
   std::unique_ptr<offload::ObjectStore> store_;
   std::set<std::string> uploaded_;
   uint64_t bytes_ = 0;

@@ -1,6 +1,8 @@
 // The node-local load's exchange in bounded rounds of all-to-all (exchange.h).
 #include "checkpoint/exchange.h"
 
+#include "checkpoint/commit.h"
+
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -12,10 +14,12 @@
 
 namespace strata::engine::ckpt {
 
-ExchangeLimits ExchangeLimits::from_env() {
+ExchangeLimits ExchangeLimits::agreed(Communicator& comm) {
   ExchangeLimits l;
-  const char* v = std::getenv("STRATA_EXCHANGE_BYTES");
-  if (!v || !*v) return l;
+  const char* mine = comm.rank() == 0 ? std::getenv("STRATA_EXCHANGE_BYTES") : nullptr;
+  const std::string given = broadcast_string(comm, mine ? mine : "", 0);
+  if (given.empty()) return l;
+  const char* v = given.c_str();
   char* end = nullptr;
   const unsigned long long bytes = std::strtoull(v, &end, 10);
   if (*end != '\0' || bytes < 16)
@@ -154,19 +158,22 @@ void exchange_slices(Communicator& comm, ChunkReader& reader, LoadFailure& failu
     comm.all_to_all(receive, receive_counts, send, send_counts)->wait();
     if (failure.failed() || !slice.defined()) continue;
 
-    // This rank's own pieces from what it read, then the others' as they came.
-    for (size_t j = 0; j < served[t].size(); ++j) {
-      const ExchangeNeed& n = needs[served[t][j]];
-      if (n.owner == me)
-        slice.narrow(0, int64_t(n.to), int64_t(n.numel))
-            .copy_(area.narrow(0, int64_t(chunk_at[j] + (n.from - n.chunk.begin)), int64_t(n.numel)));
-    }
-    int64_t at = 0;
-    for (size_t i : receiving) {
-      const ExchangeNeed& n = needs[i];
-      slice.narrow(0, int64_t(n.to), int64_t(n.numel)).copy_(receive.narrow(0, at, int64_t(n.numel)));
-      at += int64_t(n.numel);
-    }
+    // This rank's own pieces from what it read, then the others' as they came (a failed copy, to
+    // a device say, is kept like a failed read: the rounds go on).
+    failure.attempt([&] {
+      for (size_t j = 0; j < served[t].size(); ++j) {
+        const ExchangeNeed& n = needs[served[t][j]];
+        if (n.owner == me)
+          slice.narrow(0, int64_t(n.to), int64_t(n.numel))
+              .copy_(area.narrow(0, int64_t(chunk_at[j] + (n.from - n.chunk.begin)), int64_t(n.numel)));
+      }
+      int64_t at = 0;
+      for (size_t i : receiving) {
+        const ExchangeNeed& n = needs[i];
+        slice.narrow(0, int64_t(n.to), int64_t(n.numel)).copy_(receive.narrow(0, at, int64_t(n.numel)));
+        at += int64_t(n.numel);
+      }
+    });
   }
 }
 

@@ -41,12 +41,14 @@ struct ExchangeNeed {
 
 // What one rank holds in flight in one round, in bytes: the chunks it reads (whole: their CRC
 // covers them whole), the pieces it sends, the pieces it receives. A chunk larger than a bound
-// travels in a round of its own.
+// is alone in its role on its rank in that round.
 struct ExchangeLimits {
   uint64_t read_bytes = 16ull << 20, send_bytes = 16ull << 20, receive_bytes = 32ull << 20;
-  // The default, or STRATA_EXCHANGE_BYTES (a whole number of bytes: a quarter to read, a quarter
-  // to send, half to receive), which the tests set small to make many rounds.
-  static ExchangeLimits from_env();
+  // Collective: the default, or rank 0's STRATA_EXCHANGE_BYTES (a whole number of bytes: a
+  // quarter to read, a quarter to send, half to receive), which the tests set small to make many
+  // rounds. Rank 0's value reaches every rank, so that all plan the same rounds; a bad one throws
+  // std::invalid_argument on every rank alike.
+  static ExchangeLimits agreed(Communicator& comm);
 };
 
 struct ExchangePlan {

@@ -254,7 +254,7 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
   const std::vector<uint8_t> exchanged = plan_exchanges(comm, dir, m, part, catalog, seen);
   LoadFailure failure;  // every collective below runs even after a failed read
   load_same_cut({engine, comm, dir, reader, seen, catalog, exchanged, failure, comm.rank(), comm.world_size(),
-                 ExchangeLimits::from_env()});
+                 ExchangeLimits::agreed(comm)});
   failure.agree(comm);
   return finish_load(engine, comm, dir, m);
 }

@@ -174,7 +174,6 @@ void load_kind(const RecutLoad& ctx, int k) {
   };
   const auto all = [](const Chunk&) { return true; };
   for (size_t u = 0; u < part.num_units(); ++u) {
-    const UnitLayout& L = part.unit(u);
     // After a failure this rank reads nothing more (not even its swap-resident slices) but
     // takes part in every exchange, sending zeros; the load fails on every rank at the end.
     at::Tensor slice;
@@ -232,7 +231,7 @@ void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const j
   LoadFailure failure;
   const SavedCut cut(part, dir, m, catalog);
   const std::vector<uint8_t> exchanged = plan_exchanges(comm, dir, m, part, cut, seen);
-  const RecutLoad ctx{engine, comm, reader, seen, cut, exchanged, failure, ExchangeLimits::from_env()};
+  const RecutLoad ctx{engine, comm, reader, seen, cut, exchanged, failure, ExchangeLimits::agreed(comm)};
   for (int k = 0; k < state::kSavedKinds; ++k) load_kind(ctx, k);
   failure.agree(comm);
 }
