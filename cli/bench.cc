@@ -82,6 +82,17 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
+// The tiny model's shape options that bench tiling and bench step share, over their defaults.
+template <class Options>
+void read_model_shape(const Args& args, Options& o) {
+  o.layers = args.count("layers", unsigned(o.layers));
+  o.hidden = args.count("hidden", unsigned(o.hidden));
+  o.heads = args.count("heads", unsigned(o.heads));
+  o.vocab = args.count("vocab", unsigned(o.vocab));
+  o.seq = args.count("seq", unsigned(o.seq));
+  o.batch = args.count("batch", unsigned(o.batch));
+}
+
 int bench_io(const std::vector<std::string>& argv) {
   for (const auto& a : argv) {
     if (a == "--help" || a == "-h") {
@@ -204,12 +215,7 @@ int bench_tiling(const std::vector<std::string>& argv) {
                                 "sequence-budget", "sequence-hidden", "sequence-max",
                                 "threads", "device", "compute", "head-pass", "parts"}, {});
   strata::bench::TilingBenchOptions o;
-  o.layers = args.count("layers", unsigned(o.layers));
-  o.hidden = args.count("hidden", unsigned(o.hidden));
-  o.heads = args.count("heads", unsigned(o.heads));
-  o.vocab = args.count("vocab", unsigned(o.vocab));
-  o.seq = args.count("seq", unsigned(o.seq));
-  o.batch = args.count("batch", unsigned(o.batch));
+  read_model_shape(args, o);
   o.tiles = args.count("tiles", unsigned(o.tiles));
   const std::string pass = args.get("head-pass", "two");
   if (pass != "one" && pass != "two") throw std::invalid_argument("bench tiling: --head-pass must be one or two, not " + pass);
@@ -344,12 +350,7 @@ int bench_step(const std::vector<std::string>& argv) {
   if (printed_usage(argv, kBenchStepUsage)) return 0;
   strata::cli::Args args(argv, {"layers", "hidden", "heads", "vocab", "seq", "batch", "steps", "threads", "placement", "recompute", "overlap"}, {"no-overlap"});
   strata::bench::StepBenchOptions o;
-  o.layers = args.count("layers", unsigned(o.layers));
-  o.hidden = args.count("hidden", unsigned(o.hidden));
-  o.heads = args.count("heads", unsigned(o.heads));
-  o.vocab = args.count("vocab", unsigned(o.vocab));
-  o.seq = args.count("seq", unsigned(o.seq));
-  o.batch = args.count("batch", unsigned(o.batch));
+  read_model_shape(args, o);
   o.steps = args.count("steps", o.steps);
   o.threads = args.count("threads", o.threads);
   o.overlap = args.has("no-overlap") ? "off" : args.get("overlap", o.overlap);

@@ -70,6 +70,17 @@ int server_of(const Chunk& c, const UnitLayout& L, const FilesSeen& seen, int wo
   return seen.sees(first, c.rank) ? first : seen.first_seeing(c.rank);
 }
 
+// Calls f(r, b, e) for each rank r, in order, whose valid slice of the unit holds elements
+// [b, e) (b < e) of chunk c: the chunk's owners.
+template <class F>
+void for_each_owner(const Chunk& c, const UnitLayout& L, int world, const F& f) {
+  for (int r = int(std::min<uint64_t>(c.begin / L.shard_numel, uint64_t(world - 1)));
+       r < world && L.shard_begin(r) < c.end(); ++r) {
+    const uint64_t b = std::max(c.begin, L.shard_begin(r)), e = std::min(c.end(), L.shard_begin(r) + L.shard_valid_numel(r));
+    if (b < e) f(r, b, e);
+  }
+}
+
 // The (unit, kind) pairs some owner cannot read alone go through an exchange
 // ([unit * kSavedKinds + kind]); the same picture on every rank. Files no rank sees are thrown
 // (throw_missing_files: a collective).
@@ -84,16 +95,14 @@ std::vector<uint8_t> plan_exchanges(Communicator& comm, const fs::path& dir, con
     for (int k = 0; k < state::kSavedKinds; ++k)
       for (const Chunk& c : catalog.chunks(u, k)) {
         const bool anywhere = server_of(c, L, seen, world) >= 0;
-        for (int r = int(c.begin / L.shard_numel); r < world && L.shard_begin(r) < c.end(); ++r) {
-          if (L.shard_valid_numel(r) == 0 || L.shard_begin(r) + L.shard_valid_numel(r) <= c.begin ||
-              seen.sees(r, c.rank))
-            continue;
+        for_each_owner(c, L, world, [&](int r, uint64_t, uint64_t) {
+          if (seen.sees(r, c.rank)) return;
           exchanged[u * state::kSavedKinds + size_t(k)] = 1;
           if (!anywhere) {
             std::vector<int>& needers = missing[c.rank];
             if (std::find(needers.begin(), needers.end(), r) == needers.end()) needers.push_back(r);
           }
-        }
+        });
       }
   }
   if (!missing.empty()) throw_missing_files(comm, dir, m, std::move(missing));
@@ -158,11 +167,9 @@ void exchange_unit(const SameCutLoad& ctx, UnitWork& w) {
     if (!ctx.exchanged[w.unit * state::kSavedKinds + size_t(k)]) continue;
     std::vector<ExchangeNeed> needs;
     for (const Chunk& c : ctx.catalog.chunks(w.unit, k))
-      for (int r = int(std::min<uint64_t>(c.begin / L.shard_numel, uint64_t(ctx.world - 1)));
-           r < ctx.world && L.shard_begin(r) < c.end(); ++r) {
-        const uint64_t b = std::max(c.begin, L.shard_begin(r)), e = std::min(c.end(), L.shard_begin(r) + L.shard_valid_numel(r));
-        if (b < e) needs.push_back({c, b, e - b, r, b - L.shard_begin(r)});
-      }
+      for_each_owner(c, L, ctx.world, [&](int r, uint64_t b, uint64_t e) {
+        needs.push_back({c, b, e - b, r, b - L.shard_begin(r)});
+      });
     const ExchangePlan plan = plan_exchange(
         std::move(needs), [&](const Chunk& c) { return server_of(c, L, ctx.seen, ctx.world); }, ctx.world, ctx.limits);
     exchange_slices(ctx.comm, ctx.reader, ctx.failure, plan, ctx.failure.failed() ? at::Tensor() : w.slices[k]);
