@@ -49,14 +49,16 @@ inline void check_export_store(const std::string& url, bool overwrite, const std
 // An export to object storage, uploaded as it is written: each weights file (a shard) goes up as
 // soon as the writer completes it and leaves the staging directory, so staging holds the shards
 // being written (one, or two while a tensor larger than the limit makes its own), not the model
-// (engine::EngineExport::on_weights_file, export_checkpoint_hf's). The store's config.json of an
-// earlier export goes before the first shard, so that no reader takes an old config beside new
-// shards: an export that then fails leaves the prefix without a usable model (the earlier one's
-// shards partly replaced). finish() uploads the rest of the staging directory (the index, the
+// (engine::EngineExport::on_weights_file, export_checkpoint_hf's). In a run of several ranks each
+// rank uploads the shards it writes (EngineExport::stage_on_every_rank), through its own
+// ExportUpload. Before its first shard, each removes the store's config.json of an earlier
+// export, so that no reader takes an old config beside new shards: an export that then fails
+// leaves the prefix without a usable model (the earlier one's shards partly replaced). finish(),
+// on rank 0 once every shard is up, uploads the rest of the staging directory (the index, the
 // tokenizer), removes objects there that this export does not have (an earlier export's shards),
 // and puts config.json last: a reader that finds it finds only this export's weights. The store
-// is opened at first use, so that its errors are the export's (on rank 0, inside the export's
-// collectives). Rank 0 alone, on one thread.
+// is opened at first use, so that its errors are the export's (inside the export's collectives).
+// One thread.
 class ExportUpload {
  public:
   explicit ExportUpload(std::string url) : url_(std::move(url)) {}
@@ -74,8 +76,9 @@ class ExportUpload {
     return [this](const std::filesystem::path& f) { weights_file(f); };
   }
 
-  // After the export committed into `dir` (the staging directory).
-  void finish(const std::string& dir) {
+  // After the export committed into `dir` (the staging directory); `weights` are the export's
+  // weights files (engine::ExportResult::files), uploaded by whichever rank wrote them.
+  void finish(const std::string& dir, const std::vector<std::string>& weights) {
     offload::ObjectStore& s = store();
     std::vector<std::string> names;
     for (const auto& e : std::filesystem::directory_iterator(dir))
@@ -86,16 +89,19 @@ class ExportUpload {
       bytes_ += offload::put_file(s, name, dir + "/" + name).size;
       uploaded_.insert(name);
     }
+    std::set<std::string> ours = uploaded_;
+    ours.insert(weights.begin(), weights.end());
     std::size_t stale = 0;
     for (const auto& o : s.list(""))
-      if (o.key.find('/') == std::string::npos && o.key != "config.json" && !uploaded_.count(o.key)) {
+      if (o.key.find('/') == std::string::npos && o.key != "config.json" && !ours.count(o.key)) {
         s.remove(o.key);
         ++stale;
       }
-    const std::size_t streamed = uploaded_.size() - names.size();
+    const std::size_t streamed = ours.size() - names.size();
     bytes_ += offload::put_file(s, "config.json", dir + "/config.json").size;
-    std::cerr << "strata: uploaded the export to " << s.url() << " (" << double(bytes_) / (1 << 20) << " MiB"
-              << (streamed ? ", " + std::to_string(streamed) + " weights file(s) as they were written" : "")
+    std::cerr << "strata: uploaded the export to " << s.url() << " ("
+              << (streamed ? std::to_string(streamed) + " weights file(s) as they were written, " : "")
+              << double(bytes_) / (1 << 20) << " MiB from this process"
               << (stale ? ", " + std::to_string(stale) + " stale object(s) of an earlier export removed" : "") << ")\n";
   }
 

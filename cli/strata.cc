@@ -138,7 +138,7 @@ int ckpt_export(const std::vector<std::string>& argv) {
   }, force || !out_url.empty(), tokenizer_from, shard_bytes,
      upload ? upload->on_weights_file() : std::function<void(const std::filesystem::path&)>());
   if (tty) std::cerr << "\n";
-  if (upload) upload->finish(out);
+  if (upload) upload->finish(out, r.files);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::cout << "exported " << dir.string() << " to " << pos[1] << ": " << r.tensors << " tensors, " << r.bytes
             << " bytes of " << dtype << " in " << s << " s\n";

@@ -309,7 +309,7 @@ int train_with_engine(const Run& run, const ResumePoint& resume, const std::stri
   const engine::TrainConfig& tc = run.tc;
   check_checkpoint_space(tc, run.mc);
   const at::ScalarType export_type = export_dtype(tc, run.ec);
-  if (run.lead) check_export_space(tc, run.mc, export_type);
+  if (run.lead) check_export_space(tc, run.mc, export_type, !export_store.empty(), run.comm.world_size());
   const engine::MemoryReport m0 = run.eng.memory();
   const Start start = load_resume_point(run, resume);
   Checkpoints checkpoints(run, start.first_step);

@@ -3,6 +3,7 @@
 
 #include <ATen/ops/tensor.h>
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <iostream>
@@ -55,14 +56,18 @@ at::ScalarType export_dtype(const engine::TrainConfig& tc, const engine::EngineC
                                                   : at::kFloat;
 }
 
-// In the export's dtype.
-void check_export_space(const engine::TrainConfig& tc, const models::ModelConfig& mc, at::ScalarType type) {
+// In the export's dtype. Staged for an object store, a node's disk holds at most two shards of
+// each of its ranks (those being written), never more than the model.
+void check_export_space(const engine::TrainConfig& tc, const models::ModelConfig& mc, at::ScalarType type,
+                        bool to_store, int world) {
   if (tc.export_dir.empty()) return;
   const uint64_t exports = 1 + (tc.export_every > 0 && tc.steps > 0 ? uint64_t((tc.steps - 1) / tc.export_every) : 0);
-  check_free_space(models::ExportDirectory::temporary(tc.export_dir).parent_path(),
-                   uint64_t(mc.parameters()) * uint64_t(at::elementSize(type)) * exports,
-                   exports == 1 ? "the export's parent directory"
-                                : "the export's parent directory (" + std::to_string(exports) + " exports)");
+  uint64_t need = uint64_t(mc.parameters()) * uint64_t(at::elementSize(type)) * exports;
+  if (to_store) need = std::min(need, 2 * tc.export_shard_bytes * uint64_t(world));
+  check_free_space(models::ExportDirectory::temporary(tc.export_dir).parent_path(), need,
+                   to_store        ? "the export's staging directory"
+                   : exports == 1 ? "the export's parent directory"
+                                  : "the export's parent directory (" + std::to_string(exports) + " exports)");
 }
 
 Exporter::Exporter(const Run& run, at::ScalarType type, std::string store, int64_t first_step)
@@ -116,10 +121,12 @@ void Exporter::write(const std::filesystem::path& dir, bool overwrite) {
   options.overwrite = overwrite;
   options.overwrite_hint = kExportOverwriteHint;
   options.tokenizer_from = tc.init_from;
-  std::optional<ExportUpload> upload;  // to object storage: each shard uploaded as it is written
-  if (run_.lead && !store_.empty() && dir == std::filesystem::path(tc.export_dir)) {
+  // To object storage: each rank uploads the shards it writes as it writes them, rank 0 the rest.
+  std::optional<ExportUpload> upload;
+  if (!store_.empty() && dir == std::filesystem::path(tc.export_dir)) {
     upload.emplace(store_);
     options.on_weights_file = upload->on_weights_file();
+    options.stage_on_every_rank = true;
   }
   const engine::ExportResult done = engine::export_engine_hf(run_.eng, run_.comm, dir, options);
   if (!run_.lead) return;
@@ -127,7 +134,7 @@ void Exporter::write(const std::filesystem::path& dir, bool overwrite) {
             << " (" << models::hf_dtype_name(type_)
             << (done.tokenizer_files.empty() ? "" : ", with the tokenizer of init_from") << ", "
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
-  if (upload) upload->finish(dir.string());
+  if (upload) upload->finish(dir.string(), done.files);
 }
 
 }  // namespace strata::cli::train

@@ -263,8 +263,10 @@ std::string prepare_export(engine::TrainConfig& tc);
 // The exports' dtype: run.export_dtype, or with "auto" the compute precision's (bf16 or fp32).
 at::ScalarType export_dtype(const engine::TrainConfig& tc, const engine::EngineConfig& ec);
 
-// Rank 0: room beside run.export for every export the run may write (the periodic ones stay).
-void check_export_space(const engine::TrainConfig& tc, const models::ModelConfig& mc, at::ScalarType type);
+// Rank 0: room beside run.export for every export the run may write (the periodic ones stay); for
+// an export to object storage (`to_store`), room for the shards staged at once by `world` ranks.
+void check_export_space(const engine::TrainConfig& tc, const models::ModelConfig& mc, at::ScalarType type,
+                        bool to_store, int world);
 
 // The run's Hugging Face exports: run.export after the last step and run.export_every's
 // `<export>-step-N` beside it, each the weights of then with the tokenizer of init_from.

@@ -16,13 +16,23 @@ std::string shard_file_name(size_t index, size_t count) {
   return name;
 }
 
-ShardedSafetensorsWriter::ShardedSafetensorsWriter(const std::filesystem::path& dir,
-                                                   std::vector<SafetensorsWriter::Spec> specs,
-                                                   uint64_t max_shard_bytes,
-                                                   const std::map<std::string, std::string>& metadata)
-    : dir_(dir), metadata_(metadata) {
-  if (max_shard_bytes == 0) throw SafetensorsError("ShardedSafetensorsWriter: the shard limit must be > 0");
-  if (specs.empty()) throw SafetensorsError("ShardedSafetensorsWriter: no tensors to write to " + dir.string());
+std::vector<std::string> shard_set_files(size_t count) {
+  std::vector<std::string> files;
+  for (size_t i = 0; i < count; ++i) files.push_back(shard_file_name(i, count));
+  if (count > 1) files.push_back("model.safetensors.index.json");
+  return files;
+}
+
+namespace {
+uint64_t spec_bytes(const SafetensorsWriter::Spec& spec) {
+  uint64_t bytes = st_dtype_bytes(spec.dtype);
+  for (int64_t d : spec.shape) bytes *= uint64_t(d);
+  return bytes;
+}
+}  // namespace
+
+std::vector<std::vector<size_t>> plan_shards(const std::vector<SafetensorsWriter::Spec>& specs, uint64_t max_shard_bytes) {
+  if (max_shard_bytes == 0) throw SafetensorsError("safetensors shards: the shard limit must be > 0");
   // huggingface_hub's split_state_dict_into_shards: a tensor above the limit is a shard of its
   // own, appended when it comes; the others fill the shard in progress, which is appended when
   // the next one would pass the limit, and at the end.
@@ -30,10 +40,7 @@ ShardedSafetensorsWriter::ShardedSafetensorsWriter(const std::filesystem::path& 
   uint64_t current_bytes = 0;
   std::vector<std::vector<size_t>> shards;
   for (size_t t = 0; t < specs.size(); ++t) {
-    uint64_t bytes = st_dtype_bytes(specs[t].dtype);
-    for (int64_t d : specs[t].shape) bytes *= uint64_t(d);
-    tensor_bytes_.push_back(bytes);
-    total_bytes_ += bytes;
+    const uint64_t bytes = spec_bytes(specs[t]);
     if (bytes > max_shard_bytes) {
       shards.push_back({t});
       continue;
@@ -47,6 +54,23 @@ ShardedSafetensorsWriter::ShardedSafetensorsWriter(const std::filesystem::path& 
     current_bytes += bytes;
   }
   if (!current.empty()) shards.push_back(std::move(current));
+  return shards;
+}
+
+ShardedSafetensorsWriter::ShardedSafetensorsWriter(const std::filesystem::path& dir,
+                                                   std::vector<SafetensorsWriter::Spec> specs,
+                                                   uint64_t max_shard_bytes,
+                                                   const std::map<std::string, std::string>& metadata, Part part)
+    : dir_(dir), metadata_(metadata), part_(std::move(part)) {
+  if (specs.empty()) throw SafetensorsError("ShardedSafetensorsWriter: no tensors to write to " + dir.string());
+  const std::vector<std::vector<size_t>> shards = plan_shards(specs, max_shard_bytes);
+  if (!part_.shards.empty() && part_.shards.size() != shards.size())
+    throw SafetensorsError("ShardedSafetensorsWriter: a part names " + std::to_string(part_.shards.size()) +
+                           " shards of " + std::to_string(shards.size()));
+  for (const auto& spec : specs) {
+    tensor_bytes_.push_back(spec_bytes(spec));
+    total_bytes_ += tensor_bytes_.back();
+  }
   shard_of_.resize(specs.size());
   for (size_t i = 0; i < shards.size(); ++i) {
     shard_specs_.emplace_back();
@@ -55,10 +79,9 @@ ShardedSafetensorsWriter::ShardedSafetensorsWriter(const std::filesystem::path& 
       shard_specs_[i].push_back(specs[t]);
     }
     last_of_shard_.push_back(shards[i].back());
-    files_.push_back(shard_file_name(i, shards.size()));
   }
+  files_ = shard_set_files(shards.size());
   for (const auto& spec : specs) order_.push_back(spec.name);
-  if (shards.size() > 1) files_.push_back("model.safetensors.index.json");
   writers_.resize(shards.size());
   begin_tensor(0);
 }
@@ -70,6 +93,7 @@ ShardedSafetensorsWriter::~ShardedSafetensorsWriter() = default;
 void ShardedSafetensorsWriter::begin_tensor(size_t t) {
   for (tensor_ = t; tensor_ < order_.size(); ++tensor_) {
     const size_t sh = shard_of_[tensor_];
+    if (!writes_shard(sh)) continue;  // another writer's
     if (!writers_[sh]) writers_[sh] = std::make_unique<SafetensorsWriter>(dir_ / files_[sh], shard_specs_[sh], metadata_);
     left_in_tensor_ = tensor_bytes_[tensor_];
     if (left_in_tensor_ > 0) return;
@@ -113,7 +137,7 @@ void ShardedSafetensorsWriter::write(const std::string& name, std::span<const st
 void ShardedSafetensorsWriter::finish() {
   if (finished_) return;
   if (tensor_ < order_.size()) throw SafetensorsError(dir_.string() + ": tensor " + order_[tensor_] + " was not written");
-  if (shard_specs_.size() > 1) {
+  if (shard_specs_.size() > 1 && part_.index) {
     nlohmann::json index = {{"metadata", {{"total_size", total_bytes_}}}, {"weight_map", nlohmann::json::object()}};
     for (size_t i = 0; i < shard_specs_.size(); ++i)
       for (const auto& spec : shard_specs_[i]) index["weight_map"][spec.name] = files_[i];

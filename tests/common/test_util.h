@@ -8,12 +8,34 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
 namespace strata::test {
+
+// A file's bytes ("" when it cannot be read).
+inline std::string read_file(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// What `f` throws, or "no error".
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no error";
+}
 
 // A fresh directory removed with its contents at the end of the test. $STRATA_TEST_DIR chooses
 // the parent (default: the system temp directory).

@@ -38,6 +38,8 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using strata::test::Losses;
 using strata::test::TempDir;
+using strata::test::read_file;
+using strata::test::error_of;
 using strata::test::Trainer;
 using strata::test::expect_bitwise;
 using strata::test::tiny_llama;
@@ -46,11 +48,6 @@ namespace {
 
 constexpr int kKinds = 3;
 
-std::string slurp(const fs::path& p) {
-  std::ostringstream s;
-  s << std::ifstream(p, std::ios::binary).rdbuf();
-  return s.str();
-}
 void spit(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
 std::string index_name(int q) { return ck::rank_name(q) + ".index.json"; }
 
@@ -139,7 +136,7 @@ const std::vector<uint64_t> kNumels = {5, 1000, 12345, 777};
 TEST(CheckpointCatalog, ChunksFollowFromTheShardsAndOnlyTheRanksReadHaveTheirIndexRead) {
   TempDir dir;
   const Synthetic s = write_synthetic(dir.path(), kNumels, 5, 300);
-  ck::ChunkCatalog catalog(dir.path(), ck::parse_manifest(slurp(dir / "manifest.json"), "test"));
+  ck::ChunkCatalog catalog(dir.path(), ck::parse_manifest(read_file(dir / "manifest.json"), "test"));
   uint64_t count = 0;
   for (size_t u = 0; u < kNumels.size(); ++u)
     for (int k = 0; k < kKinds; ++k) {
@@ -178,23 +175,15 @@ TEST(CheckpointCatalog, ChunksFollowFromTheShardsAndOnlyTheRanksReadHaveTheirInd
   EXPECT_NE(described.find(std::to_string(count) + " chunks"), std::string::npos) << described;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 TEST(CheckpointCatalog, AnIndexFileThatIsNotTheSavedOneIsRefusedNamingIt) {
   TempDir dir;
   const Synthetic s = write_synthetic(dir.path(), kNumels, 5, 300);
   const auto read_rank = [&](int q) {
-    ck::ChunkCatalog catalog(dir.path(), ck::parse_manifest(slurp(dir / "manifest.json"), "test"));
+    ck::ChunkCatalog catalog(dir.path(), ck::parse_manifest(read_file(dir / "manifest.json"), "test"));
     expect_values(catalog, dir.path(), catalog.of_rank(q), s);
   };
-  const std::string good = slurp(dir / index_name(2));
+  const std::string good = read_file(dir / index_name(2));
 
   // One changed digit of one CRC: the manifest's CRC of the index catches it before any data.
   std::string bad = good;
@@ -245,10 +234,10 @@ TEST(Checkpoint, FormatTwoCheckpointsStillLoadVerifyAndExport) {
   a.save(dir.path(), "new");
   const fs::path v3 = dir / "new", v2 = dir / "old";
   fs::create_directories(v2);
-  json m = json::parse(slurp(v3 / "manifest.json"));
+  json m = json::parse(read_file(v3 / "manifest.json"));
   ASSERT_EQ(m["format"], 3);
   ASSERT_FALSE(m.contains("chunks"));
-  const std::vector<json> chunks = strata::test::saved_chunks(m, [&](int q) { return slurp(v3 / index_name(q)); });
+  const std::vector<json> chunks = strata::test::saved_chunks(m, [&](int q) { return read_file(v3 / index_name(q)); });
   const int world = m["world_size"].get<int>();
   for (int q = 0; q < world; ++q) {
     fs::copy_file(v3 / (ck::rank_name(q) + ".data"), v2 / (ck::rank_name(q) + ".data"));
@@ -270,57 +259,12 @@ TEST(Checkpoint, FormatTwoCheckpointsStillLoadVerifyAndExport) {
   EXPECT_EQ(d2.substr(d2.find(" chunks") - 3), d3.substr(d3.find(" chunks") - 3));
   se::export_checkpoint_hf(v2, dir / "hf2", "float32");
   se::export_checkpoint_hf(v3, dir / "hf3", "float32");
-  EXPECT_EQ(slurp(dir / "hf2" / "model.safetensors"), slurp(dir / "hf3" / "model.safetensors"));
+  EXPECT_EQ(read_file(dir / "hf2" / "model.safetensors"), read_file(dir / "hf3" / "model.safetensors"));
   // A chunk list that misses a chunk is refused before anything is read.
   m["chunks"].erase(m["chunks"].begin() + 1);
   spit(v2 / "manifest.json", m.dump(1));
   const std::string why = error_of([&] { b.load(v2); });
   EXPECT_NE(why.find("the manifest's chunks do not cover"), std::string::npos) << why;
-}
-
-// The streamed export of a running engine (export_engine_hf: tensor by tensor, broadcast in
-// pieces) writes every tensor bitwise as the export before it did (every unit all-gathered
-// whole, copied into a model and written by models::export_hf_model), in fp32 and bf16, with the
-// state on the host or in swap, whole blocks or tiles; and its refusal of a non-empty directory
-// leaves the engine usable.
-void engine_export_matches(json cfg) {
-  TempDir dir, swap;
-  if (cfg.contains("placement") && cfg["placement"].contains("master"))
-    cfg["offload"] = {{"nvme_dirs", {swap.path().string()}}, {"optimizer_chunk", "16KiB"}};
-  const se::TrainConfig tc = se::parse_train_config(cfg.dump(), "test");
-  Losses r;
-  Trainer a(tc);
-  a.train(2, r);
-  for (const at::ScalarType type : {at::kFloat, at::kBFloat16}) {
-    const std::string tag = type == at::kFloat ? "f32" : "bf16";
-    sm::Decoder before(tc.model, 0, sm::Decoder::Init::kDeferred);
-    {
-      at::NoGradGuard no_grad;
-      std::map<std::string, at::Tensor> by_name;
-      for (auto& [n, t] : a.engine().gather_parameters()) by_name[n] = t;
-      for (auto& [n, t] : before.hf_parameters()) t.copy_(by_name.at(n));
-    }
-    sm::export_hf_model(before, dir / ("gathered-" + tag), type);
-    se::EngineExport options;
-    options.type = type;
-    options.shard_bytes = 20000;  // several shards
-    const se::ExportResult done = se::export_engine_hf(a.engine(), a.comm(), dir / ("streamed-" + tag), options);
-    EXPECT_GT(done.tensors, 0u);
-    const sm::SafetensorsCheckpoint want(dir / ("gathered-" + tag)), got(dir / ("streamed-" + tag));
-    EXPECT_TRUE(fs::exists(dir / ("streamed-" + tag) / "model.safetensors.index.json")) << "not sharded";
-    ASSERT_EQ(got.names(), want.names());
-    for (const std::string& name : want.names()) {
-      const sm::TensorView w = want.get(name), g = got.get(name);
-      EXPECT_EQ(g.info->dtype, w.info->dtype) << name;
-      EXPECT_EQ(g.info->shape, w.info->shape) << name;
-      ASSERT_EQ(g.data.size(), w.data.size()) << name;
-      EXPECT_EQ(std::memcmp(g.data.data(), w.data.data(), w.data.size()), 0) << tag << " " << name;
-    }
-    EXPECT_EQ(slurp(dir / ("gathered-" + tag) / "config.json"), slurp(dir / ("streamed-" + tag) / "config.json"));
-  }
-  const std::string why = error_of([&] { se::export_engine_hf(a.engine(), a.comm(), dir / "streamed-f32", {}); });
-  EXPECT_NE(why.find("is not empty"), std::string::npos) << why;
-  a.train(1, r);  // the hold was released
 }
 
 // The node-local exchange's rounds (exchange.h), planned from random needs of awkward sizes: every
@@ -397,15 +341,6 @@ TEST(CheckpointExchange, RoundsKeepEveryRankWithinItsBoundsAndRunDisjointRanksTo
   const ck::ExchangePlan plan =
       ck::plan_exchange(needs, [](const ck::Chunk& c) { return c.rank; }, 8, ck::ExchangeLimits{400, 400, 400});
   EXPECT_EQ(plan.rounds, 8u);
-}
-
-TEST(EngineExport, StreamedExportEqualsTheGatheredOneWholeBlocks) { engine_export_matches(tiny_llama(3)); }
-
-TEST(EngineExport, StreamedExportEqualsTheGatheredOneTiledWithStateInSwap) {
-  json cfg = tiny_llama(3);
-  cfg["placement"] = {{"tiling", {{"attention", 2}, {"mlp", 3}, {"vocab", 2}}}, {"params", "host"}, {"grads", "host"},
-                      {"master", "nvme"}, {"moments", "nvme"}};
-  engine_export_matches(cfg);
 }
 
 }  // namespace

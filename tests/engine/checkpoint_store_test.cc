@@ -321,9 +321,10 @@ TEST(TieredSaves, TrainingResumesFromTheStoreAloneAtAnotherWorldSize) {
   EXPECT_TRUE(hf->head("config.json"));
 }
 
-// Fine-tuning a model that lives in a bucket, exported into one in shards: the same bytes as the
-// same run from and to local directories, each shard uploaded as it was written (none is left in
-// the staging directory).
+// Fine-tuning a model that lives in a bucket, exported into one in shards, at two ranks: the same
+// bytes as the same run from and to local directories (there the ranks share the shards of a
+// directory both see), each shard uploaded by the rank that wrote it as it was written (none is
+// left in the staging directory).
 TEST(TieredSaves, InitFromAndExportToABucketEqualTheLocalRun) {
   TempDir dir;
   setenv("STRATA_CACHE", (dir / "cache").c_str(), 1);  // the model's mirror and the staged export
@@ -341,7 +342,8 @@ TEST(TieredSaves, InitFromAndExportToABucketEqualTheLocalRun) {
               {"optimizer", {{"lr", 1e-3}}},
               {"run", {{"steps", 3}, {"progress", false}, {"export", to}, {"export_shard_size", "100KB"}}}};
     std::ofstream(dir / (tag + ".json")) << j.dump(2);
-    return run_strata("train --config " + (dir / (tag + ".json")).string(), dir / (tag + ".out"));
+    return run_strata("launch -n 2 -- " + std::string(STRATA_BIN) + " train --config " + (dir / (tag + ".json")).string(),
+                      dir / (tag + ".out"));
   };
   finetune((dir / "model").string(), (dir / "local-out").string(), "local");
   const std::string out = finetune(bucket_model, bucket_out, "bucket");

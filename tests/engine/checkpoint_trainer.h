@@ -48,13 +48,17 @@ struct Losses {
 class Trainer {
  public:
   explicit Trainer(const se::TrainConfig& tc)
+      : Trainer(tc, se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30))) {}
+  // One of comm's ranks, reading its share of each global batch.
+  Trainer(const se::TrainConfig& tc, std::unique_ptr<se::Communicator> comm)
       : tc_(tc),
-        comm_(se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30))),
+        comm_(std::move(comm)),
         dev_(se::Device::create_host(UINT64_MAX)),
         corpus_(std::make_shared<sm::TokenCorpus>(tc.data_path, sm::parse_token_format(tc.data_format),
                                                   uint64_t(tc.model.vocab_size))),
         loader_(corpus_, uint64_t(tc.engine.seq_len),
-                uint64_t(tc.engine.micro_batch * tc.engine.grad_accum), 0, 1, tc.data_seed),
+                uint64_t(tc.engine.micro_batch * tc.engine.grad_accum) * uint64_t(comm_->world_size()),
+                comm_->rank(), comm_->world_size(), tc.data_seed),
         eng_(std::make_unique<sm::Decoder>(tc.model, tc.init_seed), tc.engine, *comm_, *dev_) {}
 
   void train(int64_t steps, Losses& run) {

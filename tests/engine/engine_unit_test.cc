@@ -30,6 +30,7 @@
 #include "strata/engine/device.h"
 #include "strata/engine/partition.h"
 #include "strata/models/model_config.h"
+#include "forked_ranks.h"
 #include "test_util.h"
 
 namespace strata::engine {
@@ -631,41 +632,7 @@ TEST(CpuShare, RanksOnANodeShareItsCores) {
   at::set_num_threads(before);
 }
 
-// Runs `body` as each of `world` ranks, forked processes over Gloo on loopback; a rank's result
-// is the number of wrong values it saw (an exception counts as 100). Expects every rank's 0.
-void expect_ranks_agree(int world, const std::function<int(Communicator&)>& body) {
-  const int port = free_loopback_port();
-  std::vector<pid_t> pids;
-  for (int rank = 0; rank < world; ++rank) {
-    const pid_t pid = fork();
-    ASSERT_GE(pid, 0);
-    if (pid > 0) {
-      pids.push_back(pid);
-      continue;
-    }
-    int bad = 0;
-    try {
-      at::set_num_threads(1);  // a forked child: no thread pool of the parent's
-      DistEnv env;
-      env.rank = rank;
-      env.world_size = world;
-      env.local_rank = rank;
-      env.master_port = port;
-      auto comm = Communicator::create(env, std::chrono::seconds(60));
-      bad = body(*comm);
-      comm->barrier();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-      bad = 100;
-    }
-    _exit(std::min(bad, 100));
-  }
-  for (size_t r = 0; r < pids.size(); ++r) {
-    int st = 0;
-    waitpid(pids[r], &st, 0);
-    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "rank " << r << " saw wrong values or failed: status " << st;
-  }
-}
+using test::expect_ranks_agree;
 
 // Four ranks exchange pieces of uneven sizes, some empty, one rank receiving nothing and one
 // neither sending nor receiving (as in most rounds of a checkpoint exchange); every byte arrives

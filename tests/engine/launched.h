@@ -30,12 +30,6 @@
 
 namespace strata::test {
 
-inline std::string read_file(const std::filesystem::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 inline int run(const std::string& cmd) {
   int st = std::system(cmd.c_str());

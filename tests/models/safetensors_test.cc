@@ -902,5 +902,63 @@ TEST(ShardedSafetensors, CutsLikeTransformersAndReadsBackThroughTheIndex) {
   for (const auto& e : std::filesystem::directory_iterator(cut.path())) ADD_FAILURE() << "left behind: " << e.path();
 }
 
+// Writers that share one set (ranks of an export, ShardSetPart), each given only its shards'
+// tensors, write together the files one writer writes, byte for byte, whichever way the shards
+// are dealt; plan_shards is the cut the writer makes; a part that names the wrong number of
+// shards is refused.
+TEST(ShardedSafetensors, WritersOfPartsWriteTheFilesOfOneWriter) {
+  // 7 tensors of awkward sizes (bytes: 12, 52, 4, 200 over the limit, 36, 0, 28), limit 64.
+  const std::vector<SafetensorsWriter::Spec> specs = {
+      {"w0", StDType::kF32, {3}},    {"w1", StDType::kF32, {13}}, {"w2", StDType::kBF16, {2}},
+      {"w3", StDType::kF32, {5, 10}}, {"w4", StDType::kF32, {9}},  {"w5", StDType::kF32, {0}},
+      {"w6", StDType::kF16, {14}}};
+  std::vector<std::vector<std::byte>> bytes;
+  for (size_t t = 0; t < specs.size(); ++t) {
+    size_t n = st_dtype_bytes(specs[t].dtype);
+    for (int64_t d : specs[t].shape) n *= size_t(d);
+    std::vector<std::byte> b(n);
+    for (size_t i = 0; i < n; ++i) b[i] = std::byte((t * 37 + i * 11) & 0xff);
+    bytes.push_back(std::move(b));
+  }
+  const std::vector<std::vector<size_t>> shards = plan_shards(specs, 64);
+  EXPECT_EQ(shards, (std::vector<std::vector<size_t>>{{0, 1}, {3}, {2, 4, 5}, {6}}));
+  test::TempDir one, parts;
+  {
+    ShardedSafetensorsWriter w(one.path(), specs, 64, {{"format", "pt"}});
+    ASSERT_EQ(w.shards(), shards.size());
+    for (size_t t = 0; t < specs.size(); ++t)
+      if (!bytes[t].empty()) w.write(specs[t].name, bytes[t]);  // an empty one is written by itself
+    w.finish();
+  }
+  for (const std::vector<int>& deal : {std::vector<int>{0, 1, 2, 0}, {1, 1, 0, 2}, {2, 0, 1, 1}}) {
+    std::filesystem::remove_all(parts.path());
+    std::filesystem::create_directories(parts.path());
+    std::vector<std::string> announced;
+    for (int writer = 0; writer < 3; ++writer) {
+      ShardSetPart part{std::vector<bool>(shards.size()), writer == 0};
+      for (size_t s = 0; s < shards.size(); ++s) part.shards[s] = deal[s] == writer;
+      ShardedSafetensorsWriter w(parts.path(), specs, 64, {{"format", "pt"}}, part);
+      w.on_shard_complete([&](const std::string& f) { announced.push_back(f); });
+      for (size_t s = 0; s < shards.size(); ++s)
+        if (deal[s] == writer)
+          for (size_t t : shards[s])
+            if (!bytes[t].empty()) w.write(specs[t].name, bytes[t]);
+      w.finish();
+      EXPECT_EQ(w.files(), shard_set_files(shards.size()));
+    }
+    EXPECT_EQ(announced.size(), shards.size());
+    for (const std::string& f : shard_set_files(shards.size()))
+      EXPECT_EQ(slurp(parts / f), slurp(one / f)) << f;
+    size_t files = 0;
+    for (const auto& e : std::filesystem::directory_iterator(parts.path())) files += e.is_regular_file();
+    EXPECT_EQ(files, shards.size() + 1);
+  }
+  // A writer given another's tensor, or a part of the wrong size, is refused.
+  test::TempDir bad;
+  ShardedSafetensorsWriter w(bad.path(), specs, 64, {}, ShardSetPart{{false, true, false, false}, false});
+  EXPECT_THROW(w.write("w0", bytes[0]), SafetensorsError);
+  EXPECT_THROW(ShardedSafetensorsWriter(bad.path(), specs, 64, {}, ShardSetPart{{true}, true}), SafetensorsError);
+}
+
 }  // namespace
 }  // namespace strata::models

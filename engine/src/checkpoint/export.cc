@@ -1,19 +1,17 @@
 // Exporting fp32 master weights as a Hugging Face model directory, tensor by tensor, never holding
 // the model (checkpoint.h): a checkpoint's, read from its chunks without an engine
-// (export_checkpoint_hf), or a running engine's, each tensor's slices broadcast piece by piece from
-// the ranks that hold them to the writing rank (export_engine_hf). One writer serves both.
+// (export_checkpoint_hf, here), or a running engine's (export_engine.cc). Both write through the
+// plan and sink here (export_plan.h).
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <functional>
-#include <future>
 #include <map>
-#include <memory>
-#include <optional>
 #include <stdexcept>
 
 #include "checkpoint/catalog.h"
 #include "checkpoint/chunk_reader.h"
+#include "checkpoint/export_plan.h"
 #include "checkpoint/format.h"
 #include "strata/engine/checkpoint.h"
 #include "strata/models/hf_io.h"
@@ -22,24 +20,9 @@
 #include "strata/models/sharded_safetensors.h"
 
 namespace strata::engine {
-using namespace ckpt;
 
-namespace {
+namespace ckpt {
 
-struct Item {
-  ManifestTensor t;
-  uint64_t whole_numel;  // elements of the whole tensor it is (a part of)
-};
-// What is written: the manifest's tensors in order, and the whole tensors the file declares.
-struct ExportPlan {
-  std::vector<Item> items;
-  std::vector<models::SafetensorsWriter::Spec> specs;
-  uint64_t total = 0;  // bytes of every whole tensor in the output type
-};
-
-// Tensors in unit order, packed in their unit as the partition packs them. A block tile's part
-// goes into its whole tensor, which is written once its last part is in: the file declares the
-// whole tensors in the order they complete.
 ExportPlan plan_export(const json& units, const fs::path& dir, const models::ModelConfig& mc, models::StDType st_type) {
   ExportPlan plan;
   std::map<std::string, uint64_t> filled;
@@ -61,6 +44,53 @@ ExportPlan plan_export(const json& units, const fs::path& dir, const models::Mod
       throw std::runtime_error("checkpoint " + dir.string() + ": the parts of " + name + " do not make it whole");
   return plan;
 }
+
+models::StDType st_type_of(at::ScalarType type) {
+  return type == at::kFloat ? models::StDType::kF32 : type == at::kBFloat16 ? models::StDType::kBF16 : models::StDType::kF16;
+}
+
+void ExportSink::attempt(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    failure_ = e.what();
+    writer_ = nullptr;
+  }
+}
+
+void ExportSink::put(size_t item_index, at::Tensor t) {
+  if (!writer_) return;
+  attempt([&] {
+    const ExportItem& item = plan_.items[item_index];
+    const ManifestTensor& it = item.t;
+    t = t.to(out_type_).view(it.slot.shape);
+    const std::string& name = it.slot.whole_name();
+    if (it.slot.origin.is_part()) {  // into its whole tensor, written once its last part is in
+      auto& [whole, in] = assembling_[name];
+      if (!whole.defined()) whole = at::empty(it.slot.origin.whole_shape, t.options());
+      whole.narrow(it.slot.origin.dim, it.slot.origin.begin, it.slot.shape[size_t(it.slot.origin.dim)]).copy_(t);
+      if ((in += it.numel) != item.whole_numel) return;
+      t = whole;
+      assembling_.erase(name);
+    }
+    if (models::hf_stores_transposed(mc_, name)) t = t.t();
+    t = t.contiguous();
+    writer_->write(name, {static_cast<const std::byte*>(t.data_ptr()), t.nbytes()});
+    ++result_.tensors;
+    result_.bytes += t.nbytes();
+    if (progress_) progress_(result_.bytes, plan_.total);
+  });
+}
+
+void ExportSink::finish() {
+  if (writer_) attempt([&] { writer_->finish(); });
+}
+
+}  // namespace ckpt
+
+using namespace ckpt;
+
+namespace {
 
 // Each tensor from the chunks it overlaps, a window of them read at a time; the last chunk read
 // is kept, as it may straddle into the next tensor. Tensors are read in manifest order.
@@ -108,67 +138,6 @@ class TensorReader {
   Loaded kept_;
 };
 
-// Whole tensors being put together from their parts: name -> (the whole tensor, elements in).
-using Assembling = std::map<std::string, std::pair<at::Tensor, uint64_t>>;
-
-// What `item` (read as `t`) completes: itself when it is whole; for a part, its whole tensor once
-// its last part is in, else an undefined tensor (nothing to write yet).
-at::Tensor complete(const Item& item, at::Tensor t, Assembling& assembling) {
-  const ManifestTensor& it = item.t;
-  if (!it.slot.origin.is_part()) return t;
-  const std::string& name = it.slot.whole_name();
-  auto& [whole, in] = assembling[name];
-  if (!whole.defined()) whole = at::empty(it.slot.origin.whole_shape, t.options());
-  whole.narrow(it.slot.origin.dim, it.slot.origin.begin, it.slot.shape[size_t(it.slot.origin.dim)]).copy_(t);
-  if ((in += it.numel) != item.whole_numel) return at::Tensor();
-  t = whole;
-  assembling.erase(name);
-  return t;
-}
-
-models::StDType st_type_of(at::ScalarType type) {
-  return type == at::kFloat ? models::StDType::kF32 : type == at::kBFloat16 ? models::StDType::kBF16 : models::StDType::kF16;
-}
-
-// The writer of both exports: the plan's tensors in order, each from `read` (its elements flat,
-// in any float type), converted to `out_type` (exactly: converting the parts and assembling them is
-// assembling and converting), parts assembled into their whole tensors, GPT-2's Conv1D weights
-// transposed. With `writer` null (a rank that does not write) `read` is still called for every
-// tensor, in order, and nothing else is done; so it is after a failure to write, whose message
-// goes to `failure` (read's own exceptions propagate).
-ExportResult write_tensors(const ExportPlan& plan, const models::ModelConfig& mc, at::ScalarType out_type,
-                           models::ShardedSafetensorsWriter* writer,
-                           const std::function<at::Tensor(const ManifestTensor&)>& read,
-                           const std::function<void(uint64_t, uint64_t)>& progress, std::string& failure) {
-  ExportResult result;
-  Assembling assembling;
-  const auto attempt = [&](const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const std::exception& e) {
-      failure = e.what();
-      writer = nullptr;
-    }
-  };
-  for (const Item& item : plan.items) {
-    at::Tensor t = read(item.t);
-    if (!writer) continue;
-    attempt([&] {
-      t = complete(item, t.to(out_type).view(item.t.slot.shape), assembling);
-      if (!t.defined()) return;  // a part of a whole tensor not yet complete
-      const std::string& name = item.t.slot.whole_name();
-      if (models::hf_stores_transposed(mc, name)) t = t.t();
-      t = t.contiguous();
-      writer->write(name, {static_cast<const std::byte*>(t.data_ptr()), t.nbytes()});
-      ++result.tensors;
-      result.bytes += t.nbytes();
-      if (progress) progress(result.bytes, plan.total);
-    });
-  }
-  if (writer) attempt([&] { writer->finish(); });
-  return result;
-}
-
 }  // namespace
 
 ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, const std::string& dtype,
@@ -195,88 +164,15 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   if (on_weights_file) writer.on_shard_complete([&](const std::string& file) { on_weights_file(tmp / file); });
   ChunkReader reader(dir, catalog);
   TensorReader tensors(reader, catalog);
-  std::string failure;
-  const ExportResult result = write_tensors(
-      plan, mc, out_type, &writer, [&](const ManifestTensor& t) { return tensors.read(t); }, progress, failure);
-  if (!failure.empty()) throw std::runtime_error(failure);
+  ExportSink sink(plan, mc, out_type, &writer, progress);
+  for (size_t i = 0; i < plan.items.size() && sink.writing(); ++i) sink.put(i, tensors.read(plan.items[i].t));
+  sink.finish();
+  if (!sink.failure().empty()) throw std::runtime_error(sink.failure());
+  ExportResult result = sink.result();
+  result.files = writer.files();
   write_atomically(tmp / "config.json", mc.to_hf_json(dtype) + "\n");
   if (!tokenizer_from.empty()) models::copy_tokenizer_files(tokenizer_from, tmp);
   out.commit();
-  return result;
-}
-
-namespace {
-
-// Tensor `t` of the engine's units, its fp32 master elements in pieces of at most kPiece, each
-// read by the rank whose slice holds it (read_state) and broadcast; the writing rank gathers them
-// in `type`, the others get an undefined tensor. A collective.
-at::Tensor gather_tensor(Engine& engine, Communicator& comm, const ManifestTensor& t, at::ScalarType type, bool writes,
-                         at::Tensor& piece) {
-  constexpr uint64_t kPiece = 16ull << 20;  // 64 MiB of fp32
-  const UnitLayout& L = engine.partition().unit(t.unit);
-  at::Tensor out = writes ? at::empty({int64_t(t.numel)}, at::TensorOptions().dtype(type)) : at::Tensor();
-  if (!piece.defined()) piece = aligned_floats(int64_t(kPiece));
-  for (uint64_t a = t.offset, end = t.offset + t.numel; a < end;) {
-    const int owner = int(a / L.shard_numel);
-    const uint64_t b = std::min({end, a + kPiece, L.shard_begin(owner) + L.shard_valid_numel(owner)});
-    at::Tensor view = piece.narrow(0, 0, int64_t(b - a));
-    if (comm.rank() == owner) engine.read_state(t.unit, state::kMaster, a - L.shard_begin(owner), b - a, view.data_ptr<float>());
-    comm.broadcast(view, owner);
-    if (writes) out.narrow(0, int64_t(a - t.offset), int64_t(b - a)).copy_(view);
-    a = b;
-  }
-  return out;
-}
-
-}  // namespace
-
-ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path& out_arg, const EngineExport& options) {
-  fs::path out_dir = out_arg.lexically_normal();
-  if (!out_dir.has_filename()) out_dir = out_dir.parent_path();
-  const bool writes = comm.rank() == 0;
-  const models::ModelConfig& mc = engine.model_config();
-  const ExportPlan plan = plan_export(partition_json(engine.partition()), out_dir, mc, st_type_of(options.type));
-  // Rank 0 writes. A failure there (a full disk) stops its writing, not its part in the
-  // broadcasts, so that every rank finishes the export's collectives and learns of it at the end.
-  std::string failure;
-  std::optional<models::ExportDirectory> out;
-  std::optional<models::ShardedSafetensorsWriter> writer;
-  if (writes) {
-    try {
-      out.emplace(out_dir, options.overwrite, options.overwrite_hint);
-      writer.emplace(out->tmp(), plan.specs, options.shard_bytes, std::map<std::string, std::string>{{"format", "pt"}});
-      if (options.on_weights_file)
-        writer->on_shard_complete([&, tmp = out->tmp()](const std::string& file) { options.on_weights_file(tmp / file); });
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  }
-  // Read, not changed: the hold makes read_state see the device's queued update; the caller (the
-  // training thread) runs no update meanwhile. An asynchronous save in flight is waited for first.
-  auto hold = std::make_shared<StateHold>(engine.partition().num_units());
-  engine.hold_state(hold);
-  struct ReleaseAll {
-    StateHold& h;
-    ~ReleaseAll() { h.release_all(); }
-  } release_all{*hold};
-  const std::shared_future<void> update = engine.update_finished();
-  if (update.valid()) update.get();
-  at::Tensor piece;
-  const bool writing = writes && failure.empty();
-  ExportResult result = write_tensors(
-      plan, mc, options.type, writing ? &*writer : nullptr,
-      [&](const ManifestTensor& t) { return gather_tensor(engine, comm, t, options.type, writing, piece); },
-      options.progress, failure);
-  if (writing && failure.empty()) {
-    try {
-      write_atomically(out->tmp() / "config.json", mc.to_hf_json(models::hf_dtype_name(options.type)) + "\n");
-      if (!options.tokenizer_from.empty()) result.tokenizer_files = models::copy_tokenizer_files(options.tokenizer_from, out->tmp());
-      out->commit();
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  }
-  if (!failure.empty()) throw std::runtime_error("export to " + out_dir.string() + ": " + failure);
   return result;
 }
 

@@ -138,6 +138,9 @@ struct ExportResult {
   uint64_t tensors = 0;
   uint64_t bytes = 0;  // tensor bytes written
   std::vector<std::string> tokenizer_files;  // copied in from `tokenizer_from`
+  // The weights files of the whole export (shards, then the index when there is one), whichever
+  // rank wrote them; known on every rank.
+  std::vector<std::string> files;
 };
 // The files are written into a temporary directory beside out_dir (`<out_dir>.export-tmp`) and
 // renamed into out_dir once complete, so a failed export leaves out_dir as it was. An out_dir that
@@ -157,23 +160,36 @@ ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
                                   const std::function<void(const std::filesystem::path&)>& on_weights_file = {});
 
 // Collective: the engine's weights now (fp32 masters) as a Hugging Face model directory, as
-// export_checkpoint_hf writes a checkpoint's, streamed: tensor by tensor in unit order, each one's
-// elements broadcast in pieces of at most 64 MiB from the rank whose slice holds them (read where
-// the slice lives: device, host or swap). Rank 0 writes, holding one tensor in the export type
-// (two for a transposed one, a tiled tensor's whole) and one piece; every other rank one piece.
+// export_checkpoint_hf writes a checkpoint's, streamed: tensor by tensor in unit order, the files
+// byte for byte the same whatever the world size. Each shard has one writing rank, which gathers
+// its tensors' elements from the ranks whose slices hold them (read where the slice lives:
+// device, host or swap) by all-to-alls in rounds: a writer receives at most one piece of 16 MiB
+// a round, a rank sends at most 64 MiB, and a rank sends only its own elements (O(its share)).
+//
+// Who writes: rank 0 prepares `<out_dir>.export-tmp` and leaves a mark there. Where every rank
+// finds the mark (a directory every rank sees), shard i is written by rank i % world; otherwise
+// by rank 0 alone. With `stage_on_every_rank` (an export to object storage, staged in each node's
+// cache) each rank stages its shards in its own `<out_dir>.export-tmp`, created where it is
+// missing, and on_weights_file must move each one away (upload it). Rank 0 writes the index,
+// config.json and the tokenizer, and commits (renames the files into out_dir).
+//
+// Memory: a writer holds one tensor in the export type (two for a transposed one, a tiled
+// tensor's whole) and a piece; every rank at most 64 MiB of pieces it sends.
 // Waits for an asynchronous save in flight, then holds the state while it reads (hold_state).
-// Call on the training thread of every rank. A failure on rank 0 (a full disk, an existing
-// out_dir without `overwrite`) is thrown there after every rank has done the export's
-// collectives; the other ranks return (agree on it with an all-reduce, as the CLI does).
+// Call on the training thread of every rank. A failure on any rank (a full disk, an existing
+// out_dir without `overwrite`, a read from swap) is thrown on every rank alike once every rank has
+// done the export's collectives (the failing rank's message, named by rank elsewhere).
 struct EngineExport {
   at::ScalarType type = at::kFloat;
   uint64_t shard_bytes = models::kDefaultShardBytes;
   bool overwrite = false;
   std::string overwrite_hint;            // how to overwrite, in the refusal of a non-empty out_dir
   std::filesystem::path tokenizer_from;  // a Hugging Face directory whose tokenizer files are copied in
-  std::function<void(uint64_t done, uint64_t total)> progress;  // bytes written, on rank 0
-  // On rank 0, each weights file as soon as it is complete (as export_checkpoint_hf's).
+  std::function<void(uint64_t done, uint64_t total)> progress;  // bytes gathered by every writer, on rank 0
+  // On the rank that wrote it, each weights file as soon as it is complete (as
+  // export_checkpoint_hf's); the index, on rank 0, is not one.
   std::function<void(const std::filesystem::path& file)> on_weights_file;
+  bool stage_on_every_rank = false;
 };
 ExportResult export_engine_hf(Engine& engine, Communicator& comm, const std::filesystem::path& out_dir,
                               const EngineExport& options);

@@ -7,6 +7,11 @@
 // is closed when the next tensor would take it past the limit; a tensor larger than the limit is
 // a shard of its own, numbered when it comes (so at most two shards are open at once).
 //
+// Several writers may share one set (ranks that all see the directory): each is given the same
+// tensors and limit and a Part, the shards it writes (and whether it writes the index); it is
+// then given only its shards' tensors, in the declared order. Together they write the files one
+// writer would, byte for byte.
+//
 // Ownership and errors as SafetensorsWriter (each shard appears complete, via a temporary name,
 // once its last tensor is written; destroyed unfinished, the shard in progress goes and the
 // complete ones stay: exports write into a temporary directory that goes as a whole). Not thread
@@ -27,22 +32,36 @@
 
 namespace strata::models {
 
+// The tensors (indices into `specs`) of each shard, in file order, cut as above. Throws
+// SafetensorsError for a zero limit.
+std::vector<std::vector<size_t>> plan_shards(const std::vector<SafetensorsWriter::Spec>& specs, uint64_t max_shard_bytes);
+
+// Which of a set's files one writer writes: shards[i] for shard i (empty: every shard), and the
+// index.
+struct ShardSetPart {
+  std::vector<bool> shards;
+  bool index = true;
+};
+
 class ShardedSafetensorsWriter {
  public:
+  using Part = ShardSetPart;
   ShardedSafetensorsWriter(const std::filesystem::path& dir, std::vector<SafetensorsWriter::Spec> specs,
-                           uint64_t max_shard_bytes, const std::map<std::string, std::string>& metadata = {});
+                           uint64_t max_shard_bytes, const std::map<std::string, std::string>& metadata = {},
+                           Part part = {});
   ~ShardedSafetensorsWriter();
   ShardedSafetensorsWriter(const ShardedSafetensorsWriter&) = delete;
   ShardedSafetensorsWriter& operator=(const ShardedSafetensorsWriter&) = delete;
 
-  // Bytes of the current tensor, in the declared order (as SafetensorsWriter::append).
+  // Bytes of the current tensor, in the declared order (as SafetensorsWriter::append); of a
+  // part, the next of its shards' tensors.
   void append(std::span<const std::byte> bytes);
   // The whole of tensor `name`, which must be the next one.
   void write(const std::string& name, std::span<const std::byte> bytes);
-  // Finishes the last shard and writes the index (when sharded). Throws SafetensorsError naming
+  // Finishes the last shard and writes the index (when sharded, and the part writes it). Throws SafetensorsError naming
   // the first tensor not fully written.
   void finish();
-  // The file names written into `dir` (shards, then the index when there is one).
+  // The set's file names (shards, then the index when there is one), a part's and the others'.
   const std::vector<std::string>& files() const { return files_; }
   // Called with each shard's file name (in `dir`) as soon as the shard is complete, before the
   // next tensor is taken; it may move the file away (an export to object storage uploads each
@@ -54,9 +73,11 @@ class ShardedSafetensorsWriter {
  private:
   void begin_tensor(size_t t);
   void end_tensor();
+  bool writes_shard(size_t shard) const { return part_.shards.empty() || part_.shards[shard]; }
 
   std::filesystem::path dir_;
   std::map<std::string, std::string> metadata_;
+  Part part_;
   std::vector<std::vector<SafetensorsWriter::Spec>> shard_specs_;
   std::vector<size_t> shard_of_;       // by tensor
   std::vector<size_t> last_of_shard_;  // the tensor that completes each shard
@@ -77,5 +98,7 @@ inline constexpr uint64_t kDefaultShardBytes = 5'000'000'000;
 // The shard file names transformers uses: model-00001-of-00003.safetensors, or
 // model.safetensors for one shard.
 std::string shard_file_name(size_t index, size_t count);
+// The files of a set of `count` shards: the shards, then the index when count > 1.
+std::vector<std::string> shard_set_files(size_t count);
 
 }  // namespace strata::models

@@ -1,0 +1,230 @@
+// A running engine's weights as a Hugging Face model directory (export_engine_hf, checkpoint.h):
+// the shards shared among the ranks that see the target, each writer gathering its tensors'
+// elements from their owners in rounds of all-to-alls; the plan and the writing are
+// export_checkpoint_hf's (export_plan.h).
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <fstream>
+#include <future>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <stdexcept>
+
+#include "checkpoint/commit.h"
+#include "checkpoint/export_plan.h"
+#include "checkpoint/format.h"
+#include "strata/engine/checkpoint.h"
+#include "strata/models/hf_io.h"
+#include "strata/models/sharded_safetensors.h"
+
+namespace strata::engine {
+using namespace ckpt;
+
+namespace {
+
+constexpr uint64_t kPieceElements = 4ull << 20;  // 16 MiB of fp32: what a writer receives in a round
+constexpr uint64_t kSendElements = 16ull << 20;  // 64 MiB: what a rank sends in a round
+
+// Elements [at, at + numel) of unit `unit`'s master, held by `owner`, for writer `writer`'s item.
+struct Piece {
+  size_t item;
+  uint64_t at, numel;
+  int owner, writer;
+};
+
+// Each writer's items in plan order, cut into pieces at slice boundaries and kPieceElements, and
+// dealt into rounds: in rank order, each writer takes its next piece unless its owner already
+// sends kSendElements in the round (an owner's first piece always goes). Alike on every rank.
+class Rounds {
+ public:
+  Rounds(Engine& engine, const ExportPlan& plan, const std::vector<int>& writer_of_item, int world)
+      : engine_(engine), plan_(plan), queue_(size_t(world)), next_(size_t(world)) {
+    for (size_t i = 0; i < plan.items.size(); ++i)
+      if (writer_of_item[i] >= 0) queue_[size_t(writer_of_item[i])].push_back(i);
+  }
+
+  // The next round's pieces, by writer rank; empty when every item is done.
+  std::vector<Piece> next() {
+    std::vector<Piece> round;
+    std::map<int, uint64_t> sends;
+    for (size_t w = 0; w < queue_.size(); ++w) {
+      Cursor& c = next_[w];
+      if (c.k == queue_[w].size()) continue;
+      const ExportItem& item = plan_.items[queue_[w][c.k]];
+      const UnitLayout& L = engine_.partition().unit(item.t.unit);
+      const uint64_t a = item.t.offset + c.done;
+      const int owner = int(a / L.shard_numel);
+      const uint64_t b = std::min({item.t.offset + item.t.numel, a + kPieceElements,
+                                   L.shard_begin(owner) + L.shard_valid_numel(owner)});
+      uint64_t& sent = sends[owner];
+      if (sent > 0 && sent + (b - a) > kSendElements) continue;
+      sent += b - a;
+      round.push_back({queue_[w][c.k], a, b - a, owner, int(w)});
+      if ((c.done += b - a) == item.t.numel) c = {c.k + 1, 0};
+    }
+    return round;
+  }
+
+ private:
+  struct Cursor {
+    size_t k = 0;       // the writer's item in progress (an index into its queue)
+    uint64_t done = 0;  // its elements dealt so far
+  };
+  Engine& engine_;
+  const ExportPlan& plan_;
+  std::vector<std::vector<size_t>> queue_;  // [writer]: its items in plan order
+  std::vector<Cursor> next_;
+};
+
+// The mark rank 0 leaves in the temporary directory: a rank that reads it back sees the target.
+constexpr const char* kMarkFile = ".strata-export-mark";
+
+int64_t read_mark(const fs::path& dir) {
+  std::ifstream in(dir / kMarkFile);
+  int64_t v = 0;
+  return in >> v ? v : 0;
+}
+
+}  // namespace
+
+ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path& out_arg, const EngineExport& options) {
+  fs::path out_dir = out_arg.lexically_normal();
+  if (!out_dir.has_filename()) out_dir = out_dir.parent_path();
+  const int rank = comm.rank(), world = comm.world_size();
+  const models::ModelConfig& mc = engine.model_config();
+  const ExportPlan plan = plan_export(partition_json(engine.partition()), out_dir, mc, st_type_of(options.type));
+  const std::vector<std::vector<size_t>> shards = models::plan_shards(plan.specs, options.shard_bytes);
+  const fs::path tmp = models::ExportDirectory::temporary(out_dir);
+
+  // Rank 0 prepares the directory (refusing a non-empty out_dir) and leaves its mark; a failure
+  // here, or on any rank later, stops that rank's writing, not its part in the collectives, so
+  // that every rank finishes them and learns of it at the end.
+  std::string failure;
+  const auto attempt = [&](const std::function<void()>& f) {
+    if (!failure.empty()) return;
+    try {
+      f();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  };
+  std::optional<models::ExportDirectory> out;
+  at::Tensor mark = at::zeros({1}, at::kLong);
+  if (rank == 0) attempt([&] {
+      out.emplace(out_dir, options.overwrite, options.overwrite_hint);
+      std::random_device rd;
+      const int64_t m = int64_t((uint64_t(rd()) << 31) ^ rd()) | 1;
+      std::ofstream(out->tmp() / kMarkFile) << m << "\n";
+      mark.fill_(m);
+    });
+  comm.broadcast(mark, 0);
+  const int64_t m = mark.item<int64_t>();
+  bool sees = m != 0 && (rank == 0 || read_mark(tmp) == m);
+  bool staged_own = false;  // a directory of this rank's own, removed at the end
+  if (m != 0 && !sees && options.stage_on_every_rank) attempt([&] {
+      staged_own = fs::create_directories(tmp);
+      sees = true;
+    });
+  at::Tensor seeing = at::full({1}, sees ? int64_t(1) : int64_t(0), at::kLong);
+  comm.all_reduce(seeing, ReduceOp::kSum);
+  const bool shared = seeing.item<int64_t>() == world;
+  if (rank == 0 && out) attempt([&] { fs::remove(out->tmp() / kMarkFile); });
+
+  // Shard s's writer: rank s % world where every rank can write, else rank 0; none when rank 0
+  // could not prepare the directory (nothing is gathered, the failure is agreed below).
+  std::map<std::string, int> writer_of_tensor;
+  std::vector<bool> mine(shards.size());
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const int w = m == 0 ? -1 : shared ? int(s % size_t(world)) : 0;
+    mine[s] = w == rank;
+    for (size_t t : shards[s]) writer_of_tensor[plan.specs[t].name] = w;
+  }
+  std::vector<int> writer_of_item;
+  for (const ExportItem& item : plan.items) writer_of_item.push_back(writer_of_tensor.at(item.t.slot.whole_name()));
+  std::optional<models::ShardedSafetensorsWriter> writer;
+  const bool writes = std::find(mine.begin(), mine.end(), true) != mine.end() || (rank == 0 && m != 0);
+  if (writes && sees) attempt([&] {
+      writer.emplace(tmp, plan.specs, options.shard_bytes, std::map<std::string, std::string>{{"format", "pt"}},
+                     models::ShardedSafetensorsWriter::Part{mine, rank == 0});
+      if (options.on_weights_file)
+        writer->on_shard_complete([&](const std::string& file) { options.on_weights_file(tmp / file); });
+    });
+  ExportSink sink(plan, mc, options.type, writer && failure.empty() ? &*writer : nullptr);
+
+  // Read, not changed: the hold makes read_state see the device's queued update; the caller (the
+  // training thread) runs no update meanwhile. An asynchronous save in flight is waited for first.
+  auto hold = std::make_shared<StateHold>(engine.partition().num_units());
+  engine.hold_state(hold);
+  struct ReleaseAll {
+    StateHold& h;
+    ~ReleaseAll() { h.release_all(); }
+  } release_all{*hold};
+  const std::shared_future<void> update = engine.update_finished();
+  if (update.valid()) update.get();
+
+  Rounds rounds(engine, plan, writer_of_item, world);
+  at::Tensor send = aligned_floats(int64_t(kSendElements)), receive = aligned_floats(int64_t(kPieceElements));
+  at::Tensor tensor;  // this rank's item in progress, in the export type
+  uint64_t tensor_in = 0, gathered = 0;
+  for (std::vector<Piece> round = rounds.next(); !round.empty(); round = rounds.next()) {
+    std::vector<int64_t> send_counts(size_t(world), 0), receive_counts(size_t(world), 0);
+    int64_t sending = 0;
+    const Piece* receiving = nullptr;
+    for (const Piece& p : round) {
+      if (p.owner == rank) {
+        const UnitLayout& L = engine.partition().unit(plan.items[p.item].t.unit);
+        float* dst = send.data_ptr<float>() + sending;
+        attempt([&] { engine.read_state(plan.items[p.item].t.unit, state::kMaster, p.at - L.shard_begin(rank), p.numel, dst); });
+        send_counts[size_t(p.writer)] = int64_t(p.numel);
+        sending += int64_t(p.numel);
+      }
+      if (p.writer == rank) {
+        receive_counts[size_t(p.owner)] = int64_t(p.numel);
+        receiving = &p;
+      }
+      gathered += p.numel;
+    }
+    comm.all_to_all(receive.narrow(0, 0, receiving ? int64_t(receiving->numel) : 0), receive_counts,
+                    send.narrow(0, 0, sending), send_counts)
+        ->wait();
+    if (receiving && sink.writing()) {
+      const ExportItem& item = plan.items[receiving->item];
+      if (tensor_in == 0) tensor = at::empty({int64_t(item.t.numel)}, at::TensorOptions().dtype(options.type));
+      tensor.narrow(0, int64_t(tensor_in), int64_t(receiving->numel)).copy_(receive.narrow(0, 0, int64_t(receiving->numel)));
+      if ((tensor_in += receiving->numel) == item.t.numel) {
+        sink.put(receiving->item, tensor);
+        tensor = at::Tensor();
+        tensor_in = 0;
+      }
+    }
+    if (rank == 0 && options.progress)
+      options.progress(gathered * models::st_dtype_bytes(st_type_of(options.type)), plan.total);
+  }
+  sink.finish();
+  if (failure.empty()) failure = sink.failure();
+  if (staged_own) {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);  // this rank's own staging directory, empty once its shards moved away
+  }
+
+  // Every shard is written (or some rank failed): rank 0 completes the directory.
+  ExportResult result = sink.result();
+  if (std::optional<RankError> e = first_error(comm, failure))
+    throw std::runtime_error("export to " + out_dir.string() + ": " +
+                             (e->rank == rank ? e->message : "rank " + std::to_string(e->rank) + ": " + e->message));
+  result.files = models::shard_set_files(shards.size());
+  if (rank == 0) attempt([&] {
+      write_atomically(out->tmp() / "config.json", mc.to_hf_json(models::hf_dtype_name(options.type)) + "\n");
+      if (!options.tokenizer_from.empty()) result.tokenizer_files = models::copy_tokenizer_files(options.tokenizer_from, out->tmp());
+      out->commit();
+    });
+  if (std::optional<RankError> e = first_error(comm, failure))
+    throw std::runtime_error("export to " + out_dir.string() + ": " +
+                             (e->rank == rank ? e->message : "rank " + std::to_string(e->rank) + ": " + e->message));
+  return result;
+}
+
+}  // namespace strata::engine
