@@ -1,5 +1,7 @@
 #include "strata/engine/comm.h"
 
+#include "comm_nodes.h"
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #ifdef STRATA_HAVE_CUDA
@@ -72,6 +74,7 @@ struct Peer {
   std::string host;
   std::string addr;  // IPv4 of the interface its Gloo device uses ("": the host name's)
   long pid = 0;
+  int node = -1;     // its launcher's node number (DistEnv::node; -1: unknown)
 };
 
 // The IPv4 address of interface `name` ("" if it has none).
@@ -240,14 +243,27 @@ std::shared_ptr<const std::vector<Peer>> exchange_peers(c10d::Store& store, cons
   auto peers = std::make_shared<std::vector<Peer>>();
   peers->reserve(size_t(env.world_size));
   for (size_t begin = 0, end; (end = all.find('\n', begin)) != std::string::npos; begin = end + 1) {
+    // "host addr pid node": the address may be empty, the host name has no spaces.
     const std::string s = all.substr(begin, end - begin);
-    const size_t a = s.find(' '), b = s.rfind(' ');
-    peers->push_back({s.substr(0, a), a < b ? s.substr(a + 1, b - a - 1) : "", std::atol(s.c_str() + b + 1)});
+    const size_t a = s.find(' '), c = s.rfind(' '), b = c == 0 ? std::string::npos : s.rfind(' ', c - 1);
+    if (a == std::string::npos || b == std::string::npos || b < a)
+      throw std::runtime_error("the rendezvous's peer list has a malformed line: " + s);
+    peers->push_back({s.substr(0, a), a < b ? s.substr(a + 1, b - a - 1) : "", std::atol(s.c_str() + b + 1),
+                      std::atoi(s.c_str() + c + 1)});
   }
   if (peers->size() != size_t(env.world_size))
     throw std::runtime_error("the rendezvous's peer list has " + std::to_string(peers->size()) + " ranks, not " +
                              std::to_string(env.world_size));
   return peers;
+}
+
+// Which node each rank is on: its launcher's node number where every rank has one, else its host
+// and address.
+std::vector<std::string> node_keys(const std::vector<Peer>& peers) {
+  const bool numbered = std::all_of(peers.begin(), peers.end(), [](const Peer& p) { return p.node >= 0; });
+  std::vector<std::string> keys;
+  for (const Peer& p : peers) keys.push_back(numbered ? std::to_string(p.node) : p.host + " " + p.addr);
+  return keys;
 }
 
 // Gloo for CPU tensors and, when asked for, NCCL for CUDA tensors (its unique id travels through
@@ -271,7 +287,8 @@ class GlooComm final : public Communicator {
       {
         // "host addr pid"; the host name has no spaces, the address may be empty.
         const std::string addr = loopback ? "127.0.0.1" : ifname ? interface_address(ifname) : "";
-        const std::string me = this_host() + " " + addr + " " + std::to_string(long(getpid()));
+        const std::string me =
+            this_host() + " " + addr + " " + std::to_string(long(getpid())) + " " + std::to_string(env.node);
         peers_ = exchange_peers(*store_, env, me);
       }
       auto pg_opts = c10d::ProcessGroupGloo::Options::create(timeout);
@@ -282,6 +299,20 @@ class GlooComm final : public Communicator {
               : c10d::ProcessGroupGloo::createDefaultDevice());
       pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(
           c10::make_intrusive<c10d::PrefixStore>("gloo", store_), env.rank, env.world_size, pg_opts);
+      // Across nodes the CPU reduce-scatter goes inside each node first (comm_nodes.h), through a
+      // group of the node's ranks and one of the ranks of this one's place on every node.
+      nodes_ = node_layout(node_keys(*peers_), env.rank);
+      const char* flat = std::getenv("STRATA_FLAT_REDUCE");
+      if (nodes_.two_steps() && !(flat && std::string(flat) == "1")) {
+        node_pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(
+            c10::make_intrusive<c10d::PrefixStore>("gloo-node-" + std::to_string(nodes_.node), store_), nodes_.local,
+            nodes_.per_node, pg_opts);
+        place_pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(
+            c10::make_intrusive<c10d::PrefixStore>("gloo-place-" + std::to_string(nodes_.local), store_), nodes_.node,
+            nodes_.nodes, pg_opts);
+      } else {
+        nodes_ = {};
+      }
       if (with_cuda) {
 #ifdef STRATA_HAVE_CUDA
         auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
@@ -365,6 +396,20 @@ class GlooComm final : public Communicator {
     // all-to-all after another before this returns (the issuing thread waits; Work::wait may
     // come from another thread, so later slices cannot be issued there in the ranks' order).
     const int64_t n = out.numel(), world = world_size();
+    if (nodes_.two_steps()) {
+      const auto on = [&](c10d::ProcessGroupGloo& group, const char* what) {
+        return [&group, what, this](const at::Tensor& recv, const at::Tensor& send) {
+          guarded(what, false, [&] {
+            at::Tensor r = recv, i = send;
+            std::vector<int64_t> equal_split;
+            return group.alltoall_base(r, i, equal_split, equal_split);
+          })->wait();
+        };
+      };
+      reduce_scatter_by_node(out, in, nodes_, kSliceBytes, on(*node_pg_, "reduce_scatter (inside the node)"),
+                             on(*place_pg_, "reduce_scatter (across the nodes)"));
+      return std::make_unique<LocalComm::Done>();
+    }
     if (uint64_t(in.numel()) * uint64_t(in.element_size()) <= kSliceBytes) {
       at::Tensor recv = at::empty_like(in);
       std::unique_ptr<Work> work = guarded("reduce_scatter", false, [&] {
@@ -458,6 +503,8 @@ class GlooComm final : public Communicator {
   c10::intrusive_ptr<c10d::TCPStore> store_;
   std::shared_ptr<const std::vector<Peer>> peers_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  NodeLayout nodes_;  // two_steps(): node_pg_ and place_pg_ exist
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> node_pg_, place_pg_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
 };
 

@@ -30,7 +30,6 @@
 #include "strata/engine/device.h"
 #include "strata/engine/partition.h"
 #include "strata/models/model_config.h"
-#include "forked_ranks.h"
 #include "test_util.h"
 
 namespace strata::engine {
@@ -630,66 +629,6 @@ TEST(CpuShare, RanksOnANodeShareItsCores) {
   if (omp) setenv("OMP_NUM_THREADS", kept.c_str(), 1);
   else unsetenv("OMP_NUM_THREADS");
   at::set_num_threads(before);
-}
-
-using test::expect_ranks_agree;
-
-// Four ranks exchange pieces of uneven sizes, some empty, one rank receiving nothing and one
-// neither sending nor receiving (as in most rounds of a checkpoint exchange); every byte arrives
-// where the counts say, NaN and -0 included.
-TEST(Communicator, AllToAllMovesUnevenPiecesBetweenRanksBitForBit) {
-  const int world = 4;
-  // counts[from][to]: elements rank `from` sends rank `to`; rank 2 receives nothing, rank 3 takes
-  // no part.
-  const int64_t counts[4][4] = {{2, 5, 0, 0}, {0, 3, 0, 0}, {7, 1, 0, 0}, {0, 0, 0, 0}};
-  // The bit pattern of element i of what `from` sends `to`.
-  const auto bits = [](int from, int to, int64_t i) { return int32_t(0x7fc00000 ^ (from << 20) ^ (to << 16) ^ int32_t(i)); };
-  expect_ranks_agree(world, [&](Communicator& comm) {
-    const int rank = comm.rank();
-    std::vector<int64_t> in_counts, out_counts;
-    std::vector<int32_t> send;
-    for (int to = 0; to < world; ++to) {
-      in_counts.push_back(counts[rank][to]);
-      out_counts.push_back(counts[to][rank]);
-      for (int64_t i = 0; i < counts[rank][to]; ++i) send.push_back(bits(rank, to, i));
-    }
-    if (rank == 1) send[0] = int32_t(0x80000000u);  // -0.0f
-    at::Tensor in = at::empty({int64_t(send.size())}, at::kFloat);
-    std::memcpy(in.data_ptr(), send.data(), send.size() * 4);
-    int64_t total = 0;
-    for (int64_t c : out_counts) total += c;
-    at::Tensor out = at::full({total}, 1.0f);
-    comm.all_to_all(out, out_counts, in, in_counts)->wait();
-    const int32_t* got = static_cast<const int32_t*>(out.data_ptr());
-    int bad = 0;
-    for (int from = 0, at = 0; from < world; ++from)
-      for (int64_t i = 0; i < counts[from][rank]; ++i, ++at)
-        bad += got[at] != (from == 1 && rank == 1 && i == 0 ? int32_t(0x80000000u) : bits(from, rank, i));
-    return bad;
-  });
-}
-
-// A CPU reduce-scatter of a buffer over 64 MiB goes in slices (comm.cc): three ranks get, bit for
-// bit, the sums in rank order a single process computes, in fp32 and in bf16 (summed in fp32,
-// rounded once), with a chunk that is no multiple of a slice.
-TEST(Communicator, ReduceScatterOfALargeBufferInSlicesIsTheRankOrderSum) {
-  const int world = 3;
-  const int64_t n = 12000001;  // a rank's chunk: a buffer of 144 MB in fp32, 72 MB in bf16
-  const auto input = [&](int rank, at::ScalarType type) {
-    return at::arange(int64_t(world) * n, at::kInt).remainder_(1009 + rank).to(at::kFloat).mul_(0.37f + float(rank))
-        .sub_(5.0f - float(rank)).to(type);
-  };
-  expect_ranks_agree(world, [&](Communicator& comm) {
-    int bad = 0;
-    for (const at::ScalarType type : {at::kFloat, at::kBFloat16}) {
-      at::Tensor out = at::empty({n}, type);
-      comm.reduce_scatter(out, input(comm.rank(), type))->wait();
-      at::Tensor want = input(0, type).narrow(0, comm.rank() * n, n).to(at::kFloat);
-      for (int r = 1; r < world; ++r) want.add_(input(r, type).narrow(0, comm.rank() * n, n));
-      bad += !at::equal(out, want.to(type));
-    }
-    return bad;
-  });
 }
 
 TEST(DistEnv, NoLauncherVariablesMeanOneProcess) {

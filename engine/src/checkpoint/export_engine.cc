@@ -25,8 +25,10 @@ using namespace ckpt;
 
 namespace {
 
-constexpr uint64_t kPieceElements = 4ull << 20;  // 16 MiB of fp32: what a writer receives in a round
-constexpr uint64_t kSendElements = 16ull << 20;  // 64 MiB: what a rank sends in a round
+// A writer receives at most one piece a round; a rank sends at most kSendElements a round (or one
+// piece), and reads the next round's while this one travels and is written.
+constexpr uint64_t kPieceElements = 16ull << 20;  // 64 MiB of fp32
+constexpr uint64_t kSendElements = 16ull << 20;
 
 // Elements [at, at + numel) of unit `unit`'s master, held by `owner`, for writer `writer`'s item.
 struct Piece {
@@ -165,19 +167,42 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
   const std::shared_future<void> update = engine.update_finished();
   if (update.valid()) update.get();
 
+  // This rank's pieces of a round, read into `buf` in the round's order (the order the all-to-all
+  // sends them in). Runs on a thread of its own while the round before it travels and is written:
+  // the swap reads overlap the writing. Returns its failure ("" when none).
+  const auto read_round = [&engine, &plan, rank](const std::vector<Piece>& round, const at::Tensor& buf) {
+    std::string error;
+    int64_t at = 0;
+    for (const Piece& p : round) {
+      if (p.owner != rank) continue;
+      const size_t unit = plan.items[p.item].t.unit;
+      if (error.empty()) try {
+          engine.read_state(unit, state::kMaster, p.at - engine.partition().unit(unit).shard_begin(rank), p.numel,
+                            buf.data_ptr<float>() + at);
+        } catch (const std::exception& e) {
+          error = e.what();  // the pieces still go (unread), so that the rounds stay aligned
+        }
+      at += int64_t(p.numel);
+    }
+    return error;
+  };
   Rounds rounds(engine, plan, writer_of_item, world);
-  at::Tensor send = aligned_floats(int64_t(kSendElements)), receive = aligned_floats(int64_t(kPieceElements));
+  const at::Tensor send[2] = {aligned_floats(int64_t(kSendElements)), aligned_floats(int64_t(kSendElements))};
+  const at::Tensor receive = aligned_floats(int64_t(kPieceElements));
   at::Tensor tensor;  // this rank's item in progress, in the export type
   uint64_t tensor_in = 0, gathered = 0;
-  for (std::vector<Piece> round = rounds.next(); !round.empty(); round = rounds.next()) {
+  std::vector<Piece> round = rounds.next();
+  std::future<std::string> reading = std::async(std::launch::async, read_round, round, send[0]);
+  for (int cur = 0; !round.empty(); cur ^= 1) {
+    std::vector<Piece> next = rounds.next();
+    const std::string read_error = reading.get();
+    if (!read_error.empty() && failure.empty()) failure = read_error;
+    reading = std::async(std::launch::async, read_round, next, send[cur ^ 1]);
     std::vector<int64_t> send_counts(size_t(world), 0), receive_counts(size_t(world), 0);
     int64_t sending = 0;
     const Piece* receiving = nullptr;
     for (const Piece& p : round) {
       if (p.owner == rank) {
-        const UnitLayout& L = engine.partition().unit(plan.items[p.item].t.unit);
-        float* dst = send.data_ptr<float>() + sending;
-        attempt([&] { engine.read_state(plan.items[p.item].t.unit, state::kMaster, p.at - L.shard_begin(rank), p.numel, dst); });
         send_counts[size_t(p.writer)] = int64_t(p.numel);
         sending += int64_t(p.numel);
       }
@@ -188,7 +213,7 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
       gathered += p.numel;
     }
     comm.all_to_all(receive.narrow(0, 0, receiving ? int64_t(receiving->numel) : 0), receive_counts,
-                    send.narrow(0, 0, sending), send_counts)
+                    send[cur].narrow(0, 0, sending), send_counts)
         ->wait();
     if (receiving && sink.writing()) {
       const ExportItem& item = plan.items[receiving->item];
@@ -202,7 +227,9 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
     }
     if (rank == 0 && options.progress)
       options.progress(gathered * models::st_dtype_bytes(st_type_of(options.type)), plan.total);
+    round = std::move(next);
   }
+  reading.get();  // the empty round's
   sink.finish();
   if (failure.empty()) failure = sink.failure();
   if (staged_own) {

@@ -163,7 +163,7 @@ ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
 // export_checkpoint_hf writes a checkpoint's, streamed: tensor by tensor in unit order, the files
 // byte for byte the same whatever the world size. Each shard has one writing rank, which gathers
 // its tensors' elements from the ranks whose slices hold them (read where the slice lives:
-// device, host or swap) by all-to-alls in rounds: a writer receives at most one piece of 16 MiB
+// device, host or swap) by all-to-alls in rounds: a writer receives at most one piece of 64 MiB
 // a round, a rank sends at most 64 MiB, and a rank sends only its own elements (O(its share)).
 //
 // Who writes: rank 0 prepares `<out_dir>.export-tmp` and leaves a mark there. Where every rank
@@ -174,7 +174,8 @@ ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
 // config.json and the tokenizer, and commits (renames the files into out_dir).
 //
 // Memory: a writer holds one tensor in the export type (two for a transposed one, a tiled
-// tensor's whole) and a piece; every rank at most 64 MiB of pieces it sends.
+// tensor's whole) and a piece; every rank two rounds of the pieces it sends (128 MiB): it reads
+// the next round's (on a thread of its own) while a round travels and is written.
 // Waits for an asynchronous save in flight, then holds the state while it reads (hold_state).
 // Call on the training thread of every rank. A failure on any rank (a full disk, an existing
 // out_dir without `overwrite`, a read from swap) is thrown on every rank alike once every rank has
