@@ -91,9 +91,9 @@ std::filesystem::path Exporter::periodic_dir(int64_t step) const {
   return models::ExportDirectory::beside(run_.tc.export_dir, "-step-" + std::to_string(step));
 }
 
-// Every rank waits for rank 0's write (within distributed.timeout_s) and learns whether it
-// failed, so that a failed export stops every rank at once instead of leaving them in the next
-// step's collectives.
+// Every rank learns whether the export failed anywhere (export_engine_hf agrees on its own
+// failures; rank 0's upload of the rest comes after it), so that a failed export stops every rank
+// at once instead of leaving them in the next step's collectives.
 void Exporter::export_model(const std::filesystem::path& dir, bool overwrite) {
   std::string failure;
   try {
@@ -106,12 +106,12 @@ void Exporter::export_model(const std::filesystem::path& dir, bool overwrite) {
   at::Tensor failed = at::tensor({failure.empty() ? 0.0 : 1.0}, at::TensorOptions().dtype(at::kDouble));
   run_.comm.all_reduce(failed, engine::ReduceOp::kSum);
   if (failed.item<double>() > 0)
-    throw std::runtime_error(!failure.empty() ? failure : "the export on rank 0 failed (rank 0 says why)");
+    throw std::runtime_error(!failure.empty() ? failure : "the export failed on rank 0 (rank 0 says why)");
 }
 
 // A Hugging Face model directory of the weights now, with the tokenizer and generation config of
-// init_from: streamed tensor by tensor to rank 0, which writes (engine::export_engine_hf, a
-// collective).
+// init_from: streamed tensor by tensor to the ranks that write its shards (engine::export_engine_hf,
+// a collective).
 void Exporter::write(const std::filesystem::path& dir, bool overwrite) {
   const engine::TrainConfig& tc = run_.tc;
   const auto t0 = std::chrono::steady_clock::now();

@@ -284,8 +284,12 @@ class GlooComm final : public Communicator {
       // torch.distributed does (GLOO_SOCKET_IFNAME picks the interface).
       const bool loopback = env.master_addr == "localhost" || env.master_addr.rfind("127.", 0) == 0;
       const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+      if (env.rank == 0) {  // rank 0's choice of reduction holds for every rank (read below)
+        const char* flat = std::getenv("STRATA_FLAT_REDUCE");
+        store_->set("strata/flat_reduce", std::vector<uint8_t>{uint8_t(flat && std::string(flat) == "1" ? '1' : '0')});
+      }
       {
-        // "host addr pid"; the host name has no spaces, the address may be empty.
+        // "host addr pid node"; the host name has no spaces, the address may be empty.
         const std::string addr = loopback ? "127.0.0.1" : ifname ? interface_address(ifname) : "";
         const std::string me =
             this_host() + " " + addr + " " + std::to_string(long(getpid())) + " " + std::to_string(env.node);
@@ -301,9 +305,11 @@ class GlooComm final : public Communicator {
           c10::make_intrusive<c10d::PrefixStore>("gloo", store_), env.rank, env.world_size, pg_opts);
       // Across nodes the CPU reduce-scatter goes inside each node first (comm_nodes.h), through a
       // group of the node's ranks and one of the ranks of this one's place on every node.
+      // Rank 0's STRATA_FLAT_REDUCE decides for all: ranks that chose otherwise would wait for each
+      // other's sub-groups, or sum differently.
       nodes_ = node_layout(node_keys(*peers_), env.rank);
-      const char* flat = std::getenv("STRATA_FLAT_REDUCE");
-      if (nodes_.two_steps() && !(flat && std::string(flat) == "1")) {
+      const bool flat = store_->get("strata/flat_reduce") == std::vector<uint8_t>{uint8_t('1')};
+      if (nodes_.two_steps() && !flat) {
         node_pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(
             c10::make_intrusive<c10d::PrefixStore>("gloo-node-" + std::to_string(nodes_.node), store_), nodes_.local,
             nodes_.per_node, pg_opts);
@@ -396,7 +402,10 @@ class GlooComm final : public Communicator {
     // all-to-all after another before this returns (the issuing thread waits; Work::wait may
     // come from another thread, so later slices cannot be issued there in the ranks' order).
     const int64_t n = out.numel(), world = world_size();
-    if (nodes_.two_steps()) {
+    // bf16 and fp16 send their partial sums across the nodes in fp32 (rounded once, as flat): 2/G of
+    // the flat bytes off a node, no saving with 2 ranks a node.
+    const bool half = in.scalar_type() == at::kBFloat16 || in.scalar_type() == at::kHalf;
+    if (nodes_.two_steps() && (!half || nodes_.per_node > 2)) {
       const auto on = [&](c10d::ProcessGroupGloo& group, const char* what) {
         return [&group, what, this](const at::Tensor& recv, const at::Tensor& send) {
           guarded(what, false, [&] {

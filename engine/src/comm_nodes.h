@@ -6,7 +6,9 @@
 // times what a ring or a two-step reduction sends. In two steps, the node's ranks first sum its
 // copies among themselves (an all-to-all inside the node), then the ranks of one place on every
 // node sum those partial sums (an all-to-all among N nodes, 1/G of the buffer): a node sends
-// (N - 1) / N of the buffer off it, once.
+// (N - 1) / N of the buffer off it, once: 1/G of the flat bytes. bf16 and fp16 send their partial
+// sums in fp32 (so that they are rounded once, as flat): 2/G, so comm.cc takes two steps for them
+// only with more than 2 ranks a node.
 //
 // Thread safety: none; the issuing thread. Errors: the all-to-alls' own (CommError).
 #pragma once

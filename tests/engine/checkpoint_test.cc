@@ -815,7 +815,9 @@ TEST(Checkpoint, OutputLocationsAreCheckedBeforeTheFirstStep) {
                                  "/cfg.json --no-progress --log " + log.string() + " " + args + "'",
                              txt);
     out = read_file(txt);
-    if (rc != 0) EXPECT_TRUE(!std::filesystem::exists(log) || losses(log).empty()) << "trained before failing:\n" << out;
+    if (rc != 0) {
+      EXPECT_TRUE(!std::filesystem::exists(log) || losses(log).empty()) << "trained before failing:\n" << out;
+    }
     return rc;
   };
   std::string out;
@@ -1185,8 +1187,9 @@ TEST(Checkpoint, SigkillAtRandomMomentsNeverLeavesABadCheckpoint) {
     }
     EXPECT_NO_THROW(se::verify_checkpoint(*latest)) << "trial " << trial;
     for (const auto& e : std::filesystem::directory_iterator(root))
-      if (std::filesystem::exists(e.path() / "manifest.json"))
+      if (std::filesystem::exists(e.path() / "manifest.json")) {
         EXPECT_NO_THROW(se::verify_checkpoint(e.path())) << "trial " << trial << ": " << e.path();
+      }
     if (latest->string() != last_latest) ++advanced;
     last_latest = latest->string();
   }

@@ -44,8 +44,9 @@ class Rounds {
  public:
   Rounds(Engine& engine, const ExportPlan& plan, const std::vector<int>& writer_of_item, int world)
       : engine_(engine), plan_(plan), queue_(size_t(world)), next_(size_t(world)) {
+    // An empty tensor has nothing to gather (its writer completes it by itself).
     for (size_t i = 0; i < plan.items.size(); ++i)
-      if (writer_of_item[i] >= 0) queue_[size_t(writer_of_item[i])].push_back(i);
+      if (writer_of_item[i] >= 0 && plan.items[i].t.numel > 0) queue_[size_t(writer_of_item[i])].push_back(i);
   }
 
   // The next round's pieces, by writer rank; empty when every item is done.
@@ -125,10 +126,10 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
   comm.broadcast(mark, 0);
   const int64_t m = mark.item<int64_t>();
   bool sees = m != 0 && (rank == 0 || read_mark(tmp) == m);
-  bool staged_own = false;  // a directory of this rank's own, removed at the end
+  bool staged_own = false;  // a directory of this rank's own (not rank 0's), removed at the end if empty
   if (m != 0 && !sees && options.stage_on_every_rank) attempt([&] {
-      staged_own = fs::create_directories(tmp);
-      sees = true;
+      fs::create_directories(tmp);
+      staged_own = sees = true;
     });
   at::Tensor seeing = at::full({1}, sees ? int64_t(1) : int64_t(0), at::kLong);
   comm.all_reduce(seeing, ReduceOp::kSum);
@@ -215,16 +216,18 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
     comm.all_to_all(receive.narrow(0, 0, receiving ? int64_t(receiving->numel) : 0), receive_counts,
                     send[cur].narrow(0, 0, sending), send_counts)
         ->wait();
-    if (receiving && sink.writing()) {
-      const ExportItem& item = plan.items[receiving->item];
-      if (tensor_in == 0) tensor = at::empty({int64_t(item.t.numel)}, at::TensorOptions().dtype(options.type));
-      tensor.narrow(0, int64_t(tensor_in), int64_t(receiving->numel)).copy_(receive.narrow(0, 0, int64_t(receiving->numel)));
-      if ((tensor_in += receiving->numel) == item.t.numel) {
-        sink.put(receiving->item, tensor);
-        tensor = at::Tensor();
-        tensor_in = 0;
-      }
-    }
+    // A failure here (a tensor too large for memory) stops this rank's writing, not its rounds.
+    if (receiving && sink.writing() && failure.empty()) attempt([&] {
+        const ExportItem& item = plan.items[receiving->item];
+        if (tensor_in == 0) tensor = at::empty({int64_t(item.t.numel)}, at::TensorOptions().dtype(options.type));
+        tensor.narrow(0, int64_t(tensor_in), int64_t(receiving->numel))
+            .copy_(receive.narrow(0, 0, int64_t(receiving->numel)));
+        if ((tensor_in += receiving->numel) == item.t.numel) {
+          sink.put(receiving->item, tensor);
+          tensor = at::Tensor();
+          tensor_in = 0;
+        }
+      });
     if (rank == 0 && options.progress)
       options.progress(gathered * models::st_dtype_bytes(st_type_of(options.type)), plan.total);
     round = std::move(next);
@@ -232,25 +235,26 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
   reading.get();  // the empty round's
   sink.finish();
   if (failure.empty()) failure = sink.failure();
-  if (staged_own) {
-    std::error_code ignored;
-    fs::remove(tmp, ignored);  // this rank's own staging directory, empty once its shards moved away
-  }
 
   // Every shard is written (or some rank failed): rank 0 completes the directory.
+  const auto agreed = [&](const RankError& e) {
+    return std::runtime_error("export to " + out_dir.string() + ": " +
+                              (e.rank == rank ? e.message : "rank " + std::to_string(e.rank) + ": " + e.message));
+  };
   ExportResult result = sink.result();
-  if (std::optional<RankError> e = first_error(comm, failure))
-    throw std::runtime_error("export to " + out_dir.string() + ": " +
-                             (e->rank == rank ? e->message : "rank " + std::to_string(e->rank) + ": " + e->message));
+  const std::optional<RankError> written = first_error(comm, failure);
+  if (staged_own) {  // after every rank's writing (ranks of a node may share it): empty once the shards moved away
+    std::error_code ignored;
+    fs::remove(tmp, ignored);
+  }
+  if (written) throw agreed(*written);
   result.files = models::shard_set_files(shards.size());
   if (rank == 0) attempt([&] {
       write_atomically(out->tmp() / "config.json", mc.to_hf_json(models::hf_dtype_name(options.type)) + "\n");
       if (!options.tokenizer_from.empty()) result.tokenizer_files = models::copy_tokenizer_files(options.tokenizer_from, out->tmp());
       out->commit();
     });
-  if (std::optional<RankError> e = first_error(comm, failure))
-    throw std::runtime_error("export to " + out_dir.string() + ": " +
-                             (e->rank == rank ? e->message : "rank " + std::to_string(e->rank) + ": " + e->message));
+  if (const std::optional<RankError> e = first_error(comm, failure)) throw agreed(*e);
   return result;
 }
 

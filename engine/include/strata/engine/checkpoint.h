@@ -135,8 +135,8 @@ std::string describe_checkpoint(const std::filesystem::path& checkpoint_dir);
 // tensor with the bytes written so far and the total. Throws std::invalid_argument for a bad
 // dtype, std::runtime_error naming the chunk for corrupt or missing data.
 struct ExportResult {
-  uint64_t tensors = 0;
-  uint64_t bytes = 0;  // tensor bytes written
+  uint64_t tensors = 0;  // written by this process (export_engine_hf: by this rank)
+  uint64_t bytes = 0;    // tensor bytes written, likewise
   std::vector<std::string> tokenizer_files;  // copied in from `tokenizer_from`
   // The weights files of the whole export (shards, then the index when there is one), whichever
   // rank wrote them; known on every rank.
