@@ -426,7 +426,7 @@ class GlooComm final : public Communicator {
         std::vector<int64_t> equal_split;
         return pg(r).alltoall_base(r, i, equal_split, equal_split);
       });
-      static_cast<GlooWork&>(*work).then = [out, recv, world] { sum_in_rank_order(out.view({-1}), recv, world); };
+      static_cast<GlooWork&>(*work).then = [out, recv, world] { sum_blocks(out.view({-1}), recv, world); };
       return work;
     }
     const int64_t slice = std::max<int64_t>(1, int64_t(kSliceBytes / 2 / uint64_t(in.element_size())) / world);
@@ -438,23 +438,13 @@ class GlooComm final : public Communicator {
         std::vector<int64_t> equal_split;
         return pg(recv).alltoall_base(recv, staged, equal_split, equal_split);
       })->wait();
-      sum_in_rank_order(out.view({-1}).narrow(0, at, len), recv, world);
+      sum_blocks(out.view({-1}).narrow(0, at, len), recv, world);
     }
     return std::make_unique<LocalComm::Done>();
   }
   // The most a CPU reduce-scatter holds beside its buffer: a buffer up to this size goes in one
   // all-to-all (its copies received), a larger one in slices staged and received within it.
   static constexpr uint64_t kSliceBytes = 64ull << 20;
-  // out (n elements) = the sum of recv's world pieces of n, in rank order, in out's own type
-  // (int32 sums bit patterns exactly); bf16 and fp16 in an fp32 buffer, rounded once at the end.
-  static void sum_in_rank_order(const at::Tensor& out, const at::Tensor& recv, int64_t world) {
-    const int64_t n = out.numel();
-    const bool widen = out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf;
-    at::Tensor sum = widen ? at::empty({n}, out.options().dtype(at::kFloat)) : out;
-    sum.copy_(recv.narrow(0, 0, n));
-    for (int64_t r = 1; r < world; ++r) sum.add_(recv.narrow(0, r * n, n));
-    if (widen) out.copy_(sum);
-  }
   std::unique_ptr<Work> all_to_all(const at::Tensor& out, const std::vector<int64_t>& out_counts, const at::Tensor& in,
                                    const std::vector<int64_t>& in_counts) override {
     return guarded("all_to_all", out.is_cuda(), [&] {

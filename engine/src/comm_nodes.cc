@@ -21,16 +21,14 @@ NodeLayout node_layout(const std::vector<std::string>& key_of_rank, int rank) {
   return {nodes, per_node, rank / per_node, rank % per_node};
 }
 
-namespace {
-
-// sum (m elements, fp32 or out's type) = recv's `parts` blocks of m added in order.
-void add_blocks(const at::Tensor& sum, const at::Tensor& recv, int64_t parts) {
-  const int64_t m = sum.numel();
+void sum_blocks(const at::Tensor& out, const at::Tensor& recv, int64_t parts) {
+  const int64_t m = out.numel();
+  const bool widen = out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf;
+  const at::Tensor sum = widen ? at::empty({m}, out.options().dtype(at::kFloat)) : out;
   sum.copy_(recv.narrow(0, 0, m));
   for (int64_t p = 1; p < parts; ++p) sum.add_(recv.narrow(0, p * m, m));
+  if (widen) out.copy_(sum);
 }
-
-}  // namespace
 
 void reduce_scatter_by_node(const at::Tensor& out, const at::Tensor& in, const NodeLayout& L, uint64_t slice_bytes,
                             const BlockAllToAll& in_node, const BlockAllToAll& across) {
@@ -49,18 +47,11 @@ void reduce_scatter_by_node(const at::Tensor& out, const at::Tensor& in, const N
     in_node(recv, staged);
     // This node's sum for the ranks of this place on every node: [N][len], in the node's order.
     const at::Tensor partial = at::empty({N * len}, in.options().dtype(sum_type));
-    add_blocks(partial, recv, G);
+    sum_blocks(partial, recv, G);
     // Across the nodes: node k's partial sum of this rank's chunk, [N][len], summed in node order.
     const at::Tensor from_nodes = at::empty_like(partial);
     across(from_nodes, partial);
-    const at::Tensor dst = out.view({-1}).narrow(0, at, len);
-    if (widen) {
-      const at::Tensor sum = at::empty({len}, partial.options());
-      add_blocks(sum, from_nodes, N);
-      dst.copy_(sum);
-    } else {
-      add_blocks(dst, from_nodes, N);
-    }
+    sum_blocks(out.view({-1}).narrow(0, at, len), from_nodes, N);
   }
 }
 

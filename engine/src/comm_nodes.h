@@ -34,6 +34,11 @@ struct NodeLayout {
 // distribution place them); any other placement is one flat node (nodes = 1).
 NodeLayout node_layout(const std::vector<std::string>& key_of_rank, int rank);
 
+// out (m elements) = recv's `parts` blocks of m added in order (rank order, node order), in out's
+// own type (int32 sums bit patterns exactly); bf16 and fp16 in an fp32 buffer, rounded once at the
+// end. The one summation of every CPU reduce-scatter, flat (comm.cc) or in two steps.
+void sum_blocks(const at::Tensor& out, const at::Tensor& recv, int64_t parts);
+
 // An equal-split all-to-all on one of the two groups, blocking: `recv` receives from each member
 // in order what it sent this rank, `send` holds one equal block for each member in order.
 using BlockAllToAll = std::function<void(const at::Tensor& recv, const at::Tensor& send)>;
