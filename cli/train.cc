@@ -360,6 +360,7 @@ int run_training(const std::vector<std::string>& argv) {
       engine::Device::create(tc.engine.device, env.local_rank, tc.engine.device_budget);
   fetch_init_model(tc, env, *comm, lead);
   std::unique_ptr<models::Decoder> model = make_model(tc);
+  const std::string frozen_base = frozen_base_of(tc);
   const models::ModelConfig mc = model->config();
   const DataSources data = open_data(tc, uint64_t(mc.vocab_size), lead);
   const uint64_t global_batch =
@@ -367,7 +368,7 @@ int run_training(const std::vector<std::string>& argv) {
   models::BatchLoader loader(data.train, global_batch, comm->rank(), comm->world_size(), tc.data_seed);
   if (lead && tc.progress) tc.engine.on_unit_placed = placement_progress();
   engine::Engine eng(std::move(model), tc.engine, *comm, *device);
-  const Run run{tc, env, *comm, *device, eng, eng.config(), mc, data, loader, global_batch, lead};
+  const Run run{tc, env, *comm, *device, eng, eng.config(), mc, data, loader, global_batch, lead, frozen_base};
   return train_with_engine(run, resume, export_store);
 }
 

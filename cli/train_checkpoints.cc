@@ -171,7 +171,8 @@ void Checkpoints::save(int64_t steps_done, bool synchronous) {
   const engine::TrainConfig& tc = run_.tc;
   char name[32];
   snprintf(name, sizeof name, "step-%08lld", (long long)steps_done);
-  const engine::CheckpointMeta meta{steps_done, run_.loader.position(), run_.global_batch};
+  engine::CheckpointMeta meta{steps_done, run_.loader.position(), run_.global_batch};
+  meta.frozen_base = run_.frozen_base;
   saved_through_ = steps_done;
   if (synchronous) {
     const auto t0 = std::chrono::steady_clock::now();

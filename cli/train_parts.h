@@ -51,6 +51,7 @@ struct Run {
   models::BatchLoader& loader;
   uint64_t global_batch;  // sequences a step consumes over all ranks
   bool lead;              // rank 0: prints, writes the log, the TensorBoard events and the exports
+  std::string frozen_base;  // frozen_base_of(tc): what checkpoints record of the frozen tensors' source
 };
 
 // --- train.cc ----------------------------------------------------------------------------------
@@ -95,7 +96,13 @@ ResumeRequest choose_resume_point(engine::TrainConfig& tc, const engine::DistEnv
 struct ResumePoint {
   std::optional<std::filesystem::path> dir;  // none: step 0
   bool fresh_under_resume = false;           // --resume found nothing committed
+  std::string frozen_base;                   // the checkpoint's (CheckpointMeta::frozen_base)
 };
+
+// With frozen tensors (model.trainable), where their values come from: the base model's
+// fingerprint (models::model_fingerprint of init_from, once fetched), or the random
+// initialization's seed and shape; empty when every tensor trains.
+std::string frozen_base_of(const engine::TrainConfig& tc);
 
 // Collective: rank 0's choice on every rank (its error thrown on every rank); the saved run's
 // global batch kept through tc.engine.grad_accum, or changed only when asked (rank 0 prints the
@@ -111,7 +118,8 @@ struct Start {
 };
 
 // Collective with a resume point: loads it into the engine and moves the data position to it.
-// Without one, rank 0 says that --resume starts at step 0.
+// Without one, rank 0 says that --resume starts at step 0. A checkpoint of frozen tensors whose
+// base is not this run's (ResumePoint::frozen_base against Run::frozen_base) is refused, saying so.
 Start load_resume_point(const Run& run, const ResumePoint& resume);
 
 // --- train_checkpoints.cc ----------------------------------------------------------------------

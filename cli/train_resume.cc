@@ -3,6 +3,7 @@
 // (its error, if any, reaches every rank once they have met): with node-local checkpoint disks
 // only rank 0's holds `latest` and the manifests.
 #include "train_parts.h"
+#include "strata/models/sharded_safetensors.h"
 
 #include <chrono>
 #include <exception>
@@ -98,6 +99,7 @@ ResumePoint agree_on_resume_point(engine::Communicator& comm, engine::TrainConfi
   const engine::ResumeChoice choice = engine::agree_resume_point(comm, request.dir, request.error);
   point.dir = choice.dir;
   point.fresh_under_resume = request.latest && !point.dir;
+  point.frozen_base = choice.meta.frozen_base;
   if (point.dir) {
     const engine::ResumeBatch rb = engine::resume_batch(choice.meta, tc.engine.micro_batch, tc.engine.grad_accum,
                                                         env.world_size, tc.allow_batch_change);
@@ -110,6 +112,16 @@ ResumePoint agree_on_resume_point(engine::Communicator& comm, engine::TrainConfi
 Start load_resume_point(const Run& run, const ResumePoint& resume) {
   Start start;
   if (resume.dir) {
+    // The checkpoint holds the trainable tensors alone: the frozen ones must be the base it
+    // trained beside (every rank decides alike: both fingerprints are the same everywhere).
+    if (resume.frozen_base != run.frozen_base)
+      throw std::runtime_error(
+          "checkpoint " + resume.dir->string() + " " +
+          (resume.frozen_base.empty() ? std::string("froze no tensor")
+                                      : "was trained beside the frozen base " + resume.frozen_base) +
+          ", but this run's " +
+          (run.frozen_base.empty() ? std::string("trains every tensor") : "frozen base is " + run.frozen_base) +
+          ": resume with the same model.init_from (or seed) and model.trainable");
     const auto t0 = std::chrono::steady_clock::now();
     const engine::CheckpointMeta meta =
         engine::load_checkpoint(run.eng, run.comm, *resume.dir, run.tc.checkpoint_transfer);
@@ -122,6 +134,15 @@ Start load_resume_point(const Run& run, const ResumePoint& resume) {
               << " yet: starting at step 0\n";
   }
   return start;
+}
+
+std::string frozen_base_of(const engine::TrainConfig& tc) {
+  if (tc.engine.trainable.empty()) return "";
+  if (!tc.init_from.empty()) return models::model_fingerprint(tc.init_from);
+  // A random base: the same shape and seed give the same values.
+  const models::ModelConfig& c = tc.model;
+  return "random init of " + c.name + " (" + std::to_string(c.layers) + " layers x " + std::to_string(c.hidden) +
+         ", vocabulary " + std::to_string(c.vocab_size) + "), seed " + std::to_string(tc.init_seed);
 }
 
 }  // namespace strata::cli::train

@@ -1,4 +1,5 @@
 #include "strata/engine/config.h"
+#include "strata/models/trainable.h"
 
 #include <stdexcept>
 #include <string>
@@ -38,6 +39,7 @@ void EngineConfig::validate() const {
   if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1))
     bad("optimizer.betas must be in [0, 1)");
   if (!(eps > 0)) bad("optimizer.eps must be > 0");
+  models::TrainableTensors{trainable};  // a malformed pattern throws, naming it
   if (!(weight_decay >= 0)) bad("optimizer.weight_decay must be >= 0");
   if (!(clip_grad_norm >= 0)) bad("optimizer.clip_grad_norm must be >= 0 (0: off)");
   if (update_overlap == UpdateOverlap::kBackward && clip_grad_norm > 0)

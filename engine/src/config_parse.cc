@@ -6,6 +6,8 @@
 #include <stdexcept>
 
 #include "config_section.h"
+#include "strata/models/model_shapes.h"
+#include "strata/models/trainable.h"
 #include "strata/offload/object_store.h"
 
 namespace strata::engine {
@@ -79,6 +81,23 @@ void read_model(Section& s, TrainConfig& c) {
     mc.validate();
   } catch (const std::exception& ex) {
     s.fail("", ex.what());
+  }
+  if (const json* t = s.get("trainable")) {
+    const char* kind = "must be \"all\" or a list of tensor-name patterns (docs/CONFIG.md), not ";
+    if (t->is_array()) {
+      if (t->empty()) s.fail("trainable", "is an empty list: nothing would train (\"all\" trains everything)");
+      for (const json& p : *t) {
+        if (!p.is_string()) s.fail("trainable", kind + p.dump());
+        c.engine.trainable.push_back(p.get<std::string>());
+      }
+    } else if (!t->is_string() || t->get<std::string>() != "all") {
+      s.fail("trainable", kind + t->dump());
+    }
+    try {
+      models::TrainableTensors(c.engine.trainable).check_against(models::tensor_names(mc));
+    } catch (const std::exception& ex) {
+      s.fail("", ex.what());
+    }
   }
 }
 

@@ -4,6 +4,7 @@
 // configuration is never changed: `effective` shows what was resolved.
 #include "engine_impl.h"
 #include "strata/engine/cpu_share.h"
+#include "strata/models/trainable.h"
 
 #include <optional>
 
@@ -66,48 +67,64 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   effective = effective_config(cfg, *layout, choice());
 }
 
-// A unit for each stage that owns parameters (a tied head tile after the first owns none); each
+// For each stage that owns parameters (a tied head tile after the first owns none) a unit of its
+// trainable tensors, then one of its frozen tensors (model.trainable), each where it has any; a
 // unit's tensors are the ones its stage owns (tied weights once), a tile's as parts of the
-// model's tensors.
+// model's tensors. Frozen tensors need no gradient: autograd computes none for them.
 Engine::Impl::ModelUnits Engine::Impl::build_units() {
   ModelUnits out;
+  const models::TrainableTensors trainable(cfg.trainable);
   std::vector<std::pair<std::string, std::vector<TensorSpec>>> specs;
+  std::vector<char> frozen_units;
   std::unordered_map<const void*, std::pair<size_t, size_t>> owner;  // impl -> (unit, slot)
-  std::vector<std::optional<size_t>> own_unit(stages.size());
+  std::vector<std::vector<size_t>> own_units(stages.size());
   for (size_t s = 0; s < stages.size(); ++s) {
     stage_names.push_back(model->stage_name(s));
     const auto named = stages[s]->hf_parameters();
-    if (named.empty()) continue;
-    own_unit[s] = unit_stage.size();
-    unit_stage.push_back(s);
-    out.owned.emplace_back();
-    std::vector<TensorSpec> ts;
-    for (size_t k = 0; k < named.size(); ++k) {
-      const auto& [name, t] = named[k];
-      if (t.scalar_type() != at::kFloat || !t.device().is_cpu())
-        throw std::invalid_argument("Engine: parameter " + name + " must be fp32 on the CPU");
-      owner[t.unsafeGetTensorImpl()] = {*own_unit[s], ts.size()};
-      const models::TensorPart& part = stages[s]->parts().at(k);
-      TensorOrigin origin;
-      if (!part.whole()) origin = {part.tensor, part.shape, part.dim, part.begin};
-      ts.push_back({name, t.sizes().vec(), std::move(origin)});
-      out.owned.back().push_back(t);
+    for (const bool frozen : {false, true}) {
+      std::vector<TensorSpec> ts;
+      std::vector<at::Tensor> tensors;
+      const size_t u = specs.size();
+      for (size_t k = 0; k < named.size(); ++k) {
+        const auto& [name, t] = named[k];
+        const models::TensorPart& part = stages[s]->parts().at(k);
+        if (trainable.trainable(part.tensor) == frozen) continue;
+        if (t.scalar_type() != at::kFloat || !t.device().is_cpu())
+          throw std::invalid_argument("Engine: parameter " + name + " must be fp32 on the CPU");
+        owner[t.unsafeGetTensorImpl()] = {u, ts.size()};
+        TensorOrigin origin;
+        if (!part.whole()) origin = {part.tensor, part.shape, part.dim, part.begin};
+        ts.push_back({name, t.sizes().vec(), std::move(origin)});
+        tensors.push_back(t);
+        if (frozen) tensors.back().requires_grad_(false);
+      }
+      if (ts.empty()) continue;
+      own_units[s].push_back(u);
+      unit_stage.push_back(s);
+      frozen_units.push_back(frozen);
+      out.owned.push_back(std::move(tensors));
+      specs.emplace_back(models::unit_name(stage_names[s], frozen), std::move(ts));
     }
-    specs.emplace_back(stage_names[s], std::move(ts));
   }
-  partition = std::make_unique<Partition>(specs, comm.world_size());
+  partition = std::make_unique<Partition>(specs, comm.world_size(), Partition::kDefaultAlignNumel, frozen_units);
+  saved_units = partition->trainable_units();
+  if (saved_units.size() < specs.size()) {
+    std::vector<std::pair<std::string, std::vector<TensorSpec>>> saved;
+    for (size_t u : saved_units) saved.push_back(specs[u]);
+    saved_partition = std::make_unique<Partition>(saved, comm.world_size());
+  }
   std::vector<std::string> unit_names;
   for (size_t u = 0; u < partition->num_units(); ++u) unit_names.push_back(partition->unit(u).name);
   holds = std::make_unique<state::HoldGate>(prof, std::move(unit_names));
   out.stage_params.resize(stages.size());
   std::vector<std::vector<size_t>> units_of(stages.size());
   for (size_t s = 0; s < stages.size(); ++s) {
-    if (own_unit[s]) units_of[s].push_back(*own_unit[s]);
+    units_of[s] = own_units[s];
     for (const at::Tensor& p : stages[s]->parameters()) {
       auto it = owner.find(p.unsafeGetTensorImpl());
       if (it == owner.end())
         throw std::invalid_argument("Engine: stage " + stage_names[s] + " uses a parameter no stage owns");
-      out.stage_params[s].push_back({p, it->second.first, it->second.second});
+      if (!frozen_units[it->second.first]) out.stage_params[s].push_back({p, it->second.first, it->second.second});
       if (std::find(units_of[s].begin(), units_of[s].end(), it->second.first) == units_of[s].end())
         units_of[s].push_back(it->second.first);
     }
@@ -115,7 +132,8 @@ Engine::Impl::ModelUnits Engine::Impl::build_units() {
   // The resolution planned with the units the model's shapes give (plan_units): the model must
   // have built exactly those, or every decision was made for another model.
   const UnitPlan& planned = layout->units;
-  bool same = units_of == planned.stage_units && partition->num_units() == planned.unit_numel.size();
+  bool same = units_of == planned.stage_units && partition->num_units() == planned.unit_numel.size() &&
+              frozen_units == planned.frozen;
   for (size_t u = 0; same && u < partition->num_units(); ++u) {
     const UnitLayout& L = partition->unit(u);
     same = L.numel == planned.unit_numel[u] && L.padded_numel() == planned.padded_numel[u] &&
@@ -123,7 +141,7 @@ Engine::Impl::ModelUnits Engine::Impl::build_units() {
   }
   if (!same)
     throw std::logic_error("Engine: the decoder's stages make other units than the model's shapes "
-                           "(models::stage_parameters, stage_units) that the resolution planned with");
+                           "(models::unit_shapes) that the resolution planned with");
   return out;
 }
 

@@ -182,9 +182,24 @@ void Engine::read_state(size_t unit, state::Kind kind, uint64_t begin, uint64_t 
   if (begin > n || numel > n - begin)
     throw std::out_of_range("read_state: elements " + std::to_string(begin) + "+" + std::to_string(numel) +
                             " outside unit " + I.partition->unit(unit).name + "'s slice of " + std::to_string(n));
+  const at::Tensor out = at::from_blob(dst, {int64_t(numel)}, at::TensorOptions().dtype(at::kFloat));
+  if (I.partition->frozen(unit)) {
+    // A frozen unit's weights are its compute copy (nothing else of it exists).
+    if (k != state::kMaster)
+      throw std::logic_error("read_state: unit " + I.partition->unit(unit).name + " is frozen: it has no " +
+                             state::kind_name(k));
+    if (I.cdt == at::kFloat) {
+      I.state->read(unit, state::kCompute, begin, out).get();
+    } else {
+      at::Tensor c = I.host_buffer(numel, I.cdt);
+      I.state->read(unit, state::kCompute, begin, c).get();
+      out.copy_(c);
+    }
+    return;
+  }
   // Swap: a read through the I/O engine; device: a blocking copy on a stream of this thread's
   // own (ordered after the training's work by hold_state's synchronize); host: one memcpy here.
-  I.state->read(unit, k, begin, at::from_blob(dst, {int64_t(numel)}, at::TensorOptions().dtype(at::kFloat))).get();
+  I.state->read(unit, k, begin, out).get();
 }
 
 void Engine::store_state_slice(size_t unit, state::Kind kind, const at::Tensor& data) {
@@ -212,6 +227,10 @@ const layout::MemoryModel& Engine::memory_model() const { return *impl_->memory;
 const layout::Choices& Engine::working_set_choices() const { return impl_->choice(); }
 uint64_t Engine::device_state_bytes() const { return impl_->base_bytes; }
 const Partition& Engine::partition() const { return *impl_->partition; }
+const Partition& Engine::checkpoint_partition() const {
+  return impl_->saved_partition ? *impl_->saved_partition : *impl_->partition;
+}
+const std::vector<size_t>& Engine::checkpoint_units() const { return impl_->saved_units; }
 const models::ModelConfig& Engine::model_config() const { return impl_->model->config(); }
 double Engine::flops_per_token() const { return impl_->flops_per_token(); }
 

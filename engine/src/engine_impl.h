@@ -96,6 +96,10 @@ struct Engine::Impl {
   std::unique_ptr<models::Decoder> model;
   std::vector<models::Stage*> stages;
   std::unique_ptr<Partition> partition;
+  // The trainable units alone (Engine::checkpoint_partition), when any unit is frozen; and
+  // which engine unit each of its units is.
+  std::unique_ptr<Partition> saved_partition;
+  std::vector<size_t> saved_units;
   at::ScalarType cdt;
   // The resolution (layout/resolve.h), immutable once made: the layout (the cut, the units, the
   // schedule, the one memory model of the working set, the placement) before the state is

@@ -34,8 +34,11 @@ uint64_t UnitLayout::shard_valid_numel(int rank) const {
 
 Partition::Partition(
     const std::vector<std::pair<std::string, std::vector<TensorSpec>>>& units, int world_size,
-    uint64_t align_numel)
+    uint64_t align_numel, const std::vector<char>& frozen)
     : world_size_(world_size) {
+  if (!frozen.empty() && frozen.size() != units.size())
+    throw std::invalid_argument("partition: " + std::to_string(frozen.size()) + " frozen flags for " +
+                                std::to_string(units.size()) + " units");
   if (world_size < 1) throw std::invalid_argument("world size must be >= 1");
   if (align_numel == 0) throw std::invalid_argument("alignment must be >= 1 element");
   for (const auto& [uname, specs] : units) {
@@ -43,6 +46,7 @@ Partition::Partition(
     UnitLayout u;
     u.name = uname;
     u.world_size = uint64_t(world_size);
+    u.frozen = !frozen.empty() && frozen[units_.size()];
     for (const auto& s : specs) {
       TensorSlot slot{s.name, s.shape, u.numel, s.numel(), s.origin};
       u.numel += slot.numel;
@@ -59,6 +63,13 @@ TensorLocation Partition::locate(const std::string& name) const {
   auto it = index_.find(name);
   if (it == index_.end()) throw std::out_of_range("no tensor named " + name + " in the partition");
   return {it->second.first, &units_[it->second.first].tensors[it->second.second]};
+}
+
+std::vector<size_t> Partition::trainable_units() const {
+  std::vector<size_t> out;
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (!units_[u].frozen) out.push_back(u);
+  return out;
 }
 
 uint64_t Partition::total_numel() const {

@@ -89,17 +89,158 @@ std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiles&
   return w;
 }
 
-std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTiles& t) {
-  const std::vector<uint64_t> owned = stage_parameters(c, t);
+namespace {
+
+// The token embedding's whole name.
+std::string token_embedding(const ModelConfig& c) {
+  return c.arch == Arch::kGpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight";
+}
+
+// A norm's tensors: GPT-2's LayerNorm has a weight and a bias, the Llama family's RMSNorm a weight.
+void add_norm(const ModelConfig& c, std::vector<StageTensor>& s, const std::string& name) {
+  s.push_back({name + ".weight", uint64_t(c.hidden)});
+  if (c.arch == Arch::kGpt2) s.push_back({name + ".bias", uint64_t(c.hidden)});
+}
+
+// A block's tensors, whole (a = m = -1) or its attention tile a / MLP tile j: the decoder's order.
+std::vector<StageTensor> block_tensors(const ModelConfig& c, const LayerTiles& t, int64_t i, int64_t a, int64_t m) {
+  const uint64_t d = uint64_t(c.hidden), hd = uint64_t(c.head_dim), rep = uint64_t(c.heads / c.kv_heads);
+  const bool gpt2 = c.arch == Arch::kGpt2, whole = a < 0 && m < 0;
+  const std::string p = (gpt2 ? "transformer.h." : "model.layers.") + std::to_string(i) + ".";
+  std::vector<StageTensor> s;
+  if (whole || a >= 0) {
+    const uint64_t kv = whole ? uint64_t(c.kv_heads) * hd : uint64_t(tile_range(c.kv_heads, t.attention, a).size()) * hd;
+    const uint64_t q = kv * rep;
+    const bool first = whole || a == 0;
+    if (gpt2) {
+      if (first) add_norm(c, s, p + "ln_1");
+      if (whole) {
+        s.push_back({p + "attn.c_attn.weight", 3 * q * d});
+        s.push_back({p + "attn.c_attn.bias", 3 * q});
+      } else {
+        for (int k = 0; k < 3; ++k) s.push_back({p + "attn.c_attn.weight", q * d});
+        for (int k = 0; k < 3; ++k) s.push_back({p + "attn.c_attn.bias", q});
+      }
+      s.push_back({p + "attn.c_proj.weight", d * q});
+      if (first) s.push_back({p + "attn.c_proj.bias", d});
+    } else {
+      if (first) add_norm(c, s, p + "input_layernorm");
+      s.push_back({p + "self_attn.q_proj.weight", q * d});
+      s.push_back({p + "self_attn.k_proj.weight", kv * d});
+      s.push_back({p + "self_attn.v_proj.weight", kv * d});
+      s.push_back({p + "self_attn.o_proj.weight", d * q});
+      if (c.attention_bias) {
+        s.push_back({p + "self_attn.q_proj.bias", q});
+        s.push_back({p + "self_attn.k_proj.bias", kv});
+        s.push_back({p + "self_attn.v_proj.bias", kv});
+      }
+      if (first && c.attention_out_bias) s.push_back({p + "self_attn.o_proj.bias", d});
+    }
+  }
+  if (whole || m >= 0) {
+    const uint64_t f = whole ? uint64_t(c.intermediate) : uint64_t(tile_range(c.intermediate, t.mlp, m).size());
+    const bool first = whole || m == 0;
+    if (gpt2) {
+      if (first) add_norm(c, s, p + "ln_2");
+      s.push_back({p + "mlp.c_fc.weight", f * d});
+      s.push_back({p + "mlp.c_fc.bias", f});
+      s.push_back({p + "mlp.c_proj.weight", d * f});
+      if (first) s.push_back({p + "mlp.c_proj.bias", d});
+    } else {
+      if (first) add_norm(c, s, p + "post_attention_layernorm");
+      s.push_back({p + "mlp.gate_proj.weight", f * d});
+      s.push_back({p + "mlp.up_proj.weight", f * d});
+      s.push_back({p + "mlp.down_proj.weight", d * f});
+      if (c.mlp_bias) {
+        s.push_back({p + "mlp.gate_proj.bias", f});
+        s.push_back({p + "mlp.up_proj.bias", f});
+        if (first) s.push_back({p + "mlp.down_proj.bias", d});
+      }
+    }
+  }
+  return s;
+}
+
+}  // namespace
+
+std::vector<std::vector<StageTensor>> stage_tensors(const ModelConfig& c, const LayerTiles& t) {
+  check_tiles(c, t);
+  const uint64_t d = uint64_t(c.hidden);
+  const bool gpt2 = c.arch == Arch::kGpt2;
+  std::vector<std::vector<StageTensor>> out;
+  for (int64_t j = 0; j < t.vocab; ++j) {
+    out.push_back({{token_embedding(c), uint64_t(tile_range(c.vocab_size, t.vocab, j).size()) * d}});
+    if (gpt2 && j == 0) out.back().push_back({"transformer.wpe.weight", uint64_t(c.max_positions) * d});
+  }
+  for (int64_t i = 0; i < c.layers; ++i) {
+    if (t.blocks_whole()) {
+      out.push_back(block_tensors(c, t, i, -1, -1));
+      continue;
+    }
+    for (int64_t a = 0; a < t.attention; ++a) out.push_back(block_tensors(c, t, i, a, -1));
+    for (int64_t m = 0; m < t.mlp; ++m) out.push_back(block_tensors(c, t, i, -1, m));
+  }
+  for (int64_t j = 0; j < t.vocab; ++j) {
+    out.emplace_back();
+    if (j == 0) add_norm(c, out.back(), gpt2 ? "transformer.ln_f" : "model.norm");
+    if (!c.tie_embeddings)
+      out.back().push_back({"lm_head.weight", uint64_t(tile_range(c.vocab_size, t.vocab, j).size()) * d});
+  }
+  return out;
+}
+
+std::vector<std::string> tensor_names(const ModelConfig& c) {
+  std::vector<std::string> names;
+  for (const auto& stage : stage_tensors(c))
+    for (const StageTensor& x : stage) names.push_back(x.tensor);
+  return names;
+}
+
+std::string unit_name(const std::string& stage_name, bool frozen) {
+  return frozen ? stage_name + ".frozen" : stage_name;
+}
+
+UnitShapes unit_shapes(const ModelConfig& c, const LayerTiles& t, const TrainableTensors& trainable) {
   const StageLayout L = stage_layout(c, t);
-  std::vector<std::vector<size_t>> units(owned.size());
-  size_t next = 0;
-  for (size_t s = 0; s < owned.size(); ++s)
-    if (owned[s] > 0) units[s].push_back(next++);
-  // A tied head stage j also uses embedding stage j's unit (embedding stages all own a unit).
+  UnitShapes out;
+  out.stage_units.resize(L.stages());
+  // Per stage: its trainable and frozen elements; where the token rows of an embedding stage went.
+  std::vector<size_t> embedding_rows_unit(L.embedding);
+  const auto add_unit = [&](size_t s, uint64_t numel, bool frozen) {
+    if (numel == 0) return;
+    out.stage_units[s].push_back(out.numel.size());
+    out.numel.push_back(numel);
+    out.frozen.push_back(frozen);
+    out.stage.push_back(s);
+  };
+  if (trainable.all()) {
+    const std::vector<uint64_t> owned = stage_parameters(c, t);
+    for (size_t s = 0; s < owned.size(); ++s) add_unit(s, owned[s], false);
+    for (size_t j = 0; j < L.embedding; ++j) embedding_rows_unit[j] = out.stage_units[j].at(0);
+  } else {
+    const auto tensors = stage_tensors(c, t);
+    const std::string rows = token_embedding(c);
+    for (size_t s = 0; s < tensors.size(); ++s) {
+      uint64_t live = 0, frozen = 0;
+      bool rows_frozen = false;
+      for (const StageTensor& x : tensors[s]) {
+        const bool trains = trainable.trainable(x.tensor);
+        (trains ? live : frozen) += x.numel;
+        if (x.tensor == rows) rows_frozen = !trains;
+      }
+      add_unit(s, live, false);
+      add_unit(s, frozen, true);
+      if (s < L.embedding) embedding_rows_unit[s] = out.stage_units[s].at(rows_frozen && live > 0 ? 1 : 0);
+    }
+  }
+  // A tied head stage j also uses the unit of embedding stage j's token rows.
   if (c.tie_embeddings)
-    for (size_t j = 0; j < L.head; ++j) units[L.first_head() + j].push_back(units[j].at(0));
-  return units;
+    for (size_t j = 0; j < L.head; ++j) out.stage_units[L.first_head() + j].push_back(embedding_rows_unit[j]);
+  return out;
+}
+
+std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTiles& t) {
+  return unit_shapes(c, t, TrainableTensors()).stage_units;
 }
 
 std::string stage_name(const ModelConfig& c, const LayerTiles& t, size_t stage) {

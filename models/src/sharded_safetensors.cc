@@ -3,9 +3,11 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 
 namespace strata::models {
 
@@ -156,6 +158,68 @@ void ShardedSafetensorsWriter::finish() {
     std::filesystem::rename(tmp, path);
   }
   finished_ = true;
+}
+
+namespace {
+
+constexpr uint64_t kFingerprintSamples = 16, kFingerprintSampleBytes = 4096;
+
+struct Fnv1a64 {
+  uint64_t h = 1469598103934665603ull;
+  void add(const void* p, size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+  void add(const std::string& s) {
+    const uint64_t n = s.size();
+    add(&n, sizeof n);  // lengths first: no two sequences of strings hash the same bytes
+    add(s.data(), s.size());
+  }
+};
+
+std::string read_bytes(const std::filesystem::path& p, uint64_t offset, uint64_t n) {
+  std::ifstream in(p, std::ios::binary);
+  std::string out(n, '\0');
+  if (!in || !in.seekg(std::streamoff(offset)) || !in.read(out.data(), std::streamsize(n)))
+    throw std::runtime_error("model fingerprint: cannot read " + std::to_string(n) + " bytes at " +
+                             std::to_string(offset) + " of " + p.string());
+  return out;
+}
+
+}  // namespace
+
+std::string model_fingerprint(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  Fnv1a64 f;
+  const fs::path config = dir / "config.json";
+  f.add(read_bytes(config, 0, fs::file_size(config)));
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".safetensors") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  uint64_t total = 0;
+  for (const fs::path& p : files) {
+    const uint64_t size = fs::file_size(p);
+    const std::string len = read_bytes(p, 0, 8);
+    uint64_t header = 0;
+    for (int i = 7; i >= 0; --i) header = header << 8 | uint8_t(len[size_t(i)]);  // little-endian
+    if (header > size - 8) throw std::runtime_error("model fingerprint: " + p.string() + " is not a safetensors file");
+    f.add(p.filename().string());
+    f.add(&size, sizeof size);
+    f.add(read_bytes(p, 8, header));
+    // Samples of the values: two models of one layout differ there (a few KiB read a file, not
+    // the whole of it).
+    const uint64_t data = 8 + header, span = size - data;
+    for (uint64_t i = 0; i < kFingerprintSamples && span > 0; ++i) {
+      const uint64_t n = std::min<uint64_t>(kFingerprintSampleBytes, span);
+      f.add(read_bytes(p, data + (span - n) * i / (kFingerprintSamples - 1), n));
+    }
+    total += size;
+  }
+  char hex[17];
+  snprintf(hex, sizeof hex, "%016llx", (unsigned long long)f.h);
+  return std::string("fnv1a64:") + hex + " (" + std::to_string(files.size()) + " files, " + std::to_string(total) +
+         " bytes)";
 }
 
 }  // namespace strata::models

@@ -2,7 +2,7 @@
 
     config_doc_test.py SOURCE_DIR
 
-The keys are those engine/src/config.cc reads (`s.read("key", ...)`, `read_bytes`, `read_enum`,
+The keys are those engine/src/config_parse.cc reads (`s.read("key", ...)`, `read_bytes`, `read_enum`,
 `get("key")`, by section); each must appear as a table row "| `key` |" in the section of
 docs/CONFIG.md that documents its JSON object ("## `data`", ...). Exit 1 naming what is missing.
 """
@@ -10,16 +10,54 @@ import re
 import sys
 
 src = sys.argv[1]
-code = open(f"{src}/engine/src/config.cc").read()
+code = open(f"{src}/engine/src/config_parse.cc").read()
 doc = open(f"{src}/docs/CONFIG.md").read()
 
-# Sections of the code: `Section s(*x, "name", source)` up to the next Section.
-keys = {}
-parts = re.split(r'Section\s+(\w+)\((?:[^,]+),\s*"([\w.]+)"', code)
-for i in range(1, len(parts), 3):
-    var, section, body = parts[i], parts[i + 1], parts[i + 2]
-    found = re.findall(var + r'\.(?:read|read_bytes|read_enum|get)\("(\w+)"', body)
-    keys.setdefault(section, set()).update(found)
+# The parser reads each section in a function `void read_NAME(Section& s, ...)` (or inline in
+# parse_train_config's `section("name", [&](Section& s) { ... })`); a function it calls with `s`
+# reads the same section; `Section v(*x, "a.b", ...)` opens a nested one whose keys are read
+# through `v`.
+functions = {}
+for m in re.finditer(r'^void (read_\w+)\(Section& s[^)]*\) \{\n(.*?)^\}', code, re.M | re.S):
+    functions[m.group(1)] = m.group(2)
+section_of = {}  # function -> section of its `s`
+for m in re.finditer(r'Section s\([^,]+,\s*"([\w.]+)"[^;]*;\s*(read_\w+)\(s', code):
+    section_of[m.group(2)] = m.group(1)
+inline = {}
+for m in re.finditer(r'section\("([\w.]+)",\s*\[&\]\(Section& s\)\s*\{(.*?)\}\);', code):
+    for call in re.findall(r'(read_\w+)\(s\b', m.group(2)):
+        section_of[call] = m.group(1)
+    inline.setdefault(m.group(1), []).append(m.group(2))
+changed = True
+while changed:  # callees read their caller's section
+    changed = False
+    for f, body in functions.items():
+        if f not in section_of:
+            continue
+        for call in re.findall(r'(read_\w+)\(s\b', body):
+            if call not in section_of:
+                section_of[call] = section_of[f]
+                changed = True
+
+keys = {"(top)": set()}
+def reads(var, body):
+    return set(re.findall(r'\b' + var + r'\.(?:read|read_bytes|read_enum|get)\("(\w+)"', body))
+for f, body in functions.items():
+    if f in section_of:
+        keys.setdefault(section_of[f], set()).update(reads("s", body))
+    for var, nested in re.findall(r'Section (\w+)\([^,]+,\s*"([\w.]+)"', body):
+        if var != "s":
+            keys.setdefault(nested, set()).update(reads(var, body))
+for section, bodies in inline.items():
+    for body in bodies:
+        keys.setdefault(section, set()).update(reads("s", body))
+unread = [f for f in functions if f not in section_of]
+if unread:
+    print("functions whose section this test cannot tell:", ", ".join(unread))
+    sys.exit(1)
+if sum(len(v) for v in keys.values()) < 50:
+    print("found only", sum(len(v) for v in keys.values()), "keys: the parser's shape changed; fix this test")
+    sys.exit(1)
 
 # Sections of the doc: "## `name`" (or "### `name`") up to the next heading of that level.
 doc_rows = {}

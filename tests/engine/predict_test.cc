@@ -185,6 +185,9 @@ TEST(PredictState, RandomConfigurationsResolveAsTheEngineDoes) {
     const bool llama = chance(0.5);
     json j = tiny_config(llama, pick({2, 3}).get<int64_t>());
     if (llama && chance(0.5)) j["model"]["vocab_size"] = 1000;
+    if (chance(0.3))  // frozen units: compute copies alone, no gradient buffers
+      j["model"]["trainable"] = llama ? json::array({"model.layers.1.*", "lm_head.weight"})
+                                      : json::array({"transformer.h.1.mlp.*", "transformer.ln_f.*"});
     j["data"]["seq_len"] = pick({16, 24, 32});
     j["batch"]["micro_batch"] = pick({1, 2, 3});
     j["batch"]["grad_accum"] = pick({1, 2});

@@ -4,6 +4,9 @@
 
 #include "strata/models/decoder.h"
 #include "strata/models/model_shapes.h"
+#include "strata/models/trainable.h"
+
+#include <algorithm>
 
 namespace strata::models {
 namespace {
@@ -40,6 +43,83 @@ TEST(ModelShapes, StageParametersAreTheDecodersStages) {
     }
     EXPECT_EQ(total, uint64_t(c.parameters()));
   }
+}
+
+// stage_tensors names each stage's tensors as the decoder's stages do, in their order, with the
+// sizes of their parts; unit_shapes splits each stage by model.trainable as the engine does.
+TEST(ModelShapes, StageTensorsAreTheDecodersTensorsInEveryCut) {
+  for (const ModelConfig& c : {small("gpt2", true, false), small("gpt2", false, false), small("llama-1b", true, false),
+                               small("llama-1b", false, true)}) {
+    for (const LayerTiles& t : {LayerTiles{}, LayerTiles{2, 3, 2}}) {
+      Decoder m(c, 1, Decoder::Init::kDeferred);
+      m.set_tiles(t);
+      const auto predicted = stage_tensors(c, t);
+      const std::vector<Stage*> stages = m.stages();
+      ASSERT_EQ(predicted.size(), stages.size());
+      for (size_t s = 0; s < stages.size(); ++s) {
+        const auto named = stages[s]->hf_parameters();
+        ASSERT_EQ(predicted[s].size(), named.size()) << c.name << " stage " << s;
+        for (size_t k = 0; k < named.size(); ++k) {
+          EXPECT_EQ(predicted[s][k].tensor, stages[s]->parts()[k].tensor) << "stage " << s << " tensor " << k;
+          EXPECT_EQ(predicted[s][k].numel, uint64_t(named[k].second.numel())) << named[k].first;
+        }
+      }
+      // Split by a selection: each stage's trainable and frozen elements, and the tied head's
+      // use of the unit holding the token rows.
+      const TrainableTensors trains({"*.h.{1-2}.*", "*layers.{1-2}.*", "*.ln_f.*", "*wpe*", "model.norm.weight"});
+      const UnitShapes u = unit_shapes(c, t, trains);
+      const StageLayout L = stage_layout(c, t);
+      size_t next = 0;
+      for (size_t s = 0; s < stages.size(); ++s) {
+        uint64_t live = 0, frozen = 0;
+        for (const StageTensor& x : predicted[s]) (trains.trainable(x.tensor) ? live : frozen) += x.numel;
+        for (const int f : {0, 1}) {
+          const uint64_t want = f ? frozen : live;
+          if (want == 0) continue;
+          ASSERT_LT(next, u.numel.size());
+          EXPECT_EQ(u.numel[next], want);
+          EXPECT_EQ(int(u.frozen[next]), f);
+          EXPECT_EQ(u.stage[next], s);
+          ++next;
+        }
+      }
+      EXPECT_EQ(next, u.numel.size());
+      if (c.tie_embeddings)
+        for (size_t j = 0; j < L.head; ++j) {
+          const size_t rows = u.stage_units[L.first_head() + j].back();
+          EXPECT_TRUE(u.frozen[rows]) << "the token rows are frozen: the tied head uses that unit";
+          EXPECT_EQ(u.stage[rows], j);
+        }
+      // Everything trainable: the stage_parameters cut.
+      const UnitShapes all = unit_shapes(c, t, TrainableTensors());
+      EXPECT_EQ(all.stage_units, stage_units(c, t));
+      EXPECT_EQ(std::count(all.frozen.begin(), all.frozen.end(), 1), 0);
+    }
+  }
+}
+
+TEST(TrainableTensors, PatternsMatchWholeNamesWithGlobsAndLayerRanges) {
+  EXPECT_TRUE(TrainableTensors::matches("model.layers.*.mlp.*", "model.layers.12.mlp.up_proj.weight"));
+  EXPECT_FALSE(TrainableTensors::matches("model.layers.*.mlp.*", "model.layers.12.self_attn.q_proj.weight"));
+  EXPECT_TRUE(TrainableTensors::matches("lm_head.weight", "lm_head.weight"));
+  EXPECT_FALSE(TrainableTensors::matches("lm_head", "lm_head.weight")) << "a pattern matches the whole name";
+  EXPECT_TRUE(TrainableTensors::matches("*", "anything.at.all"));
+  EXPECT_TRUE(TrainableTensors::matches("model.layers.{0-11}.*", "model.layers.11.mlp.up_proj.weight"));
+  EXPECT_TRUE(TrainableTensors::matches("model.layers.{0-11}.*", "model.layers.0.input_layernorm.weight"));
+  EXPECT_FALSE(TrainableTensors::matches("model.layers.{0-11}.*", "model.layers.12.mlp.up_proj.weight"));
+  EXPECT_FALSE(TrainableTensors::matches("model.layers.{0-11}.*", "model.layers.110.mlp.up_proj.weight"));
+  EXPECT_TRUE(TrainableTensors::matches("model.layers.{10-10}{0-9}.*", "model.layers.105.mlp.up_proj.weight"))
+      << "a range may stop inside a run of digits";
+  const TrainableTensors t({"model.layers.{2-3}.*", "lm_head.weight"});
+  EXPECT_TRUE(t.trainable("model.layers.3.mlp.down_proj.weight"));
+  EXPECT_FALSE(t.trainable("model.layers.4.mlp.down_proj.weight"));
+  EXPECT_FALSE(t.trainable("model.embed_tokens.weight"));
+  EXPECT_TRUE(TrainableTensors().trainable("model.embed_tokens.weight"));
+  for (const char* bad : {"model.layers.{2-}.*", "model.layers.{3-2}.*", "model.layers.{2-3.*", "a}", ""})
+    EXPECT_THROW(TrainableTensors({bad}), std::invalid_argument) << bad;
+  const std::vector<std::string> names = tensor_names(small("llama-1b", false, false));
+  EXPECT_NO_THROW(t.check_against(names));
+  EXPECT_THROW(TrainableTensors({"model.layers.{5-9}.*"}).check_against(names), std::invalid_argument);
 }
 
 // The published formula for GPT shapes (Narayanan et al., SC21, eq. 3 without its factor 3 for

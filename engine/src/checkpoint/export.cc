@@ -153,7 +153,10 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   const models::StDType st_type = st_type_of(out_type);
 
   const json m = read_manifest(dir);
-  const models::ModelConfig mc = models::parse_hf_config(m["model"].dump(), (dir / "manifest.json").string());
+  if (m.contains("frozen_base"))
+    throw std::invalid_argument("checkpoint " + dir.string() + " holds only the tensors that trained (model.trainable); "
+                                "the frozen ones are its base's (" + m["frozen_base"].get<std::string>() +
+                                "), which `strata ckpt export` does not read: export from the run (run.export)");  const models::ModelConfig mc = models::parse_hf_config(m["model"].dump(), (dir / "manifest.json").string());
   ChunkCatalog catalog(dir, m);  // format 1-2: the chunks checked to tile every unit
   const ExportPlan plan = plan_export(m["units"], dir, mc, st_type);
 

@@ -58,7 +58,8 @@ bool same_units_as_saved(const json& m, const Partition& part, const fs::path& d
           why = "unit " + units[u]["name"].get<std::string>() + " differs";
           break;
         }
-    throw std::runtime_error("checkpoint " + dir.string() + " holds a different model (" + why + ")");
+    throw std::runtime_error("checkpoint " + dir.string() + " holds a different model (" + why +
+                             "), or the state of other tensors than this run trains (model.trainable)");
   }
   return same_units;
 }
@@ -139,12 +140,12 @@ struct SameCutLoad {
 // Unit u's slices and the chunks that overlap them, other than an exchanged (unit, kind)'s, each
 // with where it is read to; adds their bytes to `bytes`.
 UnitWork plan_unit(const SameCutLoad& ctx, size_t u, uint64_t& bytes) {
-  const UnitLayout& L = ctx.engine.partition().unit(u);
+  const UnitLayout& L = ctx.engine.checkpoint_partition().unit(u);
   UnitWork w{u, L.shard_begin(ctx.rank), {}, {}};
   const uint64_t want_e = w.want_b + L.shard_valid_numel(ctx.rank);
   // A rank that failed reads nothing more but takes part in every exchange (sending zeros).
   ctx.failure.attempt([&] {
-    for (int k = 0; k < state::kSavedKinds; ++k) w.slices[k] = ctx.engine.state_slice(u, state::Kind(k));
+    for (int k = 0; k < state::kSavedKinds; ++k) w.slices[k] = ctx.engine.state_slice(ctx.engine.checkpoint_units()[u], state::Kind(k));
   });
   for (int k = 0; k < state::kSavedKinds && !ctx.failure.failed(); ++k) {
     if (ctx.exchanged[u * state::kSavedKinds + size_t(k)]) continue;
@@ -162,7 +163,7 @@ UnitWork plan_unit(const SameCutLoad& ctx, size_t u, uint64_t& bytes) {
 // The exchange (exchange.h): what each rank's slice needs of each chunk, the chunk read by its
 // server and the pieces sent to their owners in bounded rounds. One kind at a time.
 void exchange_unit(const SameCutLoad& ctx, UnitWork& w) {
-  const UnitLayout& L = ctx.engine.partition().unit(w.unit);
+  const UnitLayout& L = ctx.engine.checkpoint_partition().unit(w.unit);
   for (int k = 0; k < state::kSavedKinds; ++k) {
     if (!ctx.exchanged[w.unit * state::kSavedKinds + size_t(k)]) continue;
     std::vector<ExchangeNeed> needs;
@@ -179,7 +180,7 @@ void exchange_unit(const SameCutLoad& ctx, UnitWork& w) {
 // After its group's reads: the overlaps read into buffers copied into the slices, the exchanges,
 // and the slices stored back.
 void finish_unit(const SameCutLoad& ctx, UnitWork& w) {
-  const UnitLayout& L = ctx.engine.partition().unit(w.unit);
+  const UnitLayout& L = ctx.engine.checkpoint_partition().unit(w.unit);
   for (const Overlap& o : w.overlaps) {
     const uint64_t b = o.chunk.begin, e = o.chunk.end();
     const uint64_t lo = std::max(b, w.want_b), hi = std::min(e, w.want_b + L.shard_valid_numel(ctx.rank));
@@ -189,7 +190,7 @@ void finish_unit(const SameCutLoad& ctx, UnitWork& w) {
   exchange_unit(ctx, w);
   if (!ctx.failure.failed())
     ctx.failure.attempt([&] {
-      for (int k = 0; k < state::kSavedKinds; ++k) ctx.engine.store_state_slice(w.unit, state::Kind(k), w.slices[k]);
+      for (int k = 0; k < state::kSavedKinds; ++k) ctx.engine.store_state_slice(ctx.engine.checkpoint_units()[w.unit], state::Kind(k), w.slices[k]);
     });
 }
 
@@ -201,7 +202,7 @@ void finish_unit(const SameCutLoad& ctx, UnitWork& w) {
 // read together, up to kObjectGroupBytes, so that enough requests are in flight. An exchanged
 // (unit, kind) is left out here and done after the unit's group.
 void load_same_cut(const SameCutLoad& ctx) {
-  const Partition& part = ctx.engine.partition();
+  const Partition& part = ctx.engine.checkpoint_partition();
   constexpr uint64_t kObjectGroupBytes = 256ull << 20;
   const uint64_t group_bytes = is_object_location(ctx.dir) ? kObjectGroupBytes : 0;
   for (size_t next = 0; next < part.num_units();) {
@@ -244,7 +245,7 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
                                const offload::TransferOptions& transfer) {
   const std::string text = from_rank0(comm, comm.rank() == 0 ? manifest_message(dir) : std::string());
   const json m = parse_manifest(text.substr(1), dir.string() + " (rank 0's manifest.json)");
-  const Partition& part = engine.partition();
+  const Partition& part = engine.checkpoint_partition();
   const bool same_units = same_units_as_saved(m, part, dir);
 
   // Alike on every rank, before any collective: a format 1-2 manifest's chunks are checked to

@@ -139,7 +139,7 @@ struct RecutLoad {
 // the cache) and their overlap copied, or, for an exchanged (unit, kind), the exchange
 // (exchange.h): the chunks this rank serves read and their pieces sent to the ranks that need them.
 void load_kind(const RecutLoad& ctx, int k) {
-  const Partition& part = ctx.engine.partition();
+  const Partition& part = ctx.engine.checkpoint_partition();
   const int rank = ctx.comm.rank();
   LoadFailure& failure = ctx.failure;
   const auto attempt = [&](const std::function<void()>& f) { failure.attempt(f); };
@@ -177,7 +177,7 @@ void load_kind(const RecutLoad& ctx, int k) {
     // After a failure this rank reads nothing more (not even its swap-resident slices) but
     // takes part in every exchange, sending zeros; the load fails on every rank at the end.
     at::Tensor slice;
-    const auto get_slice = [&] { attempt([&] { slice = ctx.engine.state_slice(u, state::Kind(k)); }); };
+    const auto get_slice = [&] { attempt([&] { slice = ctx.engine.state_slice(ctx.engine.checkpoint_units()[u], state::Kind(k)); }); };
     if (ctx.exchanged[u * state::kSavedKinds + size_t(k)]) {
       // What every rank's slice needs of each saved chunk, the same list on every rank whatever
       // failed where (a piece error is the same everywhere), through the exchange (exchange.h).
@@ -209,7 +209,7 @@ void load_kind(const RecutLoad& ctx, int k) {
       if (failure.failed()) continue;
       copy(pieces, slice, all);
     }
-    attempt([&] { ctx.engine.store_state_slice(u, state::Kind(k), slice); });
+    attempt([&] { ctx.engine.store_state_slice(ctx.engine.checkpoint_units()[u], state::Kind(k), slice); });
   }
 }
 
@@ -227,7 +227,7 @@ void load_kind(const RecutLoad& ctx, int k) {
 // load_checkpoint.
 void load_recut(Engine& engine, Communicator& comm, const fs::path& dir, const json& m, const ChunkCatalog& catalog,
                 ChunkReader& reader, const FilesSeen& seen) {
-  const Partition& part = engine.partition();
+  const Partition& part = engine.checkpoint_partition();
   LoadFailure failure;
   const SavedCut cut(part, dir, m, catalog);
   const std::vector<uint8_t> exchanged = plan_exchanges(comm, dir, m, part, cut, seen);

@@ -33,7 +33,7 @@ using namespace ckpt;
 // (`data`: a synchronous save of host-resident state), copied file to file from where the
 // engine keeps it (`in_files`: swap), or else copied out through staging (Engine::read_state).
 struct SnapshotSlice {
-  size_t unit;
+  size_t unit;  // the engine's unit (the checkpoint's unit is its place in Snapshot::slices)
   int kind;
   uint64_t begin;  // first element in the unit's flat buffer
   uint64_t numel;
@@ -46,8 +46,11 @@ struct Snapshot {
   fs::path root, dir;
   std::string name;
   int rank = 0;
-  std::vector<SnapshotSlice> slices;  // unit-major: slices[u * state::kSavedKinds + k]
-  std::vector<size_t> order;  // the units in the order the writer copies them out
+  // Checkpoint-unit-major: slices[i * state::kSavedKinds + k] (Engine::checkpoint_partition;
+  // frozen units have no saved state).
+  std::vector<SnapshotSlice> slices;
+  std::vector<size_t> order;  // the engine's units in the order the writer copies them out
+  std::map<size_t, size_t> saved_index;  // engine unit -> its index in the checkpoint
   std::shared_future<void> update_finished;  // before any slice may be read
   std::shared_ptr<StateHold> hold;  // each unit released once copied out
   uint64_t staging_bytes = 0;
@@ -95,10 +98,12 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
   snap.dir = root / name;
   snap.name = name;
   snap.rank = comm.rank();
-  const Partition& part = engine.partition();
+  const Partition& part = engine.checkpoint_partition();
   uint64_t staged = 0;
-  for (size_t u = 0; u < part.num_units(); ++u) {
-    const UnitLayout& L = part.unit(u);
+  for (size_t i = 0; i < part.num_units(); ++i) {
+    const size_t u = engine.checkpoint_units().at(i);
+    snap.saved_index[u] = i;
+    const UnitLayout& L = part.unit(i);
     const uint64_t valid = L.shard_valid_numel(snap.rank);
     for (int k = 0; k < state::kSavedKinds; ++k) {
       SnapshotSlice s{u, k, L.shard_begin(snap.rank), valid, {},
@@ -131,9 +136,18 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
                    {"train_steps", meta.train_steps},
                    {"samples_consumed", meta.samples_consumed},
                    {"global_batch", meta.global_batch}};
+  if (part.num_units() < engine.partition().num_units()) {
+    // The checkpoint holds the trainable units alone: the rest come from the base it names.
+    if (meta.frozen_base.empty())
+      throw std::invalid_argument("save_checkpoint: tensors are frozen (model.trainable) but the caller gave no "
+                                  "fingerprint of the base they come from (CheckpointMeta::frozen_base)");
+    snap.manifest["frozen_base"] = meta.frozen_base;
+  }
   // Last, so that nothing above can throw with the engine held: from here on the writer (or the
   // caller, if it cannot start one) owns releasing every unit.
-  snap.hold = std::make_shared<StateHold>(part.num_units());
+  snap.hold = std::make_shared<StateHold>(engine.partition().num_units());
+  for (size_t u = 0; u < engine.partition().num_units(); ++u)
+    if (!snap.saved_index.count(u)) snap.hold->release(u);  // frozen: nothing to copy out, never updated
   engine.hold_state(snap.hold);
   return snap;
 }
@@ -176,9 +190,10 @@ RankFiles write_rank_files(Engine& engine, Snapshot& snap) {
     Staging staging(snap.staging_bytes);
     try {
       for (size_t u : snap.order) {
+        const size_t i = snap.saved_index.at(u);
         for (int k = 0; k < state::kSavedKinds; ++k) {
-          const SnapshotSlice& s = snap.slices.at(u * state::kSavedKinds + size_t(k));
-          if (s.numel > 0) slices.push_back({u, k, offset, {}});
+          const SnapshotSlice& s = snap.slices.at(i * state::kSavedKinds + size_t(k));
+          if (s.numel > 0) slices.push_back({i, k, offset, {}});
           for (uint64_t e = 0; e < s.numel; e += kChunkElements) {
             const uint64_t n = std::min(kChunkElements, s.numel - e);
             std::vector<uint32_t>& crcs = slices.back().crc32c;

@@ -11,14 +11,15 @@
 
 namespace strata::engine {
 
-UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiles& tiling, int world_size) {
-  const std::vector<uint64_t> stage_numel = models::stage_parameters(mc, tiling);
+UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiles& tiling, int world_size,
+                    const models::TrainableTensors& trainable) {
+  models::UnitShapes shapes = models::unit_shapes(mc, tiling, trainable);
   UnitPlan out;
   out.tiling = tiling;
-  out.stage_units = models::stage_units(mc, tiling);
+  out.stage_units = std::move(shapes.stage_units);
+  out.frozen = std::move(shapes.frozen);
   // The partition's sizes without building one (no names): this runs for every cut weighed.
-  for (const uint64_t numel : stage_numel) {
-    if (numel == 0) continue;  // a tied head tile: its embedding tile's unit
+  for (const uint64_t numel : shapes.numel) {
     const uint64_t shard = shard_numel_of(numel, world_size, Partition::kDefaultAlignNumel);
     out.unit_numel.push_back(numel);
     out.padded_numel.push_back(shard * uint64_t(world_size));
@@ -29,12 +30,15 @@ UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiles& til
   return out;
 }
 
-layout::Schedule UnitPlan::schedule() const { return layout::Schedule(stage_units, unit_numel.size(), vocab_tiles, vocab_tiles); }
+layout::Schedule UnitPlan::schedule() const {
+  return layout::Schedule(stage_units, unit_numel.size(), vocab_tiles, vocab_tiles, frozen);
+}
 
 layout::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfig& mc, const UnitPlan& units) {
   layout::ModelSizes sizes;
   sizes.padded_numel = units.padded_numel;
   sizes.shard_numel = units.shard_numel;
+  sizes.frozen = units.frozen;
   sizes.input_widths = units.input_widths;
   sizes.mlp_chunked = cfg.mlp_token_chunk > 0;
   sizes.compute_bytes = cfg.compute == Precision::kFp32 ? 4 : 2;
@@ -59,7 +63,7 @@ struct FitTerms {
 
 FitTerms fit_terms(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiling,
                    int world_size, bool efficient_logits) {
-  const UnitPlan units = plan_units(mc, tiling, world_size);
+  const UnitPlan units = plan_units(mc, tiling, world_size, models::TrainableTensors(cfg.trainable));
   const layout::Schedule schedule = units.schedule();
   layout::ModelSizes sizes = model_sizes(cfg, mc, units);
   const uint64_t most_auto = layout::max_auto_logits_tiles(sizes.tokens, sizes.vocab),
@@ -78,7 +82,7 @@ FitTerms fit_terms(const EngineConfig& cfg, const models::ModelConfig& mc, const
   // test makes resolve_head_tiles' own test (the configured prefetch window), so that a cut it
   // accepts leaves the head a count within max_efficient_logits_tiles.
   choice.prefetch = efficient_logits ? cfg.prefetch : 0;
-  const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, transient_gradient_buffers(schedule));
+  const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, transient_gradient_buffers(schedule), units.frozen);
   const layout::MemoryModel mm(schedule, std::move(sizes));
   return {explicit_device_bytes(cfg, need), mm.working_set(choice), mm.device_checkpoints(choice)};
 }
@@ -153,11 +157,11 @@ std::unique_ptr<const Layout> resolve_layout(const EngineConfig& given, const mo
                                              const MachineView& m) {
   EngineConfig cfg = given;
   cfg.mlp_token_chunk = cut.mlp_token_chunk;
-  UnitPlan units = plan_units(mc, cut.tiles, m.world_size);
+  UnitPlan units = plan_units(mc, cut.tiles, m.world_size, models::TrainableTensors(cfg.trainable));
   layout::ModelSizes sizes = model_sizes(cfg, mc, units);
   const layout::Schedule schedule = units.schedule();
   const size_t transient = transient_gradient_buffers(schedule);
-  const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, transient);
+  const StateBytes need = state_bytes(units.shard_numel, sizes.compute_bytes, transient, units.frozen);
   const layout::Choices choice = initial_choices(cfg, schedule.blocks(), cut.tiles);
   // The head's tiles before the placement: the working set every later decision plans with
   // depends on them.

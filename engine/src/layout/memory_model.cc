@@ -41,10 +41,12 @@ MemoryModel::MemoryModel(const Schedule& schedule, ModelSizes sizes) : schedule_
     const size_t s = use.stage;
     const bool block = schedule_.is_block(s);
     if (use.kind != Use::kForward)
-      for (size_t u : schedule_.units_of(s))
+      for (size_t u : schedule_.units_of(s)) {
+        if (!sizes_.frozen.empty() && sizes_.frozen[u]) continue;  // no gradient
         grads += sizes_.padded_numel[u] * (4 + (sizes_.reduce_bf16 ? 2 : 0) +
                                            (block && sizes_.mlp_chunked && sizes_.compute_bytes < 4 ? 4 : 0)) +
                  (sizes_.shard_numel[u] < sizes_.padded_numel[u] ? sizes_.shard_numel[u] * 4 : 0);  // other ranks
+      }
     if (use.kind == Use::kHead) head_gradients_ = grads;
     const uint64_t boundary =
         2 * (input_bytes(s) + (s + 1 < schedule_.num_stages() ? input_bytes(s + 1) : activation_bytes()));

@@ -34,7 +34,7 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   out.tiles = cut.tiles;
   // What the cut alone says, for a configuration that goes on not to fit.
   {
-    const UnitPlan units = plan_units(mc, cut.tiles, world_size);
+    const UnitPlan units = plan_units(mc, cut.tiles, world_size, models::TrainableTensors(cfg.trainable));
     out.stage_units = units.stage_units;
     out.unit_numel = units.unit_numel;
     out.padded_numel = units.padded_numel;

@@ -14,15 +14,18 @@
 
 namespace strata::engine {
 
-StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t compute_bytes, size_t transient_buffers) {
+StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t compute_bytes, size_t transient_buffers,
+                       const std::vector<char>& frozen) {
   StateBytes need;
   uint64_t largest = 0;
-  for (uint64_t n : shard_numel) {
-    need.params += n * compute_bytes;
+  for (size_t u = 0; u < shard_numel.size(); ++u) {
+    const uint64_t c = shard_numel[u], n = !frozen.empty() && frozen[u] ? 0 : c;
+    need.params += c * compute_bytes;
     need.grads += n * 4;
     need.master += n * 4;
     need.moments += n * 8;
     need.unit_numel.push_back(n);
+    need.compute_numel.push_back(c);
     largest = std::max(largest, n);
   }
   need.grad_buffers = uint64_t(transient_buffers) * largest * 4;
@@ -41,7 +44,9 @@ TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t
     for (int k = 0; k < state::kKinds; ++k) {
       const Placement kind = state::unit_kind_tier(p, u, k);
       if (k == state::kGrad && p.grads_transient && kind != Placement::kDevice) continue;  // counted as the buffers
-      const uint64_t bytes = need.unit_numel[u] * (k == state::kCompute ? compute_bytes : 4);
+      const uint64_t bytes = k == state::kCompute
+                                 ? (need.compute_numel.empty() ? need.unit_numel[u] : need.compute_numel[u]) * compute_bytes
+                                 : need.unit_numel[u] * 4;
       (kind == Placement::kDevice ? b.device : kind == Placement::kHost ? b.host : b.nvme) += bytes;
     }
   return b;

@@ -7,8 +7,11 @@
 namespace strata::engine::layout {
 
 Schedule::Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_units, size_t embedding_stages,
-                   size_t head_stages)
+                   size_t head_stages, const std::vector<char>& frozen)
     : stage_units_(std::move(stage_units)) {
+  if (!frozen.empty() && frozen.size() != num_units)
+    throw std::invalid_argument("Schedule: " + std::to_string(frozen.size()) + " frozen flags for " +
+                                std::to_string(num_units) + " units");
   const size_t n = stage_units_.size();
   if (embedding_stages < 1 || head_stages != embedding_stages || embedding_stages + head_stages > n)
     throw std::invalid_argument("Schedule: " + std::to_string(n) + " stages cannot hold " +
@@ -31,7 +34,15 @@ Schedule::Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_unit
   shared_units_ = size_t(std::count_if(stages_using.begin(), stages_using.end(), [](int c) { return c > 1; }));
   for (size_t s = 0; s + 1 < n; ++s) uses_.push_back({s, Use::kForward});
   uses_.push_back({n - 1, Use::kHead});
-  for (size_t s = n - 1; s-- > 0;) uses_.push_back({s, Use::kBackward});
+  for (size_t s = n - 1; s-- > 0;) {
+    const bool learns = frozen.empty() || std::any_of(stage_units_[s].begin(), stage_units_[s].end(),
+                                                      [&](size_t u) { return !frozen[u]; });
+    if (s >= first_block_ || learns) uses_.push_back({s, Use::kBackward});
+  }
+}
+
+bool Schedule::has_backward(size_t stage) const {
+  return std::any_of(uses_.begin(), uses_.end(), [&](const Use& u) { return u.stage == stage && u.kind == Use::kBackward; });
 }
 
 bool Schedule::uses_unit(size_t stage, size_t unit) const {

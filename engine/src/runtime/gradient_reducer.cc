@@ -34,7 +34,7 @@ GradientReducer::~GradientReducer() {
 
 void GradientReducer::hand_final_gradients(size_t stage, FinalGradientSink& sink) {
   for (size_t u : schedule_.units_of(stage)) {
-    if (schedule_.last_use_stage(u) != stage) continue;
+    if (partition_.frozen(u) || schedule_.last_use_stage(u) != stage) continue;
     dev_.launch_host(dev_.d2h_stream(), [this, &sink, u] {
       sink.mark_final(u, store_.placement(u, kGrad) == Placement::kNvme ? last_write(u) : offload::IoFuture());
     });
@@ -78,6 +78,7 @@ void GradientReducer::finish_writes() {
 void GradientReducer::end_step() {
   reduces_in_flight_.clear();  // the step's end synchronized the d2h stream
   for (size_t u = 0; u < fresh_.size(); ++u) {
+    if (partition_.frozen(u)) continue;
     if (store_.placement(u, kGrad) == Placement::kDevice) store_.tensor(u, kGrad).zero_();
     else fresh_[u] = 1;  // the next step's first reduce overwrites
   }
@@ -90,6 +91,7 @@ std::map<size_t, at::Tensor> GradientReducer::flat_gradients(size_t stage) {
   std::map<size_t, std::vector<bool>> missing;  // by unit: its tensors that got no gradient
   for (size_t u : schedule_.units_of(stage)) {
     const UnitLayout& L = partition_.unit(u);
+    if (L.frozen) continue;  // no gradient (every rank skips it alike)
     flats[u] = dev_.empty({int64_t(L.padded_numel())}, at::kFloat, "gradient of unit " + L.name);
     flats[u].narrow(0, int64_t(L.numel), int64_t(L.padded_numel() - L.numel)).zero_();
     missing[u].assign(L.tensors.size(), true);

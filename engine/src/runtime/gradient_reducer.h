@@ -1,5 +1,6 @@
-// The gradient reducer: after a stage's backward, every unit the stage uses is reduce-scattered
-// (gradient or not, so that every rank issues the same collectives) and this rank's shard is
+// The gradient reducer: after a stage's backward, every trainable unit the stage uses is
+// reduce-scattered (gradient or not, so that every rank issues the same collectives; a frozen
+// unit has none) and this rank's shard is
 // accumulated in fp32 where its gradient lives. The collectives are issued on the training thread
 // in schedule order; with other ranks, a CPU (Gloo) collective whose shard goes off the device is
 // waited for by a host function on the d2h stream, ahead of that shard's copy, so the training

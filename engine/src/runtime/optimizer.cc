@@ -49,7 +49,7 @@ void Optimizer::by_group(const kernels::AdamConfig& ac, size_t u, uint64_t begin
 std::vector<size_t> Optimizer::units_where(bool on_device) const {
   std::vector<size_t> out;
   for (size_t u = 0; u < store_.units(); ++u)
-    if ((store_.placement(u, kMaster) == Placement::kDevice) == on_device) out.push_back(u);
+    if (!store_.frozen(u) && (store_.placement(u, kMaster) == Placement::kDevice) == on_device) out.push_back(u);
   return out;
 }
 
@@ -201,7 +201,8 @@ void Optimizer::store_compute(size_t u, const at::Tensor& values) {
 void Optimizer::refresh_compute_copies() {
   const PlacementPlan& p = store_.plan();
   if (p.master != Placement::kNvme && p.params != Placement::kNvme) {
-    for (size_t u = 0; u < store_.units(); ++u) store_.tensor(u, kCompute).copy_(store_.tensor(u, kMaster));
+    for (size_t u = 0; u < store_.units(); ++u)
+      if (!store_.frozen(u)) store_.tensor(u, kCompute).copy_(store_.tensor(u, kMaster));
     return;
   }
   const at::ScalarType cdt = store_.dtype(kCompute);

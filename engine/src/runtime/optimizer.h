@@ -42,8 +42,8 @@ class Optimizer {
   Optimizer(state::StateStore& store, state::HostMemory& host, Device& device, kernels::CpuExec exec,
             uint64_t chunk_bytes, std::vector<Ranges> no_decay = {});
 
-  // The units whose update runs where their master weights are on the device (true), or the
-  // CPU's (host or swap), each in forward order.
+  // The trainable units whose update runs where their master weights are on the device (true),
+  // or the CPU's (host or swap), each in forward order; frozen units are nobody's.
   std::vector<size_t> units_where(bool on_device) const;
 
   // This rank's sum of squared gradients: the device's units first, then the CPU's, in forward
@@ -70,7 +70,7 @@ class Optimizer {
   // Unit u's compute copy := `values` (compute dtype, on the host or the device), wherever the
   // copy lives: in place, copied up or down, or written to its swap partition (waited for).
   void store_compute(size_t u, const at::Tensor& values);
-  // Every unit's compute copy := its master weights, converted (after a load).
+  // Every trainable unit's compute copy := its master weights, converted (after a load).
   void refresh_compute_copies();
 
  private:

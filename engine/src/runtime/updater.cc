@@ -24,6 +24,8 @@ void Updater::start(std::function<void(const UnitFn&)> work) {
     std::lock_guard<std::mutex> lock(mu_);
     updated_.assign(units_, 0);
     for (size_t u : opt_.units_where(true)) updated_[u] = 1;  // updated on the device, not here
+    for (size_t u = 0; u < units_; ++u)
+      if (partition_.frozen(u)) updated_[u] = 1;  // never updated
     abort_ = false;
   }
   if (buffers_) buffers_->reset();
@@ -102,7 +104,8 @@ void Updater::backward_work(const kernels::AdamConfig& ac, const UnitFn& before_
     if (buffers_) buffers_->release(u);
   };
   bool grads_on_nvme = false;
-  for (size_t u = 0; u < units_; ++u) grads_on_nvme |= store_.placement(u, kGrad) == Placement::kNvme;
+  for (size_t u = 0; u < units_; ++u)
+    grads_on_nvme |= !partition_.frozen(u) && store_.placement(u, kGrad) == Placement::kNvme;
   if (!grads_on_nvme) {
     // One pass over the units in the order their gradients become final: the first chunks of
     // each unit's swap-resident master and moments are read while its gradient is still on its
@@ -123,10 +126,10 @@ void Updater::backward_work(const kernels::AdamConfig& ac, const UnitFn& before_
   // Gradients in swap are read with the unit's state, so only once final: the ready units in
   // batches, each in the order their gradients became final (as Engine::update_order() says, so
   // that a checkpoint's writer releases them in the order this waits for them).
-  std::vector<char> taken(units_, 0);
-  const std::vector<size_t> on_device = opt_.units_where(true);
-  for (size_t u : on_device) taken[u] = 1;
-  for (size_t left = units_ - on_device.size(); left > 0;) {
+  std::vector<char> taken(units_, 1);
+  const std::vector<size_t> on_cpu = opt_.units_where(false);
+  for (size_t u : on_cpu) taken[u] = 0;  // the device's and the frozen units are not this thread's
+  for (size_t left = on_cpu.size(); left > 0;) {
     std::vector<size_t> ready;
     std::vector<offload::IoFuture> writes;
     {

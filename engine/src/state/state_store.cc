@@ -39,6 +39,7 @@ void StateStore::allocate(size_t u, const at::Tensor& initial_master, bool trans
   std::vector<offload::IoFuture> writes;
   std::vector<at::Tensor> buffers;  // alive until their writes complete
   for (int k = 0; k < kKinds; ++k) {
+    if (L.frozen && k != kCompute) continue;  // a frozen unit has only its compute copy
     const Placement p = placement(u, k);
     if (k == kGrad && transient_grads && p != Placement::kDevice) continue;  // lent per step
     TierDriver& d = driver(p);

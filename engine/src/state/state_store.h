@@ -49,10 +49,13 @@ class StateStore final : public ChunkRing::Source {
   Placement kind_placement(int k) const { return kind_tier(plan_, k); }
   Placement placement(size_t u, int k) const { return unit_kind_tier(plan_, u, k); }
   size_t units() const { return partition_.num_units(); }
+  // A frozen unit (model.trainable) has only its compute copy: no other kind is allocated.
+  bool frozen(size_t u) const { return partition_.frozen(u); }
 
   // Unit u's shard of every kind, in its tier: master weights and the compute copy :=
   // `initial_master` (fp32 host [shard]), moments and gradients zero; a swap-placed gradient is
-  // left unwritten (the first reduce writes it), a transient one is not allocated.
+  // left unwritten (the first reduce writes it), a transient one is not allocated. A frozen
+  // unit's compute copy only.
   void allocate(size_t u, const at::Tensor& initial_master, bool transient_grads);
 
   // The resident tensor of (u, k) in the device or host tier; undefined in swap.

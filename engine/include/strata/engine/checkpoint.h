@@ -39,6 +39,11 @@ struct CheckpointMeta {
   uint64_t samples_consumed = 0;    // global data position (BatchLoader::position())
   uint64_t global_batch = 0;        // sequences a step consumed over all ranks; 0: not known
   int world_size = 0;               // of the save (filled when read; ignored when saving)
+  // Where the frozen tensors' values come from (model.trainable), as the caller fingerprints it
+  // (strata train: the base model's config and safetensors headers and sizes, or the random
+  // seed); saved in the manifest when any unit is frozen, since the checkpoint does not hold
+  // them. A resume must check that its base has the same fingerprint. Empty: nothing frozen.
+  std::string frozen_base;
 };
 
 struct CheckpointOptions {

@@ -106,6 +106,10 @@ struct EngineConfig {
   // without them (resolve_mlp_token_chunk), else whole.
   static constexpr int64_t kMlpChunkAuto = -1;
   int64_t mlp_token_chunk = kMlpChunkAuto;
+  // model.trainable: patterns over the Hugging Face tensor names (models/trainable.h); the tensors
+  // no pattern matches are frozen (only their compute copy: no gradient, no reduce-scatter, no
+  // master weights or moments, nothing in a checkpoint). Empty: every tensor trains.
+  std::vector<std::string> trainable;
   std::vector<std::string> nvme_dirs;     // swap directories (one per drive) for "nvme" placement
   unsigned io_queue_depth = 32;           // NVMe requests in flight
   // Construction progress (not in the JSON configuration): called on the constructing thread

@@ -190,6 +190,8 @@ class Engine {
   // into host memory at `dst`, from wherever it lives (the device: a blocking copy on a stream
   // of the calling thread's own; host RAM; swap: a read). The caller makes sure the engine does
   // not change it meanwhile: update_finished() ready and a StateHold not yet releasing the unit.
+  // A frozen unit (partition().frozen(unit)) has only weights: kMaster reads its compute copy
+  // (converted to fp32), any other kind throws std::logic_error.
   // Throws std::out_of_range for a range outside the slice, IoError from swap.
   void read_state(size_t unit, state::Kind kind, uint64_t begin, uint64_t numel, float* dst);
   // compute copy = master rounded to the compute dtype, exactly what the optimizer writes.
@@ -222,6 +224,11 @@ class Engine {
   uint64_t device_state_bytes() const;
 
   const Partition& partition() const;
+  // The units a checkpoint holds: the trainable ones (a frozen unit's weights are the base
+  // model's, not training state), as a partition of their own, in engine order; its unit i is
+  // engine unit checkpoint_units()[i]. partition() and 0..n-1 when nothing is frozen.
+  const Partition& checkpoint_partition() const;
+  const std::vector<size_t>& checkpoint_units() const;
   const models::ModelConfig& model_config() const;
   MemoryReport memory() const;
   // 6N + attention FLOPs per token of one forward+backward (the "model FLOPs" convention).

@@ -62,6 +62,9 @@ struct UnitLayout {
   uint64_t shard_numel = 0;   // each rank's slice
   uint64_t padded_numel() const { return shard_numel * world_size; }
   uint64_t world_size = 1;
+  // Frozen (model.trainable): the unit has only its compute copy; no gradient, no reduce-scatter,
+  // no master weights, no moments, nothing in a checkpoint.
+  bool frozen = false;
   // Rank r's slice [begin, end) of the flat buffer, and the part of it holding real elements.
   uint64_t shard_begin(int rank) const { return uint64_t(rank) * shard_numel; }
   uint64_t shard_valid_numel(int rank) const;
@@ -75,8 +78,9 @@ struct TensorLocation {
 class Partition {
  public:
   static constexpr uint64_t kDefaultAlignNumel = 1024;
+  // `frozen[u]`: unit u is frozen (empty: none is).
   Partition(const std::vector<std::pair<std::string, std::vector<TensorSpec>>>& units,
-            int world_size, uint64_t align_numel = kDefaultAlignNumel);
+            int world_size, uint64_t align_numel = kDefaultAlignNumel, const std::vector<char>& frozen = {});
 
   int world_size() const { return world_size_; }
   size_t num_units() const { return units_.size(); }
@@ -84,6 +88,9 @@ class Partition {
   const std::vector<UnitLayout>& units() const { return units_; }
   // Throws std::out_of_range naming the tensor if unknown.
   TensorLocation locate(const std::string& name) const;
+  bool frozen(size_t u) const { return units_.at(u).frozen; }
+  // The units that train (not frozen), in order.
+  std::vector<size_t> trainable_units() const;
   uint64_t total_numel() const;         // real elements over all units
   uint64_t total_shard_numel() const;   // one rank's elements over all units (with padding)
 

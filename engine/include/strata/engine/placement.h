@@ -33,8 +33,12 @@ namespace strata::engine {
 // stored need instead of `grads` (gradients_transient).
 struct StateBytes {
   uint64_t params = 0, grads = 0, master = 0, moments = 0;
+  // By unit: the shard elements of its optimizer group (master, moments, gradient: 0 for a frozen
+  // unit, which has none).
   std::vector<uint64_t> unit_numel;
   uint64_t grad_buffers = 0;
+  // By unit: the shard elements of its compute copy (empty: unit_numel's).
+  std::vector<uint64_t> compute_numel;
 };
 
 // Bytes of state each tier may take on this rank (the device's after its working set).

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "strata/models/model_config.h"
+#include "strata/models/trainable.h"
 
 namespace strata::models {
 
@@ -62,14 +63,41 @@ StageLayout stage_layout(const ModelConfig& c, const LayerTiles& t);
 // tied; tiled: the first tile the norm, each its LM head rows, so that a tied head tile after the
 // first owns nothing). The sum is ModelConfig::parameters().
 std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiles& t = {});
+// The tensors each stage owns, in schedule order and in each stage's own order (the decoder's
+// hf_parameters()): each by its whole Hugging Face name and the elements of the stage's part of
+// it. Their sums are stage_parameters(); tests/models/model_shapes_test.cc checks the names and
+// sizes against the decoder. (Strings for every tensor: stage_parameters() is the fast count.)
+struct StageTensor {
+  std::string tensor;  // whole name
+  uint64_t numel = 0;  // the part's elements
+};
+std::vector<std::vector<StageTensor>> stage_tensors(const ModelConfig& c, const LayerTiles& t = {});
+// Every tensor's whole name once, in schedule order (what model.trainable's patterns match).
+std::vector<std::string> tensor_names(const ModelConfig& c);
+
+// The units the engine makes of the stages (construct.cc builds them from the modules; the
+// resolution plans with these; construction checks they agree). Each stage owning parameters
+// makes a unit of its trainable tensors, then one of its frozen tensors (model.trainable), each
+// only where it has any; every stage uses its own units (trainable first) and, for a tied head
+// (tile), the unit holding its embedding (tile)'s token rows.
+struct UnitShapes {
+  std::vector<uint64_t> numel;                    // by unit
+  std::vector<char> frozen;                       // by unit
+  std::vector<size_t> stage;                      // by unit: the stage owning it
+  std::vector<std::vector<size_t>> stage_units;   // by stage
+};
+UnitShapes unit_shapes(const ModelConfig& c, const LayerTiles& t, const TrainableTensors& trainable);
+// A unit's name: its stage's (stage_name), with ".frozen" for a frozen unit.
+std::string unit_name(const std::string& stage_name, bool frozen);
+
 // By stage: its input activation in multiples of [tokens, hidden] (1, or 2 for a tile after the
 // first of a block's attention or MLP: its input stacks the normed input and the running sum).
 // The embedding's input (token ids) counts as 1, as every output that is not another stage's
 // input (the head's).
 std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiles& t = {});
-// The units each stage uses, in schedule order: a unit for each stage that owns parameters
-// (numbered in stage order), and a tied head's (tile's) embedding (tile) unit. What the engine
-// builds from the modules' tensors (tests/models/model_shapes_test.cc checks that both agree).
+// The units each stage uses with every tensor trainable (unit_shapes' stage_units): a unit for
+// each stage that owns parameters (numbered in stage order), and a tied head's (tile's)
+// embedding (tile) unit.
 std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTiles& t = {});
 // Stage s's name, which is also its unit's: "embedding", "embedding.2", "block.3",
 // "block.3.attn.1", "block.3.mlp.0", "head", "head.2". Throws std::out_of_range past the head.

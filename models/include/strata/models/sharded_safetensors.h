@@ -32,6 +32,15 @@
 
 namespace strata::models {
 
+// A fingerprint of the Hugging Face model in `dir` that reads little of its data: a 64-bit FNV-1a
+// hash over its config.json and, for each *.safetensors file in name order, its name, size, header
+// (the JSON of names, dtypes, shapes and offsets) and 16 samples of 4 KiB evenly spaced over its
+// data, as "fnv1a64:<16 hex digits> (<N> files, <bytes> bytes)". Another model, another cut into
+// shards, other dtypes or shapes change it, and so do other values of one layout unless they
+// differ only outside the samples (checkpoints of frozen tensors record it: hashing 140 GB at
+// every start is not an option). Throws std::runtime_error naming a file it cannot read.
+std::string model_fingerprint(const std::filesystem::path& dir);
+
 // The tensors (indices into `specs`) of each shard, in file order, cut as above. Throws
 // SafetensorsError for a zero limit.
 std::vector<std::vector<size_t>> plan_shards(const std::vector<SafetensorsWriter::Spec>& specs, uint64_t max_shard_bytes);

@@ -50,6 +50,7 @@ namespace strata::engine::layout {
 struct ModelSizes {
   std::vector<uint64_t> padded_numel;  // by unit: the gathered buffer's elements
   std::vector<uint64_t> shard_numel;   // by unit: one rank's slice
+  std::vector<char> frozen;            // by unit: no gradient buffers (model.trainable); empty: none
   uint64_t compute_bytes = 4;          // bytes of an element of the compute copies
   bool reduce_bf16 = false;            // gradients reduce-scattered in bf16
   uint64_t tokens = 0;                 // micro_batch * seq_len

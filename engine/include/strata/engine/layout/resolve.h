@@ -56,7 +56,9 @@ using Agree = std::function<std::vector<int64_t>(const std::vector<int64_t>&)>;
 
 // This rank's bytes of each kind (StateBytes) from the units' shard sizes, with `transient_buffers`
 // gradient buffers of the largest shard for gradients that are not stored.
-StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t compute_bytes, size_t transient_buffers);
+// `frozen[u]` (empty: none): unit u has only its compute copy (model.trainable).
+StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t compute_bytes, size_t transient_buffers,
+                       const std::vector<char>& frozen = {});
 
 // The state the configuration places on the device explicitly (params, grads, master and moments
 // set to "device"): what every automatic decision plans beside.
@@ -170,18 +172,21 @@ void check_working_set(const EngineConfig& cfg, const layout::MemoryModel& mm, c
 // --- the units --------------------------------------------------------------------------------
 
 // The units the engine builds for `mc` cut by `tiling`, partitioned at `world_size` as
-// Partition does: one unit per stage owning parameters (models::stage_parameters), a tied head
-// (tile) also using its embedding (tile)'s unit (models::stage_units); and each stage's input
-// width (models::stage_input_widths). The engine checks that the model it built has these units.
+// Partition does: a stage owning parameters makes a unit of its trainable tensors and one of its
+// frozen ones (model.trainable), a tied head (tile) also using the unit of its embedding
+// (tile)'s rows (models::unit_shapes); and each stage's input width
+// (models::stage_input_widths). The engine checks that the model it built has these units.
 struct UnitPlan {
   models::LayerTiles tiling;
   std::vector<uint64_t> unit_numel, padded_numel, shard_numel;
+  std::vector<char> frozen;  // by unit
   std::vector<std::vector<size_t>> stage_units;
   std::vector<uint64_t> input_widths;
   size_t vocab_tiles = 1;  // embedding and head stages
   layout::Schedule schedule() const;
 };
-UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiles& tiling, int world_size);
+UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiles& tiling, int world_size,
+                    const models::TrainableTensors& trainable = {});
 
 // Whether `tiling` lets the device run a step within `usable` bytes: the state `cfg` places on
 // the device explicitly plus the largest use's need (construction's budget check: nothing

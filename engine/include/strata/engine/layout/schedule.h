@@ -8,7 +8,8 @@
 // by several stages (a tied embedding: the embedding and the head, or their vocabulary tiles);
 // a tied head tile owns no unit of its own. Stages come in three runs: the embedding's (one, or
 // its vocabulary tiles), the blocks' (whole or tiles), the head's (one, or its vocabulary tiles);
-// the last head stage runs the loss (kHead).
+// the last head stage runs the loss (kHead). An embedding stage whose units are all frozen
+// (model.trainable) has no backward use: it has nothing to learn and no input to pass a gradient to.
 //
 // No libtorch, no device. Thread safety: immutable after construction.
 // Errors: std::invalid_argument for a stage without units, a unit index out of range, or runs
@@ -30,12 +31,14 @@ class Schedule {
  public:
   // stage_units[s]: the units stage s uses (its own first); the first `embedding_stages` are
   // the embedding's, the last `head_stages` the head's.
+  // `frozen[u]`: unit u is frozen (empty: none is).
   Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_units, size_t embedding_stages = 1,
-           size_t head_stages = 1);
+           size_t head_stages = 1, const std::vector<char>& frozen = {});
 
   size_t num_stages() const { return stage_units_.size(); }
   size_t num_units() const { return last_use_stage_.size(); }
-  // One micro-batch's uses, in order: 2 * num_stages() - 1 of them.
+  // One micro-batch's uses, in order: 2 * num_stages() - 1 of them, less the frozen embedding
+  // stages' backward uses.
   const std::vector<Use>& uses() const { return uses_; }
   // Uses numbered over a whole step: index k is micro-batch k / uses().size().
   const Use& use_at(size_t k) const { return uses_[k % uses_.size()]; }
@@ -43,6 +46,8 @@ class Schedule {
   bool uses_unit(size_t stage, size_t unit) const;
   // The lowest stage using `unit`: its last backward, after which its gradient is final.
   size_t last_use_stage(size_t unit) const { return last_use_stage_.at(unit); }
+  // Whether stage s has a backward use.
+  bool has_backward(size_t stage) const;
   // Units used by more than one stage (a tied embedding).
   size_t shared_units() const { return shared_units_; }
   // The block stages: [first_block(), first_head()).
