@@ -69,9 +69,14 @@ void fetch_init_model(engine::TrainConfig& tc, const engine::DistEnv& env, engin
 }
 
 std::unique_ptr<models::Decoder> make_model(const engine::TrainConfig& tc) {
-  return tc.init_from.empty()
-             ? std::make_unique<models::Decoder>(tc.model, tc.init_seed, models::Decoder::Init::kDeferred)
-             : models::load_hf_model(tc.init_from);
+  std::unique_ptr<models::Decoder> m =
+      tc.init_from.empty() ? std::make_unique<models::Decoder>(tc.model, tc.init_seed, models::Decoder::Init::kDeferred)
+                           : models::load_hf_model(tc.init_from, tc.model.lora);
+  if (!tc.adapter_from.empty()) {
+    m->initialize_through(m->stages().size() - 1);  // every stage's values, then the adapters'
+    models::load_peft_adapter(*m, tc.adapter_from);
+  }
+  return m;
 }
 
 }  // namespace strata::cli::train

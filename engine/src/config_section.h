@@ -87,6 +87,7 @@ class Section {
     }
     fail(key, "must be one of " + all + ", not " + v->dump());
   }
+  const std::string& source() const { return source_; }
   [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
     throw std::invalid_argument(source_ + ": " + path_ + (key.empty() ? "" : "." + key) + " " + msg);
   }

@@ -64,18 +64,20 @@ class Gpt2Block final : public Stage {
     fc_b = add(p + "mlp.c_fc.bias", {f});
     mproj_w = add(p + "mlp.c_proj.weight", {d, f});
     mproj_b = add(p + "mlp.c_proj.bias", {d});
+    add_adapters(c, i);
   }
   at::Tensor forward(const at::Tensor& x) override {
     const int64_t d = c_.hidden;
     at::Tensor h = at::layer_norm(x, {d}, ln1_w, ln1_b, c_.norm_eps);
-    auto qkv = dense(h, attn_w, attn_b).split(d, -1);
+    auto qkv = adapted(h, attn_w, attn_b, "attn.c_attn").split(d, -1);
     at::Tensor q = split_heads(qkv[0], c_.heads, c_.head_dim);
     at::Tensor k = split_heads(qkv[1], c_.heads, c_.head_dim);
     at::Tensor v = split_heads(qkv[2], c_.heads, c_.head_dim);
     at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
-    at::Tensor r = x + dense(merge_heads(a), proj_w, proj_b);
+    at::Tensor r = x + adapted(merge_heads(a), proj_w, proj_b, "attn.c_proj");
     h = at::layer_norm(r, {d}, ln2_w, ln2_b, c_.norm_eps);
-    return r + mlp(c_, h, {fc_w, fc_b, {}, {}, mproj_w, mproj_b}, mlp_chunk_);
+    return r + mlp(c_, h, {fc_w, fc_b, {}, {}, mproj_w, mproj_b, adapter("mlp.c_fc"), {}, adapter("mlp.c_proj")},
+                   mlp_chunk_);
   }
 
  private:
@@ -209,18 +211,21 @@ class LlamaBlock final : public Stage {
       bu = add(p + "mlp.up_proj.bias", {f});
       bd = add(p + "mlp.down_proj.bias", {d});
     }
+    add_adapters(c, i);
   }
 
   at::Tensor forward(const at::Tensor& x) override {
     c_.check_sequence_length(x.size(1));
     at::Tensor h = rms_norm(x, in_norm, c_.norm_eps, c_.gemma);
-    at::Tensor q = split_heads(dense(h, wq, bq), c_.heads, c_.head_dim);
-    at::Tensor k = split_heads(dense(h, wk, bk), c_.kv_heads, c_.head_dim);
-    at::Tensor v = split_heads(dense(h, wv, bv), c_.kv_heads, c_.head_dim);
+    at::Tensor q = split_heads(adapted(h, wq, bq, "self_attn.q_proj"), c_.heads, c_.head_dim);
+    at::Tensor k = split_heads(adapted(h, wk, bk, "self_attn.k_proj"), c_.kv_heads, c_.head_dim);
+    at::Tensor v = split_heads(adapted(h, wv, bv, "self_attn.v_proj"), c_.kv_heads, c_.head_dim);
     at::Tensor a = llama_attention(c_, q, k, v, inv_freq_);
-    at::Tensor r = x + dense(merge_heads(a), wo, bo);
+    at::Tensor r = x + adapted(merge_heads(a), wo, bo, "self_attn.o_proj");
     h = rms_norm(r, post_norm, c_.norm_eps, c_.gemma);
-    return r + mlp(c_, h, {wu, bu, wg, bg, wd, bd}, mlp_chunk_);
+    return r + mlp(c_, h,
+                   {wu, bu, wg, bg, wd, bd, adapter("mlp.up_proj"), adapter("mlp.gate_proj"), adapter("mlp.down_proj")},
+                   mlp_chunk_);
   }
 
  private:
@@ -490,6 +495,29 @@ at::Tensor Stage::lm_head_weight(const ModelConfig& c, const at::Tensor& tied_em
 
 std::vector<std::pair<std::string, at::Tensor>> Stage::hf_parameters() const { return params_; }
 
+void Stage::add_adapters(const ModelConfig& c, int64_t block) {
+  const std::string prefix = block_prefix(c, block);
+  for (const AdapterShape& a : block_adapters(c, block)) {
+    tiling::LowRank l;
+    l.a = add(a.module + ".lora_A.weight", {c.lora.r, a.in});
+    l.b = add(a.module + ".lora_B.weight", {a.out, c.lora.r});
+    l.scaling = c.lora.scaling();
+    adapters_[a.module.substr(prefix.size())] = l;
+  }
+}
+
+tiling::LowRank Stage::adapter(const std::string& module) const {
+  const auto it = adapters_.find(module);
+  return it == adapters_.end() ? tiling::LowRank{} : it->second;
+}
+
+at::Tensor Stage::adapted(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const std::string& module) const {
+  at::Tensor y = dense(x, w, b);
+  const auto it = adapters_.find(module);
+  if (it == adapters_.end()) return y;
+  return y + at::linear(at::linear(x, it->second.a), it->second.b) * it->second.scaling;
+}
+
 Decoder::Decoder(const ModelConfig& config, uint64_t seed, Init init) : config_(config) {
   config_.validate();
   embeds_ = {make_embedding(config_)};
@@ -636,7 +664,11 @@ void Decoder::initialize_group(size_t g) {
         for (size_t k = 0; k < st->parts().size(); ++k)
           if (st->parts()[k].tensor == name && st->parts()[k].whole()) drawn = st->hf_parameters()[k].second;
       if (!drawn.defined()) drawn = at::empty(shape, at::kFloat);
-      drawn.normal_(0.0, 0.02, init_gen_);
+      // LoRA as PEFT initializes it: A as nn.Linear's default (kaiming_uniform_ with a = sqrt(5):
+      // uniform within 1 / sqrt(in)), B zero, so that the adapted model starts as the base.
+      if (name.ends_with(".lora_A.weight")) drawn.uniform_(-1.0 / std::sqrt(double(shape[1])), 1.0 / std::sqrt(double(shape[1])), init_gen_);
+      else if (name.ends_with(".lora_B.weight")) drawn.zero_();
+      else drawn.normal_(0.0, 0.02, init_gen_);
     }
     for (Stage* st : members)
       for (size_t k = 0; k < st->parts().size(); ++k) {

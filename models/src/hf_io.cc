@@ -15,7 +15,8 @@
 namespace strata::models {
 
 bool hf_stores_transposed(const ModelConfig& c, const std::string& name) {
-  if (c.arch != Arch::kGpt2 || !name.ends_with(".weight")) return false;
+  // LoRA adapters are nn.Linear weights in PEFT, GPT-2's too (fan_in_fan_out concerns merging).
+  if (c.arch != Arch::kGpt2 || !name.ends_with(".weight") || is_adapter_tensor(name)) return false;
   for (const char* s : {".attn.c_attn.", ".attn.c_proj.", ".mlp.c_fc.", ".mlp.c_proj."}) {
     if (name.find(s) != std::string::npos) return true;
   }
@@ -59,6 +60,7 @@ void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt, const st
   std::set<std::string> used;
   at::NoGradGuard no_grad;
   for (auto& [name, param] : model.hf_parameters()) {
+    if (is_adapter_tensor(name)) continue;  // LoRA: initialized, or load_peft_adapter's
     std::string key = name;
     if (!ckpt.contains(key) && c.arch == Arch::kGpt2 && name.starts_with("transformer.")) {
       key = name.substr(std::string("transformer.").size());
@@ -92,8 +94,9 @@ void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt, const st
   }
 }
 
-std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir) {
-  const ModelConfig c = load_hf_config(dir / "config.json");
+std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora) {
+  ModelConfig c = load_hf_config(dir / "config.json");
+  c.lora = lora;
   auto model = std::make_unique<Decoder>(c);
   load_hf_weights(*model, SafetensorsCheckpoint(dir), dir.string());
   return model;
@@ -229,6 +232,36 @@ void ExportDirectory::commit() {
   ::close(fd);
   fs::remove(tmp_);
   committed_ = true;
+}
+
+namespace {
+constexpr const char* kPeftPrefix = "base_model.model.";
+}  // namespace
+
+void load_peft_adapter(Decoder& model, const std::filesystem::path& dir) {
+  const std::filesystem::path file = dir / "adapter_model.safetensors";
+  const SafetensorsCheckpoint ckpt(file);
+  const std::string source = file.string();
+  std::set<std::string> used;
+  at::NoGradGuard no_grad;
+  for (auto& [name, param] : model.hf_parameters()) {
+    if (!is_adapter_tensor(name)) continue;
+    const std::string key = kPeftPrefix + name;
+    if (!ckpt.contains(key)) throw std::runtime_error(source + ": no adapter tensor '" + key + "'");
+    used.insert(key);
+    const TensorView v = ckpt.get(key);
+    const std::vector<int64_t> want(param.sizes().begin(), param.sizes().end());
+    if (v.info->shape != want)
+      throw std::runtime_error(source + ": tensor '" + key + "' has shape " + shape_str(v.info->shape) +
+                               ", the model's adapter (r " + std::to_string(model.config().lora.r) + ") is " +
+                               shape_str(want));
+    param.copy_(at::from_blob(const_cast<std::byte*>(v.data.data()), want,
+                              at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'"))));
+  }
+  for (const std::string& n : ckpt.names())
+    if (!used.count(n))
+      throw std::runtime_error(source + ": tensor '" + n + "' is no adapter of this model (model.lora's " +
+                               "target_modules, and modules_to_save, which Strata does not load from an adapter)");
 }
 
 }  // namespace strata::models

@@ -7,6 +7,9 @@
 namespace strata::models {
 
 void check_tiles(const ModelConfig& c, const LayerTiles& t) {
+  if (c.lora.enabled() && !t.blocks_whole())
+    throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) +
+                                " MLP tiles, but LoRA adapters (model.lora) need whole blocks");
   if (t.attention < 1 || t.mlp < 1)
     throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) +
                                 " MLP tiles: each count must be at least 1");
@@ -62,7 +65,9 @@ std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiles& t
                 (j == 0 && c.arch == Arch::kGpt2 ? uint64_t(c.max_positions) * d : 0));
   for (int64_t i = 0; i < c.layers; ++i) {
     if (t.blocks_whole()) {
-      n.push_back(uint64_t(c.block_parameters()));
+      uint64_t adapters = 0;
+      for (const AdapterShape& a : block_adapters(c, i)) adapters += uint64_t(c.lora.r * (a.in + a.out));
+      n.push_back(uint64_t(c.block_parameters()) + adapters);
       continue;
     }
     for (int64_t a = 0; a < t.attention; ++a) n.push_back(attention_tile_parameters(c, t, a));
@@ -175,6 +180,10 @@ std::vector<std::vector<StageTensor>> stage_tensors(const ModelConfig& c, const 
   for (int64_t i = 0; i < c.layers; ++i) {
     if (t.blocks_whole()) {
       out.push_back(block_tensors(c, t, i, -1, -1));
+      for (const AdapterShape& a : block_adapters(c, i)) {
+        out.back().push_back({a.module + ".lora_A.weight", uint64_t(c.lora.r * a.in)});
+        out.back().push_back({a.module + ".lora_B.weight", uint64_t(c.lora.r * a.out)});
+      }
       continue;
     }
     for (int64_t a = 0; a < t.attention; ++a) out.push_back(block_tensors(c, t, i, a, -1));
@@ -187,6 +196,32 @@ std::vector<std::vector<StageTensor>> stage_tensors(const ModelConfig& c, const 
       out.back().push_back({"lm_head.weight", uint64_t(tile_range(c.vocab_size, t.vocab, j).size()) * d});
   }
   return out;
+}
+
+std::vector<BlockLinear> block_linears(const ModelConfig& c) {
+  const int64_t d = c.hidden, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim, f = c.intermediate;
+  if (c.arch == Arch::kGpt2) return {{"attn.c_attn", d, 3 * q}, {"attn.c_proj", q, d}, {"mlp.c_fc", d, f}, {"mlp.c_proj", f, d}};
+  return {{"self_attn.q_proj", d, q},  {"self_attn.k_proj", d, kv}, {"self_attn.v_proj", d, kv},
+          {"self_attn.o_proj", q, d},  {"mlp.gate_proj", d, f},     {"mlp.up_proj", d, f},
+          {"mlp.down_proj", f, d}};
+}
+
+std::string block_prefix(const ModelConfig& c, int64_t i) {
+  return (c.arch == Arch::kGpt2 ? "transformer.h." : "model.layers.") + std::to_string(i) + ".";
+}
+
+std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i) {
+  std::vector<AdapterShape> out;
+  if (!c.lora.enabled()) return out;
+  for (const BlockLinear& l : block_linears(c)) {
+    const std::string module = block_prefix(c, i) + l.module;
+    if (c.lora.targets(module)) out.push_back({module, l.in, l.out});
+  }
+  return out;
+}
+
+bool is_adapter_tensor(const std::string& name) {
+  return name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight");
 }
 
 std::vector<std::string> tensor_names(const ModelConfig& c) {

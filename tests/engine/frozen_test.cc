@@ -213,3 +213,52 @@ TEST(Frozen, CheckpointsHoldOnlyTrainableStateAndResumeBitwise) {
 }
 
 }  // namespace
+
+namespace {
+
+// model.lora: what Strata does not compute is refused, naming the key; the adapters alone train.
+TEST(Lora, SettingsStrataDoesNotComputeAreRefused) {
+  const auto error = [](const json& lora, const json& extra = json::object()) {
+    json j = tiny_config(true, 3);
+    j["model"]["lora"] = lora;
+    for (auto& [k, v] : extra.items()) j["model"][k] = v;
+    try {
+      const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+      EXPECT_EQ(tc.engine.trainable, (std::vector<std::string>{"*.lora_A.weight", "*.lora_B.weight"}));
+      EXPECT_TRUE(tc.model.lora.enabled());
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const json ok = {{"r", 4}, {"lora_alpha", 8}, {"target_modules", {"q_proj", "v_proj"}}};
+  EXPECT_EQ(error(ok), "");
+  EXPECT_EQ(error({{"r", 4}, {"target_modules", "all-linear"}}), "");
+  const auto with = [&](const char* k, const json& v) {
+    json l = ok;
+    l[k] = v;
+    return l;
+  };
+  EXPECT_NE(error(with("lora_dropout", 0.05)).find("no dropout"), std::string::npos);
+  EXPECT_NE(error(with("use_dora", true)).find("use_dora"), std::string::npos);
+  EXPECT_NE(error(with("rank_pattern", {{"q_proj", 8}})).find("rank_pattern"), std::string::npos);
+  EXPECT_NE(error(with("init_lora_weights", "gaussian")).find("init_lora_weights"), std::string::npos);
+  EXPECT_NE(error(with("target_modules", {"c_attn"})).find("names no linear layer"), std::string::npos);
+  EXPECT_NE(error(with("target_modules", ".*q_proj")).find("regular expression"), std::string::npos);
+  EXPECT_NE(error(with("r", 0)).find("at least 1"), std::string::npos);
+  EXPECT_NE(error(ok, {{"trainable", {"lm_head.weight"}}}).find("cannot be combined with LoRA"), std::string::npos);
+  // Block tiles: refused when the engine resolves them.
+  json j = tiny_config(true, 3);
+  j["model"]["lora"] = ok;
+  j["placement"] = {{"tiling", {{"attention", 2}}}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create("cpu", 0, UINT64_MAX);
+  EXPECT_NE(error_of([&] {
+              se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred),
+                             tc.engine, *comm, *dev);
+            }).find("LoRA adapters (model.lora) need whole blocks"),
+            std::string::npos);
+}
+
+}  // namespace

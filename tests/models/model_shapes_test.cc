@@ -7,6 +7,7 @@
 #include "strata/models/trainable.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace strata::models {
 namespace {
@@ -95,6 +96,48 @@ TEST(ModelShapes, StageTensorsAreTheDecodersTensorsInEveryCut) {
       EXPECT_EQ(all.stage_units, stage_units(c, t));
       EXPECT_EQ(std::count(all.frozen.begin(), all.frozen.end(), 1), 0);
     }
+  }
+}
+
+// LoRA adapters: each targeted linear of every block gets A [r, in] and B [out, r] after the
+// block's other tensors, as the decoder's stages hold them; PEFT's initialization (A within
+// 1 / sqrt(in), B zero); block tiles are refused.
+TEST(ModelShapes, LoraAdaptersAreTheDecodersTensors) {
+  for (ModelConfig c : {small("gpt2", true, false), small("llama-1b", false, true)}) {
+    c.lora.r = 4;
+    c.lora.alpha = 8;
+    c.lora.target_modules = {"c_attn", "mlp.c_proj", "q_proj", "v_proj", "down_proj"};
+    Decoder m(c, 1);
+    const auto predicted = stage_tensors(c);
+    const std::vector<Stage*> stages = m.stages();
+    ASSERT_EQ(predicted.size(), stages.size());
+    size_t adapters = 0;
+    for (size_t s = 0; s < stages.size(); ++s) {
+      const auto named = stages[s]->hf_parameters();
+      ASSERT_EQ(predicted[s].size(), named.size()) << c.name << " stage " << s;
+      for (size_t k = 0; k < named.size(); ++k) {
+        EXPECT_EQ(predicted[s][k].tensor, named[k].first);
+        EXPECT_EQ(predicted[s][k].numel, uint64_t(named[k].second.numel())) << named[k].first;
+        if (!is_adapter_tensor(named[k].first)) continue;
+        ++adapters;
+        const at::Tensor& t = named[k].second;
+        if (named[k].first.ends_with("lora_B.weight")) {
+          EXPECT_EQ(t.abs().max().item<double>(), 0.0) << named[k].first;
+        } else {
+          const double bound = 1.0 / std::sqrt(double(t.size(1)));
+          EXPECT_LE(t.abs().max().item<double>(), bound) << named[k].first;
+          EXPECT_GT(t.abs().max().item<double>(), 0.5 * bound) << named[k].first;
+        }
+      }
+    }
+    // GPT-2: c_attn and the MLP's c_proj (not attn.c_proj); Llama: q, v and down.
+    EXPECT_EQ(adapters, size_t(2 * (c.arch == Arch::kGpt2 ? 2 : 3) * c.layers));
+    EXPECT_EQ(stage_parameters(c)[1], uint64_t(c.block_parameters()) + [&] {
+      uint64_t n = 0;
+      for (const AdapterShape& a : block_adapters(c, 0)) n += uint64_t(c.lora.r * (a.in + a.out));
+      return n;
+    }());
+    EXPECT_THROW(check_tiles(c, {2, 2}), std::invalid_argument);
   }
 }
 

@@ -120,13 +120,21 @@ void check(const at::Tensor& x, const MlpWeights& w) {
 at::Tensor chunked_mlp(const at::Tensor& x, const MlpWeights& w, MlpActivation act, int64_t token_chunk) {
   check(x, w);
   if (token_chunk < 1) throw std::invalid_argument("chunked_mlp: token_chunk must be >= 1");
+  if (w.adapted()) throw std::invalid_argument("chunked_mlp: LoRA adapters are computed by plain_mlp only");
   return ChunkedMlp::apply(x, opt(w.up), opt(w.up_bias), opt(w.gate), opt(w.gate_bias), opt(w.down), opt(w.down_bias),
                            int64_t(act), token_chunk);
 }
 
 at::Tensor plain_mlp(const at::Tensor& x, const MlpWeights& w, MlpActivation act) {
   check(x, w);
-  return mlp(x, {w.up, w.up_bias, w.gate, w.gate_bias, w.down, w.down_bias}, act);
+  if (!w.adapted()) return mlp(x, {w.up, w.up_bias, w.gate, w.gate_bias, w.down, w.down_bias}, act);
+  const auto linear = [](const at::Tensor& in, const at::Tensor& weight, const at::Tensor& bias, const LowRank& l) {
+    at::Tensor y = at::linear(in, weight, opt(bias));
+    return l.defined() ? y + at::linear(at::linear(in, l.a), l.b) * l.scaling : y;
+  };
+  at::Tensor h = linear(x, w.up, w.up_bias, w.up_lora);
+  h = w.gate.defined() ? activate(linear(x, w.gate, w.gate_bias, w.gate_lora), act) * h : activate(h, act);
+  return linear(h, w.down, w.down_bias, w.down_lora);
 }
 
 }  // namespace strata::tiling

@@ -62,7 +62,9 @@ models::LayerTiles resolve_tiles(const EngineConfig& cfg, const models::ModelCon
   models::check_tiles(mc, chosen);
   if (!auto_attention && !auto_mlp && !auto_vocab) return chosen;
   // Each kind's share of a block's parameters (its norm included).
-  const std::vector<uint64_t> split = models::stage_parameters(mc, {1, 1 + int64_t(mc.intermediate > 1)});
+  models::ModelConfig base = mc;  // the proportions of the base's block (adapters need whole blocks)
+  base.lora = {};
+  const std::vector<uint64_t> split = models::stage_parameters(base, {1, 1 + int64_t(mc.intermediate > 1)});
   const double attention = double(split.at(1)), block = double(mc.block_parameters());
   const models::LayerTiles leanest = leanest_tiling(cfg, mc);
   const int64_t most_attention = leanest.attention, most_mlp = leanest.mlp, most_vocab = leanest.vocab;
@@ -117,6 +119,9 @@ models::LayerTiles leanest_tiling(const EngineConfig& cfg, const models::ModelCo
   const auto most = [](uint64_t configured, int64_t most_auto) {
     return configured == EngineConfig::kTilesAuto ? std::max<int64_t>(1, most_auto) : int64_t(configured);
   };
+  if (mc.lora.enabled())  // adapters need whole blocks (models::check_tiles)
+    return {most(cfg.attention_tiles, 1), most(cfg.mlp_tiles, 1),
+            most(cfg.vocab_tiles, mc.vocab_size / int64_t(layout::kMinTileVocab))};
   return {most(cfg.attention_tiles, mc.kv_heads), most(cfg.mlp_tiles, mc.intermediate / 64),
           most(cfg.vocab_tiles, mc.vocab_size / int64_t(layout::kMinTileVocab))};
 }
@@ -124,6 +129,12 @@ models::LayerTiles leanest_tiling(const EngineConfig& cfg, const models::ModelCo
 int64_t resolve_mlp_token_chunk(const EngineConfig& cfg, const models::ModelConfig& mc,
                                 const std::function<bool(const models::LayerTiles&, int64_t chunk)>& fits,
                                 const Agree& agree) {
+  if (mc.lora.enabled()) {  // the adapted MLP runs plain (tiling::plain_mlp)
+    if (cfg.mlp_token_chunk > 0)
+      throw std::invalid_argument("placement.tiling mlp_tokens: LoRA adapters (model.lora) run whole MLPs; "
+                                  "leave it \"auto\" or 0");
+    return 0;
+  }
   if (cfg.mlp_token_chunk != EngineConfig::kMlpChunkAuto) return cfg.mlp_token_chunk;
   const models::LayerTiles leanest = leanest_tiling(cfg, mc);
   models::check_tiles(mc, leanest);

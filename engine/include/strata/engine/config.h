@@ -152,6 +152,7 @@ struct TrainConfig {
   }
   models::ModelConfig model;
   std::string init_from;  // Hugging Face model directory, or empty for random init
+  std::string adapter_from;  // PEFT LoRA adapter directory (model.adapter_from), or empty
   uint64_t init_seed = 0;
   std::string data_path = "/usr/share/common-licenses";
   std::string data_format = "bytes";  // bytes, uint16, uint32 (token windows) or sft (examples)

@@ -24,6 +24,9 @@
 
 #include "strata/models/model_config.h"
 #include "strata/models/model_shapes.h"
+#include "strata/tiling/chunked_mlp.h"
+
+#include <map>
 
 namespace strata::models {
 
@@ -58,6 +61,13 @@ class Stage : public torch::nn::Module {
   // The LM head's weight: its own "lm_head.weight", or the tied embedding registered as a
   // parameter of this module too (visible to parameters()/to(), not to hf_parameters()).
   at::Tensor lm_head_weight(const ModelConfig& c, const at::Tensor& tied_embedding);
+  // LoRA (ModelConfig::lora): block `block`'s adapters (models::block_adapters) as parameters
+  // after the stage's others; a module's adapter (relative name, "self_attn.q_proj"), undefined
+  // where it has none; and x W^T + b with the module's adapter added as PEFT adds it.
+  void add_adapters(const ModelConfig& c, int64_t block);
+  tiling::LowRank adapter(const std::string& module) const;
+  at::Tensor adapted(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const std::string& module) const;
+  std::map<std::string, tiling::LowRank> adapters_;
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::vector<TensorPart> parts_;
   int64_t mlp_chunk_ = 0;

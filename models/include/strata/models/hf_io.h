@@ -30,8 +30,13 @@ bool hf_stores_transposed(const ModelConfig& config, const std::string& hf_name)
 // `source` (the checkpoint's path) is named in every error.
 void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& checkpoint,
                      const std::string& source);
-// config.json + weights from `dir`.
-std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir);
+// config.json + weights from `dir`; with `lora`, its adapters initialized as PEFT does (decoder.h).
+std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora = {});
+// A PEFT LoRA adapter directory's weights (adapter_model.safetensors, keys
+// "base_model.model.<module>.lora_A.weight") into `model`'s adapters, each converted to fp32.
+// Throws std::runtime_error naming the file and tensor for an adapter of the model missing there,
+// of another shape, or a tensor there the model has no adapter for.
+void load_peft_adapter(Decoder& model, const std::filesystem::path& dir);
 // transformers' name of a dtype ("float32", "bfloat16", "float16"), and back (throws
 // std::invalid_argument for another name).
 const char* hf_dtype_name(at::ScalarType t);

@@ -47,6 +47,22 @@ struct ModelConfig {
     int64_t original_max_positions = 8192;
   } llama3_rope;
 
+  // LoRA adapters (model.lora, or model.adapter_from's adapter_config.json) as PEFT defines them:
+  // each linear layer y = W x + b of a block whose module name target_modules selects also adds
+  // scaling() * B (A x), with A [r, in] and B [out, r] trainable and the rest frozen. No dropout.
+  struct Lora {
+    int64_t r = 0;                             // rank; 0: no adapters
+    double alpha = 8;                          // lora_alpha
+    bool rslora = false;                       // use_rslora: alpha / sqrt(r), else alpha / r
+    std::vector<std::string> target_modules;   // as PEFT matches a list; {"all-linear"}: every block linear
+    std::vector<std::string> modules_to_save;  // modules trained whole beside the adapters
+    bool enabled() const { return r > 0; }
+    double scaling() const;
+    // Whether the block linear `module` ("model.layers.0.self_attn.q_proj") gets an adapter: it
+    // is a target, or ends with "." and a target (PEFT's rule for a list), or "all-linear".
+    bool targets(const std::string& module) const;
+  } lora;
+
   // The config.json's special token ids (bos_token_id, eos_token_id: an id or a list,
   // pad_token_id), as a JSON object's text, written back on export unchanged ("" : none).
   std::string hf_special_tokens;
@@ -69,6 +85,12 @@ struct ModelConfig {
 // activations other than GPT-2's gelu_new, silu, and Gemma's GELU-tanh).
 ModelConfig load_hf_config(const std::filesystem::path& config_json);
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source);
+
+// The LoRA settings of a PEFT adapter directory's adapter_config.json, as ModelConfig::Lora. Throws
+// std::invalid_argument naming the file and key for what Strata does not compute: another
+// peft_type, lora_dropout > 0 (Strata's models have no dropout), use_dora, rank_pattern or
+// alpha_pattern, a target_modules regular expression, bias other than "none".
+ModelConfig::Lora read_peft_adapter_config(const std::filesystem::path& dir);
 
 // gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-1b, llama-8b, llama-70b, gpt3-1.3b, gpt3-2.7b,
 // gpt3-6.7b, gpt3-13b, gpt3-175b, gpt-1t, and the benchmark shapes gpt-1.4b (24 x 2048) and

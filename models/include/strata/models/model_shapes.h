@@ -63,6 +63,26 @@ StageLayout stage_layout(const ModelConfig& c, const LayerTiles& t);
 // tied; tiled: the first tile the norm, each its LM head rows, so that a tied head tile after the
 // first owns nothing). The sum is ModelConfig::parameters().
 std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiles& t = {});
+// A block's linear layers in the decoder's order: the module name within the block
+// ("self_attn.q_proj", GPT-2's "attn.c_attn") and its input and output features. LoRA adapts those
+// ModelConfig::lora targets (whole blocks only: check_tiles refuses block tiles with adapters).
+struct BlockLinear {
+  std::string module;
+  int64_t in = 0, out = 0;
+};
+std::vector<BlockLinear> block_linears(const ModelConfig& c);
+// The block prefix of block i ("model.layers.3.", "transformer.h.3.").
+std::string block_prefix(const ModelConfig& c, int64_t i);
+// The adapter tensors of block i, after its other tensors in the stage: for each targeted linear
+// in order, "<module>.lora_A.weight" [r, in] and "<module>.lora_B.weight" [out, r] (full names).
+struct AdapterShape {
+  std::string module;   // full name, "model.layers.3.self_attn.q_proj"
+  int64_t in = 0, out = 0;
+};
+std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i);
+// Whether a tensor name is a LoRA adapter's ("...lora_A.weight", "...lora_B.weight").
+bool is_adapter_tensor(const std::string& name);
+
 // The tensors each stage owns, in schedule order and in each stage's own order (the decoder's
 // hf_parameters()): each by its whole Hugging Face name and the elements of the stage's part of
 // it. Their sums are stage_parameters(); tests/models/model_shapes_test.cc checks the names and

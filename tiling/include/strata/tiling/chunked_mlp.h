@@ -28,10 +28,19 @@ enum class MlpActivation { kSilu, kGelu, kGeluTanh };
 
 // Weights in Strata's layout ([out, in]); undefined biases are absent. A gated MLP (Llama)
 // computes down(act(gate(x)) * up(x)); without `gate` (GPT-2) down(act(up(x))).
+// A LoRA adapter of one projection: W x + b + scaling * B (A x), A [r, in], B [out, r] (PEFT's
+// order of operations). Undefined: none.
+struct LowRank {
+  at::Tensor a, b;
+  double scaling = 0;
+  bool defined() const { return a.defined(); }
+};
 struct MlpWeights {
   at::Tensor up, up_bias;      // [f, d], [f]
   at::Tensor gate, gate_bias;  // [f, d], [f], or undefined
   at::Tensor down, down_bias;  // [d, f], [d]
+  LowRank up_lora, gate_lora, down_lora;  // plain_mlp only
+  bool adapted() const { return up_lora.defined() || gate_lora.defined() || down_lora.defined(); }
 };
 
 // The MLP of `x` [..., d] in chunks of `token_chunk` rows of x viewed as [tokens, d] (the last may
@@ -41,7 +50,8 @@ struct MlpWeights {
 at::Tensor chunked_mlp(const at::Tensor& x, const MlpWeights& w, MlpActivation act, int64_t token_chunk);
 
 // The same computed the plain way (autograd keeps every intermediate): the oracle, and what a
-// stage runs when its MLP is not chunked.
+// stage runs when its MLP is not chunked; the one of the two that takes LoRA adapters
+// (chunked_mlp refuses them).
 at::Tensor plain_mlp(const at::Tensor& x, const MlpWeights& w, MlpActivation act);
 
 }  // namespace strata::tiling
