@@ -61,12 +61,15 @@ inline void check_export_store(const std::string& url, bool overwrite, const std
 // One thread.
 class ExportUpload {
  public:
-  explicit ExportUpload(std::string url) : url_(std::move(url)) {}
+  // `descriptor`: the file uploaded last, once the weights are up (config.json; a PEFT adapter's
+  // adapter_config.json).
+  explicit ExportUpload(std::string url, std::string descriptor = "config.json")
+      : url_(std::move(url)), descriptor_(std::move(descriptor)) {}
 
   // Uploads `file` under its name, then removes it.
   void weights_file(const std::filesystem::path& file) {
     offload::ObjectStore& s = store();
-    if (uploaded_.empty()) s.remove("config.json");
+    if (uploaded_.empty()) s.remove(descriptor_);
     const std::string key = file.filename().string();
     bytes_ += offload::put_file(s, key, file.string()).size;
     uploaded_.insert(key);
@@ -82,9 +85,9 @@ class ExportUpload {
     offload::ObjectStore& s = store();
     std::vector<std::string> names;
     for (const auto& e : std::filesystem::directory_iterator(dir))
-      if (e.is_regular_file() && e.path().filename() != "config.json") names.push_back(e.path().filename().string());
+      if (e.is_regular_file() && e.path().filename() != descriptor_) names.push_back(e.path().filename().string());
     std::sort(names.begin(), names.end());
-    s.remove("config.json");  // an earlier export's, when no shard went up before
+    s.remove(descriptor_);  // an earlier export's, when no shard went up before
     for (const std::string& name : names) {
       bytes_ += offload::put_file(s, name, dir + "/" + name).size;
       uploaded_.insert(name);
@@ -93,12 +96,12 @@ class ExportUpload {
     ours.insert(weights.begin(), weights.end());
     std::size_t stale = 0;
     for (const auto& o : s.list(""))
-      if (o.key.find('/') == std::string::npos && o.key != "config.json" && !ours.count(o.key)) {
+      if (o.key.find('/') == std::string::npos && o.key != descriptor_ && !ours.count(o.key)) {
         s.remove(o.key);
         ++stale;
       }
     const std::size_t streamed = ours.size() - names.size();
-    bytes_ += offload::put_file(s, "config.json", dir + "/config.json").size;
+    bytes_ += offload::put_file(s, descriptor_, dir + "/" + descriptor_).size;
     std::cerr << "strata: uploaded the export to " << s.url() << " ("
               << (streamed ? std::to_string(streamed) + " weights file(s) as they were written, " : "")
               << double(bytes_) / (1 << 20) << " MiB from this process"
@@ -110,7 +113,7 @@ class ExportUpload {
     if (!store_) store_ = offload::open_object_store(url_);
     return *store_;
   }
-  std::string url_;
+  std::string url_, descriptor_;
   std::unique_ptr<offload::ObjectStore> store_;
   std::set<std::string> uploaded_;
   uint64_t bytes_ = 0;

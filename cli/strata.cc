@@ -24,6 +24,8 @@
 #include "strata/engine/build_info.h"
 #include "strata/engine/checkpoint.h"
 #include "strata/engine/checkpoint_store.h"
+#include "strata/models/hf_io.h"
+#include "strata/models/peft.h"
 #include "strata/offload/object_store.h"
 #include "object_paths.h"
 
@@ -69,6 +71,8 @@ commands:
                machine (calibrated first): step time and per-tier memory errors
   bench scale  collectives, steps, saves and loads at 1-32 ranks on this machine; checkpoint
                metadata a load reads per rank, gpt-1t saved by 512 and 4096 ranks, beside format 2's
+  bench lora   a LoRA step (frozen base, adapters on every block linear) beside the full
+               fine-tune's: step time, model TFLOPS, device and host bytes
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
   help         this text
 
@@ -100,6 +104,7 @@ std::filesystem::path checkpoint_arg(const std::string& arg) {
 
 int ckpt_export(const std::vector<std::string>& argv) {
   std::string dtype = "float32", tokenizer_from;
+  std::filesystem::path base;  // a LoRA checkpoint's base: the merged model is written too
   uint64_t shard_bytes = strata::models::kDefaultShardBytes;  // as run.export_shard_size
   bool force = false;
   std::vector<std::string> pos;
@@ -107,6 +112,8 @@ int ckpt_export(const std::vector<std::string>& argv) {
     if (argv[i] == "--force") force = true;
     else if (argv[i] == "--dtype" && i + 1 < argv.size()) dtype = argv[++i];
     else if (argv[i].starts_with("--dtype=")) dtype = argv[i].substr(8);
+    else if (argv[i] == "--base" && i + 1 < argv.size()) base = argv[++i];
+    else if (argv[i].starts_with("--base=")) base = argv[i].substr(7);
     else if (argv[i] == "--tokenizer-from" && i + 1 < argv.size()) tokenizer_from = argv[++i];
     else if (argv[i].starts_with("--tokenizer-from=")) tokenizer_from = argv[i].substr(17);
     else if (argv[i] == "--shard-size" && i + 1 < argv.size()) shard_bytes = strata::cli::parse_size(argv[++i]);
@@ -117,22 +124,47 @@ int ckpt_export(const std::vector<std::string>& argv) {
     } else pos.push_back(argv[i]);
   }
   if (pos.size() != 2) {
-    std::cerr << "usage: strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR] [--shard-size SIZE]\n";
+    std::cerr << "usage: strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR] [--shard-size SIZE] [--base MODEL_DIR]\n";
     return 2;
   }
   const std::filesystem::path dir = checkpoint_arg(pos[0]);
+  // A LoRA checkpoint exports as a PEFT adapter directory; with --base, the merged model as well,
+  // into OUT-merged.
+  const bool lora = !strata::engine::read_checkpoint_meta(dir).lora.empty();
+  if (!base.empty() && !lora) {
+    std::cerr << "strata ckpt export: --base merges a LoRA checkpoint's adapters, and " << dir.string()
+              << " has none (it holds the whole model: export it without --base)\n";
+    return 2;
+  }
   // OUT in object storage: staged in the cache, each shard uploaded as it is written, config.json
-  // last.
+  // (adapter_config.json) last.
   const std::string out_url = strata::offload::is_object_store_url(pos[1]) ? pos[1] : "";
+  if (!out_url.empty() && !base.empty()) {
+    std::cerr << "strata ckpt export: --base (the merged model) with an export to object storage is not supported: "
+                 "export to a directory\n";
+    return 2;
+  }
   if (!out_url.empty()) strata::cli::check_export_store(out_url, force, "pass --force to replace it");
   const std::string out = out_url.empty() ? pos[1] : strata::cli::cache_path("exports", out_url);
   std::optional<strata::cli::ExportUpload> upload;
   if (!out_url.empty()) {
-    upload.emplace(out_url);
+    upload.emplace(out_url, lora ? strata::models::kAdapterConfigFile : "config.json");
     strata::cli::clear_directory(out);  // nothing of an earlier staged export is uploaded again
   }
-  const auto t0 = std::chrono::steady_clock::now();
   const bool tty = isatty(STDERR_FILENO);
+  // The merged model first: a base that is not the checkpoint's is refused before anything is written.
+  if (!base.empty()) {
+    const std::filesystem::path merged = strata::models::ExportDirectory::beside(out, "-merged");
+    const auto t1 = std::chrono::steady_clock::now();
+    const auto m = strata::engine::export_checkpoint_merged(dir, base, merged, dtype, [&](uint64_t done, uint64_t total) {
+      if (tty) std::cerr << "\rmerged " << done * 100 / std::max<uint64_t>(total, 1) << "% (" << done << " / " << total << " bytes)" << std::flush;
+    }, force, tokenizer_from.empty() ? base : std::filesystem::path(tokenizer_from), shard_bytes);
+    if (tty) std::cerr << "\n";
+    std::cout << "merged " << dir.string() << "'s adapter into " << base.string() << ": " << merged.string() << ", "
+              << m.tensors << " tensors, " << m.bytes << " bytes of " << dtype << " in "
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() << " s\n";
+  }
+  const auto t0 = std::chrono::steady_clock::now();
   const auto r = strata::engine::export_checkpoint_hf(dir, out, dtype, [&](uint64_t done, uint64_t total) {
     if (tty) std::cerr << "\rexport " << done * 100 / std::max<uint64_t>(total, 1) << "% (" << done << " / " << total << " bytes)" << std::flush;
   }, force || !out_url.empty(), tokenizer_from, shard_bytes,
@@ -140,15 +172,15 @@ int ckpt_export(const std::vector<std::string>& argv) {
   if (tty) std::cerr << "\n";
   if (upload) upload->finish(out, r.files);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::cout << "exported " << dir.string() << " to " << pos[1] << ": " << r.tensors << " tensors, " << r.bytes
-            << " bytes of " << dtype << " in " << s << " s\n";
+  std::cout << "exported " << dir.string() << (lora ? "'s LoRA adapter (PEFT)" : "") << " to " << pos[1] << ": "
+            << r.tensors << " tensors, " << r.bytes << " bytes of " << dtype << " in " << s << " s\n";
   return 0;
 }
 
 int ckpt(const std::vector<std::string>& argv) {
   if (!argv.empty() && argv[0] == "export") return ckpt_export({argv.begin() + 1, argv.end()});
   if (argv.size() != 2 || (argv[0] != "inspect" && argv[0] != "verify")) {
-    std::cerr << "usage: strata ckpt inspect|verify DIR\n       strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR] [--shard-size SIZE]\n";
+    std::cerr << "usage: strata ckpt inspect|verify DIR\n       strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR] [--shard-size SIZE] [--base MODEL_DIR]\n";
     return 2;
   }
   const std::filesystem::path dir = checkpoint_arg(argv[1]);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -18,6 +19,8 @@
 
 #include "object_paths.h"
 #include "strata/models/hf_io.h"
+#include "strata/models/model_shapes.h"
+#include "strata/models/peft.h"
 #include "strata/offload/object_store.h"
 
 namespace strata::cli::train {
@@ -29,6 +32,10 @@ constexpr const char* kExportOverwriteHint =
 
 }  // namespace
 
+std::filesystem::path merged_dir(const std::filesystem::path& export_dir) {
+  return models::ExportDirectory::beside(export_dir, "-merged");
+}
+
 std::string prepare_export(engine::TrainConfig& tc) {
   // An export to object storage (run.export s3://...) is staged in a local directory of the
   // cache, each shard uploaded as soon as it is written (ExportUpload).
@@ -37,6 +44,9 @@ std::string prepare_export(engine::TrainConfig& tc) {
     if (tc.export_every > 0)
       throw std::invalid_argument("run.export_every with an export to object storage (" + tc.export_dir +
                                   ") is not supported: export to a directory, or only at the end");
+    if (tc.export_merged)
+      throw std::invalid_argument("run.export_merged with an export to object storage (" + tc.export_dir +
+                                  ") is not supported: export to a directory");
     check_export_store(tc.export_dir, tc.export_overwrite, kExportOverwriteHint);
     export_store = tc.export_dir;
     tc.export_dir = cache_path("exports", export_store);
@@ -45,6 +55,7 @@ std::string prepare_export(engine::TrainConfig& tc) {
   }
   if (!tc.export_dir.empty()) {
     models::ExportDirectory::check(tc.export_dir, tc.export_overwrite, kExportOverwriteHint);
+    if (tc.export_merged) models::ExportDirectory::check(merged_dir(tc.export_dir), tc.export_overwrite, kExportOverwriteHint);
     check_writable(models::ExportDirectory::temporary(tc.export_dir).parent_path(), "the export's parent directory");
   }
   return export_store;
@@ -62,7 +73,10 @@ void check_export_space(const engine::TrainConfig& tc, const models::ModelConfig
                         bool to_store, int world) {
   if (tc.export_dir.empty()) return;
   const uint64_t exports = 1 + (tc.export_every > 0 && tc.steps > 0 ? uint64_t((tc.steps - 1) / tc.export_every) : 0);
-  uint64_t need = uint64_t(mc.parameters()) * uint64_t(at::elementSize(type)) * exports;
+  // A LoRA run writes its adapters (small) and, with export_merged, the merged model.
+  const uint64_t model_bytes = uint64_t(mc.parameters()) * uint64_t(at::elementSize(type));
+  const uint64_t adapter_bytes = uint64_t(models::adapter_parameters(mc)) * uint64_t(at::elementSize(type));
+  uint64_t need = (mc.lora.enabled() ? adapter_bytes + (tc.export_merged ? model_bytes : 0) : model_bytes) * exports;
   if (to_store) need = std::min(need, 2 * tc.export_shard_bytes * uint64_t(world));
   check_free_space(models::ExportDirectory::temporary(tc.export_dir).parent_path(), need,
                    to_store        ? "the export's staging directory"
@@ -77,7 +91,10 @@ Exporter::Exporter(const Run& run, at::ScalarType type, std::string store, int64
 void Exporter::check_periodic_dirs() const {
   const engine::TrainConfig& tc = run_.tc;
   for (int64_t k = first_step_ + 1; tc.export_every > 0 && k < tc.steps; ++k)
-    if (k % tc.export_every == 0) models::ExportDirectory::check(periodic_dir(k), replace_periodic_, kExportOverwriteHint);
+    if (k % tc.export_every == 0) {
+      models::ExportDirectory::check(periodic_dir(k), replace_periodic_, kExportOverwriteHint);
+      if (tc.export_merged) models::ExportDirectory::check(merged_dir(periodic_dir(k)), replace_periodic_, kExportOverwriteHint);
+    }
 }
 
 bool Exporter::periodic_due(int64_t step) const {
@@ -95,9 +112,15 @@ std::filesystem::path Exporter::periodic_dir(int64_t step) const {
 // failures; rank 0's upload of the rest comes after it), so that a failed export stops every rank
 // at once instead of leaving them in the next step's collectives.
 void Exporter::export_model(const std::filesystem::path& dir, bool overwrite) {
+  const bool lora = run_.mc.lora.enabled();
+  agree([&] { write(dir, overwrite, lora ? engine::ExportContent::kAdapter : engine::ExportContent::kModel); });
+  if (lora && run_.tc.export_merged) agree([&] { write(merged_dir(dir), overwrite, engine::ExportContent::kMerged); });
+}
+
+void Exporter::agree(const std::function<void()>& f) {
   std::string failure;
   try {
-    write(dir, overwrite);
+    f();
   } catch (const engine::CommError&) {
     throw;  // a peer is gone: nothing to agree on
   } catch (const std::exception& e) {
@@ -112,10 +135,12 @@ void Exporter::export_model(const std::filesystem::path& dir, bool overwrite) {
 // A Hugging Face model directory of the weights now, with the tokenizer and generation config of
 // init_from: streamed tensor by tensor to the ranks that write its shards (engine::export_engine_hf,
 // a collective).
-void Exporter::write(const std::filesystem::path& dir, bool overwrite) {
+void Exporter::write(const std::filesystem::path& dir, bool overwrite, engine::ExportContent content) {
   const engine::TrainConfig& tc = run_.tc;
   const auto t0 = std::chrono::steady_clock::now();
   engine::EngineExport options;
+  options.content = content;
+  options.base_model = tc.init_from;
   options.type = type_;
   options.shard_bytes = tc.export_shard_bytes;
   options.overwrite = overwrite;
@@ -124,13 +149,17 @@ void Exporter::write(const std::filesystem::path& dir, bool overwrite) {
   // To object storage: each rank uploads the shards it writes as it writes them, rank 0 the rest.
   std::optional<ExportUpload> upload;
   if (!store_.empty() && dir == std::filesystem::path(tc.export_dir)) {
-    upload.emplace(store_);
+    upload.emplace(store_, content == engine::ExportContent::kAdapter ? models::kAdapterConfigFile : "config.json");
     options.on_weights_file = upload->on_weights_file();
     options.stage_on_every_rank = true;
   }
   const engine::ExportResult done = engine::export_engine_hf(run_.eng, run_.comm, dir, options);
   if (!run_.lead) return;
-  std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: exported " << dir.string()
+  std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: exported "
+            << (content == engine::ExportContent::kAdapter  ? "the LoRA adapter (PEFT) to "
+                : content == engine::ExportContent::kMerged ? "the merged model to "
+                                                            : "")
+            << dir.string()
             << " (" << models::hf_dtype_name(type_)
             << (done.tokenizer_files.empty() ? "" : ", with the tokenizer of init_from") << ", "
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";

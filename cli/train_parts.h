@@ -97,6 +97,7 @@ struct ResumePoint {
   std::optional<std::filesystem::path> dir;  // none: step 0
   bool fresh_under_resume = false;           // --resume found nothing committed
   std::string frozen_base;                   // the checkpoint's (CheckpointMeta::frozen_base)
+  std::string lora;                          // the checkpoint's (CheckpointMeta::lora)
 };
 
 // With frozen tensors (model.trainable), where their values come from: the base model's
@@ -119,7 +120,8 @@ struct Start {
 
 // Collective with a resume point: loads it into the engine and moves the data position to it.
 // Without one, rank 0 says that --resume starts at step 0. A checkpoint of frozen tensors whose
-// base is not this run's (ResumePoint::frozen_base against Run::frozen_base) is refused, saying so.
+// base is not this run's (ResumePoint::frozen_base against Run::frozen_base) is refused, saying so,
+// and so is one whose LoRA settings are not this run's.
 Start load_resume_point(const Run& run, const ResumePoint& resume);
 
 // --- train_checkpoints.cc ----------------------------------------------------------------------
@@ -276,8 +278,12 @@ at::ScalarType export_dtype(const engine::TrainConfig& tc, const engine::EngineC
 void check_export_space(const engine::TrainConfig& tc, const models::ModelConfig& mc, at::ScalarType type,
                         bool to_store, int world);
 
+// `<export>-merged`: where run.export_merged writes a LoRA run's merged model beside its adapter.
+std::filesystem::path merged_dir(const std::filesystem::path& export_dir);
+
 // The run's Hugging Face exports: run.export after the last step and run.export_every's
-// `<export>-step-N` beside it, each the weights of then with the tokenizer of init_from.
+// `<export>-step-N` beside it, each the weights of then with the tokenizer of init_from; of a
+// LoRA run, PEFT adapter directories, and with run.export_merged the merged models beside them.
 class Exporter {
  public:
   // `store`: prepare_export's URL ("" for none); `first_step`: a resumed run replaces the
@@ -290,12 +296,15 @@ class Exporter {
   bool periodic_due(int64_t step) const;
   // Collective: export_model into `<export>-step-<step>`.
   void export_periodic(int64_t step);
-  // Collective: every rank gathers the weights, rank 0 writes them into `dir` (and uploads
-  // run.export's to the store); every rank learns whether that failed and throws if so.
+  // Collective: every rank gathers the weights, their writers write them into `dir` (and rank 0
+  // uploads run.export's to the store), a LoRA run's merged model then into merged_dir(dir); every
+  // rank learns whether each failed and throws if so.
   void export_model(const std::filesystem::path& dir, bool overwrite);
 
  private:
-  void write(const std::filesystem::path& dir, bool overwrite);
+  void write(const std::filesystem::path& dir, bool overwrite, engine::ExportContent content);
+  // Runs `f` (an export) and throws on every rank if it failed on any.
+  void agree(const std::function<void()>& f);
   std::filesystem::path periodic_dir(int64_t step) const;
 
   const Run& run_;

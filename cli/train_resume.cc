@@ -3,14 +3,18 @@
 // (its error, if any, reaches every rank once they have met): with node-local checkpoint disks
 // only rank 0's holds `latest` and the manifests.
 #include "train_parts.h"
+
+#include "strata/models/peft.h"
 #include "strata/models/sharded_safetensors.h"
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <filesystem>
 #include <functional>
 #include <iostream>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -100,6 +104,7 @@ ResumePoint agree_on_resume_point(engine::Communicator& comm, engine::TrainConfi
   point.dir = choice.dir;
   point.fresh_under_resume = request.latest && !point.dir;
   point.frozen_base = choice.meta.frozen_base;
+  point.lora = choice.meta.lora;
   if (point.dir) {
     const engine::ResumeBatch rb = engine::resume_batch(choice.meta, tc.engine.micro_batch, tc.engine.grad_accum,
                                                         env.world_size, tc.allow_batch_change);
@@ -122,6 +127,28 @@ Start load_resume_point(const Run& run, const ResumePoint& resume) {
           ", but this run's " +
           (run.frozen_base.empty() ? std::string("trains every tensor") : "frozen base is " + run.frozen_base) +
           ": resume with the same model.init_from (or seed) and model.trainable");
+    // Adapters of another rank, scaling or targets would train another model from here.
+    const models::ModelConfig::Lora& l = run.mc.lora;
+    const models::ModelConfig::Lora saved =
+        resume.lora.empty() ? models::ModelConfig::Lora{}
+                            : models::parse_peft_adapter_config(resume.lora, resume.dir->string() + "/manifest.json");
+    const auto describe = [](const models::ModelConfig::Lora& x) {
+      if (!x.enabled()) return std::string("no LoRA adapters");
+      std::string targets;
+      for (const std::string& t : x.target_modules) targets += (targets.empty() ? "" : ",") + t;
+      std::ostringstream alpha;
+      alpha << x.alpha;
+      return "LoRA r " + std::to_string(x.r) + ", lora_alpha " + alpha.str() + (x.rslora ? ", use_rslora" : "") +
+             ", target_modules " + targets;
+    };
+    const auto sorted = [](std::vector<std::string> v) {
+      std::sort(v.begin(), v.end());
+      return v;
+    };
+    if (saved.r != l.r || (l.enabled() && (saved.alpha != l.alpha || saved.rslora != l.rslora ||
+                                           sorted(saved.target_modules) != sorted(l.target_modules))))
+      throw std::runtime_error("checkpoint " + resume.dir->string() + " trained " + describe(saved) +
+                               ", but this run has " + describe(l) + ": resume with the same model.lora");
     const auto t0 = std::chrono::steady_clock::now();
     const engine::CheckpointMeta meta =
         engine::load_checkpoint(run.eng, run.comm, *resume.dir, run.tc.checkpoint_transfer);

@@ -100,3 +100,10 @@ class Section {
 };
 
 }  // namespace strata::engine::config_json
+
+namespace strata::engine {
+struct TrainConfig;
+// config_lora.cc: the model section's `lora` and `adapter_from` into c.model.lora, c.adapter_from
+// and, with LoRA, c.engine.trainable (the adapters alone).
+void read_lora(config_json::Section& s, TrainConfig& c);
+}  // namespace strata::engine

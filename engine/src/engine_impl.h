@@ -42,6 +42,7 @@
 #include <unordered_map>
 
 #include "strata/engine/placement.h"
+#include "strata/models/model_shapes.h"
 #include "strata/engine/layout/resolve.h"
 #include "strata/engine/layout/memory_model.h"
 #include "strata/tiling/linear_cross_entropy.h"
@@ -346,9 +347,12 @@ struct Engine::Impl {
     if (updater) updater->abort();
   }
 
+  // Model FLOPs (models::model_flops_per_token): frozen units' parameters cost no weight gradient.
   double flops_per_token() const {
-    const models::ModelConfig& c = model->config();
-    return 6.0 * double(c.parameters()) + 12.0 * double(c.layers) * double(c.hidden) * double(cfg.seq_len);
+    int64_t frozen = 0;
+    for (size_t u = 0; u < partition->num_units(); ++u)
+      if (partition->unit(u).frozen) frozen += int64_t(partition->unit(u).numel);
+    return models::model_flops_per_token(model->config(), cfg.seq_len, frozen);
   }
 };
 

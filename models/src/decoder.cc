@@ -499,8 +499,8 @@ void Stage::add_adapters(const ModelConfig& c, int64_t block) {
   const std::string prefix = block_prefix(c, block);
   for (const AdapterShape& a : block_adapters(c, block)) {
     tiling::LowRank l;
-    l.a = add(a.module + ".lora_A.weight", {c.lora.r, a.in});
-    l.b = add(a.module + ".lora_B.weight", {a.out, c.lora.r});
+    l.a = add(adapter_a_name(a.module), {c.lora.r, a.in});
+    l.b = add(adapter_b_name(a.module), {a.out, c.lora.r});
     l.scaling = c.lora.scaling();
     adapters_[a.module.substr(prefix.size())] = l;
   }

@@ -1,5 +1,6 @@
 #include "strata/models/hf_io.h"
 
+#include "strata/models/peft.h"
 #include "strata/models/sharded_safetensors.h"
 
 #include <fcntl.h>
@@ -53,7 +54,34 @@ std::string shape_str(at::IntArrayRef s) {
   return out + "]";
 }
 
+// The checkpoint's key of tensor `name`: GPT-2 checkpoints saved from GPT2Model have no
+// "transformer." prefix.
+std::string hf_key(const ModelConfig& c, const SafetensorsCheckpoint& ckpt, const std::string& name,
+                   const std::string& source) {
+  std::string key = name;
+  if (!ckpt.contains(key) && c.arch == Arch::kGpt2 && name.starts_with("transformer."))
+    key = name.substr(std::string("transformer.").size());
+  if (!ckpt.contains(key)) throw std::runtime_error(source + ": no tensor '" + name + "'");
+  return key;
+}
+
 }  // namespace
+
+at::Tensor read_hf_tensor(const ModelConfig& c, const SafetensorsCheckpoint& ckpt, const std::string& name,
+                          const std::string& source) {
+  const std::string key = hf_key(c, ckpt, name, source);
+  const TensorView v = ckpt.get(key);
+  const at::Tensor src =
+      at::from_blob(const_cast<std::byte*>(v.data.data()), v.info->shape,
+                    at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
+  const at::Tensor f = src.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  return is_conv1d(c, name) ? f.t().contiguous() : f;
+}
+
+std::vector<int64_t> hf_tensor_shape(const ModelConfig& c, const SafetensorsCheckpoint& ckpt, const std::string& name,
+                                     const std::string& source) {
+  return ckpt.get(hf_key(c, ckpt, name, source)).info->shape;
+}
 
 void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt, const std::string& source) {
   const ModelConfig& c = model.config();
@@ -61,11 +89,7 @@ void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt, const st
   at::NoGradGuard no_grad;
   for (auto& [name, param] : model.hf_parameters()) {
     if (is_adapter_tensor(name)) continue;  // LoRA: initialized, or load_peft_adapter's
-    std::string key = name;
-    if (!ckpt.contains(key) && c.arch == Arch::kGpt2 && name.starts_with("transformer.")) {
-      key = name.substr(std::string("transformer.").size());
-    }
-    if (!ckpt.contains(key)) throw std::runtime_error(source + ": no tensor '" + name + "'");
+    const std::string key = hf_key(c, ckpt, name, source);
     used.insert(key);
     const TensorView v = ckpt.get(key);
     const bool transpose = is_conv1d(c, name);
@@ -172,8 +196,9 @@ std::filesystem::path ExportDirectory::beside(const std::filesystem::path& out, 
   return p.string() + suffix;
 }
 
-ExportDirectory::ExportDirectory(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite)
-    : out_(out), tmp_(temporary(out)) {
+ExportDirectory::ExportDirectory(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite,
+                                 ExportKind kind)
+    : out_(out), tmp_(temporary(out)), kind_(kind) {
   check(out_, overwrite, how_to_overwrite);
   std::filesystem::remove_all(tmp_);  // a crashed export's leftovers
   std::filesystem::create_directories(tmp_);
@@ -215,14 +240,15 @@ void ExportDirectory::commit() {
   // From here a crash leaves no config.json describing weights that are not there: the old
   // config goes first, then weight files of an earlier export in another sharding (transformers
   // would read the wrong set), then the new files arrive, config.json last.
-  fs::remove(out_ / "config.json");
+  const std::string descriptor = kind_ == ExportKind::kModel ? "config.json" : kAdapterConfigFile;
+  fs::remove(out_ / descriptor);
   for (const auto& e : fs::directory_iterator(out_)) {
     const std::string n = e.path().filename().string();
-    if (is_export_weights(n) && !fs::exists(tmp_ / n)) fs::remove(e.path());
+    if (kind_ == ExportKind::kModel && is_export_weights(n) && !fs::exists(tmp_ / n)) fs::remove(e.path());
   }
   for (const auto& e : fs::directory_iterator(tmp_))
-    if (e.path().filename() != "config.json") fs::rename(e.path(), out_ / e.path().filename());
-  fs::rename(tmp_ / "config.json", out_ / "config.json");
+    if (e.path().filename() != descriptor) fs::rename(e.path(), out_ / e.path().filename());
+  fs::rename(tmp_ / descriptor, out_ / descriptor);
   const int fd = ::open(out_.c_str(), O_RDONLY | O_DIRECTORY);
   if (fd < 0 || ::fsync(fd) != 0) {
     const int err = errno;
@@ -234,19 +260,15 @@ void ExportDirectory::commit() {
   committed_ = true;
 }
 
-namespace {
-constexpr const char* kPeftPrefix = "base_model.model.";
-}  // namespace
-
 void load_peft_adapter(Decoder& model, const std::filesystem::path& dir) {
-  const std::filesystem::path file = dir / "adapter_model.safetensors";
+  const std::filesystem::path file = dir / kAdapterWeightsFile;
   const SafetensorsCheckpoint ckpt(file);
   const std::string source = file.string();
   std::set<std::string> used;
   at::NoGradGuard no_grad;
   for (auto& [name, param] : model.hf_parameters()) {
     if (!is_adapter_tensor(name)) continue;
-    const std::string key = kPeftPrefix + name;
+    const std::string key = peft_key(name);
     if (!ckpt.contains(key)) throw std::runtime_error(source + ": no adapter tensor '" + key + "'");
     used.insert(key);
     const TensorView v = ckpt.get(key);
@@ -262,6 +284,10 @@ void load_peft_adapter(Decoder& model, const std::filesystem::path& dir) {
     if (!used.count(n))
       throw std::runtime_error(source + ": tensor '" + n + "' is no adapter of this model (model.lora's " +
                                "target_modules, and modules_to_save, which Strata does not load from an adapter)");
+}
+
+at::Tensor merged_weight(const at::Tensor& w, const at::Tensor& a, const at::Tensor& b, double scaling) {
+  return w.to(at::kFloat) + b.to(at::kFloat).matmul(a.to(at::kFloat)) * scaling;
 }
 
 }  // namespace strata::models

@@ -329,47 +329,4 @@ std::vector<std::string> preset_names() {
   return out;
 }
 
-ModelConfig::Lora read_peft_adapter_config(const std::filesystem::path& dir) {
-  const std::filesystem::path file = dir / "adapter_config.json";
-  std::ifstream in(file);
-  if (!in) throw std::invalid_argument(file.string() + ": cannot read (model.adapter_from is a PEFT adapter directory)");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    throw std::invalid_argument(file.string() + ": not JSON: " + e.what());
-  }
-  const auto bad = [&](const std::string& key, const std::string& why) {
-    return std::invalid_argument(file.string() + ": \"" + key + "\" " + why);
-  };
-  const auto empty = [&](const char* key) { return !j.contains(key) || j[key].is_null() || j[key].empty(); };
-  if (j.value("peft_type", std::string("LORA")) != "LORA") throw bad("peft_type", "is not LORA");
-  if (j.value("lora_dropout", 0.0) > 0)
-    throw bad("lora_dropout", "is above 0: Strata's models have no dropout (train with lora_dropout 0)");
-  if (j.value("use_dora", false)) throw bad("use_dora", "is true: DoRA is not supported");
-  if (!empty("rank_pattern")) throw bad("rank_pattern", "is set: one rank for every adapter only");
-  if (!empty("alpha_pattern")) throw bad("alpha_pattern", "is set: one lora_alpha for every adapter only");
-  if (j.value("bias", std::string("none")) != "none") throw bad("bias", "is not \"none\"");
-  if (!empty("layers_to_transform")) throw bad("layers_to_transform", "is set: adapters on every layer only");
-  ModelConfig::Lora l;
-  try {
-    l.r = j.at("r").get<int64_t>();
-    l.alpha = j.at("lora_alpha").get<double>();
-    l.rslora = j.value("use_rslora", false);
-    const nlohmann::json& t = j.at("target_modules");
-    if (t.is_string()) {
-      if (t.get<std::string>() != "all-linear")
-        throw bad("target_modules", "is a regular expression: Strata takes a list of module names or \"all-linear\"");
-      l.target_modules = {"all-linear"};
-    } else {
-      l.target_modules = t.get<std::vector<std::string>>();
-    }
-    if (!empty("modules_to_save")) l.modules_to_save = j["modules_to_save"].get<std::vector<std::string>>();
-  } catch (const nlohmann::json::exception& e) {
-    throw std::invalid_argument(file.string() + ": " + e.what());
-  }
-  if (l.r < 1) throw bad("r", "must be at least 1");
-  return l;
-}
-
 }  // namespace strata::models

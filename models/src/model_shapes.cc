@@ -181,8 +181,8 @@ std::vector<std::vector<StageTensor>> stage_tensors(const ModelConfig& c, const 
     if (t.blocks_whole()) {
       out.push_back(block_tensors(c, t, i, -1, -1));
       for (const AdapterShape& a : block_adapters(c, i)) {
-        out.back().push_back({a.module + ".lora_A.weight", uint64_t(c.lora.r * a.in)});
-        out.back().push_back({a.module + ".lora_B.weight", uint64_t(c.lora.r * a.out)});
+        out.back().push_back({adapter_a_name(a.module), uint64_t(c.lora.r * a.in)});
+        out.back().push_back({adapter_b_name(a.module), uint64_t(c.lora.r * a.out)});
       }
       continue;
     }
@@ -210,6 +210,13 @@ std::string block_prefix(const ModelConfig& c, int64_t i) {
   return (c.arch == Arch::kGpt2 ? "transformer.h." : "model.layers.") + std::to_string(i) + ".";
 }
 
+int64_t adapter_parameters(const ModelConfig& c) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < c.layers; ++i)
+    for (const AdapterShape& a : block_adapters(c, i)) n += c.lora.r * (a.in + a.out);
+  return n;
+}
+
 std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i) {
   std::vector<AdapterShape> out;
   if (!c.lora.enabled()) return out;
@@ -219,6 +226,11 @@ std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i) {
   }
   return out;
 }
+
+std::string adapter_a_name(const std::string& module) { return module + ".lora_A.weight"; }
+std::string adapter_b_name(const std::string& module) { return module + ".lora_B.weight"; }
+std::string adapted_module(const std::string& adapter_name) { return adapter_name.substr(0, adapter_name.rfind(".lora_")); }
+std::vector<std::string> adapter_patterns() { return {adapter_a_name("*"), adapter_b_name("*")}; }
 
 bool is_adapter_tensor(const std::string& name) {
   return name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight");
@@ -358,6 +370,12 @@ ForwardFlops forward_flops_per_token(const ModelConfig& c, int64_t seq_len) {
   out.blocks = 2 * double(c.layers) * (linear + attention);
   out.head = 2 * d * double(c.vocab_size);
   return out;
+}
+
+double model_flops_per_token(const ModelConfig& c, int64_t seq_len, int64_t frozen) {
+  const double all = double(c.parameters() + adapter_parameters(c));
+  return 6.0 * (all - double(frozen)) + 4.0 * double(frozen) +
+         12.0 * double(c.layers) * double(c.hidden) * double(seq_len);
 }
 
 }  // namespace strata::models

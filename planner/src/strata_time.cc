@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "strata/engine/layout/resolve.h"
 #include "strata/engine/layout/schedule.h"
 #include "strata/models/model_shapes.h"
+#include "strata/models/trainable.h"
 #include "strata/planner/compute.h"
 
 namespace strata::planner {
@@ -20,7 +22,12 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // The schedule the engine would run; its block stages are the blocks, or their tiles.
   const size_t vocab_tiles = size_t(p.tiles.vocab);
   const size_t units = p.shard_numel.size();
-  const engine::layout::Schedule schedule(p.stage_units, units, vocab_tiles, vocab_tiles);
+  // Frozen units (model.trainable, a LoRA run's base): their compute copy alone, no gradient,
+  // reduce-scatter or update; their products have no weight gradient in the backward.
+  const std::vector<char> frozen =
+      engine::plan_units(m, p.tiles, world, models::TrainableTensors(cfg.trainable)).frozen;
+  const auto is_frozen = [&](size_t u) { return u < frozen.size() && frozen[u]; };
+  const engine::layout::Schedule schedule(p.stage_units, units, vocab_tiles, vocab_tiles, frozen);
   const size_t block_stages = schedule.blocks();
   const double blocks = double(m.layers);
   const double seqs = double(cfg.micro_batch);
@@ -45,16 +52,33 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // Forward, backward (twice the forward), the recomputed blocks' forward again; the head's
   // forward and backward, plus its logits again in the backward when cut into tiles in two
   // passes (one pass computes each chunk's gradients with its loss).
+  // The frozen share of the blocks' and the head's weights: that share of their products has no
+  // weight gradient (the backward computes input gradients alone there).
+  const auto frozen_share = [&](bool head_stages) {
+    double all = 0, still = 0;
+    for (size_t s = 0; s < schedule.num_stages(); ++s)
+      if (head_stages ? schedule.is_head(s) : schedule.is_block(s))
+        for (size_t u : schedule.units_of(s)) {
+          all += double(p.unit_numel[u]);
+          if (is_frozen(u)) still += double(p.unit_numel[u]);
+        }
+    return all > 0 ? still / all : 0.0;
+  };
+  const double blocks_frozen = frozen_share(false), head_frozen = frozen_share(true);
   const double fwd = double(blocks) * block_fwd;
   const bool head_recomputed =
       p.head_logits.recomputes_logits(uint64_t(cfg.micro_batch * cfg.seq_len), uint64_t(m.vocab_size));
-  const double head = (head_recomputed ? 4 : 3) * head_fwd;
-  const double bwd = double(blocks) * (2 * block_fwd + mlp_again_kinds.total()) + recomputed * block_fwd;
+  const double head = (head_recomputed ? 4 : 3) * head_fwd - head_frozen * head_kinds.matmul;
+  const double bwd = double(blocks) * (2 * block_fwd - blocks_frozen * block_kinds.matmul + mlp_again_kinds.total()) +
+                     recomputed * block_fwd;
   // The host device's ranks share one CPU and its memory: each gets its share of both.
   const double share = gpu.is_host ? double(per_node) : 1;
   const double model_mb = (fwd + head + bwd) * share;
   const models::ForwardFlops ff = models::forward_flops_per_token(m, cfg.seq_len);
-  t.flops = 3 * ff.total() * seqs * double(cfg.seq_len) * A;
+  // Without a weight gradient a frozen linear's 6 FLOPs a parameter are 4 (the blocks' linear
+  // products alone: their FLOPs at seq_len 0).
+  const double frozen_flops = blocks_frozen * models::forward_flops_per_token(m, 0).blocks + head_frozen * ff.head;
+  t.flops = (3 * ff.total() - frozen_flops) * seqs * double(cfg.seq_len) * A;
 
   // --- what one micro-batch moves --------------------------------------------------------------
   // Each use of the schedule gathers its stage's units.
@@ -70,9 +94,10 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   for (size_t u = 0; u < units; ++u) {
     const double padded = double(p.padded_numel[u]), shard_n = double(p.shard_numel[u]);
     gathered += uses_of[u] * padded * cb * (w - 1) / w;
-    reduced += padded * grad_bytes * (w - 1) / w;
     if (tier(u, 0) != Placement::kDevice) up += uses_of[u] * shard_n * cb;  // each gather stages the shard
     if (tier(u, 0) == Placement::kNvme) nvme_r += uses_of[u] * shard_n * cb;
+    if (is_frozen(u)) continue;
+    reduced += padded * grad_bytes * (w - 1) / w;
     const Placement g = tier(u, 1);
     if (g != Placement::kDevice) down += shard_n * 4;
     if (g == Placement::kNvme && !p.placement.grads_transient) nvme_w += shard_n * 4, nvme_r += shard_n * 4;
@@ -87,6 +112,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   for (size_t u = 0; u < units; ++u) {
     const double padded = double(p.padded_numel[u]), shard_n = double(p.shard_numel[u]);
     if (tier(u, 0) == Placement::kDevice && w == 1) local += uses_of[u] * (shard_n + padded) * cb;
+    if (is_frozen(u)) continue;
     local += padded * (cb + 4);
     if (tier(u, 1) == Placement::kDevice) local += shard_n * 12;
   }
@@ -135,6 +161,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // --- the update ------------------------------------------------------------------------------
   double host_elems = 0, device_elems = 0, group_swap = 0, upload = 0, copies_to_swap = 0;
   for (size_t u = 0; u < units; ++u) {
+    if (is_frozen(u)) continue;  // never updated
     const double n = double(p.shard_numel[u]);
     const Placement g = tier(u, 2);
     (g == Placement::kDevice ? device_elems : host_elems) += n;
@@ -168,10 +195,12 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
 
   // --- per resource, for the bound and the bottleneck --------------------------------------------
   t.compute = A * compute_mb;
-  // By kind: the same passes (each block 3 + recompute, the head 3 or 4) over each kind's time.
+  // By kind: the same passes (each block 3 + recompute, the head 3 or 4) over each kind's time,
+  // less the weight gradients of frozen weights.
   const double block_passes = double(blocks) * 3 + recomputed, head_passes = head_recomputed ? 4 : 3;
   t.compute_matmul = A * share *
-                     (block_passes * block_kinds.matmul + blocks * mlp_again_kinds.matmul + head_passes * head_kinds.matmul);
+                     ((block_passes - blocks * blocks_frozen) * block_kinds.matmul + blocks * mlp_again_kinds.matmul +
+                      (head_passes - head_frozen) * head_kinds.matmul);
   t.compute_attention = A * share * block_passes * block_kinds.attention;
   t.compute_memory = A * share * (block_passes * block_kinds.memory + head_passes * head_kinds.memory);
   t.compute_local = A * local_mb;

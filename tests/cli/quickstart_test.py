@@ -17,6 +17,8 @@ as stopped by SIGINT after saving a checkpoint, and the `--resume` line must go 
   `strata ckpt export --tokenizer-from` of the last checkpoint gives the same model;
 - TensorBoard's reader finds train/loss for all 16 steps and eval/loss; the plot is a PNG of
   1200 x 900 that is not blank.
+Then the README's LoRA variant (`quickstart-lora`) runs, and peft's model on its adapter export
+must give Strata's last evaluation loss, the merged export's logits peft's merge_and_unload()'s.
 Exit 0 when all hold.
 """
 import json
@@ -34,11 +36,11 @@ sys.path.insert(0, os.path.join(SRC, "tests", "models", "py"))
 import finetune_oracle as fo  # noqa: E402
 
 
-def quickstart_lines():
+def quickstart_lines(tag="quickstart"):
     text = open(os.path.join(SRC, "README.md"), encoding="utf-8").read()
-    m = re.search(r"<!-- quickstart.*?-->\s*```sh\n(.*?)```\s*<!-- /quickstart -->", text, re.S)
+    m = re.search(r"<!-- " + tag + r":.*?-->\s*```sh\n(.*?)```\s*<!-- /" + tag + " -->", text, re.S)
     if not m:
-        sys.exit("FAIL: README.md has no quick start block")
+        sys.exit(f"FAIL: README.md has no {tag} block")
     lines, cur = [], ""
     for raw in m.group(1).splitlines():
         cur += raw
@@ -209,8 +211,60 @@ def main():
     if img.size != (1200, 900) or colors < 3:
         print(f"FAIL: loss.png is {img.size} with {colors} colors")
         ok = False
+    ok = lora_quickstart(work, env, python, prefix) and ok
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
+
+
+def lora_quickstart(work, env, python, prefix):
+    """The README's LoRA variant, run after the quick start (its data and model): peft's model on the
+    adapter export gives Strata's last evaluation (1e-5), the merged export's logits are peft's
+    merge_and_unload()'s (1e-5), the base is untouched, and the training loss fell."""
+    for line in quickstart_lines("quickstart-lora"):
+        print("$", line, flush=True)
+        r = subprocess.run(["bash", "-c", "\n".join(prefix + [line.replace("~/.cache/strata/venv/bin/python", python)])],
+                           cwd=work, env=env)
+        if r.returncode != 0:
+            print(f"FAIL: exit {r.returncode}: {line}")
+            return False
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    ok = True
+    qs = os.path.join(work, "build/quickstart")
+    cfg = json.load(open(os.path.join(SRC, "configs/finetune-lora.json")))
+    examples = fo.read_sft(os.path.join(qs, "chats.sft"))
+    held = max(1, round(cfg["data"]["eval_split"] * len(examples)))
+    eval_ids, eval_labels = fo.sft_batch(examples[-held:], cfg["data"]["seq_len"])
+    lines = [json.loads(l) for l in open(os.path.join(qs, "train-lora.jsonl"))]
+    losses = [l["loss"] for l in lines if "loss" in l and l.get("event") is None]
+    evals = [l["eval_loss"] for l in lines if l.get("event") == "eval"]
+    base_dir = os.path.join(qs, "tiny-llama")
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(base, os.path.join(qs, "tiny-llama-lora"))
+        peft_eval = fo.mean_loss(peft_model, eval_ids, eval_labels).item()
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(qs, "tiny-llama-lora-merged"), dtype=torch.float32)
+        a = merged(input_ids=eval_ids).logits
+        b = peft_model.merge_and_unload()(input_ids=eval_ids).logits
+    e = float((a - b).norm() / b.norm())
+    print(f"LoRA: losses {[round(x, 4) for x in losses]}, Strata's evaluation {evals[-1] if evals else None}, "
+          f"peft on the adapter export {peft_eval:.7g}; merged logits vs merge_and_unload {e:.3g}")
+    if len(losses) != cfg["run"]["steps"] or not losses[-1] < losses[0]:
+        print("FAIL: the LoRA run did not train")
+        ok = False
+    if not evals or abs(evals[-1] - peft_eval) > 1e-5 * peft_eval:
+        print("FAIL: peft's model on the adapter export does not give Strata's evaluation")
+        ok = False
+    if e > 1e-5:
+        print("FAIL: the merged export's logits differ from peft's merge_and_unload()")
+        ok = False
+    after = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
+    if any(not torch.equal(after[k], v) for k, v in before.items()):
+        print("FAIL: the base model changed on disk")
+        ok = False
+    return ok
 
 
 if __name__ == "__main__":

@@ -553,5 +553,60 @@ TEST(Planner, FamilyModels) {
   }
 }
 
+// A LoRA run (the base frozen, adapters on every block linear) beside the full fine-tune of the
+// same Llama shape on two GPUs: its frozen units are gathered and do nothing else, so it reduces
+// and updates only the adapters, its backward has no weight gradients for the base (model FLOPs
+// 4 N + attention, give or take the adapters' share of the blocks), and it gathers what the full
+// run gathers plus the adapters.
+TEST(Planner, FrozenUnitsAreGatheredAndNothingElse) {
+  Cluster c = cluster_preset("h100-box");
+  c.node.gpus = 2;
+  models::ModelConfig m = models::preset("llama-1b");
+  m.layers = 4;
+  m.hidden = 1024;
+  m.heads = 8;
+  m.kv_heads = 4;
+  m.head_dim = 128;
+  m.intermediate = 2816;
+  m.vocab_size = 8192;
+  m.tie_embeddings = false;
+  engine::EngineConfig cfg;
+  cfg.compute = engine::Precision::kBf16;
+  cfg.micro_batch = 2;
+  cfg.seq_len = 512;
+  cfg.params = cfg.grads = cfg.master = cfg.moments = engine::Placement::kHost;
+  const StrataEstimate full = estimate_strata_as_given(cfg, m, c);
+  models::ModelConfig lm = m;
+  lm.lora.r = 8;
+  lm.lora.alpha = 16;
+  lm.lora.target_modules = {"all-linear"};
+  engine::EngineConfig lcfg = cfg;
+  lcfg.trainable = models::adapter_patterns();
+  const StrataEstimate lora = estimate_strata_as_given(lcfg, lm, c);
+  ASSERT_TRUE(full.fits()) << full.state.error;
+  ASSERT_TRUE(lora.fits()) << lora.state.error;
+  const StrataTime &f = full.time, &l = lora.time;
+  // Reduce-scatters and updates: the adapters' alone (their share of the model, padding aside).
+  const double adapter_share = double(models::adapter_parameters(lm)) / double(m.parameters());
+  EXPECT_GT(l.reduced, 0);
+  EXPECT_LT(l.reduced, f.reduced * adapter_share * 1.1);
+  EXPECT_LT(l.cpu_optimizer, f.cpu_optimizer * adapter_share * 1.1);
+  EXPECT_LT(l.down, f.down * adapter_share * 1.1);
+  // Gathers: the base at each use, as the full run, and the adapters.
+  EXPECT_GE(l.gathered, f.gathered);
+  EXPECT_LT(l.gathered, f.gathered * (1 + 2 * adapter_share));
+  // Model FLOPs: the full run's less one forward of every linear product (the weight gradients),
+  // within the adapters' share of the blocks (they keep theirs).
+  const models::ForwardFlops ff = models::forward_flops_per_token(m, cfg.seq_len);
+  const double tokens = double(cfg.micro_batch * cfg.seq_len);
+  const double base_weight_grads = (models::forward_flops_per_token(m, 0).blocks + ff.head) * tokens;
+  EXPECT_NEAR(f.flops, 3 * ff.total() * tokens, 1e-6 * f.flops);
+  EXPECT_NEAR(l.flops, f.flops - base_weight_grads, 0.02 * base_weight_grads);
+  // The products: every block 3 passes + its recompute vs ~2 + recompute, the head 3 vs 2.
+  EXPECT_LT(l.compute_matmul, 0.85 * f.compute_matmul);
+  EXPECT_GT(l.compute_matmul, 0.6 * f.compute_matmul);
+  EXPECT_LT(l.step, f.step);
+}
+
 }  // namespace
 }  // namespace strata::planner

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <set>
 #include <stdexcept>
 
 #include "checkpoint/catalog.h"
@@ -16,6 +17,8 @@
 #include "strata/engine/checkpoint.h"
 #include "strata/models/hf_io.h"
 #include "strata/models/model_config.h"
+#include "strata/models/model_shapes.h"
+#include "strata/models/peft.h"
 #include "strata/models/safetensors.h"
 #include "strata/models/sharded_safetensors.h"
 
@@ -23,30 +26,78 @@ namespace strata::engine {
 
 namespace ckpt {
 
-ExportPlan plan_export(const json& units, const fs::path& dir, const models::ModelConfig& mc, models::StDType st_type) {
+ExportPlan plan_export(const json& units, const fs::path& dir, const models::ModelConfig& mc, models::StDType st_type,
+                       ExportContent content) {
+  const bool lora = mc.lora.enabled();
+  if (lora && content == ExportContent::kModel)
+    throw std::invalid_argument("export of " + dir.string() + ": a LoRA model exports as a PEFT adapter directory or "
+                                "as the merged model, not as a model holding its adapters");
+  if (!lora && content != ExportContent::kModel)
+    throw std::invalid_argument("export of " + dir.string() + ": the model has no LoRA adapters (model.lora)");
   ExportPlan plan;
   std::map<std::string, uint64_t> filled;
+  std::set<std::string> complete;
+  std::map<std::string, size_t> inputs;  // kMerged: adapted weight -> its adapters seen so far
   std::vector<ManifestTensor> tensors = manifest_tensors(units, dir.string());
   check_whole_coverage(tensors, dir.string());
   for (ManifestTensor& t : tensors) {
     uint64_t whole = 1;
     for (int64_t d : t.slot.whole_shape()) whole *= uint64_t(d);
     const std::string name = t.slot.whole_name();
+    const bool adapter = models::is_adapter_tensor(name);
+    if (content == ExportContent::kAdapter && !adapter) continue;
     std::vector<int64_t> hf_shape = t.slot.whole_shape();
-    plan.items.push_back({std::move(t), whole});
+    ExportItem item{std::move(t), whole};
+    if (content == ExportContent::kMerged && adapter) {
+      item.merge_into = models::adapted_module(name) + ".weight";
+      item.fp32 = true;
+      if (item.t.slot.origin.is_part() || filled.count(item.merge_into))
+        throw std::runtime_error("export of " + dir.string() + ": adapter " + name +
+                                 " is not whole before the weight it adapts (merging needs it first)");
+      ++inputs[item.merge_into];
+      plan.items.push_back(std::move(item));
+      continue;
+    }
+    item.key = content == ExportContent::kAdapter ? models::peft_key(name) : name;
+    item.fp32 = inputs.count(name) > 0;
+    plan.items.push_back(std::move(item));
     if ((filled[name] += plan.items.back().t.numel) != whole) continue;
     if (models::hf_stores_transposed(mc, name)) std::swap(hf_shape[0], hf_shape[1]);
-    plan.specs.push_back({name, st_type, hf_shape});
+    plan.specs.push_back({plan.items.back().key, st_type, hf_shape});
+    complete.insert(name);
     plan.total += whole * models::st_dtype_bytes(st_type);
   }
   for (const auto& [name, n] : filled)
-    if (std::none_of(plan.specs.begin(), plan.specs.end(), [&](const auto& sp) { return sp.name == name; }))
+    if (!complete.count(name))
       throw std::runtime_error("checkpoint " + dir.string() + ": the parts of " + name + " do not make it whole");
+  for (const auto& [weight, n] : inputs)
+    if (n != 2 || !filled.count(weight))
+      throw std::runtime_error("export of " + dir.string() + ": " + weight + " has " + std::to_string(n) +
+                               " adapter tensors" + (filled.count(weight) ? "" : " and is not in the model"));
   return plan;
 }
 
 models::StDType st_type_of(at::ScalarType type) {
   return type == at::kFloat ? models::StDType::kF32 : type == at::kBFloat16 ? models::StDType::kBF16 : models::StDType::kF16;
+}
+
+uint64_t shard_limit(ExportContent content, uint64_t shard_bytes) {
+  return content == ExportContent::kAdapter ? UINT64_MAX : shard_bytes;
+}
+
+models::ExportKind directory_kind(ExportContent content) {
+  return content == ExportContent::kAdapter ? models::ExportKind::kAdapter : models::ExportKind::kModel;
+}
+
+std::vector<std::string> finish_export_directory(const fs::path& tmp, ExportContent content, const models::ModelConfig& mc,
+                                                 const std::string& dtype, size_t shards, const std::string& base_model) {
+  if (content != ExportContent::kAdapter) {
+    write_atomically(tmp / "config.json", mc.to_hf_json(dtype) + "\n");
+    return models::shard_set_files(shards);
+  }
+  fs::rename(tmp / models::shard_file_name(0, 1), tmp / models::kAdapterWeightsFile);
+  write_atomically(tmp / models::kAdapterConfigFile, models::peft_adapter_config_json(mc, base_model) + "\n");
+  return {models::kAdapterWeightsFile};
 }
 
 void ExportSink::attempt(const std::function<void()>& f) {
@@ -63,8 +114,12 @@ void ExportSink::put(size_t item_index, at::Tensor t) {
   attempt([&] {
     const ExportItem& item = plan_.items[item_index];
     const ManifestTensor& it = item.t;
-    t = t.to(out_type_).view(it.slot.shape);
+    t = t.to(item.fp32 ? at::kFloat : out_type_).view(it.slot.shape);
     const std::string& name = it.slot.whole_name();
+    if (!item.merge_into.empty()) {  // an adapter: kept until its weight comes (plan_export: whole, first)
+      adapters_[name] = t;
+      return;
+    }
     if (it.slot.origin.is_part()) {  // into its whole tensor, written once its last part is in
       auto& [whole, in] = assembling_[name];
       if (!whole.defined()) whole = at::empty(it.slot.origin.whole_shape, t.options());
@@ -73,9 +128,18 @@ void ExportSink::put(size_t item_index, at::Tensor t) {
       t = whole;
       assembling_.erase(name);
     }
+    if (item.fp32) {  // a merge's weight: its adapters are in
+      const std::string module = name.substr(0, name.size() - std::string(".weight").size());
+      const auto a = adapters_.find(models::adapter_a_name(module)), b = adapters_.find(models::adapter_b_name(module));
+      if (a == adapters_.end() || b == adapters_.end())
+        throw std::runtime_error("export: the adapters of " + name + " did not come before it");
+      t = models::merged_weight(t, a->second, b->second, mc_.lora.scaling()).to(out_type_);
+      adapters_.erase(a);
+      adapters_.erase(b);
+    }
     if (models::hf_stores_transposed(mc_, name)) t = t.t();
     t = t.contiguous();
-    writer_->write(name, {static_cast<const std::byte*>(t.data_ptr()), t.nbytes()});
+    writer_->write(item.key, {static_cast<const std::byte*>(t.data_ptr()), t.nbytes()});
     ++result_.tensors;
     result_.bytes += t.nbytes();
     if (progress_) progress_(result_.bytes, plan_.total);
@@ -83,6 +147,8 @@ void ExportSink::put(size_t item_index, at::Tensor t) {
 }
 
 void ExportSink::finish() {
+  if (writer_ && !adapters_.empty())
+    attempt([&] { throw std::runtime_error("export: adapter " + adapters_.begin()->first + " without its weight"); });
   if (writer_) attempt([&] { writer_->finish(); });
 }
 
@@ -91,6 +157,15 @@ void ExportSink::finish() {
 using namespace ckpt;
 
 namespace {
+
+// A manifest's model: its config.json, with the LoRA settings it trained with.
+models::ModelConfig manifest_model(const json& m, const fs::path& dir) {
+  const std::string source = (dir / "manifest.json").string();
+  models::ModelConfig mc = models::parse_hf_config(m["model"].dump(), source);
+  if (m.contains("lora")) mc.lora = models::parse_peft_adapter_config(m["lora"].dump(), source + " (\"lora\")");
+  return mc;
+}
+
 
 // Each tensor from the chunks it overlaps, a window of them read at a time; the last chunk read
 // is kept, as it may straddle into the next tensor. Tensors are read in manifest order.
@@ -153,18 +228,23 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   const models::StDType st_type = st_type_of(out_type);
 
   const json m = read_manifest(dir);
-  if (m.contains("frozen_base"))
+  const models::ModelConfig mc = manifest_model(m, dir);
+  const ExportContent content = mc.lora.enabled() ? ExportContent::kAdapter : ExportContent::kModel;
+  if (m.contains("frozen_base") && content == ExportContent::kModel)
     throw std::invalid_argument("checkpoint " + dir.string() + " holds only the tensors that trained (model.trainable); "
                                 "the frozen ones are its base's (" + m["frozen_base"].get<std::string>() +
-                                "), which `strata ckpt export` does not read: export from the run (run.export)");  const models::ModelConfig mc = models::parse_hf_config(m["model"].dump(), (dir / "manifest.json").string());
+                                "), which `strata ckpt export` does not read: export from the run (run.export)");
   ChunkCatalog catalog(dir, m);  // format 1-2: the chunks checked to tile every unit
-  const ExportPlan plan = plan_export(m["units"], dir, mc, st_type);
+  const ExportPlan plan = plan_export(m["units"], dir, mc, st_type, content);
 
   // Refused before any work: an existing, non-empty out_dir without `overwrite`.
-  models::ExportDirectory out(out_dir, overwrite, "pass --force to replace its config.json and model.safetensors");
+  models::ExportDirectory out(out_dir, overwrite, "pass --force to replace its config.json and model.safetensors",
+                              directory_kind(content));
   const fs::path& tmp = out.tmp();
-  models::ShardedSafetensorsWriter writer(tmp, plan.specs, shard_bytes, {{"format", "pt"}});
-  if (on_weights_file) writer.on_shard_complete([&](const std::string& file) { on_weights_file(tmp / file); });
+  models::ShardedSafetensorsWriter writer(tmp, plan.specs, shard_limit(content, shard_bytes), {{"format", "pt"}});
+  // An adapter's one file is renamed when complete: the caller's upload takes it from out_dir.
+  if (on_weights_file && content == ExportContent::kModel)
+    writer.on_shard_complete([&](const std::string& file) { on_weights_file(tmp / file); });
   ChunkReader reader(dir, catalog);
   TensorReader tensors(reader, catalog);
   ExportSink sink(plan, mc, out_type, &writer, progress);
@@ -172,9 +252,84 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   sink.finish();
   if (!sink.failure().empty()) throw std::runtime_error(sink.failure());
   ExportResult result = sink.result();
-  result.files = writer.files();
-  write_atomically(tmp / "config.json", mc.to_hf_json(dtype) + "\n");
-  if (!tokenizer_from.empty()) models::copy_tokenizer_files(tokenizer_from, tmp);
+  result.files = finish_export_directory(tmp, content, mc, dtype, writer.shards(), "");
+  if (!tokenizer_from.empty() && content == ExportContent::kModel)
+    result.tokenizer_files = models::copy_tokenizer_files(tokenizer_from, tmp);
+  out.commit();
+  return result;
+}
+
+ExportResult export_checkpoint_merged(const fs::path& dir, const fs::path& base_dir, const fs::path& out_arg,
+                                      const std::string& dtype, const std::function<void(uint64_t, uint64_t)>& progress,
+                                      bool overwrite, const fs::path& tokenizer_from, uint64_t shard_bytes,
+                                      const std::function<void(const fs::path&)>& on_weights_file) {
+  fs::path out_dir = out_arg.lexically_normal();
+  if (!out_dir.has_filename()) out_dir = out_dir.parent_path();
+  const at::ScalarType out_type = models::parse_export_dtype(dtype);
+  const models::StDType st_type = st_type_of(out_type);
+  const json m = read_manifest(dir);
+  const models::ModelConfig mc = manifest_model(m, dir);
+  if (!mc.lora.enabled())
+    throw std::invalid_argument("checkpoint " + dir.string() + " has no LoRA adapters: export it without a base");
+  const std::string want = m.value("frozen_base", std::string());
+  const std::string have = models::model_fingerprint(base_dir);
+  if (have != want)
+    throw std::invalid_argument("checkpoint " + dir.string() + " trained on the base " + want + ", and " +
+                                base_dir.string() + " is " + have + ": give the base it trained on");
+
+  // The adapters, whole (LoRA keeps blocks whole): small beside the base.
+  ChunkCatalog catalog(dir, m);
+  const ExportPlan adapters_plan = plan_export(m["units"], dir, mc, models::StDType::kF32, ExportContent::kAdapter);
+  ChunkReader reader(dir, catalog);
+  TensorReader tensors(reader, catalog);
+  std::map<std::string, at::Tensor> adapters;
+  for (const ExportItem& item : adapters_plan.items)
+    adapters[item.t.slot.whole_name()] = tensors.read(item.t).view(item.t.slot.shape);
+
+  // The base's tensors in the order a run's merged export writes them (its units: each stage's
+  // adapters, then its frozen base tensors in stage order).
+  const models::SafetensorsCheckpoint base(base_dir);
+  const std::string source = base_dir.string();
+  std::vector<std::string> names;
+  std::vector<models::SafetensorsWriter::Spec> specs;
+  uint64_t total = 0;
+  for (const std::string& name : models::tensor_names(mc)) {
+    if (models::is_adapter_tensor(name)) continue;
+    names.push_back(name);
+    const std::vector<int64_t> shape = models::hf_tensor_shape(mc, base, name, source);
+    specs.push_back({name, st_type, shape});
+    uint64_t numel = 1;
+    for (int64_t d : shape) numel *= uint64_t(d);
+    total += numel * models::st_dtype_bytes(st_type);
+  }
+  models::ExportDirectory out(out_dir, overwrite, "pass --force to replace its config.json and model.safetensors");
+  const fs::path& tmp = out.tmp();
+  models::ShardedSafetensorsWriter writer(tmp, specs, shard_bytes, {{"format", "pt"}});
+  if (on_weights_file) writer.on_shard_complete([&](const std::string& file) { on_weights_file(tmp / file); });
+  ExportResult result;
+  for (const std::string& name : names) {
+    at::Tensor w = models::read_hf_tensor(mc, base, name, source);  // fp32, Strata's layout
+    const std::string module = name.substr(0, name.size() - std::string(".weight").size());
+    const auto a = adapters.find(models::adapter_a_name(module)), b = adapters.find(models::adapter_b_name(module));
+    if (name.ends_with(".weight") && a != adapters.end() && b != adapters.end()) {
+      w = models::merged_weight(w, a->second, b->second, mc.lora.scaling());
+      adapters.erase(a);
+      adapters.erase(b);
+    }
+    w = w.to(out_type);
+    if (models::hf_stores_transposed(mc, name)) w = w.t();
+    w = w.contiguous();
+    writer.write(name, {static_cast<const std::byte*>(w.data_ptr()), w.nbytes()});
+    ++result.tensors;
+    result.bytes += w.nbytes();
+    if (progress) progress(result.bytes, total);
+  }
+  if (!adapters.empty())
+    throw std::runtime_error("checkpoint " + dir.string() + ": adapter " + adapters.begin()->first +
+                             " adapts no weight of the model");
+  writer.finish();
+  result.files = finish_export_directory(tmp, ExportContent::kMerged, mc, dtype, writer.shards(), "");
+  if (!tokenizer_from.empty()) result.tokenizer_files = models::copy_tokenizer_files(tokenizer_from, tmp);
   out.commit();
   return result;
 }

@@ -18,6 +18,7 @@
 #include "checkpoint/format.h"
 #include "strata/engine/checkpoint.h"
 #include "strata/models/hf_io.h"
+#include "strata/models/peft.h"
 #include "strata/models/sharded_safetensors.h"
 
 namespace strata::engine {
@@ -98,8 +99,10 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
   if (!out_dir.has_filename()) out_dir = out_dir.parent_path();
   const int rank = comm.rank(), world = comm.world_size();
   const models::ModelConfig& mc = engine.model_config();
-  const ExportPlan plan = plan_export(partition_json(engine.partition()), out_dir, mc, st_type_of(options.type));
-  const std::vector<std::vector<size_t>> shards = models::plan_shards(plan.specs, options.shard_bytes);
+  const ExportPlan plan =
+      plan_export(partition_json(engine.partition()), out_dir, mc, st_type_of(options.type), options.content);
+  const uint64_t shard_bytes = shard_limit(options.content, options.shard_bytes);
+  const std::vector<std::vector<size_t>> shards = models::plan_shards(plan.specs, shard_bytes);
   const fs::path tmp = models::ExportDirectory::temporary(out_dir);
 
   // Rank 0 prepares the directory (refusing a non-empty out_dir) and leaves its mark; a failure
@@ -117,7 +120,7 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
   std::optional<models::ExportDirectory> out;
   at::Tensor mark = at::zeros({1}, at::kLong);
   if (rank == 0) attempt([&] {
-      out.emplace(out_dir, options.overwrite, options.overwrite_hint);
+      out.emplace(out_dir, options.overwrite, options.overwrite_hint, directory_kind(options.content));
       std::random_device rd;
       const int64_t m = int64_t((uint64_t(rd()) << 31) ^ rd()) | 1;
       std::ofstream(out->tmp() / kMarkFile) << m << "\n";
@@ -146,13 +149,16 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
     for (size_t t : shards[s]) writer_of_tensor[plan.specs[t].name] = w;
   }
   std::vector<int> writer_of_item;
-  for (const ExportItem& item : plan.items) writer_of_item.push_back(writer_of_tensor.at(item.t.slot.whole_name()));
+  // A merge's adapter goes to the writer of the weight it is merged into.
+  for (const ExportItem& item : plan.items)
+    writer_of_item.push_back(writer_of_tensor.at(item.key.empty() ? item.merge_into : item.key));
   std::optional<models::ShardedSafetensorsWriter> writer;
   const bool writes = std::find(mine.begin(), mine.end(), true) != mine.end() || (rank == 0 && m != 0);
   if (writes && sees) attempt([&] {
-      writer.emplace(tmp, plan.specs, options.shard_bytes, std::map<std::string, std::string>{{"format", "pt"}},
+      writer.emplace(tmp, plan.specs, shard_bytes, std::map<std::string, std::string>{{"format", "pt"}},
                      models::ShardedSafetensorsWriter::Part{mine, rank == 0});
-      if (options.on_weights_file)
+      // An adapter's one file is renamed when complete: the caller's upload takes it from out_dir.
+      if (options.on_weights_file && options.content != ExportContent::kAdapter)
         writer->on_shard_complete([&](const std::string& file) { options.on_weights_file(tmp / file); });
     });
   ExportSink sink(plan, mc, options.type, writer && failure.empty() ? &*writer : nullptr);
@@ -219,7 +225,8 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
     // A failure here (a tensor too large for memory) stops this rank's writing, not its rounds.
     if (receiving && sink.writing() && failure.empty()) attempt([&] {
         const ExportItem& item = plan.items[receiving->item];
-        if (tensor_in == 0) tensor = at::empty({int64_t(item.t.numel)}, at::TensorOptions().dtype(options.type));
+        if (tensor_in == 0)
+          tensor = at::empty({int64_t(item.t.numel)}, at::TensorOptions().dtype(item.fp32 ? at::kFloat : options.type));
         tensor.narrow(0, int64_t(tensor_in), int64_t(receiving->numel))
             .copy_(receive.narrow(0, 0, int64_t(receiving->numel)));
         if ((tensor_in += receiving->numel) == item.t.numel) {
@@ -248,10 +255,13 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
     fs::remove(tmp, ignored);
   }
   if (written) throw agreed(*written);
-  result.files = models::shard_set_files(shards.size());
+  result.files = options.content == ExportContent::kAdapter ? std::vector<std::string>{models::kAdapterWeightsFile}
+                                                             : models::shard_set_files(shards.size());
   if (rank == 0) attempt([&] {
-      write_atomically(out->tmp() / "config.json", mc.to_hf_json(models::hf_dtype_name(options.type)) + "\n");
-      if (!options.tokenizer_from.empty()) result.tokenizer_files = models::copy_tokenizer_files(options.tokenizer_from, out->tmp());
+      finish_export_directory(out->tmp(), options.content, mc, models::hf_dtype_name(options.type), shards.size(),
+                              options.base_model);
+      if (!options.tokenizer_from.empty() && options.content != ExportContent::kAdapter)
+        result.tokenizer_files = models::copy_tokenizer_files(options.tokenizer_from, out->tmp());
       out->commit();
     });
   if (const std::optional<RankError> e = first_error(comm, failure)) throw agreed(*e);

@@ -18,6 +18,7 @@
 
 #include "checkpoint/format.h"
 #include "strata/engine/checkpoint.h"
+#include "strata/models/hf_io.h"
 #include "strata/models/model_config.h"
 #include "strata/models/sharded_safetensors.h"
 
@@ -26,6 +27,9 @@ namespace strata::engine::ckpt {
 struct ExportItem {
   ManifestTensor t;
   uint64_t whole_numel;  // elements of the whole tensor it is (a part of)
+  std::string key;       // its whole tensor's name in the file ("" : not written, merged into merge_into)
+  std::string merge_into;  // a merge's adapter: the weight it is merged into
+  bool fp32 = false;       // arrives in fp32 (a merge's adapter or weight), not in the export type
 };
 // What is written: the manifest's tensors in order (items), and the whole tensors the file
 // declares (specs), in the order they complete.
@@ -38,13 +42,31 @@ struct ExportPlan {
 // Tensors in unit order, packed in their unit as the partition packs them (`units`: a manifest's
 // or partition_json's). A block tile's part goes into its whole tensor, which is written once its
 // last part is in. Throws std::runtime_error (naming `dir`) when parts do not make a whole.
-ExportPlan plan_export(const json& units, const fs::path& dir, const models::ModelConfig& mc, models::StDType st_type);
+// `content` (checkpoint.h): kModel every tensor; kAdapter the adapters alone, keyed as PEFT keys
+// them; kMerged the rest, each adapted weight's adapters first as merge inputs (a unit order
+// where an adapter follows its weight is refused). A LoRA model's kModel is refused, as are
+// kAdapter and kMerged without LoRA (std::invalid_argument).
+ExportPlan plan_export(const json& units, const fs::path& dir, const models::ModelConfig& mc, models::StDType st_type,
+                       ExportContent content = ExportContent::kModel);
 
 models::StDType st_type_of(at::ScalarType type);
 
+// What both exports write around the weights, by content: the shard limit (a PEFT adapter is one
+// file, which peft requires), and the directory's kind.
+uint64_t shard_limit(ExportContent content, uint64_t shard_bytes);
+models::ExportKind directory_kind(ExportContent content);
+// Completes the temporary directory `tmp` of an export whose writer has finished: kModel and
+// kMerged get config.json (weights in `dtype`, transformers' name); kAdapter its one weights file
+// renamed adapter_model.safetensors and adapter_config.json (`base_model` its
+// base_model_name_or_path). Returns the weights files (ExportResult::files).
+std::vector<std::string> finish_export_directory(const fs::path& tmp, ExportContent content, const models::ModelConfig& mc,
+                                                 const std::string& dtype, size_t shards, const std::string& base_model);
+
 // Writes a plan's tensors as their elements arrive: each item's elements flat (any float type),
 // converted to `out_type` (exactly: converting the parts and assembling them is assembling and
-// converting), parts assembled into their whole tensors, GPT-2's Conv1D weights transposed. Items
+// converting), parts assembled into their whole tensors, GPT-2's Conv1D weights transposed; a
+// merge's adapters kept (fp32) until their weight comes, merged into it (models::merged_weight)
+// before it is converted. Items
 // come in plan order; a writer of some shards only (ShardedSafetensorsWriter::Part) gets the
 // items of its shards' tensors, a whole tensor's parts all together. With `writer` null, or
 // after a failure, put() does nothing.
@@ -69,6 +91,7 @@ class ExportSink {
   models::ShardedSafetensorsWriter* writer_;
   std::function<void(uint64_t, uint64_t)> progress_;
   std::map<std::string, std::pair<at::Tensor, uint64_t>> assembling_;  // whole name -> (tensor, elements in)
+  std::map<std::string, at::Tensor> adapters_;  // a merge's adapters waiting for their weight, by name
   std::string failure_;
   ExportResult result_;
 };

@@ -243,6 +243,7 @@ CheckpointMeta checkpoint_meta(const json& m, const fs::path& dir) {
     meta.samples_consumed = m.at("samples_consumed").get<uint64_t>();
     meta.world_size = m.at("world_size").get<int>();
     if (m.contains("frozen_base")) meta.frozen_base = m["frozen_base"].get<std::string>();
+    if (m.contains("lora")) meta.lora = m["lora"].dump();
     if (m.contains("global_batch")) meta.global_batch = m["global_batch"].get<uint64_t>();
     else if (meta.train_steps > 0 && meta.samples_consumed % uint64_t(meta.train_steps) == 0)
       meta.global_batch = meta.samples_consumed / uint64_t(meta.train_steps);

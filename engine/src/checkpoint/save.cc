@@ -22,6 +22,7 @@
 #include "checkpoint/staging.h"
 #include "strata/engine/checkpoint.h"
 #include "strata/models/model_config.h"
+#include "strata/models/peft.h"
 #include "strata/offload/crc32c.h"
 #include "strata/offload/file.h"
 #include "strata/offload/io_engine.h"
@@ -143,6 +144,9 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
                                   "fingerprint of the base they come from (CheckpointMeta::frozen_base)");
     snap.manifest["frozen_base"] = meta.frozen_base;
   }
+  // What a LoRA checkpoint exports as an adapter directory and resumes only with.
+  if (engine.model_config().lora.enabled())
+    snap.manifest["lora"] = json::parse(models::peft_adapter_config_json(engine.model_config(), ""));
   // Last, so that nothing above can throw with the engine held: from here on the writer (or the
   // caller, if it cannot start one) owns releasing every unit.
   snap.hold = std::make_shared<StateHold>(engine.partition().num_units());

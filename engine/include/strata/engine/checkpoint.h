@@ -44,6 +44,9 @@ struct CheckpointMeta {
   // seed); saved in the manifest when any unit is frozen, since the checkpoint does not hold
   // them. A resume must check that its base has the same fingerprint. Empty: nothing frozen.
   std::string frozen_base;
+  // Read back only: the manifest's LoRA settings (an adapter_config.json's text, models/peft.h;
+  // saved from the engine's model config), "" when the model has no adapters.
+  std::string lora;
 };
 
 struct CheckpointOptions {
@@ -163,6 +166,23 @@ ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
                                   bool overwrite = false, const std::filesystem::path& tokenizer_from = {},
                                   uint64_t shard_bytes = models::kDefaultShardBytes,
                                   const std::function<void(const std::filesystem::path&)>& on_weights_file = {});
+// A LoRA checkpoint (its manifest has "lora"; it holds the adapters alone) exports as a PEFT adapter
+// directory instead: out_dir/adapter_config.json and out_dir/adapter_model.safetensors, one file
+// whatever shard_bytes (peft loads no other), no tokenizer files. export_checkpoint_merged writes
+// the merged model given its base.
+
+// A LoRA checkpoint's merged model: the Hugging Face model in `base_dir` (the one it trained on:
+// its models::model_fingerprint must be the manifest's frozen_base, else std::invalid_argument
+// naming both) with the checkpoint's adapters merged into the weights they adapt
+// (models::merged_weight, fp32, then `dtype`), written as export_checkpoint_hf writes a model,
+// tensor by tensor in the order a run's merged export writes them (the files are the same). Holds
+// the adapters and one base tensor. Throws std::invalid_argument for a checkpoint without LoRA.
+ExportResult export_checkpoint_merged(const std::filesystem::path& checkpoint_dir, const std::filesystem::path& base_dir,
+                                      const std::filesystem::path& out_dir, const std::string& dtype,
+                                      const std::function<void(uint64_t, uint64_t)>& progress = {},
+                                      bool overwrite = false, const std::filesystem::path& tokenizer_from = {},
+                                      uint64_t shard_bytes = models::kDefaultShardBytes,
+                                      const std::function<void(const std::filesystem::path&)>& on_weights_file = {});
 
 // Collective: the engine's weights now (fp32 masters) as a Hugging Face model directory, as
 // export_checkpoint_hf writes a checkpoint's, streamed: tensor by tensor in unit order, the files
@@ -178,14 +198,23 @@ ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
 // missing, and on_weights_file must move each one away (upload it). Rank 0 writes the index,
 // config.json and the tokenizer, and commits (renames the files into out_dir).
 //
+// What is written (`content`): the model; or, of a LoRA model, its PEFT adapter directory
+// (adapter_config.json + one adapter_model.safetensors, the adapters alone, written by rank 0);
+// or the merged model (a Hugging Face model directory of the base weights with the adapters
+// merged in, models::merged_weight in fp32: each adapter travels to the writer of the weight it
+// adapts). A LoRA model's kModel export and a kAdapter/kMerged export without LoRA are refused.
+//
 // Memory: a writer holds one tensor in the export type (two for a transposed one, a tiled
-// tensor's whole) and a piece; every rank two rounds of the pieces it sends (128 MiB): it reads
+// tensor's whole; a merged weight and its adapters in fp32) and a piece; every rank two rounds of the pieces it sends (128 MiB): it reads
 // the next round's (on a thread of its own) while a round travels and is written.
 // Waits for an asynchronous save in flight, then holds the state while it reads (hold_state).
 // Call on the training thread of every rank. A failure on any rank (a full disk, an existing
 // out_dir without `overwrite`, a read from swap) is thrown on every rank alike once every rank has
 // done the export's collectives (the failing rank's message, named by rank elsewhere).
+enum class ExportContent { kModel, kAdapter, kMerged };
 struct EngineExport {
+  ExportContent content = ExportContent::kModel;
+  std::string base_model;  // kAdapter: adapter_config.json's base_model_name_or_path ("" : none)
   at::ScalarType type = at::kFloat;
   uint64_t shard_bytes = models::kDefaultShardBytes;
   bool overwrite = false;

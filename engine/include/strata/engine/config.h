@@ -170,7 +170,10 @@ struct TrainConfig {
   int64_t steps = 20;
   std::string log_path = "strata-train.jsonl";
   bool progress = true;
-  std::string export_dir;  // Hugging Face safetensors + config.json after the last step
+  // Hugging Face safetensors + config.json after the last step; with model.lora, a PEFT adapter
+  // directory (adapter_config.json + adapter_model.safetensors) instead.
+  std::string export_dir;
+  bool export_merged = false;  // LoRA: also the merged model (base + scaled B A) in <export_dir>-merged
   bool export_overwrite = false;  // a non-empty export_dir is replaced (its other files kept)
   int64_t export_every = 0;  // also every N steps, into <export_dir>-step-N; 0: only at the end
   std::string export_dtype = "auto";  // float32, bfloat16, float16; auto: bf16 compute -> bfloat16

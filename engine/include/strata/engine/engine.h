@@ -89,7 +89,7 @@ struct StepResult {
   double seconds = 0;
   uint64_t tokens = 0;       // global tokens in the step
   uint64_t loss_tokens = 0;  // global targets in the loss (tokens without a mask)
-  double model_tflops = 0;   // 6 * parameters * tokens (+ attention) per second, all ranks
+  double model_tflops = 0;   // models::model_flops_per_token x tokens per second, all ranks
   StepTimeline timeline;
 };
 
@@ -231,7 +231,8 @@ class Engine {
   const std::vector<size_t>& checkpoint_units() const;
   const models::ModelConfig& model_config() const;
   MemoryReport memory() const;
-  // 6N + attention FLOPs per token of one forward+backward (the "model FLOPs" convention).
+  // Model FLOPs per token of one forward+backward (models::model_flops_per_token: 6 N + attention;
+  // a frozen parameter counts 4).
   double flops_per_token() const;
 
  private:

@@ -30,6 +30,13 @@ bool hf_stores_transposed(const ModelConfig& config, const std::string& hf_name)
 // `source` (the checkpoint's path) is named in every error.
 void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& checkpoint,
                      const std::string& source);
+// Tensor `name` of `checkpoint` in fp32 and Strata's layout (GPT-2's Conv1D weights transposed),
+// a copy: what exporters that stream a base model read (export_checkpoint_merged).
+at::Tensor read_hf_tensor(const ModelConfig& config, const SafetensorsCheckpoint& checkpoint, const std::string& name,
+                          const std::string& source);
+// Its shape as the file stores it (Hugging Face's layout), from the header.
+std::vector<int64_t> hf_tensor_shape(const ModelConfig& config, const SafetensorsCheckpoint& checkpoint,
+                                     const std::string& name, const std::string& source);
 // config.json + weights from `dir`; with `lora`, its adapters initialized as PEFT does (decoder.h).
 std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora = {});
 // A PEFT LoRA adapter directory's weights (adapter_model.safetensors, keys
@@ -37,6 +44,9 @@ std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir, const M
 // Throws std::runtime_error naming the file and tensor for an adapter of the model missing there,
 // of another shape, or a tensor there the model has no adapter for.
 void load_peft_adapter(Decoder& model, const std::filesystem::path& dir);
+// w + scaling * (b a), in fp32 and Strata's [out, in] layout: an adapter merged into the weight it
+// adapts, in the order of PEFT's merge_and_unload (b a first, then scaled, then added).
+at::Tensor merged_weight(const at::Tensor& w, const at::Tensor& a, const at::Tensor& b, double scaling);
 // transformers' name of a dtype ("float32", "bfloat16", "float16"), and back (throws
 // std::invalid_argument for another name).
 const char* hf_dtype_name(at::ScalarType t);
@@ -61,6 +71,9 @@ std::vector<std::string> copy_tokenizer_files(const std::filesystem::path& from,
 // before the removal, or destruction uncommitted, leaves `out` as it was. Files written into
 // tmp() replace theirs in `out` (a tokenizer copied from the source model); other files in `out`
 // are kept. Not thread safe; errors are std::runtime_error naming the path.
+// An adapter directory (ExportKind::kAdapter, PEFT's) is committed alike, adapter_config.json
+// taking config.json's part (its weights, one adapter_model.safetensors, replace theirs).
+enum class ExportKind { kModel, kAdapter };
 class ExportDirectory {
  public:
   // Refuses, before anything is written, an `out` that exists and is not a directory, or a
@@ -68,7 +81,8 @@ class ExportDirectory {
   // `how_to_overwrite`, e.g. "pass --force ..."). check() alone is the same test for a run that
   // exports only after hours of training.
   static void check(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite);
-  ExportDirectory(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite);
+  ExportDirectory(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite,
+                  ExportKind kind = ExportKind::kModel);
   // `<out><suffix>` beside `out`, absolute (a trailing '/' of `out` ignored): run.export_every's
   // `<out>-step-N`, and temporary().
   static std::filesystem::path beside(const std::filesystem::path& out, const std::string& suffix);
@@ -82,6 +96,7 @@ class ExportDirectory {
 
  private:
   std::filesystem::path out_, tmp_;
+  ExportKind kind_;
   bool committed_ = false;
 };
 

@@ -86,12 +86,6 @@ struct ModelConfig {
 ModelConfig load_hf_config(const std::filesystem::path& config_json);
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source);
 
-// The LoRA settings of a PEFT adapter directory's adapter_config.json, as ModelConfig::Lora. Throws
-// std::invalid_argument naming the file and key for what Strata does not compute: another
-// peft_type, lora_dropout > 0 (Strata's models have no dropout), use_dora, rank_pattern or
-// alpha_pattern, a target_modules regular expression, bias other than "none".
-ModelConfig::Lora read_peft_adapter_config(const std::filesystem::path& dir);
-
 // gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-1b, llama-8b, llama-70b, gpt3-1.3b, gpt3-2.7b,
 // gpt3-6.7b, gpt3-13b, gpt3-175b, gpt-1t, and the benchmark shapes gpt-1.4b (24 x 2048) and
 // gpt-2.8b (32 x 2560). Throws std::invalid_argument listing the names if unknown.

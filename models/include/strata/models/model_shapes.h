@@ -80,8 +80,17 @@ struct AdapterShape {
   int64_t in = 0, out = 0;
 };
 std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i);
+// Elements of every adapter of the model (0 without LoRA): r (in + out) for each adapted linear.
+int64_t adapter_parameters(const ModelConfig& c);
 // Whether a tensor name is a LoRA adapter's ("...lora_A.weight", "...lora_B.weight").
 bool is_adapter_tensor(const std::string& name);
+// The one naming rule of adapters: module `module`'s A ("<module>.lora_A.weight") and B, the
+// module an adapter tensor adapts (the inverse), and model.trainable's patterns for a LoRA run
+// (the adapters alone).
+std::string adapter_a_name(const std::string& module);
+std::string adapter_b_name(const std::string& module);
+std::string adapted_module(const std::string& adapter_name);
+std::vector<std::string> adapter_patterns();
 
 // The tensors each stage owns, in schedule order and in each stage's own order (the decoder's
 // hf_parameters()): each by its whole Hugging Face name and the elements of the stage's part of
@@ -145,5 +154,11 @@ struct ForwardFlops {
   double total() const { return blocks + head; }
 };
 ForwardFlops forward_flops_per_token(const ModelConfig& c, int64_t seq_len);
+
+// Model FLOPs a token of a training step (what model TFLOPS counts; no recompute): 6 per trainable
+// parameter (forward, input and weight gradients), 4 per frozen one (no weight gradient), plus the
+// attention's 12 x layers x hidden x seq_len. `frozen`: the frozen parameters (a LoRA run's base:
+// c.parameters(); its adapters, adapter_parameters(c), train). Full fine-tuning: 6 N + attention.
+double model_flops_per_token(const ModelConfig& c, int64_t seq_len, int64_t frozen = 0);
 
 }  // namespace strata::models

@@ -1,0 +1,133 @@
+#include "lora_bench.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <thread>
+
+#include "bench_model.h"
+#include "strata/engine/comm.h"
+#include "strata/engine/device.h"
+#include "strata/engine/engine.h"
+#include "strata/models/model_shapes.h"
+#include "timing.h"
+
+namespace strata::bench {
+namespace {
+
+engine::Placement placement(const std::string& name, const char* flag) {
+  if (name == "device") return engine::Placement::kDevice;
+  if (name == "host") return engine::Placement::kHost;
+  if (name == "nvme") return engine::Placement::kNvme;
+  if (name == "auto") return engine::Placement::kAuto;
+  throw std::invalid_argument(std::string("bench lora: ") + flag + " must be device, host, nvme or auto, not " + name);
+}
+
+// One side: its engine, on a device of its own.
+struct Side {
+  std::string name;
+  std::unique_ptr<engine::Device> dev;
+  std::unique_ptr<engine::Engine> eng;
+};
+
+}  // namespace
+
+void run_lora_bench(const LoraBenchOptions& o) {
+  const unsigned threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
+  at::set_num_threads(int(threads));
+  auto comm = engine::Communicator::create(engine::DistEnv{}, std::chrono::seconds(600));
+  const models::ModelConfig base = llama_shape("llama-lora-bench", o.layers, o.hidden, o.heads, o.kv_heads,
+                                               o.intermediate, o.vocab);
+  engine::EngineConfig e;
+  e.device = o.device;
+  if (o.compute == "bf16") e.compute = engine::Precision::kBf16;
+  else if (o.compute != "fp32") throw std::invalid_argument("bench lora: --compute must be fp32 or bf16, not " + o.compute);
+  e.micro_batch = o.batch;
+  e.seq_len = o.seq;
+  e.lr = 1e-4;
+  e.cpu_threads = threads;
+  e.params = placement(o.params, "--params");
+  e.grads = e.master = e.moments = placement(o.state, "--state");
+  e.nvme_dirs = o.nvme_dirs;
+  e.recompute_blocks = o.recompute ? engine::EngineConfig::kRecomputeAll : 0;
+
+  models::ModelConfig adapted = base;
+  adapted.lora.r = o.r;
+  adapted.lora.alpha = o.alpha;
+  adapted.lora.target_modules = {"all-linear"};
+  engine::EngineConfig lora_cfg = e;
+  lora_cfg.trainable = models::adapter_patterns();
+
+  std::vector<Side> sides;
+  const auto build = [&](const std::string& name, const models::ModelConfig& c, const engine::EngineConfig& cfg) {
+    Side s{name, engine::Device::create(o.device, 0, o.budget ? o.budget : UINT64_MAX), nullptr};
+    s.eng = std::make_unique<engine::Engine>(std::make_unique<models::Decoder>(c, 1, models::Decoder::Init::kDeferred),
+                                             cfg, *comm, *s.dev);
+    sides.push_back(std::move(s));
+  };
+  if (o.baseline) build("full fine-tune", base, e);
+  build("LoRA", adapted, lora_cfg);
+  const int64_t tokens = o.batch * o.seq;
+  std::cerr << "bench lora: " << base.parameters() / 1e6 << "M parameters (" << o.layers << " x " << o.hidden
+            << ", GQA " << o.heads << "/" << o.kv_heads << ", MLP " << o.intermediate << ", vocab " << o.vocab
+            << "), LoRA r " << o.r << " on every block linear (" << models::adapter_parameters(adapted) / 1e6
+            << "M adapter parameters), batch " << o.batch << " x " << o.seq << ", " << o.compute << " on "
+            << sides.front().dev->description() << ", " << threads << " threads; params " << o.params << ", state "
+            << o.state << (o.recompute ? ", recompute" : "") << std::endl;
+
+  const at::Tensor ids = at::randint(0, o.vocab, {o.batch, o.seq + 1}, at::kLong);
+  std::vector<std::function<void()>> steps;
+  for (Side& s : sides) steps.push_back([&s, &ids] { s.eng->train_step(ids); });
+  const std::vector<double> sec = median_seconds(o.steps, steps);
+
+  std::vector<nlohmann::json> lines;
+  for (size_t i = 0; i < sides.size(); ++i) {
+    const Side& s = sides[i];
+    const engine::MemoryReport m = s.eng->memory();
+    const double flops = s.eng->flops_per_token() * double(tokens);
+    nlohmann::json line = {{"side", s.name},
+                           {"step_s", sec[i]},
+                           {"tokens_per_s", double(tokens) / sec[i]},
+                           {"model_tflops", flops / sec[i] / 1e12},
+                           {"model_flops_per_step", flops},
+                           {"device_peak_bytes", m.device_peak},
+                           {"host_state_bytes", m.host_state},
+                           {"nvme_state_bytes", m.nvme_state},
+                           {"host_activation_bytes", m.host_activations},
+                           {"parameters", base.parameters()},
+                           {"trainable_parameters", s.name == "LoRA" ? models::adapter_parameters(adapted)
+                                                                     : base.parameters()}};
+    std::cout << line.dump() << std::endl;
+    lines.push_back(line);
+  }
+  const nlohmann::json& lora = lines.back();
+  nlohmann::json final_line = {{"metric", "lora_step_s"},
+                               {"value", lora["step_s"]},
+                               {"lora_host_state_bytes", lora["host_state_bytes"]},
+                               {"lora_device_peak_bytes", lora["device_peak_bytes"]},
+                               {"lora_model_tflops", lora["model_tflops"]},
+                               {"device", sides.front().dev->description()},
+                               {"compute", o.compute},
+                               {"threads", threads}};
+  if (o.baseline) {
+    const nlohmann::json& full = lines.front();
+    final_line["baseline"] = "full_finetune_step_s";
+    final_line["baseline_value"] = full["step_s"];
+    final_line["ratio"] = lora["step_s"].get<double>() / full["step_s"].get<double>();
+    final_line["full_host_state_bytes"] = full["host_state_bytes"];
+    final_line["full_device_peak_bytes"] = full["device_peak_bytes"];
+    final_line["host_state_ratio"] =
+        lora["host_state_bytes"].get<double>() / std::max(1.0, full["host_state_bytes"].get<double>());
+  } else {
+    final_line["baseline"] = nullptr;
+    final_line["baseline_value"] = nullptr;
+    final_line["ratio"] = nullptr;
+  }
+  std::cout << final_line.dump() << std::endl;
+}
+
+}  // namespace strata::bench

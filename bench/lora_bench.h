@@ -1,0 +1,37 @@
+// `strata bench lora`: a LoRA step beside the full fine-tune's, same model, same placement, same
+// run. Each side is an engine built from one EngineConfig, the LoRA side's model with adapters on
+// every linear layer of its blocks ("all-linear") and model.trainable the adapters alone
+// (models::adapter_patterns). Reports, per side, the step time (median, round-robin), tokens/s,
+// model TFLOPS (models::model_flops_per_token: 4 a frozen parameter, 6 a trainable one), the
+// device peak and the host and swap state bytes; the final JSON line's metric is the LoRA step's
+// seconds with the full fine-tune's as its baseline. --no-baseline runs the LoRA side alone (a
+// model whose full fine-tune does not fit, the 70B row on a GPU).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace strata::bench {
+
+struct LoraBenchOptions {
+  // A Llama shape (GQA, gated MLP).
+  int64_t layers = 4, hidden = 512, heads = 8, kv_heads = 4, intermediate = 1408, vocab = 8192;
+  int64_t seq = 256, batch = 2;
+  int64_t r = 16;
+  double alpha = 32;
+  unsigned steps = 5;  // timed steps per side, round-robin, median reported
+  std::string params = "host";  // placement of the compute copies: device, host, nvme or auto
+  std::string state = "host";   // gradients, master weights and moments: device, host, nvme or auto
+  std::vector<std::string> nvme_dirs;
+  std::string device = "cpu";    // "cpu" (the host device) or "cuda"
+  uint64_t budget = 0;           // device bytes; 0: no limit
+  std::string compute = "fp32";  // fp32 or bf16
+  bool recompute = true;         // every block recomputes its forward in the backward
+  bool baseline = true;          // the full fine-tune beside it
+  unsigned threads = 0;          // 0: every hardware thread
+};
+
+void run_lora_bench(const LoraBenchOptions& options);
+
+}  // namespace strata::bench

@@ -1,0 +1,37 @@
+// PEFT's LoRA adapter directory, the one place that knows its format: adapter_config.json (read
+// into ModelConfig::Lora, written back from it) and the keys of adapter_model.safetensors.
+// No libtorch here (strata_formats); loading an adapter into a model is hf_io.h's
+// load_peft_adapter, merging one into its base weight hf_io.h's merged_weight.
+//
+// Errors: std::invalid_argument naming the file (or `source`) and the key. Thread safety: pure
+// functions.
+#pragma once
+
+#include <filesystem>
+#include <string>
+
+#include "strata/models/model_config.h"
+
+namespace strata::models {
+
+inline constexpr const char* kAdapterConfigFile = "adapter_config.json";
+inline constexpr const char* kAdapterWeightsFile = "adapter_model.safetensors";
+
+// The LoRA settings of an adapter_config.json's text, as ModelConfig::Lora. Refuses what Strata
+// does not compute: another peft_type, lora_dropout > 0 (Strata's models have no dropout),
+// use_dora, rank_pattern or alpha_pattern, a target_modules regular expression, bias other than
+// "none", layers_to_transform.
+ModelConfig::Lora parse_peft_adapter_config(const std::string& json_text, const std::string& source);
+// The same, of the directory `dir`'s adapter_config.json.
+ModelConfig::Lora read_peft_adapter_config(const std::filesystem::path& dir);
+
+// The adapter_config.json PEFT writes for `c.lora` on a `c` base (task CAUSAL_LM, GPT-2's
+// Conv1D layers fan_in_fan_out), which peft.PeftModel.from_pretrained loads and
+// parse_peft_adapter_config reads back as c.lora. `base_model` (base_model_name_or_path) may be "".
+std::string peft_adapter_config_json(const ModelConfig& c, const std::string& base_model);
+
+// The adapter_model.safetensors key of adapter tensor `name` ("model.layers.0.self_attn.q_proj.
+// lora_A.weight" -> "base_model.model.model.layers.0..."), as PEFT saves it (adapter name dropped).
+std::string peft_key(const std::string& name);
+
+}  // namespace strata::models
