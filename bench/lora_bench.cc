@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -63,7 +64,13 @@ void run_lora_bench(const LoraBenchOptions& o) {
   lora_cfg.trainable = models::adapter_patterns();
 
   std::vector<Side> sides;
-  const auto build = [&](const std::string& name, const models::ModelConfig& c, const engine::EngineConfig& cfg) {
+  // Each side's swap files in a directory of its own under each of --nvme-dirs (one swap space
+  // per engine).
+  const auto build = [&](const std::string& name, const models::ModelConfig& c, engine::EngineConfig cfg) {
+    for (std::string& d : cfg.nvme_dirs) {
+      d += name == "LoRA" ? "/lora" : "/full";
+      std::filesystem::create_directories(d);
+    }
     Side s{name, engine::Device::create(o.device, 0, o.budget ? o.budget : UINT64_MAX), nullptr};
     s.eng = std::make_unique<engine::Engine>(std::make_unique<models::Decoder>(c, 1, models::Decoder::Init::kDeferred),
                                              cfg, *comm, *s.dev);

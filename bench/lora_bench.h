@@ -16,11 +16,11 @@ namespace strata::bench {
 
 struct LoraBenchOptions {
   // A Llama shape (GQA, gated MLP).
-  int64_t layers = 4, hidden = 512, heads = 8, kv_heads = 4, intermediate = 1408, vocab = 8192;
+  int64_t layers = 4, hidden = 1024, heads = 16, kv_heads = 4, intermediate = 2816, vocab = 8192;
   int64_t seq = 256, batch = 2;
   int64_t r = 16;
   double alpha = 32;
-  unsigned steps = 5;  // timed steps per side, round-robin, median reported
+  unsigned steps = 3;  // timed steps per side, round-robin, median reported
   std::string params = "host";  // placement of the compute copies: device, host, nvme or auto
   std::string state = "host";   // gradients, master weights and moments: device, host, nvme or auto
   std::vector<std::string> nvme_dirs;

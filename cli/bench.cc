@@ -446,15 +446,15 @@ trainable one, device peak, host and swap state bytes), then the final line: lor
 full_finetune_step_s as its baseline, and both sides' host state bytes.
 
   --layers N         transformer blocks (default 4)
-  --hidden N         model width (default 512)
-  --heads N          attention heads (default 8)
+  --hidden N         model width (default 1024)
+  --heads N          attention heads (default 16)
   --kv-heads N       key/value heads (default 4)
-  --intermediate N   MLP width (default 1408)
+  --intermediate N   MLP width (default 2816)
   --vocab N          vocabulary (default 8192)
   --seq N            tokens per sequence (default 256)
   --batch N          sequences per step (default 2)
   --r N              LoRA rank (default 16; lora_alpha twice it)
-  --steps N          timed steps per side (default 5)
+  --steps N          timed steps per side (default 3)
   --params P         where the compute copies live: device, host (default), nvme or auto
   --state P          gradients, master weights and moments: device, host (default), nvme or auto
   --nvme-dirs A,B    swap directories for nvme

@@ -44,7 +44,15 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const Seconds block_kinds = seconds_by_kind(block_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
   const Seconds head_kinds = seconds_by_kind(head_forward(m, seqs, cfg.seq_len, shard), gpu, fp32);
   const double block_fwd = block_kinds.total(), head_fwd = head_kinds.total();
-  const double recomputed = double(p.choice.recomputed) * blocks / double(std::max<size_t>(1, block_stages));
+  // Block stages with a backward (a frozen prefix has none), and those of them recomputed.
+  size_t with_backward = 0, recomputed_stages = 0;
+  for (size_t s = schedule.first_block(); s < schedule.first_head(); ++s)
+    if (schedule.has_backward(s)) {
+      ++with_backward;
+      if (s < schedule.first_block() + p.choice.recomputed) ++recomputed_stages;
+    }
+  const double recomputed = double(recomputed_stages) * blocks / double(std::max<size_t>(1, block_stages));
+  const double backward_blocks = double(with_backward) * blocks / double(std::max<size_t>(1, block_stages));
   // MLPs over token chunks: each block's backward runs its MLP's forward again, chunk by chunk.
   const Seconds mlp_again_kinds = p.mlp_token_chunk > 0
                                       ? seconds_by_kind(mlp_forward(m, seqs, cfg.seq_len, shard), gpu, fp32)
@@ -69,7 +77,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const bool head_recomputed =
       p.head_logits.recomputes_logits(uint64_t(cfg.micro_batch * cfg.seq_len), uint64_t(m.vocab_size));
   const double head = (head_recomputed ? 4 : 3) * head_fwd - head_frozen * head_kinds.matmul;
-  const double bwd = double(blocks) * (2 * block_fwd - blocks_frozen * block_kinds.matmul + mlp_again_kinds.total()) +
+  const double bwd = backward_blocks * (2 * block_fwd - blocks_frozen * block_kinds.matmul + mlp_again_kinds.total()) +
                      recomputed * block_fwd;
   // The host device's ranks share one CPU and its memory: each gets its share of both.
   const double share = gpu.is_host ? double(per_node) : 1;
@@ -197,10 +205,10 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   t.compute = A * compute_mb;
   // By kind: the same passes (each block 3 + recompute, the head 3 or 4) over each kind's time,
   // less the weight gradients of frozen weights.
-  const double block_passes = double(blocks) * 3 + recomputed, head_passes = head_recomputed ? 4 : 3;
+  const double block_passes = double(blocks) + 2 * backward_blocks + recomputed, head_passes = head_recomputed ? 4 : 3;
   t.compute_matmul = A * share *
-                     ((block_passes - blocks * blocks_frozen) * block_kinds.matmul + blocks * mlp_again_kinds.matmul +
-                      (head_passes - head_frozen) * head_kinds.matmul);
+                     ((block_passes - backward_blocks * blocks_frozen) * block_kinds.matmul +
+                      backward_blocks * mlp_again_kinds.matmul + (head_passes - head_frozen) * head_kinds.matmul);
   t.compute_attention = A * share * block_passes * block_kinds.attention;
   t.compute_memory = A * share * (block_passes * block_kinds.memory + head_passes * head_kinds.memory);
   t.compute_local = A * local_mb;

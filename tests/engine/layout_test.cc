@@ -51,6 +51,52 @@ TEST(Schedule, RejectsStagesWithoutUnitsAndUnknownUnits) {
   EXPECT_THROW(Schedule({{0}}, 1), std::invalid_argument);
 }
 
+// Frozen units: a stage has a backward when it, or a stage below it, learns (its input gradient
+// carries the gradient down); an embedding stage when it learns (its input is token ids); the
+// head always. A frozen block above a learning embedding keeps its backward.
+TEST(Schedule, BackwardsStopBelowTheLowestStageThatLearns) {
+  const auto backwards = [](const Schedule& s) {
+    std::vector<size_t> out;
+    for (const Use& u : s.uses())
+      if (u.kind == Use::kBackward) out.push_back(u.stage);
+    for (size_t st = 0; st < s.num_stages(); ++st)
+      EXPECT_EQ(s.has_backward(st), std::count(out.begin(), out.end(), st) == 1) << st;
+    return out;
+  };
+  // Units: embedding 0, blocks 1-3, head 4 (untied); frozen embedding and blocks 1-2.
+  const std::vector<std::vector<size_t>> stages = {{0}, {1}, {2}, {3}, {4}};
+  EXPECT_EQ(backwards(Schedule(stages, 5, 1, 1, {1, 1, 1, 0, 0})), (std::vector<size_t>{3}));
+  // Block 2 learns (half of it, say): blocks 2 and 3 have backwards, block 1 and the embedding none.
+  EXPECT_EQ(backwards(Schedule(stages, 5, 1, 1, {1, 1, 0, 1, 0})), (std::vector<size_t>{3, 2}));
+  // The embedding learns: every block carries its gradient down.
+  EXPECT_EQ(backwards(Schedule(stages, 5, 1, 1, {0, 1, 1, 1, 1})), (std::vector<size_t>{3, 2, 1, 0}));
+  // Nothing frozen: every stage.
+  EXPECT_EQ(backwards(Schedule(stages, 5)), (std::vector<size_t>{3, 2, 1, 0}));
+  // Vocabulary tiles: each embedding tile by itself (tile 1 learns); the blocks all carry.
+  EXPECT_EQ(backwards(Schedule({{0}, {1}, {2}, {3}, {4}, {5}}, 6, 2, 2, {1, 0, 1, 1, 1, 1})),
+            (std::vector<size_t>{4, 3, 2, 1}));
+}
+
+// A block stage without a backward neither keeps its graph nor is checkpointed, whatever the
+// recompute choice: it runs without autograd.
+TEST(MemoryModel, BlocksWithoutABackwardKeepNothing) {
+  const Schedule s({{0}, {1}, {2}, {3}, {4}}, 5, 1, 1, {1, 1, 0, 0, 0});
+  ModelSizes z;
+  z.padded_numel = {64, 64, 64, 64, 64};
+  z.shard_numel = z.padded_numel;
+  z.tokens = 8;
+  z.hidden = 4;
+  z.vocab = 16;
+  z.graph_bytes = {0, 100, 100, 100, 0};
+  const MemoryModel m(s, z);
+  for (size_t recomputed : {0u, 1u, 3u}) {
+    Choices c;
+    c.recomputed = recomputed;
+    EXPECT_FALSE(m.keeps_graph(1, c) || m.checkpointed(1, c)) << recomputed;
+    EXPECT_NE(m.keeps_graph(2, c), m.checkpointed(2, c)) << recomputed;
+  }
+}
+
 // Awkward sizes: primes, two ranks' padding.
 ModelSizes awkward_sizes() {
   ModelSizes z;

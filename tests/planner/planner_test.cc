@@ -557,10 +557,9 @@ TEST(Planner, FamilyModels) {
 // same Llama shape on two GPUs: its frozen units are gathered and do nothing else, so it reduces
 // and updates only the adapters, its backward has no weight gradients for the base (model FLOPs
 // 4 N + attention, give or take the adapters' share of the blocks), and it gathers what the full
-// run gathers plus the adapters.
+// run gathers less the frozen embedding's backward, plus the adapters.
 TEST(Planner, FrozenUnitsAreGatheredAndNothingElse) {
-  Cluster c = cluster_preset("h100-box");
-  c.node.gpus = 2;
+  const Cluster c = a100s(2);
   models::ModelConfig m = models::preset("llama-1b");
   m.layers = 4;
   m.hidden = 1024;
@@ -591,10 +590,12 @@ TEST(Planner, FrozenUnitsAreGatheredAndNothingElse) {
   EXPECT_GT(l.reduced, 0);
   EXPECT_LT(l.reduced, f.reduced * adapter_share * 1.1);
   EXPECT_LT(l.cpu_optimizer, f.cpu_optimizer * adapter_share * 1.1);
-  EXPECT_LT(l.down, f.down * adapter_share * 1.1);
-  // Gathers: the base at each use, as the full run, and the adapters.
-  EXPECT_GE(l.gathered, f.gathered);
-  EXPECT_LT(l.gathered, f.gathered * (1 + 2 * adapter_share));
+  EXPECT_LT(l.down, f.down * 0.2);  // the activation checkpoints still go down, no base gradient
+  // Gathers: the base at each use, but the frozen embedding only in the forward (it has no
+  // backward), and the adapters: less than the full run, by about one embedding.
+  const double embedding = double(m.vocab_size * m.hidden) * 2 / 2;  // bf16, half of it from the other rank
+  EXPECT_LT(l.gathered, f.gathered);
+  EXPECT_NEAR(l.gathered, f.gathered - embedding, 3 * adapter_share * f.gathered);
   // Model FLOPs: the full run's less one forward of every linear product (the weight gradients),
   // within the adapters' share of the blocks (they keep theirs).
   const models::ForwardFlops ff = models::forward_flops_per_token(m, cfg.seq_len);

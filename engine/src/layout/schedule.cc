@@ -34,15 +34,20 @@ Schedule::Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_unit
   shared_units_ = size_t(std::count_if(stages_using.begin(), stages_using.end(), [](int c) { return c > 1; }));
   for (size_t s = 0; s + 1 < n; ++s) uses_.push_back({s, Use::kForward});
   uses_.push_back({n - 1, Use::kHead});
-  for (size_t s = n - 1; s-- > 0;) {
-    const bool learns = frozen.empty() || std::any_of(stage_units_[s].begin(), stage_units_[s].end(),
-                                                      [&](size_t u) { return !frozen[u]; });
-    if (s >= first_block_ || learns) uses_.push_back({s, Use::kBackward});
-  }
-}
-
-bool Schedule::has_backward(size_t stage) const {
-  return std::any_of(uses_.begin(), uses_.end(), [&](const Use& u) { return u.stage == stage && u.kind == Use::kBackward; });
+  const auto learns = [&](size_t s) {
+    return frozen.empty() || std::any_of(stage_units_[s].begin(), stage_units_[s].end(),
+                                         [&](size_t u) { return !frozen[u]; });
+  };
+  // An embedding stage needs its backward when it learns (its input is token ids); a block stage
+  // when it or anything below it learns (its backward carries the gradient down); the head's
+  // stages always (they start the backward), the last one within its head use.
+  backward_.assign(n, true);
+  backward_[n - 1] = false;
+  bool below = false;
+  for (size_t s = 0; s < first_block_; ++s) below = (backward_[s] = learns(s)) || below;
+  for (size_t s = first_block_; s < first_head_; ++s) below = (backward_[s] = below || learns(s));
+  for (size_t s = n - 1; s-- > 0;)
+    if (backward_[s]) uses_.push_back({s, Use::kBackward});
 }
 
 bool Schedule::uses_unit(size_t stage, size_t unit) const {

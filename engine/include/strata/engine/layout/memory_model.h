@@ -94,13 +94,14 @@ class MemoryModel {
   const ModelSizes& sizes() const { return sizes_; }
 
   // Stage s runs with autograd and keeps its graph until its backward / is recomputed from its
-  // input (an activation checkpoint).
-  // Blocks count from the schedule's first block stage.
+  // input (an activation checkpoint). Blocks count from the schedule's first block stage; a block
+  // stage without a backward (a frozen prefix) does neither: it runs without autograd, keeps
+  // nothing (the memory model still counts its checkpoint: an overestimate).
   bool keeps_graph(size_t stage, const Choices& c) const {
-    return schedule_.is_block(stage) && stage >= schedule_.first_block() + c.recomputed;
+    return schedule_.is_block(stage) && schedule_.has_backward(stage) && stage >= schedule_.first_block() + c.recomputed;
   }
   bool checkpointed(size_t stage, const Choices& c) const {
-    return schedule_.is_block(stage) && stage < schedule_.first_block() + c.recomputed;
+    return schedule_.is_block(stage) && schedule_.has_backward(stage) && stage < schedule_.first_block() + c.recomputed;
   }
 
   uint64_t unit_bytes(size_t unit) const;

@@ -37,8 +37,10 @@ class Schedule {
 
   size_t num_stages() const { return stage_units_.size(); }
   size_t num_units() const { return last_use_stage_.size(); }
-  // One micro-batch's uses, in order: 2 * num_stages() - 1 of them, less the frozen embedding
-  // stages' backward uses.
+  // One micro-batch's uses, in order: 2 * num_stages() - 1 of them, less the backward uses of
+  // stages nothing below them learns through: a frozen embedding stage, and a frozen prefix of
+  // block stages above a frozen embedding (no weight there and below has a gradient, so nothing
+  // needs their input gradients).
   const std::vector<Use>& uses() const { return uses_; }
   // Uses numbered over a whole step: index k is micro-batch k / uses().size().
   const Use& use_at(size_t k) const { return uses_[k % uses_.size()]; }
@@ -47,7 +49,7 @@ class Schedule {
   // The lowest stage using `unit`: its last backward, after which its gradient is final.
   size_t last_use_stage(size_t unit) const { return last_use_stage_.at(unit); }
   // Whether stage s has a backward use.
-  bool has_backward(size_t stage) const;
+  bool has_backward(size_t stage) const { return backward_.at(stage); }
   // Units used by more than one stage (a tied embedding).
   size_t shared_units() const { return shared_units_; }
   // The block stages: [first_block(), first_head()).
@@ -68,6 +70,7 @@ class Schedule {
   std::vector<std::vector<size_t>> stage_units_;
   std::vector<size_t> last_use_stage_;
   std::vector<Use> uses_;
+  std::vector<bool> backward_;  // by stage: has a backward use
   size_t shared_units_ = 0;
   size_t first_block_ = 1, first_head_ = 1;
 };
