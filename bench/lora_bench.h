@@ -1,7 +1,8 @@
 // `strata bench lora`: a LoRA step beside the full fine-tune's, same model, same placement, same
 // run. Each side is an engine built from one EngineConfig, the LoRA side's model with adapters on
 // every linear layer of its blocks ("all-linear") and model.trainable the adapters alone
-// (models::adapter_patterns). Reports, per side, the step time (median, round-robin), tokens/s,
+// (models::adapter_patterns). Reports, per side, the step time (median of its steps run back to
+// back after a warm-up: each side's update overlaps its own next step, never the other's), tokens/s,
 // model TFLOPS (models::model_flops_per_token: 4 a frozen parameter, 6 a trainable one), the
 // device peak and the host and swap state bytes; the final JSON line's metric is the LoRA step's
 // seconds with the full fine-tune's as its baseline. --no-baseline runs the LoRA side alone (a
@@ -20,7 +21,7 @@ struct LoraBenchOptions {
   int64_t seq = 256, batch = 2;
   int64_t r = 16;
   double alpha = 32;
-  unsigned steps = 3;  // timed steps per side, round-robin, median reported
+  unsigned steps = 3;  // timed steps per side, back to back, median reported
   std::string params = "host";  // placement of the compute copies: device, host, nvme or auto
   std::string state = "host";   // gradients, master weights and moments: device, host, nvme or auto
   std::vector<std::string> nvme_dirs;
