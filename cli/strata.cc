@@ -152,8 +152,10 @@ int ckpt_export(const std::vector<std::string>& argv) {
     strata::cli::clear_directory(out);  // nothing of an earlier staged export is uploaded again
   }
   const bool tty = isatty(STDERR_FILENO);
-  // The merged model first: a base that is not the checkpoint's is refused before anything is written.
+  // The merged model first: a base that is not the checkpoint's is refused before anything is
+  // written, and so is an OUT that would be refused after it.
   if (!base.empty()) {
+    strata::models::ExportDirectory::check(out, force, "pass --force to replace its files");
     const std::filesystem::path merged = strata::models::ExportDirectory::beside(out, "-merged");
     const auto t1 = std::chrono::steady_clock::now();
     const auto m = strata::engine::export_checkpoint_merged(dir, base, merged, dtype, [&](uint64_t done, uint64_t total) {

@@ -75,7 +75,7 @@ void check_export_space(const engine::TrainConfig& tc, const models::ModelConfig
   const uint64_t exports = 1 + (tc.export_every > 0 && tc.steps > 0 ? uint64_t((tc.steps - 1) / tc.export_every) : 0);
   // A LoRA run writes its adapters (small) and, with export_merged, the merged model.
   const uint64_t model_bytes = uint64_t(mc.parameters()) * uint64_t(at::elementSize(type));
-  const uint64_t adapter_bytes = uint64_t(models::adapter_parameters(mc)) * uint64_t(at::elementSize(type));
+  const uint64_t adapter_bytes = uint64_t(models::adapter_parameters(mc)) * 4;  // adapters go out in fp32
   uint64_t need = (mc.lora.enabled() ? adapter_bytes + (tc.export_merged ? model_bytes : 0) : model_bytes) * exports;
   if (to_store) need = std::min(need, 2 * tc.export_shard_bytes * uint64_t(world));
   check_free_space(models::ExportDirectory::temporary(tc.export_dir).parent_path(), need,
@@ -160,7 +160,7 @@ void Exporter::write(const std::filesystem::path& dir, bool overwrite, engine::E
                 : content == engine::ExportContent::kMerged ? "the merged model to "
                                                             : "")
             << dir.string()
-            << " (" << models::hf_dtype_name(type_)
+            << " (" << (content == engine::ExportContent::kAdapter ? "float32" : models::hf_dtype_name(type_))
             << (done.tokenizer_files.empty() ? "" : ", with the tokenizer of init_from") << ", "
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
   if (upload) upload->finish(dir.string(), done.files);

@@ -145,8 +145,15 @@ Start load_resume_point(const Run& run, const ResumePoint& resume) {
       std::sort(v.begin(), v.end());
       return v;
     };
-    if (saved.r != l.r || (l.enabled() && (saved.alpha != l.alpha || saved.rslora != l.rslora ||
-                                           sorted(saved.target_modules) != sorted(l.target_modules))))
+    // A LoRA checkpoint written before the manifest recorded its settings has none: it resumes
+    // with this run's (its units, checked on load, must hold this run's adapters).
+    const bool unrecorded = resume.lora.empty() && l.enabled() && !resume.frozen_base.empty();
+    if (unrecorded && run.lead)
+      std::cerr << "strata train: checkpoint " << resume.dir->string()
+                << " records no LoRA settings (saved before they were recorded): resuming with this run's "
+                << describe(l) << "\n";
+    if (!unrecorded && (saved.r != l.r || (l.enabled() && (saved.alpha != l.alpha || saved.rslora != l.rslora ||
+                                                           sorted(saved.target_modules) != sorted(l.target_modules)))))
       throw std::runtime_error("checkpoint " + resume.dir->string() + " trained " + describe(saved) +
                                ", but this run has " + describe(l) + ": resume with the same model.lora");
     const auto t0 = std::chrono::steady_clock::now();

@@ -240,11 +240,16 @@ void ExportDirectory::commit() {
   // From here a crash leaves no config.json describing weights that are not there: the old
   // config goes first, then weight files of an earlier export in another sharding (transformers
   // would read the wrong set), then the new files arrive, config.json last.
+  // An earlier export of the other kind goes too: a directory holding both a model and an adapter
+  // would load as whichever its reader looks for first.
   const std::string descriptor = kind_ == ExportKind::kModel ? "config.json" : kAdapterConfigFile;
+  const std::string other = kind_ == ExportKind::kModel ? kAdapterConfigFile : "config.json";
   fs::remove(out_ / descriptor);
+  fs::remove(out_ / other);
   for (const auto& e : fs::directory_iterator(out_)) {
     const std::string n = e.path().filename().string();
-    if (kind_ == ExportKind::kModel && is_export_weights(n) && !fs::exists(tmp_ / n)) fs::remove(e.path());
+    const bool weights = is_export_weights(n) || n == kAdapterWeightsFile;
+    if (weights && !fs::exists(tmp_ / n)) fs::remove(e.path());
   }
   for (const auto& e : fs::directory_iterator(tmp_))
     if (e.path().filename() != descriptor) fs::rename(e.path(), out_ / e.path().filename());

@@ -60,12 +60,12 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // Forward, backward (twice the forward), the recomputed blocks' forward again; the head's
   // forward and backward, plus its logits again in the backward when cut into tiles in two
   // passes (one pass computes each chunk's gradients with its loss).
-  // The frozen share of the blocks' and the head's weights: that share of their products has no
-  // weight gradient (the backward computes input gradients alone there).
+  // The frozen share of the weights of the block stages with a backward and of the head: that
+  // share of their products has no weight gradient (the backward computes input gradients alone).
   const auto frozen_share = [&](bool head_stages) {
     double all = 0, still = 0;
     for (size_t s = 0; s < schedule.num_stages(); ++s)
-      if (head_stages ? schedule.is_head(s) : schedule.is_block(s))
+      if (head_stages ? schedule.is_head(s) : schedule.is_block(s) && schedule.has_backward(s))
         for (size_t u : schedule.units_of(s)) {
           all += double(p.unit_numel[u]);
           if (is_frozen(u)) still += double(p.unit_numel[u]);

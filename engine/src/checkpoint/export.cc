@@ -85,6 +85,10 @@ uint64_t shard_limit(ExportContent content, uint64_t shard_bytes) {
   return content == ExportContent::kAdapter ? UINT64_MAX : shard_bytes;
 }
 
+at::ScalarType export_type(ExportContent content, at::ScalarType asked) {
+  return content == ExportContent::kAdapter ? at::kFloat : asked;
+}
+
 models::ExportKind directory_kind(ExportContent content) {
   return content == ExportContent::kAdapter ? models::ExportKind::kAdapter : models::ExportKind::kModel;
 }
@@ -224,12 +228,11 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
     throw std::invalid_argument("export: " + tokenizer_from.string() + " is not a Hugging Face model or tokenizer directory");
   fs::path out_dir = out_arg.lexically_normal();  // "hf-model/": the temporary beside it, not in it
   if (!out_dir.has_filename()) out_dir = out_dir.parent_path();
-  const at::ScalarType out_type = models::parse_export_dtype(dtype);
-  const models::StDType st_type = st_type_of(out_type);
-
   const json m = read_manifest(dir);
   const models::ModelConfig mc = manifest_model(m, dir);
   const ExportContent content = mc.lora.enabled() ? ExportContent::kAdapter : ExportContent::kModel;
+  const at::ScalarType out_type = export_type(content, models::parse_export_dtype(dtype));
+  const models::StDType st_type = st_type_of(out_type);
   if (m.contains("frozen_base") && content == ExportContent::kModel)
     throw std::invalid_argument("checkpoint " + dir.string() + " holds only the tensors that trained (model.trainable); "
                                 "the frozen ones are its base's (" + m["frozen_base"].get<std::string>() +
@@ -252,7 +255,7 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   sink.finish();
   if (!sink.failure().empty()) throw std::runtime_error(sink.failure());
   ExportResult result = sink.result();
-  result.files = finish_export_directory(tmp, content, mc, dtype, writer.shards(), "");
+  result.files = finish_export_directory(tmp, content, mc, models::hf_dtype_name(out_type), writer.shards(), "");
   if (!tokenizer_from.empty() && content == ExportContent::kModel)
     result.tokenizer_files = models::copy_tokenizer_files(tokenizer_from, tmp);
   out.commit();

@@ -99,8 +99,9 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
   if (!out_dir.has_filename()) out_dir = out_dir.parent_path();
   const int rank = comm.rank(), world = comm.world_size();
   const models::ModelConfig& mc = engine.model_config();
+  const at::ScalarType type = export_type(options.content, options.type);
   const ExportPlan plan =
-      plan_export(partition_json(engine.partition()), out_dir, mc, st_type_of(options.type), options.content);
+      plan_export(partition_json(engine.partition()), out_dir, mc, st_type_of(type), options.content);
   const uint64_t shard_bytes = shard_limit(options.content, options.shard_bytes);
   const std::vector<std::vector<size_t>> shards = models::plan_shards(plan.specs, shard_bytes);
   const fs::path tmp = models::ExportDirectory::temporary(out_dir);
@@ -161,7 +162,7 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
       if (options.on_weights_file && options.content != ExportContent::kAdapter)
         writer->on_shard_complete([&](const std::string& file) { options.on_weights_file(tmp / file); });
     });
-  ExportSink sink(plan, mc, options.type, writer && failure.empty() ? &*writer : nullptr);
+  ExportSink sink(plan, mc, type, writer && failure.empty() ? &*writer : nullptr);
 
   // Read, not changed: the hold makes read_state see the device's queued update; the caller (the
   // training thread) runs no update meanwhile. An asynchronous save in flight is waited for first.
@@ -226,7 +227,7 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
     if (receiving && sink.writing() && failure.empty()) attempt([&] {
         const ExportItem& item = plan.items[receiving->item];
         if (tensor_in == 0)
-          tensor = at::empty({int64_t(item.t.numel)}, at::TensorOptions().dtype(item.fp32 ? at::kFloat : options.type));
+          tensor = at::empty({int64_t(item.t.numel)}, at::TensorOptions().dtype(item.fp32 ? at::kFloat : type));
         tensor.narrow(0, int64_t(tensor_in), int64_t(receiving->numel))
             .copy_(receive.narrow(0, 0, int64_t(receiving->numel)));
         if ((tensor_in += receiving->numel) == item.t.numel) {
@@ -236,7 +237,7 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
         }
       });
     if (rank == 0 && options.progress)
-      options.progress(gathered * models::st_dtype_bytes(st_type_of(options.type)), plan.total);
+      options.progress(gathered * models::st_dtype_bytes(st_type_of(type)), plan.total);
     round = std::move(next);
   }
   reading.get();  // the empty round's
@@ -258,7 +259,7 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const fs::path
   result.files = options.content == ExportContent::kAdapter ? std::vector<std::string>{models::kAdapterWeightsFile}
                                                              : models::shard_set_files(shards.size());
   if (rank == 0) attempt([&] {
-      finish_export_directory(out->tmp(), options.content, mc, models::hf_dtype_name(options.type), shards.size(),
+      finish_export_directory(out->tmp(), options.content, mc, models::hf_dtype_name(type), shards.size(),
                               options.base_model);
       if (!options.tokenizer_from.empty() && options.content != ExportContent::kAdapter)
         result.tokenizer_files = models::copy_tokenizer_files(options.tokenizer_from, out->tmp());

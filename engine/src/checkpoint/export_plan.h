@@ -54,6 +54,9 @@ models::StDType st_type_of(at::ScalarType type);
 // What both exports write around the weights, by content: the shard limit (a PEFT adapter is one
 // file, which peft requires), and the directory's kind.
 uint64_t shard_limit(ExportContent content, uint64_t shard_bytes);
+// The dtype written: `asked`, except for an adapter, written in fp32 whatever was asked (PEFT keeps
+// adapters in fp32; rounded, base + adapter would no longer be the merged export).
+at::ScalarType export_type(ExportContent content, at::ScalarType asked);
 models::ExportKind directory_kind(ExportContent content);
 // Completes the temporary directory `tmp` of an export whose writer has finished: kModel and
 // kMerged get config.json (weights in `dtype`, transformers' name); kAdapter its one weights file

@@ -168,14 +168,15 @@ ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
                                   const std::function<void(const std::filesystem::path&)>& on_weights_file = {});
 // A LoRA checkpoint (its manifest has "lora"; it holds the adapters alone) exports as a PEFT adapter
 // directory instead: out_dir/adapter_config.json and out_dir/adapter_model.safetensors, one file
-// whatever shard_bytes (peft loads no other), no tokenizer files. export_checkpoint_merged writes
+// whatever shard_bytes (peft loads no other), in fp32 whatever `dtype`, no tokenizer files. export_checkpoint_merged writes
 // the merged model given its base.
 
 // A LoRA checkpoint's merged model: the Hugging Face model in `base_dir` (the one it trained on:
 // its models::model_fingerprint must be the manifest's frozen_base, else std::invalid_argument
 // naming both) with the checkpoint's adapters merged into the weights they adapt
 // (models::merged_weight, fp32, then `dtype`), written as export_checkpoint_hf writes a model,
-// tensor by tensor in the order a run's merged export writes them (the files are the same). Holds
+// tensor by tensor in the order a run's merged export writes them (the files are the same when
+// the run computed in the base's precision or finer and did not tile the vocabulary). Holds
 // the adapters and one base tensor. Throws std::invalid_argument for a checkpoint without LoRA.
 ExportResult export_checkpoint_merged(const std::filesystem::path& checkpoint_dir, const std::filesystem::path& base_dir,
                                       const std::filesystem::path& out_dir, const std::string& dtype,
