@@ -109,7 +109,8 @@ def same_files(a, b):
 
 def main():
     strata, work, case = sys.argv[1], sys.argv[2], sys.argv[3]
-    os.makedirs(work, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # a resumed run appends to its log: start from nothing
+    os.makedirs(work)
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
     vocab = 61
@@ -143,8 +144,6 @@ def main():
         cfg["placement"] = {"params": "nvme", "grads": "host", "master": "host", "moments": "host"}
         cfg["offload"] = {"nvme_dirs": [os.path.join(work, "swap")]}
         os.makedirs(os.path.join(work, "swap"), exist_ok=True)
-    for d in ("ckpt", "ckpt-resumed"):
-        shutil.rmtree(os.path.join(work, d), ignore_errors=True)
     lines = run_strata(strata, work, cfg, world, "train")
     if lines is None:
         return 1
