@@ -83,7 +83,7 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
-// The tiny model's shape options that bench tiling and bench step share, over their defaults.
+// The model's shape options that bench tiling, step and lora share, over their defaults.
 template <class Options>
 void read_model_shape(const Args& args, Options& o) {
   o.layers = args.count("layers", unsigned(o.layers));
@@ -472,14 +472,9 @@ int bench_lora(const std::vector<std::string>& argv) {
                                 "steps", "params", "state", "nvme-dirs", "device", "budget", "compute", "threads"},
                          {"no-recompute", "no-baseline"});
   strata::bench::LoraBenchOptions o;
-  o.layers = args.count("layers", unsigned(o.layers));
-  o.hidden = args.count("hidden", unsigned(o.hidden));
-  o.heads = args.count("heads", unsigned(o.heads));
+  read_model_shape(args, o);
   o.kv_heads = args.count("kv-heads", unsigned(o.kv_heads));
   o.intermediate = args.count("intermediate", unsigned(o.intermediate));
-  o.vocab = args.count("vocab", unsigned(o.vocab));
-  o.seq = args.count("seq", unsigned(o.seq));
-  o.batch = args.count("batch", unsigned(o.batch));
   o.r = args.count("r", unsigned(o.r));
   o.alpha = 2.0 * double(o.r);
   o.steps = args.count("steps", o.steps);

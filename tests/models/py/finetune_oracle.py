@@ -58,8 +58,13 @@ def family_model(case, vocab):
         m = tf.GemmaForCausalLM(tf.GemmaConfig(**common, head_dim=16, hidden_act="gelu_pytorch_tanh"))
     else:
         raise SystemExit(f"unknown case {case}")
+    return perturbed(m)
+
+
+def perturbed(m):
+    """Every tensor of `m` moved away from its default (norm weights, biases included), seeded; fp32."""
     g = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # every tensor away from its default (norm weights, biases included)
+    with torch.no_grad():
         for _, p in sorted(m.named_parameters()):
             p.add_(0.1 * torch.randn(p.shape, generator=g))
     return m.float()

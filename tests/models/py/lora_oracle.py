@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from finetune_oracle import mean_loss, sft_batch, sft_examples, write_sft  # noqa: E402
+from finetune_oracle import mean_loss, perturbed, sft_batch, sft_examples, write_sft  # noqa: E402
 
 SEQ = 24
 MICRO, ACCUM = 2, 2
@@ -67,11 +67,7 @@ def base_model(case, vocab):
                                              initializer_range=0.2))
     else:
         raise SystemExit(f"unknown case {case}")
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # every tensor away from its default (norm weights, biases included)
-        for _, p in sorted(m.named_parameters()):
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return m.float()
+    return perturbed(m)
 
 
 def read_safetensors(path):
