@@ -75,8 +75,6 @@ void read_lora(Section& s, TrainConfig& c) {
     }
   }
   if (!mc.lora.enabled()) return;
-  if (!mc.lora.modules_to_save.empty())
-    s.fail("lora", "modules_to_save is not supported yet (the adapters alone train)");
   // Every target must adapt some linear layer of a block.
   for (const std::string& t : mc.lora.target_modules) {
     bool hit = false;
@@ -91,7 +89,13 @@ void read_lora(Section& s, TrainConfig& c) {
                            return all;
                          }() + ")");
   }
+  // The adapters train, and the modules to save whole (their tensors by name).
   c.engine.trainable = models::adapter_patterns();
+  try {
+    for (const std::string& t : models::saved_whole_tensors(mc)) c.engine.trainable.push_back(t);
+  } catch (const std::invalid_argument& ex) {
+    s.fail("lora", ex.what());
+  }
 }
 
 }  // namespace strata::engine

@@ -283,15 +283,47 @@ class Tile : public Stage {
   at::Tensor norm_w, norm_b;
 };
 
+// LoRA: the attention's adapters are whole tensors of the first tile; each tile takes its rows of
+// the q/k/v adapters' B and its columns of the output projection's A (Stage::adapter_part), so the
+// tiles' outputs and their sum are the adapted block's.
 class AttentionTile final : public Tile {
   at::Tensor inv_freq_;
 
  public:
-  AttentionTile(const ModelConfig& c, int64_t block, int64_t index, int64_t count) : Tile(c, index, count) {
+  // `first`: the block's first attention tile (null for it).
+  AttentionTile(const ModelConfig& c, int64_t block, int64_t index, int64_t count, const Stage* first)
+      : Tile(c, index, count) {
     const int64_t d = c.hidden, hd = c.head_dim, rep = c.heads / c.kv_heads;
     const Range kv = tile_range(c.kv_heads, count, index);
     kv_heads_ = kv.size();
     const int64_t k0 = kv.begin * hd, k1 = kv.end * hd, q0 = k0 * rep, q1 = k1 * rep;
+    k0_ = k0, k1_ = k1, q0_ = q0, q1_ = q1;
+    add_base(c, block, d, k0, k1, q0, q1);
+    if (first) share_adapters(*first);
+    else add_adapters(c, block, BlockPart::kAttention);
+  }
+
+  at::Tensor forward(const at::Tensor& z) override {
+    auto [n, sum] = split_input(z);
+    c_.check_sequence_length(n.size(1));
+    const int64_t hd = c_.head_dim, rep = c_.heads / c_.kv_heads, d = c_.hidden;
+    const bool gpt2 = c_.arch == Arch::kGpt2;
+    // GPT-2's fused c_attn: q, k and v are rows [0, d), [d, 2d) and [2d, 3d) of its output.
+    const auto rows = [&](const std::string& module, int64_t offset, int64_t b, int64_t e) {
+      return adapter_part(module, 0, offset + b, offset + e);
+    };
+    const std::string qm = gpt2 ? "attn.c_attn" : "self_attn.q_proj", km = gpt2 ? qm : "self_attn.k_proj",
+                      vm = gpt2 ? qm : "self_attn.v_proj", om = gpt2 ? "attn.c_proj" : "self_attn.o_proj";
+    at::Tensor q = split_heads(adapted(n, wq, bq, rows(qm, 0, q0_, q1_)), kv_heads_ * rep, hd);
+    at::Tensor k = split_heads(adapted(n, wk, bk, gpt2 ? rows(km, d, q0_, q1_) : rows(km, 0, k0_, k1_)), kv_heads_, hd);
+    at::Tensor v = split_heads(adapted(n, wv, bv, gpt2 ? rows(vm, 2 * d, q0_, q1_) : rows(vm, 0, k0_, k1_)), kv_heads_, hd);
+    at::Tensor a = gpt2 ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
+                        : llama_attention(c_, q, k, v, inv_freq_);
+    return join(n, sum + adapted(merge_heads(a), wo, bo, adapter_part(om, 1, q0_, q1_)));
+  }
+
+ private:
+  void add_base(const ModelConfig& c, int64_t block, int64_t d, int64_t k0, int64_t k1, int64_t q0, int64_t q1) {
     if (c.arch == Arch::kGpt2) {
       const std::string p = "transformer.h." + std::to_string(block) + ".";
       if (first_) add_norm(p + "ln_1");
@@ -307,7 +339,7 @@ class AttentionTile final : public Tile {
       return;
     }
     const std::string p = "model.layers." + std::to_string(block) + ".";
-    const int64_t q = c.heads * hd, kvd = c.kv_heads * hd;
+    const int64_t q = c.heads * c.head_dim, kvd = c.kv_heads * c.head_dim;
     if (first_) add_norm(p + "input_layernorm");
     wq = add_part(p + "self_attn.q_proj.weight", {q, d}, 0, q0, q1);
     wk = add_part(p + "self_attn.k_proj.weight", {kvd, d}, 0, k0, k1);
@@ -321,28 +353,36 @@ class AttentionTile final : public Tile {
     if (first_ && c.attention_out_bias) bo = add(p + "self_attn.o_proj.bias", {d});
   }
 
-  at::Tensor forward(const at::Tensor& z) override {
-    auto [n, sum] = split_input(z);
-    c_.check_sequence_length(n.size(1));
-    const int64_t hd = c_.head_dim, rep = c_.heads / c_.kv_heads;
-    at::Tensor q = split_heads(dense(n, wq, bq), kv_heads_ * rep, hd);
-    at::Tensor k = split_heads(dense(n, wk, bk), kv_heads_, hd);
-    at::Tensor v = split_heads(dense(n, wv, bv), kv_heads_, hd);
-    at::Tensor a = c_.arch == Arch::kGpt2 ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
-                                         : llama_attention(c_, q, k, v, inv_freq_);
-    return join(n, sum + dense(merge_heads(a), wo, bo));
-  }
-
- private:
-  int64_t kv_heads_ = 0;
+  int64_t kv_heads_ = 0, k0_ = 0, k1_ = 0, q0_ = 0, q1_ = 0;
   at::Tensor wq, wk, wv, wo, bq, bk, bv, bo;
 };
 
+// LoRA: the MLP's adapters are whole tensors of the first tile; each tile takes its rows of the
+// up/gate adapters' B and its columns of the down projection's A.
 class MlpTile final : public Tile {
  public:
-  MlpTile(const ModelConfig& c, int64_t block, int64_t index, int64_t count) : Tile(c, index, count) {
+  // `first`: the block's first MLP tile (null for it).
+  MlpTile(const ModelConfig& c, int64_t block, int64_t index, int64_t count, const Stage* first)
+      : Tile(c, index, count), features_(tile_range(c.intermediate, count, index)) {
+    add_base(c, block);
+    if (first) share_adapters(*first);
+    else add_adapters(c, block, BlockPart::kMlp);
+  }
+
+  at::Tensor forward(const at::Tensor& z) override {
+    auto [n, sum] = split_input(z);
+    const bool gpt2 = c_.arch == Arch::kGpt2;
+    const int64_t b = features_.begin, e = features_.end;
+    const tiling::LowRank up = adapter_part(gpt2 ? "mlp.c_fc" : "mlp.up_proj", 0, b, e),
+                          gate = gpt2 ? tiling::LowRank{} : adapter_part("mlp.gate_proj", 0, b, e),
+                          down = adapter_part(gpt2 ? "mlp.c_proj" : "mlp.down_proj", 1, b, e);
+    return join(n, sum + mlp(c_, n, {wu, bu, wg, bg, wd, bd, up, gate, down}, mlp_chunk_));
+  }
+
+ private:
+  void add_base(const ModelConfig& c, int64_t block) {
     const int64_t d = c.hidden, f = c.intermediate;
-    const Range r = tile_range(f, count, index);
+    const Range r = features_;
     if (c.arch == Arch::kGpt2) {
       const std::string p = "transformer.h." + std::to_string(block) + ".";
       if (first_) add_norm(p + "ln_2");
@@ -364,12 +404,7 @@ class MlpTile final : public Tile {
     }
   }
 
-  at::Tensor forward(const at::Tensor& z) override {
-    auto [n, sum] = split_input(z);
-    return join(n, sum + mlp(c_, n, {wu, bu, wg, bg, wd, bd}, mlp_chunk_));
-  }
-
- private:
+  Range features_;
   at::Tensor wg, wu, wd, bg, bu, bd;
 };
 
@@ -495,9 +530,9 @@ at::Tensor Stage::lm_head_weight(const ModelConfig& c, const at::Tensor& tied_em
 
 std::vector<std::pair<std::string, at::Tensor>> Stage::hf_parameters() const { return params_; }
 
-void Stage::add_adapters(const ModelConfig& c, int64_t block) {
+void Stage::add_adapters(const ModelConfig& c, int64_t block, BlockPart part) {
   const std::string prefix = block_prefix(c, block);
-  for (const AdapterShape& a : block_adapters(c, block)) {
+  for (const AdapterShape& a : block_adapters(c, block, part)) {
     tiling::LowRank l;
     l.a = add(adapter_a_name(a.module), {c.lora.r, a.in});
     l.b = add(adapter_b_name(a.module), {a.out, c.lora.r});
@@ -512,10 +547,30 @@ tiling::LowRank Stage::adapter(const std::string& module) const {
 }
 
 at::Tensor Stage::adapted(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const std::string& module) const {
+  return adapted(x, w, b, adapter(module));
+}
+
+at::Tensor Stage::adapted(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const tiling::LowRank& l) {
   at::Tensor y = dense(x, w, b);
-  const auto it = adapters_.find(module);
-  if (it == adapters_.end()) return y;
-  return y + at::linear(at::linear(x, it->second.a), it->second.b) * it->second.scaling;
+  if (!l.defined()) return y;
+  return y + at::linear(at::linear(x, l.a), l.b) * l.scaling;
+}
+
+void Stage::share_adapters(const Stage& first) {
+  for (const auto& [module, l] : first.adapters_) {
+    tiling::LowRank mine = l;
+    mine.a = register_parameter("shared_" + module_name(module) + "_lora_A", l.a);
+    mine.b = register_parameter("shared_" + module_name(module) + "_lora_B", l.b);
+    adapters_[module] = mine;
+  }
+}
+
+tiling::LowRank Stage::adapter_part(const std::string& module, int64_t dim, int64_t begin, int64_t end) const {
+  tiling::LowRank l = adapter(module);
+  if (!l.defined()) return l;
+  if (dim == 0) l.b = l.b.narrow(0, begin, end - begin);
+  else l.a = l.a.narrow(1, begin, end - begin);
+  return l;
 }
 
 Decoder::Decoder(const ModelConfig& config, uint64_t seed, Init init) : config_(config) {
@@ -545,8 +600,10 @@ Stage& Decoder::block(size_t i) {
 std::vector<std::shared_ptr<Stage>> Decoder::make_tiles(int64_t block) const {
   std::vector<std::shared_ptr<Stage>> tiles;
   for (int64_t a = 0; a < tiles_.attention; ++a)
-    tiles.push_back(std::make_shared<AttentionTile>(config_, block, a, tiles_.attention));
-  for (int64_t m = 0; m < tiles_.mlp; ++m) tiles.push_back(std::make_shared<MlpTile>(config_, block, m, tiles_.mlp));
+    tiles.push_back(std::make_shared<AttentionTile>(config_, block, a, tiles_.attention, a ? tiles[0].get() : nullptr));
+  const size_t first_mlp = tiles.size();
+  for (int64_t m = 0; m < tiles_.mlp; ++m)
+    tiles.push_back(std::make_shared<MlpTile>(config_, block, m, tiles_.mlp, m ? tiles[first_mlp].get() : nullptr));
   return tiles;
 }
 

@@ -271,24 +271,31 @@ void load_peft_adapter(Decoder& model, const std::filesystem::path& dir) {
   const std::string source = file.string();
   std::set<std::string> used;
   at::NoGradGuard no_grad;
+  const ModelConfig& c = model.config();
   for (auto& [name, param] : model.hf_parameters()) {
-    if (!is_adapter_tensor(name)) continue;
+    if (!in_adapter_export(c, name)) continue;
+    const bool adapter = is_adapter_tensor(name);
     const std::string key = peft_key(name);
-    if (!ckpt.contains(key)) throw std::runtime_error(source + ": no adapter tensor '" + key + "'");
+    if (!ckpt.contains(key))
+      throw std::runtime_error(source + ": no " + (adapter ? "adapter tensor" : "tensor of model.lora's modules_to_save") +
+                               " '" + key + "'");
     used.insert(key);
     const TensorView v = ckpt.get(key);
-    const std::vector<int64_t> want(param.sizes().begin(), param.sizes().end());
+    std::vector<int64_t> want(param.sizes().begin(), param.sizes().end());
+    const bool transposed = hf_stores_transposed(c, name);  // a GPT-2 Conv1D module saved whole
+    if (transposed) std::swap(want[0], want[1]);
     if (v.info->shape != want)
-      throw std::runtime_error(source + ": tensor '" + key + "' has shape " + shape_str(v.info->shape) +
-                               ", the model's adapter (r " + std::to_string(model.config().lora.r) + ") is " +
-                               shape_str(want));
-    param.copy_(at::from_blob(const_cast<std::byte*>(v.data.data()), want,
-                              at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'"))));
+      throw std::runtime_error(source + ": tensor '" + key + "' has shape " + shape_str(v.info->shape) + ", the model's " +
+                               (adapter ? "adapter (r " + std::to_string(c.lora.r) + ")" : std::string("tensor")) +
+                               " is " + shape_str(want));
+    at::Tensor t = at::from_blob(const_cast<std::byte*>(v.data.data()), want,
+                                 at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
+    param.copy_(transposed ? t.t() : t);
   }
   for (const std::string& n : ckpt.names())
     if (!used.count(n))
-      throw std::runtime_error(source + ": tensor '" + n + "' is no adapter of this model (model.lora's " +
-                               "target_modules, and modules_to_save, which Strata does not load from an adapter)");
+      throw std::runtime_error(source + ": tensor '" + n + "' is no adapter of this model nor a tensor of its " +
+                               "modules_to_save (model.lora)");
 }
 
 at::Tensor merged_weight(const at::Tensor& w, const at::Tensor& a, const at::Tensor& b, double scaling) {

@@ -2,14 +2,14 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <set>
 #include <string>
+#include <string_view>
+#include <tuple>
 
 namespace strata::models {
 
 void check_tiles(const ModelConfig& c, const LayerTiles& t) {
-  if (c.lora.enabled() && !t.blocks_whole())
-    throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) +
-                                " MLP tiles, but LoRA adapters (model.lora) need whole blocks");
   if (t.attention < 1 || t.mlp < 1)
     throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) +
                                 " MLP tiles: each count must be at least 1");
@@ -38,6 +38,12 @@ Range tile_range(int64_t n, int64_t parts, int64_t i) {
 
 namespace {
 
+uint64_t adapter_elements(const ModelConfig& c, int64_t block, BlockPart part) {
+  uint64_t n = 0;
+  for (const AdapterShape& a : block_adapters(c, block, part)) n += uint64_t(c.lora.r * (a.in + a.out));
+  return n;
+}
+
 // Elements of attention tile i (of t.attention) and MLP tile j: the norm (and the output bias)
 // belong to the first tile of each.
 uint64_t attention_tile_parameters(const ModelConfig& c, const LayerTiles& t, int64_t i) {
@@ -65,13 +71,13 @@ std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiles& t
                 (j == 0 && c.arch == Arch::kGpt2 ? uint64_t(c.max_positions) * d : 0));
   for (int64_t i = 0; i < c.layers; ++i) {
     if (t.blocks_whole()) {
-      uint64_t adapters = 0;
-      for (const AdapterShape& a : block_adapters(c, i)) adapters += uint64_t(c.lora.r * (a.in + a.out));
-      n.push_back(uint64_t(c.block_parameters()) + adapters);
+      n.push_back(uint64_t(c.block_parameters()) + adapter_elements(c, i, BlockPart::kWhole));
       continue;
     }
-    for (int64_t a = 0; a < t.attention; ++a) n.push_back(attention_tile_parameters(c, t, a));
-    for (int64_t m = 0; m < t.mlp; ++m) n.push_back(mlp_tile_parameters(c, t, m));
+    for (int64_t a = 0; a < t.attention; ++a)
+      n.push_back(attention_tile_parameters(c, t, a) + (a == 0 ? adapter_elements(c, i, BlockPart::kAttention) : 0));
+    for (int64_t m = 0; m < t.mlp; ++m)
+      n.push_back(mlp_tile_parameters(c, t, m) + (m == 0 ? adapter_elements(c, i, BlockPart::kMlp) : 0));
   }
   for (int64_t j = 0; j < t.vocab; ++j)
     n.push_back((j == 0 ? (c.arch == Arch::kGpt2 ? 2 * d : d) : 0) +
@@ -166,6 +172,13 @@ std::vector<StageTensor> block_tensors(const ModelConfig& c, const LayerTiles& t
   return s;
 }
 
+void add_adapter_tensors(const ModelConfig& c, int64_t block, BlockPart part, std::vector<StageTensor>& s) {
+  for (const AdapterShape& a : block_adapters(c, block, part)) {
+    s.push_back({adapter_a_name(a.module), uint64_t(c.lora.r * a.in)});
+    s.push_back({adapter_b_name(a.module), uint64_t(c.lora.r * a.out)});
+  }
+}
+
 }  // namespace
 
 std::vector<std::vector<StageTensor>> stage_tensors(const ModelConfig& c, const LayerTiles& t) {
@@ -180,14 +193,17 @@ std::vector<std::vector<StageTensor>> stage_tensors(const ModelConfig& c, const 
   for (int64_t i = 0; i < c.layers; ++i) {
     if (t.blocks_whole()) {
       out.push_back(block_tensors(c, t, i, -1, -1));
-      for (const AdapterShape& a : block_adapters(c, i)) {
-        out.back().push_back({adapter_a_name(a.module), uint64_t(c.lora.r * a.in)});
-        out.back().push_back({adapter_b_name(a.module), uint64_t(c.lora.r * a.out)});
-      }
+      add_adapter_tensors(c, i, BlockPart::kWhole, out.back());
       continue;
     }
-    for (int64_t a = 0; a < t.attention; ++a) out.push_back(block_tensors(c, t, i, a, -1));
-    for (int64_t m = 0; m < t.mlp; ++m) out.push_back(block_tensors(c, t, i, -1, m));
+    for (int64_t a = 0; a < t.attention; ++a) {
+      out.push_back(block_tensors(c, t, i, a, -1));
+      if (a == 0) add_adapter_tensors(c, i, BlockPart::kAttention, out.back());
+    }
+    for (int64_t m = 0; m < t.mlp; ++m) {
+      out.push_back(block_tensors(c, t, i, -1, m));
+      if (m == 0) add_adapter_tensors(c, i, BlockPart::kMlp, out.back());
+    }
   }
   for (int64_t j = 0; j < t.vocab; ++j) {
     out.emplace_back();
@@ -200,9 +216,10 @@ std::vector<std::vector<StageTensor>> stage_tensors(const ModelConfig& c, const 
 
 std::vector<BlockLinear> block_linears(const ModelConfig& c) {
   const int64_t d = c.hidden, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim, f = c.intermediate;
-  if (c.arch == Arch::kGpt2) return {{"attn.c_attn", d, 3 * q}, {"attn.c_proj", q, d}, {"mlp.c_fc", d, f}, {"mlp.c_proj", f, d}};
-  return {{"self_attn.q_proj", d, q},  {"self_attn.k_proj", d, kv}, {"self_attn.v_proj", d, kv},
-          {"self_attn.o_proj", q, d},  {"mlp.gate_proj", d, f},     {"mlp.up_proj", d, f},
+  if (c.arch == Arch::kGpt2)
+    return {{"attn.c_attn", d, 3 * q, true}, {"attn.c_proj", q, d, true}, {"mlp.c_fc", d, f}, {"mlp.c_proj", f, d}};
+  return {{"self_attn.q_proj", d, q, true}, {"self_attn.k_proj", d, kv, true}, {"self_attn.v_proj", d, kv, true},
+          {"self_attn.o_proj", q, d, true}, {"mlp.gate_proj", d, f},           {"mlp.up_proj", d, f},
           {"mlp.down_proj", f, d}};
 }
 
@@ -217,12 +234,13 @@ int64_t adapter_parameters(const ModelConfig& c) {
   return n;
 }
 
-std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i) {
+std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i, BlockPart part) {
   std::vector<AdapterShape> out;
   if (!c.lora.enabled()) return out;
   for (const BlockLinear& l : block_linears(c)) {
+    if (part != BlockPart::kWhole && l.attention != (part == BlockPart::kAttention)) continue;
     const std::string module = block_prefix(c, i) + l.module;
-    if (c.lora.targets(module)) out.push_back({module, l.in, l.out});
+    if (c.lora.targets(module)) out.push_back({module, l.in, l.out, l.attention});
   }
   return out;
 }
@@ -234,6 +252,58 @@ std::vector<std::string> adapter_patterns() { return {adapter_a_name("*"), adapt
 
 bool is_adapter_tensor(const std::string& name) {
   return name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight");
+}
+
+namespace {
+
+// PEFT's rule for modules_to_save: a module (every dotted prefix of the tensor's name) ending
+// with the entry.
+bool selected_by(const std::string& tensor, const std::string& entry) {
+  for (size_t dot = tensor.find('.'); dot != std::string::npos; dot = tensor.find('.', dot + 1))
+    if (std::string_view(tensor.data(), dot).ends_with(entry)) return true;
+  return false;
+}
+
+}  // namespace
+
+bool saved_whole(const ModelConfig& c, const std::string& tensor) {
+  if (!c.lora.enabled() || is_adapter_tensor(tensor)) return false;
+  for (const std::string& entry : c.lora.modules_to_save)
+    if (selected_by(tensor, entry)) return true;
+  return false;
+}
+
+bool in_adapter_export(const ModelConfig& c, const std::string& tensor) {
+  return is_adapter_tensor(tensor) || saved_whole(c, tensor);
+}
+
+std::vector<std::string> saved_whole_tensors(const ModelConfig& c) {
+  std::set<std::string> adapted;
+  for (int64_t i = 0; i < c.layers; ++i)
+    for (const AdapterShape& a : block_adapters(c, i)) adapted.insert(a.module);
+  const std::vector<std::string> names = tensor_names(c);
+  std::vector<std::string> out;
+  for (const std::string& entry : c.lora.modules_to_save) {
+    bool any = false;
+    for (const std::string& name : names) {
+      if (is_adapter_tensor(name) || !selected_by(name, entry)) continue;
+      any = true;
+      const std::string module = name.substr(0, name.rfind('.'));
+      if (adapted.count(module))
+        throw std::invalid_argument("model.lora modules_to_save \"" + entry + "\" selects " + module +
+                                    ", which LoRA adapts (target_modules): a module either trains whole or gets an adapter");
+      if (c.tie_embeddings && name == token_embedding(c))
+        throw std::invalid_argument("model.lora modules_to_save \"" + entry + "\" selects the token embedding, which is tied to "
+                                    "the LM head (tie_word_embeddings): not supported");
+      if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+    }
+    if (!any)
+      throw std::invalid_argument("model.lora modules_to_save \"" + entry + "\" selects no module of the model" +
+                                  (c.tie_embeddings && std::string("lm_head").ends_with(entry)
+                                       ? std::string(" (its LM head is the tied token embedding)")
+                                       : std::string()));
+  }
+  return out;
 }
 
 std::vector<std::string> tensor_names(const ModelConfig& c) {
@@ -283,6 +353,17 @@ UnitShapes unit_shapes(const ModelConfig& c, const LayerTiles& t, const Trainabl
   // A tied head stage j also uses the unit of embedding stage j's token rows.
   if (c.tie_embeddings)
     for (size_t j = 0; j < L.head; ++j) out.stage_units[L.first_head() + j].push_back(embedding_rows_unit[j]);
+  // A block tile after the first of its attention (MLP) uses the adapters the first holds: that
+  // tile's trainable unit, its first.
+  if (!t.blocks_whole())
+    for (int64_t i = 0; i < c.layers; ++i) {
+      const size_t first = L.first_block() + size_t(i * t.block_stages());
+      for (const auto& [part, begin, count] : {std::tuple{BlockPart::kAttention, first, t.attention},
+                                               std::tuple{BlockPart::kMlp, first + size_t(t.attention), t.mlp}}) {
+        if (adapter_elements(c, i, part) == 0) continue;
+        for (int64_t k = 1; k < count; ++k) out.stage_units[begin + size_t(k)].push_back(out.stage_units[begin].at(0));
+      }
+    }
   return out;
 }
 

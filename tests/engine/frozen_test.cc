@@ -216,7 +216,8 @@ TEST(Frozen, CheckpointsHoldOnlyTrainableStateAndResumeBitwise) {
 
 namespace {
 
-// model.lora: what Strata does not compute is refused, naming the key; the adapters alone train.
+// model.lora: what Strata does not compute is refused, naming the key; the adapters (and
+// modules_to_save) alone train; block tiles cut adapted blocks.
 TEST(Lora, SettingsStrataDoesNotComputeAreRefused) {
   const auto error = [](const json& lora, const json& extra = json::object()) {
     json j = tiny_config(true, 3);
@@ -247,17 +248,47 @@ TEST(Lora, SettingsStrataDoesNotComputeAreRefused) {
   EXPECT_NE(error(with("target_modules", ".*q_proj")).find("regular expression"), std::string::npos);
   EXPECT_NE(error(with("r", 0)).find("at least 1"), std::string::npos);
   EXPECT_NE(error(ok, {{"trainable", {"lm_head.weight"}}}).find("cannot be combined with LoRA"), std::string::npos);
-  // Block tiles: refused when the engine resolves them.
+  // modules_to_save: PEFT's suffix rule selects whole tensors, which train beside the adapters;
+  // an entry that selects nothing, or an adapted linear, is refused.
+  {
+    json j = tiny_config(true, 3);
+    j["model"]["lora"] = with("modules_to_save", {"lm_head", "post_attention_layernorm"});
+    const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    EXPECT_EQ(tc.engine.trainable,
+              (std::vector<std::string>{"*.lora_A.weight", "*.lora_B.weight", "lm_head.weight",
+                                        "model.layers.0.post_attention_layernorm.weight",
+                                        "model.layers.1.post_attention_layernorm.weight",
+                                        "model.layers.2.post_attention_layernorm.weight"}));
+  }
+  const auto saving = [&](const json& modules) {
+    json j = tiny_config(true, 3);
+    j["model"]["lora"] = with("modules_to_save", modules);
+    return error_of([&] { se::parse_train_config(j.dump(), "test"); });
+  };
+  EXPECT_NE(saving({"lm_head", "no_such_module"}).find("\"no_such_module\" selects no module"), std::string::npos);
+  EXPECT_NE(saving({"mlp"}).find("which LoRA adapts"), std::string::npos) << "a module holding an adapted linear";
+  EXPECT_NE(saving({"q_proj"}).find("which LoRA adapts"), std::string::npos);
+  // Block tiles: the engine cuts adapted blocks, and its units are the ones the shapes plan (the
+  // first tile of each part holds the part's adapters, the others use them); MLP token chunks
+  // are refused.
   json j = tiny_config(true, 3);
   j["model"]["lora"] = ok;
-  j["placement"] = {{"tiling", {{"attention", 2}}}};
+  j["placement"] = {{"tiling", {{"attention", 2}, {"mlp", 3}}}};
   se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
   auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
   auto dev = se::Device::create("cpu", 0, UINT64_MAX);
+  {
+    se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), tc.engine,
+                   *comm, *dev);
+    EXPECT_EQ(eng.config().attention_tiles, 2u);
+    EXPECT_EQ(eng.config().mlp_tiles, 3u);
+  }
+  j["placement"] = {{"tiling", {{"attention", 2}, {"mlp_tokens", 8}}}};
+  tc = se::parse_train_config(j.dump(), "test");
   EXPECT_NE(error_of([&] {
               se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred),
                              tc.engine, *comm, *dev);
-            }).find("LoRA adapters (model.lora) need whole blocks"),
+            }).find("LoRA adapters (model.lora) run whole MLPs"),
             std::string::npos);
 }
 

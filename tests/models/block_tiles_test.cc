@@ -1,7 +1,7 @@
 // Block and vocabulary tiles (Decoder::set_tiles) against the whole model: the same initial weights at
 // every tiling, the same logits and gradients (to fp32 summation order), values carried over
 // when a loaded model is cut, every tensor element held by exactly one tile, and
-// model_shapes' sizes equal to the tiles'. Awkward sizes: head groups and intermediate slices
+// model_shapes' sizes equal to the tiles', LoRA adapters shared by the tiles. Awkward sizes: head groups and intermediate slices
 // that do not divide evenly, grouped-query attention, biases.
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
@@ -107,6 +107,82 @@ TEST(BlockTiles, SameWeightsLogitsAndGradientsAsWholeBlocks) {
             x = stages[s]->forward(x);
           }
         }
+      }
+    }
+  }
+}
+
+// LoRA with block tiles: the attention's adapters are whole tensors of the first attention tile,
+// the MLP's of the first MLP tile, and every later tile uses them (its rows of B where it splits
+// the output, its columns of A where it splits the input). With B not zero, the tiled model's
+// logits and every gradient (the adapters' summed over the tiles that use them) are the whole
+// blocks'; adapters of one part only (the MLP's) leave the attention tiles without any.
+TEST(BlockTiles, LoraAdaptersSharedByTilesGiveTheWholeBlocksLogitsAndGradients) {
+  struct Case {
+    std::string base;
+    bool biases;
+    std::vector<std::string> targets;
+  };
+  for (const Case& k : {Case{"gpt2", false, {"c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"}},
+                        Case{"llama-1b", true, {"all-linear"}}, Case{"llama-1b", false, {"up_proj", "down_proj"}}}) {
+    ModelConfig c = small(k.base, k.biases);
+    c.lora.r = 5;
+    c.lora.alpha = 7;
+    c.lora.target_modules = k.targets;
+    const auto nonzero_b = [](Decoder& m) {  // B not zero, the same values in every model
+      at::NoGradGuard g;
+      for (Stage* st : m.stages())
+        for (auto& [name, t] : st->hf_parameters())
+          if (name.ends_with("lora_B.weight"))
+            t.copy_(at::sin(at::arange(t.numel(), at::kFloat) * 0.37 + double(name.size())).view(t.sizes()) * 0.1);
+    };
+    const at::Tensor ids = at::randint(0, c.vocab_size, {2, 29}, at::kLong);
+    Decoder whole(c, 5);
+    nonzero_b(whole);
+    at::Tensor ref = whole.forward(ids);
+    ref.square().mean().backward();
+    const auto w0 = whole_tensors(whole), g0 = whole_tensors(whole, true);
+    for (Cut cut : {Cut{2, 3, 1}, Cut{c.kv_heads, 1, 2}, Cut{1, 4, 1}}) {
+      SCOPED_TRACE(k.base + " " + k.targets[0] + ", " + std::to_string(cut.attention) + " x " +
+                   std::to_string(cut.mlp) + " tiles");
+      Decoder tiled(c, 5);
+      nonzero_b(tiled);
+      const LayerTiles t{cut.attention, cut.mlp, cut.vocab};
+      tiled.set_tiles(t);
+      const auto w1 = whole_tensors(tiled);
+      ASSERT_EQ(w1.size(), w0.size());
+      for (const auto& [name, x] : w0) EXPECT_TRUE(at::equal(w1.at(name), x)) << name;
+      at::Tensor out = tiled.forward(ids);
+      EXPECT_LT(rel(out, ref), 1e-5);
+      out.square().mean().backward();
+      const auto g1 = whole_tensors(tiled, true);
+      size_t adapters = 0;
+      for (const auto& [name, x] : g0) {
+        EXPECT_LT(rel(g1.at(name), x), 1e-4) << name;
+        adapters += is_adapter_tensor(name);
+      }
+      EXPECT_EQ(adapters, 2 * block_adapters(c, 0).size() * size_t(c.layers));
+      // Who holds and who uses them: each adapter owned by its part's first tile (its parts(),
+      // as model_shapes says), used by every tile of that part (the same tensor).
+      const std::vector<Stage*> stages = tiled.stages();
+      const StageLayout L = stage_layout(c, t);
+      const auto tensors = stage_tensors(c, t);
+      for (size_t s = L.first_block(); s < L.first_head(); ++s) {
+        const int64_t at = int64_t(s - L.first_block()) % t.block_stages();
+        const bool attention = at < t.attention, first = at == 0 || at == t.attention;
+        const std::vector<AdapterShape> own = block_adapters(c, 0, attention ? BlockPart::kAttention : BlockPart::kMlp);
+        size_t held = 0;
+        for (const TensorPart& p : stages[s]->parts()) held += is_adapter_tensor(p.tensor);
+        EXPECT_EQ(held, first ? 2 * own.size() : 0) << tiled.stage_name(s);
+        ASSERT_EQ(tensors[s].size(), stages[s]->parts().size()) << tiled.stage_name(s);
+        for (size_t j = 0; j < tensors[s].size(); ++j) EXPECT_EQ(tensors[s][j].tensor, stages[s]->parts()[j].tensor);
+        const size_t owner = s - size_t(attention ? at : at - t.attention);
+        const auto owned = stages[owner]->hf_parameters();
+        size_t used = 0;
+        for (const at::Tensor& p : stages[s]->parameters())
+          for (const auto& [name, x] : owned)
+            if (is_adapter_tensor(name) && p.unsafeGetTensorImpl() == x.unsafeGetTensorImpl()) ++used;
+        EXPECT_EQ(used, 2 * own.size()) << tiled.stage_name(s) << " uses its part's adapters";
       }
     }
   }

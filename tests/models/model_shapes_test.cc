@@ -101,7 +101,7 @@ TEST(ModelShapes, StageTensorsAreTheDecodersTensorsInEveryCut) {
 
 // LoRA adapters: each targeted linear of every block gets A [r, in] and B [out, r] after the
 // block's other tensors, as the decoder's stages hold them; PEFT's initialization (A within
-// 1 / sqrt(in), B zero); block tiles are refused.
+// 1 / sqrt(in), B zero); with block tiles, held by the first tile of their part, used by the rest.
 TEST(ModelShapes, LoraAdaptersAreTheDecodersTensors) {
   for (ModelConfig c : {small("gpt2", true, false), small("llama-1b", false, true)}) {
     c.lora.r = 4;
@@ -137,7 +137,30 @@ TEST(ModelShapes, LoraAdaptersAreTheDecodersTensors) {
       for (const AdapterShape& a : block_adapters(c, 0)) n += uint64_t(c.lora.r * (a.in + a.out));
       return n;
     }());
-    EXPECT_THROW(check_tiles(c, {2, 2}), std::invalid_argument);
+    // Block tiles: the engine's units (model.trainable = the adapters): the first tile of each
+    // part holds its adapters in its trainable unit, which the part's later tiles use too.
+    const LayerTiles t{2, 3};
+    const UnitShapes u = unit_shapes(c, t, TrainableTensors(adapter_patterns()));
+    const StageLayout L = stage_layout(c, t);
+    for (size_t s = L.first_block(); s < L.first_head(); ++s) {
+      const int64_t at = int64_t(s - L.first_block()) % t.block_stages();
+      const bool attention = at < t.attention;
+      const size_t first = s - size_t(attention ? at : at - t.attention);
+      uint64_t adapters = 0;
+      for (const AdapterShape& a : block_adapters(c, 0, attention ? BlockPart::kAttention : BlockPart::kMlp))
+        adapters += uint64_t(c.lora.r * (a.in + a.out));
+      ASSERT_GT(adapters, 0u);
+      const size_t trains = u.stage_units[first].at(0);
+      EXPECT_FALSE(u.frozen[trains]);
+      EXPECT_EQ(u.numel[trains], adapters) << stage_name(c, t, s);
+      if (s == first) {
+        EXPECT_EQ(u.stage_units[s].size(), 2u) << stage_name(c, t, s) << ": its adapters, then its frozen base";
+      } else {
+        EXPECT_EQ(u.stage_units[s].size(), 2u) << stage_name(c, t, s) << ": its frozen base, then the first's adapters";
+        EXPECT_TRUE(u.frozen[u.stage_units[s][0]]);
+        EXPECT_EQ(u.stage_units[s][1], trains);
+      }
+    }
   }
 }
 

@@ -45,7 +45,7 @@ ExportPlan plan_export(const json& units, const fs::path& dir, const models::Mod
     for (int64_t d : t.slot.whole_shape()) whole *= uint64_t(d);
     const std::string name = t.slot.whole_name();
     const bool adapter = models::is_adapter_tensor(name);
-    if (content == ExportContent::kAdapter && !adapter) continue;
+    if (content == ExportContent::kAdapter && !models::in_adapter_export(mc, name)) continue;
     std::vector<int64_t> hf_shape = t.slot.whole_shape();
     ExportItem item{std::move(t), whole};
     if (content == ExportContent::kMerged && adapter) {
@@ -280,24 +280,40 @@ ExportResult export_checkpoint_merged(const fs::path& dir, const fs::path& base_
     throw std::invalid_argument("checkpoint " + dir.string() + " trained on the base " + want + ", and " +
                                 base_dir.string() + " is " + have + ": give the base it trained on");
 
-  // The adapters, whole (LoRA keeps blocks whole): small beside the base.
+  // What the adapter directory holds, whole: the adapters and the modules saved whole (each
+  // assembled from its parts where a tile holds a part), small beside the base.
   ChunkCatalog catalog(dir, m);
   const ExportPlan adapters_plan = plan_export(m["units"], dir, mc, models::StDType::kF32, ExportContent::kAdapter);
   ChunkReader reader(dir, catalog);
   TensorReader tensors(reader, catalog);
-  std::map<std::string, at::Tensor> adapters;
-  for (const ExportItem& item : adapters_plan.items)
-    adapters[item.t.slot.whole_name()] = tensors.read(item.t).view(item.t.slot.shape);
+  std::map<std::string, at::Tensor> adapters, saved;
+  for (const ExportItem& item : adapters_plan.items) {
+    const TensorSlot& slot = item.t.slot;
+    at::Tensor t = tensors.read(item.t).view(slot.shape);
+    std::map<std::string, at::Tensor>& into = models::is_adapter_tensor(slot.whole_name()) ? adapters : saved;
+    if (!slot.origin.is_part()) {
+      into[slot.whole_name()] = t;
+      continue;
+    }
+    at::Tensor& whole = into[slot.whole_name()];
+    if (!whole.defined()) whole = at::empty(slot.origin.whole_shape, t.options());
+    whole.narrow(slot.origin.dim, slot.origin.begin, slot.shape[size_t(slot.origin.dim)]).copy_(t);
+  }
 
-  // The base's tensors in the order a run's merged export writes them (its units: each stage's
-  // adapters, then its frozen base tensors in stage order).
+  // The model's tensors in the order a run's merged export writes them (its units: each stage's
+  // trainable tensors, then its frozen base tensors in stage order).
   const models::SafetensorsCheckpoint base(base_dir);
   const std::string source = base_dir.string();
   std::vector<std::string> names;
   std::vector<models::SafetensorsWriter::Spec> specs;
   uint64_t total = 0;
-  for (const std::string& name : models::tensor_names(mc)) {
-    if (models::is_adapter_tensor(name)) continue;
+  std::vector<std::string> ordered;  // by stage (whole blocks and vocabulary): trainable, then frozen
+  for (const auto& stage : models::stage_tensors(mc))
+    for (const bool trains : {true, false})
+      for (const models::StageTensor& x : stage)
+        if (!models::is_adapter_tensor(x.tensor) && models::saved_whole(mc, x.tensor) == trains)
+          ordered.push_back(x.tensor);
+  for (const std::string& name : ordered) {
     names.push_back(name);
     const std::vector<int64_t> shape = models::hf_tensor_shape(mc, base, name, source);
     specs.push_back({name, st_type, shape});
@@ -311,7 +327,9 @@ ExportResult export_checkpoint_merged(const fs::path& dir, const fs::path& base_
   if (on_weights_file) writer.on_shard_complete([&](const std::string& file) { on_weights_file(tmp / file); });
   ExportResult result;
   for (const std::string& name : names) {
-    at::Tensor w = models::read_hf_tensor(mc, base, name, source);  // fp32, Strata's layout
+    // fp32, Strata's layout: a module saved whole as it trained, the rest the base's.
+    const auto trained = saved.find(name);
+    at::Tensor w = trained != saved.end() ? trained->second : models::read_hf_tensor(mc, base, name, source);
     const std::string module = name.substr(0, name.size() - std::string(".weight").size());
     const auto a = adapters.find(models::adapter_a_name(module)), b = adapters.find(models::adapter_b_name(module));
     if (name.ends_with(".weight") && a != adapters.end() && b != adapters.end()) {

@@ -119,9 +119,6 @@ models::LayerTiles leanest_tiling(const EngineConfig& cfg, const models::ModelCo
   const auto most = [](uint64_t configured, int64_t most_auto) {
     return configured == EngineConfig::kTilesAuto ? std::max<int64_t>(1, most_auto) : int64_t(configured);
   };
-  if (mc.lora.enabled())  // adapters need whole blocks (models::check_tiles)
-    return {most(cfg.attention_tiles, 1), most(cfg.mlp_tiles, 1),
-            most(cfg.vocab_tiles, mc.vocab_size / int64_t(layout::kMinTileVocab))};
   return {most(cfg.attention_tiles, mc.kv_heads), most(cfg.mlp_tiles, mc.intermediate / 64),
           most(cfg.vocab_tiles, mc.vocab_size / int64_t(layout::kMinTileVocab))};
 }

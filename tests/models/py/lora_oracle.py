@@ -27,6 +27,12 @@ Cases:
   llama-2rank   the Llama case under `strata launch -n 2`, the frozen base in NVMe swap.
   llama-resume  the Llama case stopped after 2 steps and resumed from its checkpoint: losses and
                 exports bitwise those of the straight run.
+  llama-tiles-2rank
+                the Llama case under `strata launch -n 2` with block tiles (2 attention x 3 MLP
+                tiles, the base on the host) and modules_to_save (lm_head and every
+                post_attention_layernorm trained whole, exported in the adapter directory and
+                loaded by peft); the merged export of `ckpt export` tensor for tensor the run's
+                (the run writes tiled weights as their last part comes, so not in the same order).
 """
 import json
 import os
@@ -46,6 +52,7 @@ LR, WD, BETAS, EPS, CLIP = 3e-3, 0.1, (0.9, 0.95), 1e-8, 1.0
 STEPS = 4
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]  # attention's and the MLP's c_proj both
+SAVED = ["lm_head", "post_attention_layernorm"]  # modules_to_save of the tiles case
 
 
 def base_model(case, vocab):
@@ -116,8 +123,11 @@ def main():
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
     torch.manual_seed(1)
     targets = GPT2_TARGETS if case == "gpt2" else TARGETS
+    tiles = "tiles" in case
+    saved = SAVED if tiles else None
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0,
-                                            init_lora_weights=False, fan_in_fan_out=case == "gpt2"))
+                                            init_lora_weights=False, fan_in_fan_out=case == "gpt2",
+                                            modules_to_save=saved))
     model.save_pretrained(adapter_dir)
     world = 2 if case.endswith("2rank") else 1
     rng = np.random.default_rng(11)
@@ -136,7 +146,9 @@ def main():
            "run": {"steps": STEPS, "progress": False, "log": os.path.join(work, "log.jsonl"),
                    "export": export, "export_overwrite": True, "export_merged": True,
                    "checkpoint_dir": os.path.join(work, "ckpt")}}
-    if world > 1:
+    if tiles:
+        cfg["placement"] = {"params": "host", "tiling": {"attention": 2, "mlp": 3}}
+    elif world > 1:
         cfg["placement"] = {"params": "nvme", "grads": "host", "master": "host", "moments": "host"}
         cfg["offload"] = {"nvme_dirs": [os.path.join(work, "swap")]}
         os.makedirs(os.path.join(work, "swap"), exist_ok=True)
@@ -205,12 +217,16 @@ def main():
 
     # The adapter export: PEFT's files, the oracle's adapters.
     exported = read_safetensors(os.path.join(export, "adapter_model.safetensors"))
-    worst, worst_name, adapters = 0.0, "", 0
+    worst, worst_name, adapters, whole = 0.0, "", 0, set()
     for name, p in model.named_parameters():
-        if "lora_" not in name:
+        if not p.requires_grad:
             continue
         adapters += 1
-        key = name.replace(".default.", ".")  # base_model.model.<module>.lora_A.weight, as peft saves it
+        # as peft saves them: base_model.model.<module>.lora_A.weight, and a module to save under
+        # its own name (base_model.model.lm_head.weight)
+        key = name.replace(".modules_to_save.default.", ".").replace(".default.", ".")
+        if "lora_" not in name:
+            whole.add(key.replace("base_model.model.", "", 1))
         if key not in exported:
             print(f"FAIL: adapter {key} not exported")
             ok = False
@@ -218,8 +234,9 @@ def main():
         e = rel(exported[key], p.detach())
         if e > worst:
             worst, worst_name = e, key
-    print(f"adapters: {adapters} ({len(exported)} exported), worst relative error {worst:.3g} ({worst_name})")
-    if adapters == 0 or worst > 1e-5 or len(exported) != adapters:
+    print(f"adapters: {adapters} ({len(exported)} exported, {len(whole)} of them modules to save), "
+          f"worst relative error {worst:.3g} ({worst_name})")
+    if adapters == 0 or worst > 1e-5 or len(exported) != adapters or (tiles and not whole):
         print("FAIL: adapters differ")
         ok = False
 
@@ -249,7 +266,8 @@ def main():
         adapted = {k.replace("base_model.model.", "", 1) for k in adapted}
         merged_state = merged.state_dict()
         changed = sorted(k for k, v in base_state.items()
-                         if k not in adapted and k in merged_state and not torch.equal(merged_state[k], v))
+                         if k not in adapted and k not in whole and k in merged_state
+                         and not torch.equal(merged_state[k], v))
     print(f"merged export: logits vs merge_and_unload {e:.3g}, {len(adapted)} weights adapted")
     if e > 1e-5 or changed or len(adapted) == 0:
         print("FAIL: the merged export differs", changed[:5])
@@ -266,9 +284,17 @@ def main():
         print(run.stderr)
         print("FAIL: strata ckpt export failed")
         return 1
-    for a, b in ((os.path.join(export, "adapter_model.safetensors"), os.path.join(out, "adapter_model.safetensors")),
-                 (os.path.join(export + "-merged", "model.safetensors"), os.path.join(out + "-merged", "model.safetensors")),
-                 (os.path.join(export + "-merged", "config.json"), os.path.join(out + "-merged", "config.json"))):
+    pairs = [(os.path.join(export, "adapter_model.safetensors"), os.path.join(out, "adapter_model.safetensors")),
+             (os.path.join(export + "-merged", "config.json"), os.path.join(out + "-merged", "config.json"))]
+    run_merged, ckpt_merged = (os.path.join(d + "-merged", "model.safetensors") for d in (export, out))
+    if tiles:  # the same tensors, in another order
+        a, b = read_safetensors(run_merged), read_safetensors(ckpt_merged)
+        if a.keys() != b.keys() or any(not torch.equal(a[k], b[k]) for k in a):
+            print(f"FAIL: {ckpt_merged} does not hold the tensors of {run_merged}")
+            ok = False
+    else:
+        pairs.append((run_merged, ckpt_merged))
+    for a, b in pairs:
         if not same_files(a, b):
             print(f"FAIL: {b} is not byte for byte {a}")
             ok = False

@@ -61,12 +61,19 @@ class Stage : public torch::nn::Module {
   // The LM head's weight: its own "lm_head.weight", or the tied embedding registered as a
   // parameter of this module too (visible to parameters()/to(), not to hf_parameters()).
   at::Tensor lm_head_weight(const ModelConfig& c, const at::Tensor& tied_embedding);
-  // LoRA (ModelConfig::lora): block `block`'s adapters (models::block_adapters) as parameters
-  // after the stage's others; a module's adapter (relative name, "self_attn.q_proj"), undefined
-  // where it has none; and x W^T + b with the module's adapter added as PEFT adds it.
-  void add_adapters(const ModelConfig& c, int64_t block);
+  // LoRA (ModelConfig::lora): block `block`'s adapters of `part` (models::block_adapters) as
+  // parameters after the stage's others; a module's adapter (relative name, "self_attn.q_proj"),
+  // undefined where it has none; and x W^T + b with the module's adapter added as PEFT adds it.
+  void add_adapters(const ModelConfig& c, int64_t block, BlockPart part = BlockPart::kWhole);
   tiling::LowRank adapter(const std::string& module) const;
   at::Tensor adapted(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const std::string& module) const;
+  static at::Tensor adapted(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const tiling::LowRank& l);
+  // Block tiles: a later tile uses the adapters its part's first tile holds, registered as
+  // parameters of this module too (as a tied head's embedding: not in hf_parameters()); and the
+  // share of a module's adapter in a tile holding [begin, end) of the weight along `dim`: rows of
+  // B for an output split (dim 0), columns of A for an input split (dim 1). Undefined where none.
+  void share_adapters(const Stage& first);
+  tiling::LowRank adapter_part(const std::string& module, int64_t dim, int64_t begin, int64_t end) const;
   std::map<std::string, tiling::LowRank> adapters_;
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::vector<TensorPart> parts_;

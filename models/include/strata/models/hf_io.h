@@ -40,9 +40,10 @@ std::vector<int64_t> hf_tensor_shape(const ModelConfig& config, const Safetensor
 // config.json + weights from `dir`; with `lora`, its adapters initialized as PEFT does (decoder.h).
 std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora = {});
 // A PEFT LoRA adapter directory's weights (adapter_model.safetensors, keys
-// "base_model.model.<module>.lora_A.weight") into `model`'s adapters, each converted to fp32.
-// Throws std::runtime_error naming the file and tensor for an adapter of the model missing there,
-// of another shape, or a tensor there the model has no adapter for.
+// "base_model.model.<module>.lora_A.weight", and "base_model.model.<tensor>" for the tensors of
+// modules_to_save) into `model`'s adapters and those tensors, each converted to fp32.
+// Throws std::runtime_error naming the file and tensor for one of them missing there, of another
+// shape, or a tensor there that is neither.
 void load_peft_adapter(Decoder& model, const std::filesystem::path& dir);
 // w + scaling * (b a), in fp32 and Strata's [out, in] layout: an adapter merged into the weight it
 // adapts, in the order of PEFT's merge_and_unload (b a first, then scaled, then added).

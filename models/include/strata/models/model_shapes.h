@@ -64,22 +64,32 @@ StageLayout stage_layout(const ModelConfig& c, const LayerTiles& t);
 // first owns nothing). The sum is ModelConfig::parameters().
 std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiles& t = {});
 // A block's linear layers in the decoder's order: the module name within the block
-// ("self_attn.q_proj", GPT-2's "attn.c_attn") and its input and output features. LoRA adapts those
-// ModelConfig::lora targets (whole blocks only: check_tiles refuses block tiles with adapters).
+// ("self_attn.q_proj", GPT-2's "attn.c_attn"), its input and output features, and whether it is
+// the attention's (else the MLP's). LoRA adapts those ModelConfig::lora targets.
 struct BlockLinear {
   std::string module;
   int64_t in = 0, out = 0;
+  bool attention = false;
 };
 std::vector<BlockLinear> block_linears(const ModelConfig& c);
 // The block prefix of block i ("model.layers.3.", "transformer.h.3.").
 std::string block_prefix(const ModelConfig& c, int64_t i);
 // The adapter tensors of block i, after its other tensors in the stage: for each targeted linear
 // in order, "<module>.lora_A.weight" [r, in] and "<module>.lora_B.weight" [out, r] (full names).
+// With block tiles, the attention's adapters are whole tensors of its first attention tile and the
+// MLP's of its first MLP tile, after the tile's other tensors; every other tile of that part uses
+// them (the first tile's trainable unit, as a tied head uses the embedding's), each its rows of B
+// where it splits the output (q, k, v, gate, up; GPT-2's c_attn, c_fc) and its columns of A where
+// it splits the input (o, down; GPT-2's c_proj).
 struct AdapterShape {
   std::string module;   // full name, "model.layers.3.self_attn.q_proj"
   int64_t in = 0, out = 0;
+  bool attention = false;  // the attention's (else the MLP's)
 };
-std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i);
+// Which of a block's adapters: all (a whole block's), the attention's or the MLP's (the first
+// tile of each holds them).
+enum class BlockPart { kWhole, kAttention, kMlp };
+std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i, BlockPart part = BlockPart::kWhole);
 // Elements of every adapter of the model (0 without LoRA): r (in + out) for each adapted linear.
 int64_t adapter_parameters(const ModelConfig& c);
 // Whether a tensor name is a LoRA adapter's ("...lora_A.weight", "...lora_B.weight").
@@ -91,6 +101,15 @@ std::string adapter_a_name(const std::string& module);
 std::string adapter_b_name(const std::string& module);
 std::string adapted_module(const std::string& adapter_name);
 std::vector<std::string> adapter_patterns();
+// model.lora's modules_to_save, by PEFT's rule: a module whose name ends with an entry (a plain
+// suffix: "norm" also selects "input_layernorm") trains whole beside the adapters, with every
+// tensor under it. Whether `tensor` (a whole Hugging Face name) is one of those; the tensors of
+// `c` they select (throws std::invalid_argument naming an entry that selects nothing, one that
+// selects an adapted linear or a module holding one, or the tied embedding); and whether a tensor
+// belongs in the PEFT adapter directory (an adapter or a module to save).
+bool saved_whole(const ModelConfig& c, const std::string& tensor);
+std::vector<std::string> saved_whole_tensors(const ModelConfig& c);
+bool in_adapter_export(const ModelConfig& c, const std::string& tensor);
 
 // The tensors each stage owns, in schedule order and in each stage's own order (the decoder's
 // hf_parameters()): each by its whole Hugging Face name and the elements of the stage's part of
@@ -107,8 +126,9 @@ std::vector<std::string> tensor_names(const ModelConfig& c);
 // The units the engine makes of the stages (construct.cc builds them from the modules; the
 // resolution plans with these; construction checks they agree). Each stage owning parameters
 // makes a unit of its trainable tensors, then one of its frozen tensors (model.trainable), each
-// only where it has any; every stage uses its own units (trainable first) and, for a tied head
-// (tile), the unit holding its embedding (tile)'s token rows.
+// only where it has any; every stage uses its own units (trainable first), then for a tied head
+// (tile) the unit holding its embedding (tile)'s token rows, and for a block tile after the first
+// of its attention (MLP) whose part has adapters, the first tile's trainable unit that holds them.
 struct UnitShapes {
   std::vector<uint64_t> numel;                    // by unit
   std::vector<char> frozen;                       // by unit
@@ -125,8 +145,8 @@ std::string unit_name(const std::string& stage_name, bool frozen);
 // input (the head's).
 std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiles& t = {});
 // The units each stage uses with every tensor trainable (unit_shapes' stage_units): a unit for
-// each stage that owns parameters (numbered in stage order), and a tied head's (tile's)
-// embedding (tile) unit.
+// each stage that owns parameters (numbered in stage order), then a tied head's (tile's)
+// embedding (tile) unit and a later block tile's first tile's adapter unit.
 std::vector<std::vector<size_t>> stage_units(const ModelConfig& c, const LayerTiles& t = {});
 // Stage s's name, which is also its unit's: "embedding", "embedding.2", "block.3",
 // "block.3.attn.1", "block.3.mlp.0", "head", "head.2". Throws std::out_of_range past the head.
