@@ -68,14 +68,11 @@ void fetch_init_model(engine::TrainConfig& tc, const engine::DistEnv& env, engin
   tc.init_from = local;
 }
 
+// Deferred: the engine initializes (loads) it one unit at a time as it places the state.
 std::unique_ptr<models::Decoder> make_model(const engine::TrainConfig& tc) {
-  std::unique_ptr<models::Decoder> m =
-      tc.init_from.empty() ? std::make_unique<models::Decoder>(tc.model, tc.init_seed, models::Decoder::Init::kDeferred)
-                           : models::load_hf_model(tc.init_from, tc.model.lora);
-  if (!tc.adapter_from.empty()) {
-    m->initialize_through(m->stages().size() - 1);  // every stage's values, then the adapters'
-    models::load_peft_adapter(*m, tc.adapter_from);
-  }
+  if (!tc.init_from.empty()) return models::open_hf_model(tc.init_from, tc.model.lora, tc.adapter_from);
+  auto m = std::make_unique<models::Decoder>(tc.model, tc.init_seed, models::Decoder::Init::kDeferred);
+  if (!tc.adapter_from.empty()) m->set_source(models::peft_adapter_source(m->config(), tc.adapter_from));
   return m;
 }
 

@@ -697,9 +697,9 @@ std::vector<Stage*> Decoder::group(size_t g) const {
 
 std::string Decoder::stage_name(size_t stage) const { return models::stage_name(config_, tiles_, stage); }
 
-// Initial values: a 1-D tensor a constant by its name, any other normal(0, 0.02) from the one
-// stream, drawn whole in the untiled block's order and then cut into the parts that hold it, so
-// that every tiling starts from the same weights.
+// Initial values: the source's where it holds the tensor; else a 1-D tensor a constant by its
+// name, any other normal(0, 0.02) from the one stream; each whole in the untiled block's order
+// and then cut into the parts that hold it, so that every tiling starts from the same weights.
 void Decoder::initialize_group(size_t g) {
   const std::vector<Stage*> members = group(g);
   std::vector<std::pair<std::string, std::vector<int64_t>>> order;  // whole tensors, untiled order
@@ -715,12 +715,19 @@ void Decoder::initialize_group(size_t g) {
     for (const TensorPart& p : members[0]->parts()) order.emplace_back(p.tensor, p.shape);
   }
   for (const auto& [name, shape] : order) {
-    at::Tensor drawn;  // a whole tensor held in parts is drawn whole, then cut
-    if (shape.size() != 1) {
-      for (Stage* st : members)
-        for (size_t k = 0; k < st->parts().size(); ++k)
-          if (st->parts()[k].tensor == name && st->parts()[k].whole()) drawn = st->hf_parameters()[k].second;
-      if (!drawn.defined()) drawn = at::empty(shape, at::kFloat);
+    at::Tensor whole;  // the member holding the tensor whole, if any
+    for (Stage* st : members)
+      for (size_t k = 0; k < st->parts().size(); ++k)
+        if (st->parts()[k].tensor == name && st->parts()[k].whole()) whole = st->hf_parameters()[k].second;
+    // A tensor held in parts is loaded or drawn whole, then cut.
+    at::Tensor drawn;
+    bool loaded = false;
+    if (source_) {
+      drawn = whole.defined() ? whole : at::empty(shape, at::kFloat);
+      loaded = source_(name, drawn);
+    }
+    if (!loaded && shape.size() != 1) {
+      if (!drawn.defined()) drawn = whole.defined() ? whole : at::empty(shape, at::kFloat);
       // LoRA as PEFT initializes it: A as nn.Linear's default (kaiming_uniform_ with a = sqrt(5):
       // uniform within 1 / sqrt(in)), B zero, so that the adapted model starts as the base.
       if (name.ends_with(".lora_A.weight")) drawn.uniform_(-1.0 / std::sqrt(double(shape[1])), 1.0 / std::sqrt(double(shape[1])), init_gen_);
@@ -732,8 +739,9 @@ void Decoder::initialize_group(size_t g) {
         const TensorPart& p = st->parts()[k];
         if (p.tensor != name) continue;
         at::Tensor t = st->hf_parameters()[k].second;
-        if (p.whole() && shape.size() != 1) continue;  // drawn in place
-        if (shape.size() != 1) t.copy_(drawn.narrow(p.dim, p.begin, p.end - p.begin));
+        const bool filled = loaded || shape.size() != 1;
+        if (p.whole() && filled) continue;  // loaded or drawn in place
+        if (filled) t.copy_(drawn.narrow(p.dim, p.begin, p.end - p.begin));
         else if (is_norm_weight(name) && name.ends_with("weight")) t.fill_(config_.gemma ? 0.0 : 1.0);  // Gemma: (1 + weight)
         else t.zero_();
       }

@@ -83,26 +83,31 @@ std::vector<int64_t> hf_tensor_shape(const ModelConfig& c, const SafetensorsChec
   return ckpt.get(hf_key(c, ckpt, name, source)).info->shape;
 }
 
-void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt, const std::string& source) {
-  const ModelConfig& c = model.config();
-  std::set<std::string> used;
+namespace {
+
+// The checkpoint's key `key` into `dst` (fp32, Strata's layout), its shape checked: `tensor` is
+// the model's name of it, `what` how an error names the model's side.
+void copy_tensor(const ModelConfig& c, const SafetensorsCheckpoint& ckpt, const std::string& key,
+                 const std::string& tensor, at::Tensor& dst, const std::string& source, const std::string& what) {
+  const TensorView v = ckpt.get(key);
+  const bool transpose = is_conv1d(c, tensor);
+  std::vector<int64_t> want(dst.sizes().begin(), dst.sizes().end());
+  if (transpose) std::swap(want[0], want[1]);
+  if (v.info->shape != want)
+    throw std::runtime_error(source + ": tensor '" + key + "' has shape " + shape_str(v.info->shape) + ", " + what +
+                             " expects " + shape_str(want));
   at::NoGradGuard no_grad;
-  for (auto& [name, param] : model.hf_parameters()) {
-    if (is_adapter_tensor(name)) continue;  // LoRA: initialized, or load_peft_adapter's
-    const std::string key = hf_key(c, ckpt, name, source);
-    used.insert(key);
-    const TensorView v = ckpt.get(key);
-    const bool transpose = is_conv1d(c, name);
-    std::vector<int64_t> want(param.sizes().begin(), param.sizes().end());
-    if (transpose) std::swap(want[0], want[1]);
-    if (v.info->shape != want) {
-      throw std::runtime_error(source + ": tensor '" + key + "' has shape " + shape_str(v.info->shape) +
-                               ", the model (" + c.name + ") expects " + shape_str(want));
-    }
-    at::Tensor src = at::from_blob(const_cast<std::byte*>(v.data.data()), want,
-                                   at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
-    param.copy_(transpose ? src.t() : src);
-  }
+  const at::Tensor src = at::from_blob(const_cast<std::byte*>(v.data.data()), want,
+                                       at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
+  dst.copy_(transpose ? src.t() : src);
+}
+
+// Every tensor of the model but its adapters is in the checkpoint (the first missing one named),
+// and nothing else is (the unexpected ones counted, the first five named).
+void check_model_tensors(const ModelConfig& c, const SafetensorsCheckpoint& ckpt, const std::string& source) {
+  std::set<std::string> used;
+  for (const std::string& name : tensor_names(c))
+    if (!is_adapter_tensor(name)) used.insert(hf_key(c, ckpt, name, source));
   std::vector<std::string> unexpected;
   for (const std::string& n : ckpt.names()) {
     if (used.count(n)) continue;
@@ -113,16 +118,85 @@ void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt, const st
   if (!unexpected.empty()) {
     std::string list;
     for (size_t i = 0; i < unexpected.size() && i < 5; ++i) list += (i ? ", " : "") + unexpected[i];
-    throw std::runtime_error(source + ": " + std::to_string(unexpected.size()) +
-                             " unexpected tensors for a " + c.name + " model: " + list);
+    throw std::runtime_error(source + ": " + std::to_string(unexpected.size()) + " unexpected tensors for a " + c.name +
+                             " model: " + list);
   }
 }
 
-std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora) {
+// Every tensor of a PEFT adapter directory the model takes from it (adapters, modules_to_save)
+// is there, and nothing else is.
+void check_adapter_tensors(const ModelConfig& c, const SafetensorsCheckpoint& ckpt, const std::string& source) {
+  std::set<std::string> used;
+  for (const std::string& name : tensor_names(c)) {
+    if (!in_adapter_export(c, name)) continue;
+    const std::string key = peft_key(name);
+    if (!ckpt.contains(key))
+      throw std::runtime_error(source + ": no " +
+                               (is_adapter_tensor(name) ? "adapter tensor" : "tensor of model.lora's modules_to_save") +
+                               " '" + key + "'");
+    used.insert(key);
+  }
+  for (const std::string& n : ckpt.names())
+    if (!used.count(n))
+      throw std::runtime_error(source + ": tensor '" + n + "' is no adapter of this model nor a tensor of its " +
+                               "modules_to_save (model.lora)");
+}
+
+}  // namespace
+
+void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt, const std::string& source) {
+  const ModelConfig& c = model.config();
+  check_model_tensors(c, ckpt, source);
+  for (auto& [name, param] : model.hf_parameters())
+    if (!is_adapter_tensor(name))  // LoRA: initialized, or the adapter directory's
+      copy_tensor(c, ckpt, hf_key(c, ckpt, name, source), name, param, source, "the model (" + c.name + ")");
+}
+
+Decoder::TensorSource hf_model_source(const ModelConfig& c, const std::filesystem::path& dir) {
+  auto ckpt = std::make_shared<const SafetensorsCheckpoint>(dir);
+  const std::string source = dir.string();
+  check_model_tensors(c, *ckpt, source);
+  return [c, ckpt, source](const std::string& name, at::Tensor& whole) {
+    if (is_adapter_tensor(name)) return false;
+    copy_tensor(c, *ckpt, hf_key(c, *ckpt, name, source), name, whole, source, "the model (" + c.name + ")");
+    return true;
+  };
+}
+
+Decoder::TensorSource peft_adapter_source(const ModelConfig& c, const std::filesystem::path& dir) {
+  const std::filesystem::path file = dir / kAdapterWeightsFile;
+  auto ckpt = std::make_shared<const SafetensorsCheckpoint>(file);
+  const std::string source = file.string();
+  check_adapter_tensors(c, *ckpt, source);
+  return [c, ckpt, source](const std::string& name, at::Tensor& whole) {
+    if (!in_adapter_export(c, name)) return false;
+    const std::string what = is_adapter_tensor(name) ? "the model's adapter (r " + std::to_string(c.lora.r) + ")"
+                                                     : std::string("the model");
+    copy_tensor(c, *ckpt, peft_key(name), name, whole, source, what);
+    return true;
+  };
+}
+
+std::unique_ptr<Decoder> open_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora,
+                                       const std::filesystem::path& adapter_dir) {
   ModelConfig c = load_hf_config(dir / "config.json");
   c.lora = lora;
-  auto model = std::make_unique<Decoder>(c);
-  load_hf_weights(*model, SafetensorsCheckpoint(dir), dir.string());
+  auto model = std::make_unique<Decoder>(c, 0, Decoder::Init::kDeferred);
+  Decoder::TensorSource base = hf_model_source(model->config(), dir);
+  if (adapter_dir.empty()) {
+    model->set_source(std::move(base));
+  } else {
+    Decoder::TensorSource adapter = peft_adapter_source(model->config(), adapter_dir);
+    model->set_source([base, adapter](const std::string& name, at::Tensor& whole) {
+      return adapter(name, whole) || base(name, whole);
+    });
+  }
+  return model;
+}
+
+std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora) {
+  std::unique_ptr<Decoder> model = open_hf_model(dir, lora);
+  model->initialize_through(model->stages().size() - 1);
   return model;
 }
 
@@ -263,39 +337,6 @@ void ExportDirectory::commit() {
   ::close(fd);
   fs::remove(tmp_);
   committed_ = true;
-}
-
-void load_peft_adapter(Decoder& model, const std::filesystem::path& dir) {
-  const std::filesystem::path file = dir / kAdapterWeightsFile;
-  const SafetensorsCheckpoint ckpt(file);
-  const std::string source = file.string();
-  std::set<std::string> used;
-  at::NoGradGuard no_grad;
-  const ModelConfig& c = model.config();
-  for (auto& [name, param] : model.hf_parameters()) {
-    if (!in_adapter_export(c, name)) continue;
-    const bool adapter = is_adapter_tensor(name);
-    const std::string key = peft_key(name);
-    if (!ckpt.contains(key))
-      throw std::runtime_error(source + ": no " + (adapter ? "adapter tensor" : "tensor of model.lora's modules_to_save") +
-                               " '" + key + "'");
-    used.insert(key);
-    const TensorView v = ckpt.get(key);
-    std::vector<int64_t> want(param.sizes().begin(), param.sizes().end());
-    const bool transposed = hf_stores_transposed(c, name);  // a GPT-2 Conv1D module saved whole
-    if (transposed) std::swap(want[0], want[1]);
-    if (v.info->shape != want)
-      throw std::runtime_error(source + ": tensor '" + key + "' has shape " + shape_str(v.info->shape) + ", the model's " +
-                               (adapter ? "adapter (r " + std::to_string(c.lora.r) + ")" : std::string("tensor")) +
-                               " is " + shape_str(want));
-    at::Tensor t = at::from_blob(const_cast<std::byte*>(v.data.data()), want,
-                                 at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
-    param.copy_(transposed ? t.t() : t);
-  }
-  for (const std::string& n : ckpt.names())
-    if (!used.count(n))
-      throw std::runtime_error(source + ": tensor '" + n + "' is no adapter of this model nor a tensor of its " +
-                               "modules_to_save (model.lora)");
 }
 
 at::Tensor merged_weight(const at::Tensor& w, const at::Tensor& a, const at::Tensor& b, double scaling) {

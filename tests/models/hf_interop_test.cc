@@ -215,6 +215,47 @@ TEST(Decoder, DeferredInitializationGivesTheSameWeightsStageByStage) {
   EXPECT_THROW(deferred.initialize_through(5), std::out_of_range);
 }
 
+// open_hf_model loads each tensor when its stage is initialized (the engine's stream: one block
+// at a time), cut or whole, to the values load_hf_model gives; a missing tensor is named when
+// the model is opened, before anything loads.
+TEST(Decoder, OpenedModelLoadsEachStageWhenItIsInitialized) {
+  test::TempDir dir;
+  Decoder saved(tiny_llama(32), 5);
+  export_hf_model(saved, dir / "m", at::kBFloat16);
+  const auto whole = load_hf_model(dir / "m");
+  std::vector<std::string> loaded;
+  Decoder counted(tiny_llama(32), 0, Decoder::Init::kDeferred);
+  const Decoder::TensorSource file = hf_model_source(counted.config(), dir / "m");
+  counted.set_source([&](const std::string& name, at::Tensor& t) {
+    loaded.push_back(name);
+    return file(name, t);
+  });
+  counted.initialize_through(1);  // the embedding and block 0
+  EXPECT_EQ(loaded.size(), 1u + 9u);
+  EXPECT_EQ(loaded.back(), "model.layers.0.mlp.down_proj.weight");
+  counted.initialize_through(counted.stages().size() - 1);
+  EXPECT_EQ(loaded.size(), 1u + 2 * 9u + (counted.config().tie_embeddings ? 1u : 2u));  // the final norm (and lm_head)
+  auto a = whole->hf_parameters(), b = counted.hf_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  // Cut before it loads: each tile's part of the file's tensors, the same logits.
+  auto cut = open_hf_model(dir / "m");
+  cut->set_tiles({2, 3, 2});
+  cut->initialize_through(cut->stages().size() - 1);
+  const at::Tensor ids = at::randint(0, 50, {2, 11}, at::kLong);
+  at::NoGradGuard no_grad;
+  EXPECT_LE(relative_error(cut->forward(ids), whole->forward(ids)), 1e-5);
+  // Another shape of model: the file's first missing tensor, named when opening.
+  ModelConfig deeper = tiny_llama(32);
+  deeper.layers = 3;
+  try {
+    hf_model_source(deeper, dir / "m");
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no tensor 'model.layers.2."), std::string::npos) << e.what();
+  }
+}
+
 TEST(ModelConfig, PresetsHaveThePublishedParameterCounts) {
   // Published sizes: GPT-2 124M / 1558M (tied), Llama 3.2 1B (tied), Llama 3.1 8B and 70B.
   EXPECT_EQ(preset("gpt2").parameters(), 124439808);

@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -110,6 +111,15 @@ class Decoder {
   // schedule order (the random stream is one sequence over the stages). A no-op for stages done.
   void initialize_through(size_t stage);
 
+  // Where initial values come from instead of the random initialization, tensor by tensor: called
+  // with each whole tensor's Hugging Face name and an fp32 CPU tensor of its shape (Strata's
+  // layout) to fill, it returns false for a tensor it does not hold, which then gets the random
+  // initialization (the random stream draws only those). Applies to the stages initialized after
+  // it is set: with Init::kDeferred, a consumer that initializes stage by stage (the engine) loads
+  // the model one block at a time. Its exceptions propagate from initialize_through.
+  using TensorSource = std::function<bool(const std::string& name, at::Tensor& whole)>;
+  void set_source(TensorSource source) { source_ = std::move(source); }
+
   const ModelConfig& config() const { return config_; }
   // The embedding whole (throws std::logic_error when the vocabulary is tiled).
   Stage& embedding();
@@ -173,6 +183,7 @@ class Decoder {
   std::vector<std::vector<std::shared_ptr<Stage>>> blocks_;  // per block: its stages (one when whole)
   std::vector<std::shared_ptr<HeadStage>> heads_;            // the head, or its vocabulary tiles
   at::Generator init_gen_;
+  TensorSource source_;
   size_t initialized_ = 0;  // stage groups [0, initialized_) hold their initial values
 };
 

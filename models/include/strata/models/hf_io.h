@@ -37,14 +37,23 @@ at::Tensor read_hf_tensor(const ModelConfig& config, const SafetensorsCheckpoint
 // Its shape as the file stores it (Hugging Face's layout), from the header.
 std::vector<int64_t> hf_tensor_shape(const ModelConfig& config, const SafetensorsCheckpoint& checkpoint,
                                      const std::string& name, const std::string& source);
-// config.json + weights from `dir`; with `lora`, its adapters initialized as PEFT does (decoder.h).
+// Sources of initial values (Decoder::set_source), each holding its files mapped: a Hugging Face
+// model directory's tensors (every tensor of `config` but LoRA adapters), and a PEFT LoRA adapter
+// directory's (adapter_model.safetensors: the adapters, keys
+// "base_model.model.<module>.lora_A.weight", and the tensors of modules_to_save,
+// "base_model.model.<tensor>", which it gives instead of the base's). Each converted to fp32.
+// Made, each checks the names: a tensor missing there, or one there the model does not take;
+// a tensor's shape is checked when it loads. std::runtime_error naming the file and tensor.
+Decoder::TensorSource hf_model_source(const ModelConfig& config, const std::filesystem::path& dir);
+Decoder::TensorSource peft_adapter_source(const ModelConfig& config, const std::filesystem::path& dir);
+// The model in `dir` (config.json + weights) with Init::kDeferred: its weights load as its stages
+// are initialized, so a consumer that takes it stage by stage (the engine: one unit at a time,
+// each dropped once placed) never holds more than a block of it in fp32 beside the mapped files.
+// With `lora` its adapters are initialized as PEFT does (decoder.h), or from `adapter_dir`'s.
+std::unique_ptr<Decoder> open_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora = {},
+                                       const std::filesystem::path& adapter_dir = {});
+// The same, every stage loaded now.
 std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora = {});
-// A PEFT LoRA adapter directory's weights (adapter_model.safetensors, keys
-// "base_model.model.<module>.lora_A.weight", and "base_model.model.<tensor>" for the tensors of
-// modules_to_save) into `model`'s adapters and those tensors, each converted to fp32.
-// Throws std::runtime_error naming the file and tensor for one of them missing there, of another
-// shape, or a tensor there that is neither.
-void load_peft_adapter(Decoder& model, const std::filesystem::path& dir);
 // w + scaling * (b a), in fp32 and Strata's [out, in] layout: an adapter merged into the weight it
 // adapts, in the order of PEFT's merge_and_unload (b a first, then scaled, then added).
 at::Tensor merged_weight(const at::Tensor& w, const at::Tensor& a, const at::Tensor& b, double scaling);

@@ -1,7 +1,7 @@
 // PEFT's LoRA adapter directory, the one place that knows its format: adapter_config.json (read
 // into ModelConfig::Lora, written back from it) and the keys of adapter_model.safetensors.
 // No libtorch here (strata_formats); loading an adapter into a model is hf_io.h's
-// load_peft_adapter, merging one into its base weight hf_io.h's merged_weight.
+// peft_adapter_source, merging one into its base weight hf_io.h's merged_weight.
 //
 // Errors: std::invalid_argument naming the file (or `source`) and the key. Thread safety: pure
 // functions.
