@@ -73,9 +73,13 @@ void check_export_space(const engine::TrainConfig& tc, const models::ModelConfig
                         bool to_store, int world) {
   if (tc.export_dir.empty()) return;
   const uint64_t exports = 1 + (tc.export_every > 0 && tc.steps > 0 ? uint64_t((tc.steps - 1) / tc.export_every) : 0);
-  // A LoRA run writes its adapters (small) and, with export_merged, the merged model.
+  // A LoRA run writes its adapters (small) and the tensors of modules_to_save, in fp32, and with
+  // export_merged the merged model.
   const uint64_t model_bytes = uint64_t(mc.parameters()) * uint64_t(at::elementSize(type));
-  const uint64_t adapter_bytes = uint64_t(models::adapter_parameters(mc)) * 4;  // adapters go out in fp32
+  uint64_t saved = 0;
+  for (const auto& stage : models::stage_tensors(mc))
+    for (const models::StageTensor& x : stage) saved += models::saved_whole(mc, x.tensor) ? x.numel : 0;
+  const uint64_t adapter_bytes = (uint64_t(models::adapter_parameters(mc)) + saved) * 4;
   uint64_t need = (mc.lora.enabled() ? adapter_bytes + (tc.export_merged ? model_bytes : 0) : model_bytes) * exports;
   if (to_store) need = std::min(need, 2 * tc.export_shard_bytes * uint64_t(world));
   check_free_space(models::ExportDirectory::temporary(tc.export_dir).parent_path(), need,

@@ -138,8 +138,10 @@ Start load_resume_point(const Run& run, const ResumePoint& resume) {
       for (const std::string& t : x.target_modules) targets += (targets.empty() ? "" : ",") + t;
       std::ostringstream alpha;
       alpha << x.alpha;
+      std::string saved;
+      for (const std::string& t : x.modules_to_save) saved += (saved.empty() ? "" : ",") + t;
       return "LoRA r " + std::to_string(x.r) + ", lora_alpha " + alpha.str() + (x.rslora ? ", use_rslora" : "") +
-             ", target_modules " + targets;
+             ", target_modules " + targets + (saved.empty() ? "" : ", modules_to_save " + saved);
     };
     const auto sorted = [](std::vector<std::string> v) {
       std::sort(v.begin(), v.end());
@@ -153,7 +155,8 @@ Start load_resume_point(const Run& run, const ResumePoint& resume) {
                 << " records no LoRA settings (saved before they were recorded): resuming with this run's "
                 << describe(l) << "\n";
     if (!unrecorded && (saved.r != l.r || (l.enabled() && (saved.alpha != l.alpha || saved.rslora != l.rslora ||
-                                                           sorted(saved.target_modules) != sorted(l.target_modules)))))
+                                                           sorted(saved.target_modules) != sorted(l.target_modules) ||
+                                                           sorted(saved.modules_to_save) != sorted(l.modules_to_save)))))
       throw std::runtime_error("checkpoint " + resume.dir->string() + " trained " + describe(saved) +
                                ", but this run has " + describe(l) + ": resume with the same model.lora");
     const auto t0 = std::chrono::steady_clock::now();

@@ -206,9 +206,11 @@ struct Engine::Impl {
     return comm.world_size();
   }
 
+  // The largest trainable shard: a transient gradient buffer's size (frozen units have no
+  // gradient), as layout::state_bytes counts it.
   uint64_t largest_shard() const {
     uint64_t n = 0;
-    for (const UnitLayout& L : partition->units()) n = std::max(n, L.shard_numel);
+    for (size_t u : partition->trainable_units()) n = std::max(n, partition->unit(u).shard_numel);
     return n;
   }
 

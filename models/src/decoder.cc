@@ -579,6 +579,7 @@ Decoder::Decoder(const ModelConfig& config, uint64_t seed, Init init) : config_(
   heads_ = {make_head(config_, token_weight(*embeds_[0]))};
   for (int64_t i = 0; i < config_.layers; ++i) blocks_.push_back({make_block(config_, i)});
   init_gen_ = at::make_generator<at::CPUGeneratorImpl>(seed);
+  adapter_gen_ = at::make_generator<at::CPUGeneratorImpl>(seed ^ 0x9e3779b97f4a7c15ull);
   if (init == Init::kNow) initialize_through(stages().size() - 1);
 }
 
@@ -730,7 +731,7 @@ void Decoder::initialize_group(size_t g) {
       if (!drawn.defined()) drawn = whole.defined() ? whole : at::empty(shape, at::kFloat);
       // LoRA as PEFT initializes it: A as nn.Linear's default (kaiming_uniform_ with a = sqrt(5):
       // uniform within 1 / sqrt(in)), B zero, so that the adapted model starts as the base.
-      if (name.ends_with(".lora_A.weight")) drawn.uniform_(-1.0 / std::sqrt(double(shape[1])), 1.0 / std::sqrt(double(shape[1])), init_gen_);
+      if (name.ends_with(".lora_A.weight")) drawn.uniform_(-1.0 / std::sqrt(double(shape[1])), 1.0 / std::sqrt(double(shape[1])), adapter_gen_);
       else if (name.ends_with(".lora_B.weight")) drawn.zero_();
       else drawn.normal_(0.0, 0.02, init_gen_);
     }
@@ -752,6 +753,7 @@ void Decoder::initialize_through(size_t stage) {
   const size_t last = group_of(stage);
   at::NoGradGuard no_grad;
   for (; initialized_ <= last; ++initialized_) initialize_group(initialized_);
+  if (initialized_ == blocks_.size() + 2) source_ = nullptr;  // every group done: its files unmapped
 }
 
 void Decoder::set_mlp_token_chunk(int64_t tokens) {

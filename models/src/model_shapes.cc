@@ -290,15 +290,15 @@ std::vector<std::string> saved_whole_tensors(const ModelConfig& c) {
       any = true;
       const std::string module = name.substr(0, name.rfind('.'));
       if (adapted.count(module))
-        throw std::invalid_argument("model.lora modules_to_save \"" + entry + "\" selects " + module +
+        throw std::invalid_argument("modules_to_save \"" + entry + "\" selects " + module +
                                     ", which LoRA adapts (target_modules): a module either trains whole or gets an adapter");
       if (c.tie_embeddings && name == token_embedding(c))
-        throw std::invalid_argument("model.lora modules_to_save \"" + entry + "\" selects the token embedding, which is tied to "
+        throw std::invalid_argument("modules_to_save \"" + entry + "\" selects the token embedding, which is tied to "
                                     "the LM head (tie_word_embeddings): not supported");
       if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
     }
     if (!any)
-      throw std::invalid_argument("model.lora modules_to_save \"" + entry + "\" selects no module of the model" +
+      throw std::invalid_argument("modules_to_save \"" + entry + "\" selects no module of the model" +
                                   (c.tie_embeddings && std::string("lm_head").ends_with(entry)
                                        ? std::string(" (its LM head is the tied token embedding)")
                                        : std::string()));

@@ -43,6 +43,14 @@ TEST(Schedule, LastUsesSharedUnitsAndTheOrderGradientsBecomeFinal) {
   EXPECT_EQ(s.in_final_gradient_order({0, 1, 2, 3, 4}), (std::vector<size_t>{4, 3, 2, 1, 0}));
   EXPECT_EQ(s.in_final_gradient_order({2, 0, 4}), (std::vector<size_t>{4, 2, 0}));
   EXPECT_EQ(Schedule({{0}, {1}, {2}}, 3).shared_units(), 0u);
+  // LoRA with block tiles (2 blocks of 2 attention tiles, a tied head): each block's adapters
+  // (unit 1, unit 4) are shared by its tiles, open only over them; with the tied embedding, two
+  // at most at once. Frozen units shared hold no gradient.
+  const std::vector<char> frozen = {0, 0, 1, 1, 0, 1, 1, 0};
+  const Schedule lora({{0}, {1, 2}, {3, 1}, {4, 5}, {6, 4}, {7, 0}}, 8, 1, 1, frozen);
+  EXPECT_EQ(lora.shared_units(), 2u);
+  EXPECT_EQ(Schedule({{0}, {1, 2}, {3, 1}, {4, 5}, {6, 4}, {7}}, 8, 1, 1, frozen).shared_units(), 1u);
+  EXPECT_EQ(Schedule({{0}, {1, 2}, {3, 2}, {4}}, 5, 1, 1, {0, 0, 1, 0, 0}).shared_units(), 0u);
 }
 
 TEST(Schedule, RejectsStagesWithoutUnitsAndUnknownUnits) {

@@ -59,7 +59,8 @@ bool same_units_as_saved(const json& m, const Partition& part, const fs::path& d
           break;
         }
     throw std::runtime_error("checkpoint " + dir.string() + " holds a different model (" + why +
-                             "), or the state of other tensors than this run trains (model.trainable)");
+                             "), or the state of other tensors than this run trains (model.trainable, or "
+                             "model.lora's target_modules and modules_to_save)");
   }
   return same_units;
 }

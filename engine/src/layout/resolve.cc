@@ -62,7 +62,7 @@ models::LayerTiles resolve_tiles(const EngineConfig& cfg, const models::ModelCon
   models::check_tiles(mc, chosen);
   if (!auto_attention && !auto_mlp && !auto_vocab) return chosen;
   // Each kind's share of a block's parameters (its norm included).
-  models::ModelConfig base = mc;  // the proportions of the base's block (adapters need whole blocks)
+  models::ModelConfig base = mc;  // the proportions of the base's block (the adapters are a few MB)
   base.lora = {};
   const std::vector<uint64_t> split = models::stage_parameters(base, {1, 1 + int64_t(mc.intermediate > 1)});
   const double attention = double(split.at(1)), block = double(mc.block_parameters());

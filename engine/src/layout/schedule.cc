@@ -31,7 +31,18 @@ Schedule::Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_unit
       ++stages_using[u];
     }
   }
-  shared_units_ = size_t(std::count_if(stages_using.begin(), stages_using.end(), [](int c) { return c > 1; }));
+  // Trainable units used by several stages hold a gradient from the backward of their highest
+  // stage to that of their lowest: the most of them open at once over the backward (a tied
+  // embedding is open throughout; a block tile's adapters over their part's tiles only).
+  std::vector<size_t> first_use(num_units, 0);
+  for (size_t s = 0; s < n; ++s)
+    for (size_t u : stage_units_[s]) first_use[u] = std::max(first_use[u], s);
+  for (size_t s = 0; s < n; ++s) {
+    size_t open = 0;
+    for (size_t u = 0; u < num_units; ++u)
+      open += stages_using[u] > 1 && (frozen.empty() || !frozen[u]) && last_use_stage_[u] <= s && s <= first_use[u];
+    shared_units_ = std::max(shared_units_, open);
+  }
   for (size_t s = 0; s + 1 < n; ++s) uses_.push_back({s, Use::kForward});
   uses_.push_back({n - 1, Use::kHead});
   const auto learns = [&](size_t s) {

@@ -100,7 +100,8 @@ class HeadStage : public Stage {
 class Decoder {
  public:
   // Random initialization from `seed`, in fp32 on the CPU: weights normal(0, 0.02), norm weights
-  // 1, biases 0 (GPT-2's scaled residual-projection init is not applied). kDeferred allocates
+  // 1, biases 0 (GPT-2's scaled residual-projection init is not applied); LoRA adapters as PEFT
+  // initializes them, from a stream of their own. kDeferred allocates
   // the weights without touching them (untouched pages take no resident memory) and leaves each
   // stage to initialize_through(), so that a consumer that moves the weights away stage by
   // stage (the engine) never holds the whole model; the values are the same either way.
@@ -182,7 +183,9 @@ class Decoder {
   std::vector<std::shared_ptr<Stage>> embeds_;               // the embedding, or its vocabulary tiles
   std::vector<std::vector<std::shared_ptr<Stage>>> blocks_;  // per block: its stages (one when whole)
   std::vector<std::shared_ptr<HeadStage>> heads_;            // the head, or its vocabulary tiles
-  at::Generator init_gen_;
+  // The random streams: the base's, and the adapters' apart, so that a random base is the same
+  // with adapters loaded (adapter_from) or drawn, and drawn adapters the same over a loaded base.
+  at::Generator init_gen_, adapter_gen_;
   TensorSource source_;
   size_t initialized_ = 0;  // stage groups [0, initialized_) hold their initial values
 };

@@ -50,7 +50,9 @@ class Schedule {
   size_t last_use_stage(size_t unit) const { return last_use_stage_.at(unit); }
   // Whether stage s has a backward use.
   bool has_backward(size_t stage) const { return backward_.at(stage); }
-  // Units used by more than one stage (a tied embedding).
+  // The most trainable units used by more than one stage whose gradients are held open at once
+  // over the backward (from their highest stage's backward to their lowest's): a tied
+  // embedding's throughout, a block tile's adapters over their part's tiles.
   size_t shared_units() const { return shared_units_; }
   // The block stages: [first_block(), first_head()).
   size_t first_block() const { return first_block_; }
