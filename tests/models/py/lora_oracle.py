@@ -33,6 +33,8 @@ Cases:
                 post_attention_layernorm trained whole, exported in the adapter directory and
                 loaded by peft); the merged export of `ckpt export` tensor for tensor the run's
                 (the run writes tiled weights as their last part comes, so not in the same order).
+  gpt2-tiles    the GPT-2 case with block tiles (its fused c_attn cut into q, k, v rows per tile)
+                and modules_to_save ln_2, one rank.
 """
 import json
 import os
@@ -52,7 +54,8 @@ LR, WD, BETAS, EPS, CLIP = 3e-3, 0.1, (0.9, 0.95), 1e-8, 1.0
 STEPS = 4
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]  # attention's and the MLP's c_proj both
-SAVED = ["lm_head", "post_attention_layernorm"]  # modules_to_save of the tiles case
+SAVED = ["lm_head", "post_attention_layernorm"]  # modules_to_save of the tiles cases
+GPT2_SAVED = ["ln_2"]  # (GPT-2's LM head is the tied embedding)
 
 
 def base_model(case, vocab):
@@ -68,7 +71,7 @@ def base_model(case, vocab):
     elif case == "gemma":
         m = tf.GemmaForCausalLM(tf.GemmaConfig(**dict(common, tie_word_embeddings=True), head_dim=16,
                                                hidden_act="gelu_pytorch_tanh"))
-    elif case == "gpt2":
+    elif case.startswith("gpt2"):
         m = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=4, n_positions=64,
                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                              initializer_range=0.2))
@@ -122,11 +125,12 @@ def main():
     base.save_pretrained(model_dir, safe_serialization=True)
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
     torch.manual_seed(1)
-    targets = GPT2_TARGETS if case == "gpt2" else TARGETS
+    gpt2 = case.startswith("gpt2")
+    targets = GPT2_TARGETS if gpt2 else TARGETS
     tiles = "tiles" in case
-    saved = SAVED if tiles else None
+    saved = (GPT2_SAVED if gpt2 else SAVED) if tiles else None
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0,
-                                            init_lora_weights=False, fan_in_fan_out=case == "gpt2",
+                                            init_lora_weights=False, fan_in_fan_out=gpt2,
                                             modules_to_save=saved))
     model.save_pretrained(adapter_dir)
     world = 2 if case.endswith("2rank") else 1
