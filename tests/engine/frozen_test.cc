@@ -266,7 +266,7 @@ TEST(Lora, SettingsStrataDoesNotComputeAreRefused) {
     return error_of([&] { se::parse_train_config(j.dump(), "test"); });
   };
   EXPECT_NE(saving({"lm_head", "no_such_module"}).find("\"no_such_module\" selects no module"), std::string::npos);
-  EXPECT_NE(saving({"mlp"}).find("which LoRA adapts"), std::string::npos) << "a module holding an adapted linear";
+  EXPECT_NE(saving({"self_attn"}).find("which LoRA adapts"), std::string::npos) << "a module holding an adapted linear";
   EXPECT_NE(saving({"q_proj"}).find("which LoRA adapts"), std::string::npos);
   // Block tiles: the engine cuts adapted blocks, and its units are the ones the shapes plan (the
   // first tile of each part holds the part's adapters, the others use them); MLP token chunks
