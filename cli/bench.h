@@ -14,4 +14,7 @@ int bench_main(const std::vector<std::string>& args);
 // $STRATA_PYTHON, else the one the build was configured with, else python3.
 std::string python_interpreter();
 
+// `strata bench sft` (bench_sft.cc).
+int bench_sft(const std::vector<std::string>& argv);
+
 }  // namespace strata::cli

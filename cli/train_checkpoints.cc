@@ -173,6 +173,7 @@ void Checkpoints::save(int64_t steps_done, bool synchronous) {
   snprintf(name, sizeof name, "step-%08lld", (long long)steps_done);
   engine::CheckpointMeta meta{steps_done, run_.loader.position(), run_.global_batch};
   meta.frozen_base = run_.frozen_base;
+  meta.data_pack = run_.data.train->packed();
   saved_through_ = steps_done;
   if (synchronous) {
     const auto t0 = std::chrono::steady_clock::now();

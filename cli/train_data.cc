@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iomanip>
 #include <iostream>
 #include <memory>
 #include <stdexcept>
@@ -24,11 +25,34 @@ std::shared_ptr<const models::SampleSource> open_samples(const engine::TrainConf
     return std::make_shared<models::TokenWindows>(
         std::make_shared<models::TokenCorpus>(path, models::parse_token_format(format), vocab), T);
   auto sft = std::make_shared<models::SftExamples>(path, T, vocab, tc.data_pad_id);
-  if (lead && sft->truncated_examples() > 0)
-    std::cerr << "strata train: warning: " << sft->truncated_examples() << " of " << sft->size() << " examples of "
-              << path << " are longer than seq_len + 1 = " << T + 1 << " tokens and are cut there ("
-              << sft->truncated_loss_tokens() << " response tokens never trained on); raise data.seq_len to keep them\n";
-  return sft;
+  if (sft->truncated_examples() > 0) {
+    const std::string what = std::to_string(sft->truncated_examples()) + " of " + std::to_string(sft->size()) +
+                             " examples of " + path + " are longer than seq_len + 1 = " + std::to_string(T + 1) +
+                             " tokens";
+    if (tc.data_overlong == "refuse")
+      throw std::runtime_error(what + " (data.overlong \"refuse\"): raise data.seq_len, drop them, or set "
+                               "data.overlong \"truncate\"");
+    if (lead)
+      std::cerr << "strata train: warning: " << what << " and are cut there (data.overlong \"truncate\"; "
+                << sft->truncated_loss_tokens() << " response tokens never trained on); raise data.seq_len to keep them\n";
+  }
+  const auto efficiency = [&](const models::SampleSource& s) {
+    return 100.0 * double(s.real_tokens()) / double((T + 1) * s.size());
+  };
+  if (!tc.data_pack) {
+    if (lead)
+      std::cerr << "strata train: " << path << ": " << sft->size() << " examples, one a window (data.pack false): "
+                << std::fixed << std::setprecision(1) << efficiency(*sft) << "% of the window tokens are examples'\n"
+                << std::defaultfloat;
+    return sft;
+  }
+  auto packed = std::make_shared<models::PackedExamples>(sft, tc.data_seed);
+  if (lead)
+    std::cerr << "strata train: " << path << ": " << sft->size() << " examples packed into " << packed->size()
+              << " windows of " << T + 1 << " tokens: packing efficiency " << std::fixed << std::setprecision(1)
+              << efficiency(*packed) << "% (unpacked " << efficiency(*sft) << "%)\n"
+              << std::defaultfloat;
+  return packed;
 }
 
 }  // namespace

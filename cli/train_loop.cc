@@ -21,11 +21,14 @@ void evaluate(const Run& run, RunLog& log, const at::Tensor& ids, int64_t after_
   const models::EvalBatches batches(run.data.eval, run.global_batch, run.comm.rank(), run.comm.world_size());
   at::Tensor eval_ids = at::empty_like(ids);
   at::Tensor eval_mask = at::empty({int64_t(batches.local_batch()), run.ec.seq_len}, at::kByte);
+  at::Tensor eval_segments;  // packed examples: which example each token is of
+  if (run.data.eval->packed()) eval_segments = at::empty({int64_t(batches.local_batch()), run.ec.seq_len}, at::kLong);
   double loss_sum = 0;
   uint64_t tokens = 0;
   for (uint64_t b = 0; b < batches.batches(); ++b) {
-    batches.batch(b, eval_ids.data_ptr<int64_t>(), eval_mask.data_ptr<uint8_t>());
-    const engine::Engine::EvalResult r = run.eng.evaluate(eval_ids, eval_mask);
+    batches.batch(b, eval_ids.data_ptr<int64_t>(), eval_mask.data_ptr<uint8_t>(),
+                  eval_segments.defined() ? eval_segments.data_ptr<int64_t>() : nullptr);
+    const engine::Engine::EvalResult r = run.eng.evaluate(eval_ids, eval_mask, eval_segments);
     loss_sum += r.loss_sum;
     tokens += r.tokens;
   }
@@ -43,16 +46,20 @@ StepsDone train_steps(const Run& run, Checkpoints& checkpoints, RunLog& log, Exp
   // Supervised examples: which targets count (engine.h train_step).
   at::Tensor loss_mask;
   if (run.data.train->masked()) loss_mask = at::empty({int64_t(run.loader.local_batch()), run.ec.seq_len}, at::kByte);
+  // Packed examples: which example each input token is of (engine.h train_step).
+  at::Tensor segments;
+  if (run.data.train->packed()) segments = at::empty({int64_t(run.loader.local_batch()), run.ec.seq_len}, at::kLong);
   StepsDone done;
   done.steps = first_step;
   const engine::LrSchedule schedule = tc.schedule();  // a function of the step: resumes exactly
   NodeTrafficSum node_traffic(run.comm, run.env);
   for (int64_t s = first_step; s < tc.steps; ++s) {
     if ((done.stopped_by = agreed_stop_signal(run.comm)) != 0) break;
-    run.loader.next(ids.data_ptr<int64_t>(), loss_mask.defined() ? loss_mask.data_ptr<uint8_t>() : nullptr);
+    run.loader.next(ids.data_ptr<int64_t>(), loss_mask.defined() ? loss_mask.data_ptr<uint8_t>() : nullptr,
+                    segments.defined() ? segments.data_ptr<int64_t>() : nullptr);
     const double lr = engine::scheduled_lr(schedule, run.ec.lr, s);
     run.eng.set_learning_rate(lr);
-    const engine::StepResult r = run.eng.train_step(ids, loss_mask);
+    const engine::StepResult r = run.eng.train_step(ids, loss_mask, segments);
     const engine::MemoryReport mem = run.eng.memory();
     const std::vector<NodeTraffic> traffic = node_traffic(r.timeline);
     done.tokens_total += double(r.tokens);

@@ -110,6 +110,15 @@ ResumePoint agree_on_resume_point(engine::Communicator& comm, engine::TrainConfi
                                                         env.world_size, tc.allow_batch_change);
     tc.engine.grad_accum = rb.grad_accum;
     if (!rb.note.empty() && lead) std::cerr << "strata train: " << rb.note << "\n";
+    // The data position counts samples: the resumed run must cut the data into the same ones.
+    if (choice.meta.data_pack != tc.data_pack && (tc.data_format == "sft" || choice.meta.data_pack)) {
+      if (lead)
+        std::cerr << "strata train: checkpoint " << point.dir->string() << " trained on "
+                  << (choice.meta.data_pack ? "packed" : "unpacked") << " examples: resuming "
+                  << (choice.meta.data_pack ? "packed" : "unpacked") << " (data.pack " << (tc.data_pack ? "true" : "false")
+                  << " is for fresh runs)\n";
+      tc.data_pack = choice.meta.data_pack;
+    }
   }
   return point;
 }

@@ -122,6 +122,14 @@ void read_data(Section& s, TrainConfig& c) {
   c.eval_format = c.data_format;
   s.read("eval_format", c.eval_format);
   check_format("eval_format", c.eval_format);
+  c.data_pack = c.data_format == "sft";
+  s.read("pack", c.data_pack);
+  if (c.data_pack && c.data_format != "sft" && c.eval_format != "sft")
+    s.fail("pack", "packs supervised examples (format \"sft\"); token windows (\"" + c.data_format +
+                       "\") are already full");
+  s.read("overlong", c.data_overlong);
+  if (c.data_overlong != "truncate" && c.data_overlong != "refuse")
+    s.fail("overlong", "must be \"truncate\" or \"refuse\", not \"" + c.data_overlong + "\"");
   s.read("eval_split", c.eval_split);
   if (!(c.eval_split >= 0 && c.eval_split < 1)) s.fail("eval_split", "must be in [0, 1)");
   if (c.eval_split > 0 && !c.eval_path.empty())
@@ -351,7 +359,6 @@ void check_run(const TrainConfig& c, const std::string& source) {
                                 " exceeds model.max_positions " +
                                 std::to_string(c.model.max_positions));
   try {
-    c.model.check_sequence_length(c.engine.seq_len);  // data.seq_len within a sliding window
     c.engine.validate();
   } catch (const std::exception& ex) {
     throw std::invalid_argument(source + ": " + ex.what());

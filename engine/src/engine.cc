@@ -49,26 +49,30 @@ Engine::~Engine() {
 StepResult Engine::train_step(const at::Tensor& ids) { return train_step(ids, at::Tensor()); }
 
 StepResult Engine::train_step(const at::Tensor& ids, const at::Tensor& loss_mask) {
+  return train_step(ids, loss_mask, at::Tensor());
+}
+
+StepResult Engine::train_step(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments) {
   if (impl_->cfg.plan_only) throw std::logic_error("Engine: constructed with plan_only: it holds no state to train");
   impl_->check_usable();
-  impl_->check_ids(ids, loss_mask, impl_->cfg.grad_accum * impl_->cfg.micro_batch);  // rejected before anything changes
+  impl_->check_ids(ids, loss_mask, segments, impl_->cfg.grad_accum * impl_->cfg.micro_batch);  // rejected before anything changes
   try {
-    return impl_->train_step(ids, loss_mask);
+    return impl_->train_step(ids, loss_mask, segments);
   } catch (...) {
     impl_->fail_step();
     throw;
   }
 }
 
-Engine::EvalResult Engine::evaluate(const at::Tensor& ids, const at::Tensor& loss_mask) {
+Engine::EvalResult Engine::evaluate(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments) {
   if (impl_->cfg.plan_only) throw std::logic_error("Engine: constructed with plan_only: it holds no state to evaluate");
   impl_->check_usable();
   if (ids.dim() != 2 || ids.size(0) == 0 || ids.size(0) % impl_->cfg.micro_batch != 0)
     throw std::invalid_argument("evaluate: ids must have a positive multiple of micro_batch = " +
                                 std::to_string(impl_->cfg.micro_batch) + " rows");
-  impl_->check_ids(ids, loss_mask, ids.size(0));
+  impl_->check_ids(ids, loss_mask, segments, ids.size(0));
   try {
-    return impl_->evaluate(ids, loss_mask);
+    return impl_->evaluate(ids, loss_mask, segments);
   } catch (...) {
     impl_->fail_step();  // gathers may be half done
     throw;

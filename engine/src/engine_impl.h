@@ -234,7 +234,7 @@ struct Engine::Impl {
   // compute stream).
   StepTimeline finish_timeline();
 
-  void check_ids(const at::Tensor& ids, const at::Tensor& loss_mask, int64_t rows) const {
+  void check_ids(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments, int64_t rows) const {
     const int64_t T = cfg.seq_len;
     if (ids.dim() != 2 || ids.size(0) != rows || ids.size(1) != T + 1 || ids.scalar_type() != at::kLong)
       throw std::invalid_argument("train_step: ids must be int64 [" + std::to_string(rows) +
@@ -243,6 +243,10 @@ struct Engine::Impl {
         (loss_mask.dim() != 2 || loss_mask.size(0) != rows || loss_mask.size(1) != T ||
          (loss_mask.scalar_type() != at::kByte && loss_mask.scalar_type() != at::kBool)))
       throw std::invalid_argument("train_step: loss_mask must be uint8 or bool [" + std::to_string(rows) +
+                                  ", seq_len = " + std::to_string(T) + "]");
+    if (segments.defined() && (segments.dim() != 2 || segments.size(0) != rows || segments.size(1) != T ||
+                               segments.scalar_type() != at::kLong))
+      throw std::invalid_argument("train_step: segments must be int64 [" + std::to_string(rows) +
                                   ", seq_len = " + std::to_string(T) + "]");
   }
   void check_usable() const {
@@ -254,8 +258,8 @@ struct Engine::Impl {
   void fail_step();
 
   // Every exception out of here leaves the state undefined (Engine::train_step marks it broken).
-  StepResult train_step(const at::Tensor& ids, const at::Tensor& loss_mask);
-  Engine::EvalResult evaluate(const at::Tensor& ids, const at::Tensor& loss_mask);
+  StepResult train_step(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments);
+  Engine::EvalResult evaluate(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments);
   // The step's walk over the schedule: its position and what every use adds to.
   struct Pass {
     size_t total = 0;      // uses in the step
@@ -269,6 +273,7 @@ struct Engine::Impl {
   };
   struct MicroBatch {
     at::Tensor inputs, targets;   // targets out of the loss are kIgnored
+    models::TokenLayout layout;   // packed examples, or one sequence a row
     at::Tensor x;                 // the boundary activation going forward
     Device::Reservation x_res;    // its device bytes
     at::Tensor dy;                // the gradient going backward
@@ -278,7 +283,8 @@ struct Engine::Impl {
   static constexpr int64_t kIgnored = runtime::HeadLoss::kIgnored;
   // The head's loss, whole, in logits tiles or in vocabulary tiles (runtime/head_loss.h).
   std::unique_ptr<runtime::HeadLoss> head_loss;
-  MicroBatch begin_micro_batch(const at::Tensor& ids_on_device, const at::Tensor& mask_on_device, int64_t m);
+  MicroBatch begin_micro_batch(const at::Tensor& ids_on_device, const at::Tensor& mask_on_device,
+                               const at::Tensor& segments_on_device, int64_t m);
   // The host's token ids (and mask) on the device, asynchronously from pinned memory on a GPU.
   at::Tensor to_device(const at::Tensor& t);
   void vocab_head_backward(MicroBatch& mb, size_t stage);
@@ -289,8 +295,10 @@ struct Engine::Impl {
     Pass& pass;
     const at::Tensor& ids;   // the step's token ids on the device
     const at::Tensor& mask;  // and its loss mask (undefined: none)
+    const at::Tensor& segments;  // and its examples' segments (undefined: one sequence a row)
     MicroBatch mb;
-    StepRunner(Impl& impl, Pass& p, const at::Tensor& i, const at::Tensor& m) : I(impl), pass(p), ids(i), mask(m) {}
+    StepRunner(Impl& impl, Pass& p, const at::Tensor& i, const at::Tensor& m, const at::Tensor& seg)
+        : I(impl), pass(p), ids(i), mask(m), segments(seg) {}
     void begin_micro_batch(int64_t m, bool last) override;
     void end_micro_batch() override { mb = MicroBatch{}; }
     void forward(size_t s, size_t k) override { I.forward_use(pass, mb, s, k); }

@@ -47,7 +47,7 @@ at::Tensor Engine::Impl::to_device(const at::Tensor& t) {
   return dev.upload(t);
 }
 
-StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& loss_mask) {
+StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t A = cfg.grad_accum;
   Pass pass;
@@ -67,13 +67,14 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
     pass.denom = loss_scaler.scale();
   }
   pass.in_backward = updates_in_backward();
-  const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(loss_mask);
+  const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(loss_mask),
+                   segments_on_device = to_device(segments);
   if (cfg.profile) {
     compute_spans.clear();
     step_ref = dev.record_timed(dev.compute_stream());
     step_ref_host = Profiler::Clock::now();
   }
-  StepRunner runner(*this, pass, ids_on_device, mask_on_device);
+  StepRunner runner(*this, pass, ids_on_device, mask_on_device, segments_on_device);
   runtime::run_step_uses(*schedule, A, runner);
   finish_backward();
   // "backward": the device's units (a split optimizer group's first ones, final last) are
@@ -106,7 +107,7 @@ void Engine::Impl::vocab_head_backward(MicroBatch& mb, size_t s) {
 // The step's uses (runtime/step_driver.h) on this engine: each micro-batch's activations and
 // loss live in `mb`, from its begin to its end.
 void Engine::Impl::StepRunner::begin_micro_batch(int64_t m, bool last) {
-  mb = I.begin_micro_batch(ids, mask, m);
+  mb = I.begin_micro_batch(ids, mask, segments, m);
   mb.last = last;
 }
 
@@ -123,7 +124,8 @@ void Engine::Impl::StepRunner::head(size_t s, size_t k) {
 }
 
 Engine::Impl::MicroBatch Engine::Impl::begin_micro_batch(const at::Tensor& ids_on_device,
-                                                          const at::Tensor& mask_on_device, int64_t m) {
+                                                          const at::Tensor& mask_on_device,
+                                                          const at::Tensor& segments_on_device, int64_t m) {
   const int64_t b = cfg.micro_batch, T = cfg.seq_len;
   MicroBatch mb;
   const at::Tensor rows = ids_on_device.narrow(0, m * b, b);
@@ -132,6 +134,7 @@ Engine::Impl::MicroBatch Engine::Impl::begin_micro_batch(const at::Tensor& ids_o
   if (mask_on_device.defined())
     mb.targets = at::where(mask_on_device.narrow(0, m * b, b).reshape(-1).ne(0), mb.targets,
                            at::full({}, kIgnored, mb.targets.options()));
+  if (segments_on_device.defined()) mb.layout = models::TokenLayout(segments_on_device.narrow(0, m * b, b));
   mb.x = mb.inputs;
   activations->begin_micro_batch();
   kept_graphs.clear();
@@ -161,15 +164,15 @@ void Engine::Impl::forward_use(Pass& pass, MicroBatch& mb, size_t s, size_t k) {
   if (kept(s)) {
     KeptGraph& g = kept_graphs.at(s);
     g.input = mb.x.detach().requires_grad_(true);
-    g.output = stages[s]->forward(g.input);
+    g.output = stages[s]->forward(g.input, mb.layout);
     y = g.output.detach();
     params->hold(s);
   } else if (schedule->is_embedding(s) && s > 0) {  // a vocabulary tile adds its rows' lookup
     at::NoGradGuard no_grad;
-    y = mb.x + stages[s]->forward(mb.inputs);
+    y = mb.x + stages[s]->forward(mb.inputs, mb.layout);
   } else {
     at::NoGradGuard no_grad;
-    y = stages[s]->forward(mb.x);
+    y = stages[s]->forward(mb.x, mb.layout);
   }
   compute_span("forward " + stage_names[s], mark);
   Device::Reservation y_res = dev.reserve(uint64_t(y.nbytes()), "activation of unit " + stage_names[s]);
@@ -244,7 +247,7 @@ void Engine::Impl::backward_use(Pass& pass, MicroBatch& mb, size_t s, size_t k) 
     if (schedule->is_block(s))
       graph_res = dev.reserve(memory->sizes().graph(s), "autograd graph of unit " + stage_names[s] + " (recomputed)");
     const auto mark = compute_mark();
-    at::Tensor y = stages[s]->forward(xin);
+    at::Tensor y = stages[s]->forward(xin, mb.layout);
     torch::autograd::backward({y}, {mb.dy});
     compute_span("recompute+backward " + stage_names[s], mark);
     y = at::Tensor();

@@ -23,7 +23,9 @@ bool is_norm_weight(const std::string& n) {
 
 }  // namespace
 
-at::Tensor HeadStage::forward(const at::Tensor& x) { return dense(normed(x), lm_weight()); }
+at::Tensor HeadStage::forward(const at::Tensor& x, const TokenLayout&) {
+  return tiling::soft_cap(dense(normed(x), lm_weight()), softcap_);
+}
 
 std::string TensorPart::name() const {
   if (whole()) return tensor;
@@ -292,16 +294,16 @@ std::vector<Stage*> Decoder::stages() {
   return s;
 }
 
-at::Tensor Decoder::forward(const at::Tensor& ids) {
-  at::Tensor h = embeds_[0]->forward(ids);
-  for (size_t j = 1; j < embeds_.size(); ++j) h = h + embeds_[j]->forward(ids);
+at::Tensor Decoder::forward(const at::Tensor& ids, const TokenLayout& layout) {
+  at::Tensor h = embeds_[0]->forward(ids, layout);
+  for (size_t j = 1; j < embeds_.size(); ++j) h = h + embeds_[j]->forward(ids, layout);
   for (auto& b : blocks_)
-    for (auto& st : b) h = st->forward(h);
+    for (auto& st : b) h = st->forward(h, layout);
   if (heads_.size() == 1) return heads_[0]->forward(h);
   const at::Tensor n = heads_[0]->normed(h);
   std::vector<at::Tensor> logits;
   for (auto& t : heads_) logits.push_back(at::linear(n, t->lm_weight()));
-  return at::cat(logits, -1);
+  return tiling::soft_cap(at::cat(logits, -1), heads_[0]->logit_softcap());
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Decoder::hf_parameters() {

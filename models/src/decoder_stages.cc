@@ -3,6 +3,8 @@
 #include "decoder_stages.h"
 
 #include <cmath>
+#include <limits>
+#include <optional>
 
 #include "strata/models/model_shapes.h"
 
@@ -35,10 +37,8 @@ class Gpt2Embedding final : public Stage {
     wte = add("transformer.wte.weight", {c.vocab_size, c.hidden});
     wpe = add("transformer.wpe.weight", {c.max_positions, c.hidden});
   }
-  at::Tensor forward(const at::Tensor& ids) override {
-    const int64_t t = ids.size(1);
-    TORCH_CHECK(t <= wpe.size(0), "sequence of ", t, " tokens exceeds n_positions ", wpe.size(0));
-    return at::embedding(wte, ids) + wpe.narrow(0, 0, t).unsqueeze(0);
+  at::Tensor forward(const at::Tensor& ids, const TokenLayout& layout) override {
+    return at::embedding(wte, ids) + learned_positions(wpe, layout, ids.size(1));
   }
   at::Tensor wte, wpe;
 };
@@ -62,14 +62,14 @@ class Gpt2Block final : public Stage {
     mproj_b = add(p + "mlp.c_proj.bias", {d});
     add_adapters(c, i);
   }
-  at::Tensor forward(const at::Tensor& x) override {
+  at::Tensor forward(const at::Tensor& x, const TokenLayout& layout) override {
     const int64_t d = c_.hidden;
     at::Tensor h = at::layer_norm(x, {d}, ln1_w, ln1_b, c_.norm_eps);
     auto qkv = adapted(h, attn_w, attn_b, "attn.c_attn").split(d, -1);
     at::Tensor q = split_heads(qkv[0], c_.heads, c_.head_dim);
     at::Tensor k = split_heads(qkv[1], c_.heads, c_.head_dim);
     at::Tensor v = split_heads(qkv[2], c_.heads, c_.head_dim);
-    at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+    at::Tensor a = attention(q, k, v, layout, 0);
     at::Tensor r = x + adapted(merge_heads(a), proj_w, proj_b, "attn.c_proj");
     h = at::layer_norm(r, {d}, ln2_w, ln2_b, c_.norm_eps);
     return r + mlp(c_, h, {fc_w, fc_b, {}, {}, mproj_w, mproj_b, adapter("mlp.c_fc"), {}, adapter("mlp.c_proj")},
@@ -135,26 +135,50 @@ at::Tensor rope_inv_freq(const ModelConfig& c) {
 
 }  // namespace
 
-// Causal attention of Llama's heads q [B, Hq, T, hd] over k, v [B, Hkv, T, hd] (Hq a multiple of
-// Hkv): rotary embeddings as transformers computes them (fp32 angles, cat(freqs, freqs)), the
-// key/value heads repeated for their query heads. `inv_freq` caches rope_inv_freq on the
-// input's device: a copy from pageable memory to a GPU blocks the host until the GPU catches
-// up, which on every block's forward and recompute would keep the host from running ahead.
-at::Tensor llama_attention(const ModelConfig& c, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor& inv_freq) {
-  const int64_t t = q.size(2);
-  if (!inv_freq.defined() || inv_freq.device() != q.device()) inv_freq = rope_inv_freq(c).to(q.device());
-  const at::Tensor pos = at::arange(t, at::TensorOptions().dtype(at::kLong).device(q.device())).to(at::kFloat);
-  const at::Tensor freqs = at::outer(pos, inv_freq);
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);
-  const at::Tensor cos = emb.cos().to(q.scalar_type()), sin = emb.sin().to(q.scalar_type());
-  q = q * cos + rotate_half(q) * sin;
-  k = k * cos + rotate_half(k) * sin;
+at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, const TokenLayout& layout, int64_t window,
+                     double scale, double softcap) {
   const int64_t rep = q.size(1) / k.size(1);
   if (rep > 1) {
     k = k.repeat_interleave(rep, 1);
     v = v.repeat_interleave(rep, 1);
   }
-  return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  const int64_t t = q.size(2);
+  at::Tensor mask = layout.attention_mask(t, window, q.device());
+  const std::optional<double> sdpa_scale = scale > 0 ? std::optional<double>(scale) : std::nullopt;
+  if (softcap <= 0) {
+    if (!mask.defined()) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, sdpa_scale);
+    return at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, sdpa_scale);
+  }
+  // Soft-capped scores (Gemma 2), which no fused kernel computes: as transformers' eager attention
+  // does, the T x T scores in the inputs' dtype, capped, masked, softmax in fp32.
+  if (!mask.defined()) mask = at::ones({t, t}, q.options().dtype(at::kBool)).tril();
+  at::Tensor s = at::matmul(q, k.transpose(-2, -1)) * (scale > 0 ? scale : 1.0 / std::sqrt(double(q.size(-1))));
+  s = tiling::soft_cap(s, softcap).masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+  return at::matmul(at::softmax(s, -1, at::kFloat).to(q.scalar_type()), v);
+}
+
+// Rotary embeddings as transformers computes them (fp32 angles, cat(freqs, freqs)). `inv_freq`
+// caches rope_inv_freq on the input's device: a copy from pageable memory to a GPU blocks the
+// host until the GPU catches up, which on every block's forward and recompute would keep the
+// host from running ahead.
+at::Tensor llama_attention(const ModelConfig& c, at::Tensor q, at::Tensor k, at::Tensor v, const TokenLayout& layout,
+                           int64_t window, at::Tensor& inv_freq) {
+  const int64_t t = q.size(2);
+  if (!inv_freq.defined() || inv_freq.device() != q.device()) inv_freq = rope_inv_freq(c).to(q.device());
+  const at::Tensor pos = layout.positions(t, q.device()).to(at::kFloat);    // [1 or B, T]
+  const at::Tensor freqs = pos.unsqueeze(-1) * inv_freq;                   // [1 or B, T, hd / 2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(1);         // [1 or B, 1, T, hd]
+  const at::Tensor cos = emb.cos().to(q.scalar_type()), sin = emb.sin().to(q.scalar_type());
+  q = q * cos + rotate_half(q) * sin;
+  k = k * cos + rotate_half(k) * sin;
+  return attention(q, k, v, layout, window, c.query_pre_attn_scalar > 0 ? 1.0 / std::sqrt(c.query_pre_attn_scalar) : 0,
+                   c.attn_softcap);
+}
+
+at::Tensor learned_positions(const at::Tensor& wpe, const TokenLayout& layout, int64_t t) {
+  TORCH_CHECK(t <= wpe.size(0), "sequence of ", t, " tokens exceeds n_positions ", wpe.size(0));
+  if (!layout.packed()) return wpe.narrow(0, 0, t).unsqueeze(0);
+  return at::embedding(wpe, layout.positions(t, wpe.device()));
 }
 
 // The MLP of `n` (its normed input): with `chunk` > 0 over token chunks (tiling::chunked_mlp: one
@@ -174,7 +198,7 @@ class LlamaEmbedding final : public Stage {
   explicit LlamaEmbedding(const ModelConfig& c) : gemma_(c.gemma), hidden_(c.hidden) {
     wte = add("model.embed_tokens.weight", {c.vocab_size, c.hidden});
   }
-  at::Tensor forward(const at::Tensor& ids) override {
+  at::Tensor forward(const at::Tensor& ids, const TokenLayout&) override {
     at::Tensor h = at::embedding(wte, ids);
     // Gemma: times sqrt(hidden) rounded to the embeddings' dtype, as transformers does.
     if (gemma_) h = h * at::scalar_tensor(std::sqrt(double(hidden_)), h.options()).to(h.scalar_type());
@@ -191,7 +215,7 @@ class LlamaBlock final : public Stage {
   at::Tensor inv_freq_;  // rope_inv_freq on the device of the last forward
 
  public:
-  LlamaBlock(const ModelConfig& c, int64_t i) : c_(c) {
+  LlamaBlock(const ModelConfig& c, int64_t i) : c_(c), window_(c.attention_window(i)) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     const int64_t d = c.hidden, q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim,
                   f = c.intermediate;
@@ -206,7 +230,15 @@ class LlamaBlock final : public Stage {
       bv = add(p + "self_attn.v_proj.bias", {kv});
     }
     if (c.attention_out_bias) bo = add(p + "self_attn.o_proj.bias", {d});
+    if (c.qk_norm) {  // Qwen3
+      q_norm = add(p + "self_attn.q_norm.weight", {c.head_dim});
+      k_norm = add(p + "self_attn.k_norm.weight", {c.head_dim});
+    }
+    // Gemma 2 norms the attention's output (post_attention_layernorm) and the MLP's input and
+    // output (pre_/post_feedforward_layernorm); the others norm the MLP's input with
+    // post_attention_layernorm.
     post_norm = add(p + "post_attention_layernorm.weight", {d});
+    if (c.sandwich_norms) pre_ff_norm = add(p + "pre_feedforward_layernorm.weight", {d});
     wg = add(p + "mlp.gate_proj.weight", {f, d});
     wu = add(p + "mlp.up_proj.weight", {f, d});
     wd = add(p + "mlp.down_proj.weight", {d, f});
@@ -215,31 +247,43 @@ class LlamaBlock final : public Stage {
       bu = add(p + "mlp.up_proj.bias", {f});
       bd = add(p + "mlp.down_proj.bias", {d});
     }
+    if (c.sandwich_norms) post_ff_norm = add(p + "post_feedforward_layernorm.weight", {d});
     add_adapters(c, i);
   }
 
-  at::Tensor forward(const at::Tensor& x) override {
-    c_.check_sequence_length(x.size(1));
+  at::Tensor forward(const at::Tensor& x, const TokenLayout& layout) override {
     at::Tensor h = rms_norm(x, in_norm, c_.norm_eps, c_.gemma);
     at::Tensor q = split_heads(adapted(h, wq, bq, "self_attn.q_proj"), c_.heads, c_.head_dim);
     at::Tensor k = split_heads(adapted(h, wk, bk, "self_attn.k_proj"), c_.kv_heads, c_.head_dim);
     at::Tensor v = split_heads(adapted(h, wv, bv, "self_attn.v_proj"), c_.kv_heads, c_.head_dim);
-    at::Tensor a = llama_attention(c_, q, k, v, inv_freq_);
-    at::Tensor r = x + adapted(merge_heads(a), wo, bo, "self_attn.o_proj");
-    h = rms_norm(r, post_norm, c_.norm_eps, c_.gemma);
-    return r + mlp(c_, h,
-                   {wu, bu, wg, bg, wd, bd, adapter("mlp.up_proj"), adapter("mlp.gate_proj"), adapter("mlp.down_proj")},
-                   mlp_chunk_);
+    if (c_.qk_norm) {  // each head normed over its head_dim, before the rotation
+      q = rms_norm(q, q_norm, c_.norm_eps);
+      k = rms_norm(k, k_norm, c_.norm_eps);
+    }
+    at::Tensor a = adapted(merge_heads(llama_attention(c_, q, k, v, layout, window_, inv_freq_)), wo, bo,
+                           "self_attn.o_proj");
+    const tiling::MlpWeights w{wu, bu, wg, bg, wd, bd, adapter("mlp.up_proj"), adapter("mlp.gate_proj"),
+                               adapter("mlp.down_proj")};
+    if (!c_.sandwich_norms) {
+      at::Tensor r = x + a;
+      return r + mlp(c_, rms_norm(r, post_norm, c_.norm_eps, c_.gemma), w, mlp_chunk_);
+    }
+    at::Tensor r = x + rms_norm(a, post_norm, c_.norm_eps, c_.gemma);
+    at::Tensor m = mlp(c_, rms_norm(r, pre_ff_norm, c_.norm_eps, c_.gemma), w, mlp_chunk_);
+    return r + rms_norm(m, post_ff_norm, c_.norm_eps, c_.gemma);
   }
 
  private:
   ModelConfig c_;
-  at::Tensor in_norm, wq, wk, wv, wo, bq, bk, bv, bo, post_norm, wg, wu, wd, bg, bu, bd;
+  int64_t window_;
+  at::Tensor in_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, post_norm, pre_ff_norm, wg, wu, wd, bg, bu, bd,
+      post_ff_norm;
 };
 
 class LlamaHead final : public HeadStage {
  public:
   LlamaHead(const ModelConfig& c, const at::Tensor& tied) : c_(c), w_(tied) {
+    softcap_ = c.final_softcap;
     norm = add("model.norm.weight", {c.hidden});
     w_ = lm_head_weight(c, tied);
   }

@@ -12,6 +12,7 @@
 
 #include "strata/models/decoder.h"
 #include "strata/tiling/chunked_mlp.h"
+#include "strata/tiling/linear_cross_entropy.h"
 
 namespace strata::models::detail {
 
@@ -24,9 +25,18 @@ at::Tensor split_heads(const at::Tensor& x, int64_t heads, int64_t head_dim);
 at::Tensor merge_heads(const at::Tensor& x);
 // RMSNorm as transformers computes it (Gemma: by (1 + w) in fp32).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma = false);
-// Causal attention of Llama's query heads over its key/value heads with rotary embeddings;
-// `inv_freq` caches the frequencies on the input's device.
-at::Tensor llama_attention(const ModelConfig& c, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor& inv_freq);
+// Attention of q [B, Hq, T, hd] over k, v [B, Hkv, T, hd] (Hq a multiple of Hkv: each key/value
+// head serves its Hq / Hkv query heads), causal within each example of `layout`, over the last
+// `window` keys when window > 0 (TokenLayout::attention_mask); scores scaled by `scale` (0:
+// 1 / sqrt(hd)) and, when softcap > 0, capped to softcap * tanh(s / softcap) (Gemma 2).
+at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, const TokenLayout& layout, int64_t window,
+                     double scale = 0, double softcap = 0);
+// Llama's attention: rotary embeddings at the layout's positions, then attention(); `inv_freq`
+// caches the frequencies on the input's device.
+at::Tensor llama_attention(const ModelConfig& c, at::Tensor q, at::Tensor k, at::Tensor v, const TokenLayout& layout,
+                           int64_t window, at::Tensor& inv_freq);
+// GPT-2's learned positions of `layout` for `tokens` tokens ([1 or B, T, hidden]).
+at::Tensor learned_positions(const at::Tensor& wpe, const TokenLayout& layout, int64_t tokens);
 // The MLP of `n` (its normed input), over token chunks of `chunk` (> 0) or whole.
 at::Tensor mlp(const ModelConfig& c, const at::Tensor& n, const tiling::MlpWeights& w, int64_t chunk);
 

@@ -56,7 +56,7 @@ class AttentionTile final : public Tile {
  public:
   // `first`: the block's first attention tile (null for it).
   AttentionTile(const ModelConfig& c, int64_t block, int64_t index, int64_t count, const Stage* first)
-      : Tile(c, index, count) {
+      : Tile(c, index, count), window_(c.attention_window(block)) {
     const int64_t d = c.hidden, hd = c.head_dim, rep = c.heads / c.kv_heads;
     const Range kv = tile_range(c.kv_heads, count, index);
     kv_heads_ = kv.size();
@@ -67,9 +67,8 @@ class AttentionTile final : public Tile {
     else add_adapters(c, block, BlockPart::kAttention);
   }
 
-  at::Tensor forward(const at::Tensor& z) override {
+  at::Tensor forward(const at::Tensor& z, const TokenLayout& layout) override {
     auto [n, sum] = split_input(z);
-    c_.check_sequence_length(n.size(1));
     const int64_t hd = c_.head_dim, rep = c_.heads / c_.kv_heads, d = c_.hidden;
     const bool gpt2 = c_.arch == Arch::kGpt2;
     // GPT-2's fused c_attn: q, k and v are rows [0, d), [d, 2d) and [2d, 3d) of its output.
@@ -81,8 +80,11 @@ class AttentionTile final : public Tile {
     at::Tensor q = split_heads(adapted(n, wq, bq, rows(qm, 0, q0_, q1_)), kv_heads_ * rep, hd);
     at::Tensor k = split_heads(adapted(n, wk, bk, gpt2 ? rows(km, d, q0_, q1_) : rows(km, 0, k0_, k1_)), kv_heads_, hd);
     at::Tensor v = split_heads(adapted(n, wv, bv, gpt2 ? rows(vm, 2 * d, q0_, q1_) : rows(vm, 0, k0_, k1_)), kv_heads_, hd);
-    at::Tensor a = gpt2 ? at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
-                        : llama_attention(c_, q, k, v, inv_freq_);
+    if (q_norm.defined()) {
+      q = rms_norm(q, q_norm, c_.norm_eps);
+      k = rms_norm(k, k_norm, c_.norm_eps);
+    }
+    at::Tensor a = gpt2 ? attention(q, k, v, layout, 0) : llama_attention(c_, q, k, v, layout, window_, inv_freq_);
     return join(n, sum + adapted(merge_heads(a), wo, bo, adapter_part(om, 1, q0_, q1_)));
   }
 
@@ -115,10 +117,14 @@ class AttentionTile final : public Tile {
       bv = add_part(p + "self_attn.v_proj.bias", {kvd}, 0, k0, k1);
     }
     if (first_ && c.attention_out_bias) bo = add(p + "self_attn.o_proj.bias", {d});
+    if (c.qk_norm) {  // Qwen3 (one attention tile: check_tiles)
+      q_norm = add(p + "self_attn.q_norm.weight", {c.head_dim});
+      k_norm = add(p + "self_attn.k_norm.weight", {c.head_dim});
+    }
   }
 
-  int64_t kv_heads_ = 0, k0_ = 0, k1_ = 0, q0_ = 0, q1_ = 0;
-  at::Tensor wq, wk, wv, wo, bq, bk, bv, bo;
+  int64_t window_, kv_heads_ = 0, k0_ = 0, k1_ = 0, q0_ = 0, q1_ = 0;
+  at::Tensor wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm;
 };
 
 // LoRA: the MLP's adapters are whole tensors of the first tile; each tile takes its rows of the
@@ -133,7 +139,7 @@ class MlpTile final : public Tile {
     else add_adapters(c, block, BlockPart::kMlp);
   }
 
-  at::Tensor forward(const at::Tensor& z) override {
+  at::Tensor forward(const at::Tensor& z, const TokenLayout&) override {
     auto [n, sum] = split_input(z);
     const bool gpt2 = c_.arch == Arch::kGpt2;
     const int64_t b = features_.begin, e = features_.end;
@@ -188,15 +194,11 @@ class EmbeddingTile final : public Stage {
                    r.end);
     if (gpt2 && index == 0) wpe = add("transformer.wpe.weight", {c.max_positions, c.hidden});
   }
-  at::Tensor forward(const at::Tensor& ids) override {
+  at::Tensor forward(const at::Tensor& ids, const TokenLayout& layout) override {
     const at::Tensor here = ids.ge(begin_).logical_and(ids.lt(end_));
     at::Tensor h = at::where(here.unsqueeze(-1), at::embedding(wte, (ids - begin_).clamp(0, end_ - begin_ - 1)), 0.0);
     if (c_.gemma) h = h * at::scalar_tensor(std::sqrt(double(c_.hidden)), h.options()).to(h.scalar_type());
-    if (wpe.defined()) {
-      const int64_t t = ids.size(1);
-      TORCH_CHECK(t <= wpe.size(0), "sequence of ", t, " tokens exceeds n_positions ", wpe.size(0));
-      h = h + wpe.narrow(0, 0, t).unsqueeze(0);
-    }
+    if (wpe.defined()) h = h + learned_positions(wpe, layout, ids.size(1));
     return h;
   }
   at::Tensor wte, wpe;
@@ -211,6 +213,7 @@ class EmbeddingTile final : public Stage {
 class HeadTile final : public HeadStage {
  public:
   HeadTile(const ModelConfig& c, int64_t index, int64_t count, const at::Tensor& tied_rows) : c_(c) {
+    softcap_ = c.final_softcap;
     const Range r = tile_range(c.vocab_size, count, index);
     begin_ = r.begin;
     if (index == 0) {

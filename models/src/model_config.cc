@@ -106,7 +106,8 @@ int64_t ModelConfig::block_parameters() const {
            + q * d + d                  // attn c_proj
            + d * f + f + f * d + d;     // mlp
   }
-  return 2 * d                                                    // two RMSNorms
+  return (sandwich_norms ? 4 : 2) * d                            // RMSNorms
+         + (qk_norm ? 2 * head_dim : 0)                          // Qwen3's q_norm, k_norm
          + d * (q + 2 * kv) + (attention_bias ? q + 2 * kv : 0)  // q, k, v
          + q * d + (attention_out_bias ? d : 0)                   // o
          + 3 * d * f + (mlp_bias ? 2 * f + d : 0);                // gate, up, down
@@ -133,14 +134,9 @@ int64_t ModelConfig::parameters() const {
   return n;
 }
 
-void ModelConfig::check_sequence_length(int64_t seq_len) const {
-  if (sliding_window > 0 && seq_len > sliding_window)
-    throw std::invalid_argument("model '" + name + "': sequences of " + std::to_string(seq_len) +
-                                " tokens are longer than its sliding attention window of " +
-                                std::to_string(sliding_window) +
-                                " tokens, which Strata does not implement (it computes full causal attention, "
-                                "the same only up to the window): use data.seq_len <= " +
-                                std::to_string(sliding_window));
+int64_t ModelConfig::attention_window(int64_t layer) const {
+  if (sliding_window <= 0) return 0;
+  return sliding_layers.empty() || sliding_layers.at(size_t(layer)) ? sliding_window : 0;
 }
 
 void ModelConfig::validate() const {
@@ -154,9 +150,13 @@ void ModelConfig::validate() const {
   req(arch != Arch::kLlama || head_dim % 2 == 0, "head_dim must be even for rotary embeddings");
   req(arch == Arch::kLlama || head_dim * heads == hidden, "GPT-2 needs heads * head_dim == hidden");
   req(intermediate > 0 && max_positions > 0, "intermediate and max_positions must be positive");
-  req(arch == Arch::kGpt2 || hf_type == "llama" || hf_type == "mistral" || hf_type == "qwen2" || hf_type == "gemma",
-      "model type '" + hf_type + "' is not one of llama, mistral, qwen2, gemma");
+  req(arch == Arch::kGpt2 || hf_type == "llama" || hf_type == "mistral" || hf_type == "qwen2" || hf_type == "qwen3" ||
+          hf_type == "gemma" || hf_type == "gemma2",
+      "model type '" + hf_type + "' is not one of llama, mistral, qwen2, qwen3, gemma, gemma2");
+  req(query_pre_attn_scalar >= 0 && attn_softcap >= 0 && final_softcap >= 0,
+      "query_pre_attn_scalar and the soft caps must be >= 0");
   req(sliding_window >= 0, "sliding_window must be >= 0");
+  req(sliding_layers.empty() || int64_t(sliding_layers.size()) == layers, "layer_types must name every layer");
   req(arch == Arch::kGpt2 || gemma || mlp_activation == Activation::kSilu, "only gemma's MLP uses GELU");
   // config.json's attention_bias means q/k/v and o biases together, except for Qwen2.
   req(arch == Arch::kGpt2 || hf_type == "qwen2" || attention_bias == attention_out_bias,
@@ -192,17 +192,21 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
         get_or<bool>(j, "reorder_and_upcast_attn", false)) {
       throw bad(source, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported");
     }
-  } else if (type == "llama" || type == "mistral" || type == "qwen2" || type == "gemma") {
+  } else if (type == "llama" || type == "mistral" || type == "qwen2" || type == "qwen3" || type == "gemma" ||
+             type == "gemma2") {
     c.arch = Arch::kLlama;
     c.hf_type = type;
-    c.gemma = type == "gemma";
+    c.gemma = type == "gemma" || type == "gemma2";
+    c.qk_norm = type == "qwen3";
+    c.sandwich_norms = type == "gemma2";
     c.vocab_size = need<int64_t>(j, "vocab_size", source);
     c.hidden = need<int64_t>(j, "hidden_size", source);
     c.layers = need<int64_t>(j, "num_hidden_layers", source);
     c.heads = need<int64_t>(j, "num_attention_heads", source);
     if (c.heads <= 0) throw bad(source, "num_attention_heads must be positive");
     c.kv_heads = get_or<int64_t>(j, "num_key_value_heads", c.heads);
-    c.head_dim = get_or<int64_t>(j, "head_dim", c.hidden / c.heads);
+    // transformers' defaults: Qwen3's head_dim 128, Gemma 2's 256, the others hidden / heads.
+    c.head_dim = get_or<int64_t>(j, "head_dim", type == "qwen3" ? 128 : type == "gemma2" ? 256 : c.hidden / c.heads);
     c.intermediate = need<int64_t>(j, "intermediate_size", source);
     c.max_positions = get_or<int64_t>(j, "max_position_embeddings", 2048);
     c.norm_eps = get_or<double>(j, "rms_norm_eps", 1e-6);
@@ -232,8 +236,8 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
       c.attention_bias = c.attention_out_bias = get_or<bool>(j, "attention_bias", false);
     }
     c.mlp_bias = get_or<bool>(j, "mlp_bias", false);
-    if (c.gemma) {  // transformers 5 applies hidden_act (older versions preferred hidden_activation)
-      const std::string act = get_or<std::string>(j, "hidden_act", "gelu_pytorch_tanh");
+    if (c.gemma) {  // transformers 5 applies Gemma's hidden_act, Gemma 2's hidden_activation
+      const std::string act = get_or<std::string>(j, type == "gemma2" ? "hidden_activation" : "hidden_act", "gelu_pytorch_tanh");
       if (act == "gelu_pytorch_tanh" || act == "gelu_new")
         c.mlp_activation = ModelConfig::Activation::kGeluTanh;
       else if (act == "gelu")
@@ -244,16 +248,37 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
       const std::string act = get_or<std::string>(j, "hidden_act", "silu");
       if (act != "silu") throw bad(source, "hidden_act '" + act + "' is not supported (silu only)");
     }
-    // A sliding window is accepted; sequences longer than it are refused (check_sequence_length).
     // Mistral's window is 4096 when the key is absent (transformers' MistralConfig default) and
-    // none when it is null; Qwen2's applies only with use_sliding_window.
-    if (type == "mistral")
+    // none when it is null; Qwen2's applies only with use_sliding_window, from layer
+    // max_window_layers on, unless layer_types names the sliding layers.
+    // Gemma 2's window (4096 by default) is on alternate layers, from layer 0, unless layer_types
+    // says otherwise.
+    if (type == "mistral" || type == "gemma2")
       c.sliding_window = !j.contains("sliding_window") ? 4096 : get_or<int64_t>(j, "sliding_window", 0);
-    else if (type == "qwen2" && get_or<bool>(j, "use_sliding_window", false))
+    else if ((type == "qwen2" || type == "qwen3") && get_or<bool>(j, "use_sliding_window", false))
       c.sliding_window = get_or<int64_t>(j, "sliding_window", 0);
+    if (type == "gemma2") {
+      c.query_pre_attn_scalar = get_or<double>(j, "query_pre_attn_scalar", 256);
+      // null: no cap
+      c.attn_softcap = !j.contains("attn_logit_softcapping") ? 50.0 : get_or<double>(j, "attn_logit_softcapping", 0);
+      c.final_softcap = !j.contains("final_logit_softcapping") ? 30.0 : get_or<double>(j, "final_logit_softcapping", 0);
+    }
+    if (c.sliding_window > 0 && j.contains("layer_types") && j["layer_types"].is_array()) {
+      for (const json& t : j["layer_types"]) {
+        const std::string name = t.is_string() ? t.get<std::string>() : "";
+        if (name != "sliding_attention" && name != "full_attention")
+          throw bad(source, "layer_types: '" + t.dump() + "' is not supported (sliding_attention, full_attention)");
+        c.sliding_layers.push_back(name == "sliding_attention");
+      }
+    } else if (c.sliding_window > 0 && type == "gemma2") {
+      for (int64_t i = 0; i < c.layers; ++i) c.sliding_layers.push_back(i % 2 == 0);
+    } else if (c.sliding_window > 0 && (type == "qwen2" || type == "qwen3")) {
+      const int64_t from = get_or<int64_t>(j, "max_window_layers", 28);
+      for (int64_t i = 0; i < c.layers; ++i) c.sliding_layers.push_back(i >= from);
+    }
     if (c.sliding_window < 0) throw bad(source, "sliding_window must be >= 0");
   } else {
-    throw bad(source, "model_type '" + type + "' is not supported (gpt2, llama, mistral, qwen2, gemma)");
+    throw bad(source, "model_type '" + type + "' is not supported (gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2)");
   }
   json special = json::object();
   for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
@@ -283,7 +308,7 @@ std::string ModelConfig::to_hf_json(const std::string& dtype) const {
   } else {
     static const std::map<std::string, std::string> architecture = {
         {"llama", "LlamaForCausalLM"}, {"mistral", "MistralForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"},
-        {"gemma", "GemmaForCausalLM"}};
+        {"qwen3", "Qwen3ForCausalLM"}, {"gemma", "GemmaForCausalLM"}, {"gemma2", "Gemma2ForCausalLM"}};
     j = {{"model_type", hf_type}, {"architectures", {architecture.at(hf_type)}},
          {"vocab_size", vocab_size}, {"hidden_size", hidden}, {"num_hidden_layers", layers},
          {"num_attention_heads", heads}, {"num_key_value_heads", kv_heads},
@@ -291,15 +316,33 @@ std::string ModelConfig::to_hf_json(const std::string& dtype) const {
          {"max_position_embeddings", max_positions}, {"rms_norm_eps", norm_eps},
          {"rope_theta", rope_theta}, {"tie_word_embeddings", tie_embeddings},
          {"mlp_bias", mlp_bias}};
-    if (hf_type == "qwen2") {
+    if (hf_type == "qwen2" || hf_type == "qwen3") {
+      if (hf_type == "qwen3") j["attention_bias"] = attention_bias;
       j["use_sliding_window"] = sliding_window > 0;
-      if (sliding_window > 0) j["sliding_window"] = sliding_window;
+      if (sliding_window > 0) {
+        j["sliding_window"] = sliding_window;
+        int64_t from = 0;  // older transformers read max_window_layers: the first sliding layer
+        while (from < layers && attention_window(from) == 0) ++from;
+        j["max_window_layers"] = from;
+      }
     } else {
       j["attention_bias"] = attention_bias;
     }
-    if (hf_type == "mistral") j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
-    j["hidden_act"] = mlp_activation == Activation::kSilu ? "silu"
-                      : mlp_activation == Activation::kGelu ? "gelu" : "gelu_pytorch_tanh";
+    if (hf_type == "mistral" || hf_type == "gemma2")
+      j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
+    if (hf_type == "gemma2") {
+      j["query_pre_attn_scalar"] = query_pre_attn_scalar;
+      j["attn_logit_softcapping"] = attn_softcap > 0 ? json(attn_softcap) : json(nullptr);
+      j["final_logit_softcapping"] = final_softcap > 0 ? json(final_softcap) : json(nullptr);
+    }
+    if (sliding_window > 0 && !sliding_layers.empty()) {
+      json types = json::array();
+      for (int64_t i = 0; i < layers; ++i) types.push_back(attention_window(i) > 0 ? "sliding_attention" : "full_attention");
+      j["layer_types"] = types;
+    }
+    j[hf_type == "gemma2" ? "hidden_activation" : "hidden_act"] = mlp_activation == Activation::kSilu ? "silu"
+                                                                  : mlp_activation == Activation::kGelu ? "gelu"
+                                                                                                         : "gelu_pytorch_tanh";
     if (llama3_rope.factor != 0) {
       j["rope_scaling"] = {{"rope_type", "llama3"}, {"rope_theta", rope_theta},
                            {"factor", llama3_rope.factor},

@@ -18,6 +18,16 @@ void check_tiles(const ModelConfig& c, const LayerTiles& t) {
   if (t.mlp > c.intermediate)
     throw std::invalid_argument("block tiles: " + std::to_string(t.mlp) + " MLP tiles, but model '" + c.name + "' has " +
                                 std::to_string(c.intermediate) + " intermediate features");
+  // A tile adds its share to the block's running sum; a norm of the attention's or the MLP's
+  // whole output (Gemma 2's) cannot be cut so, nor can norms every query head shares (Qwen3's)
+  // be split between attention tiles (each would need the same tensor, owned once).
+  if (c.sandwich_norms && !t.blocks_whole())
+    throw std::invalid_argument("block tiles: model '" + c.name + "' norms its attention's and MLP's whole outputs "
+                                "(Gemma 2): its blocks are not cut into tiles (vocabulary tiles are)");
+  if (c.qk_norm && t.attention > 1)
+    throw std::invalid_argument("block tiles: model '" + c.name + "' norms every query and key head with one "
+                                "q_norm and k_norm (Qwen3): its attention is not cut into tiles (MLP and vocabulary "
+                                "tiles are)");
   if (t.vocab < 1 || t.vocab > c.vocab_size)
     throw std::invalid_argument("vocabulary tiles: " + std::to_string(t.vocab) + ", but model '" + c.name + "' has " +
                                 std::to_string(c.vocab_size) + " vocabulary rows (a tile is at least one)");
@@ -48,7 +58,7 @@ uint64_t attention_tile_parameters(const ModelConfig& c, const LayerTiles& t, in
   const int64_t d = c.hidden, hd = c.head_dim, rep = c.heads / c.kv_heads;
   const int64_t kv = tile_range(c.kv_heads, t.attention, i).size() * hd, q = kv * rep;
   if (c.arch == Arch::kGpt2) return uint64_t((i == 0 ? 2 * d + d : 0) + 3 * q * d + 3 * q + d * q);
-  return uint64_t((i == 0 ? d + (c.attention_out_bias ? d : 0) : 0) + (q + 2 * kv) * d +
+  return uint64_t((i == 0 ? d + (c.attention_out_bias ? d : 0) + (c.qk_norm ? 2 * hd : 0) : 0) + (q + 2 * kv) * d +
                   (c.attention_bias ? q + 2 * kv : 0) + d * q);
 }
 
@@ -144,6 +154,11 @@ std::vector<StageTensor> block_tensors(const ModelConfig& c, const LayerTiles& t
         s.push_back({p + "self_attn.v_proj.bias", kv});
       }
       if (first && c.attention_out_bias) s.push_back({p + "self_attn.o_proj.bias", d});
+      if (c.qk_norm) {
+        s.push_back({p + "self_attn.q_norm.weight", hd});
+        s.push_back({p + "self_attn.k_norm.weight", hd});
+      }
+      if (c.sandwich_norms) add_norm(c, s, p + "post_attention_layernorm");
     }
   }
   if (whole || m >= 0) {
@@ -156,7 +171,7 @@ std::vector<StageTensor> block_tensors(const ModelConfig& c, const LayerTiles& t
       s.push_back({p + "mlp.c_proj.weight", d * f});
       if (first) s.push_back({p + "mlp.c_proj.bias", d});
     } else {
-      if (first) add_norm(c, s, p + "post_attention_layernorm");
+      if (first) add_norm(c, s, p + (c.sandwich_norms ? "pre_feedforward_layernorm" : "post_attention_layernorm"));
       s.push_back({p + "mlp.gate_proj.weight", f * d});
       s.push_back({p + "mlp.up_proj.weight", f * d});
       s.push_back({p + "mlp.down_proj.weight", d * f});
@@ -165,6 +180,7 @@ std::vector<StageTensor> block_tensors(const ModelConfig& c, const LayerTiles& t
         s.push_back({p + "mlp.up_proj.bias", f});
         if (first) s.push_back({p + "mlp.down_proj.bias", d});
       }
+      if (c.sandwich_norms) add_norm(c, s, p + "post_feedforward_layernorm");
     }
   }
   return s;
@@ -328,7 +344,9 @@ std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const La
   const auto mlp = [&](uint64_t features) { return mlp_chunked ? 0 : features; };
   for (int64_t i = 0; i < c.layers; ++i) {
     if (t.blocks_whole()) {
-      g.push_back(graph_parts(c, e, 1, 2, /*residual=*/true, uint64_t(c.heads), mlp(uint64_t(c.intermediate))));
+      // Gemma 2's two more norms; Qwen3's query and key norms are small beside them, not counted.
+      g.push_back(graph_parts(c, e, 1, c.sandwich_norms ? 4 : 2, /*residual=*/true, uint64_t(c.heads),
+                              mlp(uint64_t(c.intermediate))));
       continue;
     }
     const int64_t rep = c.heads / c.kv_heads;

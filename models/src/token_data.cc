@@ -127,9 +127,10 @@ TokenWindows::TokenWindows(std::shared_ptr<const TokenCorpus> corpus, uint64_t s
   }
 }
 
-void TokenWindows::sample(uint64_t i, int64_t* ids, uint8_t* loss) const {
+void TokenWindows::sample(uint64_t i, int64_t* ids, uint8_t* loss, int64_t* segments) const {
   corpus_->copy(i * seq_len_, seq_len_ + 1, ids);
   if (loss) std::memset(loss, 1, seq_len_);
+  if (segments) std::fill(segments, segments + seq_len_, int64_t(0));
 }
 
 // Views into the mapping; safetensors data is only byte aligned, so the typed reads copy.
@@ -186,6 +187,7 @@ SftExamples::SftExamples(const std::filesystem::path& path, uint64_t seq_len, ui
   for (uint64_t e = 0; e < examples_; ++e) {
     const int64_t b = offset(e), x = offset(e + 1);
     if (x <= b) throw fail("example " + std::to_string(e) + " is empty (offsets must increase)");
+    kept_tokens_ += std::min<uint64_t>(uint64_t(x - b), seq_len_ + 1);
     if (uint64_t(x - b) > seq_len_ + 1) {
       ++truncated_;
       for (int64_t i = b + int64_t(seq_len_) + 1; i < x; ++i) truncated_loss_ += data_->mask[i] != 0;
@@ -207,13 +209,26 @@ SftExamples::SftExamples(const std::filesystem::path& path, uint64_t seq_len, ui
                  std::to_string(in_loss) + " in the loss)";
 }
 
-void SftExamples::sample(uint64_t i, int64_t* ids, uint8_t* loss) const {
-  if (i >= examples_) throw std::out_of_range("SftExamples: no example " + std::to_string(i));
-  const uint64_t b = uint64_t(data_->offset(i));
-  const uint64_t len = std::min<uint64_t>(uint64_t(data_->offset(i + 1)) - b, seq_len_ + 1);
-  for (uint64_t j = 0; j < seq_len_ + 1; ++j) ids[j] = j < len ? data_->token(b + j) : pad_id_;
+void SftExamples::sample(uint64_t i, int64_t* ids, uint8_t* loss, int64_t* segments) const {
+  const uint64_t len = kept_length(i);
+  std::vector<uint8_t> flags(len);
+  copy(i, len, ids, flags.data());
+  std::fill(ids + len, ids + seq_len_ + 1, pad_id_);
   if (loss)
-    for (uint64_t j = 0; j < seq_len_; ++j) loss[j] = j + 1 < len ? data_->mask[b + j + 1] : 0;
+    for (uint64_t j = 0; j < seq_len_; ++j) loss[j] = j + 1 < len ? flags[j] : 0;
+  if (segments) std::fill(segments, segments + seq_len_, int64_t(0));
+}
+
+uint64_t SftExamples::kept_length(uint64_t e) const {
+  if (e >= examples_) throw std::out_of_range("SftExamples: no example " + std::to_string(e));
+  return std::min<uint64_t>(uint64_t(data_->offset(e + 1) - data_->offset(e)), seq_len_ + 1);
+}
+
+void SftExamples::copy(uint64_t e, uint64_t count, int64_t* ids, uint8_t* loss) const {
+  if (count > kept_length(e)) throw std::out_of_range("SftExamples: example " + std::to_string(e) + " is shorter");
+  const uint64_t b = uint64_t(data_->offset(e));
+  for (uint64_t j = 0; j < count; ++j) ids[j] = data_->token(b + j);
+  for (uint64_t j = 0; j + 1 < count; ++j) loss[j] = data_->mask[b + j + 1];
 }
 
 SampleRange::SampleRange(std::shared_ptr<const SampleSource> source, uint64_t begin, uint64_t end)
@@ -224,9 +239,16 @@ SampleRange::SampleRange(std::shared_ptr<const SampleSource> source, uint64_t be
                                 source_->description());
 }
 
-void SampleRange::sample(uint64_t i, int64_t* ids, uint8_t* loss) const {
+void SampleRange::sample(uint64_t i, int64_t* ids, uint8_t* loss, int64_t* segments) const {
   if (i >= size()) throw std::out_of_range("SampleRange: no sample " + std::to_string(i));
-  source_->sample(begin_ + i, ids, loss);
+  source_->sample(begin_ + i, ids, loss, segments);
+}
+
+// Exact for unpadded sources; otherwise the range's share of the source's, in proportion.
+uint64_t SampleRange::real_tokens() const {
+  const uint64_t all = source_->real_tokens(), n = source_->size();
+  if (all == (source_->seq_len() + 1) * n) return (seq_len() + 1) * size();
+  return uint64_t(double(all) * double(size()) / double(n));
 }
 
 std::string SampleRange::description() const {
@@ -266,13 +288,16 @@ uint64_t BatchLoader::window_of(uint64_t s) const {
   return perm_[s % windows_];
 }
 
-void BatchLoader::sample(uint64_t s, int64_t* out, uint8_t* loss) const { source_->sample(window_of(s), out, loss); }
+void BatchLoader::sample(uint64_t s, int64_t* out, uint8_t* loss, int64_t* segments) const {
+  source_->sample(window_of(s), out, loss, segments);
+}
 
-void BatchLoader::next(int64_t* out, uint8_t* loss) {
+void BatchLoader::next(int64_t* out, uint8_t* loss, int64_t* segments) {
   const uint64_t local = local_batch();
   const uint64_t first = position_ + static_cast<uint64_t>(rank_) * local;
   for (uint64_t i = 0; i < local; ++i)
-    sample(first + i, out + i * (seq_len_ + 1), loss ? loss + i * seq_len_ : nullptr);
+    sample(first + i, out + i * (seq_len_ + 1), loss ? loss + i * seq_len_ : nullptr,
+           segments ? segments + i * seq_len_ : nullptr);
   position_ += global_batch_;
 }
 
@@ -291,15 +316,16 @@ EvalBatches::EvalBatches(std::shared_ptr<const SampleSource> source, uint64_t gl
                                 std::to_string(world_) + " ranks");
 }
 
-void EvalBatches::batch(uint64_t b, int64_t* ids, uint8_t* loss) const {
+void EvalBatches::batch(uint64_t b, int64_t* ids, uint8_t* loss, int64_t* segments) const {
   const uint64_t T = source_->seq_len(), local = local_batch();
   const uint64_t first = b * global_batch_ + uint64_t(rank_) * local;
   for (uint64_t i = 0; i < local; ++i) {
     if (first + i < source_->size()) {
-      source_->sample(first + i, ids + i * (T + 1), loss + i * T);
+      source_->sample(first + i, ids + i * (T + 1), loss + i * T, segments ? segments + i * T : nullptr);
     } else {
       std::fill(ids + i * (T + 1), ids + (i + 1) * (T + 1), int64_t(0));
       std::memset(loss + i * T, 0, T);
+      if (segments) std::fill(segments + i * T, segments + (i + 1) * T, int64_t(0));
     }
   }
 }

@@ -9,10 +9,12 @@ the binary under test (so the quick start's `build/quickstart` lands in WORKDIR)
 as stopped by SIGINT after saving a checkpoint, and the `--resume` line must go on from there. Then:
 
 - the losses of every step and the evaluation losses in the log, and the exported model's logits,
-  equal those of a transformers copy of the initial model trained the same way (the 8 training
-  examples form every global batch; AdamW with weight decay off for norms, clipping, transformers'
-  cosine schedule with warmup and a floor), fp32, 1e-5 relative for losses, 1e-4 for logits after
-  16 steps;
+  equal those of a transformers copy of the initial model trained the same way: fed the packed
+  windows Strata's loader hands out at each step (strata_data.py makes them again: the packing
+  rule and the loader's shuffle), with per-example position ids and a block-diagonal mask;
+  the held-out windows' examples evaluated one by one; AdamW with weight decay off for norms,
+  clipping, transformers' cosine schedule with warmup and a floor; fp32, 1e-5 relative for
+  losses, 1e-4 for logits after 16 steps;
 - the export holds the tokenizer, generation_config.json and the special token ids, and
   `strata ckpt export --tokenizer-from` of the last checkpoint gives the same model;
 - TensorBoard's reader finds train/loss for all 16 steps and eval/loss; the plot is a PNG of
@@ -34,6 +36,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.normpath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(SRC, "tests", "models", "py"))
 import finetune_oracle as fo  # noqa: E402
+import strata_data as sd  # noqa: E402
+
+
+def packed_split(examples, cfg):
+    """The quick start's windows as Strata packs them (data.pack), split as data.eval_split splits
+    its samples: the training windows and the held-out windows' examples."""
+    seq = cfg["data"]["seq_len"]
+    bins = sd.best_fit_decreasing([min(len(t), seq + 1) for t, _ in examples], seq + 1, cfg["data"]["seed"])
+    held = max(1, int(cfg["data"]["eval_split"] * len(bins) + 0.5))  # llround
+    return bins[:-held], [examples[e] for b in bins[-held:] for e in b]
 
 
 def quickstart_lines(tag="quickstart"):
@@ -113,10 +125,8 @@ def main():
     seq, steps = cfg["data"]["seq_len"], cfg["run"]["steps"]
     o = cfg["optimizer"]
     examples = fo.read_sft(os.path.join(qs, "chats.sft"))
-    held = max(1, round(cfg["data"]["eval_split"] * len(examples)))
-    train, evals = examples[:-held], examples[-held:]
+    train_bins, evals = packed_split(examples, cfg)
     gb = cfg["batch"]["micro_batch"] * cfg["batch"]["grad_accum"]
-    assert len(train) == gb, f"the quick start's global batch ({gb}) must be its {len(train)} training examples"
     model = AutoModelForCausalLM.from_pretrained(os.path.join(qs, "tiny-llama"), dtype=torch.float32)
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
@@ -125,12 +135,14 @@ def main():
                             eps=1e-8)
     sch = get_cosine_with_min_lr_schedule_with_warmup(opt, o["schedule"]["warmup_steps"], steps,
                                                       min_lr_rate=o["schedule"]["min_lr_ratio"])
-    ids, labels = fo.sft_batch(train, seq)
-    eval_ids, eval_labels = fo.sft_batch(evals, seq)
+    eval_ids, _ = fo.sft_batch(evals, seq)  # for the exports' logits
+    model.config._attn_implementation = "sdpa"  # takes the packed batches' boolean masks as given
     ref_losses, ref_evals = [], {}
     for s in range(steps):
+        windows = sd.global_samples(len(train_bins), cfg["data"]["seed"], s * gb, gb)
+        batch = sd.packed_batch(examples, [train_bins[w] for w in windows], seq)
         opt.zero_grad()
-        loss = fo.mean_loss(model, ids, labels)
+        loss = sd.packed_loss(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o["clip_grad_norm"])
         opt.step()
@@ -138,7 +150,7 @@ def main():
         ref_losses.append(loss.item())
         if (s + 1) % cfg["data"]["eval_every"] == 0 or s + 1 == steps:
             with torch.no_grad():
-                ref_evals[s + 1] = fo.mean_loss(model, eval_ids, eval_labels).item()
+                ref_evals[s + 1] = sd.one_by_one_loss(model, evals, seq)
 
     lines = [json.loads(l) for l in open(log_path)]
     starts = [l for l in lines if l.get("event") == "start"]
@@ -234,8 +246,8 @@ def lora_quickstart(work, env, python, prefix):
     qs = os.path.join(work, "build/quickstart")
     cfg = json.load(open(os.path.join(SRC, "configs/finetune-lora.json")))
     examples = fo.read_sft(os.path.join(qs, "chats.sft"))
-    held = max(1, round(cfg["data"]["eval_split"] * len(examples)))
-    eval_ids, eval_labels = fo.sft_batch(examples[-held:], cfg["data"]["seq_len"])
+    _, evals_held = packed_split(examples, cfg)
+    eval_ids, _ = fo.sft_batch(evals_held, cfg["data"]["seq_len"])
     lines = [json.loads(l) for l in open(os.path.join(qs, "train-lora.jsonl"))]
     losses = [l["loss"] for l in lines if "loss" in l and l.get("event") is None]
     evals = [l["eval_loss"] for l in lines if l.get("event") == "eval"]
@@ -244,7 +256,7 @@ def lora_quickstart(work, env, python, prefix):
     before = {k: v.clone() for k, v in base.state_dict().items()}
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(base, os.path.join(qs, "tiny-llama-lora"))
-        peft_eval = fo.mean_loss(peft_model, eval_ids, eval_labels).item()
+        peft_eval = sd.one_by_one_loss(peft_model, evals_held, cfg["data"]["seq_len"])
         merged = AutoModelForCausalLM.from_pretrained(os.path.join(qs, "tiny-llama-lora-merged"), dtype=torch.float32)
         a = merged(input_ids=eval_ids).logits
         b = peft_model.merge_and_unload()(input_ids=eval_ids).logits

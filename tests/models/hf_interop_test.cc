@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 
 #include "strata/models/hf_io.h"
 #include "test_util.h"
@@ -128,7 +129,59 @@ TEST_P(HfInterop, BlockByBlockRecomputeGivesTheGradientsOfWholeModelAutograd) {
 
 INSTANTIATE_TEST_SUITE_P(Models, HfInterop,
                          ::testing::Values("gpt2", "llama", "llama_tied", "llama3_rope", "qwen2", "mistral",
-                                           "gemma"));
+                                           "gemma", "qwen3", "gemma2"));
+
+// Packed examples (data.pack): a batch of rows each holding several examples, run once with
+// their segments, gives every target's loss and the parameters' gradients that transformers
+// gives running each example alone, unpadded (hf_oracle.py's packed_* tensors); whole, and cut
+// into attention and MLP tiles and vocabulary tiles. With the sliding windows of the mistral and
+// qwen2 models (shorter than some examples), the windows apply within each example.
+TEST_P(HfInterop, PackedExamplesGiveTheLossesAndGradientsOfEachExampleAlone) {
+  const at::Tensor ids = expected(model_dir(), "packed_ids");
+  const at::Tensor segments = expected(model_dir(), "packed_segments");
+  const at::Tensor counted = expected(model_dir(), "packed_counted").to(at::kBool);
+  const at::Tensor want = expected(model_dir(), "packed_losses");
+  const int64_t T = segments.size(1);
+  for (const bool tiled : {false, true}) {
+    SCOPED_TRACE(tiled ? "tiled" : "whole");
+    auto model = load_hf_model(model_dir());
+    const auto wanted_grads = model->hf_parameters();  // the names, in order, before any cut
+    if (tiled) {  // as far as each family's blocks cut (check_tiles)
+      const ModelConfig& c = model->config();
+      LayerTiles t;
+      t.attention = c.kv_heads > 1 && !c.qk_norm && !c.sandwich_norms ? 2 : 1;
+      t.mlp = c.sandwich_norms ? 1 : 2;
+      t.vocab = 2;
+      model->set_tiles(t);
+    }
+    const TokenLayout layout(segments);
+    const at::Tensor logits = model->forward(ids.narrow(1, 0, T), layout);
+    const at::Tensor losses =
+        at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), ids.narrow(1, 1, T).reshape({-1}), {},
+                               at::Reduction::None)
+            .view({ids.size(0), T});
+    EXPECT_LE(relative_error(losses.masked_select(counted).detach(), want.masked_select(counted)), 1e-5);
+    losses.masked_select(counted).sum().backward();
+    // Each tensor's gradient, assembled from the stages' parts when tiled.
+    std::map<std::string, at::Tensor> grads;
+    for (Stage* s : model->stages()) {
+      const auto params = s->hf_parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const TensorPart& part = s->parts()[i];
+        at::Tensor& g = grads[part.tensor];
+        if (!g.defined()) g = at::zeros(part.shape);
+        ASSERT_TRUE(params[i].second.grad().defined()) << params[i].first;
+        g.narrow(part.dim, part.begin, part.end - part.begin).add_(params[i].second.grad());
+      }
+    }
+    for (const auto& [name, p] : wanted_grads) {
+      const at::Tensor ref = expected(model_dir(), "grad/" + name);
+      ASSERT_TRUE(grads.count(name)) << name;
+      const double err = ((grads[name] - ref).norm() / ref.norm().clamp_min(1e-30)).item<double>();
+      EXPECT_LE(err, 1e-5) << name;
+    }
+  }
+}
 
 ModelConfig tiny_llama(int64_t hidden) {
   ModelConfig c = preset("llama-1b");
@@ -288,8 +341,8 @@ TEST(ModelConfig, UnsupportedSettingsAreClearErrors) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("cfg.json: rope_scaling: rope_type 'yarn'"), std::string::npos) << e.what();
   }
-  // A sliding window is accepted, and sequences longer than it are refused, naming it; Qwen2's
-  // window applies only with use_sliding_window.
+  // Sliding windows: Mistral's on every layer; Qwen2's only with use_sliding_window, from
+  // max_window_layers on, or as layer_types names them.
   const std::string mistral = R"({"model_type": "mistral", "vocab_size": 10, "hidden_size": 8,
       "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16, "sliding_window": 16})";
   const ModelConfig m = parse_hf_config(mistral, "m.json");
@@ -299,13 +352,23 @@ TEST(ModelConfig, UnsupportedSettingsAreClearErrors) {
   EXPECT_EQ(parse_hf_config(base + "}", "m.json").sliding_window, 4096);
   EXPECT_EQ(parse_hf_config(base + R"(, "sliding_window": null})", "m.json").sliding_window, 0);
   EXPECT_EQ(m.sliding_window, 16);
-  EXPECT_NO_THROW(m.check_sequence_length(16));
-  try {
-    m.check_sequence_length(17);
-    ADD_FAILURE() << "a sequence longer than the window was accepted";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("sliding attention window of 16"), std::string::npos) << e.what();
-  }
+  EXPECT_EQ(m.attention_window(0), 16);
+  const std::string qwen_window = R"({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8,
+      "num_hidden_layers": 3, "num_attention_heads": 2, "intermediate_size": 16, "sliding_window": 4,
+      "use_sliding_window": true, "max_window_layers": 1)";
+  const ModelConfig qw = parse_hf_config(qwen_window + "}", "q.json");
+  EXPECT_EQ(qw.attention_window(0), 0);
+  EXPECT_EQ(qw.attention_window(1), 4);
+  EXPECT_EQ(qw.attention_window(2), 4);
+  const ModelConfig typed = parse_hf_config(
+      qwen_window + R"(, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})", "q.json");
+  EXPECT_EQ(typed.attention_window(0), 4);
+  EXPECT_EQ(typed.attention_window(1), 0);
+  // Written back as transformers reads it.
+  const ModelConfig again = parse_hf_config(typed.to_hf_json(), "again.json");
+  EXPECT_EQ(again.sliding_layers, typed.sliding_layers);
+  EXPECT_THROW(parse_hf_config(qwen_window + R"(, "layer_types": ["chunked_attention", "x", "y"]})", "q.json"),
+               std::invalid_argument);
   const std::string qwen = R"({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
       "num_attention_heads": 2, "intermediate_size": 16, "sliding_window": 4, "use_sliding_window": false})";
   EXPECT_EQ(parse_hf_config(qwen, "q.json").sliding_window, 0);
@@ -317,6 +380,39 @@ TEST(ModelConfig, UnsupportedSettingsAreClearErrors) {
   EXPECT_THROW(parse_hf_config(R"({"model_type": "bert"})", "x"), std::invalid_argument);
   EXPECT_THROW(parse_hf_config(R"({"model_type": "gpt2", "n_embd": 8})", "x"), std::invalid_argument);
   EXPECT_THROW(parse_hf_config("{not json", "x"), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace strata::models
+
+namespace strata::models {
+namespace {
+
+// The layout's positions restart at each example; its mask lets a token see the earlier tokens
+// of its own example, within the window; a layout of one example a row gives plain causal
+// attention (no mask: the fused kernels), with or without a window no shorter than the rows.
+TEST(TokenLayout, PositionsRestartAndMasksKeepEachTokenToItsExample) {
+  const at::Tensor seg = segments_from_lengths({{2, 3}, {4}}, 6);
+  EXPECT_TRUE(at::equal(seg, at::tensor({0, 0, 1, 1, 1, 2, 0, 0, 0, 0, 1, 1}, at::kLong).view({2, 6})));
+  const TokenLayout layout(seg);
+  EXPECT_TRUE(at::equal(layout.positions(6, at::kCPU),
+                        at::tensor({0, 1, 0, 1, 2, 0, 0, 1, 2, 3, 0, 1}, at::kLong).view({2, 6})));
+  const at::Tensor m = layout.attention_mask(6, 0, at::kCPU);
+  ASSERT_EQ(m.sizes(), (std::vector<int64_t>{2, 1, 6, 6}));
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t q = 0; q < 6; ++q)
+      for (int64_t k = 0; k < 6; ++k) {
+        const bool same = seg[b][q].item<int64_t>() == seg[b][k].item<int64_t>();
+        EXPECT_EQ(m[b][0][q][k].item<bool>(), same && k <= q) << b << " " << q << " " << k;
+        EXPECT_EQ(layout.attention_mask(6, 2, at::kCPU)[b][0][q][k].item<bool>(), same && k <= q && q - k < 2);
+      }
+  const TokenLayout whole;
+  EXPECT_FALSE(whole.attention_mask(6, 0, at::kCPU).defined());
+  EXPECT_FALSE(whole.attention_mask(6, 6, at::kCPU).defined());
+  EXPECT_TRUE(at::equal(whole.attention_mask(6, 3, at::kCPU)[0][0],
+                        at::ones({6, 6}, at::kBool).tril().logical_and(at::ones({6, 6}, at::kBool).triu(-2))));
+  EXPECT_TRUE(at::equal(layout.rows(1, 1).positions(6, at::kCPU), layout.positions(6, at::kCPU).narrow(0, 1, 1)));
+  EXPECT_THROW(TokenLayout(at::zeros({6}, at::kLong)), std::invalid_argument);
 }
 
 }  // namespace

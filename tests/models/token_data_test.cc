@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <random>
+
 #include <fstream>
 #include <map>
 #include <numeric>
@@ -214,6 +217,104 @@ TEST(SftData, ExamplesArePaddedOrCutAndTargetJCountsWhenTokenJPlusOneIsInTheLoss
     if (step == 0) firsts.insert(b[0]);
   }
   EXPECT_EQ(firsts, (std::multiset<int64_t>{1, 5, 9}));  // every example once
+}
+
+// Best fit decreasing: every item in exactly one bin, no bin over capacity, no fewer bins than the
+// lengths need; the same bins for the same seed, and for distinct lengths whatever the seed; and
+// the rule's choices on a case worked by hand.
+TEST(Packing, BestFitDecreasingPlacesEachItemOnceWithinCapacity) {
+  // Worked by hand, capacity 10: 7 opens bin 0 (3 left), 6 bin 1 (4 left), 4 fills bin 1 (its
+  // room 4 fits best), 3 fills bin 0, 2 opens bin 2, 1 joins it.
+  const Bins hand = best_fit_decreasing({3, 7, 2, 6, 4, 1}, 10, 0);
+  EXPECT_EQ(hand.begin, (std::vector<uint64_t>{0, 2, 4, 6}));
+  EXPECT_EQ(hand.order, (std::vector<uint64_t>{1, 0, 3, 4, 2, 5}));
+  EXPECT_EQ(best_fit_decreasing({3, 7, 2, 6, 4, 1}, 10, 99).order, hand.order);
+
+  std::mt19937_64 rng(3);
+  for (int trial = 0; trial < 20; ++trial) {
+    const uint64_t capacity = 17 + rng() % 300, n = 1 + rng() % 400;
+    std::vector<uint64_t> lengths(n);
+    uint64_t total = 0;
+    for (auto& l : lengths) total += (l = 1 + rng() % capacity);
+    const Bins b = best_fit_decreasing(lengths, capacity, trial);
+    ASSERT_EQ(b.order.size(), n);
+    std::vector<int> seen(n, 0);
+    for (size_t k = 0; k + 1 < b.begin.size(); ++k) {
+      uint64_t used = 0;
+      for (uint64_t i = b.begin[k]; i < b.begin[k + 1]; ++i) used += lengths[b.order[i]], ++seen[b.order[i]];
+      EXPECT_LE(used, capacity);
+      EXPECT_GT(used, 0u);
+    }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), int64_t(n));
+    const uint64_t bins = b.begin.size() - 1, least = (total + capacity - 1) / capacity;
+    EXPECT_GE(bins, least);
+    EXPECT_LE(bins, least * 11 / 9 + 1);  // BFD's bound: 11/9 OPT + 6/9, and OPT >= least
+    EXPECT_EQ(best_fit_decreasing(lengths, capacity, trial).order, b.order);  // deterministic
+  }
+  EXPECT_THROW(best_fit_decreasing({3, 11}, 10, 0), std::invalid_argument);
+}
+
+// Packed windows: the examples one after another, then padding; segments per example (the padding
+// one more); a target counts only within its example and where the mask says so; every example in
+// exactly one window; the windows the same at any world size, and at any rank's slice.
+TEST(Packing, WindowsHoldWholeExamplesAndNoTargetCrossesFromOneToTheNext) {
+  test::TempDir dir;
+  SftFile f;
+  // seq_len 6: windows of 7 tokens. Kept lengths 3, 4, 2, 7 (cut from 9), 5.
+  f.ids = {{1, 2, 3}, {4, 5, 6, 7}, {8, 9}, {1, 1, 2, 2, 3, 3, 4, 4, 5}, {6, 6, 7, 7, 8}};
+  f.mask = {{0, 1, 1}, {0, 0, 1, 1}, {1, 1}, {0, 1, 1, 1, 1, 1, 1, 1, 1}, {0, 1, 0, 1, 1}};
+  auto ex = std::make_shared<SftExamples>(write_sft(dir, "p.sft", f), 6, 10, /*pad_id=*/0);
+  EXPECT_EQ(ex->real_tokens(), 3u + 4 + 2 + 7 + 5);
+  const PackedExamples packed(ex, 0);
+  EXPECT_TRUE(packed.packed());
+  // BFD: 7 alone; 5 + 2; 4 + 3.
+  ASSERT_EQ(packed.size(), 3u);
+  EXPECT_EQ(packed.window_examples(0), (std::vector<uint64_t>{3}));
+  EXPECT_EQ(packed.window_examples(1), (std::vector<uint64_t>{4, 2}));
+  EXPECT_EQ(packed.window_examples(2), (std::vector<uint64_t>{1, 0}));
+  std::vector<int64_t> ids(7), seg(6);
+  std::vector<uint8_t> loss(6);
+  packed.sample(1, ids.data(), loss.data(), seg.data());
+  EXPECT_EQ(ids, (std::vector<int64_t>{6, 6, 7, 7, 8, 8, 9}));
+  EXPECT_EQ(seg, (std::vector<int64_t>{0, 0, 0, 0, 0, 1}));
+  // Targets 0..3 are example 4's (mask of its tokens 1..4); target 4 crosses into example 2;
+  // target 5 is example 2's second token.
+  EXPECT_EQ(loss, (std::vector<uint8_t>{1, 0, 1, 1, 0, 1}));
+  packed.sample(2, ids.data(), loss.data(), seg.data());
+  EXPECT_EQ(ids, (std::vector<int64_t>{4, 5, 6, 7, 1, 2, 3}));
+  EXPECT_EQ(seg, (std::vector<int64_t>{0, 0, 0, 0, 1, 1}));
+  EXPECT_EQ(loss, (std::vector<uint8_t>{0, 1, 1, 0, 1, 1}));
+  packed.sample(0, ids.data(), loss.data(), seg.data());
+  EXPECT_EQ(ids, (std::vector<int64_t>{1, 1, 2, 2, 3, 3, 4}));
+  EXPECT_EQ(seg, (std::vector<int64_t>(6, 0)));
+  EXPECT_EQ(loss, (std::vector<uint8_t>{1, 1, 1, 1, 1, 1}));
+
+  // Padding: a segment of its own, out of the loss.
+  SftFile g;
+  g.ids = {{1, 2, 3, 4}, {5, 6, 7}, {8, 9}};
+  g.mask = {{1, 1, 1, 1}, {1, 1, 1}, {1, 1}};
+  auto ex2 = std::make_shared<SftExamples>(write_sft(dir, "q.sft", g), 6, 10, /*pad_id=*/0);
+  const PackedExamples two(ex2, 5);
+  ASSERT_EQ(two.size(), 2u);  // 4 + 3; 2 and padding
+  two.sample(1, ids.data(), loss.data(), seg.data());
+  EXPECT_EQ(ids, (std::vector<int64_t>{8, 9, 0, 0, 0, 0, 0}));
+  EXPECT_EQ(seg, (std::vector<int64_t>{0, 0, 1, 1, 1, 1}));
+  EXPECT_EQ(loss, (std::vector<uint8_t>{1, 0, 0, 0, 0, 0}));
+
+  // The loader hands out the same windows whatever the world size: rank r's rows are global
+  // samples r * local .. of each batch, as for any source.
+  auto src = std::make_shared<PackedExamples>(ex, 0);
+  BatchLoader one(src, 2, 0, 1, 7), r0(src, 2, 0, 2, 7), r1(src, 2, 1, 2, 7);
+  for (int step = 0; step < 4; ++step) {
+    std::vector<int64_t> a(14), b(7), c(7), sa(12), sb(6), sc(6);
+    std::vector<uint8_t> la(12), lb(6), lc(6);
+    one.next(a.data(), la.data(), sa.data());
+    r0.next(b.data(), lb.data(), sb.data());
+    r1.next(c.data(), lc.data(), sc.data());
+    EXPECT_EQ(std::vector<int64_t>(a.begin(), a.begin() + 7), b);
+    EXPECT_EQ(std::vector<int64_t>(a.begin() + 7, a.end()), c);
+    EXPECT_EQ(std::vector<int64_t>(sa.begin() + 6, sa.end()), sc);
+  }
 }
 
 TEST(SftData, HeldOutRangesAndEvaluationBatchesCoverEverySampleOnceThenPad) {

@@ -93,6 +93,49 @@ INSTANTIATE_TEST_SUITE_P(Tiles, Cuts,
                            return std::to_string(std::get<0>(i.param)) + "x" + std::to_string(std::get<1>(i.param));
                          });
 
+// Soft-capped logits (Gemma 2's final_logit_softcapping, cap 3: most logits here bend): every
+// cut, one pass, and the vocabulary pieces the engine's head tiles call, against autograd through
+// the untiled soft_cap.
+TEST(LinearCrossEntropy, SoftCappedLogitsEqualTheUntiledCappedLoss) {
+  const int64_t tokens = 41, vocab = 157, hidden = 23;
+  const double cap = 3.0;
+  at::manual_seed(17);
+  const at::Tensor h = at::randn({tokens, hidden}), w = at::randn({vocab, hidden}) * 0.8;
+  const at::Tensor targets = random_targets(tokens, vocab, 0.2, 5);
+  const Result ref = run(h, w, 0.7, [&](const at::Tensor& hh, const at::Tensor& ww) {
+    return at::cross_entropy_loss(soft_cap(at::linear(hh, ww), cap).to(at::kFloat), targets, {}, at::Reduction::Sum,
+                                  -100);
+  });
+  ASSERT_GT((at::linear(h, w).abs() > cap).sum().item<int64_t>(), tokens * vocab / 4);  // the cap matters
+  const auto check = [&](const Result& got, const std::string& what) {
+    EXPECT_LE(rel(got.loss, ref.loss), 1e-6) << what;
+    EXPECT_LE(rel(got.grad_h, ref.grad_h), 2e-6) << what;
+    EXPECT_LE(rel(got.grad_w, ref.grad_w), 2e-6) << what;
+  };
+  for (const auto& [chunk, tile] : {std::pair<int64_t, int64_t>{7, 23}, {41, 157}, {1, 157}})
+    check(run(h, w, 0.7, [&](const at::Tensor& hh, const at::Tensor& ww) {
+            return linear_cross_entropy_sum(hh, ww, targets, chunk, tile, -100, false, 1.0, cap);
+          }),
+          "tiles " + std::to_string(chunk) + "x" + std::to_string(tile));
+  check(run(h, w, 0.7, [&](const at::Tensor& hh, const at::Tensor& ww) {
+          return linear_cross_entropy_sum(hh, ww, targets, 9, vocab, -100, true, 0.7, cap);
+        }),
+        "one pass");
+  // Vocabulary pieces: rows [0, 60) and [60, vocab), as two head tiles hold them.
+  LogSumExp acc(h);
+  accumulate_log_sum_exp(h, w.narrow(0, 0, 60), 0, targets, 8, 16, acc, cap);
+  accumulate_log_sum_exp(h, w.narrow(0, 60, vocab - 60), 60, targets, 8, 16, acc, cap);
+  const at::Tensor lse = finish_log_sum_exp(acc);
+  EXPECT_LE(rel(loss_sum(lse, acc, targets, -100), ref.loss), 1e-6);
+  const at::Tensor row_scale = targets.ne(-100).to(at::kFloat) * 0.7;
+  at::Tensor grad_h = at::zeros({tokens, hidden});
+  const at::Tensor g1 = backward_rows(h, w.narrow(0, 60, vocab - 60), 60, targets, lse, row_scale, 8, 16, grad_h, true, cap);
+  const at::Tensor g0 = backward_rows(h, w.narrow(0, 0, 60), 0, targets, lse, row_scale, 8, 16, grad_h, true, cap);
+  EXPECT_LE(rel(grad_h, ref.grad_h), 2e-6);
+  EXPECT_LE(rel(at::cat({g0, g1}), ref.grad_w), 2e-6);
+  EXPECT_TRUE(at::equal(soft_cap(h, 0), h));
+}
+
 // bf16 inputs: the tiled loss narrows and widens where the untiled one does, so it stays within
 // bf16's rounding of it (the input gradient is summed over tiles in fp32, the untiled one in one
 // bf16 matmul).

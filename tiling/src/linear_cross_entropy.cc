@@ -25,9 +25,17 @@ struct Tiles {
 };
 
 // One tile's logits in the inputs' dtype (as the untiled head computes them); minus_in_fp32
-// widens them.
-at::Tensor tile_logits(const at::Tensor& h, const at::Tensor& w, int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
-  return at::matmul(h.narrow(0, n0, nt), w.narrow(0, v0, vt).t());
+// widens them. Soft-capped (softcap > 0), they are capped in fp32.
+at::Tensor tile_logits(const at::Tensor& h, const at::Tensor& w, int64_t v0, int64_t vt, int64_t n0, int64_t nt,
+                       double softcap) {
+  at::Tensor l = at::matmul(h.narrow(0, n0, nt), w.narrow(0, v0, vt).t());
+  return softcap > 0 ? soft_cap(l.to(at::kFloat), softcap) : l;
+}
+
+// d loss / d logit from d loss / d capped logit `g` (fp32, in place), given the capped logits'
+// tile: times 1 - tanh^2 = 1 - (capped / cap)^2.
+void through_cap(at::Tensor& g, const at::Tensor& capped, double softcap) {
+  if (softcap > 0) g.mul_(1.0 - (capped / softcap).square());
 }
 
 // l - v in fp32 (v: fp32 [rows, 1]), the same numbers either way. A GPU kernel widens a bf16/fp16
@@ -43,15 +51,17 @@ at::Tensor minus_in_fp32(const at::Tensor& l, const at::Tensor& v) {
 class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                            const at::Tensor& targets, int64_t chunk, int64_t tile, int64_t ignore_index) {
+                            const at::Tensor& targets, int64_t chunk, int64_t tile, int64_t ignore_index,
+                            double softcap) {
     LogSumExp acc(hidden);
-    accumulate_log_sum_exp(hidden, weight, 0, targets, chunk, tile, acc);
+    accumulate_log_sum_exp(hidden, weight, 0, targets, chunk, tile, acc, softcap);
     at::Tensor lse = finish_log_sum_exp(acc);
     at::Tensor loss = loss_sum(lse, acc, targets, ignore_index);
     ctx->save_for_backward({hidden, weight, targets, lse});
     ctx->saved_data["chunk"] = chunk;
     ctx->saved_data["tile"] = tile;
     ctx->saved_data["ignore"] = ignore_index;
+    ctx->saved_data["softcap"] = softcap;
     return loss;
   }
 
@@ -64,9 +74,10 @@ class LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> 
     at::Tensor grad_h =
         need_h ? at::zeros({hidden.size(0), hidden.size(1)}, hidden.options().dtype(at::kFloat)) : at::Tensor();
     at::Tensor grad_w = backward_rows(hidden, weight, 0, targets, lse, row_scale, ctx->saved_data["chunk"].toInt(),
-                                      ctx->saved_data["tile"].toInt(), grad_h, need_w);
+                                      ctx->saved_data["tile"].toInt(), grad_h, need_w,
+                                      ctx->saved_data["softcap"].toDouble());
     return {need_h ? grad_h.to(hidden.scalar_type()) : at::Tensor(), grad_w, at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -78,7 +89,7 @@ class OnePassCrossEntropy : public torch::autograd::Function<OnePassCrossEntropy
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, int64_t chunk, int64_t ignore_index, double upstream,
-                            bool want_h, bool want_w) {
+                            bool want_h, bool want_w, double softcap) {
     const int64_t tokens = hidden.size(0), vocab = weight.size(0);
     const auto f32 = hidden.options().dtype(at::kFloat);
     at::Tensor grad_h = want_h ? at::empty({tokens, hidden.size(1)}, f32) : at::Tensor();
@@ -89,9 +100,9 @@ class OnePassCrossEntropy : public torch::autograd::Function<OnePassCrossEntropy
       const at::Tensor h = hidden.narrow(0, n0, nt), tg = targets.narrow(0, n0, nt);
       const at::Tensor valid = tg.ne(ignore_index);
       const at::Tensor col = at::where(valid, tg, 0).unsqueeze(1);
-      at::Tensor p;
+      at::Tensor p, l;
       {
-        const at::Tensor l = tile_logits(hidden, weight, 0, vocab, n0, nt);  // inputs' dtype
+        l = tile_logits(hidden, weight, 0, vocab, n0, nt, softcap);  // inputs' dtype (capped: fp32)
         const at::Tensor picked = l.gather(1, col).squeeze(1).to(at::kFloat);
         const at::Tensor m = at::amax(l, 1).to(at::kFloat);
         // l - m in a new fp32 tensor (minus_in_fp32 would overwrite an fp32 l, which the softmax
@@ -102,13 +113,17 @@ class OnePassCrossEntropy : public torch::autograd::Function<OnePassCrossEntropy
         loss.add_(at::where(valid, lse - picked, 0.0).sum());
         // The softmax as the untiled loss's backward computes it, exp(logit - lse): the same
         // numbers, not exp(logit - max) / sum's.
-        p = minus_in_fp32(l, lse.unsqueeze(1)).exp_();
+        // (Capped logits are kept for the cap's derivative: not overwritten.)
+        p = softcap > 0 ? (l - lse.unsqueeze(1)).exp_() : minus_in_fp32(l, lse.unsqueeze(1)).exp_();
+        if (softcap <= 0) l = at::Tensor();
       }
       // d loss / d logit = (softmax - onehot(target)) x the expected upstream gradient, 0 on
       // ignored tokens: scaled before the narrowing and the products, as the two-pass loss and
       // autograd scale.
       p.scatter_(1, col, p.gather(1, col) - valid.to(at::kFloat).unsqueeze(1));
       p.mul_((valid.to(at::kFloat) * upstream).unsqueeze(1));
+      through_cap(p, l, softcap);
+      l = at::Tensor();
       const at::Tensor g = p.to(hidden.scalar_type());  // as autograd narrows through the cast
       p = at::Tensor();
       if (want_h) grad_h.narrow(0, n0, nt).copy_(at::matmul(g, weight));
@@ -131,7 +146,8 @@ class OnePassCrossEntropy : public torch::autograd::Function<OnePassCrossEntropy
     if (grad_h.defined() && ctx->needs_input_grad(0)) out_h = grad_h.mul_(scale).to(dtype);
     grad_h = at::Tensor();
     if (grad_w.defined() && ctx->needs_input_grad(1)) out_w = grad_w.mul_(scale).to(dtype);
-    return {out_h, out_w, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {out_h, out_w, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -145,10 +161,10 @@ LogSumExp::LogSumExp(const at::Tensor& hidden) {
 }
 
 void accumulate_log_sum_exp(const at::Tensor& hidden, const at::Tensor& rows, int64_t row_begin,
-                            const at::Tensor& targets, int64_t chunk, int64_t tile, LogSumExp& acc) {
+                            const at::Tensor& targets, int64_t chunk, int64_t tile, LogSumExp& acc, double softcap) {
   const Tiles t{hidden.size(0), rows.size(0), chunk, tile};
   t.each([&](int64_t v0, int64_t vt, int64_t n0, int64_t nt) {
-    const at::Tensor l = tile_logits(hidden, rows, v0, vt, n0, nt);  // inputs' dtype: widening is exact
+    const at::Tensor l = tile_logits(hidden, rows, v0, vt, n0, nt, softcap);  // inputs' dtype: widening is exact
     at::Tensor m = acc.running_max.narrow(0, n0, nt), s = acc.sum_exp.narrow(0, n0, nt);
     const at::Tensor tg = targets.narrow(0, n0, nt) - (row_begin + v0);  // the target's column in this tile
     const at::Tensor here = tg.ge(0).logical_and(tg.lt(vt));
@@ -168,7 +184,7 @@ at::Tensor loss_sum(const at::Tensor& lse, const LogSumExp& acc, const at::Tenso
 
 at::Tensor backward_rows(const at::Tensor& hidden, const at::Tensor& rows, int64_t row_begin, const at::Tensor& targets,
                          const at::Tensor& lse, const at::Tensor& row_scale, int64_t chunk, int64_t tile,
-                         at::Tensor& grad_h, bool want_rows) {
+                         at::Tensor& grad_h, bool want_rows, double softcap) {
   const Tiles t{hidden.size(0), rows.size(0), chunk, tile};
   const auto f32 = hidden.options().dtype(at::kFloat);
   // Summed over the token chunks in an fp32 tile, written in the rows' dtype tile by tile (every
@@ -187,12 +203,16 @@ at::Tensor backward_rows(const at::Tensor& hidden, const at::Tensor& rows, int64
       if (want_rows) grad_w_tile = at::zeros({vt, hidden.size(1)}, f32);
     }
     // softmax over the whole vocabulary, in fp32
-    at::Tensor p = minus_in_fp32(tile_logits(hidden, rows, v0, vt, n0, nt), lse.narrow(0, n0, nt).unsqueeze(1)).exp_();
+    at::Tensor l = tile_logits(hidden, rows, v0, vt, n0, nt, softcap);
+    at::Tensor p = softcap > 0 ? (l - lse.narrow(0, n0, nt).unsqueeze(1)).exp_()
+                               : minus_in_fp32(l, lse.narrow(0, n0, nt).unsqueeze(1)).exp_();
     const at::Tensor tg = targets.narrow(0, n0, nt) - (row_begin + v0);
     const at::Tensor here = tg.ge(0).logical_and(tg.lt(vt));
     const at::Tensor col = tg.clamp(0, vt - 1).unsqueeze(1);
     p.scatter_(1, col, p.gather(1, col) - here.to(at::kFloat).unsqueeze(1));
     p.mul_(row_scale.narrow(0, n0, nt).unsqueeze(1));
+    through_cap(p, l, softcap);
+    l = at::Tensor();
     const at::Tensor g = p.to(hidden.scalar_type());  // as autograd narrows through the cast
     p = at::Tensor();
     if (grad_h.defined()) grad_h.narrow(0, n0, nt).add_(at::matmul(g, rows.narrow(0, v0, vt)));
@@ -204,7 +224,7 @@ at::Tensor backward_rows(const at::Tensor& hidden, const at::Tensor& rows, int64
 
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                     int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index, bool one_pass,
-                                    double upstream) {
+                                    double upstream, double softcap) {
   const auto bad = [](const std::string& m) { throw std::invalid_argument("linear_cross_entropy_sum: " + m); };
   if (hidden.dim() != 2 || weight.dim() != 2 || targets.dim() != 1) bad("hidden [tokens, hidden], weight [vocab, hidden] and targets [tokens] expected");
   if (hidden.size(1) != weight.size(1)) bad("hidden has " + std::to_string(hidden.size(1)) + " features, the weight " + std::to_string(weight.size(1)));
@@ -229,9 +249,14 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
     // registered parameter still says requires_grad.
     const bool grad = at::GradMode::is_enabled();
     return OnePassCrossEntropy::apply(hidden, weight, targets, token_chunk, ignore_index, upstream,
-                                      grad && hidden.requires_grad(), grad && weight.requires_grad());
+                                      grad && hidden.requires_grad(), grad && weight.requires_grad(), softcap);
   }
-  return LinearCrossEntropy::apply(hidden, weight, targets, token_chunk, vocab_tile, ignore_index);
+  return LinearCrossEntropy::apply(hidden, weight, targets, token_chunk, vocab_tile, ignore_index, softcap);
+}
+
+at::Tensor soft_cap(const at::Tensor& logits, double cap) {
+  if (cap <= 0) return logits;
+  return at::tanh(logits / cap) * cap;
 }
 
 }  // namespace strata::tiling

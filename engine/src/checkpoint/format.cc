@@ -244,6 +244,7 @@ CheckpointMeta checkpoint_meta(const json& m, const fs::path& dir) {
     meta.world_size = m.at("world_size").get<int>();
     if (m.contains("frozen_base")) meta.frozen_base = m["frozen_base"].get<std::string>();
     if (m.contains("lora")) meta.lora = m["lora"].dump();
+    meta.data_pack = m.value("data_pack", false);
     if (m.contains("global_batch")) meta.global_batch = m["global_batch"].get<uint64_t>();
     else if (meta.train_steps > 0 && meta.samples_consumed % uint64_t(meta.train_steps) == 0)
       meta.global_batch = meta.samples_consumed / uint64_t(meta.train_steps);

@@ -136,7 +136,8 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
                                  {"good_steps", c.good_steps}}},
                    {"train_steps", meta.train_steps},
                    {"samples_consumed", meta.samples_consumed},
-                   {"global_batch", meta.global_batch}};
+                   {"global_batch", meta.global_batch},
+                   {"data_pack", meta.data_pack}};
   if (part.num_units() < engine.partition().num_units()) {
     // The checkpoint holds the trainable units alone: the rest come from the base it names.
     if (meta.frozen_base.empty())

@@ -19,7 +19,8 @@ at::Tensor HeadLoss::whole(const at::Tensor& x, const at::Tensor& targets, bool 
     const double per_sum = masked ? upstream : upstream / double(std::max<int64_t>(1, targets.numel()));
     const at::Tensor sum = tiling::linear_cross_entropy_sum(
         h.reshape({-1, h.size(-1)}), head.lm_weight(), targets, int64_t(s.logits.token_chunk),
-        int64_t(s.logits.vocab_tile ? s.logits.vocab_tile : s.vocab), kIgnored, s.logits.one_pass, per_sum);
+        int64_t(s.logits.vocab_tile ? s.logits.vocab_tile : s.vocab), kIgnored, s.logits.one_pass, per_sum,
+        head.logit_softcap());
     return masked ? sum : sum / double(targets.numel());
   }
   const at::Tensor logits = head.forward(x);
@@ -49,7 +50,7 @@ void HeadLoss::vocab_forward(VocabPass& h, const at::Tensor& x, const at::Tensor
   at::NoGradGuard no_grad;
   const layout::LogitsTiles t = memory_.head_logits();
   tiling::accumulate_log_sum_exp(h.hidden, tile.lm_weight(), tile.vocab_begin(), targets, int64_t(t.token_chunk),
-                                 int64_t(t.vocab_tile), *h.acc);
+                                 int64_t(t.vocab_tile), *h.acc, tile.logit_softcap());
 }
 
 at::Tensor HeadLoss::vocab_loss(VocabPass& h, const at::Tensor& targets, bool masked, double scale) const {
@@ -72,7 +73,8 @@ at::Tensor HeadLoss::vocab_backward(VocabPass& h, const at::Tensor& targets, siz
     // In the rows' dtype, as autograd gives every other parameter's.
     tile.lm_weight().mutable_grad() =
         tiling::backward_rows(h.hidden, tile.lm_weight(), tile.vocab_begin(), targets, h.lse, h.row_scale,
-                              int64_t(t.token_chunk), int64_t(t.vocab_tile), h.grad_hidden, /*want_rows=*/true);
+                              int64_t(t.token_chunk), int64_t(t.vocab_tile), h.grad_hidden, /*want_rows=*/true,
+                              tile.logit_softcap());
   }
   if (j > 0) return at::Tensor();
   torch::autograd::backward({h.normed}, {h.grad_hidden.view(h.normed.sizes()).to(h.normed.scalar_type())});

@@ -4,8 +4,13 @@
       Saves tiny randomly initialised models with transformers (save_pretrained, safetensors) in
       DIR/gpt2, DIR/llama (grouped-query attention, untied) and DIR/llama_tied (tied embeddings,
       attention and MLP biases), DIR/llama3_rope (Llama 3 RoPE scaling, head_dim != hidden /
-      heads), DIR/qwen2, DIR/mistral (sliding window 16 > the 13 tokens) and DIR/gemma, each with expected.safetensors holding input ids and the logits
-      transformers computes for them (fp32).
+      heads), DIR/qwen2 (a sliding window of 4 on layer 1), DIR/mistral (a sliding window of 5,
+      shorter than the 13 tokens) and DIR/gemma, each with expected.safetensors holding input ids
+      and the logits transformers computes for them (fp32); and packed examples: rows of token
+      ids holding several examples (packed_ids, packed_segments), which targets are within an
+      example (packed_counted), their losses (packed_losses) and the gradients of the losses'
+      sum (grad/<name>, in Strata's layout) as transformers gives them running each example
+      alone, unpadded.
   hf_oracle.py check MODEL_DIR EXPECTED
       Loads MODEL_DIR with transformers, computes logits for EXPECTED's ids and compares them with
       EXPECTED's logits; exits 1 if the relative error (max |diff| / max |logits|) exceeds 1e-5.
@@ -14,9 +19,9 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM,
+                          GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 TOLERANCE = 1e-5
 
@@ -63,16 +68,31 @@ def make(out):
         "qwen2": Qwen2ForCausalLM(Qwen2Config(vocab_size=83, hidden_size=48, intermediate_size=80,
                                               num_hidden_layers=2, num_attention_heads=4,
                                               num_key_value_heads=2, max_position_embeddings=64,
-                                              initializer_range=0.2, tie_word_embeddings=False)),
+                                              initializer_range=0.2, tie_word_embeddings=False,
+                                              use_sliding_window=True, sliding_window=4, max_window_layers=1)),
         "mistral": MistralForCausalLM(MistralConfig(vocab_size=79, hidden_size=48, intermediate_size=80,
                                                     num_hidden_layers=2, num_attention_heads=4,
                                                     num_key_value_heads=2, max_position_embeddings=64,
-                                                    sliding_window=16, initializer_range=0.2)),
+                                                    sliding_window=5, initializer_range=0.2)),
         "gemma": GemmaForCausalLM(GemmaConfig(vocab_size=71, hidden_size=48, intermediate_size=80,
                                               num_hidden_layers=2, num_attention_heads=4,
                                               num_key_value_heads=1, head_dim=16,
                                               max_position_embeddings=64, initializer_range=0.2,
                                               hidden_act="gelu_pytorch_tanh")),
+        # Qwen3: q_norm/k_norm per head, GQA, an odd intermediate size, untied; Gemma 2: soft caps
+        # (scaled up by the perturbation's 0.1 weights: tight caps that bend), query_pre_attn_scalar
+        # not head_dim, a sliding window of 4 on layers 0 and 2 (of 3), the sandwich norms, GQA,
+        # tied.
+        "qwen3": Qwen3ForCausalLM(Qwen3Config(vocab_size=67, hidden_size=48, intermediate_size=77,
+                                              num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                                              initializer_range=0.2, tie_word_embeddings=False)),
+        "gemma2": Gemma2ForCausalLM(Gemma2Config(vocab_size=73, hidden_size=48, intermediate_size=77,
+                                                 num_hidden_layers=3, num_attention_heads=4,
+                                                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                                                 initializer_range=0.2, query_pre_attn_scalar=24,
+                                                 attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                                                 sliding_window=4, hidden_activation="gelu_pytorch_tanh")),
     }
     for i, (name, model) in enumerate(models.items()):
         perturb(model, 100 + i)
@@ -83,7 +103,43 @@ def make(out):
         ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=g)
         with torch.no_grad():
             logits = model(ids).logits.float().contiguous()
-        save_file({"ids": ids, "logits": logits}, f"{d}/expected.safetensors")
+        save_file({"ids": ids, "logits": logits, **packed(model, name, g)}, f"{d}/expected.safetensors")
+
+
+# GPT-2's Conv1D weights are [in, out]; Strata's layout (and its gradients) [out, in].
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def packed(model, name, g, rows=((5, 6, 3), (9, 2)), tokens=13):
+    """Rows of tokens + 1 ids, each holding examples of the given lengths one after another, then
+    padding (id 0, a segment of its own); each example's per-target losses and the gradients of
+    their sum, from transformers running every example alone."""
+    ids = torch.zeros(len(rows), tokens + 1, dtype=torch.long)
+    segments = torch.zeros(len(rows), tokens, dtype=torch.long)
+    counted = torch.zeros(len(rows), tokens)
+    losses = torch.zeros(len(rows), tokens)
+    model.zero_grad()
+    for r, lengths in enumerate(rows):
+        j = 0
+        for k, n in enumerate(lengths):
+            ex = torch.randint(0, model.config.vocab_size, (n,), generator=g)
+            ids[r, j:j + n] = ex
+            segments[r, j:min(j + n, tokens)] = k
+            logits = model(ex[None]).logits[0].float()
+            loss = torch.nn.functional.cross_entropy(logits[:-1], ex[1:], reduction="none")
+            loss.sum().backward()
+            losses[r, j:j + n - 1] = loss.detach()
+            counted[r, j:j + n - 1] = 1
+            j += n
+        segments[r, j:] = len(lengths)
+    out = {"packed_ids": ids, "packed_segments": segments, "packed_counted": counted, "packed_losses": losses}
+    for n, p in model.named_parameters():
+        grad = p.grad.detach().float()
+        if name == "gpt2" and n.endswith(CONV1D):
+            grad = grad.t()
+        out["grad/" + n] = grad.contiguous()
+    model.zero_grad()
+    return out
 
 
 def check(model_dir, expected_file):

@@ -142,7 +142,7 @@ def main():
     export = os.path.join(work, "export")
     cfg = {"model": {"init_from": model_dir, "adapter_from": adapter_dir},
            "data": {"seq_len": SEQ, "seed": 3, "path": os.path.join(work, "train.sft"), "format": "sft",
-                    "eval_path": os.path.join(work, "eval.sft")},
+                    "eval_path": os.path.join(work, "eval.sft"), "pack": False},
            "batch": {"micro_batch": MICRO, "grad_accum": ACCUM},
            "optimizer": {"type": "adamw", "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD,
                          "clip_grad_norm": CLIP},

@@ -158,6 +158,11 @@ struct TrainConfig {
   std::string data_format = "bytes";  // bytes, uint16, uint32 (token windows) or sft (examples)
   uint64_t data_seed = 0;
   int64_t data_pad_id = 0;  // sft: the id after an example's end (out of the loss)
+  // sft: examples packed into windows (models::PackedExamples), training and evaluation data
+  // alike; default on for sft. An example longer than seq_len + 1 tokens is cut ("truncate") or
+  // refuses the run ("refuse").
+  bool data_pack = false;
+  std::string data_overlong = "truncate";
   // Evaluation (data.eval_*): a held-out file, or the last eval_split of the training samples;
   // its loss every eval_every steps (0: only after the last step) over its first
   // eval_max_samples samples (0: all).

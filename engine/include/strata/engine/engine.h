@@ -122,6 +122,11 @@ class Engine {
   // none (the count is a collective). A global batch without any counted target is skipped: no
   // forward and no update, StepResult::skipped with a NaN loss.
   StepResult train_step(const at::Tensor& ids, const at::Tensor& loss_mask);
+  // Packed examples (data.pack): `segments` int64 [rows, seq_len] says which example each input
+  // token belongs to (models::TokenLayout): a token attends only to the earlier tokens of its
+  // example, and positions restart at each example. The mask must leave out every target that
+  // crosses from one example to the next (the packed data does). Undefined: one sequence a row.
+  StepResult train_step(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments);
   // The forward alone over `ids` (int64 [rows, seq_len + 1], rows a multiple of micro_batch,
   // the same on every rank: a collective) in micro-batches, without autograd and without
   // touching gradients, optimizer state or the step count; `loss_mask` as for train_step
@@ -133,7 +138,7 @@ class Engine {
     double loss_sum = 0;
     uint64_t tokens = 0;
   };
-  EvalResult evaluate(const at::Tensor& ids, const at::Tensor& loss_mask);
+  EvalResult evaluate(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments = {});
   // The learning rate of the following steps' updates (optimizer.lr until called; a schedule sets
   // it before each step: lr_schedule.h). An update already launched keeps the rate it had.
   void set_learning_rate(double lr);

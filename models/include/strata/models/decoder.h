@@ -25,6 +25,7 @@
 
 #include "strata/models/model_config.h"
 #include "strata/models/model_shapes.h"
+#include "strata/models/token_layout.h"
 #include "strata/tiling/chunked_mlp.h"
 
 #include <map>
@@ -45,7 +46,11 @@ struct TensorPart {
 
 class Stage : public torch::nn::Module {
  public:
-  virtual at::Tensor forward(const at::Tensor& input) = 0;
+  // The stage on `input` (token ids for an embedding, else hidden states [B, T, ...]) whose
+  // tokens are laid out as `layout` says (packed examples: positions and attention per example).
+  virtual at::Tensor forward(const at::Tensor& input, const TokenLayout& layout) = 0;
+  // Every row one sequence.
+  at::Tensor forward(const at::Tensor& input) { return forward(input, TokenLayout{}); }
   // Parameters with their Hugging Face names (including tied ones only where this stage owns
   // them); a tile's slices under their part names (TensorPart::name).
   std::vector<std::pair<std::string, at::Tensor>> hf_parameters() const;
@@ -94,7 +99,14 @@ class HeadStage : public Stage {
   virtual const at::Tensor& lm_weight() const = 0;
   virtual int64_t vocab_begin() const { return 0; }
   virtual bool has_norm() const { return true; }
-  at::Tensor forward(const at::Tensor& x) override;
+  // The logits' soft cap (Gemma 2's final_logit_softcapping): logits are cap * tanh(l / cap), an
+  // elementwise map, so vocabulary and logits tiles apply it exactly (tiling::soft_cap). 0: none.
+  double logit_softcap() const { return softcap_; }
+  using Stage::forward;
+  at::Tensor forward(const at::Tensor& x, const TokenLayout& layout) override;
+
+ protected:
+  double softcap_ = 0;
 };
 
 class Decoder {
@@ -160,8 +172,9 @@ class Decoder {
   // and MLP chunk).
   uint64_t block_graph_bytes_per_token(size_t elem_bytes) const;
 
-  // token ids [batch, seq] (int64) -> logits [batch, seq, vocab].
-  at::Tensor forward(const at::Tensor& ids);
+  // token ids [batch, seq] (int64) -> logits [batch, seq, vocab], every row one sequence or as
+  // `layout` packs examples in it.
+  at::Tensor forward(const at::Tensor& ids, const TokenLayout& layout = {});
   // Every parameter once, with its Hugging Face name, in schedule order. A tiled decoder holds
   // no whole tensor of what is tiled: this throws std::logic_error then (read stages()' parts()).
   std::vector<std::pair<std::string, at::Tensor>> hf_parameters();

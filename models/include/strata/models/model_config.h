@@ -31,12 +31,25 @@ struct ModelConfig {
   bool attention_bias = false;      // q/k/v biases (Llama's attention_bias; always for Qwen2)
   bool attention_out_bias = false;  // o_proj bias (Llama's attention_bias; never for Qwen2)
   bool mlp_bias = false;
-  // Sliding-window attention (Mistral, Qwen2 with use_sliding_window): a token sees the previous
-  // sliding_window tokens only. Strata computes full causal attention, which is the same thing
-  // for sequences of at most sliding_window tokens; longer ones are refused. 0: none.
+  // Sliding-window attention (Mistral, Qwen2 with use_sliding_window): a token of a sliding layer
+  // sees itself and the sliding_window - 1 tokens before it (transformers: key > query - window).
+  // 0: none. `sliding_layers` says which layers slide, as config.json's layer_types (Qwen2: from
+  // max_window_layers on); empty: all of them.
   int64_t sliding_window = 0;
-  // Gemma: embeddings scaled by sqrt(hidden) and RMSNorm weights applied as (1 + w).
+  std::vector<bool> sliding_layers;
+  // The attention window of block `layer`: sliding_window for a sliding layer, else 0 (none).
+  int64_t attention_window(int64_t layer) const;
+  // Gemma (and Gemma 2): embeddings scaled by sqrt(hidden) and RMSNorm weights applied as (1 + w).
   bool gemma = false;
+  // Qwen3: each query and key head RMS-normed over head_dim (self_attn.q_norm, k_norm) before
+  // the rotation.
+  bool qk_norm = false;
+  // Gemma 2: the attention's output normed before the residual add (post_attention_layernorm),
+  // the MLP's input by pre_feedforward_layernorm and its output by post_feedforward_layernorm.
+  bool sandwich_norms = false;
+  // Gemma 2: attention scores scaled by query_pre_attn_scalar^-1/2 (0: head_dim^-1/2) and capped
+  // to attn_softcap * tanh(s / attn_softcap); logits capped alike by final_softcap. 0: none.
+  double query_pre_attn_scalar = 0, attn_softcap = 0, final_softcap = 0;
   // The gated MLP's activation (Llama family): SiLU, or for Gemma GELU as its hidden_act names
   // it (the tanh approximation, or exact).
   enum class Activation { kSilu, kGeluTanh, kGelu };
@@ -72,9 +85,6 @@ struct ModelConfig {
   int64_t block_parameters() const;
   // Throws std::invalid_argument with the offending field if inconsistent.
   void validate() const;
-  // Throws std::invalid_argument when sequences of `seq_len` tokens would be computed differently
-  // from the model's definition (a sliding window shorter than the sequence).
-  void check_sequence_length(int64_t seq_len) const;
   // The config.json that transformers reads back for this model; `dtype` is the weights' dtype
   // as transformers names it ("float32", "bfloat16", "float16").
   std::string to_hf_json(const std::string& dtype = "float32") const;

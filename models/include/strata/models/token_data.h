@@ -52,7 +52,8 @@ class TokenCorpus {
 };
 
 // Numbered training or evaluation samples: each is seq_len + 1 token ids (inputs and next-token
-// targets) and seq_len flags saying which targets count in the loss.
+// targets), seq_len flags saying which targets count in the loss, and seq_len segment ids saying
+// which example each input token belongs to (packed sources; else 0: one sequence).
 // Thread safety: implementations are immutable after construction.
 class SampleSource {
  public:
@@ -60,10 +61,15 @@ class SampleSource {
   virtual uint64_t size() const = 0;     // samples
   virtual uint64_t seq_len() const = 0;
   // Sample i into ids[0, seq_len + 1) and, when `loss` is not null, loss[j] = 1 when target
-  // ids[j + 1] counts in the loss, else 0.
-  virtual void sample(uint64_t i, int64_t* ids, uint8_t* loss) const = 0;
+  // ids[j + 1] counts in the loss, else 0; when `segments` is not null, segments[j] the example
+  // of input token j (models::TokenLayout).
+  virtual void sample(uint64_t i, int64_t* ids, uint8_t* loss, int64_t* segments = nullptr) const = 0;
   // Whether any target may be out of the loss (else every flag is 1).
   virtual bool masked() const = 0;
+  // Whether a sample holds several examples (else its segments are all 0).
+  virtual bool packed() const { return false; }
+  // Of the samples' (seq_len + 1) * size() token slots, how many hold data rather than padding.
+  virtual uint64_t real_tokens() const { return (seq_len() + 1) * size(); }
   virtual std::string description() const = 0;
 };
 
@@ -74,7 +80,7 @@ class TokenWindows final : public SampleSource {
   TokenWindows(std::shared_ptr<const TokenCorpus> corpus, uint64_t seq_len);
   uint64_t size() const override { return windows_; }
   uint64_t seq_len() const override { return seq_len_; }
-  void sample(uint64_t i, int64_t* ids, uint8_t* loss) const override;
+  void sample(uint64_t i, int64_t* ids, uint8_t* loss, int64_t* segments = nullptr) const override;
   bool masked() const override { return false; }
   std::string description() const override { return corpus_->description(); }
 
@@ -86,9 +92,9 @@ class TokenWindows final : public SampleSource {
 // Supervised fine-tuning examples (data.format "sft"): a safetensors file (docs/FORMATS.md,
 // written by `strata data prepare --chat`) holding "tokens" (I32 [n]), "loss_mask" (U8 [n]: 1
 // where the token is part of a response, a target the loss learns) and "offsets" (I64
-// [examples + 1]: example e is tokens [offsets[e], offsets[e + 1])). One example is one sample,
-// never packed with another: its first seq_len + 1 tokens, then padding (id `pad_id`, out of the
-// loss) to seq_len + 1. Target j counts when loss_mask of token j + 1 is 1.
+// [examples + 1]: example e is tokens [offsets[e], offsets[e + 1])). One example is one sample
+// (PackedExamples packs several in one): its first seq_len + 1 tokens, then padding (id `pad_id`,
+// out of the loss) to seq_len + 1. Target j counts when loss_mask of token j + 1 is 1.
 // Errors: std::runtime_error naming the file (not safetensors, a tensor missing or of the wrong
 // dtype or shape, offsets not increasing from 0 to n, a token id < 0 or >= vocab_size, a mask
 // value other than 0 and 1, no example with a target in the loss).
@@ -98,20 +104,63 @@ class SftExamples final : public SampleSource {
   ~SftExamples() override;
   uint64_t size() const override { return examples_; }
   uint64_t seq_len() const override { return seq_len_; }
-  void sample(uint64_t i, int64_t* ids, uint8_t* loss) const override;
+  void sample(uint64_t i, int64_t* ids, uint8_t* loss, int64_t* segments = nullptr) const override;
   bool masked() const override { return true; }
+  uint64_t real_tokens() const override { return kept_tokens_; }
   std::string description() const override { return description_; }
   // Examples longer than seq_len + 1 tokens (cut), and the response tokens cut with them.
   uint64_t truncated_examples() const { return truncated_; }
   uint64_t truncated_loss_tokens() const { return truncated_loss_; }
+  // Example e's tokens as a sample holds them: min(its length, seq_len + 1).
+  uint64_t kept_length(uint64_t e) const;
+  // The first `count` (<= kept_length(e)) tokens of example e into ids, and into `loss` flags
+  // for targets: loss[j] = loss_mask of token j + 1, for j + 1 < count (count - 1 flags).
+  void copy(uint64_t e, uint64_t count, int64_t* ids, uint8_t* loss) const;
+  int64_t pad_id() const { return pad_id_; }
 
  private:
   struct Data;
   std::unique_ptr<Data> data_;
-  uint64_t seq_len_, examples_ = 0, truncated_ = 0, truncated_loss_ = 0;
+  uint64_t seq_len_, examples_ = 0, truncated_ = 0, truncated_loss_ = 0, kept_tokens_ = 0;
   int64_t pad_id_;
   std::string description_;
 };
+
+// Supervised examples packed into windows of seq_len + 1 tokens (data.pack), so that a step
+// computes examples rather than padding. The rule (best_fit_decreasing) depends only on the
+// examples' lengths, seq_len and the seed: never on the world size, so a resume at any world size
+// reproduces the windows. A window holds its examples one after another, then padding (`pad_id`,
+// out of the loss, a segment of its own). Segment j of a window is the index of input token j's
+// example within it; target j counts when loss_mask of token j + 1 is 1 and tokens j and j + 1
+// are of the same example, so no target crosses from one example into the next.
+// Thread safety: immutable after construction.
+class PackedExamples final : public SampleSource {
+ public:
+  PackedExamples(std::shared_ptr<const SftExamples> examples, uint64_t seed);
+  uint64_t size() const override { return begin_.size() - 1; }
+  uint64_t seq_len() const override { return examples_->seq_len(); }
+  void sample(uint64_t i, int64_t* ids, uint8_t* loss, int64_t* segments = nullptr) const override;
+  bool masked() const override { return true; }
+  bool packed() const override { return true; }
+  uint64_t real_tokens() const override { return examples_->real_tokens(); }
+  std::string description() const override;
+  // The examples of window w, in the order it holds them.
+  std::vector<uint64_t> window_examples(uint64_t w) const;
+
+ private:
+  std::shared_ptr<const SftExamples> examples_;
+  std::vector<uint64_t> order_, begin_;  // window w holds examples order_[begin_[w] .. begin_[w + 1])
+};
+
+// Bins of at most `capacity` for items of the given lengths (each <= capacity), by best fit
+// decreasing as TRL's "bfd" packs: items by decreasing length, ties in an order shuffled from
+// `seed`; each into the open bin it leaves least room in (among equals the oldest), else a new
+// bin. Returns the items bin by bin (`order`) and where each bin starts in it (`begin`, one more
+// entry than bins). O(n log n).
+struct Bins {
+  std::vector<uint64_t> order, begin;
+};
+Bins best_fit_decreasing(const std::vector<uint64_t>& lengths, uint64_t capacity, uint64_t seed);
 
 // Samples [begin, end) of another source, renumbered from 0: a held-out split (data.eval_split
 // keeps the last part of a source for evaluation and trains on the rest).
@@ -120,8 +169,10 @@ class SampleRange final : public SampleSource {
   SampleRange(std::shared_ptr<const SampleSource> source, uint64_t begin, uint64_t end);
   uint64_t size() const override { return end_ - begin_; }
   uint64_t seq_len() const override { return source_->seq_len(); }
-  void sample(uint64_t i, int64_t* ids, uint8_t* loss) const override;
+  void sample(uint64_t i, int64_t* ids, uint8_t* loss, int64_t* segments = nullptr) const override;
   bool masked() const override { return source_->masked(); }
+  bool packed() const override { return source_->packed(); }
+  uint64_t real_tokens() const override;
   std::string description() const override;
 
  private:
@@ -142,11 +193,11 @@ class BatchLoader {
   uint64_t windows_per_epoch() const { return windows_; }
   uint64_t local_batch() const { return global_batch_ / world_; }
   const SampleSource& source() const { return *source_; }
-  // Global sample s: seq_len + 1 token ids (and seq_len loss flags when `loss` is not null).
-  void sample(uint64_t s, int64_t* out, uint8_t* loss = nullptr) const;
+  // Global sample s: seq_len + 1 token ids (and seq_len loss flags and segments when not null).
+  void sample(uint64_t s, int64_t* out, uint8_t* loss = nullptr, int64_t* segments = nullptr) const;
   // This rank's slice of the next global batch: local_batch() rows of seq_len + 1 ids, row-major
-  // (and of seq_len loss flags when `loss` is not null).
-  void next(int64_t* out, uint8_t* loss = nullptr);
+  // (and of seq_len loss flags and segments when not null).
+  void next(int64_t* out, uint8_t* loss = nullptr, int64_t* segments = nullptr);
   uint64_t position() const { return position_; }  // global samples consumed
   void set_position(uint64_t global_samples);        // must be a multiple of the global batch
 
@@ -169,7 +220,7 @@ class EvalBatches {
   EvalBatches(std::shared_ptr<const SampleSource> source, uint64_t global_batch, int rank, int world_size);
   uint64_t batches() const { return (source_->size() + global_batch_ - 1) / global_batch_; }
   uint64_t local_batch() const { return global_batch_ / world_; }
-  void batch(uint64_t b, int64_t* ids, uint8_t* loss) const;
+  void batch(uint64_t b, int64_t* ids, uint8_t* loss, int64_t* segments = nullptr) const;
 
  private:
   std::shared_ptr<const SampleSource> source_;

@@ -44,9 +44,15 @@ namespace strata::tiling {
 // two passes and autograd scale; the backward multiplies them by the real upstream over it,
 // exactly 1 when it was right (the numbers of two passes then, within summation order). Under
 // no_grad it computes the loss alone.
+//
+// `softcap` > 0: the logits are soft-capped first, softcap * tanh(l / softcap) (Gemma 2's
+// final_logit_softcapping), in fp32, in the forward and through its derivative in the backward.
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                     int64_t token_chunk, int64_t vocab_tile, int64_t ignore_index = -100,
-                                    bool one_pass = false, double upstream = 1.0);
+                                    bool one_pass = false, double upstream = 1.0, double softcap = 0);
+// cap * tanh(logits / cap), the one soft cap of logits and scores; `logits` as they are when
+// cap <= 0.
+at::Tensor soft_cap(const at::Tensor& logits, double cap);
 
 // The same loss in pieces, for a weight held as row ranges that are never together (the engine's
 // vocabulary tiles): the forward accumulates each range's part of every token's log-sum-exp and
@@ -60,7 +66,8 @@ struct LogSumExp {
 // Adds rows [row_begin, row_begin + rows.size(0)) of the vocabulary (`rows`, [rows, hidden] in
 // hidden's dtype) to `acc`, tile by tile (token_chunk x vocab_tile).
 void accumulate_log_sum_exp(const at::Tensor& hidden, const at::Tensor& rows, int64_t row_begin,
-                            const at::Tensor& targets, int64_t token_chunk, int64_t vocab_tile, LogSumExp& acc);
+                            const at::Tensor& targets, int64_t token_chunk, int64_t vocab_tile, LogSumExp& acc,
+                            double softcap = 0);
 // Once every row is in: the log-sum-exp [tokens] (fp32; consumes acc's running values), and the
 // loss's sum over the tokens whose target is not ignore_index.
 at::Tensor finish_log_sum_exp(LogSumExp& acc);
@@ -71,6 +78,6 @@ at::Tensor loss_sum(const at::Tensor& lse, const LogSumExp& acc, const at::Tenso
 // `want_rows` is false). row_scale: fp32 [tokens], 0 on ignored tokens.
 at::Tensor backward_rows(const at::Tensor& hidden, const at::Tensor& rows, int64_t row_begin, const at::Tensor& targets,
                          const at::Tensor& lse, const at::Tensor& row_scale, int64_t token_chunk, int64_t vocab_tile,
-                         at::Tensor& grad_hidden, bool want_rows);
+                         at::Tensor& grad_hidden, bool want_rows, double softcap = 0);
 
 }  // namespace strata::tiling

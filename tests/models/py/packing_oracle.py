@@ -1,0 +1,267 @@
+"""Packed supervised fine-tuning (data.pack) through `strata train` against transformers.
+
+  packing_oracle.py STRATA_BIN WORKDIR CASE
+
+Strata packs the examples into windows of seq_len + 1 tokens by best fit decreasing
+(models::best_fit_decreasing, made again by strata_data.py). Every global batch is all the
+windows, so the loader's order changes only the summation order.
+
+Cases:
+  llama, gpt2      4 steps: the losses equal (1e-5 relative) a transformers + torch AdamW run fed
+                   the same packed batches with per-example position ids and an explicit
+                   block-diagonal causal mask; the packed evaluation equals transformers' loss
+                   over each example alone, unpadded; the exported weights (1e-5 per tensor);
+                   the run reports the packing efficiency transformers' side counts.
+  mistral-window   Mistral with a sliding window of 7 tokens, shorter than seq_len 24 and than
+                   most examples: the mask also keeps each token to the last 7 of its example.
+  lora             LoRA (peft, every Llama linear) on the packed batches: losses (1e-6) and the
+                   exported adapters (1e-5).
+  resume           14 examples (8 windows), global batch 4: 2 steps, a checkpoint, resumed to 4
+                   steps: at 1 rank its losses and exported weights are bitwise the straight
+                   run's; at 2 ranks (grad_accum halved) within 1e-5.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from finetune_oracle import perturbed, sft_examples, write_sft  # noqa: E402
+from strata_data import best_fit_decreasing, one_by_one_loss, packed_batch, packed_loss  # noqa: E402
+
+SEQ = 24
+MICRO, ACCUM = 2, 2
+LR, WD, BETAS, EPS, CLIP = 3e-3, 0.1, (0.9, 0.95), 1e-8, 1.0
+STEPS = 4
+WINDOW = 7  # mistral-window's sliding window
+# Kept lengths 25 (cut from 31), 21, 3, 17, 8, 13, 12: four windows of 25, one with a padding token.
+TRAIN_LENGTHS = [31, 21, 3, 17, 8, 13, 12]
+EVAL_LENGTHS = [12, 30, 25, 7, 18]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def model_for(case, vocab):
+    import transformers as tf
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab, hidden_size=48, intermediate_size=83, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if case in ("llama", "lora", "resume"):
+        m = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    elif case == "mistral-window":
+        m = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=WINDOW))
+    elif case == "gpt2":
+        m = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=4, n_positions=64,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                             initializer_range=0.2))
+    else:
+        raise SystemExit(f"unknown case {case}")
+    m = perturbed(m)
+    m.config._attn_implementation = "sdpa"  # takes a boolean 4-d mask as given
+    return m
+
+
+def read_safetensors(path):
+    from safetensors import safe_open
+    out = {}
+    with safe_open(path, "pt") as st:
+        for k in st.keys():
+            out[k] = st.get_tensor(k)
+    return out
+
+
+def run_strata(strata, work, cfg, world, name):
+    path = os.path.join(work, name + ".json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    cmd = [strata, "train", "--config", path]
+    if world > 1:
+        cmd = [strata, "launch", "-n", str(world), "--"] + cmd
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        print(run.stdout, run.stderr)
+        print(f"FAIL: strata ({name}) exited {run.returncode}")
+        return None, run.stderr
+    return [json.loads(l) for l in open(cfg["run"]["log"])], run.stderr
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / max(float(b.float().norm()), 1e-30))
+
+
+def export_close(export_dir, model, tol):
+    """Per tensor ||diff|| / ||ref|| of a full export against `model`; the worst, or None if a
+    tensor is missing."""
+    got = read_safetensors(os.path.join(export_dir, "model.safetensors"))
+    worst, name = 0.0, ""
+    for n, ref in model.state_dict().items():
+        if n == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        if n not in got:
+            print(f"FAIL: {n} not exported")
+            return None
+        if n.endswith(("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")) \
+                and got[n].shape != ref.shape:
+            print(f"FAIL: {n} exported as {tuple(got[n].shape)}")
+            return None
+        e = rel(got[n], ref)
+        if e > worst:
+            worst, name = e, n
+    print(f"weights: worst relative error {worst:.3g} ({name})")
+    return worst if worst <= tol else None
+
+
+def resume_case(strata, work, cfg):
+    """Strata against itself: stopped after 2 steps and resumed, at 1 and at 2 ranks."""
+    rng = np.random.default_rng(5)
+    examples = sft_examples(rng, 14, 61, [31, 21, 3, 17, 8, 13, 12, 25, 19, 6, 10, 15, 4, 22])
+    write_sft(os.path.join(work, "train.sft"), examples)
+    cfg["data"].pop("eval_path")
+    cfg["data"].pop("eval_every")
+    straight, _ = run_strata(strata, work, cfg, 1, "straight")
+    if straight is None:
+        return 1
+    ok = True
+    want = [l["loss"] for l in straight if "event" not in l]
+    for world in (1, 2):
+        r = json.loads(json.dumps(cfg))
+        ck = os.path.join(work, f"ckpt-{world}")
+        r["run"].update({"steps": 2, "checkpoint_dir": ck, "log": os.path.join(work, f"log-first-{world}.jsonl"),
+                         "export": os.path.join(work, f"export-first-{world}")})
+        first, _ = run_strata(strata, work, r, 1, f"first-{world}")
+        if first is None:
+            return 1
+        manifest = json.load(open(os.path.join(ck, open(os.path.join(ck, "latest")).read().strip(), "manifest.json")))
+        if manifest.get("data_pack") is not True:
+            print("FAIL: the checkpoint does not record data_pack true:", manifest.get("data_pack"))
+            ok = False
+        r["run"].update({"steps": STEPS, "resume": True, "log": os.path.join(work, f"log-resumed-{world}.jsonl"),
+                         "export": os.path.join(work, f"export-resumed-{world}")})
+        resumed, err = run_strata(strata, work, r, world, f"resumed-{world}")
+        if resumed is None:
+            return 1
+        got = [l["loss"] for l in first if "event" not in l] + [l["loss"] for l in resumed if "event" not in l]
+        print(f"losses straight {want}, stopped and resumed at {world} rank(s) {got}")
+        a = read_safetensors(os.path.join(work, "export", "model.safetensors"))
+        b = read_safetensors(os.path.join(work, f"export-resumed-{world}", "model.safetensors"))
+        if world == 1:
+            if got != want or any(not torch.equal(a[k], b[k]) for k in a):
+                print("FAIL: the resumed run is not bitwise the straight run")
+                ok = False
+        else:
+            worst = max(rel(b[k], a[k]) for k in a)
+            print(f"weights at 2 ranks: worst relative error {worst:.3g}")
+            if len(got) != len(want) or any(abs(x - y) > 1e-5 * abs(y) for x, y in zip(got, want)) or worst > 1e-5:
+                print("FAIL: the run resumed at 2 ranks differs from the straight run by more than 1e-5")
+                ok = False
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+def main():
+    strata, work, case = sys.argv[1], sys.argv[2], sys.argv[3]
+    shutil.rmtree(work, ignore_errors=True)  # a resumed run appends to its log
+    os.makedirs(work)
+    vocab = 61
+    model = model_for(case, vocab)
+    model_dir = os.path.join(work, "model")
+    model.save_pretrained(model_dir, safe_serialization=True)
+    rng = np.random.default_rng(11)
+    train = sft_examples(rng, len(TRAIN_LENGTHS), vocab, TRAIN_LENGTHS)
+    evals = sft_examples(rng, len(EVAL_LENGTHS), vocab, EVAL_LENGTHS)
+    write_sft(os.path.join(work, "train.sft"), train)
+    write_sft(os.path.join(work, "eval.sft"), evals)
+    cfg = {"model": {"init_from": model_dir},
+           "data": {"seq_len": SEQ, "seed": 3, "path": os.path.join(work, "train.sft"), "format": "sft",
+                    "eval_path": os.path.join(work, "eval.sft"), "eval_every": 2},
+           "batch": {"micro_batch": MICRO, "grad_accum": ACCUM},
+           "optimizer": {"type": "adamw", "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD,
+                         "no_decay": ["bias", "norm"], "clip_grad_norm": CLIP},
+           "device": {"budget": "64MiB"},
+           "run": {"steps": STEPS, "progress": False, "log": os.path.join(work, "log.jsonl"),
+                   "export": os.path.join(work, "export"), "export_overwrite": True}}
+    if case == "resume":
+        return resume_case(strata, work, cfg)
+    if case == "lora":
+        from peft import LoraConfig, get_peft_model
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0,
+                                                 init_lora_weights=False))
+        model.save_pretrained(os.path.join(work, "adapter"))
+        cfg["model"]["adapter_from"] = os.path.join(work, "adapter")
+        cfg["optimizer"].pop("no_decay")
+    lines, err = run_strata(strata, work, cfg, 1, "train")
+    if lines is None:
+        return 1
+    ok = True
+    got = [l["loss"] for l in lines if "event" not in l]
+    got_eval = [l["eval_loss"] for l in lines if l.get("event") == "eval"]
+
+    kept = [min(len(t), SEQ + 1) for t, _ in train]
+    bins = best_fit_decreasing(kept, SEQ + 1, cfg["data"]["seed"])
+    assert len(bins) == MICRO * ACCUM, bins
+    efficiency = 100.0 * sum(kept) / (len(bins) * (SEQ + 1))
+    said = f"packed into {len(bins)} windows of {SEQ + 1} tokens: packing efficiency {efficiency:.1f}%"
+    print("strata:", [l for l in err.splitlines() if "packing efficiency" in l])
+    if said not in err:
+        print(f"FAIL: the run does not report '{said}'")
+        ok = False
+
+    batch = packed_batch(train, bins, SEQ, WINDOW if case == "mistral-window" else 0)
+    if case == "lora":
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    else:
+        trainable = list(model.parameters())
+        decay = [p for p in trainable if p.dim() > 1]
+        no_decay = [p for p in trainable if p.dim() <= 1]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=LR, betas=BETAS, eps=EPS)
+    want, want_eval = [], []
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss = packed_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
+        opt.step()
+        want.append(loss.item())
+        if (s + 1) % 2 == 0:
+            want_eval.append(one_by_one_loss(model, evals, SEQ))
+    tol = 1e-6 if case == "lora" else 1e-5
+    print("losses strata", got, "transformers", want)
+    if len(got) != STEPS or any(abs(a - b) > tol * abs(b) for a, b in zip(got, want)):
+        print("FAIL: training losses differ")
+        ok = False
+    print("eval losses strata", got_eval, "transformers one example at a time", want_eval)
+    if len(got_eval) != len(want_eval) or any(abs(a - b) > 1e-5 * abs(b) for a, b in zip(got_eval, want_eval)):
+        print("FAIL: evaluation losses differ")
+        ok = False
+
+    if case == "lora":
+        exported = read_safetensors(os.path.join(work, "export", "adapter_model.safetensors"))
+        worst = 0.0
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                key = name.replace(".default.", ".")
+                if key not in exported:
+                    print(f"FAIL: adapter {key} not exported")
+                    ok = False
+                    continue
+                worst = max(worst, rel(exported[key], p.detach()))
+        print(f"adapters: worst relative error {worst:.3g}")
+        if worst > 1e-5:
+            print("FAIL: adapters differ")
+            ok = False
+    elif export_close(os.path.join(work, "export"), model, 1e-5) is None:
+        print("FAIL: weights differ")
+        ok = False
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
