@@ -1,6 +1,7 @@
 #include "sft_bench.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <chrono>
 #include <cmath>
@@ -127,9 +128,8 @@ void run_sft_bench(const SftBenchOptions& o) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     // The timed samples' real tokens, from the source: the samples the loader handed out.
     uint64_t real = 0;
-    std::vector<int64_t> one(size_t(T + 1));
-    std::vector<uint8_t> flags(size_t(T));
-    std::vector<int64_t> seg(size_t(T));
+    std::vector<int64_t> one(static_cast<size_t>(T + 1)), seg(static_cast<size_t>(T));
+    std::vector<uint8_t> flags(static_cast<size_t>(T));
     for (uint64_t s = first; s < loader.position(); ++s) {
       loader.sample(s, one.data(), flags.data(), seg.data());
       // The padding is the trailing run of pad ids (id 0, never a token here) after the examples.

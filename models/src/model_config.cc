@@ -331,7 +331,9 @@ std::string ModelConfig::to_hf_json(const std::string& dtype) const {
     if (hf_type == "mistral" || hf_type == "gemma2")
       j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
     if (hf_type == "gemma2") {
-      j["query_pre_attn_scalar"] = query_pre_attn_scalar;
+      // transformers' config checks it is an int (it is one in every released Gemma 2)
+      j["query_pre_attn_scalar"] = std::floor(query_pre_attn_scalar) == query_pre_attn_scalar
+                                       ? json(int64_t(query_pre_attn_scalar)) : json(query_pre_attn_scalar);
       j["attn_logit_softcapping"] = attn_softcap > 0 ? json(attn_softcap) : json(nullptr);
       j["final_logit_softcapping"] = final_softcap > 0 ? json(final_softcap) : json(nullptr);
     }

@@ -7,6 +7,14 @@
 
 namespace strata::models {
 
+LayerTiles most_tiles(const ModelConfig& c) {
+  LayerTiles t;
+  t.attention = c.qk_norm || c.sandwich_norms ? 1 : c.kv_heads;
+  t.mlp = c.sandwich_norms ? 1 : c.intermediate;
+  t.vocab = c.vocab_size;
+  return t;
+}
+
 void check_tiles(const ModelConfig& c, const LayerTiles& t) {
   if (t.attention < 1 || t.mlp < 1)
     throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) +
@@ -21,10 +29,11 @@ void check_tiles(const ModelConfig& c, const LayerTiles& t) {
   // A tile adds its share to the block's running sum; a norm of the attention's or the MLP's
   // whole output (Gemma 2's) cannot be cut so, nor can norms every query head shares (Qwen3's)
   // be split between attention tiles (each would need the same tensor, owned once).
-  if (c.sandwich_norms && !t.blocks_whole())
+  const LayerTiles most = most_tiles(c);
+  if (c.sandwich_norms && (t.attention > most.attention || t.mlp > most.mlp))
     throw std::invalid_argument("block tiles: model '" + c.name + "' norms its attention's and MLP's whole outputs "
                                 "(Gemma 2): its blocks are not cut into tiles (vocabulary tiles are)");
-  if (c.qk_norm && t.attention > 1)
+  if (c.qk_norm && t.attention > most.attention)
     throw std::invalid_argument("block tiles: model '" + c.name + "' norms every query and key head with one "
                                 "q_norm and k_norm (Qwen3): its attention is not cut into tiles (MLP and vocabulary "
                                 "tiles are)");

@@ -119,7 +119,10 @@ models::LayerTiles leanest_tiling(const EngineConfig& cfg, const models::ModelCo
   const auto most = [](uint64_t configured, int64_t most_auto) {
     return configured == EngineConfig::kTilesAuto ? std::max<int64_t>(1, most_auto) : int64_t(configured);
   };
-  return {most(cfg.attention_tiles, mc.kv_heads), most(cfg.mlp_tiles, mc.intermediate / 64),
+  // "auto" cuts no further than the model allows (models::most_tiles), nor MLP tiles narrower than
+  // 64 features or vocabulary tiles smaller than kMinTileVocab rows.
+  const models::LayerTiles allowed = models::most_tiles(mc);
+  return {most(cfg.attention_tiles, allowed.attention), most(cfg.mlp_tiles, std::min(allowed.mlp, mc.intermediate / 64)),
           most(cfg.vocab_tiles, mc.vocab_size / int64_t(layout::kMinTileVocab))};
 }
 

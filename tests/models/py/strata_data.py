@@ -117,10 +117,16 @@ def packed_batch(examples, bins, seq, window=0):
 
 
 def packed_loss(model, batch):
-    """The mean cross entropy over a packed batch's counted targets (sdpa attention: it takes the
-    boolean mask as given)."""
+    """The mean cross entropy over a packed batch's counted targets. sdpa attention takes the
+    boolean mask as given; eager attention (Gemma 2's) adds it, so it gets 0 / float min. A dict
+    of masks by layer type (full_attention, sliding_attention) is passed as transformers' mask
+    mapping."""
     import torch
     inputs, pos, mask, targets = batch
+    def additive(m):
+        return torch.zeros(m.shape).masked_fill(~m, torch.finfo(torch.float32).min)
+    if model.config._attn_implementation == "eager":  # a mask per layer type (a dict) or one
+        mask = {k: additive(v) for k, v in mask.items()} if isinstance(mask, dict) else additive(mask)
     logits = model(input_ids=inputs, position_ids=pos, attention_mask=mask).logits.float()
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                              ignore_index=-100, reduction="sum") / (targets != -100).sum()

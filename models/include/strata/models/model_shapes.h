@@ -36,9 +36,13 @@ struct LayerTiles {
   size_t whole_blocks(size_t stages) const { return stages / size_t(std::max<int64_t>(1, block_stages())); }
   bool operator==(const LayerTiles&) const = default;
 };
-// Throws std::invalid_argument when `t` does not cut `c` (a count below 1, more attention tiles
-// than key/value heads, more MLP tiles than intermediate features, more vocabulary tiles than
-// rows).
+// The most tiles `c` cuts into: attention tiles up to its key/value heads, MLP tiles up to its
+// intermediate features, vocabulary tiles up to its rows; but blocks whose norms take a whole
+// output (Gemma 2's sandwich norms) are not cut, nor an attention whose heads share q/k norms
+// (Qwen3's): a tile adds its share to a running sum, and those would need the sum first.
+LayerTiles most_tiles(const ModelConfig& c);
+// Throws std::invalid_argument when `t` does not cut `c` (a count below 1, or above most_tiles,
+// saying why).
 void check_tiles(const ModelConfig& c, const LayerTiles& t);
 // Part i of [0, n) cut into `parts` near-equal parts (the first n % parts one longer): the one
 // rule for where tiles begin and end.
