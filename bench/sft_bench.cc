@@ -154,8 +154,10 @@ void run_sft_bench(const SftBenchOptions& o) {
               << std::endl;
     results.push_back(r);
   }
-  std::error_code ec;
-  if (o.dir.empty()) fs::remove_all(dir, ec);
+  // The file, then the directory (empty): libtorch.so carries its own std::filesystem::remove_all,
+  // which crashes in binaries that link it (docs/ARCHITECTURE.md).
+  fs::remove(file);
+  if (o.dir.empty()) fs::remove(dir);
   const SideResult &padded = results[0], &pack = results[1];
   std::cout << nlohmann::json{{"metric", "sft_real_tokens_per_s"},
                               {"value", pack.real_tokens_per_s},

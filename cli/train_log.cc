@@ -199,6 +199,10 @@ void RunLog::open_log(const Start& start) {
       {"device", run_.device.description()},
       {"device_budget", ec.device_budget},
       {"data", run_.data.train->description()},
+      {"data_packed", run_.data.train->packed()},
+      // Real tokens over window tokens (seq_len + 1 per sample): what packing (or padding) leaves.
+      {"packing_efficiency", double(run_.data.train->real_tokens()) /
+                                 double((uint64_t(ec.seq_len) + 1) * run_.data.train->size())},
       {"eval_data", run_.data.eval ? run_.data.eval->description() : ""},
       {"resumed_from", start.resumed_from},
       {"load_seconds", start.load_seconds},

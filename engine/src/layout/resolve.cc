@@ -64,7 +64,10 @@ models::LayerTiles resolve_tiles(const EngineConfig& cfg, const models::ModelCon
   // Each kind's share of a block's parameters (its norm included).
   models::ModelConfig base = mc;  // the proportions of the base's block (the adapters are a few MB)
   base.lora = {};
-  const std::vector<uint64_t> split = models::stage_parameters(base, {1, 1 + int64_t(mc.intermediate > 1)});
+  // (A model whose MLP is never cut, models::most_tiles, is never tiled by "auto" either: its
+  // share is then the whole block's, and the cut below stays 1 x 1.)
+  const std::vector<uint64_t> split =
+      models::stage_parameters(base, {1, 1 + int64_t(models::most_tiles(base).mlp > 1)});
   const double attention = double(split.at(1)), block = double(mc.block_parameters());
   const models::LayerTiles leanest = leanest_tiling(cfg, mc);
   const int64_t most_attention = leanest.attention, most_mlp = leanest.mlp, most_vocab = leanest.vocab;

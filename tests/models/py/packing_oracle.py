@@ -85,7 +85,7 @@ def read_safetensors(path):
     return out
 
 
-def run_strata(strata, work, cfg, world, name):
+def run_strata(strata, work, cfg, world, name, must_pass=True):
     path = os.path.join(work, name + ".json")
     with open(path, "w") as f:
         json.dump(cfg, f)
@@ -94,8 +94,9 @@ def run_strata(strata, work, cfg, world, name):
         cmd = [strata, "launch", "-n", str(world), "--"] + cmd
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
-        print(run.stdout, run.stderr)
-        print(f"FAIL: strata ({name}) exited {run.returncode}")
+        if must_pass:
+            print(run.stdout, run.stderr)
+            print(f"FAIL: strata ({name}) exited {run.returncode}")
         return None, run.stderr
     return [json.loads(l) for l in open(cfg["run"]["log"])], run.stderr
 
@@ -174,6 +175,20 @@ def resume_case(strata, work, cfg):
             if got != want or any(not torch.equal(a[k], b[k]) for k in a):
                 print("FAIL: the resumed run is not bitwise the straight run")
                 ok = False
+            # A checkpoint from before data_pack was recorded resumes unpacked, saying so.
+            old = os.path.join(work, "ckpt-old")
+            shutil.copytree(ck, old)
+            m_path = os.path.join(old, open(os.path.join(old, "latest")).read().strip(), "manifest.json")
+            m = json.load(open(m_path))
+            del m["data_pack"]
+            json.dump(m, open(m_path, "w"))
+            o = json.loads(json.dumps(r))
+            o["run"].update({"checkpoint_dir": old, "log": os.path.join(work, "log-old.jsonl"),
+                             "export": os.path.join(work, "export-old")})
+            resumed_old, err = run_strata(strata, work, o, 1, "resumed-old")
+            if resumed_old is None or "trained on unpacked examples: resuming unpacked" not in err:
+                print("FAIL: a checkpoint without data_pack did not resume unpacked, saying so:", err[-400:])
+                ok = False
         else:
             worst = max(rel(b[k], a[k]) for k in a)
             print(f"weights at 2 ranks: worst relative error {worst:.3g}")
@@ -233,8 +248,17 @@ def main():
     efficiency = 100.0 * sum(kept) / (len(bins) * (SEQ + 1))
     said = f"packed into {len(bins)} windows of {SEQ + 1} tokens: packing efficiency {efficiency:.1f}%"
     print("strata:", [l for l in err.splitlines() if "packing efficiency" in l])
-    if said not in err:
-        print(f"FAIL: the run does not report '{said}'")
+    start = next(l for l in lines if l.get("event") == "start")
+    if said not in err or abs(start.get("packing_efficiency", 0) - efficiency / 100) > 1e-9 or not start.get("data_packed"):
+        print(f"FAIL: the run does not report '{said}' (and the log's start line its packing efficiency)")
+        ok = False
+    # data.overlong "refuse": an example longer than seq_len + 1 stops the run before it starts.
+    refuse = json.loads(json.dumps(cfg))
+    refuse["data"]["overlong"] = "refuse"
+    refuse["run"]["log"] = os.path.join(work, "log-refuse.jsonl")
+    _, refused = run_strata(strata, work, refuse, 1, "refuse", must_pass=False)
+    if "1 of 7 examples" not in refused or 'data.overlong "refuse"' not in refused:
+        print("FAIL: data.overlong \"refuse\" did not refuse the 31-token example:", refused[-300:])
         ok = False
 
     if case == "gemma2":  # its window on layers 0 (sliding) and 1 (full): two batches' masks

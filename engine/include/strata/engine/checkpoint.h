@@ -38,9 +38,6 @@ struct CheckpointMeta {
   int64_t train_steps = 0;          // steps of the training loop done (skipped ones included)
   uint64_t samples_consumed = 0;    // global data position (BatchLoader::position())
   uint64_t global_batch = 0;        // sequences a step consumed over all ranks; 0: not known
-  // Whether the samples were packed examples (data.pack): a resume must cut the data into the
-  // same samples for samples_consumed to mean the same. Absent from older manifests: false.
-  bool data_pack = false;
   int world_size = 0;               // of the save (filled when read; ignored when saving)
   // Where the frozen tensors' values come from (model.trainable), as the caller fingerprints it
   // (strata train: the base model's config and safetensors headers and sizes, or the random
@@ -50,6 +47,9 @@ struct CheckpointMeta {
   // Read back only: the manifest's LoRA settings (an adapter_config.json's text, models/peft.h;
   // saved from the engine's model config), "" when the model has no adapters.
   std::string lora;
+  // Whether the samples were packed examples (data.pack): a resume must cut the data into the
+  // same samples for samples_consumed to mean the same. Absent from older manifests: false.
+  bool data_pack = false;
 };
 
 struct CheckpointOptions {
