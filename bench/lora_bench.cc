@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "bench_model.h"
+#include "engine_args.h"
 #include "strata/engine/comm.h"
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"
@@ -21,14 +22,6 @@
 
 namespace strata::bench {
 namespace {
-
-engine::Placement placement(const std::string& name, const char* flag) {
-  if (name == "device") return engine::Placement::kDevice;
-  if (name == "host") return engine::Placement::kHost;
-  if (name == "nvme") return engine::Placement::kNvme;
-  if (name == "auto") return engine::Placement::kAuto;
-  throw std::invalid_argument(std::string("bench lora: ") + flag + " must be device, host, nvme or auto, not " + name);
-}
 
 // One side: its engine, on a device of its own.
 struct Side {
@@ -47,14 +40,13 @@ void run_lora_bench(const LoraBenchOptions& o) {
                                                o.intermediate, o.vocab);
   engine::EngineConfig e;
   e.device = o.device;
-  if (o.compute == "bf16") e.compute = engine::Precision::kBf16;
-  else if (o.compute != "fp32") throw std::invalid_argument("bench lora: --compute must be fp32 or bf16, not " + o.compute);
+  e.compute = compute_named(o.compute, "bench lora: --compute");
   e.micro_batch = o.batch;
   e.seq_len = o.seq;
   e.lr = 1e-4;
   e.cpu_threads = threads;
-  e.params = placement(o.params, "--params");
-  e.grads = e.master = e.moments = placement(o.state, "--state");
+  e.params = placement_named(o.params, "bench lora: --params");
+  e.grads = e.master = e.moments = placement_named(o.state, "bench lora: --state");
   e.nvme_dirs = o.nvme_dirs;
   e.recompute_blocks = o.recompute ? engine::EngineConfig::kRecomputeAll : 0;
 

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "bench_model.h"
+#include "engine_args.h"
 #include "strata/engine/comm.h"
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"
@@ -57,14 +58,6 @@ void write_examples(const fs::path& path, int64_t vocab) {
   w.finish();
 }
 
-engine::Placement placement(const std::string& name) {
-  if (name == "device") return engine::Placement::kDevice;
-  if (name == "host") return engine::Placement::kHost;
-  if (name == "nvme") return engine::Placement::kNvme;
-  if (name == "auto") return engine::Placement::kAuto;
-  throw std::invalid_argument("bench sft: --params must be device, host, nvme or auto, not " + name);
-}
-
 struct SideResult {
   std::string name;
   double real_tokens_per_s = 0, efficiency = 0, step_s = 0;
@@ -89,13 +82,12 @@ void run_sft_bench(const SftBenchOptions& o) {
                                             o.intermediate, o.vocab);
   engine::EngineConfig e;
   e.device = o.device;
-  if (o.compute == "bf16") e.compute = engine::Precision::kBf16;
-  else if (o.compute != "fp32") throw std::invalid_argument("bench sft: --compute must be fp32 or bf16, not " + o.compute);
+  e.compute = compute_named(o.compute, "bench sft: --compute");
   e.micro_batch = o.batch;
   e.seq_len = o.seq;
   e.lr = 1e-4;
   e.cpu_threads = threads;
-  e.params = e.grads = e.master = e.moments = placement(o.params);
+  e.params = e.grads = e.master = e.moments = placement_named(o.params, "bench sft: --params");
   e.recompute_blocks = engine::EngineConfig::kRecomputeAll;
   auto dev = engine::Device::create(o.device, 0, UINT64_MAX);
   engine::Engine eng(std::make_unique<models::Decoder>(c, 1, models::Decoder::Init::kDeferred), e, *comm, *dev);
@@ -113,30 +105,28 @@ void run_sft_bench(const SftBenchOptions& o) {
     const int64_t T = o.seq;
     at::Tensor ids = at::empty({o.batch, T + 1}, at::kLong), mask = at::empty({o.batch, T}, at::kByte);
     at::Tensor segments = source->packed() ? at::empty({o.batch, T}, at::kLong) : at::Tensor();
-    // Real tokens of a batch: each sample's examples' tokens, not the padding after them.
+    // A step; returns its real tokens: each row's examples' tokens, not the padding after them
+    // (the trailing run of pad id 0, never a token here).
     const auto step = [&] {
       loader.next(ids.data_ptr<int64_t>(), mask.data_ptr<uint8_t>(),
                   segments.defined() ? segments.data_ptr<int64_t>() : nullptr);
       eng.train_step(ids, mask, segments);
+      uint64_t real = 0;
+      const int64_t* row = ids.data_ptr<int64_t>();
+      for (int64_t b = 0; b < o.batch; ++b, row += T + 1) {
+        int64_t n = T + 1;
+        while (n > 0 && row[n - 1] == 0) --n;
+        real += uint64_t(n);
+      }
+      return real;
     };
     step();  // warm-up
-    const uint64_t first = loader.position();
+    uint64_t real = 0;
     const auto t0 = std::chrono::steady_clock::now();
-    for (unsigned k = 0; k < o.steps; ++k) step();
+    for (unsigned k = 0; k < o.steps; ++k) real += step();
     const std::shared_future<void> update = eng.update_finished();
     if (update.valid()) update.get();
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    // The timed samples' real tokens, from the source: the samples the loader handed out.
-    uint64_t real = 0;
-    std::vector<int64_t> one(static_cast<size_t>(T + 1)), seg(static_cast<size_t>(T));
-    std::vector<uint8_t> flags(static_cast<size_t>(T));
-    for (uint64_t s = first; s < loader.position(); ++s) {
-      loader.sample(s, one.data(), flags.data(), seg.data());
-      // The padding is the trailing run of pad ids (id 0, never a token here) after the examples.
-      uint64_t n = uint64_t(T + 1);
-      while (n > 0 && one[n - 1] == 0) --n;
-      real += n;
-    }
     SideResult r;
     r.name = name;
     r.windows = source->size();

@@ -10,9 +10,9 @@
 
 #include "adam_bench.h"
 #include "args.h"
+#include "bench_args.h"
 #include "ckpt_bench.h"
 #include "io_bench.h"
-#include "lora_bench.h"
 #include "plan_bench.h"
 #include "scale_bench.h"
 #include "step_bench.h"
@@ -32,16 +32,6 @@ std::string python_interpreter() {
 }
 
 namespace {
-
-// With --help or -h among `argv`: prints `usage` and says so.
-bool printed_usage(const std::vector<std::string>& argv, const char* usage) {
-  for (const auto& a : argv)
-    if (a == "--help" || a == "-h") {
-      std::cout << usage;
-      return true;
-    }
-  return false;
-}
 
 constexpr const char* kBenchIoUsage = R"(usage: strata bench io [options]
 
@@ -72,27 +62,6 @@ options:
   --threads N    threads for every side (default: all hardware threads)
   --steps N      timed steps per method, interleaved, median reported (default 9)
 )";
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, sep)) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
-// The model's shape options that bench tiling, step and lora share, over their defaults.
-template <class Options>
-void read_model_shape(const Args& args, Options& o) {
-  o.layers = args.count("layers", unsigned(o.layers));
-  o.hidden = args.count("hidden", unsigned(o.hidden));
-  o.heads = args.count("heads", unsigned(o.heads));
-  o.vocab = args.count("vocab", unsigned(o.vocab));
-  o.seq = args.count("seq", unsigned(o.seq));
-  o.batch = args.count("batch", unsigned(o.batch));
-}
 
 int bench_io(const std::vector<std::string>& argv) {
   for (const auto& a : argv) {
@@ -436,60 +405,6 @@ int bench_train(const std::vector<std::string>& argv) {
 }
 
 }  // namespace
-
-constexpr const char* kBenchLoraUsage = R"(usage: strata bench lora [options]
-
-A LoRA step beside the full fine-tune's in one run: the same Llama-shaped model (random init),
-the same placement, LoRA r --r on every linear layer of the blocks (all-linear), the base frozen.
-A JSON line per side (step seconds, tokens/s, model TFLOPS with 4 FLOPs a frozen parameter and 6 a
-trainable one, device peak, host and swap state bytes), then the final line: lora_step_s with
-full_finetune_step_s as its baseline, and both sides' host state bytes.
-
-  --layers N         transformer blocks (default 4)
-  --hidden N         model width (default 1024)
-  --heads N          attention heads (default 16)
-  --kv-heads N       key/value heads (default 4)
-  --intermediate N   MLP width (default 2816)
-  --vocab N          vocabulary (default 8192)
-  --seq N            tokens per sequence (default 256)
-  --batch N          sequences per step (default 2)
-  --r N              LoRA rank (default 16; lora_alpha twice it)
-  --steps N          timed steps per side (default 3)
-  --params P         where the compute copies live: device, host (default), nvme or auto
-  --state P          gradients, master weights and moments: device, host (default), nvme or auto
-  --nvme-dirs A,B    swap directories for nvme
-  --device D         cpu (default: the host device) or cuda
-  --budget BYTES     the device budget (default: none)
-  --compute P        fp32 (default) or bf16
-  --no-recompute     keep every block's activations (default: recompute)
-  --no-baseline      the LoRA side alone (a model whose full fine-tune does not fit)
-  --threads N        threads for libtorch and the kernels (default: all)
-)";
-
-int bench_lora(const std::vector<std::string>& argv) {
-  if (printed_usage(argv, kBenchLoraUsage)) return 0;
-  strata::cli::Args args(argv, {"layers", "hidden", "heads", "kv-heads", "intermediate", "vocab", "seq", "batch", "r",
-                                "steps", "params", "state", "nvme-dirs", "device", "budget", "compute", "threads"},
-                         {"no-recompute", "no-baseline"});
-  strata::bench::LoraBenchOptions o;
-  read_model_shape(args, o);
-  o.kv_heads = args.count("kv-heads", unsigned(o.kv_heads));
-  o.intermediate = args.count("intermediate", unsigned(o.intermediate));
-  o.r = args.count("r", unsigned(o.r));
-  o.alpha = 2.0 * double(o.r);
-  o.steps = args.count("steps", o.steps);
-  o.params = args.get("params", o.params);
-  o.state = args.get("state", o.state);
-  if (args.has("nvme-dirs")) o.nvme_dirs = split(args.get("nvme-dirs", ""), ',');
-  o.device = args.get("device", o.device);
-  if (args.has("budget")) o.budget = strata::engine::parse_bytes(args.get("budget", ""));
-  o.compute = args.get("compute", o.compute);
-  o.recompute = !args.has("no-recompute");
-  o.baseline = !args.has("no-baseline");
-  o.threads = args.count("threads", o.threads);
-  strata::bench::run_lora_bench(o);
-  return 0;
-}
 
 int bench_main(const std::vector<std::string>& args) {
   if (args.size() >= 1 && args[0] == "io") return bench_io({args.begin() + 1, args.end()});

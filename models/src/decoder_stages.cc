@@ -162,7 +162,11 @@ at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, const TokenLayout
 // host until the GPU catches up, which on every block's forward and recompute would keep the
 // host from running ahead.
 at::Tensor llama_attention(const ModelConfig& c, at::Tensor q, at::Tensor k, at::Tensor v, const TokenLayout& layout,
-                           int64_t window, at::Tensor& inv_freq) {
+                           int64_t window, at::Tensor& inv_freq, const at::Tensor& q_norm, const at::Tensor& k_norm) {
+  if (q_norm.defined()) {  // each head normed over its head_dim, before the rotation
+    q = rms_norm(q, q_norm, c.norm_eps);
+    k = rms_norm(k, k_norm, c.norm_eps);
+  }
   const int64_t t = q.size(2);
   if (!inv_freq.defined() || inv_freq.device() != q.device()) inv_freq = rope_inv_freq(c).to(q.device());
   const at::Tensor pos = layout.positions(t, q.device()).to(at::kFloat);    // [1 or B, T]
@@ -256,12 +260,8 @@ class LlamaBlock final : public Stage {
     at::Tensor q = split_heads(adapted(h, wq, bq, "self_attn.q_proj"), c_.heads, c_.head_dim);
     at::Tensor k = split_heads(adapted(h, wk, bk, "self_attn.k_proj"), c_.kv_heads, c_.head_dim);
     at::Tensor v = split_heads(adapted(h, wv, bv, "self_attn.v_proj"), c_.kv_heads, c_.head_dim);
-    if (c_.qk_norm) {  // each head normed over its head_dim, before the rotation
-      q = rms_norm(q, q_norm, c_.norm_eps);
-      k = rms_norm(k, k_norm, c_.norm_eps);
-    }
-    at::Tensor a = adapted(merge_heads(llama_attention(c_, q, k, v, layout, window_, inv_freq_)), wo, bo,
-                           "self_attn.o_proj");
+    at::Tensor a = adapted(merge_heads(llama_attention(c_, q, k, v, layout, window_, inv_freq_, q_norm, k_norm)), wo,
+                           bo, "self_attn.o_proj");
     const tiling::MlpWeights w{wu, bu, wg, bg, wd, bd, adapter("mlp.up_proj"), adapter("mlp.gate_proj"),
                                adapter("mlp.down_proj")};
     if (!c_.sandwich_norms) {

@@ -31,10 +31,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool g
 // 1 / sqrt(hd)) and, when softcap > 0, capped to softcap * tanh(s / softcap) (Gemma 2).
 at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, const TokenLayout& layout, int64_t window,
                      double scale = 0, double softcap = 0);
-// Llama's attention: rotary embeddings at the layout's positions, then attention(); `inv_freq`
-// caches the frequencies on the input's device.
+// Llama's attention: Qwen3's per-head q/k norms when `q_norm` and `k_norm` are defined ([head_dim],
+// ModelConfig::qk_norm), rotary embeddings at the layout's positions, then attention();
+// `inv_freq` caches the frequencies on the input's device.
 at::Tensor llama_attention(const ModelConfig& c, at::Tensor q, at::Tensor k, at::Tensor v, const TokenLayout& layout,
-                           int64_t window, at::Tensor& inv_freq);
+                           int64_t window, at::Tensor& inv_freq, const at::Tensor& q_norm = {},
+                           const at::Tensor& k_norm = {});
 // GPT-2's learned positions of `layout` for `tokens` tokens ([1 or B, T, hidden]).
 at::Tensor learned_positions(const at::Tensor& wpe, const TokenLayout& layout, int64_t tokens);
 // The MLP of `n` (its normed input), over token chunks of `chunk` (> 0) or whole.

@@ -80,11 +80,8 @@ class AttentionTile final : public Tile {
     at::Tensor q = split_heads(adapted(n, wq, bq, rows(qm, 0, q0_, q1_)), kv_heads_ * rep, hd);
     at::Tensor k = split_heads(adapted(n, wk, bk, gpt2 ? rows(km, d, q0_, q1_) : rows(km, 0, k0_, k1_)), kv_heads_, hd);
     at::Tensor v = split_heads(adapted(n, wv, bv, gpt2 ? rows(vm, 2 * d, q0_, q1_) : rows(vm, 0, k0_, k1_)), kv_heads_, hd);
-    if (q_norm.defined()) {
-      q = rms_norm(q, q_norm, c_.norm_eps);
-      k = rms_norm(k, k_norm, c_.norm_eps);
-    }
-    at::Tensor a = gpt2 ? attention(q, k, v, layout, 0) : llama_attention(c_, q, k, v, layout, window_, inv_freq_);
+    at::Tensor a = gpt2 ? attention(q, k, v, layout, 0)
+                        : llama_attention(c_, q, k, v, layout, window_, inv_freq_, q_norm, k_norm);
     return join(n, sum + adapted(merge_heads(a), wo, bo, adapter_part(om, 1, q0_, q1_)));
   }
 

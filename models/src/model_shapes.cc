@@ -19,16 +19,9 @@ void check_tiles(const ModelConfig& c, const LayerTiles& t) {
   if (t.attention < 1 || t.mlp < 1)
     throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention x " + std::to_string(t.mlp) +
                                 " MLP tiles: each count must be at least 1");
-  if (t.attention > c.kv_heads)
-    throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention tiles, but model '" + c.name +
-                                "' has " + std::to_string(c.kv_heads) +
-                                " key/value heads (an attention tile is a group of them)");
-  if (t.mlp > c.intermediate)
-    throw std::invalid_argument("block tiles: " + std::to_string(t.mlp) + " MLP tiles, but model '" + c.name + "' has " +
-                                std::to_string(c.intermediate) + " intermediate features");
-  // A tile adds its share to the block's running sum; a norm of the attention's or the MLP's
-  // whole output (Gemma 2's) cannot be cut so, nor can norms every query head shares (Qwen3's)
-  // be split between attention tiles (each would need the same tensor, owned once).
+  // Over most_tiles, saying which of its reasons: a family's norms (a tile adds its share to the
+  // block's running sum, and a norm of a whole output needs the sum first; Qwen3's q/k norms
+  // would be one tensor needed by every attention tile), else the model's sizes.
   const LayerTiles most = most_tiles(c);
   if (c.sandwich_norms && (t.attention > most.attention || t.mlp > most.mlp))
     throw std::invalid_argument("block tiles: model '" + c.name + "' norms its attention's and MLP's whole outputs "
@@ -37,9 +30,16 @@ void check_tiles(const ModelConfig& c, const LayerTiles& t) {
     throw std::invalid_argument("block tiles: model '" + c.name + "' norms every query and key head with one "
                                 "q_norm and k_norm (Qwen3): its attention is not cut into tiles (MLP and vocabulary "
                                 "tiles are)");
-  if (t.vocab < 1 || t.vocab > c.vocab_size)
+  if (t.attention > most.attention)
+    throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention tiles, but model '" + c.name +
+                                "' has " + std::to_string(most.attention) +
+                                " key/value heads (an attention tile is a group of them)");
+  if (t.mlp > most.mlp)
+    throw std::invalid_argument("block tiles: " + std::to_string(t.mlp) + " MLP tiles, but model '" + c.name + "' has " +
+                                std::to_string(most.mlp) + " intermediate features");
+  if (t.vocab < 1 || t.vocab > most.vocab)
     throw std::invalid_argument("vocabulary tiles: " + std::to_string(t.vocab) + ", but model '" + c.name + "' has " +
-                                std::to_string(c.vocab_size) + " vocabulary rows (a tile is at least one)");
+                                std::to_string(most.vocab) + " vocabulary rows (a tile is at least one)");
 }
 
 StageLayout stage_layout(const ModelConfig& c, const LayerTiles& t) {

@@ -90,6 +90,13 @@ def read_safetensors(path):
 
 
 def run_strata(strata, work, cfg, world, name):
+    """`strata train` (under `strata launch -n world` when world > 1) on `cfg`: its log's lines, or
+    None (saying why) when it fails."""
+    return run_strata_output(strata, work, cfg, world, name)[0]
+
+
+def run_strata_output(strata, work, cfg, world, name, must_pass=True):
+    """run_strata's lines (None on failure, said only when `must_pass`) and the run's stderr."""
     path = os.path.join(work, name + ".json")
     with open(path, "w") as f:
         json.dump(cfg, f)
@@ -98,10 +105,11 @@ def run_strata(strata, work, cfg, world, name):
         cmd = [strata, "launch", "-n", str(world), "--"] + cmd
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
-        print(run.stdout, run.stderr)
-        print(f"FAIL: strata ({name}) exited {run.returncode}")
-        return None
-    return [json.loads(l) for l in open(cfg["run"]["log"])]
+        if must_pass:
+            print(run.stdout, run.stderr)
+            print(f"FAIL: strata ({name}) exited {run.returncode}")
+        return None, run.stderr
+    return [json.loads(l) for l in open(cfg["run"]["log"])], run.stderr
 
 
 def rel(a, b):
