@@ -1,6 +1,7 @@
 // `strata train`: where checkpoints go, and the run's saves, uploads and pruning (train_parts.h).
 #include "train_parts.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +17,7 @@
 
 #include "object_paths.h"
 #include "strata/engine/bytes.h"
+#include "strata/offload/file.h"
 #include "strata/offload/object_store.h"
 
 namespace strata::cli::train {
@@ -38,9 +40,12 @@ void tier_checkpoints(engine::TrainConfig& tc) {
 // A read-only or missing directory found at the first save, or at the export after the last
 // step, would cost the run.
 void check_writable(const std::filesystem::path& dir, const std::string& what) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw std::runtime_error(what + " " + dir.string() + ": cannot create it: " + ec.message());
+  try {
+    // Durably: a checkpoint in a root whose own entry a power cut can erase is not saved.
+    offload::create_directories_durably(dir);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(what + " " + dir.string() + ": cannot create it: " + e.what());
+  }
   const std::filesystem::path probe = dir / (".strata-write-test-" + std::to_string(getpid()));
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   const bool ok = fd >= 0 && ::write(fd, "x", 1) == 1 && ::fsync(fd) == 0;
@@ -163,8 +168,9 @@ void Checkpoints::committed(const std::optional<std::filesystem::path>& dir) {
     if (uploader_->in_flight()) uploaded(uploader_->finish());
     uploader_->start(*dir);
   }
-  if (run_.tc.keep_checkpoints > 0)
-    engine::prune_checkpoints(run_.comm, run_.tc.checkpoint_dir, size_t(run_.tc.keep_checkpoints));
+  // Retention, and the half-written directories a crash left, once this commit is durable
+  // (keep_checkpoints 0 keeps every committed one).
+  engine::prune_checkpoints(run_.comm, run_.tc.checkpoint_dir, size_t(std::max<int64_t>(0, run_.tc.keep_checkpoints)));
 }
 
 void Checkpoints::save(int64_t steps_done, bool synchronous) {
@@ -186,7 +192,11 @@ void Checkpoints::save(int64_t steps_done, bool synchronous) {
     committed(dir);
     return;
   }
-  const double blocked = checkpointer_.start(run_.eng, tc.checkpoint_dir, name, meta);
+  // One save at a time: the one in flight is committed (and reported) first.
+  const auto t0 = std::chrono::steady_clock::now();
+  committed(checkpointer_.finish());
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double blocked = waited + checkpointer_.start(run_.eng, tc.checkpoint_dir, name, meta);
   if (run_.lead)
     std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\n" : "") << "strata train: saving "
               << name << " in the background (training blocked " << blocked << " s)\n";

@@ -205,6 +205,7 @@ void RunLog::open_log(const Start& start) {
                                  double((uint64_t(ec.seq_len) + 1) * run_.data.train->size())},
       {"eval_data", run_.data.eval ? run_.data.eval->description() : ""},
       {"resumed_from", start.resumed_from},
+      {"resume_note", start.resume_note},
       {"load_seconds", start.load_seconds},
       {"first_step", start.first_step + 1}};
   write(line);

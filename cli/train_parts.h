@@ -83,6 +83,7 @@ struct ResumeRequest {
   std::optional<std::filesystem::path> dir;  // a checkpoint directory or a stored checkpoint's URL
   std::string error;                         // why rank 0's choice failed; empty if it did not
   bool latest = false;  // --resume without --resume-from: a fresh start is said so
+  std::string note;     // --resume: why `latest` was not followed, half-written saves found
 };
 
 // Before any collective: rank 0 chooses what the run starts from (--resume-from, --resume, or
@@ -98,6 +99,7 @@ struct ResumePoint {
   bool fresh_under_resume = false;           // --resume found nothing committed
   std::string frozen_base;                   // the checkpoint's (CheckpointMeta::frozen_base)
   std::string lora;                          // the checkpoint's (CheckpointMeta::lora)
+  std::string note;                          // ResumeRequest::note (rank 0's; printed by the lead)
 };
 
 // With frozen tensors (model.trainable), where their values come from: the base model's
@@ -116,6 +118,7 @@ struct Start {
   int64_t first_step = 0;    // steps the loaded checkpoint holds; 0 without one
   std::string resumed_from;  // the checkpoint loaded; empty without one
   double load_seconds = 0;   // how long loading it took (every rank's load, ended by a barrier)
+  std::string resume_note;   // ResumePoint::note, for the log's start line
 };
 
 // Collective with a resume point: loads it into the engine and moves the data position to it.

@@ -44,9 +44,12 @@ void check_resume_from(const std::filesystem::path& from) {
                                 ": not a committed checkpoint directory (no manifest.json)");
 }
 
-// --resume: the checkpoint `latest` names, or the store's newest when it holds more steps.
-void choose_latest(const engine::TrainConfig& tc, std::optional<std::filesystem::path>& dir) {
-  dir = engine::resume_point(tc.checkpoint_dir);
+// --resume: the checkpoint `latest` names (or, where it cannot be followed, the newest complete
+// one, `note` saying so), or the store's newest when it holds more steps.
+void choose_latest(const engine::TrainConfig& tc, std::optional<std::filesystem::path>& dir, std::string& note) {
+  engine::ResumeFinding found = engine::find_resume_point(tc.checkpoint_dir);
+  dir = found.dir;
+  note = found.note;
   if (!tc.checkpoint_upload.empty()) {
     // The store may hold a newer one (saved on another machine, or the local copy pruned).
     const auto stored = engine::newest_stored_checkpoint(tc.checkpoint_upload);
@@ -90,7 +93,7 @@ ResumeRequest choose_resume_point(engine::TrainConfig& tc, const engine::DistEnv
     tier_checkpoints(tc);
   } else if (tc.resume) {
     request.latest = true;
-    on_rank0(env, request.error, [&] { choose_latest(tc, request.dir); });
+    on_rank0(env, request.error, [&] { choose_latest(tc, request.dir, request.note); });
   } else if (!tc.checkpoint_dir.empty()) {
     on_rank0(env, request.error, [&] { refuse_committed(tc); });
   }
@@ -103,6 +106,8 @@ ResumePoint agree_on_resume_point(engine::Communicator& comm, engine::TrainConfi
   const engine::ResumeChoice choice = engine::agree_resume_point(comm, request.dir, request.error);
   point.dir = choice.dir;
   point.fresh_under_resume = request.latest && !point.dir;
+  point.note = request.note;  // rank 0's (the lead's)
+  if (!point.note.empty() && lead) std::cerr << "strata train: " << point.note << "\n";
   point.frozen_base = choice.meta.frozen_base;
   point.lora = choice.meta.lora;
   if (point.dir) {
@@ -125,6 +130,7 @@ ResumePoint agree_on_resume_point(engine::Communicator& comm, engine::TrainConfi
 
 Start load_resume_point(const Run& run, const ResumePoint& resume) {
   Start start;
+  start.resume_note = resume.note;
   if (resume.dir) {
     // The checkpoint holds the trainable tensors alone: the frozen ones must be the base it
     // trained beside (every rank decides alike: both fingerprints are the same everywhere).

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <set>
 #include <stdexcept>
+#include <vector>
 
 namespace strata::models {
 
@@ -297,6 +298,32 @@ bool is_export_weights(const std::string& n) {
 }
 }  // namespace
 
+namespace {
+// The directory's entries made durable (a power cut keeps a rename or removal only after this).
+void sync_directory(const std::filesystem::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0 || ::fsync(fd) != 0) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error("export: cannot sync the directory " + dir.string() + ": " + std::strerror(err));
+  }
+  ::close(fd);
+}
+// mkdir -p whose every created level's entry is durable (its parent fsynced).
+void create_directories_durably(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> missing;
+  for (fs::path at = fs::absolute(dir).lexically_normal(); !at.empty() && !fs::exists(at); at = at.parent_path()) {
+    missing.push_back(at);
+    if (at == at.parent_path()) break;
+  }
+  for (auto level = missing.rbegin(); level != missing.rend(); ++level) {
+    fs::create_directory(*level);
+    sync_directory(level->parent_path());
+  }
+}
+}  // namespace
+
 void ExportDirectory::commit() {
   namespace fs = std::filesystem;
   // Every file's data on disk first (the shards are already): a failure here leaves `out` as it
@@ -310,10 +337,11 @@ void ExportDirectory::commit() {
     }
     ::close(f);
   }
-  fs::create_directories(out_);
-  // From here a crash leaves no config.json describing weights that are not there: the old
-  // config goes first, then weight files of an earlier export in another sharding (transformers
-  // would read the wrong set), then the new files arrive, config.json last.
+  create_directories_durably(out_);
+  // From here a crash (a power cut included) leaves no config.json describing weights that are
+  // not there: the old config goes first, then weight files of an earlier export in another
+  // sharding (transformers would read the wrong set), those removals made durable, then the new
+  // files arrive and are made durable, config.json last.
   // An earlier export of the other kind goes too: a directory holding both a model and an adapter
   // would load as whichever its reader looks for first.
   const std::string descriptor = kind_ == ExportKind::kModel ? "config.json" : kAdapterConfigFile;
@@ -325,16 +353,12 @@ void ExportDirectory::commit() {
     const bool weights = is_export_weights(n) || n == kAdapterWeightsFile;
     if (weights && !fs::exists(tmp_ / n)) fs::remove(e.path());
   }
+  sync_directory(out_);
   for (const auto& e : fs::directory_iterator(tmp_))
     if (e.path().filename() != descriptor) fs::rename(e.path(), out_ / e.path().filename());
+  sync_directory(out_);
   fs::rename(tmp_ / descriptor, out_ / descriptor);
-  const int fd = ::open(out_.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0 || ::fsync(fd) != 0) {
-    const int err = errno;
-    if (fd >= 0) ::close(fd);
-    throw std::runtime_error("export: cannot sync the directory " + out_.string() + ": " + std::strerror(err));
-  }
-  ::close(fd);
+  sync_directory(out_);
   fs::remove(tmp_);
   committed_ = true;
 }

@@ -129,6 +129,37 @@ void File::sync() const {
   if (fsync(buffered_fd_) != 0) throw_errno(errno, "fsync", path_);
 }
 
+void sync_directory(const std::filesystem::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw_errno(errno, "open directory", dir.string());
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw_errno(err, "fsync directory", dir.string());
+  }
+  ::close(fd);
+}
+
+void create_directories_durably(const std::filesystem::path& dir) {
+  // The levels that are missing, outermost first.
+  std::vector<std::filesystem::path> missing;
+  std::filesystem::path at = dir.lexically_normal();
+  if (at.has_filename() == false && at.has_parent_path()) at = at.parent_path();  // "a/b/" -> "a/b"
+  struct stat st {};
+  while (!at.empty() && ::stat(at.c_str(), &st) != 0) {
+    if (errno != ENOENT) throw_errno(errno, "stat", at.string());
+    missing.push_back(at);
+    if (at == at.parent_path()) break;
+    at = at.parent_path();
+  }
+  if (missing.empty() && !S_ISDIR(st.st_mode)) throw_errno(ENOTDIR, "create directory", dir.string());
+  for (auto level = missing.rbegin(); level != missing.rend(); ++level) {
+    if (::mkdir(level->c_str(), 0755) != 0 && errno != EEXIST) throw_errno(errno, "create directory", level->string());
+    const std::filesystem::path parent = level->has_parent_path() ? level->parent_path() : std::filesystem::path(".");
+    sync_directory(parent);
+  }
+}
+
 bool copy_range(const File& src, uint64_t src_offset, const File& dst, uint64_t dst_offset, uint64_t length) {
   const std::string what = src.path() + " -> " + dst.path();
   loff_t in = static_cast<loff_t>(src_offset), out = static_cast<loff_t>(dst_offset);

@@ -984,25 +984,53 @@ TEST(Checkpoint, ResumeNeverStartsOverExistingCheckpointsSilently) {
       << again_out;
   intact("a run without --resume");
 
+  // `latest` that cannot be followed (after a power cut it can lag or be lost): the newest complete
+  // checkpoint, said on stderr and in the log, and nothing saved over (every step already ran).
+  const std::string fallback = "; resuming from step-00000004, the newest complete checkpoint there";
   std::filesystem::remove(ck / "latest");
   auto [nolatest, nolatest_out] = train("nolatest", "--resume --checkpoint-dir " + ck.string());
-  EXPECT_NE(nolatest, 0) << nolatest_out;
-  EXPECT_NE(nolatest_out.find("has no `latest` file (committed there: step-00000002, step-00000004; resume from one "
-                              "of them with --resume-from " + four.string() + ")"),
+  EXPECT_EQ(nolatest, 0) << nolatest_out;
+  EXPECT_NE(nolatest_out.find("cannot follow `latest` in " + ck.string() + ": it has no `latest` file" + fallback),
             std::string::npos) << nolatest_out;
+  EXPECT_NE(nolatest_out.find("resumed from " + four.string() + " after step 4"), std::string::npos) << nolatest_out;
+  EXPECT_NE(read_file(dir / "nolatest.jsonl").find("it has no `latest` file"), std::string::npos)
+      << "the log's start line carries the note";
   intact("--resume without latest");
 
   std::ofstream(ck / "latest") << "step-00000099\n";
   auto [dangling, dangling_out] = train("dangling", "--resume --checkpoint-dir " + ck.string());
-  EXPECT_NE(dangling, 0) << dangling_out;
+  EXPECT_EQ(dangling, 0) << dangling_out;
   EXPECT_NE(dangling_out.find("`latest` names step-00000099, but " + (ck / "step-00000099").string() +
-                              " does not exist"), std::string::npos) << dangling_out;
+                              " does not exist" + fallback), std::string::npos) << dangling_out;
   intact("--resume with a dangling latest");
   std::filesystem::create_directory(ck / "step-00000099");
   auto [uncommitted, uncommitted_out] = train("uncommitted", "--resume --checkpoint-dir " + ck.string());
-  EXPECT_NE(uncommitted, 0) << uncommitted_out;
-  EXPECT_NE(uncommitted_out.find("has no manifest.json (never committed)"), std::string::npos) << uncommitted_out;
+  EXPECT_EQ(uncommitted, 0) << uncommitted_out;
+  EXPECT_NE(uncommitted_out.find("has no manifest.json (never committed)" + fallback), std::string::npos)
+      << uncommitted_out;
+  EXPECT_NE(uncommitted_out.find("holds 1 half-written save (step-00000099: never committed, never loaded"),
+            std::string::npos) << uncommitted_out;
   intact("--resume with latest naming an uncommitted directory");
+  // A committed checkpoint whose index is not the one its manifest recorded is not complete.
+  std::filesystem::copy_file(two / "rank-00000.index.json", dir / "index-two");
+  { std::ofstream(two / "rank-00000.index.json", std::ios::app) << " "; }
+  EXPECT_NE(se::incomplete_checkpoint(two).find("unlike the manifest's record"), std::string::npos);
+  EXPECT_EQ(se::incomplete_checkpoint(four), "");
+  std::filesystem::rename(four / "rank-00000.data", dir / "data-four");
+  EXPECT_EQ(se::incomplete_checkpoint(four), "lacks rank-00000.data");
+  std::filesystem::rename(ck / "latest", dir / "latest");
+  try {
+    se::find_resume_point(ck);
+    ADD_FAILURE() << "no complete checkpoint, yet find_resume_point chose one";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no committed checkpoint there is complete"), std::string::npos) << e.what();
+  }
+  // Put back as saved: the runs below need both.
+  std::filesystem::copy_file(dir / "index-two", two / "rank-00000.index.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::rename(dir / "data-four", four / "rank-00000.data");
+  std::filesystem::rename(dir / "latest", ck / "latest");
+  intact("put back");
 
   // Explicitly from step 2: two more steps, the same losses as the straight run's steps 3 and 4.
   auto [from, from_out] = train("from", "--resume-from " + two.string());
@@ -1014,6 +1042,7 @@ TEST(Checkpoint, ResumeNeverStartsOverExistingCheckpointsSilently) {
   EXPECT_EQ(resumed[0], straight[2]);
   EXPECT_EQ(resumed[1], straight[3]);
   EXPECT_EQ(se::latest_checkpoint(ck), four) << "the resumed run saved its last step into the parent directory";
+  EXPECT_FALSE(std::filesystem::exists(ck / "step-00000099")) << "the save removes a crash's half-written one";
   auto [bad_from, bad_from_out] = train("bad_from", "--resume-from " + (ck / "step-00000099").string());
   EXPECT_NE(bad_from, 0);
   EXPECT_NE(bad_from_out.find("not a committed checkpoint directory"), std::string::npos) << bad_from_out;

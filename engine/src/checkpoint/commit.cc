@@ -1,20 +1,29 @@
-// Commit protocol (docs/FORMATS.md, "Checkpoints"):
-//  0. Saving over an existing name first un-commits it: rank 0 removes its manifest (and fsyncs
-//     the directory), then a barrier; so a crash while rewriting never leaves a manifest over
+// Commit protocol (docs/FORMATS.md, "Checkpoints"). Written for a power cut under strict POSIX
+// rules: a file's data is durable only after its fsync, and a created, renamed or removed
+// directory entry only after an fsync of the directory holding it. A step counts as saved
+// ("committed" printed and logged, retention run) only once every step below has returned.
+//  0. Saving over an existing name first un-commits it: rank 0 removes its manifest and fsyncs
+//     the step directory, then a barrier; so a crash while rewriting never leaves a manifest over
 //     half-written data.
-//  1. Each rank creates <root>/<name>/ itself (mkdir -p: it depends on no directory another
-//     rank made), writes rank-R.data with the I/O engine, and fsyncs it.
-//  2. Each rank writes rank-R.index.json atomically (temporary file, fsync, rename, fsync of
-//     the directory).
+//  1. Each rank creates <root>/<name>/ itself (offload::create_directories_durably: mkdir -p
+//     with the parent of every level it created fsynced, the root's own parents included when
+//     the run creates the root), so it depends on no directory another rank made; it writes
+//     rank-R.data with the I/O engine and fsyncs it.
+//  2. Each rank writes rank-R.index.json atomically (temporary file, fsync, rename, fsync of the
+//     step directory, which also makes the data file's entry durable).
 //  3. Each rank's file sizes and index CRC travel to rank 0 over the communicator (an all-gather
 //     of three numbers a rank, which is also the barrier): no rank reads a file another rank
 //     wrote, and the manifest names each index with its size and CRC.
-//  4. Rank 0 writes manifest.json atomically. This is the commit point: a directory without a
-//     manifest is never loaded, whatever else it holds.
-//  5. Rank 0 replaces <root>/latest atomically; then every rank passes a barrier.
+//  4. Rank 0 writes manifest.json atomically (its rename fsynced in the step directory). This is
+//     the commit point: a directory without a manifest is never loaded, whatever else it holds.
+//  5. Rank 0 replaces <root>/latest atomically (its rename fsynced in the root); then every rank
+//     passes a barrier, and the caller may report the commit.
 // A crash before 4 leaves an uncommitted directory that load refuses and `latest` still names
 // the previous checkpoint; a crash between 4 and 5 leaves a committed checkpoint that `latest`
-// does not name yet.
+// does not name yet. Either way `--resume` finds a complete checkpoint (resume_point in
+// inspect.cc). Retention (prune_checkpoints, below) runs only after 5, removes a checkpoint's
+// manifest durably before any of its files, and removes the half-written directories a crash
+// left, so no manifest ever outlives the files it names.
 #include "checkpoint/commit.h"
 
 #include <ATen/ops/empty.h>
@@ -30,6 +39,7 @@
 #include <vector>
 
 #include "strata/engine/checkpoint.h"
+#include "strata/offload/file.h"
 
 namespace strata::engine {
 namespace ckpt {
@@ -88,7 +98,7 @@ void uncommit_existing(Communicator& comm, const fs::path& root, const std::stri
       throw std::runtime_error("cannot save over " + dir.string() +
                                ": it is the latest checkpoint; save under another name");
     ::unlink((dir / "manifest.json").c_str());
-    fsync_dir(dir);
+    offload::sync_directory(dir);
   }
   comm.barrier();
 }
@@ -128,9 +138,10 @@ void commit(Communicator& comm, const fs::path& root, const std::string& name, j
 using namespace ckpt;
 
 void prune_checkpoints(Communicator& comm, const fs::path& root, size_t keep) {
-  if (keep == 0) keep = 1;
-  // Rank 0 decides from its root (with node-local disks only its holds `latest` and every name);
-  // the list reaches every rank.
+  // Rank 0 decides from its root (with node-local disks only its holds `latest` and every name):
+  // committed checkpoints beyond the `keep` newest (never the latest), and every step directory
+  // without a manifest (a crash's half-written save: no save is in flight while this runs). The
+  // list, a line "c NAME" or "u NAME" each, reaches every rank.
   std::string doomed_list;
   if (comm.rank() == 0) {
     std::string latest;
@@ -138,29 +149,38 @@ void prune_checkpoints(Communicator& comm, const fs::path& root, size_t keep) {
       std::ifstream in(root / "latest");
       std::getline(in, latest);
     }
-    std::vector<std::string> names;
+    std::vector<std::string> committed;
     std::error_code ec;
     if (fs::exists(root, ec))
-      for (const auto& e : fs::directory_iterator(root, ec))
-        if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0)
-          names.push_back(e.path().filename().string());
-    std::sort(names.begin(), names.end());
-    if (names.size() > keep)
-      for (size_t i = 0; i + keep < names.size(); ++i)
-        if (names[i] != latest) doomed_list += names[i] + "\n";
+      for (const auto& e : fs::directory_iterator(root, ec)) {
+        const std::string n = e.path().filename().string();
+        if (!e.is_directory() || n.rfind("step-", 0) != 0) continue;
+        if (fs::exists(e.path() / "manifest.json")) committed.push_back(n);
+        else if (n != latest) doomed_list += "u " + n + "\n";
+      }
+    std::sort(committed.begin(), committed.end());
+    if (keep > 0 && committed.size() > keep)
+      for (size_t i = 0; i + keep < committed.size(); ++i)
+        if (committed[i] != latest) doomed_list += "c " + committed[i] + "\n";
   }
   doomed_list = broadcast_string(comm, doomed_list, 0);
   std::vector<std::string> doomed;
-  for (size_t at = 0, nl; (nl = doomed_list.find('\n', at)) != std::string::npos; at = nl + 1)
-    doomed.push_back(doomed_list.substr(at, nl - at));
-  if (comm.rank() == 0) {
-    for (const auto& n : doomed) ::unlink((root / n / "manifest.json").c_str());
-    if (!doomed.empty()) fsync_dir(root);
+  bool any_committed = false;
+  for (size_t at = 0, nl; (nl = doomed_list.find('\n', at)) != std::string::npos; at = nl + 1) {
+    doomed.push_back(doomed_list.substr(at + 2, nl - at - 2));
+    if (doomed_list[at] != 'c') continue;
+    any_committed = true;
+    if (comm.rank() == 0) {  // un-committed durably before any file it names goes
+      ::unlink((root / doomed.back() / "manifest.json").c_str());
+      offload::sync_directory(root / doomed.back());
+    }
   }
-  comm.barrier();
+  if (doomed.empty()) return;
+  if (any_committed) comm.barrier();
   // Each rank removes its own files; then a directory that is not empty yet holds files of ranks
-  // no longer in the run (a world that shrank), which whoever sees them removes (on node-local
-  // disks no other node could; ranks sharing a disk race harmlessly, a file already gone skipped).
+  // no longer in the run (a world that shrank) or a crash's leftovers, which whoever sees them
+  // removes (on node-local disks no other node could; ranks sharing a disk race harmlessly, a
+  // file already gone skipped).
   const std::string mine = rank_name(comm.rank());
   for (const auto& n : doomed) {
     ::unlink((root / n / (mine + ".data")).c_str());
@@ -168,13 +188,19 @@ void prune_checkpoints(Communicator& comm, const fs::path& root, size_t keep) {
     ::unlink((root / n / (mine + ".index.json.tmp")).c_str());
   }
   comm.barrier();
+  bool removed = false;
   for (const auto& n : doomed) {
-    if (::rmdir((root / n).c_str()) == 0 || errno != ENOTEMPTY) continue;
-    std::error_code ec;
-    for (fs::directory_iterator it(root / n, ec), end; !ec && it != end; it.increment(ec))
-      ::unlink(it->path().c_str());
-    ::rmdir((root / n).c_str());
+    if (::rmdir((root / n).c_str()) != 0 && errno == ENOTEMPTY) {
+      std::error_code ec;
+      for (fs::directory_iterator it(root / n, ec), end; !ec && it != end; it.increment(ec))
+        ::unlink(it->path().c_str());
+      ::rmdir((root / n).c_str());
+    }
+    removed = removed || !fs::exists(root / n);
   }
+  // The removals made durable, so that a removed directory does not come back after a cut (it
+  // would come back without a manifest, and the next retention would remove it again).
+  if (removed && fs::exists(root)) offload::sync_directory(root);
 }
 
 }  // namespace strata::engine

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "strata/engine/checkpoint.h"
+#include "strata/offload/file.h"
 
 namespace strata::engine {
 namespace ckpt {
@@ -31,16 +32,6 @@ std::string rank_name(int r) {
 
 void fail_errno(const std::string& what, const fs::path& p) {
   throw std::runtime_error(what + " " + p.string() + ": " + std::strerror(errno));
-}
-
-void fsync_dir(const fs::path& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) fail_errno("cannot open directory", dir);
-  if (::fsync(fd) != 0) {
-    ::close(fd);
-    fail_errno("cannot fsync directory", dir);
-  }
-  ::close(fd);
 }
 
 void write_atomically(const fs::path& path, const std::string& text) {
@@ -64,7 +55,7 @@ void write_atomically(const fs::path& path, const std::string& text) {
   if (::fsync(fd) != 0) fail("cannot fsync");
   ::close(fd);
   if (::rename(tmp.c_str(), path.c_str()) != 0) fail_errno("cannot rename to", path);
-  fsync_dir(path.parent_path());
+  offload::sync_directory(path.parent_path());
 }
 
 std::string read_text(const fs::path& p) {

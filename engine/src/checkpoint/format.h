@@ -52,8 +52,8 @@ std::string rank_name(int rank);
 inline uint64_t chunk_extent(uint64_t numel) { return (numel * 4 + kAlign - 1) / kAlign * kAlign; }
 
 [[noreturn]] void fail_errno(const std::string& what, const fs::path& p);
-void fsync_dir(const fs::path& dir);
-// Temporary file, fsync, rename, fsync of the directory.
+// Temporary file, fsync, rename, fsync of the directory (offload::sync_directory): durable once
+// it returns, provided the directory's own entry is (offload::create_directories_durably).
 void write_atomically(const fs::path& path, const std::string& text);
 std::string read_text(const fs::path& p);
 

@@ -12,6 +12,7 @@
 #include "checkpoint/catalog.h"
 #include "checkpoint/chunk_reader.h"
 #include "checkpoint/format.h"
+#include "strata/offload/crc32c.h"
 #include "strata/engine/checkpoint.h"
 
 namespace strata::engine {
@@ -83,35 +84,101 @@ std::vector<fs::path> committed_checkpoints(const fs::path& root) {
   return out;
 }
 
-std::optional<fs::path> resume_point(const fs::path& root) {
-  const std::vector<fs::path> committed = committed_checkpoints(root);
-  const auto found = [&] {
-    if (committed.empty()) return std::string(" (no committed checkpoint there)");
-    std::string names;
-    for (const fs::path& c : committed) names += (names.empty() ? "" : ", ") + c.filename().string();
-    return " (committed there: " + names + "; resume from one of them with --resume-from " +
-           committed.back().string() + ")";
-  };
-  const fs::path latest_file = root / "latest";
+std::string incomplete_checkpoint(const fs::path& dir) {
   std::error_code ec;
-  if (!fs::exists(latest_file, ec)) {
-    if (committed.empty()) return std::nullopt;
-    throw std::runtime_error("cannot resume from " + root.string() + ": it has no `latest` file" + found());
+  if (!fs::is_directory(dir, ec)) return "does not exist";
+  if (!fs::exists(dir / "manifest.json", ec)) return "has no manifest.json (never committed)";
+  json m;
+  try {
+    m = read_manifest(dir);
+  } catch (const std::exception& e) {
+    return std::string("has a manifest that cannot be read: ") + e.what();
   }
-  std::ifstream in(latest_file);
+  if (!m.contains("ranks")) return "";  // format 1-2: the manifest holds the chunks; load checks them
+  const json& ranks = m["ranks"];
+  for (size_t q = 0; q < ranks.size(); ++q) {
+    const fs::path data = dir / (rank_name(int(q)) + ".data"), index = dir / (rank_name(int(q)) + ".index.json");
+    // Files of other ranks may be on disks this host does not see (node-local): judged where seen.
+    const bool must_see = q == 0;
+    if (!fs::exists(index, ec) || !fs::exists(data, ec)) {
+      if (must_see || fs::exists(index, ec) || fs::exists(data, ec))
+        return "lacks " + (fs::exists(index, ec) ? data : index).filename().string();
+      continue;
+    }
+    const uint64_t want_data = ranks[q].value("data_bytes", uint64_t(0));
+    if (fs::file_size(data, ec) < want_data)
+      return "has " + data.filename().string() + " of " + std::to_string(fs::file_size(data, ec)) +
+             " bytes, short of its " + std::to_string(want_data);
+    const std::string text = read_text(index);
+    if (text.size() != ranks[q].value("index_bytes", uint64_t(0)) ||
+        offload::crc32c(text.data(), text.size()) != ranks[q].value("index_crc32c", uint32_t(0)))
+      return "has " + index.filename().string() + " unlike the manifest's record of it (size or CRC32C)";
+  }
+  return "";
+}
+
+ResumeFinding find_resume_point(const fs::path& root) {
+  ResumeFinding found;
+  std::error_code ec;
+  std::vector<std::string> half;  // step directories without a manifest
+  if (fs::is_directory(root, ec))
+    for (const auto& e : fs::directory_iterator(root, ec))
+      if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0 &&
+          !fs::exists(e.path() / "manifest.json"))
+        half.push_back(e.path().filename().string());
+  std::sort(half.begin(), half.end());
+  std::string half_note;
+  for (const std::string& h : half) half_note += (half_note.empty() ? "" : ", ") + h;
+  if (!half_note.empty())
+    half_note = root.string() + " holds " + std::to_string(half.size()) + " half-written save" +
+                (half.size() > 1 ? "s" : "") + " (" + half_note + ": never committed, never loaded; the next " +
+                "save removes them)";
+
+  // `latest`, when it leads to a complete checkpoint.
+  const fs::path latest_file = root / "latest";
+  std::string why_not;  // why `latest` was not followed
   std::string name;
-  if (!in || !std::getline(in, name))
-    throw std::runtime_error("cannot resume from " + root.string() + ": " + latest_file.string() +
-                             " cannot be read or is empty" + found());
-  if (name.empty() || name.find('/') != std::string::npos)
-    throw std::runtime_error("cannot resume from " + root.string() + ": " + latest_file.string() + " names '" + name +
-                             "', not a checkpoint directory" + found());
-  if (!fs::exists(root / name / "manifest.json", ec))
-    throw std::runtime_error("cannot resume from " + root.string() + ": `latest` names " + name + ", but " +
-                             (root / name).string() +
-                             (fs::exists(root / name, ec) ? " has no manifest.json (never committed)" : " does not exist") +
-                             found());
-  return root / name;
+  if (!fs::exists(latest_file, ec)) {
+    why_not = "it has no `latest` file";
+  } else {
+    std::ifstream in(latest_file);
+    if (!in || !std::getline(in, name) || name.empty()) why_not = latest_file.string() + " cannot be read or is empty";
+    else if (name.find('/') != std::string::npos || name == "." || name == "..")
+      why_not = latest_file.string() + " names '" + name + "', not a checkpoint directory";
+    else if (const std::string bad = incomplete_checkpoint(root / name); !bad.empty())
+      why_not = "`latest` names " + name + ", but " + (root / name).string() + " " + bad;
+  }
+  if (why_not.empty()) {
+    found.dir = root / name;
+    found.note = half_note;
+    return found;
+  }
+  // The newest committed checkpoint that is complete (after a power cut `latest` can lag).
+  const std::vector<fs::path> committed = committed_checkpoints(root);
+  std::string refused;
+  for (auto c = committed.rbegin(); c != committed.rend(); ++c) {
+    if (c->filename().string() == name) continue;  // judged above
+    if (const std::string bad = incomplete_checkpoint(*c); !bad.empty()) {
+      refused += "; " + c->filename().string() + " " + bad;
+      continue;
+    }
+    found.dir = *c;
+    found.note = "cannot follow `latest` in " + root.string() + ": " + why_not + "; resuming from " +
+                 c->filename().string() + ", the newest complete checkpoint there" + refused +
+                 (half_note.empty() ? "" : "; " + half_note);
+    return found;
+  }
+  // Nothing to resume: a first run (or one whose first save never committed) starts at step 0;
+  // a `latest` or a manifest with no complete checkpoint behind it is an error, lest a run that
+  // had saved start over unnoticed.
+  if (!fs::exists(latest_file, ec) && committed.empty()) {
+    found.note = half_note;
+    return found;
+  }
+  throw std::runtime_error("cannot resume from " + root.string() + ": " + why_not +
+                           (committed.empty() ? std::string("; no committed checkpoint there")
+                                              : "; and no committed checkpoint there is complete" + refused) +
+                           (half_note.empty() ? "" : "; " + half_note));
 }
 
 CheckpointMeta read_checkpoint_meta(const fs::path& dir) { return ckpt::checkpoint_meta(read_manifest(dir), dir); }

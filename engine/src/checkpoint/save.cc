@@ -14,6 +14,7 @@
 #include <fstream>
 #include <future>
 #include <span>
+#include <stdexcept>
 #include <thread>
 
 #include "checkpoint/catalog.h"
@@ -169,7 +170,7 @@ RankFiles write_rank_files(Engine& engine, Snapshot& snap) {
     ~ReleaseAll() { if (h) h->release_all(); }
   } release_all{snap.hold.get()};
   if (snap.update_finished.valid()) snap.update_finished.get();
-  fs::create_directories(snap.dir);
+  offload::create_directories_durably(snap.dir);  // the root's and the step's entries durable
   const fs::path data_path = snap.dir / (rank_name(snap.rank) + ".data");
   offload::IoEngineConfig io_config;
   io_config.fault_injector = snap.options.io_fault_injector;
@@ -302,7 +303,9 @@ AsyncCheckpointer::~AsyncCheckpointer() {
 double AsyncCheckpointer::start(Engine& engine, const fs::path& root, const std::string& name,
                                 const CheckpointMeta& meta) {
   const auto t0 = std::chrono::steady_clock::now();
-  if (pending_) finish();  // one save at a time: the earlier one completes first
+  if (pending_)
+    throw std::logic_error("AsyncCheckpointer::start(" + name + "): the save of " + pending_->snap.name +
+                           " is still in flight; finish() it first (its commit must be reported)");
   uncommit_existing(comm_, root, name);
   // pending_ is set only once a writer runs: a throw before leaves no save in flight, and a
   // writer that cannot start releases the hold so that training does not wait forever.

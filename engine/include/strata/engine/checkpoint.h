@@ -87,8 +87,10 @@ std::filesystem::path save_checkpoint(Engine& engine, Communicator& comm,
 // ones into the staging memory (CheckpointOptions::staging_bytes), written from there. The
 // engine's next update of a unit waits for its release, so nothing the save needs changes under
 // it and training goes on meanwhile. poll(), called by every rank at the same point of every
-// step, commits the save (manifest, latest) once every rank's writes are done. A save started
-// while one is in flight first finishes that one. The engine must outlive a save in flight.
+// step, commits the save (manifest, latest) once every rank's writes are done. One save at a
+// time: start() with a save in flight throws std::logic_error (finishing it there would commit
+// it out of the caller's sight: call finish() first and report what it returns). The engine
+// must outlive a save in flight.
 // Destroying the checkpointer with a save in flight waits for its writer and leaves the save
 // uncommitted (never loaded).
 // Thread safety: the training thread calls everything; collectives inside.
@@ -233,9 +235,11 @@ struct EngineExport {
 ExportResult export_engine_hf(Engine& engine, Communicator& comm, const std::filesystem::path& out_dir,
                               const EngineExport& options);
 
-// Collective: deletes all but the `keep` newest checkpoints under `root` (by name order; the
-// latest is always kept), as rank 0 sees them. Rank 0 un-commits each (removes its manifest)
-// first; each rank then removes the files of them it sees (node-local disks included).
+// Collective, with no save in flight: deletes all but the `keep` newest committed checkpoints
+// under `root` (by name order; the latest is always kept; `keep` 0 keeps every one), and every
+// step directory without a manifest (a save a crash cut short), as rank 0 sees them. Rank 0
+// un-commits each committed one (removes its manifest and fsyncs its directory) first; each rank
+// then removes the files of them it sees (node-local disks included), and the root is fsynced.
 void prune_checkpoints(Communicator& comm, const std::filesystem::path& root, size_t keep);
 
 // The checkpoint <root>/latest names, if there is one with a manifest.
@@ -244,12 +248,26 @@ std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::pa
 // The committed checkpoints under `root` (directories with a manifest), sorted by name.
 std::vector<std::filesystem::path> committed_checkpoints(const std::filesystem::path& root);
 
-// What a resumed run starts from under `root`: the checkpoint `latest` names; std::nullopt when
-// `root` holds no committed checkpoint and no `latest` (a first run; uncommitted leftovers of a
-// crash do not count). Throws std::runtime_error saying what was found when there is something
-// to resume but `latest` cannot lead to it (missing beside committed checkpoints, empty or
-// unreadable, naming a directory without a manifest); reads only, so nothing is lost.
-std::optional<std::filesystem::path> resume_point(const std::filesystem::path& root);
+// Why the checkpoint directory `dir` cannot be resumed from ("does not exist", "has no
+// manifest.json (never committed)", a file missing, short or unlike the manifest's record of its
+// size and CRC32C), or "" when it is complete. Cheap: reads the manifest and the index files, and
+// the data files' sizes (their chunks' CRCs are checked as the load reads them). Files of ranks
+// other than 0 that this host does not see are taken to be on other hosts' disks.
+std::string incomplete_checkpoint(const std::filesystem::path& dir);
+
+// What `--resume` starts from under `root` (reads only: nothing is removed). `latest`'s
+// checkpoint when it is complete; else, `latest` missing, unreadable, or naming a directory that
+// is missing or incomplete (after a power cut it can lag or lead), the newest complete committed
+// checkpoint, with `note` saying which and why; std::nullopt when `root` holds neither `latest`
+// nor a committed checkpoint (a first run, or one whose first save never committed). Throws
+// std::runtime_error saying what it found when there is a `latest` or a manifest but no complete
+// checkpoint. `note` also names the half-written step directories found (a crash's leftovers).
+struct ResumeFinding {
+  std::optional<std::filesystem::path> dir;
+  std::string note;
+};
+ResumeFinding find_resume_point(const std::filesystem::path& root);
+
 
 // Collective, before the engine is built: what a resumed run starts from, as rank 0 chose it
 // (`rank0_choice`: a checkpoint directory or stored checkpoint's URL, nullopt for a fresh start;

@@ -73,4 +73,16 @@ class File {
 // IoError naming both paths (ENOSPC included). Returns true if the kernel copy was used.
 bool copy_range(const File& src, uint64_t src_offset, const File& dst, uint64_t dst_offset, uint64_t length);
 
+// Directory entries and power cuts. Under strict POSIX rules a created, renamed or removed entry
+// is durable only once the directory holding it is fsynced: an fsync of the file is not enough.
+// Both throw IoError naming the directory and the errno text; both are thread-safe.
+//
+// fsyncs the directory `dir` (its entries made durable).
+void sync_directory(const std::filesystem::path& dir);
+// mkdir -p that survives a power cut: creates `dir` and its missing parents, fsyncing the parent
+// of every level that did not exist when it looked (another process creating the same level at
+// once is harmless: the parent is fsynced all the same). Once it returns, the whole path is
+// durable. A `dir` that exists but is not a directory is an error (ENOTDIR).
+void create_directories_durably(const std::filesystem::path& dir);
+
 }  // namespace strata::offload
