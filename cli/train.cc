@@ -314,6 +314,7 @@ int train_with_engine(const Run& run, const ResumePoint& resume, const std::stri
   const Start start = load_resume_point(run, resume);
   Checkpoints checkpoints(run, start.first_step);
   RunLog log(run, start, m0);
+  checkpoints.on_commit([&log](const std::filesystem::path& dir) { log.committed(dir); });
   at::Tensor ids = at::empty({int64_t(run.loader.local_batch()), run.ec.seq_len + 1}, at::kLong);
   Exporter exporter(run, export_type, export_store, start.first_step);
   exporter.check_periodic_dirs();

@@ -162,6 +162,7 @@ void Checkpoints::committed(const std::optional<std::filesystem::path>& dir) {
   if (run_.lead)
     std::cerr << (run_.tc.progress && isatty(STDERR_FILENO) ? "\n" : "") << "strata train: committed "
               << dir->string() << "\n";
+  if (on_commit_) on_commit_(*dir);
   if (uploader_) {
     // An upload still in flight is finished (and committed) first; then this one starts,
     // before pruning, which never removes the checkpoint being uploaded (the newest).

@@ -307,21 +307,29 @@ void RunLog::print_progress(int64_t step, const engine::StepResult& r, const eng
 
 void RunLog::eval(int64_t after_step, double loss, uint64_t tokens, double secs) {
   const DataSources& data = run_.data;
-  std::cerr << (run_.tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: eval after step "
-            << after_step << ": loss " << loss << " (" << data.eval->size() << " samples, " << tokens
-            << " targets, " << secs << " s)\n";
+  // Formatted here: the stream's precision is whatever an earlier report left it at.
+  char line[256];
+  snprintf(line, sizeof line, "eval after step %lld: loss %.4f (%llu samples, %llu targets, %.2f s)",
+           (long long)after_step, loss, (unsigned long long)data.eval->size(), (unsigned long long)tokens, secs);
+  std::cerr << (run_.tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: " << line << "\n";
   if (log_.is_open())
     write({{"event", "eval"}, {"step", after_step}, {"eval_loss", loss}, {"eval_samples", data.eval->size()},
            {"eval_tokens", tokens}, {"seconds", secs}});
   if (tensorboard_) tensorboard_->scalar("eval/loss", after_step, loss);
 }
 
+void RunLog::committed(const std::filesystem::path& dir) {
+  if (log_.is_open()) write({{"event", "committed"}, {"checkpoint", dir.string()}});
+}
+
 void RunLog::finish(int64_t first_step, const StepsDone& done) {
   if (tensorboard_) tensorboard_->flush();
   if (run_.lead && run_.tc.progress && tty_) std::cerr << "\n";
-  if (run_.lead && done.steps > first_step)
-    std::cerr << "strata train: " << done.steps - first_step << " steps, "
-              << (done.seconds_total > 0 ? done.tokens_total / done.seconds_total : 0) << " tokens/s\n";
+  if (run_.lead && done.steps > first_step) {
+    char rate[64];
+    snprintf(rate, sizeof rate, "%.0f", done.seconds_total > 0 ? done.tokens_total / done.seconds_total : 0.0);
+    std::cerr << "strata train: " << done.steps - first_step << " steps, " << rate << " tokens/s\n";
+  }
 }
 
 void write_profile(const Run& run, const std::vector<engine::TraceSpan>& trace) {

@@ -164,6 +164,8 @@ class Checkpoints {
   // After the last step: commits the save in flight; a run stopped by a signal saves what no
   // checkpoint holds yet; waits for the last upload. True when that upload failed.
   bool finish(int stopped_by, int64_t steps_done);
+  // Called with every committed checkpoint's directory, once it is durable (the run's log).
+  void on_commit(std::function<void(const std::filesystem::path&)> f) { on_commit_ = std::move(f); }
 
  private:
   void committed(const std::optional<std::filesystem::path>& dir);
@@ -175,6 +177,7 @@ class Checkpoints {
   engine::AsyncCheckpointer checkpointer_;
   std::unique_ptr<engine::CheckpointUploader> uploader_;  // tiered saves only
   int64_t saved_through_;  // the steps the newest checkpoint (saved or resumed from) holds
+  std::function<void(const std::filesystem::path&)> on_commit_;
 };
 
 // --- train_loop.cc -----------------------------------------------------------------------------
@@ -242,6 +245,8 @@ class RunLog {
             const std::vector<NodeTraffic>& traffic);
   // Rank 0: the evaluation after `after_step` (loss over `tokens` targets, in `secs`).
   void eval(int64_t after_step, double loss, uint64_t tokens, double secs);
+  // Rank 0: a checkpoint committed (durable), as a log line {"event": "committed", "checkpoint"}.
+  void committed(const std::filesystem::path& dir);
   // After the steps: the events flushed; rank 0 ends the progress line and prints the speed.
   void finish(int64_t first_step, const StepsDone& done);
 

@@ -362,8 +362,8 @@ def main():
                     m = re.search(r"strata train: committed \S*/step-(\d+)", line)
                     if m:
                         reported = max(reported, int(m.group(1)))
-                continue
-            model.apply(op, args)
+            else:
+                model.apply(op, args)
             if op == "rename" and args[1].endswith("/manifest.json"):
                 ckpt = args[1][:-len("/manifest.json")]
                 references[os.path.basename(ckpt)] = {
@@ -391,6 +391,7 @@ def main():
     # 3. Each distinct state, resumed.
     failures = []
     outcomes = {}
+    problem_kinds = {}  # states failing each check
     resume_log = os.path.join(work, "resume.jsonl")
     for n, (d, e) in enumerate(sorted(states.items(), key=lambda x: x[1]["cuts"][0])):
         st = e["state"]
@@ -402,11 +403,11 @@ def main():
         with_manifest = sorted(s for s in steps_dirs if (root_rel + "/" + s + "/manifest.json") in st)
         for s in with_manifest:
             if not intact(st, s):
-                problems.append("%s holds a manifest over files that are not the ones it committed" % s)
+                problems.append(("manifest over other files", "%s holds a manifest over files that are not the ones it committed" % s))
         if e["reported"]:
             rep = "step-%08d" % e["reported"]
             if not intact(st, rep):
-                problems.append("the reported commit %s is lost" % rep)
+                problems.append(("reported commit lost", "the reported commit %s is lost" % rep))
         latest = st.get(root_rel + "/latest")
         latest_name = contents.by_digest[latest].decode(errors="replace").strip() if latest is not None else None
         intact_names = sorted(s for s in steps_dirs if intact(st, s))
@@ -426,34 +427,36 @@ def main():
         if expect == "error":
             outcome = "refused"
             if p.returncode == 0 or "cannot resume" not in out:
-                problems.append("expected a clear refusal (no intact checkpoint), got exit %d" % p.returncode)
+                problems.append(("no refusal", "expected a clear refusal (no intact checkpoint), got exit %d" % p.returncode))
         elif p.returncode != 0:
             outcome = "failed"
-            problems.append("expected to resume from %s, but the run failed (exit %d): %s" %
-                            (expect, p.returncode, out.strip().splitlines()[-1:] if out.strip() else ""))
+            problems.append(("resume failed", "expected to resume from %s, but the run failed (exit %d): %s" %
+                             (expect, p.returncode, out.strip().splitlines()[-1:] if out.strip() else "")))
         else:
             start = start_line(resume_log)
             got = os.path.basename(start["resumed_from"]) if start and start["resumed_from"] else "fresh"
             outcome = "fresh start" if got == "fresh" else "resumed"
             if got != expect:
-                problems.append("resumed from %s, expected %s" % (got, expect))
+                problems.append(("wrong checkpoint", "resumed from %s, expected %s" % (got, expect)))
             resumed = losses(resume_log)
             first = min(resumed) if resumed else None
             for s, l in resumed.items():
                 if straight.get(s) != l:
-                    problems.append("step %d's loss %r, the straight run's %r (a wrong load)" % (s, l, straight.get(s)))
+                    problems.append(("wrong load", "step %d's loss %r, the straight run's %r (a wrong load)" % (s, l, straight.get(s))))
                     break
             if sorted(resumed) != list(range(first or sc["steps"] + 1, sc["steps"] + 1)):
-                problems.append("the resumed run logged steps %s" % sorted(resumed))
+                problems.append(("wrong steps", "the resumed run logged steps %s" % sorted(resumed)))
             left = [s for s in os.listdir(os.path.join(fs_dir, root_rel)) if s.startswith("step-") and
                     not os.path.exists(os.path.join(fs_dir, root_rel, s, "manifest.json"))]
             if left and got != "step-%08d" % sc["steps"]:  # a run with steps to go saves, and tidies
-                problems.append("half-written directories left after the resumed run's saves: %s" % left)
+                problems.append(("half-written left", "half-written directories left after the resumed run's saves: %s" % left))
         key = outcome if outcome != "resumed" else "resumed from " + expect
         outcomes[key] = outcomes.get(key, 0) + 1
         if problems:
             failures.append(where)
-            print("FAIL %s: %s" % (where, "; ".join(problems)))
+            for kind, _ in problems:
+                problem_kinds[kind] = problem_kinds.get(kind, 0) + 1
+            print("FAIL %s: %s" % (where, "; ".join(text for _, text in problems)))
             if "--verbose" in sys.argv:
                 print("  state: %s\n  output: %s" % (sorted(st), out[-2000:]))
         if (n + 1) % 20 == 0:
@@ -461,7 +464,7 @@ def main():
                                                                            time.time() - t_start), flush=True)
     summary = {"scenario": name, "operations": len(ops), "cut_points": cuts, "states": cuts * len(VARIANTS),
                "distinct_states": len(states), "checkpoints_committed": len(references), "outcomes": outcomes,
-               "failed_states": len(failures), "seconds": round(time.time() - t_start, 1)}
+               "failed_states": len(failures), "failures_by_check": problem_kinds, "seconds": round(time.time() - t_start, 1)}
     with open(os.path.join(work, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps(summary))

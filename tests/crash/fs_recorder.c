@@ -6,7 +6,7 @@
 //   mkdir P | rmdir P | create P | trunc P | unlink P | rename P Q   namespace operations
 //   fsync P BLOB | fsyncdir P                                        what was made durable
 //   close P BLOB                                                     what the file held then
-//   stderr PID HEX                                                   the program's words
+//   stderr PID HEX                                                   what it wrote to stderr
 //
 // BLOB names a file under <log>.blobs holding the file's whole content at that moment, read back
 // from the file itself (so writes that bypass libc, io_uring's among them, are seen at the next
@@ -294,12 +294,12 @@ int mkdir(const char* p, mode_t m) { return named(get_mkdir()(p, m), "mkdir", AT
 int mkdirat(int d, const char* p, mode_t m) { return named(get_mkdirat()(d, p, m), "mkdir", d, p, 0, 0); }
 int rmdir(const char* p) { return named(get_rmdir()(p), "rmdir", AT_FDCWD, p, 0, 0); }
 
-// What the program says (its "committed ..." lines) in order with what it did.
-ssize_t write(int fd, const void* b, size_t n) {
-  const ssize_t r = get_write()(fd, b, n);
-  if (ready && fd == 2 && r > 0) {
-    static const char hex[] = "0123456789abcdef";
-    const size_t len = (size_t)r > 2048 ? 2048 : (size_t)r;
+// What the program says (its "committed ..." lines) in order with what it did: std::cerr writes
+// through stdio (fwrite, putc), other code may write(2) to descriptor 2 itself.
+static void said(const void* b, size_t n) {
+  static const char hex[] = "0123456789abcdef";
+  while (n > 0) {
+    const size_t len = n > 2048 ? 2048 : n;
     char text[2 * 2048 + 1];
     for (size_t i = 0; i < len; ++i) {
       text[2 * i] = hex[((const unsigned char*)b)[i] >> 4];
@@ -309,6 +309,33 @@ ssize_t write(int fd, const void* b, size_t n) {
     pthread_mutex_lock(&lock);
     emit("stderr %d %s", (int)getpid(), text);
     pthread_mutex_unlock(&lock);
+    b = (const char*)b + len;
+    n -= len;
+  }
+}
+
+REAL(size_t, fwrite, const void*, size_t, size_t, FILE*)
+REAL(int, putc, int, FILE*)
+REAL(int, fputc, int, FILE*)
+REAL(int, _IO_putc, int, FILE*)
+
+ssize_t write(int fd, const void* b, size_t n) {
+  const ssize_t r = get_write()(fd, b, n);
+  if (ready && fd == 2 && r > 0) said(b, (size_t)r);
+  return r;
+}
+size_t fwrite(const void* b, size_t size, size_t n, FILE* f) {
+  const size_t r = get_fwrite()(b, size, n, f);
+  if (ready && f == stderr && r > 0) said(b, r * size);
+  return r;
+}
+static int put_char(int r, FILE* f) {
+  if (ready && f == stderr && r != EOF) {
+    const char c = (char)r;
+    said(&c, 1);
   }
   return r;
 }
+int putc(int c, FILE* f) { return put_char(get_putc()(c, f), f); }
+int fputc(int c, FILE* f) { return put_char(get_fputc()(c, f), f); }
+int _IO_putc(int c, FILE* f) { return put_char(get__IO_putc()(c, f), f); }
