@@ -170,8 +170,16 @@ void Checkpoints::committed(const std::optional<std::filesystem::path>& dir) {
     uploader_->start(*dir);
   }
   // Retention, and the half-written directories a crash left, once this commit is durable
-  // (keep_checkpoints 0 keeps every committed one).
-  engine::prune_checkpoints(run_.comm, run_.tc.checkpoint_dir, size_t(std::max<int64_t>(0, run_.tc.keep_checkpoints)));
+  // (keep_checkpoints 0 keeps every committed one). Its failure costs disk space, not a
+  // checkpoint: every rank gets the same outcome, and training goes on.
+  try {
+    engine::prune_checkpoints(run_.comm, run_.tc.checkpoint_dir,
+                              size_t(std::max<int64_t>(0, run_.tc.keep_checkpoints)));
+  } catch (const engine::CommError&) {
+    throw;
+  } catch (const std::exception& e) {
+    if (run_.lead) std::cerr << "strata train: warning: " << e.what() << " (training goes on)\n";
+  }
 }
 
 void Checkpoints::save(int64_t steps_done, bool synchronous) {

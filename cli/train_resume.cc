@@ -47,15 +47,26 @@ void check_resume_from(const std::filesystem::path& from) {
 // --resume: the checkpoint `latest` names (or, where it cannot be followed, the newest complete
 // one, `note` saying so), or the store's newest when it holds more steps.
 void choose_latest(const engine::TrainConfig& tc, std::optional<std::filesystem::path>& dir, std::string& note) {
-  engine::ResumeFinding found = engine::find_resume_point(tc.checkpoint_dir);
-  dir = found.dir;
-  note = found.note;
+  std::string local_error;  // with a store, the local directory failing is not the end
+  try {
+    engine::ResumeFinding found = engine::find_resume_point(tc.checkpoint_dir);
+    dir = found.dir;
+    note = found.note;
+  } catch (const std::runtime_error& e) {
+    if (tc.checkpoint_upload.empty()) throw;
+    local_error = e.what();
+  }
   if (!tc.checkpoint_upload.empty()) {
     // The store may hold a newer one (saved on another machine, or the local copy pruned).
     const auto stored = engine::newest_stored_checkpoint(tc.checkpoint_upload);
     if (stored && (!dir || engine::read_checkpoint_meta(*stored).train_steps >
-                               engine::read_checkpoint_meta(*dir).train_steps))
+                               engine::read_checkpoint_meta(*dir).train_steps)) {
       dir = std::filesystem::path(*stored);
+      const std::string why = local_error.empty() ? note : local_error;
+      note = why.empty() ? "" : why + "; the store holds a newer checkpoint: resuming from " + *stored;
+    } else if (!local_error.empty()) {
+      throw std::runtime_error(local_error + "; and the store " + tc.checkpoint_upload + " holds none");
+    }
   }
 }
 

@@ -251,53 +251,6 @@ std::vector<std::string> copy_tokenizer_files(const std::filesystem::path& from,
   return copied;
 }
 
-void ExportDirectory::check(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (fs::exists(out, ec) && !fs::is_directory(out, ec))
-    throw std::runtime_error("export: " + out.string() + " exists and is not a directory");
-  if (overwrite || !fs::is_directory(out, ec) || fs::is_empty(out, ec)) return;
-  std::string names;
-  size_t n = 0;
-  for (const auto& e : fs::directory_iterator(out))
-    if (n++ < 4) names += (names.empty() ? "" : ", ") + e.path().filename().string();
-  throw std::runtime_error("export: " + out.string() + " is not empty (" + names + (n > 4 ? ", ..." : "") + "); " +
-                           how_to_overwrite);
-}
-
-std::filesystem::path ExportDirectory::beside(const std::filesystem::path& out, const std::string& suffix) {
-  std::filesystem::path p = std::filesystem::absolute(out).lexically_normal();
-  if (p.filename().empty()) p = p.parent_path();
-  return p.string() + suffix;
-}
-
-ExportDirectory::ExportDirectory(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite,
-                                 ExportKind kind)
-    : out_(out), tmp_(temporary(out)), kind_(kind) {
-  check(out_, overwrite, how_to_overwrite);
-  std::filesystem::remove_all(tmp_);  // a crashed export's leftovers
-  std::filesystem::create_directories(tmp_);
-}
-
-ExportDirectory::~ExportDirectory() {
-  std::error_code ignored;
-  if (!committed_) std::filesystem::remove_all(tmp_, ignored);
-}
-
-namespace {
-// A weights file of an export: model.safetensors, its index, or a shard as transformers names
-// them (model-00001-of-00003.safetensors); other files (model-lora.safetensors) are not ours.
-bool is_export_weights(const std::string& n) {
-  if (n == "model.safetensors" || n == "model.safetensors.index.json") return true;
-  if (n.size() != std::string("model-00001-of-00003.safetensors").size() || !n.starts_with("model-") ||
-      !n.ends_with(".safetensors") || n.substr(11, 4) != "-of-")
-    return false;
-  for (size_t i : {6u, 7u, 8u, 9u, 10u, 15u, 16u, 17u, 18u, 19u})
-    if (n[i] < '0' || n[i] > '9') return false;
-  return true;
-}
-}  // namespace
-
 namespace {
 // The directory's entries made durable (a power cut keeps a rename or removal only after this).
 void sync_directory(const std::filesystem::path& dir) {
@@ -324,6 +277,54 @@ void create_directories_durably(const std::filesystem::path& dir) {
 }
 }  // namespace
 
+void ExportDirectory::check(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(out, ec) && !fs::is_directory(out, ec))
+    throw std::runtime_error("export: " + out.string() + " exists and is not a directory");
+  if (overwrite || !fs::is_directory(out, ec) || fs::is_empty(out, ec)) return;
+  std::string names;
+  size_t n = 0;
+  for (const auto& e : fs::directory_iterator(out))
+    if (n++ < 4) names += (names.empty() ? "" : ", ") + e.path().filename().string();
+  throw std::runtime_error("export: " + out.string() + " is not empty (" + names + (n > 4 ? ", ..." : "") + "); " +
+                           how_to_overwrite);
+}
+
+std::filesystem::path ExportDirectory::beside(const std::filesystem::path& out, const std::string& suffix) {
+  std::filesystem::path p = std::filesystem::absolute(out).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return p.string() + suffix;
+}
+
+ExportDirectory::ExportDirectory(const std::filesystem::path& out, bool overwrite, const std::string& how_to_overwrite,
+                                 ExportKind kind)
+    : out_(out), tmp_(temporary(out)), kind_(kind) {
+  check(out_, overwrite, how_to_overwrite);
+  std::filesystem::remove_all(tmp_);  // a crashed export's leftovers
+  create_directories_durably(tmp_);  // and so `out`'s parents, made here when missing
+}
+
+ExportDirectory::~ExportDirectory() {
+  std::error_code ignored;
+  if (!committed_) std::filesystem::remove_all(tmp_, ignored);
+}
+
+namespace {
+// A weights file of an export: model.safetensors, its index, or a shard as transformers names
+// them (model-00001-of-00003.safetensors); other files (model-lora.safetensors) are not ours.
+bool is_export_weights(const std::string& n) {
+  if (n == "model.safetensors" || n == "model.safetensors.index.json") return true;
+  if (n.size() != std::string("model-00001-of-00003.safetensors").size() || !n.starts_with("model-") ||
+      !n.ends_with(".safetensors") || n.substr(11, 4) != "-of-")
+    return false;
+  for (size_t i : {6u, 7u, 8u, 9u, 10u, 15u, 16u, 17u, 18u, 19u})
+    if (n[i] < '0' || n[i] > '9') return false;
+  return true;
+}
+}  // namespace
+
+
 void ExportDirectory::commit() {
   namespace fs = std::filesystem;
   // Every file's data on disk first (the shards are already): a failure here leaves `out` as it
@@ -348,6 +349,7 @@ void ExportDirectory::commit() {
   const std::string other = kind_ == ExportKind::kModel ? kAdapterConfigFile : "config.json";
   fs::remove(out_ / descriptor);
   fs::remove(out_ / other);
+  sync_directory(out_);  // no weight file goes while a descriptor naming it can come back
   for (const auto& e : fs::directory_iterator(out_)) {
     const std::string n = e.path().filename().string();
     const bool weights = is_export_weights(n) || n == kAdapterWeightsFile;

@@ -153,11 +153,16 @@ void create_directories_durably(const std::filesystem::path& dir) {
     at = at.parent_path();
   }
   if (missing.empty() && !S_ISDIR(st.st_mode)) throw_errno(ENOTDIR, "create directory", dir.string());
+  const auto parent_of = [](const std::filesystem::path& p) {
+    return p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+  };
   for (auto level = missing.rbegin(); level != missing.rend(); ++level) {
     if (::mkdir(level->c_str(), 0755) != 0 && errno != EEXIST) throw_errno(errno, "create directory", level->string());
-    const std::filesystem::path parent = level->has_parent_path() ? level->parent_path() : std::filesystem::path(".");
-    sync_directory(parent);
+    sync_directory(parent_of(*level));
   }
+  // The last level's entry even when it existed: another process may have just made it and not
+  // synced it yet (ranks sharing a disk), or a killed run left it unsynced.
+  if (missing.empty()) sync_directory(parent_of(at));
 }
 
 bool copy_range(const File& src, uint64_t src_offset, const File& dst, uint64_t dst_offset, uint64_t length) {

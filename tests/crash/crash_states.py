@@ -14,8 +14,10 @@ checkpoint, bitwise, and keep every commit it reported?
    the states a power cut can leave there:
    - strict POSIX: a file's data is what its last fsync made durable, and a create, rename,
      unlink, mkdir or rmdir survives only if its directory was fsynced after it: "strict" keeps
-     none of the unsynced ones, "strict-random-K" a random subset of them, in order, with the
-     unsynced data torn (each 4 KiB page old or new at random);
+     none of the unsynced ones; "strict-only-J" only the J-th and "strict-all-but-J" all but
+     the J-th (every one of them in turn, so every single reordering is tried); and
+     "strict-random-K" a random subset of them (sampled: two per cut), in order, with the unsynced
+     data torn (each 4 KiB page old or new at random);
    - ordered: every metadata operation up to the cut survives, in order; the unsynced data is
      lost ("ordered"), torn ("ordered-torn"), or kept ("ordered-all", a kill -9).
    Identical states are tried once.
@@ -23,6 +25,8 @@ checkpoint, bitwise, and keep every commit it reported?
    - resume from the checkpoint `latest` names if that one is intact (every file byte for byte as
      it was when its manifest was renamed in), else from the newest intact one, else start at
      step 0 when the state holds no `latest` and no manifest, else fail saying "cannot resume";
+   - say why on stderr and in the log's `resume_note` when it did not take `latest`'s, and
+     leave the state as it was when it refuses (a read removes nothing);
    - train the remaining steps to the straight run's losses, bitwise (no wrong load);
    - leave no step directory without a manifest behind (the next save tidies a crash's leftovers).
    And in the state itself: the newest commit the straight run had reported ("strata train:
@@ -51,6 +55,11 @@ SCENARIOS = {
     # (copied file to file into the checkpoint), keep 1.
     "async-swap": dict(ranks=1, root="ckpt", make_root=True, steps=6, save_every=2, keep=1,
                        asynchronous=True, swap=True),
+    # The recorded run is itself a resume: a first run saved steps 2 and 4 (keeping 1) and a
+    # crash left step 5 half-written; the recorded run resumes from step 4, saves 6 and 8, and
+    # its retention removes step 4 and the half-written step 5 (cut there too).
+    "resume-tidy": dict(ranks=1, root="ckpt", make_root=False, steps=8, save_every=2, keep=1,
+                        asynchronous=False, swap=False, prelude_steps=4, half_written="step-00000005"),
     # Two ranks (strata launch), each writing its own files, rank 0 the manifest and `latest`.
     "two-ranks": dict(ranks=2, root="runs/b/ckpt", make_root=False, steps=4, save_every=2, keep=1,
                       asynchronous=True, swap=False),
@@ -180,17 +189,25 @@ class Model:
         else:
             raise ValueError("unknown operation " + op)
 
-    def state(self, namespace, data, rng):
+    def pending(self):
+        """Every entry operation not yet made durable, as (directory node, index) pairs."""
+        return [(i, k) for i, n in self.nodes.items() if n.kind == "d" for k in range(len(n.pending))]
+
+    def state(self, namespace, data, rng, keep=None):
         """The tree a power cut leaves now: {relpath: None (directory) or bytes}.
-        namespace: "durable" | "random" | "all"; data: "durable" | "torn" | "all"."""
+        namespace: "durable" | "random" | "all" | "keep" (the unsynced entry operations for which
+        keep(directory node, index) is true survive); data: "durable" | "torn" | "all"."""
         out = {}
 
-        def entries(n):
+        def entries(i):
+            n = self.nodes[i]
             if namespace == "all":
                 return n.volatile
             e = dict(n.durable)
-            for p in n.pending:
+            for k, p in enumerate(n.pending):
                 if namespace == "random" and rng.random() < 0.5:
+                    continue
+                if namespace == "keep" and not keep(i, k):
                     continue
                 if p[0] == "set":
                     e[p[1]] = p[2]
@@ -218,7 +235,7 @@ class Model:
             if n.kind == "d":
                 if rel:
                     out[rel] = None
-                for name, child in sorted(entries(n).items()):
+                for name, child in sorted(entries(i).items()):
                     walk(child, rel + "/" + name if rel else name)
             else:
                 out[rel] = content(n)
@@ -279,6 +296,18 @@ def digest(state):
     return h.hexdigest()
 
 
+def tree_digest(fs_dir):
+    """digest() of the tree on disk, as a state's."""
+    st = {}
+    for top, dirs, files in os.walk(fs_dir):
+        for d in dirs:
+            st[os.path.relpath(os.path.join(top, d), fs_dir)] = None
+        for f in files:
+            with open(os.path.join(top, f), "rb") as fh:
+                st[os.path.relpath(os.path.join(top, f), fs_dir)] = hashlib.sha256(fh.read()).hexdigest()
+    return digest(st)
+
+
 def lay_out(state, contents, fs_dir):
     shutil.rmtree(fs_dir, ignore_errors=True)
     os.makedirs(fs_dir)
@@ -310,6 +339,19 @@ VARIANTS = [("strict", "durable", "durable"), ("strict-random-1", "random", "tor
             ("ordered-torn", "all", "torn"), ("ordered-all", "all", "all")]
 
 
+def variants(model, name, k):
+    """The states a cut after operation k can leave: VARIANTS, then, for each unsynced entry
+    operation, the strict states in which only it survives and in which all but it survive."""
+    for variant, namespace, data in VARIANTS:
+        yield variant, model.state(namespace, data, random.Random("%s/%d/%s" % (name, k, variant)))
+    pending = model.pending()
+    if len(pending) < 2:
+        return  # "strict" and "ordered" already cover none and all
+    for j, op in enumerate(pending):
+        yield "strict-only-%d" % j, model.state("keep", "durable", None, lambda i, q: (i, q) == op)
+        yield "strict-all-but-%d" % j, model.state("keep", "durable", None, lambda i, q: (i, q) != op)
+
+
 def main():
     strata, recorder, work, name = sys.argv[1:5]
     sc = SCENARIOS[name]
@@ -326,6 +368,21 @@ def main():
     with open(cfg, "w") as f:
         json.dump(config(work, sc), f)
 
+    # 0. A prelude (not recorded): its checkpoints and a crash's half-written save are there
+    # before the recorded run, durable.
+    straight = {}
+    if sc.get("prelude_steps"):
+        prelude_log = os.path.join(work, "prelude.jsonl")
+        p = subprocess.run(command(strata, sc, cfg, prelude_log, False) + ["--steps", str(sc["prelude_steps"])],
+                           capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            sys.exit("the prelude failed:\n" + p.stdout + p.stderr)
+        straight.update(losses(prelude_log))
+        half = os.path.join(fs_dir, root_rel, sc["half_written"])
+        os.makedirs(half)
+        with open(os.path.join(half, "rank-00000.data"), "wb") as f:
+            f.write(os.urandom(3 * PAGE + 100))
+
     # 1. The straight run, recorded.
     record = os.path.join(work, "ops.log")
     blobs = Blobs(record + ".blobs")
@@ -333,11 +390,11 @@ def main():
     env = dict(os.environ, LD_PRELOAD=os.path.abspath(recorder), STRATA_FSREC_ROOT=fs_dir,
                STRATA_FSREC_LOG=record)
     straight_log = os.path.join(work, "straight.jsonl")
-    p = subprocess.run(command(strata, sc, cfg, straight_log, False), env=env, capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run(command(strata, sc, cfg, straight_log, bool(sc.get("prelude_steps"))), env=env,
+                       capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         sys.exit("the straight run failed:\n" + p.stdout + p.stderr)
-    straight = losses(straight_log)
+    straight.update(losses(straight_log))
     if sorted(straight) != list(range(1, sc["steps"] + 1)):
         sys.exit("the straight run logged steps %s" % sorted(straight))
     ops = read_record(record)
@@ -348,9 +405,17 @@ def main():
     contents = Contents()  # each distinct file content once: states hold their digests
     states = {}  # digest -> {"state", "reported" (newest reported step), "cuts": [(cut, variant)]}
     references = {}  # checkpoint name -> {relpath: blob} when its manifest was renamed in
+    try:  # the prelude's committed checkpoints, as the model holds them before the replay
+        at_start = model.nodes[model.lookup(root_rel)].volatile
+    except KeyError:
+        at_start = {}
+    for c, i in sorted(at_start.items()):
+        if model.nodes[i].kind == "d" and "manifest.json" in model.nodes[i].volatile:
+            base = root_rel + "/" + c
+            references[c] = {os.path.relpath(r, base): b for r, b in model.volatile_files(base).items()}
     stderr_text = {}
     reported = 0
-    cuts = 0
+    cuts = n_states = 0
     for k in range(len(ops) + 1):
         if k > 0:
             op, args = ops[k - 1]
@@ -369,10 +434,10 @@ def main():
                 references[os.path.basename(ckpt)] = {
                     os.path.relpath(r, ckpt): b for r, b in model.volatile_files(ckpt).items() if not r.endswith(".tmp")}
         cuts += 1
-        for variant, namespace, data in VARIANTS:
-            rng = random.Random("%s/%d/%s" % (name, k, variant))
+        for variant, tree in variants(model, name, k):
+            n_states += 1
             st = {}
-            for rel, content in model.state(namespace, data, rng).items():
+            for rel, content in tree.items():
                 st[rel] = None if content is None else contents.put(content)
             d = digest(st)
             e = states.setdefault(d, {"state": st, "reported": 0, "cuts": []})
@@ -428,6 +493,8 @@ def main():
             outcome = "refused"
             if p.returncode == 0 or "cannot resume" not in out:
                 problems.append(("no refusal", "expected a clear refusal (no intact checkpoint), got exit %d" % p.returncode))
+            if tree_digest(fs_dir) != digest(st):
+                problems.append(("a read changed the state", "the refused resume changed the checkpoint directory"))
         elif p.returncode != 0:
             outcome = "failed"
             problems.append(("resume failed", "expected to resume from %s, but the run failed (exit %d): %s" %
@@ -438,6 +505,10 @@ def main():
             outcome = "fresh start" if got == "fresh" else "resumed"
             if got != expect:
                 problems.append(("wrong checkpoint", "resumed from %s, expected %s" % (got, expect)))
+            elif got != "fresh" and got != latest_name and (
+                    "cannot follow `latest`" not in out or not start.get("resume_note")):
+                problems.append(("silent fallback", "took %s instead of `latest`'s %s without saying why on "
+                                 "stderr and in the log" % (got, latest_name)))
             resumed = losses(resume_log)
             first = min(resumed) if resumed else None
             for s, l in resumed.items():
@@ -462,7 +533,7 @@ def main():
         if (n + 1) % 20 == 0:
             print("%s: %d of %d distinct states tried, %d failed (%.0f s)" % (name, n + 1, len(states), len(failures),
                                                                            time.time() - t_start), flush=True)
-    summary = {"scenario": name, "operations": len(ops), "cut_points": cuts, "states": cuts * len(VARIANTS),
+    summary = {"scenario": name, "operations": len(ops), "cut_points": cuts, "states": n_states,
                "distinct_states": len(states), "checkpoints_committed": len(references), "outcomes": outcomes,
                "failed_states": len(failures), "failures_by_check": problem_kinds, "seconds": round(time.time() - t_start, 1)}
     with open(os.path.join(work, "summary.json"), "w") as f:

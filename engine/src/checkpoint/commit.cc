@@ -20,7 +20,7 @@
 //     passes a barrier, and the caller may report the commit.
 // A crash before 4 leaves an uncommitted directory that load refuses and `latest` still names
 // the previous checkpoint; a crash between 4 and 5 leaves a committed checkpoint that `latest`
-// does not name yet. Either way `--resume` finds a complete checkpoint (resume_point in
+// does not name yet. Either way `--resume` finds a complete checkpoint (find_resume_point in
 // inspect.cc). Retention (prune_checkpoints, below) runs only after 5, removes a checkpoint's
 // manifest durably before any of its files, and removes the half-written directories a crash
 // left, so no manifest ever outlives the files it names.
@@ -87,20 +87,29 @@ std::optional<RankError> first_error(Communicator& comm, const std::string& mine
   return RankError{rank, broadcast_string(comm, mine, rank)};
 }
 
-// Step 0 (collective): un-commit an existing checkpoint of this name.
+// Step 0 (collective): un-commit an existing checkpoint of this name. Rank 0's failure reaches
+// every rank (first_error), so that no rank waits in a collective for one that threw.
 void uncommit_existing(Communicator& comm, const fs::path& root, const std::string& name) {
   const fs::path dir = root / name;
+  std::string error;
   if (comm.rank() == 0 && fs::exists(dir / "manifest.json")) {
-    std::ifstream in(root / "latest");
-    std::string latest;
-    std::getline(in, latest);
-    if (latest == name)
-      throw std::runtime_error("cannot save over " + dir.string() +
-                               ": it is the latest checkpoint; save under another name");
-    ::unlink((dir / "manifest.json").c_str());
-    offload::sync_directory(dir);
+    try {
+      std::ifstream in(root / "latest");
+      std::string latest;
+      std::getline(in, latest);
+      // The checkpoint `latest` names is the run's newest good state, never saved over; unless
+      // it is incomplete (damaged: a resume took an older one instead, find_resume_point).
+      if (latest == name && incomplete_checkpoint(dir).empty())
+        throw std::runtime_error("cannot save over " + dir.string() +
+                                 ": it is the latest checkpoint; save under another name");
+      if (::unlink((dir / "manifest.json").c_str()) != 0 && errno != ENOENT)
+        fail_errno("cannot un-commit (remove the manifest of)", dir);
+      offload::sync_directory(dir);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
   }
-  comm.barrier();
+  if (const auto failed = first_error(comm, error)) throw std::runtime_error(failed->message);
 }
 
 // Every rank learns whether any rank's writes failed; all then throw alike.
@@ -165,18 +174,22 @@ void prune_checkpoints(Communicator& comm, const fs::path& root, size_t keep) {
   }
   doomed_list = broadcast_string(comm, doomed_list, 0);
   std::vector<std::string> doomed;
-  bool any_committed = false;
+  std::string error;  // rank 0's: an un-commit that failed stops the retention before any file goes
   for (size_t at = 0, nl; (nl = doomed_list.find('\n', at)) != std::string::npos; at = nl + 1) {
     doomed.push_back(doomed_list.substr(at + 2, nl - at - 2));
-    if (doomed_list[at] != 'c') continue;
-    any_committed = true;
-    if (comm.rank() == 0) {  // un-committed durably before any file it names goes
-      ::unlink((root / doomed.back() / "manifest.json").c_str());
-      offload::sync_directory(root / doomed.back());
+    if (doomed_list[at] != 'c' || comm.rank() != 0 || !error.empty()) continue;
+    try {  // un-committed durably before any file it names goes
+      const fs::path dir = root / doomed.back();
+      if (::unlink((dir / "manifest.json").c_str()) != 0 && errno != ENOENT)
+        fail_errno("retention: cannot un-commit (remove the manifest of)", dir);
+      offload::sync_directory(dir);
+    } catch (const std::exception& e) {
+      error = e.what();
     }
   }
   if (doomed.empty()) return;
-  if (any_committed) comm.barrier();
+  if (const auto failed = first_error(comm, error))  // also the barrier before any removal
+    throw std::runtime_error(failed->message + " (no checkpoint files were removed)");
   // Each rank removes its own files; then a directory that is not empty yet holds files of ranks
   // no longer in the run (a world that shrank) or a crash's leftovers, which whoever sees them
   // removes (on node-local disks no other node could; ranks sharing a disk race harmlessly, a
@@ -199,8 +212,16 @@ void prune_checkpoints(Communicator& comm, const fs::path& root, size_t keep) {
     removed = removed || !fs::exists(root / n);
   }
   // The removals made durable, so that a removed directory does not come back after a cut (it
-  // would come back without a manifest, and the next retention would remove it again).
-  if (removed && fs::exists(root)) offload::sync_directory(root);
+  // would come back without a manifest, and the next retention would remove it again). What is
+  // left undone here is harmless (no manifest remains): each rank reports its own failure, and
+  // every rank leaves together.
+  error.clear();
+  try {
+    if (removed && fs::exists(root)) offload::sync_directory(root);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (const auto failed = first_error(comm, error)) throw std::runtime_error("retention: " + failed->message);
 }
 
 }  // namespace strata::engine

@@ -28,7 +28,8 @@ struct RankError {
 };
 std::optional<RankError> first_error(Communicator& comm, const std::string& mine);
 
-// Step 0: un-commits an existing checkpoint <root>/<name> (refuses the latest one).
+// Step 0: un-commits an existing checkpoint <root>/<name> (refuses the latest one unless it is
+// incomplete: incomplete_checkpoint).
 void uncommit_existing(Communicator& comm, const fs::path& root, const std::string& name);
 // Between steps 2 and 3: every rank learns whether any rank's writes failed (`error`: this
 // rank's, empty if none); all then throw alike, naming the checkpoint directory `dir`.

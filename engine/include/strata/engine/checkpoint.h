@@ -237,9 +237,11 @@ ExportResult export_engine_hf(Engine& engine, Communicator& comm, const std::fil
 
 // Collective, with no save in flight: deletes all but the `keep` newest committed checkpoints
 // under `root` (by name order; the latest is always kept; `keep` 0 keeps every one), and every
-// step directory without a manifest (a save a crash cut short), as rank 0 sees them. Rank 0
-// un-commits each committed one (removes its manifest and fsyncs its directory) first; each rank
-// then removes the files of them it sees (node-local disks included), and the root is fsynced.
+// step directory without a manifest (a save a crash cut short) but one `latest` names, as rank 0
+// sees them. Rank 0 un-commits each committed one (removes its manifest and fsyncs its
+// directory) first; each rank then removes the files of them it sees (node-local disks
+// included), and the root is fsynced. Throws std::runtime_error on every rank alike when a rank
+// failed (an un-commit that failed removes no file).
 void prune_checkpoints(Communicator& comm, const std::filesystem::path& root, size_t keep);
 
 // The checkpoint <root>/latest names, if there is one with a manifest.

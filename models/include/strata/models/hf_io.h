@@ -77,7 +77,9 @@ std::vector<std::string> copy_tokenizer_files(const std::filesystem::path& from,
 // (tmp()), and commit() syncs every file written, then removes `out`'s config.json and the weight
 // files of an earlier export (model.safetensors, model-NNNNN-of-NNNNN.safetensors, the index)
 // that the new one does not replace, renames the new files in, config.json last (so a
-// config.json never describes weights that are not there), and syncs the directory; a failure
+// config.json never describes weights that are not there), fsyncing `out` after each of these
+// three phases (so that the order holds through a power cut; `out` and the temporary
+// directory's missing parents are created with their entries fsynced); a failure
 // before the removal, or destruction uncommitted, leaves `out` as it was. Files written into
 // tmp() replace theirs in `out` (a tokenizer copied from the source model); other files in `out`
 // are kept. Not thread safe; errors are std::runtime_error naming the path.

@@ -80,9 +80,11 @@ bool copy_range(const File& src, uint64_t src_offset, const File& dst, uint64_t 
 // fsyncs the directory `dir` (its entries made durable).
 void sync_directory(const std::filesystem::path& dir);
 // mkdir -p that survives a power cut: creates `dir` and its missing parents, fsyncing the parent
-// of every level that did not exist when it looked (another process creating the same level at
-// once is harmless: the parent is fsynced all the same). Once it returns, the whole path is
-// durable. A `dir` that exists but is not a directory is an error (ENOTDIR).
+// of every level it found missing, and the parent of `dir` itself when it existed (another
+// process may have just created it, unsynced). Once it returns, `dir`'s entry and those of the
+// levels it created are durable; levels that existed before are taken to be (they are the
+// caller's: a checkpoint root's parents). A `dir` that exists but is not a directory is an error
+// (ENOTDIR).
 void create_directories_durably(const std::filesystem::path& dir);
 
 }  // namespace strata::offload
