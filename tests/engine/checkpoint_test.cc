@@ -1018,19 +1018,35 @@ TEST(Checkpoint, ResumeNeverStartsOverExistingCheckpointsSilently) {
   EXPECT_EQ(se::incomplete_checkpoint(four), "");
   std::filesystem::rename(four / "rank-00000.data", dir / "data-four");
   EXPECT_EQ(se::incomplete_checkpoint(four), "lacks rank-00000.data");
-  std::filesystem::rename(ck / "latest", dir / "latest");
+  std::filesystem::remove(ck / "latest");
   try {
     se::find_resume_point(ck);
     ADD_FAILURE() << "no complete checkpoint, yet find_resume_point chose one";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("no committed checkpoint there is complete"), std::string::npos) << e.what();
   }
-  // Put back as saved: the runs below need both.
+  // Step 2 put back as saved; `latest` names step 4, whose data file is gone: --resume takes step
+  // 2, says why, trains steps 3 and 4 to the straight run's losses, and saves step 4 over the
+  // incomplete one (the latest checkpoint is never saved over, unless it is incomplete).
   std::filesystem::copy_file(dir / "index-two", two / "rank-00000.index.json",
                              std::filesystem::copy_options::overwrite_existing);
-  std::filesystem::rename(dir / "data-four", four / "rank-00000.data");
-  std::filesystem::rename(dir / "latest", ck / "latest");
-  intact("put back");
+  std::ofstream(ck / "latest") << "step-00000004\n";
+  auto [damaged, damaged_out] = train("damaged", "--resume --checkpoint-dir " + ck.string());
+  ASSERT_EQ(damaged, 0) << damaged_out;
+  EXPECT_NE(damaged_out.find("`latest` names step-00000004, but " + four.string() +
+                             " lacks rank-00000.data; resuming from step-00000002"), std::string::npos)
+      << damaged_out;
+  {
+    const std::vector<double> straight = losses(dir / "first.jsonl"), resumed = losses(dir / "damaged.jsonl");
+    ASSERT_EQ(resumed.size(), 2u);
+    EXPECT_EQ(resumed[0], straight[2]);
+    EXPECT_EQ(resumed[1], straight[3]);
+  }
+  EXPECT_EQ(se::incomplete_checkpoint(four), "");
+  EXPECT_NO_THROW(se::verify_checkpoint(four));
+  // As the runs below expect: `latest` names the half-written step 99.
+  std::ofstream(ck / "latest") << "step-00000099\n";
+  std::filesystem::create_directory(ck / "step-00000099");
 
   // Explicitly from step 2: two more steps, the same losses as the straight run's steps 3 and 4.
   auto [from, from_out] = train("from", "--resume-from " + two.string());
