@@ -57,11 +57,13 @@ Distributed: run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER
                      object store (s3://bucket/prefix or a directory) in the background
   --resume           start from the checkpoint <checkpoint dir>/latest names (at any world
                      size), or from the newest in the upload store when that one is newer; a
-                     directory without any committed checkpoint starts at step 0 (said so); one
-                     whose `latest` cannot be followed is an error saying what is there
+                     directory without any committed checkpoint starts at step 0 (said so);
+                     where `latest` cannot be followed (missing, or naming a checkpoint a power
+                     cut left incomplete), the newest complete checkpoint, saying why
   --resume-from DIR  start from this committed checkpoint directory or stored checkpoint URL
                      (s3://bucket/prefix/step-N; the checkpoint directory is then its parent
-                     unless --checkpoint-dir names another)
+                     unless --checkpoint-dir names another; refused if the run would save over
+                     the checkpoint that directory's `latest` names)
   --export-overwrite replace config.json and model.safetensors of a non-empty export directory
                      (otherwise refused before the first step)
   --allow-batch-change

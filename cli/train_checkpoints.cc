@@ -182,10 +182,15 @@ void Checkpoints::committed(const std::optional<std::filesystem::path>& dir) {
   }
 }
 
+std::string checkpoint_name(int64_t steps) {
+  char name[32];
+  snprintf(name, sizeof name, "step-%08lld", (long long)steps);
+  return name;
+}
+
 void Checkpoints::save(int64_t steps_done, bool synchronous) {
   const engine::TrainConfig& tc = run_.tc;
-  char name[32];
-  snprintf(name, sizeof name, "step-%08lld", (long long)steps_done);
+  const std::string name = checkpoint_name(steps_done);
   engine::CheckpointMeta meta{steps_done, run_.loader.position(), run_.global_batch};
   meta.frozen_base = run_.frozen_base;
   meta.data_pack = run_.data.train->packed();

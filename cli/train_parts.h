@@ -129,6 +129,9 @@ Start load_resume_point(const Run& run, const ResumePoint& resume);
 
 // --- train_checkpoints.cc ----------------------------------------------------------------------
 
+// The name of the checkpoint saved after `steps` steps: "step-00000042".
+std::string checkpoint_name(int64_t steps);
+
 // An object-store run.checkpoint_dir (s3://...) means tiered saves: tc.checkpoint_upload becomes
 // that URL and tc.checkpoint_dir the local directory (run.checkpoint_local_dir, else one in the
 // cache). Throws when checkpoint_dir and checkpoint_upload name two stores.

@@ -44,6 +44,25 @@ void check_resume_from(const std::filesystem::path& from) {
                                 ": not a committed checkpoint directory (no manifest.json)");
 }
 
+// --resume-from into the directory whose `latest` names a later complete checkpoint: the run
+// would reach the save of that name after training for it and be refused there (the latest
+// checkpoint is never saved over by a run that did not load it), so it is refused now.
+void refuse_saving_over_latest(const engine::TrainConfig& tc, const std::filesystem::path& from) {
+  if (tc.checkpoint_dir.empty() || offload::is_object_store_url(from.string())) return;
+  const auto latest = engine::latest_checkpoint(tc.checkpoint_dir);
+  std::error_code ec;
+  if (!latest || !engine::incomplete_checkpoint(*latest).empty() || std::filesystem::equivalent(*latest, from, ec))
+    return;
+  for (int64_t s = engine::read_checkpoint_meta(from).train_steps + 1; s <= tc.steps; ++s) {
+    if (s != tc.steps && (tc.save_every <= 0 || s % tc.save_every != 0)) continue;
+    if (latest->filename().string() != checkpoint_name(s)) continue;
+    throw std::invalid_argument("--resume-from " + from.string() + ": this run would save " + checkpoint_name(s) +
+                                " over " + latest->string() + ", the latest checkpoint there (saved later by the "
+                                "run you resume), which a run that did not load it never replaces: give this "
+                                "run another --checkpoint-dir, or continue from the latest with --resume");
+  }
+}
+
 // --resume: the checkpoint `latest` names (or, where it cannot be followed, the newest complete
 // one, `note` saying so), or the store's newest when it holds more steps.
 void choose_latest(const engine::TrainConfig& tc, std::optional<std::filesystem::path>& dir, std::string& note) {
@@ -102,6 +121,7 @@ ResumeRequest choose_resume_point(engine::TrainConfig& tc, const engine::DistEnv
     });
     if (tc.checkpoint_dir.empty()) tc.checkpoint_dir = from.parent_path().string();
     tier_checkpoints(tc);
+    if (request.error.empty()) on_rank0(env, request.error, [&] { refuse_saving_over_latest(tc, from); });
   } else if (tc.resume) {
     request.latest = true;
     on_rank0(env, request.error, [&] { choose_latest(tc, request.dir, request.note); });

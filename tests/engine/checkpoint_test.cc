@@ -1044,6 +1044,13 @@ TEST(Checkpoint, ResumeNeverStartsOverExistingCheckpointsSilently) {
   }
   EXPECT_EQ(se::incomplete_checkpoint(four), "");
   EXPECT_NO_THROW(se::verify_checkpoint(four));
+  // Back to step 2 in the same directory: the run would have to save step 4 over the latest, a
+  // checkpoint it did not load; refused before it trains, not at that save.
+  auto [branch, branch_out] = train("branch", "--resume-from " + two.string());
+  EXPECT_NE(branch, 0) << branch_out;
+  EXPECT_NE(branch_out.find("this run would save step-00000004 over " + four.string() + ", the latest checkpoint"),
+            std::string::npos) << branch_out;
+  EXPECT_EQ(branch_out.find("resumed from"), std::string::npos) << "refused before it loads and trains";
   // As the runs below expect: `latest` names the half-written step 99.
   std::ofstream(ck / "latest") << "step-00000099\n";
   std::filesystem::create_directory(ck / "step-00000099");
