@@ -327,7 +327,7 @@ void RunLog::finish(int64_t first_step, const StepsDone& done) {
   if (run_.lead && run_.tc.progress && tty_) std::cerr << "\n";
   if (run_.lead && done.steps > first_step) {
     char rate[64];
-    snprintf(rate, sizeof rate, "%.0f", done.seconds_total > 0 ? done.tokens_total / done.seconds_total : 0.0);
+    snprintf(rate, sizeof rate, "%.1f", done.seconds_total > 0 ? done.tokens_total / done.seconds_total : 0.0);
     std::cerr << "strata train: " << done.steps - first_step << " steps, " << rate << " tokens/s\n";
   }
 }
