@@ -158,16 +158,10 @@ void prune_checkpoints(Communicator& comm, const fs::path& root, size_t keep) {
       std::ifstream in(root / "latest");
       std::getline(in, latest);
     }
-    std::vector<std::string> committed;
-    std::error_code ec;
-    if (fs::exists(root, ec))
-      for (const auto& e : fs::directory_iterator(root, ec)) {
-        const std::string n = e.path().filename().string();
-        if (!e.is_directory() || n.rfind("step-", 0) != 0) continue;
-        if (fs::exists(e.path() / "manifest.json")) committed.push_back(n);
-        else if (n != latest) doomed_list += "u " + n + "\n";
-      }
-    std::sort(committed.begin(), committed.end());
+    const StepDirectories steps = step_directories(root);
+    const std::vector<std::string>& committed = steps.committed;
+    for (const std::string& n : steps.half_written)
+      if (n != latest) doomed_list += "u " + n + "\n";
     if (keep > 0 && committed.size() > keep)
       for (size_t i = 0; i + keep < committed.size(); ++i)
         if (committed[i] != latest) doomed_list += "c " + committed[i] + "\n";

@@ -58,6 +58,20 @@ void write_atomically(const fs::path& path, const std::string& text) {
   offload::sync_directory(path.parent_path());
 }
 
+StepDirectories step_directories(const fs::path& root) {
+  StepDirectories out;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string n = e.path().filename().string();
+    if (!e.is_directory() || n.rfind("step-", 0) != 0) continue;
+    (fs::exists(e.path() / "manifest.json") ? out.committed : out.half_written).push_back(n);
+  }
+  std::sort(out.committed.begin(), out.committed.end());
+  std::sort(out.half_written.begin(), out.half_written.end());
+  return out;
+}
+
 std::string read_text(const fs::path& p) {
   std::ifstream in(p);
   if (!in) throw std::runtime_error("cannot read " + p.string());

@@ -57,6 +57,14 @@ inline uint64_t chunk_extent(uint64_t numel) { return (numel * 4 + kAlign - 1) /
 void write_atomically(const fs::path& path, const std::string& text);
 std::string read_text(const fs::path& p);
 
+// The save directories under a root (`step-*`, names sorted): those with a manifest (committed)
+// and those without (a save a crash cut short, or one in flight). The one listing that retention
+// and the resume point both read.
+struct StepDirectories {
+  std::vector<std::string> committed, half_written;
+};
+StepDirectories step_directories(const fs::path& root);
+
 // The units and their tensors as the manifest records them (a load compares them).
 json partition_json(const Partition& part);
 

@@ -120,13 +120,7 @@ std::string incomplete_checkpoint(const fs::path& dir) {
 ResumeFinding find_resume_point(const fs::path& root) {
   ResumeFinding found;
   std::error_code ec;
-  std::vector<std::string> half;  // step directories without a manifest
-  if (fs::is_directory(root, ec))
-    for (const auto& e : fs::directory_iterator(root, ec))
-      if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0 &&
-          !fs::exists(e.path() / "manifest.json"))
-        half.push_back(e.path().filename().string());
-  std::sort(half.begin(), half.end());
+  const std::vector<std::string> half = step_directories(root).half_written;
   std::string half_note;
   for (const std::string& h : half) half_note += (half_note.empty() ? "" : ", ") + h;
   if (!half_note.empty())
