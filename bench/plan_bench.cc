@@ -11,6 +11,7 @@
 #include "calibrate.h"
 #include "shell.h"
 #include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
 #include "strata/planner/compare.h"
 
 namespace strata::bench {

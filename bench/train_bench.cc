@@ -14,6 +14,7 @@
 
 #include "shell.h"
 #include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
 #include "timing.h"
 
 namespace strata::bench {

@@ -9,6 +9,7 @@
 
 #include "args.h"
 #include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
 #include "strata/models/model_config.h"
 #include "strata/planner/compare.h"
 #include "calibrate.h"

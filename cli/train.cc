@@ -28,6 +28,7 @@
 #include "strata/engine/checkpoint.h"
 #include "strata/engine/comm.h"
 #include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
 #include "strata/engine/cpu_share.h"
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"

@@ -177,7 +177,7 @@ Start load_resume_point(const Run& run, const ResumePoint& resume) {
     const models::ModelConfig::Lora& l = run.mc.lora;
     const models::ModelConfig::Lora saved =
         resume.lora.empty() ? models::ModelConfig::Lora{}
-                            : models::parse_peft_adapter_config(resume.lora, resume.dir->string() + "/manifest.json");
+                            : models::parse_lora_settings(resume.lora, resume.dir->string() + "/manifest.json", models::LoraSettingsFrom::kAdapterConfig);
     const auto describe = [](const models::ModelConfig::Lora& x) {
       if (!x.enabled()) return std::string("no LoRA adapters");
       std::string targets;

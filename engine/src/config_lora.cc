@@ -1,9 +1,11 @@
 // model.lora and model.adapter_from, read for parse_train_config (config_parse.cc): PEFT's LoRA
 // settings, given or an adapter directory's, checked against the model, and what trains.
 #include <algorithm>
+#include <exception>
 
 #include "config_section.h"
 #include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
 #include "strata/models/model_shapes.h"
 #include "strata/models/peft.h"
 
@@ -17,42 +19,8 @@ using config_json::Section;
 void read_lora(Section& s, TrainConfig& c) {
   models::ModelConfig& mc = c.model;
   s.read("adapter_from", c.adapter_from);
-  if (const json* l = s.get("lora")) {
-    Section ls(*l, "model.lora", s.source());
-    models::ModelConfig::Lora lora;
-    ls.read("r", lora.r);
-    if (lora.r < 1) ls.fail("r", "must be at least 1");
-    ls.read("lora_alpha", lora.alpha);
-    ls.read("use_rslora", lora.rslora);
-    if (const json* t = ls.get("target_modules")) {
-      if (t->is_string() && t->get<std::string>() == "all-linear") lora.target_modules = {"all-linear"};
-      else if (t->is_array() && !t->empty() && std::all_of(t->begin(), t->end(), [](const json& x) { return x.is_string(); }))
-        lora.target_modules = t->get<std::vector<std::string>>();
-      else ls.fail("target_modules", "must be a list of module names or \"all-linear\" (a regular expression is not supported)");
-    } else {
-      ls.fail("target_modules", "is required (module names such as [\"q_proj\", \"v_proj\"], or \"all-linear\")");
-    }
-    if (const json* m = ls.get("modules_to_save"); m && !m->is_null()) {
-      if (!m->is_array()) ls.fail("modules_to_save", "must be a list of module names");
-      for (const json& x : *m) {
-        if (!x.is_string()) ls.fail("modules_to_save", "must be a list of module names");
-        lora.modules_to_save.push_back(x.get<std::string>());
-      }
-    }
-    double dropout = 0;
-    ls.read("lora_dropout", dropout);
-    if (dropout != 0) ls.fail("lora_dropout", "must be 0: Strata's models have no dropout");
-    bool dora = false;
-    ls.read("use_dora", dora);
-    if (dora) ls.fail("use_dora", "is not supported (DoRA)");
-    for (const char* k : {"rank_pattern", "alpha_pattern"})
-      if (const json* p = ls.get(k); p && !p->is_null() && !p->empty())
-        ls.fail(k, "is not supported: one r and lora_alpha for every adapter");
-    if (const json* init = ls.get("init_lora_weights"); init && !(init->is_boolean() && init->get<bool>()))
-      ls.fail("init_lora_weights", "must be true (PEFT's default: A as nn.Linear initializes it, B zero); load other "
-                                   "adapters with model.adapter_from");
-    mc.lora = lora;
-  }
+  if (const json* l = s.get("lora"))
+    mc.lora = models::parse_lora_settings(l->dump(), s.source() + ": model.lora", models::LoraSettingsFrom::kTrainConfig);
   if (!c.adapter_from.empty()) {
     models::ModelConfig::Lora from;
     try {

@@ -1,5 +1,6 @@
 // parse_train_config: the JSON configuration read section by section (docs/CONFIG.md).
 #include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
 
 #include <algorithm>
 #include <fstream>
@@ -18,7 +19,11 @@ namespace {
 using config_json::json;
 using config_json::Section;
 
-// model: the preset, a Hugging Face config.json or init_from, reshaped by the shape keys.
+void read_model_shape(Section& s, TrainConfig& c);
+void read_trainable(Section& s, TrainConfig& c);
+
+// model: the preset, a Hugging Face config.json or init_from, reshaped by the shape keys; LoRA,
+// and what trains.
 void read_model(Section& s, TrainConfig& c) {
   std::string preset_name = "gpt2", hf_config;
   s.read("preset", preset_name);
@@ -47,6 +52,13 @@ void read_model(Section& s, TrainConfig& c) {
   } catch (const std::exception& ex) {
     s.fail(source_key, ex.what());
   }
+  read_model_shape(s, c);
+  read_lora(s, c);
+  read_trainable(s, c);
+}
+
+// model's shape keys over the preset or config.json (refused with init_from, whose weights fix it).
+void read_model_shape(Section& s, TrainConfig& c) {
   models::ModelConfig& mc = c.model;
   static const char* kShapeKeys[] = {"layers", "hidden", "heads", "kv_heads", "intermediate",
                                      "vocab_size", "max_positions", "tie_embeddings"};
@@ -83,7 +95,11 @@ void read_model(Section& s, TrainConfig& c) {
   } catch (const std::exception& ex) {
     s.fail("", ex.what());
   }
-  read_lora(s, c);
+}
+
+// model.trainable: the tensors that train ("all", or patterns over the Hugging Face names).
+void read_trainable(Section& s, TrainConfig& c) {
+  const models::ModelConfig& mc = c.model;
   if (const json* t = s.get("trainable")) {
     if (mc.lora.enabled()) s.fail("trainable", "cannot be combined with LoRA: the adapters (and model.lora's "
                                                "modules_to_save) train, the rest is frozen");

@@ -29,7 +29,7 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   head_loss = std::make_unique<runtime::HeadLoss>(*model, *memory, dev);
   ModelUnits units = build_units();
   placement_report = layout->report + layout->head_report;
-  const PlacementPlan& resolved = layout->placement;
+  const StatePlacement& resolved = layout->placement;
   const auto stage_name = [this](size_t s) { return stage_names.at(s); };
 
   if (cfg.plan_only) {
@@ -38,9 +38,9 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
     state = std::make_unique<state::StateStore>(*partition, cdt, resolved, dev, host, nullptr, prof);
     optimizer = std::make_unique<runtime::Optimizer>(*state, host, dev, exec, cfg.nvme_chunk_bytes);
     const MachineFree offered = machine_free(cfg);
-    const Allocated held = predicted_allocation(cfg, *layout, c10::elementSize(cdt), dev.budget(), dev.physical_free(),
-                                                offered.host_available, offered.nvme_free, local_ranks());
-    working = std::make_unique<const WorkingSetPlan>(resolve_working_set(cfg, *layout, held, agreement(), stage_name));
+    working = std::make_unique<const WorkingSet>(
+        predicted_working_set(cfg, *layout, c10::elementSize(cdt), dev.budget(), dev.physical_free(),
+                              offered.host_available, offered.nvme_free, local_ranks(), agreement(), stage_name));
     placement_report += working->report + "; plan only (nothing allocated: predicted from the state the layout places)";
     effective = effective_config(cfg, *layout, choice());
     return;
@@ -60,10 +60,13 @@ Engine::Impl::Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Co
   held.budget = dev.budget();
   held.host_state = host.state_bytes();
   held.budgets = machine_budgets(cfg, 0, local_ranks());
-  working = std::make_unique<const WorkingSetPlan>(resolve_working_set(cfg, *layout, held, agreement(), stage_name));
+  working = std::make_unique<const WorkingSet>(resolve_working_set(cfg, *layout, held, agreement(), stage_name));
   placement_report += working->report;
   build_gathering(std::move(units.owned));
   place_activations();
+  uses_run = std::make_unique<runtime::StepUses>(runtime::StepUses::Parts{
+      cfg, dev, stages, stage_names, *schedule, *memory, choice(), *params, *activations, *head_loss, *reducer, *updater,
+      *update, prof});
   effective = effective_config(cfg, *layout, choice());
 }
 
@@ -129,9 +132,9 @@ Engine::Impl::ModelUnits Engine::Impl::build_units() {
         units_of[s].push_back(it->second.first);
     }
   }
-  // The resolution planned with the units the model's shapes give (plan_units): the model must
+  // The resolution planned with the units the model's shapes give (unit_table): the model must
   // have built exactly those, or every decision was made for another model.
-  const UnitPlan& planned = layout->units;
+  const UnitTable& planned = layout->units;
   bool same = units_of == planned.stage_units && partition->num_units() == planned.unit_numel.size() &&
               frozen_units == planned.frozen;
   for (size_t u = 0; same && u < partition->num_units(); ++u) {
@@ -179,9 +182,12 @@ void Engine::Impl::build_update_parts(std::vector<std::vector<runtime::GradientR
   // The reducer owns the transient gradients' buffers; the updater gives them back.
   reducer = std::make_unique<runtime::GradientReducer>(
       *schedule, *partition, *state, host, dev, comm, prof, cfg.reduce == Precision::kBf16, std::move(stage_params),
-      grads_transient ? layout->transient_buffers : 0, largest_shard());
+      grads_transient ? layout->transient_buffers : 0, layout->need.largest_trainable_shard());
   updater = std::make_unique<runtime::Updater>(*optimizer, *state, *schedule, *partition, dev, prof,
                                                reducer->gradient_buffers());
+  update = std::make_unique<runtime::UpdatePolicy>(cfg.update_overlap, cfg.profile,
+                                                   state->plan().master == Placement::kDevice, *optimizer, *updater,
+                                                   *holds, dev, prof);
 }
 
 void Engine::Impl::build_gathering(std::vector<std::vector<at::Tensor>> owned) {

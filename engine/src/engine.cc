@@ -1,5 +1,6 @@
-// The engine's public API over Engine::Impl (engine_impl.h), and StateHold.
+// The engine's public API over Engine::Impl (engine_impl.h).
 #include "engine_impl.h"
+#include "runtime/step_inputs.h"
 
 #include <cmath>
 #include <stdexcept>
@@ -55,7 +56,8 @@ StepResult Engine::train_step(const at::Tensor& ids, const at::Tensor& loss_mask
 StepResult Engine::train_step(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments) {
   if (impl_->cfg.plan_only) throw std::logic_error("Engine: constructed with plan_only: it holds no state to train");
   impl_->check_usable();
-  impl_->check_ids(ids, loss_mask, segments, impl_->cfg.grad_accum * impl_->cfg.micro_batch);  // rejected before anything changes
+  // Rejected before anything changes.
+  runtime::check_step_inputs(ids, loss_mask, segments, impl_->cfg.grad_accum * impl_->cfg.micro_batch, impl_->cfg.seq_len);
   try {
     return impl_->train_step(ids, loss_mask, segments);
   } catch (...) {
@@ -70,7 +72,7 @@ Engine::EvalResult Engine::evaluate(const at::Tensor& ids, const at::Tensor& los
   if (ids.dim() != 2 || ids.size(0) == 0 || ids.size(0) % impl_->cfg.micro_batch != 0)
     throw std::invalid_argument("evaluate: ids must have a positive multiple of micro_batch = " +
                                 std::to_string(impl_->cfg.micro_batch) + " rows");
-  impl_->check_ids(ids, loss_mask, segments, ids.size(0));
+  runtime::check_step_inputs(ids, loss_mask, segments, ids.size(0), impl_->cfg.seq_len);
   try {
     return impl_->evaluate(ids, loss_mask, segments);
   } catch (...) {
@@ -247,47 +249,6 @@ MemoryReport Engine::memory() const {
   r.nvme_state = impl_->state ? impl_->state->nvme_bytes() : 0;
   r.host_activations = impl_->activations ? impl_->activations->host_peak() : 0;
   return r;
-}
-
-}  // namespace strata::engine
-
-namespace strata::engine {
-
-void StateHold::release(size_t unit) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (released_.at(unit)) return;
-  released_[unit] = 1;
-  --left_;
-  cv_.notify_all();
-}
-
-void StateHold::release_all() {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::fill(released_.begin(), released_.end(), 1);
-  left_ = 0;
-  cv_.notify_all();
-}
-
-bool StateHold::released(size_t unit) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return released_.at(unit) != 0;
-}
-
-void StateHold::wait(size_t unit) const {
-  std::unique_lock<std::mutex> lock(mu_);
-  ++waiters_.at(unit);
-  cv_.wait(lock, [&] { return released_[unit] != 0; });
-  --waiters_[unit];
-}
-
-void StateHold::wait_all() const {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return left_ == 0; });
-}
-
-bool StateHold::waited_for(size_t unit) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return waiters_.at(unit) > 0;
 }
 
 }  // namespace strata::engine

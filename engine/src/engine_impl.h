@@ -56,7 +56,8 @@
 #include "runtime/head_loss.h"
 #include "runtime/loss_scaler.h"
 #include "runtime/optimizer.h"
-#include "runtime/step_driver.h"
+#include "runtime/step_uses.h"
+#include "runtime/update_policy.h"
 #include "runtime/updater.h"
 #include "profiler.h"
 #include "state/chunk_ring.h"
@@ -106,7 +107,7 @@ struct Engine::Impl {
   // schedule, the one memory model of the working set, the placement) before the state is
   // allocated, and the working set's choices after. `schedule` and `memory` point into the layout.
   std::unique_ptr<const Layout> layout;
-  std::unique_ptr<const WorkingSetPlan> working;
+  std::unique_ptr<const WorkingSet> working;
   const layout::Schedule* schedule = nullptr;
   const layout::MemoryModel* memory = nullptr;
   const layout::Choices& choice() const { return working->choice; }
@@ -128,11 +129,6 @@ struct Engine::Impl {
   // The latest snapshot's hold (hold_state), which updates wait on unit by unit before changing
   // a unit's saved state (built with the partition).
   std::unique_ptr<state::HoldGate> holds;
-  // Profiling: device-timed compute spans of the step in progress, against a reference event
-  // recorded at its start.
-  std::shared_ptr<Event> step_ref;
-  Profiler::Clock::time_point step_ref_host;
-  std::vector<std::tuple<std::string, std::shared_ptr<Event>, std::shared_ptr<Event>>> compute_spans;
 
   // The units' state, placed by the resolved plan (built once placement is resolved): the one
   // placement table, state->plan().
@@ -164,18 +160,6 @@ struct Engine::Impl {
 
   Impl(std::unique_ptr<models::Decoder> m, const EngineConfig& c, Communicator& cm, Device& d);
 
-  // --- blocks kept without recompute (cfg.recompute_blocks) ---------------------------------
-  // The first choice.recomputed block stages run without autograd and are recomputed from
-  // checkpoints; the later blocks run with autograd and keep their graph and their gathered
-  // parameters on the device from their forward to their backward (MemoryModel::held_at).
-  struct KeptGraph {
-    at::Tensor input, output;  // input.grad() is the backward's result
-    Device::Reservation res;
-  };
-  std::vector<KeptGraph> kept_graphs;  // by stage, for the micro-batch in flight
-  bool kept(size_t s) const { return memory->keeps_graph(s, choice()); }
-  bool checkpointed(size_t s) const { return memory->checkpointed(s, choice()); }
-
   // --- construction (construct.cc) -------------------------------------------------------------
   // The model's units: the partition of the tensors each stage owns (checked against the
   // layout's units), each stage's parameters for the reducer, and each unit's module tensors.
@@ -206,14 +190,6 @@ struct Engine::Impl {
     return comm.world_size();
   }
 
-  // The largest trainable shard: a transient gradient buffer's size (frozen units have no
-  // gradient), as layout::state_bytes counts it.
-  uint64_t largest_shard() const {
-    uint64_t n = 0;
-    for (size_t u : partition->trainable_units()) n = std::max(n, partition->unit(u).shard_numel);
-    return n;
-  }
-
   std::string placement_report;
 
   // --- gathering (runtime/coordinator.h) ------------------------------------------------------
@@ -225,30 +201,10 @@ struct Engine::Impl {
 
   // --- the step ------------------------------------------------------------------------------
 
-  // Profiling: a stage's compute bracketed by timed events on the compute stream.
-  std::shared_ptr<Event> compute_mark() { return cfg.profile ? dev.record_timed(dev.compute_stream()) : nullptr; }
-  void compute_span(std::string name, const std::shared_ptr<Event>& begin) {
-    if (begin) compute_spans.emplace_back(std::move(name), begin, dev.record_timed(dev.compute_stream()));
-  }
   // The step's timeline; profiling, also the device compute time and spans (waits for the
   // compute stream).
   StepTimeline finish_timeline();
 
-  void check_ids(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments, int64_t rows) const {
-    const int64_t T = cfg.seq_len;
-    if (ids.dim() != 2 || ids.size(0) != rows || ids.size(1) != T + 1 || ids.scalar_type() != at::kLong)
-      throw std::invalid_argument("train_step: ids must be int64 [" + std::to_string(rows) +
-                                  " (grad_accum * micro_batch for a step), seq_len + 1 = " + std::to_string(T + 1) + "]");
-    if (loss_mask.defined() &&
-        (loss_mask.dim() != 2 || loss_mask.size(0) != rows || loss_mask.size(1) != T ||
-         (loss_mask.scalar_type() != at::kByte && loss_mask.scalar_type() != at::kBool)))
-      throw std::invalid_argument("train_step: loss_mask must be uint8 or bool [" + std::to_string(rows) +
-                                  ", seq_len = " + std::to_string(T) + "]");
-    if (segments.defined() && (segments.dim() != 2 || segments.size(0) != rows || segments.size(1) != T ||
-                               segments.scalar_type() != at::kLong))
-      throw std::invalid_argument("train_step: segments must be int64 [" + std::to_string(rows) +
-                                  ", seq_len = " + std::to_string(T) + "]");
-  }
   void check_usable() const {
     if (broken)
       throw std::runtime_error("Engine: an earlier train_step failed half way; the partitioned state "
@@ -260,66 +216,20 @@ struct Engine::Impl {
   // Every exception out of here leaves the state undefined (Engine::train_step marks it broken).
   StepResult train_step(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments);
   Engine::EvalResult evaluate(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments);
-  // The step's walk over the schedule: its position and what every use adds to.
-  struct Pass {
-    size_t total = 0;      // uses in the step
-    double denom = 1;      // loss scale x micro-batches x ranks (masked: the loss scale, the
-                           // count is in head_scale): the gradients' divisor
-    bool masked = false;   // a loss mask: the head sums its losses (the mean is over the step)
-    double loss_tokens = 0;  // global targets in the loss (masked)
-    double head_scale = 1;   // the head's backward seed: the loss scale (masked: / loss_tokens)
-    bool in_backward = false;  // optimizer.overlap "backward"
-    at::Tensor loss_sum;   // double on the device, summed in micro-batch order
-  };
-  struct MicroBatch {
-    at::Tensor inputs, targets;   // targets out of the loss are kIgnored
-    models::TokenLayout layout;   // packed examples, or one sequence a row
-    at::Tensor x;                 // the boundary activation going forward
-    Device::Reservation x_res;    // its device bytes
-    at::Tensor dy;                // the gradient going backward
-    bool last = false;            // the step's last micro-batch
-    runtime::HeadLoss::VocabPass head;  // vocabulary tiles only
-  };
-  static constexpr int64_t kIgnored = runtime::HeadLoss::kIgnored;
+  using Pass = runtime::StepUses::Pass;
   // The head's loss, whole, in logits tiles or in vocabulary tiles (runtime/head_loss.h).
   std::unique_ptr<runtime::HeadLoss> head_loss;
-  MicroBatch begin_micro_batch(const at::Tensor& ids_on_device, const at::Tensor& mask_on_device,
-                               const at::Tensor& segments_on_device, int64_t m);
   // The host's token ids (and mask) on the device, asynchronously from pinned memory on a GPU.
   at::Tensor to_device(const at::Tensor& t);
-  void vocab_head_backward(MicroBatch& mb, size_t stage);
-  // The uses of a step, in the schedule's order as the step driver hands them (use k of the
-  // step), run on this engine; the micro-batch in flight lives here.
-  struct StepRunner final : runtime::UseRunner {
-    Impl& I;
-    Pass& pass;
-    const at::Tensor& ids;   // the step's token ids on the device
-    const at::Tensor& mask;  // and its loss mask (undefined: none)
-    const at::Tensor& segments;  // and its examples' segments (undefined: one sequence a row)
-    MicroBatch mb;
-    StepRunner(Impl& impl, Pass& p, const at::Tensor& i, const at::Tensor& m, const at::Tensor& seg)
-        : I(impl), pass(p), ids(i), mask(m), segments(seg) {}
-    void begin_micro_batch(int64_t m, bool last) override;
-    void end_micro_batch() override { mb = MicroBatch{}; }
-    void forward(size_t s, size_t k) override { I.forward_use(pass, mb, s, k); }
-    void head(size_t s, size_t k) override;
-    void backward(size_t s, size_t k) override { I.backward_use(pass, mb, s, k); }
-  };
-  void forward_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);
-  void head_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);
-  void backward_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);
-  void finish_backward();
   StepResult reduce_norm_and_loss(const Pass& pass, std::chrono::steady_clock::time_point t0);
   StepResult skipped_step(std::chrono::steady_clock::time_point t0);
   void apply_update(const Pass& pass, const StepResult& r);
 
-  // --- streaming through host buffers (NVMe placement) ----------------------------------------
+  // --- the update (runtime/update_policy.h; its thread: runtime/updater.h) --------------------
+  std::unique_ptr<runtime::Updater> updater;
+  std::unique_ptr<runtime::UpdatePolicy> update;  // none with plan_only (nothing to update)
 
-  // Adam on every local slice where the master weights live, writing the next compute copies:
-  // the device's units first, then the CPU's, each waiting for a checkpoint's hold first.
-  // The update on the training thread; `before_write(u)` before u's saved state changes.
-  void optimizer_step(const kernels::AdamConfig& ac, const state::HoldGate::Waiter& before_write);
-
+  // The update's arguments at this step: its rate and count, and the gradients' scale.
   kernels::AdamConfig adam_config(double grad_scale) const {
     kernels::AdamConfig ac;
     ac.lr = lr;
@@ -332,30 +242,18 @@ struct Engine::Impl {
     ac.grad_scale = grad_scale;
     return ac;
   }
-
-  // --- the update on its own thread (optimizer.overlap; runtime/updater.h) ---------------------
-  std::unique_ptr<runtime::Updater> updater;
-
-  bool overlaps_update() const {
-    // Not with device-resident master weights: the CUDA step is already asynchronous.
-    return cfg.update_overlap != UpdateOverlap::kOff && state->plan().master != Placement::kDevice;
-  }
-  bool updates_in_backward() const { return overlaps_update() && cfg.update_overlap == UpdateOverlap::kBackward; }
-  // "forward": the whole update, in forward order: the device's units here, the CPU's on the
-  // updater.
-  void launch_update(const kernels::AdamConfig& ac) {
-    update_device_units(ac);
-    updater->launch_after_step(ac, holds->waiter());
-  }
-  // The overlapped update's part on the device (a split optimizer group's first units), on the
-  // training thread: one launch on the compute stream, counted as exposed optimizer time.
-  void update_device_units(const kernels::AdamConfig& ac, std::vector<double>* sumsq = nullptr);
+  bool overlaps_update() const { return update && update->overlaps(); }
+  bool updates_in_backward() const { return update && update->in_backward(); }
   void finish_update() {
-    if (updater) updater->finish();
+    if (update) update->finish();
   }
   void abort_update() {
-    if (updater) updater->abort();
+    if (update) update->abort();
   }
+
+  // The uses' bodies over the parts above (runtime/step_uses.h; none with plan_only). Last: it
+  // borrows them.
+  std::unique_ptr<runtime::StepUses> uses_run;
 
   // Model FLOPs (models::model_flops_per_token): frozen units' parameters cost no weight gradient.
   double flops_per_token() const {

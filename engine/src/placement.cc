@@ -18,7 +18,7 @@ const char* kind_name(int kind) {
   return names[kind];
 }
 
-Placement kind_tier(const PlacementPlan& plan, int k) {
+Placement kind_tier(const StatePlacement& plan, int k) {
   switch (k) {
     case kMaster: return plan.master;
     case kExpAvg:
@@ -67,7 +67,7 @@ namespace {
 struct Placer {
   const EngineConfig& cfg;
   const StateBytes& need;
-  PlacementPlan plan;
+  StatePlacement plan;
   Room room;
   bool transient = false;   // gradients not stored (if the master ends up off the device)
   bool grads_free = false;  // gradients placed automatically
@@ -231,7 +231,7 @@ struct Placer {
 
 }  // namespace
 
-PlacementPlan plan_placement(const EngineConfig& cfg, const StateBytes& need, const TierBudgets& budgets) {
+StatePlacement plan_placement(const EngineConfig& cfg, const StateBytes& need, const TierBudgets& budgets) {
   Placer p(cfg, need, budgets);
   p.place_fixed();
   if (p.plan.master == kAuto) p.place_group();
@@ -285,7 +285,7 @@ int PrefetchTuner::next(double waited) {
   return depth;
 }
 
-std::string describe_plan(const PlacementPlan& p, const StateBytes& need) {
+std::string describe_plan(const StatePlacement& p, const StateBytes& need) {
   // Kinds split by unit: the bytes of each tier's units, in forward order (device, host, swap).
   const size_t n = need.unit_numel.size();
   uint64_t total = 0;

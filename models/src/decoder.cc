@@ -153,11 +153,11 @@ void Decoder::recut(std::vector<Stage*> old, const std::vector<Stage*>& next, bo
     }
 }
 
-void Decoder::set_tiles(const LayerTiles& tiling) {
-  check_tiles(config_, tiling);
-  if (tiling == tiles_) return;
+void Decoder::set_tiles(const LayerTiles& tiles) {
+  check_tiles(config_, tiles);
+  if (tiles == tiles_) return;
   const LayerTiles was = tiles_;
-  tiles_ = tiling;
+  tiles_ = tiles;
   if (tiles_.vocab != was.vocab) {
     const auto raw = [](const auto& v) {
       std::vector<Stage*> out;

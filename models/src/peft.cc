@@ -1,5 +1,6 @@
 #include "strata/models/peft.h"
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -7,22 +8,41 @@
 
 namespace strata::models {
 
-ModelConfig::Lora parse_peft_adapter_config(const std::string& json_text, const std::string& source) {
+ModelConfig::Lora parse_lora_settings(const std::string& json_text, const std::string& source, LoraSettingsFrom from) {
+  const bool train_config = from == LoraSettingsFrom::kTrainConfig;
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(json_text);
   } catch (const std::exception& e) {
     throw std::invalid_argument(source + ": not JSON: " + e.what());
   }
+  // A training configuration names its keys as the rest of it does ("f.json: model.lora.r ..."),
+  // an adapter file as a file's key ("adapter_config.json: \"r\" ...").
   const auto bad = [&](const std::string& key, const std::string& why) {
-    return std::invalid_argument(source + ": \"" + key + "\" " + why);
+    return std::invalid_argument(train_config ? source + "." + key + " " + why : source + ": \"" + key + "\" " + why);
   };
+  if (!j.is_object()) throw std::invalid_argument(source + ": must be an object");
   const auto empty = [&](const char* key) {
     return !j.contains(key) || j[key].is_null() || j[key].empty() || j[key] == false;
   };
+  // Every key this reads; a training configuration may hold no other (an adapter file holds
+  // PEFT's other settings, which change nothing Strata computes).
+  static const char* const kKnown[] = {"peft_type", "r", "lora_alpha", "use_rslora", "target_modules", "modules_to_save",
+                                       "lora_dropout", "use_dora", "rank_pattern", "alpha_pattern", "bias",
+                                       "layers_to_transform", "exclude_modules", "lora_bias", "layer_replication",
+                                       "target_parameters", "trainable_token_indices", "init_lora_weights"};
+  if (train_config)
+    for (auto it = j.begin(); it != j.end(); ++it)
+      if (std::find(std::begin(kKnown), std::end(kKnown), it.key()) == std::end(kKnown))
+        throw bad(it.key(), "is not a known key (see docs/CONFIG.md)");
+  const auto number = [&](const char* key) {
+    const nlohmann::json& v = j.at(key);
+    if (!v.is_number()) throw bad(key, "has the wrong type: " + v.dump());
+    return v;
+  };
   if (j.value("peft_type", std::string("LORA")) != "LORA") throw bad("peft_type", "is not LORA");
-  if (j.value("lora_dropout", 0.0) > 0)
-    throw bad("lora_dropout", "is above 0: Strata's models have no dropout (train with lora_dropout 0)");
+  if (j.contains("lora_dropout") && number("lora_dropout").get<double>() != 0)
+    throw bad("lora_dropout", "is not 0: Strata's models have no dropout (train with lora_dropout 0)");
   if (j.value("use_dora", false)) throw bad("use_dora", "is true: DoRA is not supported");
   if (!empty("rank_pattern")) throw bad("rank_pattern", "is set: one rank for every adapter only");
   if (!empty("alpha_pattern")) throw bad("alpha_pattern", "is set: one lora_alpha for every adapter only");
@@ -31,24 +51,38 @@ ModelConfig::Lora parse_peft_adapter_config(const std::string& json_text, const 
   for (const char* key : {"exclude_modules", "lora_bias", "layer_replication", "target_parameters",
                           "trainable_token_indices"})
     if (!empty(key)) throw bad(key, "is set: not supported");
+  // Only the configuration starts adapters; a file's were initialized however they were.
+  if (train_config && j.contains("init_lora_weights") && j["init_lora_weights"] != true)
+    throw bad("init_lora_weights", "must be true (PEFT's default: A as nn.Linear initializes it, B zero); load other "
+                                   "adapters with model.adapter_from");
   ModelConfig::Lora l;
-  try {
-    l.r = j.at("r").get<int64_t>();
-    l.alpha = j.at("lora_alpha").get<double>();
-    l.rslora = j.value("use_rslora", false);
-    const nlohmann::json& t = j.at("target_modules");
-    if (t.is_string()) {
-      if (t.get<std::string>() != "all-linear")
-        throw bad("target_modules", "is a regular expression: Strata takes a list of module names or \"all-linear\"");
-      l.target_modules = {"all-linear"};
-    } else {
-      l.target_modules = t.get<std::vector<std::string>>();
-    }
-    if (!empty("modules_to_save")) l.modules_to_save = j["modules_to_save"].get<std::vector<std::string>>();
-  } catch (const nlohmann::json::exception& e) {
-    throw std::invalid_argument(source + ": " + e.what());
-  }
+  if (!j.contains("r")) throw bad("r", "is required (the adapters' rank)");
+  if (!number("r").is_number_integer()) throw bad("r", "must be an integer");
+  l.r = j["r"].get<int64_t>();
   if (l.r < 1) throw bad("r", "must be at least 1");
+  if (j.contains("lora_alpha")) l.alpha = number("lora_alpha").get<double>();
+  if (j.contains("use_rslora")) {
+    if (!j["use_rslora"].is_boolean()) throw bad("use_rslora", "has the wrong type: " + j["use_rslora"].dump());
+    l.rslora = j["use_rslora"].get<bool>();
+  }
+  const nlohmann::json* t = j.contains("target_modules") ? &j["target_modules"] : nullptr;
+  if (!t || t->is_null())
+    throw bad("target_modules", "is required (module names such as [\"q_proj\", \"v_proj\"], or \"all-linear\")");
+  if (t->is_string()) {
+    if (t->get<std::string>() != "all-linear")
+      throw bad("target_modules", "is a regular expression: Strata takes a list of module names or \"all-linear\"");
+    l.target_modules = {"all-linear"};
+  } else if (t->is_array() && !t->empty() &&
+             std::all_of(t->begin(), t->end(), [](const nlohmann::json& x) { return x.is_string(); })) {
+    l.target_modules = t->get<std::vector<std::string>>();
+  } else {
+    throw bad("target_modules", "must be a list of module names or \"all-linear\"");
+  }
+  if (const auto m = j.find("modules_to_save"); m != j.end() && !m->is_null()) {
+    if (!m->is_array() || !std::all_of(m->begin(), m->end(), [](const nlohmann::json& x) { return x.is_string(); }))
+      throw bad("modules_to_save", "must be a list of module names");
+    l.modules_to_save = m->get<std::vector<std::string>>();
+  }
   return l;
 }
 
@@ -58,7 +92,7 @@ ModelConfig::Lora read_peft_adapter_config(const std::filesystem::path& dir) {
   if (!in) throw std::invalid_argument(file.string() + ": cannot read (a PEFT adapter directory holds it)");
   std::stringstream text;
   text << in.rdbuf();
-  return parse_peft_adapter_config(text.str(), file.string());
+  return parse_lora_settings(text.str(), file.string(), LoraSettingsFrom::kAdapterConfig);
 }
 
 std::string peft_adapter_config_json(const ModelConfig& c, const std::string& base_model) {

@@ -1,36 +1,23 @@
-// Safetensors reading (validated, memory-mapped) and streamed writing. See safetensors.h.
+// Safetensors headers: the dtypes, and the parsing and validation of a header (see
+// safetensors.h). Files and checkpoints are read in safetensors_read.cc, written in
+// safetensors_write.cc; safetensors_internal.h holds what the three share.
 #include "strata/models/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <numeric>
-#include <set>
-#include <sstream>
+#include <string>
 #include <system_error>
-#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
+#include "safetensors_internal.h"
+
 namespace strata::models {
-namespace {
 
-using nlohmann::json;
-namespace fs = std::filesystem;
+using namespace safetensors_detail;
 
-// The safetensors library refuses headers above 100 MB; so do we (and we never allocate for a
-// header before checking its length against the file).
-constexpr uint64_t kMaxHeaderBytes = 100'000'000;
-// A valid header nests three deep ({name: {shape: [..]}}); anything much deeper is garbage, and
-// refusing it early bounds the parser's memory on hostile input.
-constexpr int kMaxJsonDepth = 16;
+namespace safetensors_detail {
 
 [[noreturn]] void fail(const std::string& file, const std::string& what) {
   throw SafetensorsError(file + ": " + what);
@@ -71,6 +58,14 @@ bool byte_size(const std::vector<int64_t>& shape, StDType dtype, uint64_t* numel
   *bytes = n * size;
   return true;
 }
+
+}  // namespace safetensors_detail
+
+namespace {
+
+// A valid header nests three deep ({name: {shape: [..]}}); anything much deeper is garbage, and
+// refusing it early bounds the parser's memory on hostile input.
+constexpr int kMaxJsonDepth = 16;
 
 // A JSON number that is a non-negative integer (not 3.0, not "3"), or false.
 bool json_uint(const json& v, uint64_t* out) {
@@ -159,6 +154,10 @@ void sort_and_check_overlaps(std::vector<TensorInfo>* tensors, const std::string
   }
 }
 
+}  // namespace
+
+namespace safetensors_detail {
+
 // Parses JSON, rejecting duplicate top-level keys and deep nesting; records top-level key order.
 json parse_json(const std::string& text, const std::string& file,
                 std::vector<std::string>* key_order) {
@@ -189,32 +188,7 @@ json parse_json(const std::string& text, const std::string& file,
   }
 }
 
-// Reads a whole (small) file, e.g. an index.
-std::string read_small_file(const fs::path& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail_errno("open", path, errno);
-  std::string out;
-  char buf[65536];
-  for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd);
-      fail_errno("read", path, err);
-    }
-    if (n == 0) break;
-    out.append(buf, static_cast<size_t>(n));
-    if (out.size() > kMaxHeaderBytes) {
-      ::close(fd);
-      fail(path.string(), "index is larger than " + std::to_string(kMaxHeaderBytes) + " bytes");
-    }
-  }
-  ::close(fd);
-  return out;
-}
-
-}  // namespace
+}  // namespace safetensors_detail
 
 const char* to_string(StDType dtype) {
   switch (dtype) {
@@ -293,382 +267,6 @@ std::vector<TensorInfo> parse_safetensors_header(const std::string& text, uint64
   sort_and_check_overlaps(&tensors, file);
   if (metadata != nullptr) *metadata = std::move(meta);
   return tensors;
-}
-
-// ---------------------------------------------------------------------------------------------
-// SafetensorsFile
-
-SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
-  const std::string file = path.string();
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail_errno("open", path, errno);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    fail_errno("fstat", path, err);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(file, "not a regular file");
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size < 8) {
-    ::close(fd);
-    fail(file, "file is " + std::to_string(size) + " bytes, too short for the 8-byte header length");
-  }
-  void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_err = errno;
-  ::close(fd);
-  if (m == MAP_FAILED) fail_errno("mmap", path, map_err);
-  map_ = static_cast<const std::byte*>(m);
-  map_bytes_ = size;
-
-  try {
-    uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(map_[i]);  // little-endian
-    if (n > kMaxHeaderBytes) {
-      fail(file, "header length " + std::to_string(n) + " is larger than the limit of " +
-                     std::to_string(kMaxHeaderBytes) + " bytes (not a safetensors file?)");
-    }
-    if (n > size - 8) {
-      fail(file, "header length " + std::to_string(n) + " goes beyond the file of " +
-                     std::to_string(size) + " bytes (truncated file?)");
-    }
-    data_offset_ = 8 + n;
-    const std::string header(reinterpret_cast<const char*>(map_ + 8), n);
-    tensors_ = parse_safetensors_header(header, size - data_offset_, file, &metadata_);
-    for (size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
-  } catch (...) {
-    ::munmap(const_cast<std::byte*>(map_), map_bytes_);
-    map_ = nullptr;
-    throw;
-  }
-}
-
-SafetensorsFile::~SafetensorsFile() {
-  if (map_ != nullptr) ::munmap(const_cast<std::byte*>(map_), map_bytes_);
-}
-
-bool SafetensorsFile::contains(const std::string& name) const { return index_.count(name) != 0; }
-
-TensorView SafetensorsFile::get(const std::string& name) const {
-  const auto it = index_.find(name);
-  if (it == index_.end()) {
-    fail_tensor(path_.string(), name, "no such tensor (the file holds " +
-                                          std::to_string(tensors_.size()) + ")");
-  }
-  const TensorInfo& info = tensors_[it->second];
-  return TensorView{&info, std::span<const std::byte>(map_ + data_offset_ + info.begin,
-                                                      static_cast<size_t>(info.bytes()))};
-}
-
-// ---------------------------------------------------------------------------------------------
-// SafetensorsCheckpoint
-
-namespace {
-
-constexpr const char* kSingleName = "model.safetensors";
-constexpr const char* kIndexName = "model.safetensors.index.json";
-
-}  // namespace
-
-SafetensorsCheckpoint::SafetensorsCheckpoint(const fs::path& path) {
-  fs::path file = path;
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) {
-    // Like transformers: a single file first, then an index.
-    if (fs::exists(path / kSingleName, ec)) {
-      file = path / kSingleName;
-    } else if (fs::exists(path / kIndexName, ec)) {
-      file = path / kIndexName;
-    } else {
-      fail(path.string(), std::string("directory holds neither ") + kSingleName + " nor " +
-                              kIndexName);
-    }
-  }
-
-  if (file.extension() != ".json") {
-    files_.push_back(std::make_unique<SafetensorsFile>(file));
-    for (const TensorInfo& t : files_.back()->tensors()) where_.emplace(t.name, files_.back().get());
-    return;
-  }
-
-  // An index: {"metadata": {...}, "weight_map": {"tensor": "shard file", ...}}.
-  const std::string index_file = file.string();
-  const json index = parse_json(read_small_file(file), index_file, nullptr);
-  if (!index.is_object()) fail(index_file, "index is not a JSON object");
-  const auto wm = index.find("weight_map");
-  if (wm == index.end() || !wm->is_object()) fail(index_file, "index has no weight_map object");
-
-  std::map<std::string, std::vector<std::string>> by_shard;  // shard -> tensors the index puts there
-  for (const auto& [name, shard] : wm->items()) {
-    if (!shard.is_string()) fail_tensor(index_file, name, "weight_map value is not a string");
-    const std::string s = shard.get<std::string>();
-    const fs::path sp(s);
-    if (s.empty() || sp.is_absolute() ||
-        std::any_of(sp.begin(), sp.end(), [](const fs::path& c) { return c == ".."; })) {
-      fail_tensor(index_file, name, "shard '" + s + "' is not a file name inside " +
-                                        file.parent_path().string());
-    }
-    by_shard[s].push_back(name);
-  }
-
-  const fs::path dir = file.parent_path();
-  for (const auto& [shard, names] : by_shard) {
-    files_.push_back(std::make_unique<SafetensorsFile>(dir / shard));
-    const SafetensorsFile* f = files_.back().get();
-    for (const std::string& name : names) {
-      if (!f->contains(name)) {
-        fail_tensor(index_file, name,
-                    "weight_map puts it in shard '" + shard + "', which does not hold it");
-      }
-      where_.emplace(name, f);
-    }
-    const std::set<std::string> listed(names.begin(), names.end());
-    for (const TensorInfo& t : f->tensors()) {
-      if (listed.count(t.name) == 0) {
-        fail_tensor(index_file, t.name,
-                    "shard '" + shard + "' holds it but the weight_map does not put it there");
-      }
-    }
-  }
-}
-
-std::vector<std::string> SafetensorsCheckpoint::names() const {
-  std::vector<std::string> out;
-  out.reserve(where_.size());
-  for (const auto& [name, file] : where_) out.push_back(name);
-  return out;
-}
-
-bool SafetensorsCheckpoint::contains(const std::string& name) const {
-  return where_.count(name) != 0;
-}
-
-TensorView SafetensorsCheckpoint::get(const std::string& name) const {
-  const auto it = where_.find(name);
-  if (it == where_.end()) {
-    const std::string where =
-        files_.empty() ? std::string("checkpoint")
-        : files_.size() == 1 ? files_[0]->path().string()
-                             : "checkpoint in " + files_[0]->path().parent_path().string();
-    fail_tensor(where, name, "no such tensor (the checkpoint holds " +
-                                 std::to_string(where_.size()) + " tensors)");
-  }
-  return it->second->get(name);
-}
-
-// ---------------------------------------------------------------------------------------------
-// SafetensorsWriter
-
-struct SafetensorsWriter::Impl {
-  fs::path path;
-  fs::path tmp;
-  int fd = -1;
-  std::vector<Spec> specs;
-  std::vector<uint64_t> sizes;
-  std::unordered_map<std::string, size_t> index;
-  uint64_t total = 0;    // data bytes declared
-  uint64_t written = 0;  // data bytes appended
-  size_t cur = 0;        // first tensor not fully written
-  uint64_t in_cur = 0;   // bytes of it written
-  bool finished = false;
-  bool broken = false;  // an I/O error left the file in an unknown state
-  std::vector<char> buf;
-
-  static constexpr size_t kBufBytes = 1 << 20;
-
-  std::string who() const { return "SafetensorsWriter " + path.string(); }
-
-  void check_usable() const {
-    if (finished) throw SafetensorsError(who() + ": already finished");
-    if (broken) throw SafetensorsError(who() + ": an earlier write failed");
-  }
-
-  void write_all(const char* p, size_t n) {
-    while (n > 0) {
-      const ssize_t w = ::write(fd, p, n);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        broken = true;
-        fail_errno("write", tmp, errno);
-      }
-      p += w;
-      n -= static_cast<size_t>(w);
-    }
-  }
-
-  void flush() {
-    write_all(buf.data(), buf.size());
-    buf.clear();
-  }
-
-  void put(const char* p, size_t n) {
-    if (buf.size() + n > kBufBytes) flush();
-    if (n >= kBufBytes) {
-      write_all(p, n);
-    } else {
-      buf.insert(buf.end(), p, p + n);
-    }
-  }
-
-  void skip_complete() {
-    while (cur < sizes.size() && in_cur == sizes[cur]) {
-      ++cur;
-      in_cur = 0;
-    }
-  }
-};
-
-SafetensorsWriter::SafetensorsWriter(const fs::path& path, std::vector<Spec> specs,
-                                     const std::map<std::string, std::string>& metadata)
-    : impl_(std::make_unique<Impl>()) {
-  Impl& w = *impl_;
-  w.path = path;
-  w.tmp = path;
-  w.tmp += ".tmp";
-  w.specs = std::move(specs);
-  const std::string file = path.string();
-
-  // The header: metadata first, then the tensors in the declared order, offsets contiguous.
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  for (size_t i = 0; i < w.specs.size(); ++i) {
-    const Spec& s = w.specs[i];
-    if (s.name == "__metadata__") fail_tensor(file, s.name, "reserved name");
-    if (!w.index.emplace(s.name, i).second) fail_tensor(file, s.name, "declared twice");
-    for (int64_t d : s.shape) {
-      if (d < 0) fail_tensor(file, s.name, "negative dimension in shape " + shape_string(s.shape));
-    }
-    uint64_t numel = 0, bytes = 0;
-    if (!byte_size(s.shape, s.dtype, &numel, &bytes) ||
-        w.total > std::numeric_limits<uint64_t>::max() - bytes) {
-      fail_tensor(file, s.name, "shape " + shape_string(s.shape) + " overflows 64 bits");
-    }
-    header[s.name] = {{"dtype", to_string(s.dtype)},
-                      {"shape", s.shape},
-                      {"data_offsets", {w.total, w.total + bytes}}};
-    w.sizes.push_back(bytes);
-    w.total += bytes;
-  }
-  std::string text;
-  try {
-    text = header.dump();
-  } catch (const nlohmann::json::exception& e) {  // e.g. a name that is not UTF-8
-    fail(file, std::string("cannot write the header: ") + e.what());
-  }
-  text.append((8 - text.size() % 8) % 8, ' ');  // data section 8-byte aligned (8 + len)
-  if (text.size() > kMaxHeaderBytes) {
-    fail(file, "header of " + std::to_string(text.size()) + " bytes is larger than the limit of " +
-                   std::to_string(kMaxHeaderBytes));
-  }
-
-  w.fd = ::open(w.tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (w.fd < 0) fail_errno("open", w.tmp, errno);
-  w.buf.reserve(Impl::kBufBytes);
-  try {
-    char len[8];
-    uint64_t n = text.size();
-    for (char& c : len) {
-      c = static_cast<char>(n & 0xff);
-      n >>= 8;
-    }
-    w.put(len, 8);
-    w.put(text.data(), text.size());
-  } catch (...) {
-    ::close(w.fd);
-    ::unlink(w.tmp.c_str());
-    throw;
-  }
-  w.skip_complete();
-}
-
-SafetensorsWriter::~SafetensorsWriter() {
-  if (!impl_ || impl_->finished) return;
-  if (impl_->fd >= 0) ::close(impl_->fd);
-  ::unlink(impl_->tmp.c_str());
-}
-
-void SafetensorsWriter::append(std::span<const std::byte> bytes) {
-  Impl& w = *impl_;
-  w.check_usable();
-  if (bytes.size() > w.total - w.written) {
-    const std::string at = w.cur < w.specs.size()
-                               ? "at tensor '" + w.specs[w.cur].name + "'"
-                               : std::string("after the last tensor");
-    throw SafetensorsError(w.who() + ": append of " + std::to_string(bytes.size()) +
-                           " bytes " + at + " goes " +
-                           std::to_string(bytes.size() - (w.total - w.written)) +
-                           " bytes beyond the declared tensors");
-  }
-  w.put(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-  w.written += bytes.size();
-  uint64_t left = bytes.size();
-  while (left > 0) {
-    const uint64_t take = std::min(left, w.sizes[w.cur] - w.in_cur);
-    w.in_cur += take;
-    left -= take;
-    w.skip_complete();
-  }
-}
-
-void SafetensorsWriter::write(const std::string& name, std::span<const std::byte> bytes) {
-  Impl& w = *impl_;
-  w.check_usable();
-  const auto it = w.index.find(name);
-  if (it == w.index.end()) fail_tensor(w.who(), name, "not declared");
-  const size_t i = it->second;
-  if (bytes.size() != w.sizes[i]) {
-    fail_tensor(w.who(), name, "write of " + std::to_string(bytes.size()) +
-                                   " bytes but the tensor holds " + std::to_string(w.sizes[i]));
-  }
-  // A zero-byte tensor is "written" once everything before it is.
-  const bool ok = w.in_cur == 0 && (i == w.cur || (w.sizes[i] == 0 && i < w.cur));
-  if (!ok) {
-    const std::string next =
-        w.cur < w.specs.size()
-            ? "'" + w.specs[w.cur].name + "' (" + std::to_string(w.in_cur) + " of " +
-                  std::to_string(w.sizes[w.cur]) + " bytes written)"
-            : std::string("none (all written)");
-    fail_tensor(w.who(), name, "written out of order: the next tensor is " + next);
-  }
-  append(bytes);
-}
-
-void SafetensorsWriter::finish() {
-  Impl& w = *impl_;
-  if (w.finished) return;
-  w.check_usable();
-  if (w.cur < w.specs.size()) {
-    fail_tensor(w.who(), w.specs[w.cur].name,
-                "not fully written at finish(): " + std::to_string(w.in_cur) + " of " +
-                    std::to_string(w.sizes[w.cur]) + " bytes");
-  }
-  w.flush();
-  if (::fsync(w.fd) != 0) {
-    w.broken = true;
-    fail_errno("fsync", w.tmp, errno);
-  }
-  const int rc = ::close(w.fd);
-  w.fd = -1;
-  if (rc != 0) {
-    w.broken = true;
-    fail_errno("close", w.tmp, errno);
-  }
-  if (::rename(w.tmp.c_str(), w.path.c_str()) != 0) {
-    w.broken = true;
-    fail_errno("rename " + w.tmp.string() + " to", w.path, errno);
-  }
-  w.finished = true;
-  // Make the rename itself durable.
-  const fs::path dir = w.path.has_parent_path() ? w.path.parent_path() : fs::path(".");
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) fail_errno("open", dir, errno);
-  const int drc = ::fsync(dfd);
-  const int derr = errno;
-  ::close(dfd);
-  if (drc != 0) fail_errno("fsync", dir, derr);
 }
 
 }  // namespace strata::models

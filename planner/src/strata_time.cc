@@ -24,8 +24,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   const size_t units = p.shard_numel.size();
   // Frozen units (model.trainable, a LoRA run's base): their compute copy alone, no gradient,
   // reduce-scatter or update; their products have no weight gradient in the backward.
-  const std::vector<char> frozen =
-      engine::plan_units(m, p.tiles, world, models::TrainableTensors(cfg.trainable)).frozen;
+  const std::vector<char>& frozen = p.frozen;
   const auto is_frozen = [&](size_t u) { return u < frozen.size() && frozen[u]; };
   const engine::layout::Schedule schedule(p.stage_units, units, vocab_tiles, vocab_tiles, frozen);
   const size_t block_stages = schedule.blocks();

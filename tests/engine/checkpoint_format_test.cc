@@ -24,6 +24,7 @@
 #include "checkpoint/format.h"
 #include "checkpoint_trainer.h"
 #include "saved_chunks.h"
+#include "strata/engine/config_parse.h"
 #include "strata/engine/checkpoint.h"
 #include "strata/models/decoder.h"
 #include "strata/models/hf_io.h"

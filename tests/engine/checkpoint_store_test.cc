@@ -20,6 +20,7 @@
 #include "checkpoint_trainer.h"
 #include "saved_chunks.h"
 #include "s3_server.h"
+#include "strata/engine/config_parse.h"
 #include "strata/engine/checkpoint_store.h"
 #include "strata/offload/s3.h"
 #include "strata/models/safetensors.h"

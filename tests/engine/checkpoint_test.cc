@@ -24,6 +24,7 @@
 #include "strata/engine/checkpoint.h"
 #include "strata/engine/comm.h"
 #include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"
 #include "strata/models/hf_io.h"

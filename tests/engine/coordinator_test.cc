@@ -91,7 +91,7 @@ struct Bench {
     sizes.vocab = 301;
     memory = std::make_unique<layout::MemoryModel>(schedule, sizes);
     choice.recomputed = 2;
-    PlacementPlan plan{params, Placement::kHost, Placement::kHost, Placement::kHost};
+    StatePlacement plan{params, Placement::kHost, Placement::kHost, Placement::kHost};
     store = std::make_unique<state::StateStore>(partition, at::kBFloat16, plan, *device, host, swap.get(), prof);
     coord = std::make_unique<ParameterCoordinator>(schedule, *memory, choice, partition, *store, host, *device, comm,
                                                    prof, &fence);

@@ -31,6 +31,7 @@
 
 #include "strata/engine/comm.h"
 #include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
 #include "strata/engine/placement.h"
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"
@@ -929,13 +930,13 @@ TEST(PrefetchDepth, AutoTrainsBitwiseLikeAFixedDepth) {
 
 // --- automatic placement --------------------------------------------------------------------
 
-TEST(PlacementPlan, FillsTheDeviceThenHostThenNvme) {
+TEST(StatePlacement, FillsTheDeviceThenHostThenNvme) {
   using P = se::Placement;
   se::EngineConfig c;
   c.params = c.grads = c.master = c.moments = P::kAuto;
   const se::StateBytes need{200, 400, 400, 800};  // bf16 compute copies, fp32 the rest
   auto plan = [&](uint64_t device, uint64_t host, uint64_t nvme) {
-    const se::PlacementPlan p = se::plan_placement(c, need, {device, host, nvme});
+    const se::StatePlacement p = se::plan_placement(c, need, {device, host, nvme});
     return std::string(se::to_string(p.params)) + " " + se::to_string(p.grads) + " " +
            se::to_string(p.master) + " " + se::to_string(p.moments);
   };
@@ -962,13 +963,13 @@ TEST(PlacementPlan, FillsTheDeviceThenHostThenNvme) {
 // Master and moments that fit no single tier are split by unit: the gradients (and compute
 // copies the device cannot hold) take host RAM first, then the first units' master and moments,
 // the rest go to swap; gradients that do not fit on the host follow their unit's master.
-TEST(PlacementPlan, SplitsTheOptimizerGroupByUnitBetweenHostAndSwap) {
+TEST(StatePlacement, SplitsTheOptimizerGroupByUnitBetweenHostAndSwap) {
   using P = se::Placement;
   se::EngineConfig c;
   c.params = c.grads = c.master = c.moments = P::kAuto;
   se::StateBytes need{800, 1600, 1600, 3200, {100, 100, 100, 100}};  // bf16 compute copies
   auto plan = [&](uint64_t device, uint64_t host, uint64_t nvme) {
-    const se::PlacementPlan p = se::plan_placement(c, need, {device, host, nvme});
+    const se::StatePlacement p = se::plan_placement(c, need, {device, host, nvme});
     return std::string(se::to_string(p.params)) + " " + se::to_string(p.grads) + " " + se::to_string(p.master) +
            " " + se::to_string(p.moments) + " " + std::to_string(p.host_units);
   };
@@ -982,7 +983,7 @@ TEST(PlacementPlan, SplitsTheOptimizerGroupByUnitBetweenHostAndSwap) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("fit in no tier"), std::string::npos) << e.what();
   }
-  const se::PlacementPlan two = se::plan_placement(c, need, {0, 4800, 2400});
+  const se::StatePlacement two = se::plan_placement(c, need, {0, 4800, 2400});
   EXPECT_NE(se::describe_plan(two, need).find("master host 800 B (units 0-1) + nvme 800 B"), std::string::npos)
       << se::describe_plan(two, need);
   // Compute copies on the device; gradients too large for the host follow their master: the
@@ -998,7 +999,7 @@ TEST(PlacementPlan, SplitsTheOptimizerGroupByUnitBetweenHostAndSwap) {
 
 // Gradients that are not stored (the update during backward, one micro-batch a step) take no
 // room beside a master off the device; a master on the device still keeps them there.
-TEST(PlacementPlan, GradientsNotStoredTakeNoRoomOffTheDevice) {
+TEST(StatePlacement, GradientsNotStoredTakeNoRoomOffTheDevice) {
   using P = se::Placement;
   se::EngineConfig c;
   c.params = c.grads = c.master = c.moments = P::kAuto;
@@ -1008,7 +1009,7 @@ TEST(PlacementPlan, GradientsNotStoredTakeNoRoomOffTheDevice) {
   // 400 bytes of gradient buffers instead of 1600 bytes of stored gradients.
   se::StateBytes need{800, 1600, 1600, 3200, {100, 100, 100, 100}, 400};
   auto plan = [&](uint64_t device, uint64_t host, uint64_t nvme) {
-    const se::PlacementPlan p = se::plan_placement(c, need, {device, host, nvme});
+    const se::StatePlacement p = se::plan_placement(c, need, {device, host, nvme});
     return std::string(se::to_string(p.params)) + " " + se::to_string(p.grads) + " " + se::to_string(p.master) +
            " " + std::to_string(p.host_units) + (p.grads_transient ? " transient" : "");
   };
@@ -1049,13 +1050,13 @@ TEST(PlacementPlan, GradientsNotStoredTakeNoRoomOffTheDevice) {
 
 // The device's room beside the compute copies holds the first units' master, moments and
 // gradients (16 bytes an element), before host RAM and swap take the rest.
-TEST(PlacementPlan, GivesTheDeviceTheFirstUnitsOfTheOptimizerGroup) {
+TEST(StatePlacement, GivesTheDeviceTheFirstUnitsOfTheOptimizerGroup) {
   using P = se::Placement;
   se::EngineConfig c;
   c.params = c.grads = c.master = c.moments = P::kAuto;
   se::StateBytes need{800, 1600, 1600, 3200, {100, 100, 100, 100}};  // bf16 compute copies
   auto plan = [&](uint64_t device, uint64_t host, uint64_t nvme) {
-    const se::PlacementPlan p = se::plan_placement(c, need, {device, host, nvme});
+    const se::StatePlacement p = se::plan_placement(c, need, {device, host, nvme});
     return std::string(se::to_string(p.params)) + " " + se::to_string(p.grads) + " " + se::to_string(p.master) +
            " d" + std::to_string(p.device_units) + " h" + std::to_string(p.host_units) + (p.grads_transient ? " transient" : "");
   };
@@ -1066,7 +1067,7 @@ TEST(PlacementPlan, GivesTheDeviceTheFirstUnitsOfTheOptimizerGroup) {
   // Gradients of the other units (1200) on the host, one more unit's master and moments there,
   // two in swap.
   EXPECT_EQ(plan(800 + 1600, 2400, 2400), "device host nvme d1 h2");
-  const se::PlacementPlan three = se::plan_placement(c, need, {800 + 1600, 2400, 2400});
+  const se::StatePlacement three = se::plan_placement(c, need, {800 + 1600, 2400, 2400});
   const std::string text = se::describe_plan(three, need);
   EXPECT_NE(text.find("grads device 400 B (units 0-0) + host 1.17 KiB (units 1-3)"), std::string::npos) << text;
   EXPECT_NE(text.find("master device 400 B (units 0-0) + host 400 B (units 1-1) + nvme 800 B (units 2-3)"),

@@ -26,6 +26,7 @@
 
 #include "strata/engine/comm.h"
 #include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
 #include "strata/engine/cpu_share.h"
 #include "strata/engine/device.h"
 #include "strata/engine/partition.h"

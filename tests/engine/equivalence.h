@@ -22,6 +22,7 @@
 
 #include "strata/engine/comm.h"
 #include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
 #include "strata/engine/device.h"
 #include "strata/engine/engine.h"
 #include "strata/models/decoder.h"

@@ -20,6 +20,7 @@
 
 #include "checkpoint_trainer.h"
 #include "forked_ranks.h"
+#include "strata/engine/config_parse.h"
 #include "strata/engine/checkpoint.h"
 #include "strata/models/decoder.h"
 #include "strata/models/hf_io.h"

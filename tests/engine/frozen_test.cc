@@ -8,6 +8,7 @@
 
 #include "equivalence.h"
 #include "launched.h"
+#include "strata/engine/config_parse.h"
 #include "strata/engine/partition.h"
 #include "strata/models/trainable.h"
 #include "test_util.h"

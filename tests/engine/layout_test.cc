@@ -85,6 +85,37 @@ TEST(Schedule, BackwardsStopBelowTheLowestStageThatLearns) {
             (std::vector<size_t>{4, 3, 2, 1}));
 }
 
+// What a backward use brings back while it runs comes from the schedule: the next backward uses'
+// stages in the same micro-batch, skipping stages without a backward, never into the next
+// micro-batch. Before the engine read it here, backward_use hard-coded stages s-1 and s-2.
+TEST(Schedule, BackwardStagesAheadOfAUse) {
+  // Embedding 0, blocks 1-4, head 5: uses F0..F4 H5 B4 B3 B2 B1 B0 (11 a micro-batch).
+  const Schedule s({{0}, {1}, {2}, {3}, {4}, {5}}, 6);
+  const size_t n = s.uses().size(), none = Schedule::kNoStage;
+  ASSERT_EQ(n, 11u);
+  EXPECT_EQ(s.backward_stage_after(5, 1), 4u);  // the head's use: the top block is next
+  EXPECT_EQ(s.backward_stage_after(6, 1), 3u);  // B4: B3 next, B2 after it
+  EXPECT_EQ(s.backward_stage_after(6, 2), 2u);
+  EXPECT_EQ(s.backward_stage_after(0, 1), 4u);  // from a forward use: the first backward
+  EXPECT_EQ(s.backward_stage_after(9, 1), 0u);  // B1: the embedding
+  EXPECT_EQ(s.backward_stage_after(9, 2), none);
+  EXPECT_EQ(s.backward_stage_after(10, 1), none) << "the last use: nothing past the micro-batch";
+  EXPECT_EQ(s.backward_stage_after(n + 6, 2), 2u) << "k counts over the step";
+  // For every block use s with a backward, the old rule's s-1 and s-2 wherever those were blocks
+  // with a backward (the only stages with activation checkpoints).
+  const Schedule frozen({{0}, {1}, {2}, {3}, {4}, {5}}, 6, 1, 1, {1, 1, 0, 0, 0, 0});  // B4 B3 B2
+  for (size_t k = 0; k < frozen.uses().size(); ++k) {
+    const Use& u = frozen.uses()[k];
+    if (u.kind != Use::kBackward) continue;
+    for (size_t a = 1; a <= 2; ++a) {
+      const size_t got = frozen.backward_stage_after(k, a);
+      const bool old_rule = u.stage > a && frozen.is_block(u.stage - a) && frozen.has_backward(u.stage - a);
+      EXPECT_EQ(got != none && frozen.is_block(got), old_rule) << "use " << k << " ahead " << a;
+      if (old_rule) EXPECT_EQ(got, u.stage - a);
+    }
+  }
+}
+
 // A block stage without a backward neither keeps its graph nor is checkpointed, whatever the
 // recompute choice: it runs without autograd.
 TEST(MemoryModel, BlocksWithoutABackwardKeepNothing) {

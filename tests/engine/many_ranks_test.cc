@@ -23,6 +23,7 @@
 #include "equivalence.h"
 #include "launched.h"
 #include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
 #include "strata/models/hf_io.h"
 #include "test_util.h"
 

@@ -31,7 +31,7 @@ using state::kMaster;
 
 struct Case {
   std::string name;
-  PlacementPlan plan;
+  StatePlacement plan;
 };
 
 std::vector<Case> cases() {
@@ -39,11 +39,11 @@ std::vector<Case> cases() {
   out.push_back({"device", {Placement::kDevice, Placement::kDevice, Placement::kDevice, Placement::kDevice}});
   out.push_back({"host", {Placement::kHost, Placement::kHost, Placement::kHost, Placement::kHost}});
   out.push_back({"swap", {Placement::kHost, Placement::kNvme, Placement::kNvme, Placement::kNvme}});
-  PlacementPlan split{Placement::kDevice, Placement::kNvme, Placement::kNvme, Placement::kNvme};
+  StatePlacement split{Placement::kDevice, Placement::kNvme, Placement::kNvme, Placement::kNvme};
   split.device_units = 1;
   split.host_units = 2;
   out.push_back({"split", split});
-  PlacementPlan compute_in_swap{Placement::kNvme, Placement::kDevice, Placement::kDevice, Placement::kDevice};
+  StatePlacement compute_in_swap{Placement::kNvme, Placement::kDevice, Placement::kDevice, Placement::kDevice};
   out.push_back({"device master, compute in swap", compute_in_swap});
   return out;
 }
@@ -62,7 +62,7 @@ kernels::AdamConfig adam() {
 struct Bench : test::StateFixture {
   std::unique_ptr<Optimizer> opt;
   std::vector<at::Tensor> master0, grad0, m0, v0;
-  explicit Bench(const PlacementPlan& plan)
+  explicit Bench(const StatePlacement& plan)
       : StateFixture(Partition({{"embedding", {{"embed.w", {37, 11}}}}, {"block.0", {{"a", {17001}}}},
                                 {"head", {{"head.w", {5}}}}},
                                2, /*align_numel=*/1),
@@ -128,10 +128,10 @@ TEST(Optimizer, OneStepInEveryPlacementEqualsTheKernelsBitForBit) {
 }
 
 TEST(Optimizer, TheCpuPassCallsBeforeUnitBeforeAnyWriteAndReportsConsumedGradients) {
-  PlacementPlan plan{Placement::kHost, Placement::kNvme, Placement::kNvme, Placement::kNvme};
+  StatePlacement plan{Placement::kHost, Placement::kNvme, Placement::kNvme, Placement::kNvme};
   for (bool streamed : {false, true}) {
     SCOPED_TRACE(streamed ? "streamed" : "resident");
-    Bench b(streamed ? plan : PlacementPlan{Placement::kHost, Placement::kHost, Placement::kHost, Placement::kHost});
+    Bench b(streamed ? plan : StatePlacement{Placement::kHost, Placement::kHost, Placement::kHost, Placement::kHost});
     std::vector<std::string> events;
     const std::vector<size_t> order{2, 0, 1};
     b.opt->update_on_cpu(

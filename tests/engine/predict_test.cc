@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "equivalence.h"
+#include "strata/engine/config_parse.h"
 #include "strata/engine/partition.h"
 #include "strata/engine/predict.h"
 #include "test_util.h"

@@ -21,7 +21,7 @@ namespace strata::test {
 
 using engine::Device;
 using engine::Partition;
-using engine::PlacementPlan;
+using engine::StatePlacement;
 namespace state = engine::state;
 namespace runtime = engine::runtime;
 using engine::Profiler;
@@ -36,7 +36,7 @@ struct StateFixture {
   Partition partition;
   std::unique_ptr<state::StateStore> store;
 
-  StateFixture(Partition p, const PlacementPlan& plan, uint64_t device_budget = UINT64_MAX)
+  StateFixture(Partition p, const StatePlacement& plan, uint64_t device_budget = UINT64_MAX)
       : device(Device::create_host(device_budget)), host(*device), partition(std::move(p)) {
     offload::SwapConfig sc;
     sc.dirs = {dir.path()};

@@ -249,7 +249,7 @@ TEST(DeviceTier, AnAllocationOverTheBudgetThrowsBudgetExceededNamingTheRegion) {
 // Three units of awkward sizes over two ranks, unaligned shards (one longer than a 16 KiB chunk
 // of the ring below).
 struct StoreBench : test::StateFixture {
-  explicit StoreBench(const PlacementPlan& plan)
+  explicit StoreBench(const StatePlacement& plan)
       : StateFixture(Partition({{"embedding", {{"embed.w", {37, 11}}}}, {"block.0", {{"a", {9001}}, {"b", {3, 7}}}},
                                 {"head", {{"head.w", {5}}}}},
                                2, /*align_numel=*/1),
@@ -263,7 +263,7 @@ struct StoreBench : test::StateFixture {
 TEST(StateStore, PlacesEachKindByTheSplitPlanAndInitializesItInEveryTier) {
   // Master and moments in swap except the first unit (device) and the second (host RAM); the
   // compute copy on the device; gradients in swap.
-  PlacementPlan plan{Placement::kDevice, Placement::kNvme, Placement::kNvme, Placement::kNvme};
+  StatePlacement plan{Placement::kDevice, Placement::kNvme, Placement::kNvme, Placement::kNvme};
   plan.device_units = 1;
   plan.host_units = 2;
   StoreBench b(plan);
@@ -298,7 +298,7 @@ TEST(StateStore, PlacesEachKindByTheSplitPlanAndInitializesItInEveryTier) {
 }
 
 TEST(StateStore, ReadsAndWritesAnyTierCountSwapTrafficAndServeTheChunkRing) {
-  PlacementPlan plan{Placement::kHost, Placement::kHost, Placement::kNvme, Placement::kNvme};
+  StatePlacement plan{Placement::kHost, Placement::kHost, Placement::kNvme, Placement::kNvme};
   plan.host_units = 1;
   StoreBench b(plan);
   StateStore& s = *b.store;
@@ -334,7 +334,7 @@ TEST(StateStore, ReadsAndWritesAnyTierCountSwapTrafficAndServeTheChunkRing) {
 }
 
 TEST(StateStore, TransientGradientsAreNotAllocatedOffTheDevice) {
-  PlacementPlan plan{Placement::kHost, Placement::kHost, Placement::kHost, Placement::kHost};
+  StatePlacement plan{Placement::kHost, Placement::kHost, Placement::kHost, Placement::kHost};
   plan.device_units = 1;
   plan.grads_transient = true;
   StoreBench b(plan);

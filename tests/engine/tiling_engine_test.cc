@@ -15,6 +15,7 @@
 
 #include "equivalence.h"
 #include "launched.h"
+#include "strata/engine/config_parse.h"
 #include "strata/engine/device.h"
 #include "strata/engine/layout/tiles.h"
 #include "strata/engine/predict.h"
@@ -467,7 +468,7 @@ TEST(MlpTokenChunks, AutoChunksOnlyWhereNothingFitsWithoutThem) {
   const auto fits = [&](int64_t mlp_chunk, uint64_t budget) {
     se::EngineConfig e = tc.engine;
     e.mlp_token_chunk = mlp_chunk;
-    return se::tiling_fits(e, tc.model, {1, 1, 1}, 1, budget, false);
+    return se::tiles_fit(e, tc.model, {1, 1, 1}, 1, budget, false);
   };
   uint64_t lo = 1 << 16, hi = 256 << 20;  // the smallest budget the chunked MLPs fit in
   while (lo + 1024 < hi) {

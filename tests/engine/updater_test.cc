@@ -47,7 +47,7 @@ struct Bench : test::StateFixture {
   std::unique_ptr<GradientBuffers> buffers;  // transient gradients: the reducer's pool
   std::unique_ptr<Updater> updater;
   std::vector<at::Tensor> grads;
-  explicit Bench(const PlacementPlan& plan, size_t pool = 0)
+  explicit Bench(const StatePlacement& plan, size_t pool = 0)
       : StateFixture(Partition({{"embedding", {{"e", {301, 7}}}}, {"block.0", {{"b0", {5003}}}},
                                 {"block.1", {{"b1", {777}}}}, {"head", {{"h", {9}}}}},
                                2, /*align_numel=*/1),
@@ -72,11 +72,11 @@ struct Bench : test::StateFixture {
   }
 };
 
-const PlacementPlan kHostPlan{Placement::kHost, Placement::kHost, Placement::kHost, Placement::kHost};
-const PlacementPlan kSwapPlan{Placement::kHost, Placement::kNvme, Placement::kNvme, Placement::kNvme};
+const StatePlacement kHostPlan{Placement::kHost, Placement::kHost, Placement::kHost, Placement::kHost};
+const StatePlacement kSwapPlan{Placement::kHost, Placement::kNvme, Placement::kNvme, Placement::kNvme};
 
 // The serial update's results: the optimizer run directly.
-std::vector<at::Tensor> serial(const PlacementPlan& plan, int kind) {
+std::vector<at::Tensor> serial(const StatePlacement& plan, int kind) {
   Bench b(plan);
   b.opt->update_on_cpu(adam(), {0, 1, 2, 3}, {});
   return b.all(kind);
@@ -87,7 +87,7 @@ void expect_same(const std::vector<at::Tensor>& got, const std::vector<at::Tenso
 }
 
 TEST(Updater, ForwardModeGivesTheSerialNumbersAndAGatherWaitsForItsUnit) {
-  for (const PlacementPlan& plan : {kHostPlan, kSwapPlan}) {
+  for (const StatePlacement& plan : {kHostPlan, kSwapPlan}) {
     Bench b(plan);
     std::vector<size_t> written;
     std::mutex mu;
@@ -107,7 +107,7 @@ TEST(Updater, ForwardModeGivesTheSerialNumbersAndAGatherWaitsForItsUnit) {
 }
 
 TEST(Updater, BackwardModeTakesUnitsAsTheyBecomeFinalInTheScheduleOrder) {
-  for (const PlacementPlan& plan : {kHostPlan, kSwapPlan}) {
+  for (const StatePlacement& plan : {kHostPlan, kSwapPlan}) {
     Bench b(plan);
     std::vector<size_t> order;
     std::mutex mu;
@@ -156,7 +156,7 @@ TEST(Updater, AnAbortStopsAnUpdaterWaitingForGradientsThatWillNotCome) {
 }
 
 TEST(Updater, ABorrowerOfATransientGradientBufferWaitsUntilTheUpdaterFreesOne) {
-  PlacementPlan plan = kHostPlan;
+  StatePlacement plan = kHostPlan;
   plan.grads_transient = true;
   Bench b(plan, /*pool=*/2);
   b.updater->launch_in_backward(adam(), [](size_t) {});
@@ -191,7 +191,7 @@ TEST(Updater, ABorrowerOfATransientGradientBufferWaitsUntilTheUpdaterFreesOne) {
 // An update that fails frees no more buffers: a borrower waiting for one gets its error instead of
 // hanging, and the next update lends again.
 TEST(Updater, AFailedUpdateStopsABorrowerWaitingForATransientGradientBuffer) {
-  PlacementPlan plan = kHostPlan;
+  StatePlacement plan = kHostPlan;
   plan.grads_transient = true;
   Bench b(plan, /*pool=*/1);
   b.updater->launch_in_backward(adam(), [](size_t) {});

@@ -19,7 +19,7 @@ struct Case {
   Arch arch;
   int64_t hidden, heads, kv_heads, intermediate, batch, seq;
   at::ScalarType dtype;
-  LayerTiles tiling;
+  LayerTiles tiles;
   int64_t mlp_chunk;
 };
 
@@ -38,12 +38,12 @@ TEST_P(BlockGraph, EstimateBoundsWhatAutogradKeepsForEveryStage) {
   c.max_positions = 512;
   c.validate();
   Decoder m(c, 3);
-  m.set_tiles(k.tiling);
+  m.set_tiles(k.tiles);
   m.set_mlp_token_chunk(k.mlp_chunk);
   m.to(k.dtype);
   const size_t e = c10::elementSize(k.dtype);
-  const std::vector<uint64_t> per_token = stage_graph_bytes_per_token(c, k.tiling, e, k.mlp_chunk > 0);
-  if (k.tiling.blocks_whole() && k.mlp_chunk == 0) EXPECT_EQ(per_token.at(1), m.block_graph_bytes_per_token(e));
+  const std::vector<uint64_t> per_token = stage_graph_bytes_per_token(c, k.tiles, e, k.mlp_chunk > 0);
+  if (k.tiles.blocks_whole() && k.mlp_chunk == 0) EXPECT_EQ(per_token.at(1), m.block_graph_bytes_per_token(e));
   const std::vector<Stage*> stages = m.stages();
   ASSERT_EQ(per_token.size(), stages.size());
   EXPECT_EQ(per_token.front(), 0u);
@@ -83,8 +83,8 @@ INSTANTIATE_TEST_SUITE_P(
       const Case& k = i.param;
       return std::string(k.arch == Arch::kGpt2 ? "gpt2" : "llama") + "_" + std::to_string(k.hidden) + "_kv" +
              std::to_string(k.kv_heads) + (k.dtype == at::kFloat ? "_fp32" : "_bf16") +
-             (k.tiling.blocks_whole() ? "" : "_tiles" + std::to_string(k.tiling.attention) + "x" +
-                                                  std::to_string(k.tiling.mlp)) +
+             (k.tiles.blocks_whole() ? "" : "_tiles" + std::to_string(k.tiles.attention) + "x" +
+                                                  std::to_string(k.tiles.mlp)) +
              (k.mlp_chunk ? "_chunk" + std::to_string(k.mlp_chunk) : "");
     });
 

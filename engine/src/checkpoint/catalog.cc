@@ -18,8 +18,6 @@ struct ChunkCatalog::RankIndex {
 
 namespace {
 
-uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
-
 const char kHex[] = "0123456789abcdef";
 
 uint32_t parse_hex8(const char* p, bool& ok) {
@@ -144,13 +142,14 @@ std::vector<Chunk> ChunkCatalog::overlapping(size_t u, int k, uint64_t b, uint64
     if (valid == 0) break;
     const uint64_t lo = std::max(b, sb), hi = std::min(e, sb + valid);
     if (lo >= hi) continue;
-    for (uint64_t i = (lo - sb) / chunk_elements_; i * chunk_elements_ < hi - sb; ++i) {
+    const SliceChunks cut{valid, chunk_elements_};
+    for (uint64_t i = cut.chunk_at(lo - sb); cut.first(i) < hi - sb; ++i) {
       Chunk c;
       c.rank = q;
       c.unit = u;
       c.kind = k;
-      c.begin = sb + i * chunk_elements_;
-      c.numel = std::min(chunk_elements_, valid - i * chunk_elements_);
+      c.begin = sb + cut.first(i);
+      c.numel = cut.numel_of(i);
       out.push_back(c);
     }
   }
@@ -165,7 +164,7 @@ uint64_t ChunkCatalog::chunk_count() const {
         n += listed_[u][size_t(k)].size();
         continue;
       }
-      for (int q = 0; q < saved_world_; ++q) n += ceil_div(valid_of(u, q), chunk_elements_);
+      for (int q = 0; q < saved_world_; ++q) n += SliceChunks{valid_of(u, q), chunk_elements_}.count();
     }
   return n;
 }
@@ -230,7 +229,6 @@ ChunkCatalog::RankIndex ChunkCatalog::parse_index(int q, const std::string& text
     if (j.at("format").get<int>() != kFormatWithIndexes || j.at("rank").get<int>() != q ||
         j.at("chunk_elements").get<uint64_t>() != chunk_elements_)
       throw bad("another format, rank or chunk size than the manifest's");
-    const uint64_t stride = chunk_extent(chunk_elements_);
     for (const json& s : j.at("slices")) {
       const size_t u = s.at(0).get<size_t>();
       const int k = s.at(1).get<int>();
@@ -238,13 +236,14 @@ ChunkCatalog::RankIndex ChunkCatalog::parse_index(int q, const std::string& text
       const std::string& crcs = s.at(3).get_ref<const std::string&>();
       if (u >= numel_.size() || k < 0 || k >= state::kSavedKinds || ix.offset[u * state::kSavedKinds + size_t(k)] != ~0ull)
         throw bad("a slice of unknown or repeated unit and kind");
-      const uint64_t valid = valid_of(u, q), n = ceil_div(valid, chunk_elements_);
+      const uint64_t valid = valid_of(u, q);
+      const SliceChunks cut{valid, chunk_elements_};
+      const uint64_t n = cut.count();
       if (n == 0) throw bad("a slice of unit " + unit_names_[u] + ", of which rank " + std::to_string(q) + " holds nothing");
       if (crcs.size() != n * 8)
         throw bad("unit " + unit_names_[u] + " " + state::kind_name(k) + " has " + std::to_string(crcs.size() / 8) +
                   " chunk CRCs, its " + std::to_string(valid) + " elements make " + std::to_string(n));
-      if (offset % kAlign != 0 || offset + (n - 1) * stride + chunk_extent(valid - (n - 1) * chunk_elements_) >
-                                      ranks_[size_t(q)].data_bytes)
+      if (offset % kAlign != 0 || offset + cut.file_bytes() > ranks_[size_t(q)].data_bytes)
         throw bad("unit " + unit_names_[u] + " " + state::kind_name(k) + " lies outside the data file");
       ix.offset[u * state::kSavedKinds + size_t(k)] = offset;
       ix.first_crc[u * state::kSavedKinds + size_t(k)] = ix.crc.size();
@@ -279,9 +278,10 @@ Chunk ChunkCatalog::place(const Chunk& c) {
   }
   const RankIndex& ix = index_of(c.rank);
   const size_t slot = c.unit * state::kSavedKinds + size_t(c.kind);
-  const uint64_t i = (c.begin - uint64_t(c.rank) * shard_[c.unit]) / chunk_elements_;
+  const SliceChunks cut{valid_of(c.unit, c.rank), chunk_elements_};
+  const uint64_t i = cut.chunk_at(c.begin - uint64_t(c.rank) * shard_[c.unit]);
   Chunk out = c;
-  out.offset = ix.offset[slot] + i * chunk_extent(chunk_elements_);
+  out.offset = ix.offset[slot] + cut.offset(i);
   out.crc32c = ix.crc[ix.first_crc[slot] + i];
   out.placed = true;
   return out;

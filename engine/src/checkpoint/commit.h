@@ -3,6 +3,7 @@
 // Thread safety: collectives, called by every rank in the same order on the training thread.
 #pragma once
 
+#include <exception>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,6 +28,38 @@ struct RankError {
   std::string message;
 };
 std::optional<RankError> first_error(Communicator& comm, const std::string& mine);
+
+// A rank's first failure in work that must not leave the collectives around it: attempt(f) runs f
+// unless something failed already and keeps the message of the first exception; the ranks then
+// agree on it (first_error(comm, message())) once every collective is done.
+// Thread safety: none; one thread.
+class FirstFailure {
+ public:
+  // Whether f ran and returned (false: it threw, or an earlier failure skipped it).
+  template <class F>
+  bool attempt(F&& f) {
+    if (failed_) return false;
+    try {
+      f();
+      return true;
+    } catch (const std::exception& e) {
+      keep(*e.what() ? e.what() : "an error without a message");
+      return false;
+    }
+  }
+  // Keeps `message` unless a failure is kept already ("" keeps nothing).
+  void keep(const std::string& message) {
+    if (failed_ || message.empty()) return;
+    failed_ = true;
+    message_ = message;
+  }
+  bool failed() const { return failed_; }
+  const std::string& message() const { return message_; }  // "" when none
+
+ private:
+  bool failed_ = false;
+  std::string message_;
+};
 
 // Step 0: un-commits an existing checkpoint <root>/<name> (refuses the latest one unless it is
 // incomplete: incomplete_checkpoint).

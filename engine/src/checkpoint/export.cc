@@ -105,12 +105,7 @@ std::vector<std::string> finish_export_directory(const fs::path& tmp, ExportCont
 }
 
 void ExportSink::attempt(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    failure_ = e.what();
-    writer_ = nullptr;
-  }
+  if (!failure_.attempt(f)) writer_ = nullptr;
 }
 
 void ExportSink::put(size_t item_index, at::Tensor t) {
@@ -166,7 +161,7 @@ namespace {
 models::ModelConfig manifest_model(const json& m, const fs::path& dir) {
   const std::string source = (dir / "manifest.json").string();
   models::ModelConfig mc = models::parse_hf_config(m["model"].dump(), source);
-  if (m.contains("lora")) mc.lora = models::parse_peft_adapter_config(m["lora"].dump(), source + " (\"lora\")");
+  if (m.contains("lora")) mc.lora = models::parse_lora_settings(m["lora"].dump(), source + " (\"lora\")", models::LoraSettingsFrom::kAdapterConfig);
   return mc;
 }
 
@@ -262,6 +257,60 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   return result;
 }
 
+namespace {
+
+// A LoRA checkpoint's trained tensors, whole (each assembled from its parts where a tile holds a
+// part): its adapters, and the modules it saved whole. Small beside the base.
+struct TrainedTensors {
+  std::map<std::string, at::Tensor> adapters, saved;
+};
+
+TrainedTensors read_trained_tensors(const fs::path& dir, const json& m, const models::ModelConfig& mc) {
+  ChunkCatalog catalog(dir, m);
+  const ExportPlan plan = plan_export(m["units"], dir, mc, models::StDType::kF32, ExportContent::kAdapter);
+  ChunkReader reader(dir, catalog);
+  TensorReader tensors(reader, catalog);
+  TrainedTensors out;
+  for (const ExportItem& item : plan.items) {
+    const TensorSlot& slot = item.t.slot;
+    at::Tensor t = tensors.read(item.t).view(slot.shape);
+    std::map<std::string, at::Tensor>& into = models::is_adapter_tensor(slot.whole_name()) ? out.adapters : out.saved;
+    if (!slot.origin.is_part()) {
+      into[slot.whole_name()] = t;
+      continue;
+    }
+    at::Tensor& whole = into[slot.whole_name()];
+    if (!whole.defined()) whole = at::empty(slot.origin.whole_shape, t.options());
+    whole.narrow(slot.origin.dim, slot.origin.begin, slot.shape[size_t(slot.origin.dim)]).copy_(t);
+  }
+  return out;
+}
+
+// The merged model's tensors in the order a run's merged export writes them (its units: each
+// stage's trainable tensors, then its frozen base tensors, in stage order), declared in `st_type`.
+struct MergedLayout {
+  std::vector<models::SafetensorsWriter::Spec> specs;
+  uint64_t total = 0;  // bytes
+};
+
+MergedLayout merged_layout(const models::ModelConfig& mc, const models::SafetensorsCheckpoint& base,
+                           const std::string& source, models::StDType st_type) {
+  MergedLayout out;
+  for (const auto& stage : models::stage_tensors(mc))
+    for (const bool trains : {true, false})
+      for (const models::StageTensor& x : stage) {
+        if (models::is_adapter_tensor(x.tensor) || models::saved_whole(mc, x.tensor) != trains) continue;
+        const std::vector<int64_t> shape = models::hf_tensor_shape(mc, base, x.tensor, source);
+        out.specs.push_back({x.tensor, st_type, shape});
+        uint64_t numel = 1;
+        for (int64_t d : shape) numel *= uint64_t(d);
+        out.total += numel * models::st_dtype_bytes(st_type);
+      }
+  return out;
+}
+
+}  // namespace
+
 ExportResult export_checkpoint_merged(const fs::path& dir, const fs::path& base_dir, const fs::path& out_arg,
                                       const std::string& dtype, const std::function<void(uint64_t, uint64_t)>& progress,
                                       bool overwrite, const fs::path& tokenizer_from, uint64_t shard_bytes,
@@ -269,7 +318,6 @@ ExportResult export_checkpoint_merged(const fs::path& dir, const fs::path& base_
   fs::path out_dir = out_arg.lexically_normal();
   if (!out_dir.has_filename()) out_dir = out_dir.parent_path();
   const at::ScalarType out_type = models::parse_export_dtype(dtype);
-  const models::StDType st_type = st_type_of(out_type);
   const json m = read_manifest(dir);
   const models::ModelConfig mc = manifest_model(m, dir);
   if (!mc.lora.enabled())
@@ -279,57 +327,22 @@ ExportResult export_checkpoint_merged(const fs::path& dir, const fs::path& base_
   if (have != want)
     throw std::invalid_argument("checkpoint " + dir.string() + " trained on the base " + want + ", and " +
                                 base_dir.string() + " is " + have + ": give the base it trained on");
-
-  // What the adapter directory holds, whole: the adapters and the modules saved whole (each
-  // assembled from its parts where a tile holds a part), small beside the base.
-  ChunkCatalog catalog(dir, m);
-  const ExportPlan adapters_plan = plan_export(m["units"], dir, mc, models::StDType::kF32, ExportContent::kAdapter);
-  ChunkReader reader(dir, catalog);
-  TensorReader tensors(reader, catalog);
-  std::map<std::string, at::Tensor> adapters, saved;
-  for (const ExportItem& item : adapters_plan.items) {
-    const TensorSlot& slot = item.t.slot;
-    at::Tensor t = tensors.read(item.t).view(slot.shape);
-    std::map<std::string, at::Tensor>& into = models::is_adapter_tensor(slot.whole_name()) ? adapters : saved;
-    if (!slot.origin.is_part()) {
-      into[slot.whole_name()] = t;
-      continue;
-    }
-    at::Tensor& whole = into[slot.whole_name()];
-    if (!whole.defined()) whole = at::empty(slot.origin.whole_shape, t.options());
-    whole.narrow(slot.origin.dim, slot.origin.begin, slot.shape[size_t(slot.origin.dim)]).copy_(t);
-  }
-
-  // The model's tensors in the order a run's merged export writes them (its units: each stage's
-  // trainable tensors, then its frozen base tensors in stage order).
+  TrainedTensors trained = read_trained_tensors(dir, m, mc);
   const models::SafetensorsCheckpoint base(base_dir);
   const std::string source = base_dir.string();
-  std::vector<std::string> names;
-  std::vector<models::SafetensorsWriter::Spec> specs;
-  uint64_t total = 0;
-  std::vector<std::string> ordered;  // by stage (whole blocks and vocabulary): trainable, then frozen
-  for (const auto& stage : models::stage_tensors(mc))
-    for (const bool trains : {true, false})
-      for (const models::StageTensor& x : stage)
-        if (!models::is_adapter_tensor(x.tensor) && models::saved_whole(mc, x.tensor) == trains)
-          ordered.push_back(x.tensor);
-  for (const std::string& name : ordered) {
-    names.push_back(name);
-    const std::vector<int64_t> shape = models::hf_tensor_shape(mc, base, name, source);
-    specs.push_back({name, st_type, shape});
-    uint64_t numel = 1;
-    for (int64_t d : shape) numel *= uint64_t(d);
-    total += numel * models::st_dtype_bytes(st_type);
-  }
+  const MergedLayout layout = merged_layout(mc, base, source, st_type_of(out_type));
+
   models::ExportDirectory out(out_dir, overwrite, "pass --force to replace its config.json and model.safetensors");
   const fs::path& tmp = out.tmp();
-  models::ShardedSafetensorsWriter writer(tmp, specs, shard_bytes, {{"format", "pt"}});
+  models::ShardedSafetensorsWriter writer(tmp, layout.specs, shard_bytes, {{"format", "pt"}});
   if (on_weights_file) writer.on_shard_complete([&](const std::string& file) { on_weights_file(tmp / file); });
   ExportResult result;
-  for (const std::string& name : names) {
+  std::map<std::string, at::Tensor>& adapters = trained.adapters;
+  for (const models::SafetensorsWriter::Spec& spec : layout.specs) {
+    const std::string& name = spec.name;
     // fp32, Strata's layout: a module saved whole as it trained, the rest the base's.
-    const auto trained = saved.find(name);
-    at::Tensor w = trained != saved.end() ? trained->second : models::read_hf_tensor(mc, base, name, source);
+    const auto saved = trained.saved.find(name);
+    at::Tensor w = saved != trained.saved.end() ? saved->second : models::read_hf_tensor(mc, base, name, source);
     const std::string module = name.substr(0, name.size() - std::string(".weight").size());
     const auto a = adapters.find(models::adapter_a_name(module)), b = adapters.find(models::adapter_b_name(module));
     if (name.ends_with(".weight") && a != adapters.end() && b != adapters.end()) {
@@ -343,7 +356,7 @@ ExportResult export_checkpoint_merged(const fs::path& dir, const fs::path& base_
     writer.write(name, {static_cast<const std::byte*>(w.data_ptr()), w.nbytes()});
     ++result.tensors;
     result.bytes += w.nbytes();
-    if (progress) progress(result.bytes, total);
+    if (progress) progress(result.bytes, layout.total);
   }
   if (!adapters.empty())
     throw std::runtime_error("checkpoint " + dir.string() + ": adapter " + adapters.begin()->first +

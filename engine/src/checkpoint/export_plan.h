@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint/commit.h"
 #include "checkpoint/format.h"
 #include "strata/engine/checkpoint.h"
 #include "strata/models/hf_io.h"
@@ -83,11 +84,11 @@ class ExportSink {
   // The writer's finish() (its last shard, the index where it writes one).
   void finish();
   bool writing() const { return writer_ != nullptr; }
-  const std::string& failure() const { return failure_; }
+  const std::string& failure() const { return failure_.message(); }  // "" when none
   const ExportResult& result() const { return result_; }
 
  private:
-  void attempt(const std::function<void()>& f);
+  void attempt(const std::function<void()>& f);  // f, or on its failure no more writing
   const ExportPlan& plan_;
   const models::ModelConfig& mc_;
   at::ScalarType out_type_;
@@ -95,7 +96,7 @@ class ExportSink {
   std::function<void(uint64_t, uint64_t)> progress_;
   std::map<std::string, std::pair<at::Tensor, uint64_t>> assembling_;  // whole name -> (tensor, elements in)
   std::map<std::string, at::Tensor> adapters_;  // a merge's adapters waiting for their weight, by name
-  std::string failure_;
+  FirstFailure failure_;
   ExportResult result_;
 };
 

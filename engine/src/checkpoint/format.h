@@ -12,6 +12,8 @@
 // Errors: std::runtime_error naming the path and errno's text.
 #pragma once
 
+#include <algorithm>
+
 #include <ATen/core/Tensor.h>
 #include <nlohmann/json.hpp>
 
@@ -50,6 +52,20 @@ constexpr uint64_t kAlign = 4096;
 std::string rank_name(int rank);
 // Bytes a chunk of `numel` elements takes in a data file (its offset advances by this).
 inline uint64_t chunk_extent(uint64_t numel) { return (numel * 4 + kAlign - 1) / kAlign * kAlign; }
+// How one rank's slice of a unit's kind (`numel` elements) is cut into chunks and laid out in its
+// data file: chunk i holds elements [i x chunk_elements, +numel_of(i)) (the last one shorter) at
+// i x chunk_extent(chunk_elements) bytes from the slice's offset. The one rule of the writer
+// (save.cc) and the readers (catalog.cc).
+struct SliceChunks {
+  uint64_t numel;
+  uint64_t chunk_elements = kChunkElements;
+  uint64_t count() const { return (numel + chunk_elements - 1) / chunk_elements; }
+  uint64_t first(uint64_t i) const { return i * chunk_elements; }  // its first element
+  uint64_t numel_of(uint64_t i) const { return std::min(chunk_elements, numel - first(i)); }
+  uint64_t offset(uint64_t i) const { return i * chunk_extent(chunk_elements); }
+  uint64_t chunk_at(uint64_t element) const { return element / chunk_elements; }  // the chunk holding it
+  uint64_t file_bytes() const { return count() == 0 ? 0 : offset(count() - 1) + chunk_extent(numel_of(count() - 1)); }
+};
 
 [[noreturn]] void fail_errno(const std::string& what, const fs::path& p);
 // Temporary file, fsync, rename, fsync of the directory (offload::sync_directory): durable once

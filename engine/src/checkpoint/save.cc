@@ -13,6 +13,8 @@
 #include <chrono>
 #include <fstream>
 #include <future>
+#include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <thread>
@@ -164,105 +166,140 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
 // inside the kernel (Engine::copy_state_to_file), the others written from the state or from
 // staging buffers they are copied into (Engine::read_state); then the unit is released to the
 // engine. The CRCs of file-to-file copies are computed by reading the data file back.
-RankFiles write_rank_files(Engine& engine, Snapshot& snap) {
-  struct ReleaseAll {  // on every way out: nothing may wait on this save for ever
-    StateHold* h;
-    ~ReleaseAll() { if (h) h->release_all(); }
-  } release_all{snap.hold.get()};
-  if (snap.update_finished.valid()) snap.update_finished.get();
-  offload::create_directories_durably(snap.dir);  // the root's and the step's entries durable
-  const fs::path data_path = snap.dir / (rank_name(snap.rank) + ".data");
-  offload::IoEngineConfig io_config;
-  io_config.fault_injector = snap.options.io_fault_injector;
-  auto io = offload::IoEngine::create(io_config);
-  offload::File file = offload::File::open(data_path, offload::OpenMode::kTruncate);
-  std::vector<SliceRecord> slices;  // the index: where each slice's chunks are, and their CRCs
-  // Writes straight from the state: a synchronous save only, whose caller (the training thread)
-  // is blocked until they are done, so the state cannot change under them although their units
-  // are released before.
-  std::vector<offload::IoFuture> direct_writes;
-  uint64_t total = 0;  // allocate the file's extents up front: no allocating direct writes
-  for (const SnapshotSlice& s : snap.slices)
-    for (uint64_t e = 0; e < s.numel; e += kChunkElements) total += chunk_extent(std::min(kChunkElements, s.numel - e));
-  if (total > 0) file.reserve(0, total);
-  uint64_t offset = 0;
+class RankFileWriter {
+ public:
+  RankFileWriter(Engine& engine, Snapshot& snap)
+      : engine_(engine), snap_(snap), data_path_(snap.dir / (rank_name(snap.rank) + ".data")) {}
+
+  RankFiles write() {
+    struct ReleaseAll {  // on every way out: nothing may wait on this save for ever
+      StateHold* h;
+      ~ReleaseAll() { if (h) h->release_all(); }
+    } release_all{snap_.hold.get()};
+    if (snap_.update_finished.valid()) snap_.update_finished.get();
+    open_data_file();
+    write_units();
+    read_back_copied_crcs();
+    file_->sync();
+    snap_.report.data_bytes = offset_;
+    const std::string index = index_text(snap_.rank, kChunkElements, slices_);
+    write_atomically(snap_.dir / (rank_name(snap_.rank) + ".index.json"), index);
+    return {offset_, index.size(), offload::crc32c(index.data(), index.size())};
+  }
+
+ private:
+  // The step's directory (the root's and the step's entries durable) and the data file, its
+  // extents allocated up front: no allocating direct writes.
+  void open_data_file() {
+    offload::create_directories_durably(snap_.dir);
+    offload::IoEngineConfig io_config;
+    io_config.fault_injector = snap_.options.io_fault_injector;
+    io_ = offload::IoEngine::create(io_config);
+    file_.emplace(offload::File::open(data_path_, offload::OpenMode::kTruncate));
+    uint64_t total = 0;
+    for (const SnapshotSlice& s : snap_.slices) total += SliceChunks{s.numel}.file_bytes();
+    if (total > 0) file_->reserve(0, total);
+  }
+
+  // Every saved unit's slices, chunk by chunk, each unit released once its chunks are out; then
+  // every write waited for. The first failure is thrown after the staging and the direct writes
+  // are drained (nothing may still write into buffers or state that change).
+  void write_units() {
+    std::exception_ptr first;
+    {
+      Staging staging(snap_.staging_bytes);
+      try {
+        for (size_t u : snap_.order) {
+          const size_t i = snap_.saved_index.at(u);
+          for (int k = 0; k < state::kSavedKinds; ++k) write_slice(u, i, k, staging);
+          if (snap_.options.before_release) snap_.options.before_release(u, *snap_.hold);
+          snap_.hold->release(u);
+          staging.reap();
+        }
+      } catch (...) {
+        first = std::current_exception();
+      }
+      try {
+        staging.drain();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+      snap_.report.staging_peak_bytes = staging.allocated_bytes();
+    }
+    for (auto& w : direct_writes_) {  // every write finishes before the state may change
+      const offload::IoStatus st = w.wait();
+      if (!st.ok() && !first) first = std::make_exception_ptr(std::runtime_error(st.message()));
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+  // Unit u's kind k (its saved slot i): its chunks at the end of the file, their CRCs recorded.
+  void write_slice(size_t u, size_t i, int k, Staging& staging) {
+    const SnapshotSlice& s = snap_.slices.at(i * state::kSavedKinds + size_t(k));
+    if (s.numel > 0) slices_.push_back({i, k, offset_, {}});
+    const SliceChunks cut{s.numel};
+    for (uint64_t c = 0; c < cut.count(); ++c) {
+      const uint64_t e = cut.first(c), n = cut.numel_of(c);
+      std::vector<uint32_t>& crcs = slices_.back().crc32c;
+      if (s.in_files) {
+        engine_.copy_state_to_file(u, state::Kind(k), e, n, *file_, offset_);
+        copied_chunks_.push_back({slices_.size() - 1, crcs.size(), offset_, n});
+        crcs.push_back(0);
+      } else {
+        const float* from = nullptr;
+        if (s.data.defined()) {
+          from = s.data.data_ptr<float>() + e;
+        } else {
+          float* buf = staging.take();
+          engine_.read_state(u, state::Kind(k), e, n, buf);
+          from = buf;
+        }
+        std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(from), n * 4);
+        offload::IoFuture w = io_->write(*file_, offset_, bytes);  // first: the CRC overlaps the write
+        if (s.data.defined()) direct_writes_.push_back(std::move(w));
+        else staging.writing(std::move(w));
+        crcs.push_back(offload::crc32c(bytes.data(), bytes.size()));
+      }
+      offset_ += chunk_extent(n);
+    }
+  }
+
+  // The CRCs of the chunks copied file to file, read back through the page cache the copy went
+  // through (the buffered descriptor).
+  void read_back_copied_crcs() {
+    std::vector<unsigned char> buf;
+    for (const Copied& c : copied_chunks_) {
+      const uint64_t n = c.numel * 4;
+      buf.resize(n);
+      for (uint64_t got = 0; got < n;) {
+        const ssize_t r = ::pread(file_->buffered_fd(), buf.data() + got, n - got, off_t(c.offset + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) fail_errno("cannot read back", data_path_);
+        got += uint64_t(r);
+      }
+      slices_[c.slice].crc32c[c.chunk] = offload::crc32c(buf.data(), n);
+    }
+  }
+
   struct Copied {  // a chunk copied file to file: its CRC is computed from the file
     size_t slice, chunk;
     uint64_t offset, numel;
   };
-  std::vector<Copied> copied_chunks;
-  std::exception_ptr first;
-  {
-    Staging staging(snap.staging_bytes);
-    try {
-      for (size_t u : snap.order) {
-        const size_t i = snap.saved_index.at(u);
-        for (int k = 0; k < state::kSavedKinds; ++k) {
-          const SnapshotSlice& s = snap.slices.at(i * state::kSavedKinds + size_t(k));
-          if (s.numel > 0) slices.push_back({i, k, offset, {}});
-          for (uint64_t e = 0; e < s.numel; e += kChunkElements) {
-            const uint64_t n = std::min(kChunkElements, s.numel - e);
-            std::vector<uint32_t>& crcs = slices.back().crc32c;
-            if (s.in_files) {
-              engine.copy_state_to_file(u, state::Kind(k), e, n, file, offset);
-              copied_chunks.push_back({slices.size() - 1, crcs.size(), offset, n});
-              crcs.push_back(0);
-            } else {
-              const float* from = nullptr;
-              if (s.data.defined()) {
-                from = s.data.data_ptr<float>() + e;
-              } else {
-                float* buf = staging.take();
-                engine.read_state(u, state::Kind(k), e, n, buf);
-                from = buf;
-              }
-              std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(from), n * 4);
-              offload::IoFuture w = io->write(file, offset, bytes);  // first: the CRC overlaps the write
-              if (s.data.defined()) direct_writes.push_back(std::move(w));
-              else staging.writing(std::move(w));
-              crcs.push_back(offload::crc32c(bytes.data(), bytes.size()));
-            }
-            offset += chunk_extent(n);
-          }
-        }
-        if (snap.options.before_release) snap.options.before_release(u, *snap.hold);
-        snap.hold->release(u);
-        staging.reap();
-      }
-    } catch (...) {
-      first = std::current_exception();
-    }
-    try {
-      staging.drain();
-    } catch (...) {
-      if (!first) first = std::current_exception();
-    }
-    snap.report.staging_peak_bytes = staging.allocated_bytes();
-  }
-  for (auto& w : direct_writes) {  // every write finishes before the state may change
-    const offload::IoStatus st = w.wait();
-    if (!st.ok() && !first) first = std::make_exception_ptr(std::runtime_error(st.message()));
-  }
-  if (first) std::rethrow_exception(first);
-  std::vector<unsigned char> buf;
-  for (const Copied& c : copied_chunks) {
-    const uint64_t n = c.numel * 4;
-    buf.resize(n);
-    // Through the page cache the copy went through (buffered descriptor).
-    for (uint64_t got = 0; got < n;) {
-      const ssize_t r = ::pread(file.buffered_fd(), buf.data() + got, n - got, off_t(c.offset + got));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) fail_errno("cannot read back", data_path);
-      got += uint64_t(r);
-    }
-    slices[c.slice].crc32c[c.chunk] = offload::crc32c(buf.data(), n);
-  }
-  file.sync();
-  snap.report.data_bytes = offset;
-  const std::string index = index_text(snap.rank, kChunkElements, slices);
-  write_atomically(snap.dir / (rank_name(snap.rank) + ".index.json"), index);
-  return {offset, index.size(), offload::crc32c(index.data(), index.size())};
-}
+  Engine& engine_;
+  Snapshot& snap_;
+  const fs::path data_path_;
+  std::unique_ptr<offload::IoEngine> io_;
+  std::optional<offload::File> file_;
+  std::vector<SliceRecord> slices_;  // the index: where each slice's chunks are, and their CRCs
+  // Writes straight from the state: a synchronous save only, whose caller (the training thread)
+  // is blocked until they are done, so the state cannot change under them although their units
+  // are released before.
+  std::vector<offload::IoFuture> direct_writes_;
+  std::vector<Copied> copied_chunks_;
+  uint64_t offset_ = 0;  // the data file's end
+};
+
+RankFiles write_rank_files(Engine& engine, Snapshot& snap) { return RankFileWriter(engine, snap).write(); }
 
 }  // namespace
 

@@ -34,18 +34,15 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
   out.tiles = cut.tiles;
   // What the cut alone says, for a configuration that goes on not to fit.
   {
-    const UnitPlan units = plan_units(mc, cut.tiles, world_size, models::TrainableTensors(cfg.trainable));
-    out.stage_units = units.stage_units;
-    out.unit_numel = units.unit_numel;
-    out.padded_numel = units.padded_numel;
-    out.shard_numel = units.shard_numel;
-    EngineConfig chunked = cfg;
-    chunked.mlp_token_chunk = cut.mlp_token_chunk;
-    const layout::ModelSizes sizes = model_sizes(chunked, mc, units);
-    out.compute_bytes = sizes.compute_bytes;
-    const layout::Schedule schedule = units.schedule();
-    out.graph_bytes = layout::MemoryModel(schedule, sizes).block_graph_bytes(size_t(cut.tiles.block_stages()));
-    out.choice = initial_choices(cfg, schedule.blocks(), cut.tiles);
+    const CutModel c = cut_model(cfg, mc, cut.tiles, cut.mlp_token_chunk, world_size);
+    out.stage_units = c.units.stage_units;
+    out.unit_numel = c.units.unit_numel;
+    out.padded_numel = c.units.padded_numel;
+    out.shard_numel = c.units.shard_numel;
+    out.frozen = c.units.frozen;
+    out.compute_bytes = c.sizes.compute_bytes;
+    out.graph_bytes = layout::MemoryModel(c.schedule, c.sizes).block_graph_bytes(size_t(cut.tiles.block_stages()));
+    out.choice = c.choice;
   }
   out.budgets = budgets(usable);
   try {
@@ -61,10 +58,10 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     out.nvme_state = tiers.nvme;
     // What a run measures once its state is allocated: the device room beside it, and the RAM
     // left once every local rank's host state is allocated (a derived host budget has it taken out).
-    const Allocated held = predicted_allocation(cfg, *layout, out.compute_bytes, usable, UINT64_MAX,
-                                                machine.host_available, machine.nvme_free, machine.local_ranks);
-    const WorkingSetPlan working = resolve_working_set(
-        cfg, *layout, held, same, [&](size_t s) { return models::stage_name(mc, cut.tiles, s); });
+    const WorkingSet working =
+        predicted_working_set(cfg, *layout, out.compute_bytes, usable, UINT64_MAX, machine.host_available,
+                              machine.nvme_free, machine.local_ranks, same,
+                              [&](size_t s) { return models::stage_name(mc, cut.tiles, s); });
     out.choice = working.choice;
     out.prefetch_deepest = working.prefetch_deepest;
     out.checkpoint_bytes = layout->memory.checkpoint_bytes(out.choice);

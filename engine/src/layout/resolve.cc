@@ -17,7 +17,6 @@ namespace strata::engine {
 StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t compute_bytes, size_t transient_buffers,
                        const std::vector<char>& frozen) {
   StateBytes need;
-  uint64_t largest = 0;
   for (size_t u = 0; u < shard_numel.size(); ++u) {
     const uint64_t c = shard_numel[u], n = !frozen.empty() && frozen[u] ? 0 : c;
     need.params += c * compute_bytes;
@@ -26,9 +25,8 @@ StateBytes state_bytes(const std::vector<uint64_t>& shard_numel, uint64_t comput
     need.moments += n * 8;
     need.unit_numel.push_back(n);
     need.compute_numel.push_back(c);
-    largest = std::max(largest, n);
   }
-  need.grad_buffers = uint64_t(transient_buffers) * largest * 4;
+  need.grad_buffers = uint64_t(transient_buffers) * need.largest_trainable_shard() * 4;
   return need;
 }
 
@@ -37,7 +35,7 @@ uint64_t explicit_device_bytes(const EngineConfig& cfg, const StateBytes& need) 
          (cfg.master == Placement::kDevice ? need.master + need.moments : 0);
 }
 
-TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t compute_bytes) {
+TierBytes bytes_by_tier(const StatePlacement& p, const StateBytes& need, uint64_t compute_bytes) {
   TierBytes b;
   b.host = p.grads_transient ? need.grad_buffers : 0;
   for (size_t u = 0; u < need.unit_numel.size(); ++u)
@@ -84,7 +82,7 @@ models::LayerTiles resolve_tiles(const EngineConfig& cfg, const models::ModelCon
   // tiles are "auto", again with efficient logits tiles at no larger block cut: the same blocks,
   // more vocabulary tiles rather than tiny logits tiles (never more block tiles for it).
   struct Found {
-    models::LayerTiles tiling;
+    models::LayerTiles tiles;
     int64_t k;
   };
   const auto search = [&](bool efficient_logits, int64_t most_k) -> std::optional<Found> {
@@ -110,7 +108,7 @@ models::LayerTiles resolve_tiles(const EngineConfig& cfg, const models::ModelCon
   if (smallest && auto_vocab && most_vocab > 1 && cfg.head_tiles == EngineConfig::kTilesAuto)
     if (std::optional<Found> efficient = search(true, smallest->k)) smallest = efficient;
   const std::optional<models::LayerTiles> found =
-      smallest ? std::optional<models::LayerTiles>(smallest->tiling) : std::nullopt;
+      smallest ? std::optional<models::LayerTiles>(smallest->tiles) : std::nullopt;
   // None fits: whole blocks and vocabulary (as configured), whose budget check then names what
   // is left.
   const models::LayerTiles pick = found ? *found : cut(1);
@@ -226,19 +224,19 @@ HeadCut resolve_head_tiles(const EngineConfig& cfg, const layout::Schedule& sche
   return cut;
 }
 
-PlacementPlan resolve_placement(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
+StatePlacement resolve_placement(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
                                 const StateBytes& need, uint64_t usable_device,
                                 const std::function<TierBudgets(uint64_t)>& budgets_for, const Agree& agree,
                                 std::string& report) {
   // Transient gradients wait for their update in host buffers: the plan says kHost for them.
-  const auto finish = [&](PlacementPlan p) {
+  const auto finish = [&](StatePlacement p) {
     if (p.grads_transient) p.grads = Placement::kHost;
     return p;
   };
   const bool any_auto = cfg.params == Placement::kAuto || cfg.grads == Placement::kAuto ||
                         cfg.master == Placement::kAuto || cfg.moments == Placement::kAuto;
   if (!any_auto) {
-    PlacementPlan plan{cfg.params, cfg.grads, cfg.master, cfg.moments};
+    StatePlacement plan{cfg.params, cfg.grads, cfg.master, cfg.moments};
     plan.grads_transient = gradients_transient(cfg, cfg.master);
     report = "placement: " + describe_plan(plan, need);
     return finish(plan);
@@ -251,10 +249,10 @@ PlacementPlan resolve_placement(const EngineConfig& cfg, const layout::MemoryMod
   TierBudgets budgets = budgets_for(device_state);
   // Checkpoints placed on the host explicitly need their room beside the state.
   if (cfg.activations == Placement::kHost) budgets.host -= std::min(budgets.host, mm.checkpoint_bytes(choice));
-  PlacementPlan plan = plan_placement(cfg, need, budgets);
+  StatePlacement plan = plan_placement(cfg, need, budgets);
   // This rank's bytes in host RAM and in swap under a plan (as StateStore::placement will say).
   const uint64_t compute_bytes = mm.sizes().compute_bytes;
-  const auto host_and_nvme = [&](const PlacementPlan& p) {
+  const auto host_and_nvme = [&](const StatePlacement& p) {
     const TierBytes b = bytes_by_tier(p, need, compute_bytes);
     return std::pair<uint64_t, uint64_t>{b.host, b.nvme};
   };

@@ -66,6 +66,12 @@ bool Schedule::uses_unit(size_t stage, size_t unit) const {
   return std::find(us.begin(), us.end(), unit) != us.end();
 }
 
+size_t Schedule::backward_stage_after(size_t k, size_t ahead) const {
+  for (size_t j = k % uses_.size() + 1; j < uses_.size(); ++j)
+    if (uses_[j].kind == Use::kBackward && --ahead == 0) return uses_[j].stage;
+  return kNoStage;
+}
+
 std::vector<size_t> Schedule::in_final_gradient_order(std::vector<size_t> units) const {
   std::stable_sort(units.begin(), units.end(),
                    [&](size_t a, size_t b) { return last_use_stage_.at(a) > last_use_stage_.at(b); });

@@ -10,17 +10,17 @@
 
 namespace strata::engine {
 
-layout::Choices initial_choices(const EngineConfig& cfg, size_t block_stages, const models::LayerTiles& tiling) {
+layout::Choices initial_choices(const EngineConfig& cfg, size_t block_stages, const models::LayerTiles& tiles) {
   layout::Choices choice;
-  choice.recomputed = recomputed_stages(cfg.recompute_blocks, block_stages, tiling);
+  choice.recomputed = recomputed_stages(cfg.recompute_blocks, block_stages, tiles);
   choice.activations = cfg.activations;
   choice.prefetch = cfg.prefetch;
   return choice;
 }
 
-size_t recomputed_stages(int recompute_blocks, size_t block_stages, const models::LayerTiles& tiling) {
+size_t recomputed_stages(int recompute_blocks, size_t block_stages, const models::LayerTiles& tiles) {
   if (recompute_blocks == EngineConfig::kRecomputeAuto) return block_stages;
-  const size_t per_block = size_t(std::max<int64_t>(1, tiling.block_stages()));
+  const size_t per_block = size_t(std::max<int64_t>(1, tiles.block_stages()));
   return std::min(block_stages, size_t(std::max(0, recompute_blocks)) * per_block);
 }
 

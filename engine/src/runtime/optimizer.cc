@@ -54,7 +54,7 @@ std::vector<size_t> Optimizer::units_where(bool on_device) const {
 }
 
 bool Optimizer::streams() const {
-  const PlacementPlan& p = store_.plan();
+  const StatePlacement& p = store_.plan();
   return p.master == Placement::kNvme || p.grads == Placement::kNvme || p.params == Placement::kNvme;
 }
 
@@ -199,7 +199,7 @@ void Optimizer::store_compute(size_t u, const at::Tensor& values) {
 }
 
 void Optimizer::refresh_compute_copies() {
-  const PlacementPlan& p = store_.plan();
+  const StatePlacement& p = store_.plan();
   if (p.master != Placement::kNvme && p.params != Placement::kNvme) {
     for (size_t u = 0; u < store_.units(); ++u)
       if (!store_.frozen(u)) store_.tensor(u, kCompute).copy_(store_.tensor(u, kMaster));

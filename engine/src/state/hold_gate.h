@@ -23,7 +23,7 @@
 #include "profiler.h"
 
 namespace strata::engine {
-class StateHold;
+class StateHold;  // strata/engine/state_hold.h
 }
 
 namespace strata::engine::state {

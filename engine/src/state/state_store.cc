@@ -6,7 +6,7 @@
 
 namespace strata::engine::state {
 
-StateStore::StateStore(const Partition& partition, at::ScalarType compute_dtype, const PlacementPlan& placement,
+StateStore::StateStore(const Partition& partition, at::ScalarType compute_dtype, const StatePlacement& placement,
                        Device& device, HostMemory& host, offload::SwapSpace* swap, Profiler& prof)
     : partition_(partition), compute_(compute_dtype), plan_(placement), prof_(prof),
       device_(device_tier(device)), host_(host_tier(host)), swap_(swap ? nvme_tier(*swap) : nullptr),

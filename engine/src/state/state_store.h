@@ -1,11 +1,11 @@
 // The units' partitioned state: for each unit this rank's shard of each kind (master weights,
 // the two Adam moments, the fp32 gradient accumulator, the compute-dtype copy), placed by one
-// immutable table (PlacementPlan) and held by the tier drivers (state/tier.h). Every question
+// immutable table (StatePlacement) and held by the tier drivers (state/tier.h). Every question
 // of where a shard is, how to read it and how to write it is answered here; it is also the
 // chunk ring's Source (state/chunk_ring.h).
 //
 // Kinds and tiers: placement(u, k) is the plan's tier of kind k, per unit for the optimizer
-// group (master, moments, gradients) of a split plan (PlacementPlan::unit_tier). A kind in the
+// group (master, moments, gradients) of a split plan (StatePlacement::unit_tier). A kind in the
 // device or host tier is a resident tensor (tensor(u, k)); one in swap is the partition
 // "<unit>.<kind>" of the swap space, reached through read/write. Gradients may be transient
 // (gradients_transient): then host- or swap-placed units have no accumulator here and the
@@ -41,10 +41,10 @@ static_assert(ChunkRing::kKinds == kKinds);
 class StateStore final : public ChunkRing::Source {
  public:
   // `swap` may be null when nothing is placed in swap.
-  StateStore(const Partition& partition, at::ScalarType compute_dtype, const PlacementPlan& placement, Device& device,
+  StateStore(const Partition& partition, at::ScalarType compute_dtype, const StatePlacement& placement, Device& device,
              HostMemory& host, offload::SwapSpace* swap, Profiler& prof);
 
-  const PlacementPlan& plan() const { return plan_; }
+  const StatePlacement& plan() const { return plan_; }
   // Kind k's tier as planned (of a split optimizer group: the tier of its last units).
   Placement kind_placement(int k) const { return kind_tier(plan_, k); }
   Placement placement(size_t u, int k) const { return unit_kind_tier(plan_, u, k); }
@@ -86,7 +86,7 @@ class StateStore final : public ChunkRing::Source {
 
   const Partition& partition_;
   const at::ScalarType compute_;
-  const PlacementPlan plan_;
+  const StatePlacement plan_;
   Profiler& prof_;
   std::unique_ptr<TierDriver> device_, host_, swap_;
   std::vector<std::array<at::Tensor, kKinds>> resident_;

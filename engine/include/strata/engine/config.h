@@ -25,7 +25,7 @@ enum class Precision { kFp32, kBf16, kFp16 };
 // swap files under offload.nvme_dirs (streamed through host buffers when used).
 // kAuto: chosen by the engine at construction (placement.h), fastest tier first.
 enum class Placement { kDevice, kHost, kNvme, kAuto };
-// When the Adam update of host- or swap-placed optimizer state runs (optimizer.overlap). Every
+// When the Adam update of host- or NVMe-placed optimizer state runs (optimizer.overlap). Every
 // choice gives bitwise the same numbers; they differ in what the update overlaps.
 enum class UpdateOverlap {
   kOff,       // after backward, before train_step returns
@@ -64,8 +64,8 @@ struct EngineConfig {
   Placement master = Placement::kHost;   // fp32 master parameters
   Placement moments = Placement::kHost;  // Adam moments
   // Activation checkpoints (each block's input, kept from its forward to its recompute): device
-  // memory (no copies), host RAM, or swap; kAuto: the device if they fit beside everything else,
-  // else the host if they fit its budget, else swap (when nvme_dirs are set), else the host.
+  // memory (no copies), host RAM, or NVMe; kAuto: the device if they fit beside everything else,
+  // else the host if they fit its budget, else NVMe (when nvme_dirs are set), else the host.
   Placement activations = Placement::kHost;
   // Blocks whose backward recomputes their forward from an activation checkpoint, the first ones
   // in forward order; every later block keeps its forward's autograd graph (its saved tensors and
@@ -127,7 +127,7 @@ struct EngineConfig {
   // Ranks sharing this machine's RAM and disks (not in the JSON configuration; `strata train`
   // passes DistEnv::local_world_size); 0: $LOCAL_WORLD_SIZE, else the world size.
   int local_ranks = 0;
-  // Automatic placement: state bytes this rank may put in host RAM and in swap; 0: derived from
+  // Automatic placement: state bytes this rank may put in host RAM and on NVMe; 0: derived from
   // the machine (80% of MemAvailable, 95% of the free space of nvme_dirs, shared by local ranks).
   uint64_t host_budget = 0;
   uint64_t nvme_budget = 0;
@@ -205,7 +205,6 @@ struct TrainConfig {
   EngineConfig engine;
 };
 
-TrainConfig parse_train_config(const std::string& json_text, const std::string& source);
-TrainConfig load_train_config(const std::string& path);
+// Reading a configuration file: strata/engine/config_parse.h (strata::config).
 
 }  // namespace strata::engine

@@ -1,15 +1,15 @@
 // Automatic placement: for each state kind the configuration leaves at "auto", the tier that
-// holds it, filling the GPU first, then host RAM, then NVMe swap, within byte budgets.
+// holds it, filling the GPU first, then host RAM, then NVMe, within byte budgets.
 //
 // Policy (fastest training first): everything on the device if it all fits. Otherwise the
 // compute copies on the device where they fit (gathers then need no host copies), then the
 // optimizer group (fp32 master, moments and gradient accumulators) by unit in forward order:
 // the first units on the device in what is left of it (16 bytes an element: the device updates
-// them), the rest in host RAM, else split by unit between host RAM and NVMe swap. Off the
-// device the gradients may stay on the host beside master and moments in swap, else they follow
-// their master into swap. Host RAM goes first to the gradients (touched every micro-batch) and
+// them), the rest in host RAM, else split by unit between host RAM and NVMe. Off the
+// device the gradients may stay on the host beside master and moments on NVMe, else they follow
+// their master onto NVMe. Host RAM goes first to the gradients (touched every micro-batch) and
 // the compute copies the device cannot hold (read at every gather), then to the first units'
-// master and moments; compute copies that fit neither device nor host go to swap. Units early in
+// master and moments; compute copies that fit neither device nor host go to NVMe. Units early in
 // forward order go to the faster tier because the next forward needs them first. Kinds the
 // configuration places explicitly keep their tier and their bytes count against it; the device
 // share needs gradients placed automatically (a device unit's gradient lives there too).
@@ -19,6 +19,8 @@
 // Pure functions; thread-safe. Errors: std::runtime_error naming the bytes needed and the
 // budgets when the state fits nowhere.
 #pragma once
+
+#include <algorithm>
 
 #include <cstdint>
 #include <string>
@@ -37,6 +39,10 @@ struct StateBytes {
   // unit, which has none).
   std::vector<uint64_t> unit_numel;
   uint64_t grad_buffers = 0;
+  // The largest trainable shard: a transient gradient buffer's elements.
+  uint64_t largest_trainable_shard() const {
+    return unit_numel.empty() ? 0 : *std::max_element(unit_numel.begin(), unit_numel.end());
+  }
   // By unit: the shard elements of its compute copy (empty: unit_numel's).
   std::vector<uint64_t> compute_numel;
 };
@@ -50,11 +56,11 @@ struct TierBudgets {
 // moments and gradients on the device (master, moments and grads then name where the other
 // units are: kHost or kNvme); with master == moments == kNvme, units [device_units, host_units)
 // keep master and moments (and gradients, where grads is kNvme too: they stay with their master)
-// in host RAM and the rest are in swap (host_units counts from unit 0; it means something only
-// with the group in swap).
+// in host RAM and the rest on NVMe (host_units counts from unit 0; it means something only
+// with the group on NVMe).
 // grads_transient: gradients are not stored (see gradients_transient); grads is then kHost,
 // where each unit's gradient waits for its update in one of a few buffers.
-struct PlacementPlan {
+struct StatePlacement {
   Placement params, grads, master, moments;
   size_t device_units = 0, host_units = 0;
   bool grads_transient = false;
@@ -74,9 +80,9 @@ enum Kind : int { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kGrad = 3, kCompute =
 constexpr int kSavedKinds = 3;
 const char* kind_name(int kind);  // "master", ...; std::out_of_range for an unknown kind
 // Where unit u's shard of `kind` lives under `plan`: the kind's tier (of a split optimizer group,
-// per unit: PlacementPlan::unit_tier). The one rule; the store and automatic placement call it.
-Placement kind_tier(const PlacementPlan& plan, int kind);
-inline Placement unit_kind_tier(const PlacementPlan& plan, size_t u, int kind) {
+// per unit: StatePlacement::unit_tier). The one rule; the store and automatic placement call it.
+Placement kind_tier(const StatePlacement& plan, int kind);
+inline Placement unit_kind_tier(const StatePlacement& plan, size_t u, int kind) {
   return plan.unit_tier(kind_tier(plan, kind), kind != kCompute, u);
 }
 }  // namespace state
@@ -85,10 +91,10 @@ inline Placement unit_kind_tier(const PlacementPlan& plan, size_t u, int kind) {
 // (optimizer.overlap "backward"), a step has one micro-batch, and the master weights are off the
 // device (`master`: where they are, or will be, placed). Each unit's reduced gradient then goes to
 // a host buffer that its update consumes and frees, so gradients take no room in any tier
-// (except the device share's units, PlacementPlan::device_units: theirs stay on the device).
+// (except the device share's units, StatePlacement::device_units: theirs stay on the device).
 bool gradients_transient(const EngineConfig& config, Placement master);
 
-PlacementPlan plan_placement(const EngineConfig& config, const StateBytes& need, const TierBudgets& budgets);
+StatePlacement plan_placement(const EngineConfig& config, const StateBytes& need, const TierBudgets& budgets);
 
 // Host and NVMe budgets from the configuration, or where it says 0 from what a machine offers:
 // 80% of `host_available` bytes of RAM and 95% of `nvme_free` bytes in offload.nvme_dirs (none
@@ -118,6 +124,6 @@ struct PrefetchTuner {
 };
 
 // "params device 2.6 GiB, grads host 10.4 GiB, master nvme ..., moments nvme ...".
-std::string describe_plan(const PlacementPlan& plan, const StateBytes& need);
+std::string describe_plan(const StatePlacement& plan, const StateBytes& need);
 
 }  // namespace strata::engine

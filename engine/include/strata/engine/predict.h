@@ -2,7 +2,7 @@
 // communicator: the planner's view of one rank (`strata plan`). It calls the engine's own
 // resolution (layout/resolve.h: resolve_layout, then resolve_working_set with the state the layout
 // would place counted as allocated), with the units sized from the model configuration
-// (plan_units) and the partition the engine would build at `world_size`. Every rank of a
+// (unit_table) and the partition the engine would build at `world_size`. Every rank of a
 // homogeneous cluster decides alike, so agreement is the identity here.
 // tests/engine/predict_test.cc checks the prediction against engines really built.
 //
@@ -29,7 +29,7 @@ struct StatePrediction {
   std::string error;   // why it does not fit (the engine's own message)
   std::string report;  // the placement line the engine would print
 
-  PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
+  StatePlacement placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
   layout::Choices choice;       // recomputed block stages, activation checkpoints' tier, prefetch depth
   int prefetch_deepest = 1;   // prefetch "auto": the deepest gather window the budget holds
   uint64_t head_tiles = 1;
@@ -47,6 +47,7 @@ struct StatePrediction {
   // The units as the engine partitions them, and the stages' units (the schedule).
   std::vector<uint64_t> unit_numel, padded_numel, shard_numel;
   std::vector<std::vector<size_t>> stage_units;
+  std::vector<char> frozen;   // by unit (model.trainable)
   uint64_t graph_bytes = 0;   // one kept block's autograd graph a micro-batch (its stages' together)
   uint64_t compute_bytes = 2; // bytes of a compute-copy element
   uint64_t device_bytes() const { return device_state + working_set; }

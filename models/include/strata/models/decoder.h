@@ -157,7 +157,7 @@ class Decoder {
   // initialized stay so and get the values the untiled model would have (the random stream is
   // drawn per whole tensor, then sliced). Invalidates earlier stages().
   // Throws std::invalid_argument for a tiling that does not cut the model (check_tiles).
-  void set_tiles(const LayerTiles& tiling);
+  void set_tiles(const LayerTiles& tiles);
   const LayerTiles& tiles() const { return tiles_; }
   // Every block's (or MLP tile's) MLP over chunks of `tokens` tokens, so that its intermediate
   // activations exist one chunk at a time (tiling::chunked_mlp; the backward recomputes them);

@@ -17,17 +17,22 @@ namespace strata::models {
 inline constexpr const char* kAdapterConfigFile = "adapter_config.json";
 inline constexpr const char* kAdapterWeightsFile = "adapter_model.safetensors";
 
-// The LoRA settings of an adapter_config.json's text, as ModelConfig::Lora. Refuses what Strata
-// does not compute: another peft_type, lora_dropout > 0 (Strata's models have no dropout),
-// use_dora, rank_pattern or alpha_pattern, a target_modules regular expression, bias other than
-// "none", layers_to_transform.
-ModelConfig::Lora parse_peft_adapter_config(const std::string& json_text, const std::string& source);
-// The same, of the directory `dir`'s adapter_config.json.
+// Where LoRA settings are read from. The keys are PEFT's LoraConfig's either way, with one rule
+// for what Strata does not compute; a training configuration's model.lora also refuses keys this
+// does not read and an init_lora_weights other than true (the adapters start as PEFT starts them).
+enum class LoraSettingsFrom { kAdapterConfig, kTrainConfig };
+// The LoRA settings in `json_text` (an object), as ModelConfig::Lora. `source` names it in errors
+// ("dir/adapter_config.json", or "f.json: model.lora"). Refuses: another peft_type, lora_dropout
+// other than 0 (Strata's models have no dropout), use_dora, rank_pattern or alpha_pattern, a
+// target_modules regular expression, bias other than "none", layers_to_transform and the other
+// per-layer or per-token settings; requires r >= 1 and target_modules.
+ModelConfig::Lora parse_lora_settings(const std::string& json_text, const std::string& source, LoraSettingsFrom from);
+// parse_lora_settings of the directory `dir`'s adapter_config.json.
 ModelConfig::Lora read_peft_adapter_config(const std::filesystem::path& dir);
 
 // The adapter_config.json PEFT writes for `c.lora` on a `c` base (task CAUSAL_LM, GPT-2's
 // Conv1D layers fan_in_fan_out), which peft.PeftModel.from_pretrained loads and
-// parse_peft_adapter_config reads back as c.lora. `base_model` (base_model_name_or_path) may be "".
+// parse_lora_settings reads back as c.lora. `base_model` (base_model_name_or_path) may be "".
 std::string peft_adapter_config_json(const ModelConfig& c, const std::string& base_model);
 
 // The adapter_model.safetensors key of adapter tensor `name` ("model.layers.0.self_attn.q_proj.

@@ -25,7 +25,7 @@
 //                        placement table the state store is built on: StateStore::placement)
 //   resolve_recompute    recompute "auto": how many blocks keep their graphs (needs the
 //                        device-placed state allocated: `base`)
-//   resolve_activations  activation checkpoints "auto": device, else host, else swap
+//   resolve_activations  activation checkpoints "auto": device, else host, else NVMe
 //   resolve_prefetch     prefetch "auto": how deep the gather window may go
 //
 // Agreement: every decision that changes collectives or memory is passed through `agree`, which
@@ -70,10 +70,10 @@ uint64_t explicit_device_bytes(const EngineConfig& cfg, const StateBytes& need);
 struct TierBytes {
   uint64_t device = 0, host = 0, nvme = 0;
 };
-TierBytes bytes_by_tier(const PlacementPlan& p, const StateBytes& need, uint64_t compute_bytes);
+TierBytes bytes_by_tier(const StatePlacement& p, const StateBytes& need, uint64_t compute_bytes);
 
 // The blocks' and the vocabulary's tiles: the configured counts, or for "auto" counts whole
-// blocks and vocabulary when `fits` (tiling_fits, predict.h) says so, else the fewest tiles that
+// blocks and vocabulary when `fits` (tiles_fit, predict.h) says so, else the fewest tiles that
 // fit, for k = 1, 2, ...: attention and MLP cut into about k x their share of the block's
 // parameters (an explicit count kept), and at each k the vocabulary whole, then in 2, 4, ...
 // tiles. "auto" cuts no MLP tile narrower than 64 features and no vocabulary tile narrower than
@@ -94,7 +94,7 @@ models::LayerTiles resolve_tiles(const EngineConfig& cfg, const models::ModelCon
 models::LayerTiles leanest_tiling(const EngineConfig& cfg, const models::ModelConfig& mc);
 
 // The MLPs' token chunk (EngineConfig::mlp_token_chunk): the configured one, or for "auto"
-// none where the leanest tiling fits without chunks (`fits(tiling, 0)`: tiling_fits) and
+// none where the leanest tiles fit without chunks (`fits(tiles, 0)`: tiles_fit) and
 // layout::auto_mlp_token_chunk(tokens) where it does not. Agreed: the largest any rank needs.
 int64_t resolve_mlp_token_chunk(const EngineConfig& cfg, const models::ModelConfig& mc,
                                 const std::function<bool(const models::LayerTiles&, int64_t chunk)>& fits,
@@ -125,20 +125,20 @@ HeadCut resolve_head_tiles(const EngineConfig& cfg, const layout::Schedule& sche
 // The kinds' tiers and the split: the configuration's explicit ones kept, "auto" ones planned
 // within `budgets(device_bytes_for_state)` (machine_budgets), where the device keeps room for
 // `mm.working_set(choice)` out of `usable_device`. Writes the placement line to `report`.
-PlacementPlan resolve_placement(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
+StatePlacement resolve_placement(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
                                 const StateBytes& need, uint64_t usable_device,
                                 const std::function<TierBudgets(uint64_t)>& budgets, const Agree& agree,
                                 std::string& report);
 
 // The choices every decision before the state's allocation plans with: the configured
 // checkpoints' tier and prefetch, and recompute "auto" as every block (the leanest).
-layout::Choices initial_choices(const EngineConfig& cfg, size_t block_stages, const models::LayerTiles& tiling);
+layout::Choices initial_choices(const EngineConfig& cfg, size_t block_stages, const models::LayerTiles& tiles);
 
 // placement.recompute counts whole blocks; the memory model and the engine count block stages
-// (Choices::recomputed), `tiling.block_stages()` a block. The stages of the first
+// (Choices::recomputed), `tiles.block_stages()` a block. The stages of the first
 // `recompute_blocks` blocks, at most `block_stages` (every block stage): kRecomputeAll gives all,
 // and so does kRecomputeAuto (the leanest, until resolve_recompute decides).
-size_t recomputed_stages(int recompute_blocks, size_t block_stages, const models::LayerTiles& tiling);
+size_t recomputed_stages(int recompute_blocks, size_t block_stages, const models::LayerTiles& tiles);
 
 // Block stages recomputed for "auto": those of the fewest whole blocks (`stages_per_block`
 // stages each) for which `base` + the working set fits in `usable`, agreed.
@@ -147,7 +147,7 @@ size_t resolve_recompute(const layout::MemoryModel& mm, const layout::Choices& c
 
 // Activation checkpoints' tier for placement.activations "auto": the device if the working set
 // with them there fits `usable` beside `base`; else host RAM if they fit its budget (a configured
-// host budget also holds `host_state` bytes of state) or no swap directory is given; else swap.
+// host budget also holds `host_state` bytes of state) or no swap directory is given; else NVMe.
 // An explicit placement is returned as it is.
 Placement resolve_activations(const EngineConfig& cfg, const layout::MemoryModel& mm, const layout::Choices& choice,
                               uint64_t base, uint64_t usable, uint64_t host_state, const TierBudgets& budgets,
@@ -171,13 +171,13 @@ void check_working_set(const EngineConfig& cfg, const layout::MemoryModel& mm, c
 
 // --- the units --------------------------------------------------------------------------------
 
-// The units the engine builds for `mc` cut by `tiling`, partitioned at `world_size` as
+// The units the engine builds for `mc` cut by `tiles`, partitioned at `world_size` as
 // Partition does: a stage owning parameters makes a unit of its trainable tensors and one of its
 // frozen ones (model.trainable), a tied head (tile) also using the unit of its embedding
 // (tile)'s rows (models::unit_shapes); and each stage's input width
 // (models::stage_input_widths). The engine checks that the model it built has these units.
-struct UnitPlan {
-  models::LayerTiles tiling;
+struct UnitTable {
+  models::LayerTiles tiles;
   std::vector<uint64_t> unit_numel, padded_numel, shard_numel;
   std::vector<char> frozen;  // by unit
   std::vector<std::vector<size_t>> stage_units;
@@ -185,10 +185,10 @@ struct UnitPlan {
   size_t vocab_tiles = 1;  // embedding and head stages
   layout::Schedule schedule() const;
 };
-UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiles& tiling, int world_size,
+UnitTable unit_table(const models::ModelConfig& mc, const models::LayerTiles& tiles, int world_size,
                     const models::TrainableTensors& trainable = {});
 
-// Whether `tiling` lets the device run a step within `usable` bytes: the state `cfg` places on
+// Whether `tiles` lets the device run a step within `usable` bytes: the state `cfg` places on
 // the device explicitly plus the largest use's need (construction's budget check: nothing
 // gathered ahead) at the leanest automatic choices (every block recomputed unless configured,
 // the head's logits, unless configured, in the most tiles "auto" cuts). With `efficient_logits`,
@@ -196,25 +196,41 @@ UnitPlan plan_units(const models::ModelConfig& mc, const models::LayerTiles& til
 // counted (resolve_head_tiles' test), unless that cap is max_auto_logits_tiles itself (then the
 // same test as without). The test placement.tiling "auto" makes for the blocks and the
 // vocabulary (resolve_tiles).
-bool tiling_fits(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiling,
+bool tiles_fit(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiles,
                  int world_size, uint64_t usable, bool efficient_logits);
-// The bytes tiling_fits weighs against `usable`. With `few_layers` (what tiling_fits uses), when
+// The bytes tiles_fit weighs against `usable`. With `few_layers` (what tiles_fit uses), when
 // every block is recomputed (no graph is held across blocks) a model of many layers is weighed
 // through one of a few: its blocks are alike, so the largest need is met among the first and last
 // few blocks, which the prefetch window reaches from the ends, or in any block between; what grows
 // with the layers (the explicitly placed state, the device checkpoints) is added for the rest.
 // The same bytes as the whole model's (the tests compare), in time independent of the layers:
 // `strata plan --max-model` weighs models of 600 layers cut into thousands of tiles each.
-uint64_t tiling_device_bytes(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiling,
+uint64_t tiles_device_bytes(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiles,
                              int world_size, bool efficient_logits, bool few_layers = true);
 
 // The sizes the memory model works with for `units` under `cfg` (the head's logits uncut: the
 // head's cut is resolved on them).
-layout::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfig& mc, const UnitPlan& units);
+layout::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfig& mc, const UnitTable& units);
 
 // The gradient buffers held for gradients that are not stored: the multi-use units' held ones (a
 // tied embedding) plus two.
 size_t transient_gradient_buffers(const layout::Schedule& schedule);
+
+// What a cut makes of the model before anything is decided about it: the units, the sizes the
+// memory model works with (with the cut's MLP token chunk; the head's logits uncut), the
+// schedule, this rank's state bytes and the leanest starting choices (initial_choices). The one
+// start of every resolution and prediction: resolve_layout, predict_state (and through it the
+// planner's time model), and tiles_fit's weighing.
+struct CutModel {
+  UnitTable units;
+  layout::ModelSizes sizes;
+  layout::Schedule schedule;
+  size_t transient_buffers = 2;  // transient_gradient_buffers(schedule)
+  StateBytes need;
+  layout::Choices choice;
+};
+CutModel cut_model(const EngineConfig& cfg, const models::ModelConfig& mc, const models::LayerTiles& tiles,
+                   int64_t mlp_token_chunk, int world_size);
 
 // --- the two phases ---------------------------------------------------------------------------
 
@@ -230,19 +246,19 @@ struct MachineView {
 
 // Phase one. Immutable; not copyable or movable (the memory model refers to the schedule).
 struct Layout {
-  Layout(UnitPlan units, layout::ModelSizes sizes);
+  Layout(UnitTable units, layout::ModelSizes sizes);
   Layout(const Layout&) = delete;
   Layout& operator=(const Layout&) = delete;
 
   int64_t mlp_token_chunk = 0;  // resolve_mlp_token_chunk (0: whole MLPs)
   models::LayerTiles tiles;    // resolve_tiles
-  UnitPlan units;               // the units, their partition and the stages' units
+  UnitTable units;               // the units, their partition and the stages' units
   layout::Schedule schedule;      // of one micro-batch
   size_t transient_buffers = 2; // transient_gradient_buffers
   StateBytes need;              // this rank's state bytes by kind
   HeadCut head;                 // resolve_head_tiles
   layout::MemoryModel memory;     // with the head's cut
-  PlacementPlan placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
+  StatePlacement placement{Placement::kAuto, Placement::kAuto, Placement::kAuto, Placement::kAuto};
   std::string report;           // "placement ...[; blocks in ...]": the placement line's start (describe_tiles)
   std::string head_report;      // "; head logits ... (... for the loss)": the line goes on with it
 };
@@ -279,7 +295,7 @@ Allocated predicted_allocation(const EngineConfig& cfg, const Layout& layout, ui
                                uint64_t physical_free, uint64_t host_available, uint64_t nvme_free, int local_ranks);
 
 // Phase two. Immutable.
-struct WorkingSetPlan {
+struct WorkingSet {
   layout::Choices choice;       // recomputed block stages, checkpoints' tier, prefetch (auto: its start, 1)
   bool prefetch_auto = false;
   int prefetch_deepest = 1;   // prefetch "auto": the deepest window the budget holds; else the configured depth
@@ -288,8 +304,14 @@ struct WorkingSetPlan {
 
 // Throws BudgetExceeded (check_working_set) when a use does not fit beside the state.
 // `stage_name(s)` names stage s in that message.
-WorkingSetPlan resolve_working_set(const EngineConfig& cfg, const Layout& layout, const Allocated& held,
+WorkingSet resolve_working_set(const EngineConfig& cfg, const Layout& layout, const Allocated& held,
                                    const Agree& agree, const std::function<std::string(size_t)>& stage_name);
+
+// Phase two from a prediction of the allocation (predicted_allocation with these arguments): what
+// `--plan` and the planner's prediction resolve without allocating anything.
+WorkingSet predicted_working_set(const EngineConfig& cfg, const Layout& layout, uint64_t compute_bytes, uint64_t budget,
+                                 uint64_t physical_free, uint64_t host_available, uint64_t nvme_free, int local_ranks,
+                                 const Agree& agree, const std::function<std::string(size_t)>& stage_name);
 
 // `cfg` with the resolved choices in place of "auto" (Engine::config(), the planner's view).
 EngineConfig effective_config(const EngineConfig& cfg, const Layout& layout, const layout::Choices& choice);

@@ -50,6 +50,11 @@ class Schedule {
   size_t last_use_stage(size_t unit) const { return last_use_stage_.at(unit); }
   // Whether stage s has a backward use.
   bool has_backward(size_t stage) const { return backward_.at(stage); }
+  // The stage of the `ahead`-th backward use after use k (k over a whole step, as use_at), within
+  // k's micro-batch; kNoStage past its last. What a backward use brings back while it runs (the
+  // activation checkpoints of the next backward uses) is read from here.
+  static constexpr size_t kNoStage = size_t(-1);
+  size_t backward_stage_after(size_t k, size_t ahead) const;
   // The most trainable units used by more than one stage whose gradients are held open at once
   // over the backward (from their highest stage's backward to their lowest's): a tied
   // embedding's throughout, a block tile's adapters over their part's tiles.

@@ -1,26 +1,25 @@
-// The S3 driver against a real S3 server (Ceph's RADOS Gateway, scripts/s3-server.sh): the
-// conformance suite, errors, retries through a fault-injecting proxy of our own, and the request
-// signatures against botocore's signer.
-//
-// The server: tests/common/s3_server.h.
+// The S3 driver's retries against a real S3 server through a fault-injecting proxy of our own:
+// SlowDown bursts, dropped connections, hung requests, answers lost or cut short, a multipart
+// upload's failed parts, and the error once every attempt failed.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <mutex>
-#include <random>
-#include <sstream>
+#include <span>
+#include <string>
 #include <thread>
+#include <vector>
 
-#include "object_store_conformance.h"
+#include "s3_fixture.h"
 #include "s3_server.h"
 #include "strata/offload/s3.h"
 #include "test_util.h"
@@ -28,141 +27,9 @@
 namespace strata::offload {
 namespace {
 
+using namespace s3_testing;
 using strata::test::random_bytes;
-using test::ObjectStoreConformance;
 using Kind = ObjectStoreError::Kind;
-const char* kBucket = strata::test::kS3Bucket;
-
-const S3Options& server() { return strata::test::s3_server(); }
-
-std::string unique(const std::string& tag) {
-  static std::atomic<int> n{0};
-  return tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(n++);
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    S3, ObjectStoreConformance,
-    ::testing::Values(test::StoreMaker{
-        "s3",
-        [](const std::string& tag) {
-          S3Options o = server();
-          o.list_page_keys = 7;  // pagination on every listing of more than 7 keys
-          return open_s3_store(kBucket, "conformance/" + tag, o);
-        },
-        16}),
-    [](const auto& info) { return info.param.name; });
-
-// The same server over https (scripts/s3-server.sh: a self-signed certificate for 127.0.0.1 and
-// localhost, in STRATA_S3_CA).
-S3Options https_options() {
-  S3Options o = server();
-  const char* endpoint = std::getenv("STRATA_S3_HTTPS_ENDPOINT");
-  const char* ca = std::getenv("STRATA_S3_CA");
-  if (!endpoint || !ca) throw std::runtime_error("the S3 server's variables have no https endpoint");
-  o.endpoint = endpoint;
-  o.ca_bundle = ca;
-  return o;
-}
-
-// Over TLS, with UNSIGNED-PAYLOAD (allowed only there).
-INSTANTIATE_TEST_SUITE_P(
-    S3Tls, ObjectStoreConformance,
-    ::testing::Values(test::StoreMaker{
-        "s3_tls_unsigned_payload",
-        [](const std::string& tag) {
-          S3Options o = https_options();
-          o.unsigned_payload = true;
-          o.list_page_keys = 7;
-          return open_s3_store(kBucket, "conformance-tls/" + tag, o);
-        },
-        16}),
-    [](const auto& info) { return info.param.name; });
-
-TEST(S3Tls, AnUntrustedCertificateIsRefusedAtOnceSayingWhatToDo) {
-  S3Options o = https_options();
-  o.ca_bundle.clear();  // the system's CAs do not know the test certificate
-  auto store = open_s3_store(kBucket, unique("untrusted"), o);
-  const auto t0 = std::chrono::steady_clock::now();
-  try {
-    store->put("k", std::as_bytes(std::span("x", 1)));
-    FAIL() << "a server with an untrusted certificate was accepted";
-  } catch (const ObjectStoreError& e) {
-    const std::string what = e.what();
-    EXPECT_EQ(e.kind(), Kind::kAccessDenied) << what;
-    EXPECT_NE(what.find("certificate verify failed"), std::string::npos) << what;
-    EXPECT_NE(what.find("AWS_CA_BUNDLE"), std::string::npos) << what;
-  }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(3)) << "a refused certificate was retried";
-  o.verify_tls = false;  // explicitly off: the same server is fine
-  open_s3_store(kBucket, unique("unverified"), o)->put("k", std::as_bytes(std::span("x", 1)));
-}
-
-TEST(S3Tls, TheCertificatesHostNameIsChecked) {
-  S3Options o = https_options();
-  // The certificate names localhost and 127.0.0.1: both work.
-  const std::string port = o.endpoint.substr(o.endpoint.rfind(':') + 1);
-  o.endpoint = "https://localhost:" + port;
-  open_s3_store(kBucket, unique("by-name"), o)->put("k", std::as_bytes(std::span("x", 1)));
-  // A CA file that does not exist is a clear error before anything is sent.
-  o.ca_bundle = "/nonexistent/ca.pem";
-  try {
-    open_s3_store(kBucket, unique("no-ca"), o);
-    FAIL();
-  } catch (const ObjectStoreError& e) {
-    EXPECT_NE(std::string(e.what()).find("/nonexistent/ca.pem"), std::string::npos) << e.what();
-  }
-}
-
-TEST(S3Store, UnsignedPayloadsAreRefusedOverHttp) {
-  S3Options o = server();
-  o.unsigned_payload = true;
-  try {
-    open_s3_store(kBucket, "x", o);
-    FAIL();
-  } catch (const ObjectStoreError& e) {
-    EXPECT_EQ(e.kind(), Kind::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("need https"), std::string::npos) << e.what();
-  }
-}
-
-TEST(S3Store, AWrongSecretIsAClearErrorWithTheRequestId) {
-  S3Options o = server();
-  o.credentials.secret_access_key = "wrong";
-  auto store = open_s3_store(kBucket, unique("wrong-secret"), o);
-  try {
-    store->put("k", std::as_bytes(std::span("x", 1)));
-    FAIL() << "a put with a wrong secret succeeded";
-  } catch (const ObjectStoreError& e) {
-    const std::string what = e.what();
-    EXPECT_EQ(e.kind(), Kind::kAccessDenied) << what;
-    EXPECT_EQ(e.http_status(), 403);
-    EXPECT_EQ(e.code(), "SignatureDoesNotMatch");
-    EXPECT_FALSE(e.request_id().empty());
-    EXPECT_NE(what.find("PutObject s3://strata-test/wrong-secret"), std::string::npos) << what;
-    EXPECT_NE(what.find("request id " + e.request_id()), std::string::npos) << what;
-  }
-}
-
-TEST(S3Store, AMissingBucketIsNotFound) {
-  auto store = open_s3_store("no-such-bucket-here", "", server());
-  try {
-    store->put("k", std::as_bytes(std::span("x", 1)));
-    FAIL();
-  } catch (const ObjectStoreError& e) {
-    EXPECT_EQ(e.kind(), Kind::kNotFound) << e.what();
-    EXPECT_EQ(e.code(), "NoSuchBucket") << e.what();
-  }
-  EXPECT_FALSE(open_s3_store("no-such-bucket-here", "", server())->head("k"));
-}
-
-TEST(S3Store, OpensFromAnS3UrlWithTheEnvironmentsOptions) {
-  const S3Options& o = server();  // also exports AWS_ENDPOINT_URL and the credentials
-  const std::string prefix = unique("by-url");
-  auto store = open_object_store(std::string("s3://") + kBucket + "/" + prefix + "/");
-  EXPECT_EQ(store->url(), std::string("s3://") + kBucket + "/" + prefix);
-  store->put("x", std::as_bytes(std::span("abc", 3)));
-  EXPECT_EQ(open_s3_store(kBucket, prefix, o)->get_all("x").size(), 3u);
-}
 
 // --- a fault-injecting proxy between the driver and the server --------------------------------
 
@@ -422,93 +289,6 @@ TEST(S3Faults, ACreateOnlyWriteWhoseAnswerWasLostStillKnowsItWon) {
   direct->put("manifest", std::as_bytes(std::span("theirs", 6)));
   auto store2 = open_s3_store(kBucket, direct->url().substr(5 + strlen(kBucket) + 1), through(proxy2));
   EXPECT_FALSE(store2->put_if_absent("manifest", std::as_bytes(std::span("ours!!", 6))));
-}
-
-// --- the signer against botocore's ------------------------------------------------------------
-
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      out += buf;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out;
-}
-
-TEST(S3Sign, SignaturesEqualBotocoresOnTheSameRequests) {
-  if (std::string(STRATA_PYTHON).empty()) GTEST_SKIP() << "no STRATA_PYTHON with botocore";
-  strata::test::TempDir dir;
-  const std::string cases = (dir / "cases.jsonl").string();
-  std::ofstream out(cases);
-  std::mt19937_64 rng(2026);
-  const std::vector<std::string> paths = {"/bucket/plain.bin", "/bucket/dir/a b+c=d&e%f~g.bin",
-                                          "/bucket/ünï/ключ", "/", "/bucket", "/bucket/q?x#y;z,@$!'()*"};
-  const std::vector<std::vector<std::pair<std::string, std::string>>> queries = {
-      {}, {{"uploads", ""}}, {{"partNumber", "7"}, {"uploadId", "2~abc/def+ghi="}},
-      {{"list-type", "2"}, {"prefix", "ckpt/step 1/"}, {"max-keys", "7"}, {"continuation-token", "1/a=b&c"}},
-      {{"b", "2"}, {"a", "1"}, {"a", "0"}}};
-  int n = 0;
-  for (const auto& method : {"GET", "PUT", "HEAD", "DELETE", "POST"}) {
-    for (const auto& path : paths) {
-      for (const auto& query : queries) {
-        for (int variant = 0; variant < 2; ++variant) {
-          const bool https = variant == 1;
-          const bool unsigned_payload = https && (rng() & 1);
-          const std::string host = https ? "s3.eu-west-1.amazonaws.com" : "127.0.0.1:7480";
-          const std::string body = std::string(method) == "PUT" ? std::string(rng() % 100, 'x') + "body" : "";
-          S3Request r{method, host, path, query, {}, unsigned_payload ? "UNSIGNED-PAYLOAD"
-                                                                       : sha256_hex(body.data(), body.size())};
-          if (rng() & 1) r.headers["Range"] = "bytes=" + std::to_string(rng() % 1000) + "-2000";
-          if (rng() & 1) r.headers["If-None-Match"] = "*";
-          if (rng() & 1) r.headers["Content-Type"] = "application/xml";
-          S3Credentials c{"AKIDEXAMPLE" + std::to_string(n), "wJalrXUtnFEMI/K7MDENG+bPxRfiCY" + std::to_string(n),
-                          (n % 3 == 0) ? "session/token+" + std::to_string(n) : ""};
-          const std::string region = n % 2 ? "us-east-1" : "eu-west-1";
-          const std::string date = "2026112" + std::to_string(n % 10) + "T0" + std::to_string(n % 10) + "1530Z";
-          const auto headers_before = r.headers;
-          s3_sign(r, c, region, date);
-          std::string hex;
-          for (unsigned char ch : body) {
-            char b[3];
-            std::snprintf(b, sizeof b, "%02x", ch);
-            hex += b;
-          }
-          out << "{\"method\":\"" << method << "\",\"scheme\":\"" << (https ? "https" : "http")
-              << "\",\"host\":\"" << host << "\",\"path\":\"" << json_escape(path) << "\",\"query\":[";
-          for (size_t i = 0; i < query.size(); ++i) {
-            out << (i ? "," : "") << "[\"" << json_escape(query[i].first) << "\",\"" << json_escape(query[i].second) << "\"]";
-          }
-          out << "],\"headers\":{";
-          bool first = true;
-          for (const auto& [k, v] : headers_before) {
-            out << (first ? "" : ",") << "\"" << k << "\":\"" << json_escape(v) << "\"";
-            first = false;
-          }
-          out << "},\"body_hex\":\"" << hex << "\",\"unsigned\":" << (unsigned_payload ? "true" : "false")
-              << ",\"access_key\":\"" << c.access_key_id << "\",\"secret_key\":\"" << json_escape(c.secret_access_key)
-              << "\",\"token\":\"" << json_escape(c.session_token) << "\",\"region\":\"" << region
-              << "\",\"amz_date\":\"" << date << "\",\"authorization\":\"" << r.headers["Authorization"] << "\"}\n";
-          ++n;
-        }
-      }
-    }
-  }
-  out.close();
-  const std::string command = std::string(STRATA_PYTHON) + " " + STRATA_TEST_PY_DIR + "/sigv4_oracle.py " +
-                              cases + " > " + (dir / "result.txt").string() + " 2>&1";
-  const int rc = std::system(command.c_str());
-  std::ifstream result(dir / "result.txt");
-  const std::string text((std::istreambuf_iterator<char>(result)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(rc, 0) << text;
-  EXPECT_NE(text.find("checked " + std::to_string(n) + ", mismatches 0"), std::string::npos) << text;
 }
 
 }  // namespace

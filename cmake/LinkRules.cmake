@@ -1,0 +1,58 @@
+# Link rules checked when the build is configured: a library that must stay light fails the
+# configuration the moment a link line pulls in what it must not (directly or through another
+# library). docs/ARCHITECTURE.md names the rules; scripts/check_arrows.py checks the includes.
+
+# Every library `target` links, transitively (CMake targets by their real names, and plain
+# library names or paths as they are written).
+function(strata_link_closure target out)
+  set(seen "")
+  set(todo ${target})
+  while(todo)
+    list(POP_FRONT todo t)
+    if(TARGET ${t})
+      get_target_property(real ${t} ALIASED_TARGET)
+      if(real)
+        set(t ${real})
+      endif()
+    endif()
+    if(t IN_LIST seen)
+      continue()
+    endif()
+    list(APPEND seen ${t})
+    if(NOT TARGET ${t})
+      continue()
+    endif()
+    get_target_property(type ${t} TYPE)
+    set(deps "")
+    if(NOT type STREQUAL "INTERFACE_LIBRARY")
+      get_target_property(direct ${t} LINK_LIBRARIES)
+      if(direct)
+        list(APPEND deps ${direct})
+      endif()
+    endif()
+    get_target_property(iface ${t} INTERFACE_LINK_LIBRARIES)
+    if(iface)
+      list(APPEND deps ${iface})
+    endif()
+    foreach(d IN LISTS deps)
+      # $<LINK_ONLY:x> (a static library's private dependency) still links x.
+      string(REGEX REPLACE "^\\$<LINK_ONLY:(.*)>$" "\\1" d "${d}")
+      list(APPEND todo ${d})
+    endforeach()
+  endwhile()
+  set(${out} ${seen} PARENT_SCOPE)
+endfunction()
+
+# Fails the configuration when `target` links (transitively) any library whose name matches one
+# of the regular expressions after FORBID.
+function(strata_forbid_links target)
+  cmake_parse_arguments(R "" "WHY" "FORBID" ${ARGN})
+  strata_link_closure(${target} closure)
+  foreach(lib IN LISTS closure)
+    foreach(pattern IN LISTS R_FORBID)
+      if(lib MATCHES "${pattern}")
+        message(FATAL_ERROR "link rule: ${target} links ${lib} (matches \"${pattern}\"): ${R_WHY}")
+      endif()
+    endforeach()
+  endforeach()
+endfunction()
