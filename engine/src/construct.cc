@@ -211,7 +211,7 @@ void Engine::Impl::place_activations() {
   }
   std::vector<size_t> checkpointed_stages;
   for (size_t s = 0; s < stages.size(); ++s)
-    if (checkpointed(s)) checkpointed_stages.push_back(s);
+    if (memory->checkpointed(s, choice())) checkpointed_stages.push_back(s);
   activations = std::make_unique<runtime::ActivationStore>(choice().activations, std::move(shapes), cdt, stage_names,
                                                            checkpointed_stages, dev, host, prof, swap.get());
 }

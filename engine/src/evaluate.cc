@@ -6,6 +6,8 @@
 
 #include <ATen/ops/ones.h>
 
+#include "runtime/step_driver.h"
+
 namespace strata::engine {
 
 Engine::EvalResult Engine::Impl::evaluate(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments) {

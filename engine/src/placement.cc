@@ -62,7 +62,7 @@ bool gradients_transient(const EngineConfig& cfg, Placement master) {
 
 namespace {
 
-// plan_placement's state while it places the kinds: the plan so far, the room left in each tier,
+// place_state's state while it places the kinds: the plan so far, the room left in each tier,
 // and the bytes of the optimizer group (and of gradients placed with it) not yet placed.
 struct Placer {
   const EngineConfig& cfg;
@@ -231,7 +231,7 @@ struct Placer {
 
 }  // namespace
 
-StatePlacement plan_placement(const EngineConfig& cfg, const StateBytes& need, const TierBudgets& budgets) {
+StatePlacement place_state(const EngineConfig& cfg, const StateBytes& need, const TierBudgets& budgets) {
   Placer p(cfg, need, budgets);
   p.place_fixed();
   if (p.plan.master == kAuto) p.place_group();
@@ -285,7 +285,7 @@ int PrefetchTuner::next(double waited) {
   return depth;
 }
 
-std::string describe_plan(const StatePlacement& p, const StateBytes& need) {
+std::string describe_placement(const StatePlacement& p, const StateBytes& need) {
   // Kinds split by unit: the bytes of each tier's units, in forward order (device, host, swap).
   const size_t n = need.unit_numel.size();
   uint64_t total = 0;

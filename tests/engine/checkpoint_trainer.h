@@ -1,5 +1,5 @@
-// An in-process training rank for the checkpoint tests (checkpoint_test.cc,
-// checkpoint_store_test.cc): a tiny Llama, a token corpus, an engine on the host device.
+// An in-process training rank for the checkpoint tests (checkpoint_*_test.cc): a tiny Llama, a
+// token corpus, an engine on the host device.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -144,7 +144,8 @@ TEST(EngineCuda, KeptGraphsMatchLibtorchOnTheGpu) {
 
 // Blocks and the vocabulary cut into tiles (placement.tiling), host-placed state, tied and
 // untied: libtorch's whole model on the same GPU. The same code the host device runs
-// (tiling_engine_test.cc); here the tile stages' gathers, staging and kernels are CUDA's.
+// (tiling_blocks_test.cc, tiling_vocab_test.cc); here the tile stages' gathers, staging and
+// kernels are CUDA's.
 TEST(EngineCuda, BlockAndVocabularyTilesMatchLibtorchOnTheGpu) {
   REQUIRE_GPU();
   for (bool llama : {false, true}) {

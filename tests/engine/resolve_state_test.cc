@@ -80,7 +80,7 @@ TEST(ResolvePlacement, AloneItIsThePlannersPlanWithTheDeviceKeepingRoomForTheWor
   std::string report;
   const StatePlacement plan = resolve_placement(cfg, m.memory, choice, m.need, usable, budgets, alone.agree(), report);
   EXPECT_EQ(asked, usable - working) << "the device's budget for state is what the working set leaves";
-  const StatePlacement want = plan_placement(cfg, m.need, given);
+  const StatePlacement want = place_state(cfg, m.need, given);
   EXPECT_EQ(plan.params, want.params);
   EXPECT_EQ(plan.grads, want.grads);
   EXPECT_EQ(plan.master, want.master);

@@ -238,7 +238,7 @@ StatePlacement resolve_placement(const EngineConfig& cfg, const layout::MemoryMo
   if (!any_auto) {
     StatePlacement plan{cfg.params, cfg.grads, cfg.master, cfg.moments};
     plan.grads_transient = gradients_transient(cfg, cfg.master);
-    report = "placement: " + describe_plan(plan, need);
+    report = "placement: " + describe_placement(plan, need);
     return finish(plan);
   }
   // The device keeps room for the working set (prefetch "auto": its starting depth; blocks kept
@@ -249,7 +249,7 @@ StatePlacement resolve_placement(const EngineConfig& cfg, const layout::MemoryMo
   TierBudgets budgets = budgets_for(device_state);
   // Checkpoints placed on the host explicitly need their room beside the state.
   if (cfg.activations == Placement::kHost) budgets.host -= std::min(budgets.host, mm.checkpoint_bytes(choice));
-  StatePlacement plan = plan_placement(cfg, need, budgets);
+  StatePlacement plan = place_state(cfg, need, budgets);
   // This rank's bytes in host RAM and in swap under a plan (as StateStore::placement will say).
   const uint64_t compute_bytes = mm.sizes().compute_bytes;
   const auto host_and_nvme = [&](const StatePlacement& p) {
@@ -287,7 +287,7 @@ StatePlacement resolve_placement(const EngineConfig& cfg, const layout::MemoryMo
   resolved.moments = plan.moments;
   resolved.validate();
   const auto budget = [](uint64_t b) { return b == UINT64_MAX ? std::string("unlimited") : format_bytes(b); };
-  report = "placement (auto): " + describe_plan(plan, need) + "; budgets for state: device " + budget(budgets.device) +
+  report = "placement (auto): " + describe_placement(plan, need) + "; budgets for state: device " + budget(budgets.device) +
            " (after a " + format_bytes(working) + " working set), host " + budget(budgets.host) + ", NVMe " +
            budget(budgets.nvme);
   return finish(plan);

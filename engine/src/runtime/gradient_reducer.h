@@ -13,9 +13,9 @@
 //   host    copied down on the d2h stream, then (a host function on it) copied into the
 //           accumulator on the step's first contribution or added to it on later ones (a first
 //           fp32 contribution is copied straight into the accumulator);
-//   swap    copied down, then a host function (after the unit's previous write) reads the
+//   nvme    copied down, then a host function (after the unit's previous write) reads the
 //           unit's partition, adds, and submits the write without waiting; the step's first
-//           contribution is written without a read. Before each swap reduce, the training
+//           contribution is written without a read. Before each NVMe reduce, the training
 //           thread waits for the oldest write while more than kMaxPendingWrites are in flight
 //           (counted as waiting for gradients): at most kMaxPendingWrites + 1 buffers wait for
 //           their writes, plus those of host functions still queued on the d2h stream, so a disk

@@ -43,7 +43,7 @@ class Optimizer {
             uint64_t chunk_bytes, std::vector<Ranges> no_decay = {});
 
   // The trainable units whose update runs where their master weights are on the device (true),
-  // or the CPU's (host or swap), each in forward order; frozen units are nobody's.
+  // or the CPU's (host RAM or NVMe), each in forward order; frozen units are nobody's.
   std::vector<size_t> units_where(bool on_device) const;
 
   // This rank's sum of squared gradients: the device's units first, then the CPU's, in forward

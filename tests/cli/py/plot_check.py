@@ -1,10 +1,10 @@
-"""Test oracle for `strata plot` (cli/plot.cc), using Pillow.
+"""Test oracle for `strata plot` (cli/plot*.cc), using Pillow.
 
   plot_check.py PNG WIDTH HEIGHT
 
 Checks that PNG opens, is RGB of the given size and is a drawing: more than two colors, and in
 each of the four panels (quadrants: loss, learning rate, tokens/s, memory) a share of
-non-background pixels, and the panel's series colors (cli/plot.cc's palette) on enough pixels
+non-background pixels, and the panel's series colors (cli/plot_internal.h's palette) on enough pixels
 that more than the legend swatch (under 100 pixels) was drawn. Prints each failure; exits 1.
 """
 import sys

@@ -183,9 +183,9 @@ class Engine {
 
   // The configuration in effect: "auto" placements resolved (placement.h). An optimizer group
   // split by unit names there the tier of its last units; its first optimizer_device_units()
-  // units keep master, moments and gradients on the device (updated there), and with master in
-  // swap, units up to optimizer_host_units() (counted from unit 0) keep master and moments (and
-  // gradients where those are in swap) in host RAM.
+  // units keep master, moments and gradients on the device (updated there), and with master on
+  // NVMe, units up to optimizer_host_units() (counted from unit 0) keep master and moments (and
+  // gradients where those are on NVMe) in host RAM.
   const EngineConfig& config() const;
   size_t optimizer_device_units() const;
   size_t optimizer_host_units() const;

@@ -94,7 +94,7 @@ inline Placement unit_kind_tier(const StatePlacement& plan, size_t u, int kind) 
 // (except the device share's units, StatePlacement::device_units: theirs stay on the device).
 bool gradients_transient(const EngineConfig& config, Placement master);
 
-StatePlacement plan_placement(const EngineConfig& config, const StateBytes& need, const TierBudgets& budgets);
+StatePlacement place_state(const EngineConfig& config, const StateBytes& need, const TierBudgets& budgets);
 
 // Host and NVMe budgets from the configuration, or where it says 0 from what a machine offers:
 // 80% of `host_available` bytes of RAM and 95% of `nvme_free` bytes in offload.nvme_dirs (none
@@ -124,6 +124,6 @@ struct PrefetchTuner {
 };
 
 // "params device 2.6 GiB, grads host 10.4 GiB, master nvme ..., moments nvme ...".
-std::string describe_plan(const StatePlacement& plan, const StateBytes& need);
+std::string describe_placement(const StatePlacement& plan, const StateBytes& need);
 
 }  // namespace strata::engine

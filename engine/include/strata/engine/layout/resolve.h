@@ -33,7 +33,7 @@
 // max; tests: a simulated peer). Codes are ordered so that the largest is the safe choice: the
 // slowest tier, the fewest units kept in a faster one, the most blocks recomputed.
 // No libtorch, no device, no communicator: sizes only. Pure functions of their arguments and
-// `agree`'s answers; thread-safe. Errors: as plan_placement's, and std::runtime_error when the
+// `agree`'s answers; thread-safe. Errors: as place_state's, and std::runtime_error when the
 // agreed placement overruns this rank's budgets (naming both).
 #pragma once
 

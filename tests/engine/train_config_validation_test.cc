@@ -1,0 +1,199 @@
+// Configurations the parser refuses name the file and the key (device budgets, every invalid
+// value), and model.init_from reads a model directory and rejects reshaping it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "strata/engine/comm.h"
+#include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
+#include "strata/engine/cpu_share.h"
+#include "strata/engine/device.h"
+#include "strata/engine/partition.h"
+#include "strata/models/model_config.h"
+#include "test_util.h"
+#include "thrown_message.h"
+
+namespace strata::engine {
+namespace {
+
+using test::contains;
+using test::thrown_message;
+
+// The message of the std::invalid_argument that parsing `json` as "test.json" throws.
+std::string config_error(const std::string& json) {
+  return thrown_message<std::invalid_argument>([&] { parse_train_config(json, "test.json"); });
+}
+
+// `text` as a JSON string literal.
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (char ch : text) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  return out + "\"";
+}
+
+// A Hugging Face model directory holding only config.json, for model.init_from.
+void write_hf_config(const std::filesystem::path& dir, const models::ModelConfig& mc) {
+  std::ofstream out(dir / "config.json");
+  out << mc.to_hf_json();
+}
+
+TEST(TrainConfig, DeviceBudgetTakesASizeStringOrAByteCount) {
+  auto budget_of = [](const std::string& value) {
+    return parse_train_config(R"({"device": {"budget": )" + value + "}}", "test.json")
+        .engine.device_budget;
+  };
+  EXPECT_EQ(budget_of(R"("1MiB")"), 1048576u);
+  EXPECT_EQ(budget_of("1048576"), 1048576u);
+  EXPECT_EQ(budget_of(R"("1.5GiB")"), 3ull << 29);
+  for (const char* bad : {R"("12Q")", "0", "-1", "1.5", R"("")", "true"}) {
+    const std::string msg = config_error(std::string(R"({"device": {"budget": )") + bad + "}}");
+    EXPECT_TRUE(contains(msg, "device.budget")) << bad << ": " << msg;
+  }
+}
+
+TEST(TrainConfig, InvalidConfigurationsNameTheFileAndKey) {
+  struct Bad {
+    const char* json;
+    const char* names;
+  };
+  const Bad cases[] = {
+      {R"({"optimiser": {}})", "optimiser"},
+      {R"({"run": {"checkpoint_part_size": 0}})", "run.checkpoint_part_size"},
+      {R"({"run": {"checkpoint_part_size": "6GiB"}})", "run.checkpoint_part_size"},
+      {R"({"run": {"checkpoint_concurrency": 0}})", "run.checkpoint_concurrency"},
+      {R"({"run": {"checkpoint_concurrency": 65}})", "run.checkpoint_concurrency"},
+      {R"({"run": {"checkpoint_part_size": "1GiB", "checkpoint_concurrency": 32}})", "run.checkpoint_part_size"},
+      {R"({"optimizer": {"momentum": 0.9}})", "optimizer.momentum"},
+      {R"({"model": {"layer": 6}})", "model.layer"},
+      {R"({"batch": {"micro_batch": "2"}})", "batch.micro_batch"},
+      {R"({"batch": {"micro_batch": 2.0}})", "batch.micro_batch"},
+      {R"({"batch": {"micro_batch": 0}})", "batch.micro_batch"},
+      {R"({"batch": {"grad_accum": -1}})", "batch.grad_accum"},
+      {R"({"batch": 2})", "batch"},
+      {R"({"precision": {"compute": "fp8"}})", "precision.compute"},
+      {R"({"precision": {"reduce": "fp16"}})", "precision.reduce"},
+      {R"({"precision": {"initial_loss_scale": 0}})", "precision.initial_loss_scale"},
+      {R"({"precision": {"loss_scale_window": 0}})", "precision.loss_scale_window"},
+      {R"({"optimizer": {"type": "sgd"}})", "optimizer.type"},
+      {R"({"optimizer": {"betas": [0.9]}})", "optimizer.betas"},
+      {R"({"optimizer": {"betas": [0.9, 0.99, 0.999]}})", "optimizer.betas"},
+      {R"({"optimizer": {"betas": [0.9, "0.999"]}})", "optimizer.betas"},
+      {R"({"optimizer": {"betas": 0.9}})", "optimizer.betas"},
+      {R"({"optimizer": {"betas": [0.9, 1.0]}})", "optimizer.betas"},
+      {R"({"optimizer": {"lr": "0.1"}})", "optimizer.lr"},
+      {R"({"optimizer": {"lr": -0.1}})", "optimizer.lr"},
+      {R"({"optimizer": {"eps": 0}})", "optimizer.eps"},
+      {R"({"optimizer": {"weight_decay": -1}})", "optimizer.weight_decay"},
+      {R"({"optimizer": {"clip_grad_norm": -1}})", "optimizer.clip_grad_norm"},
+      {R"({"placement": {"params": "gpu"}})", "placement.params"},
+      {R"({"device": {"type": "tpu"}})", "device.type"},
+      {R"({"placement": {"master": "device"}})", "placement.master"},
+      {R"({"device": {"prefetch": -1}})", "device.prefetch"},
+      {R"({"placement": {"recompute": -1}})", "placement.recompute"},
+      {R"({"placement": {"recompute": "some"}})", "placement.recompute"},
+      {R"({"placement": {"recompute": true}})", "placement.recompute"},
+      {R"({"placement": {"recompute": 1.5}})", "placement.recompute"},
+      {R"({"device": {"prefetch": "deep"}})", "device.prefetch"},
+      {R"({"device": {"cpu_threads": -1}})", "device.cpu_threads"},
+      {R"({"distributed": {"timeout_s": 0}})", "distributed.timeout_s"},
+      {R"({"data": {"seq_len": 0}})", "data.seq_len"},
+      {R"({"data": {"seq_len": 2048}})", "data.seq_len"},
+      {R"({"data": {"seed": -1}})", "data.seed"},
+      {R"({"run": {"steps": -1}})", "run.steps"},
+      {R"({"run": {"progress": 1}})", "run.progress"},
+      {R"({"run": {"log": null}})", "run.log"},
+      {R"({"model": {"preset": "gpt5"}})", "model.preset"},
+      {R"({"model": {"hidden": 64}})", "head_dim"},  // 64 is not a multiple of gpt2's 12 heads
+      {R"({"model": {"hf_config": "/nonexistent/config.json"}})", "/nonexistent/config.json"},
+      {R"([1, 2])", "test.json"},
+      {R"({"model": )", "not valid JSON"},
+  };
+  for (const Bad& bad : cases) {
+    SCOPED_TRACE(bad.json);
+    const std::string msg = config_error(bad.json);
+    EXPECT_TRUE(contains(msg, bad.names)) << msg;
+    EXPECT_EQ(msg.rfind("test.json", 0), 0u) << msg;
+  }
+}
+
+TEST(TrainConfig, InitFromReadsTheDirectoryAndRejectsReshaping) {
+  test::TempDir dir;
+  models::ModelConfig mc = models::preset("gpt2");
+  mc.layers = 3;
+  mc.hidden = 96;
+  mc.heads = mc.kv_heads = 6;
+  mc.head_dim = 16;
+  mc.intermediate = 384;
+  mc.vocab_size = 300;
+  mc.max_positions = 128;
+  write_hf_config(dir.path(), mc);
+  const std::string init = R"({"model": {"init_from": )" + json_string(dir.path().string());
+
+  const TrainConfig c = parse_train_config(init + R"(}, "data": {"path": "tokens.bin", "format": "uint16"}})",
+                                           "test.json");
+  EXPECT_EQ(c.init_from, dir.path().string());
+  EXPECT_EQ(c.data_path, "tokens.bin");
+  EXPECT_EQ(c.model.layers, 3);
+  EXPECT_EQ(c.model.hidden, 96);
+  EXPECT_EQ(c.model.heads, 6);
+  EXPECT_EQ(c.model.vocab_size, 300);
+
+  const std::string msg = config_error(init + R"(, "hidden": 192, "heads": 12}})");
+  EXPECT_TRUE(contains(msg, "model.init_from")) << msg;
+  EXPECT_TRUE(contains(config_error(init + R"(, "heads": 3}})"), "model.init_from"));
+  // A directory without config.json.
+  test::TempDir empty;
+  const std::string missing = config_error(R"({"model": {"init_from": )" +
+                                           json_string(empty.path().string()) + "}}");
+  EXPECT_TRUE(contains(missing, "config.json")) << missing;
+}
+
+// A pretrained model with the default data (raw bytes, valid ids of any vocabulary) would be
+// fine-tuned on text its tokenizer never made, silently: data.path must be given.
+TEST(TrainConfig, InitFromNeedsDataPathGivenExplicitly) {
+  test::TempDir dir;
+  write_hf_config(dir.path(), models::preset("gpt2"));
+  const std::string init = R"({"model": {"init_from": )" + json_string(dir.path().string()) + "}";
+  for (const std::string& data : {std::string(""), std::string(R"(, "data": {"seq_len": 32})")}) {
+    const std::string msg = config_error(init + data + "}");
+    EXPECT_TRUE(contains(msg, "model.init_from is set but data.path is not")) << msg;
+    EXPECT_TRUE(contains(msg, "strata data prepare")) << msg;
+  }
+  EXPECT_EQ(parse_train_config(init + R"(, "data": {"path": "/usr/share/common-licenses"}})", "t.json").data_path,
+            "/usr/share/common-licenses");  // the default, but asked for
+}
+
+TEST(TrainConfig, InitFromRejectsALayersOverride) {
+  test::TempDir dir;
+  write_hf_config(dir.path(), models::preset("gpt2"));
+  const std::string msg = config_error(R"({"model": {"init_from": )" +
+                                       json_string(dir.path().string()) + R"(, "layers": 2}})");
+  EXPECT_TRUE(contains(msg, "model.init_from")) << msg;
+}
+
+}  // namespace
+}  // namespace strata::engine
