@@ -111,7 +111,9 @@ TEST(Schedule, BackwardStagesAheadOfAUse) {
       const size_t got = frozen.backward_stage_after(k, a);
       const bool old_rule = u.stage > a && frozen.is_block(u.stage - a) && frozen.has_backward(u.stage - a);
       EXPECT_EQ(got != none && frozen.is_block(got), old_rule) << "use " << k << " ahead " << a;
-      if (old_rule) EXPECT_EQ(got, u.stage - a);
+      if (old_rule) {
+        EXPECT_EQ(got, u.stage - a);
+      }
     }
   }
 }

@@ -7,6 +7,8 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "strata/models/model_config.h"
 #include "strata/models/peft.h"
@@ -31,10 +33,12 @@ std::string refusal(const json& j, LoraSettingsFrom from) {
 }
 
 TEST(LoraSettings, AnAdapterFileAndAConfigurationReadAlike) {
-  for (const json& j : {json{{"r", 8}, {"lora_alpha", 16}, {"target_modules", {"q_proj", "v_proj"}}},
-                        json{{"r", 3}, {"lora_alpha", 5.5}, {"use_rslora", true}, {"target_modules", "all-linear"},
-                             {"modules_to_save", {"lm_head"}}, {"lora_dropout", 0.0}, {"bias", "none"}}},
-                        json{{"r", 1}, {"target_modules", {"c_attn"}}, {"modules_to_save", nullptr}}}) {
+  const std::vector<json> cases = {
+      json{{"r", 8}, {"lora_alpha", 16}, {"target_modules", {"q_proj", "v_proj"}}},
+      json{{"r", 3}, {"lora_alpha", 5.5}, {"use_rslora", true}, {"target_modules", "all-linear"},
+           {"modules_to_save", json::array({"lm_head"})}, {"lora_dropout", 0.0}, {"bias", "none"}},
+      json{{"r", 1}, {"target_modules", json::array({"c_attn"})}, {"modules_to_save", nullptr}}};
+  for (const json& j : cases) {
     SCOPED_TRACE(j.dump());
     const ModelConfig::Lora a = parse(j, LoraSettingsFrom::kAdapterConfig), c = parse(j, LoraSettingsFrom::kTrainConfig);
     EXPECT_EQ(a.r, c.r);
