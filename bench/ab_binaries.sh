@@ -4,7 +4,8 @@
 #   strata bench step --steps 9 --placement host   (the engine's step against plain libtorch)
 #   bench/nvme_1b.sh --steps 2                      (1.3B, all state in swap; skipped with --no-nvme)
 # and prints each run's figures, then one JSON line per benchmark: the new binary's median
-# against the old one's (the baseline), their ratio, and whether the 1.3B losses are bitwise equal.
+# against the old one's (the baseline), their ratio, and whether the 1.3B losses are bitwise equal
+# and its swap traffic (bytes read and written each step) the same.
 #   bench/ab_binaries.sh OLD_BIN NEW_BIN [--runs N] [--no-nvme]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -66,6 +67,7 @@ if nvme:
     so, sn = steps("old"), steps("new")
     total = lambda r: sum(s["seconds"] for s in r)
     losses = lambda r: [s["loss"] for s in r]
+    swap = lambda r: [(s["timeline"]["nvme_read_bytes"], s["timeline"]["nvme_write_bytes"]) for s in r]
     to, tn = statistics.median(total(r) for r in so), statistics.median(total(r) for r in sn)
     jo, jn = load("nvme-old-*.json"), load("nvme-new-*.json")
     print(json.dumps({"metric": "nvme_1b_two_step_seconds_median", "value": tn, "baseline": "the old binary",
@@ -73,5 +75,7 @@ if nvme:
                       "old": [total(r) for r in so], "new": [total(r) for r in sn],
                       "losses_bitwise_equal": all(losses(r) == losses(so[0]) for r in so + sn),
                       "losses": losses(sn[0]),
+                      "swap_bytes_equal": all(swap(r) == swap(so[0]) for r in so + sn),
+                      "swap_read_write_bytes": swap(sn[0]),
                       "peak_rss_old": [j["value"] for j in jo], "peak_rss_new": [j["value"] for j in jn]}))
 PY
