@@ -54,7 +54,7 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
   uses_run->finish_backward();
   // "backward": the device's units (a split optimizer group's first ones, final last) are
   // updated now, on the compute stream, while the updater may still run.
-  if (pass.in_backward) update->finish_in_backward(adam_config(1.0 / pass.denom));
+  if (pass.in_backward) update->finish_in_backward(pass.backward_update);
   // "forward": the last update was done long ago (the forward gathered every unit); "backward":
   // this step's update, whose last units may still be running.
   finish_update();

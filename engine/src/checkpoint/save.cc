@@ -238,8 +238,10 @@ class RankFileWriter {
     const SnapshotSlice& s = snap_.slices.at(i * state::kSavedKinds + size_t(k));
     if (s.numel > 0) slices_.push_back({i, k, offset_, {}});
     const SliceChunks cut{s.numel};
+    const uint64_t start = offset_;
     for (uint64_t c = 0; c < cut.count(); ++c) {
       const uint64_t e = cut.first(c), n = cut.numel_of(c);
+      offset_ = start + cut.offset(c);
       std::vector<uint32_t>& crcs = slices_.back().crc32c;
       if (s.in_files) {
         engine_.copy_state_to_file(u, state::Kind(k), e, n, *file_, offset_);
@@ -260,8 +262,8 @@ class RankFileWriter {
         else staging.writing(std::move(w));
         crcs.push_back(offload::crc32c(bytes.data(), bytes.size()));
       }
-      offset_ += chunk_extent(n);
     }
+    offset_ = start + cut.file_bytes();
   }
 
   // The CRCs of the chunks copied file to file, read back through the page cache the copy went

@@ -16,28 +16,29 @@ void UpdatePolicy::run(const kernels::AdamConfig& ac) {
     updater_.launch_after_step(ac, holds_.waiter());
     return;
   }
-  const double before = prof_.step.optimizer;
-  double waited = 0;  // for a checkpoint's snapshot: not optimizer work
-  {
-    auto t = prof_.time(prof_.step.optimizer, "optimizer");
-    const state::HoldGate::Waiter before_write = holds_.waiter(&waited);
+  timed_on_training_thread("optimizer", [&](const state::HoldGate::Waiter& before_write) {
     optimizer_.update_on_device(ac, optimizer_.units_where(true), nullptr, before_write);
     const std::vector<size_t> rest = optimizer_.units_where(false);
     if (!rest.empty()) optimizer_.update_on_cpu(ac, rest, {}, nullptr, before_write);
-  }
-  prof_.step.optimizer -= waited;
-  prof_.step.optimizer_exposed += prof_.step.optimizer - before;
+  });
 }
 
 void UpdatePolicy::update_device_units(const kernels::AdamConfig& ac, std::vector<double>* sumsq) {
   const std::vector<size_t> which = optimizer_.units_where(true);
   if (which.empty()) return;
+  timed_on_training_thread("optimizer (device)", [&](const state::HoldGate::Waiter& before_write) {
+    optimizer_.update_on_device(ac, which, sumsq, before_write);
+    if (profile_) dev_.synchronize(dev_.compute_stream());  // the kernel's time, not its launch's
+  });
+}
+
+void UpdatePolicy::timed_on_training_thread(const char* what,
+                                            const std::function<void(const state::HoldGate::Waiter&)>& update) {
   const double before = prof_.step.optimizer;
   double waited = 0;  // for a checkpoint's snapshot: not optimizer work
   {
-    auto t = prof_.time(prof_.step.optimizer, "optimizer (device)");
-    optimizer_.update_on_device(ac, which, sumsq, holds_.waiter(&waited));
-    if (profile_) dev_.synchronize(dev_.compute_stream());  // the kernel's time, not its launch's
+    auto t = prof_.time(prof_.step.optimizer, what);
+    update(holds_.waiter(&waited));
   }
   prof_.step.optimizer -= waited;
   prof_.step.optimizer_exposed += prof_.step.optimizer - before;

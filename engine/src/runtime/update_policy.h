@@ -15,6 +15,7 @@
 // Errors: the optimizer's and the updater's, as they throw them (finish rethrows the updater's).
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "profiler.h"
@@ -58,6 +59,10 @@ class UpdatePolicy {
   // The device's units (a split optimizer group's first ones), on the training thread: one launch
   // on the compute stream, counted as exposed optimizer time.
   void update_device_units(const kernels::AdamConfig& ac, std::vector<double>* sumsq = nullptr);
+  // Runs `update` on the training thread under the optimizer's timer (`what`), handing it the
+  // gate's waiter; the seconds it waited for a snapshot come out of the optimizer's time, the rest
+  // counts as exposed optimizer time.
+  void timed_on_training_thread(const char* what, const std::function<void(const state::HoldGate::Waiter&)>& update);
 
   const UpdateOverlap overlap_;
   const bool profile_, master_on_device_;
