@@ -14,8 +14,9 @@ int bench_main(const std::vector<std::string>& args);
 // $STRATA_PYTHON, else the one the build was configured with, else python3.
 std::string python_interpreter();
 
-// `strata bench lora` and `strata bench sft` (bench_finetune.cc).
+// `strata bench lora` and `strata bench sft` (bench_finetune.cc), `strata bench moe` (bench_moe.cc).
 int bench_lora(const std::vector<std::string>& argv);
 int bench_sft(const std::vector<std::string>& argv);
+int bench_moe(const std::vector<std::string>& argv);
 
 }  // namespace strata::cli

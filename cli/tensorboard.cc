@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -113,6 +114,48 @@ void TensorBoardWriter::scalar(const std::string& tag, int64_t step, double valu
   put_bytes(v, 1, tag);
   put_float(v, 2, static_cast<float>(value));
   std::string summary;  // Summary { repeated Value value = 1; }
+  put_bytes(summary, 1, v);
+  std::string e = event_header(wall_time, step);
+  put_bytes(e, 5, summary);
+  write_record(e);
+}
+
+void TensorBoardWriter::histogram(const std::string& tag, int64_t step, const std::vector<double>& values,
+                                  int buckets, double wall_time) {
+  if (values.empty()) throw std::invalid_argument("tensorboard: histogram " + tag + " of no values");
+  const auto [lo, hi] = std::minmax_element(values.begin(), values.end());
+  const double min = *lo, max = *hi;
+  const int n = max > min ? std::max(buckets, 1) : 1;
+  std::vector<double> counts(size_t(n), 0.0);
+  double sum = 0, squares = 0;
+  for (double x : values) {
+    sum += x;
+    squares += x * x;
+    const int b = max > min ? std::min(n - 1, int((x - min) / (max - min) * n)) : 0;
+    counts[size_t(b)] += 1;
+  }
+  // HistogramProto { double min = 1; max = 2; num = 3; sum = 4; sum_squares = 5;
+  //                  repeated double bucket_limit = 6 [packed]; repeated double bucket = 7 [packed]; }
+  std::string h, limits, bucket;
+  put_double(h, 1, min);
+  put_double(h, 2, max);
+  put_double(h, 3, double(values.size()));
+  put_double(h, 4, sum);
+  put_double(h, 5, squares);
+  for (int b = 0; b < n; ++b) {
+    const double limit = b == n - 1 ? max : min + (max - min) * double(b + 1) / double(n);
+    uint64_t bits;
+    std::memcpy(&bits, &limit, sizeof bits);
+    put_le(limits, bits, 8);
+    std::memcpy(&bits, &counts[size_t(b)], sizeof bits);
+    put_le(bucket, bits, 8);
+  }
+  put_bytes(h, 6, limits);
+  put_bytes(h, 7, bucket);
+  std::string v;  // Summary.Value { string tag = 1; HistogramProto histo = 5; }
+  put_bytes(v, 1, tag);
+  put_bytes(v, 5, h);
+  std::string summary;
   put_bytes(summary, 1, v);
   std::string e = event_header(wall_time, step);
   put_bytes(e, 5, summary);

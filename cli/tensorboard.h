@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 namespace strata::cli {
 
@@ -34,6 +35,12 @@ class TensorBoardWriter {
 
   // One point of the series `tag`. TensorBoard stores scalars as float32: `value` is rounded.
   void scalar(const std::string& tag, int64_t step, double value, double wall_time = now());
+
+  // The distribution of `values` at `step` as a TensorBoard histogram (its HistogramProto: min,
+  // max, count, sum, sum of squares, and `buckets` equal-width buckets from min to max, each
+  // counting the values up to its limit). Throws std::invalid_argument for no values.
+  void histogram(const std::string& tag, int64_t step, const std::vector<double>& values, int buckets = 16,
+                 double wall_time = now());
 
   // Makes everything written so far durable (fsync).
   void flush();

@@ -37,6 +37,18 @@ uint64_t peak_rss_bytes() {
   return 0;
 }
 
+// A mixture of experts' least and most chosen expert over its sparse blocks, as shares of their
+// block's choices (StepResult::expert_shares).
+std::pair<double, double> expert_share_range(const engine::StepResult& r) {
+  double least = 1, most = 0;
+  for (const auto& block : r.expert_shares)
+    for (double s : block) {
+      least = std::min(least, s);
+      most = std::max(most, s);
+    }
+  return {least, most};
+}
+
 // One step's timeline as one line, its largest stall named.
 std::string timeline_line(int64_t step, const engine::StepResult& r) {
   const engine::StepTimeline& t = r.timeline;
@@ -242,6 +254,18 @@ void RunLog::step(int64_t step, double lr, const engine::StepResult& r, const en
 
 nlohmann::json RunLog::step_line(int64_t step, double lr, const engine::StepResult& r,
                                  const engine::MemoryReport& mem, const std::vector<NodeTraffic>& traffic) const {
+  nlohmann::json line = step_fields(step, lr, r, mem, traffic);
+  if (!r.expert_shares.empty()) {  // a mixture of experts: its load balance
+    const auto [least, most] = expert_share_range(r);
+    line["aux_loss"] = r.aux_loss;
+    line["expert_share_min"] = least;
+    line["expert_share_max"] = most;
+  }
+  return line;
+}
+
+nlohmann::json RunLog::step_fields(int64_t step, double lr, const engine::StepResult& r,
+                                   const engine::MemoryReport& mem, const std::vector<NodeTraffic>& traffic) const {
   return {{"step", step},
           {"optimizer_step", r.step},
           {"loss", r.loss},
@@ -288,6 +312,12 @@ void RunLog::step_scalars(int64_t step, double lr, const engine::StepResult& r, 
   tensorboard_->scalar("memory/device_peak_bytes", step, double(mem.device_peak));
   tensorboard_->scalar("memory/host_state_bytes", step, double(mem.host_state));
   tensorboard_->scalar("memory/nvme_state_bytes", step, double(mem.nvme_state));
+  if (r.expert_shares.empty()) return;
+  tensorboard_->scalar("train/aux_loss", step, r.aux_loss);
+  // Each sparse block's experts by the share of its top-k choices they received: a block whose
+  // routing collapses shows a few experts far right and many at 0.
+  for (size_t b = 0; b < r.expert_shares.size(); ++b)
+    tensorboard_->histogram("experts/share.sparse_block_" + std::to_string(b), step, r.expert_shares[b]);
 }
 
 void RunLog::print_progress(int64_t step, const engine::StepResult& r, const engine::MemoryReport& mem) const {
@@ -302,7 +332,14 @@ void RunLog::print_progress(int64_t step, const engine::StepResult& r, const eng
            mem.device_budget == UINT64_MAX ? "unlimited" : format_bytes(mem.device_budget).c_str(),
            format_bytes(mem.host_state).c_str(), format_bytes(mem.host_activations).c_str(),
            format_bytes(mem.nvme_state).c_str());
-  std::cerr << (tty_ ? "\r\033[K" : "") << line << (tty_ ? "" : "\n") << std::flush;
+  std::string moe;
+  if (!r.expert_shares.empty()) {
+    const auto [least, most] = expert_share_range(r);
+    char part[128];
+    snprintf(part, sizeof part, " | aux %.4f, experts %.3f-%.3f", r.aux_loss, least, most);
+    moe = part;
+  }
+  std::cerr << (tty_ ? "\r\033[K" : "") << line << moe << (tty_ ? "" : "\n") << std::flush;
 }
 
 void RunLog::eval(int64_t after_step, double loss, uint64_t tokens, double secs) {

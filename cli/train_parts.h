@@ -261,6 +261,8 @@ class RunLog {
   void write(const nlohmann::json& line);
   nlohmann::json step_line(int64_t step, double lr, const engine::StepResult& r, const engine::MemoryReport& mem,
                            const std::vector<NodeTraffic>& traffic) const;
+  nlohmann::json step_fields(int64_t step, double lr, const engine::StepResult& r, const engine::MemoryReport& mem,
+                             const std::vector<NodeTraffic>& traffic) const;
   void step_scalars(int64_t step, double lr, const engine::StepResult& r, const engine::MemoryReport& mem);
   void print_progress(int64_t step, const engine::StepResult& r, const engine::MemoryReport& mem) const;
 

@@ -45,6 +45,10 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
     pass.head_scale = loss_scaler.scale() / pass.loss_tokens;
     pass.denom = loss_scaler.scale();
   }
+  // The load-balancing loss of each micro-batch is averaged over the global batch's micro-batches.
+  const models::ModelConfig::Moe& moe = model->config().moe;
+  if (moe.enabled() && moe.add_aux_loss)
+    pass.aux_seed = moe.aux_loss_coef * loss_scaler.scale() / (pass.masked ? double(A) * comm.world_size() : 1.0);
   pass.in_backward = updates_in_backward();
   if (pass.in_backward) pass.backward_update = adam_config(1.0 / pass.denom);
   const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(loss_mask),
@@ -97,9 +101,31 @@ StepResult Engine::Impl::reduce_norm_and_loss(const Pass& pass, std::chrono::ste
   const double sumsq = update->local_sum_squares();
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double loss_sum = pass.loss_sum.item<double>();
-  at::Tensor red = at::tensor({sumsq, loss_sum, prof.step.wait_params, elapsed}, at::TensorOptions().dtype(at::kDouble));
+  std::vector<double> sums = {sumsq, loss_sum, prof.step.wait_params, elapsed};
+  // A mixture of experts: its load-balancing loss and each sparse block's choices per expert.
+  if (pass.aux_sum.defined()) sums.push_back(pass.aux_sum.item<double>());
+  for (const auto& [stage, choices] : pass.expert_choices) {
+    const at::Tensor c = choices.to(at::kCPU, at::kDouble).contiguous();
+    sums.insert(sums.end(), c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+  }
+  at::Tensor red = at::tensor(sums, at::TensorOptions().dtype(at::kDouble));
   comm.all_reduce(red, ReduceOp::kSum);
-  r.loss = red[1].item<double>() / (pass.masked ? pass.loss_tokens : double(cfg.grad_accum) * comm.world_size());
+  const double micro_batches = double(cfg.grad_accum) * comm.world_size();
+  r.loss = red[1].item<double>() / (pass.masked ? pass.loss_tokens : micro_batches);
+  if (pass.aux_sum.defined()) {
+    const double* x = red.data_ptr<double>() + 5;
+    r.aux_loss = red[4].item<double>() / micro_batches;
+    if (pass.aux_seed != 0) r.loss += model->config().moe.aux_loss_coef * r.aux_loss;
+    for (const auto& [stage, choices] : pass.expert_choices) {
+      const int64_t experts = choices.size(0);
+      double total = 0;
+      for (int64_t e = 0; e < experts; ++e) total += x[e];
+      std::vector<double> shares(size_t(experts), 0.0);
+      for (int64_t e = 0; e < experts; ++e) shares[size_t(e)] = total > 0 ? x[e] / total : 0;
+      r.expert_shares.push_back(std::move(shares));
+      x += experts;
+    }
+  }
   r.grad_norm = std::sqrt(red[0].item<double>()) / pass.denom;
   if (cfg.prefetch_auto)
     params->set_depth(prefetch_tuner.next(red[2].item<double>() / std::max(red[3].item<double>(), 1e-9)));

@@ -35,6 +35,7 @@ std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i, BlockP
   if (!c.lora.enabled()) return out;
   for (const BlockLinear& l : block_linears(c)) {
     if (part != BlockPart::kWhole && l.attention != (part == BlockPart::kAttention)) continue;
+    if (!l.attention && c.sparse(i)) continue;  // a sparse block's experts are no linear layers
     const std::string module = block_prefix(c, i) + l.module;
     if (c.lora.targets(module)) out.push_back({module, l.in, l.out, l.attention});
   }

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "strata/models/model_shapes.h"
+#include "strata/models/moe.h"
 
 namespace strata::models::detail {
 
@@ -243,6 +244,20 @@ class LlamaBlock final : public Stage {
     // post_attention_layernorm.
     post_norm = add(p + "post_attention_layernorm.weight", {d});
     if (c.sandwich_norms) pre_ff_norm = add(p + "pre_feedforward_layernorm.weight", {d});
+    if (c.sparse(i)) {  // the router, then each expert's gate, up and down
+      router = add(router_name(c, i), {c.moe.experts, d});
+      const int64_t fe = c.moe.intermediate;
+      for (int64_t e = 0; e < c.moe.experts; ++e) {
+        const ExpertTensors x = expert_tensors(c, i, e);
+        tiling::MlpWeights w;
+        w.gate = add(x.gate, {fe, d});
+        w.up = add(x.up, {fe, d});
+        w.down = add(x.down, {d, fe});
+        experts_.push_back(w);
+      }
+      add_adapters(c, i);
+      return;
+    }
     wg = add(p + "mlp.gate_proj.weight", {f, d});
     wu = add(p + "mlp.up_proj.weight", {f, d});
     wd = add(p + "mlp.down_proj.weight", {d, f});
@@ -266,18 +281,23 @@ class LlamaBlock final : public Stage {
                                adapter("mlp.down_proj")};
     if (!c_.sandwich_norms) {
       at::Tensor r = x + a;
-      return r + mlp(c_, rms_norm(r, post_norm, c_.norm_eps, c_.gemma), w, mlp_chunk_);
+      const at::Tensor n = rms_norm(r, post_norm, c_.norm_eps, c_.gemma);
+      return r + (router.defined() ? moe_mlp(c_, n, router, experts_, stats_) : mlp(c_, n, w, mlp_chunk_));
     }
     at::Tensor r = x + rms_norm(a, post_norm, c_.norm_eps, c_.gemma);
     at::Tensor m = mlp(c_, rms_norm(r, pre_ff_norm, c_.norm_eps, c_.gemma), w, mlp_chunk_);
     return r + rms_norm(m, post_ff_norm, c_.norm_eps, c_.gemma);
   }
+  const RouterStats* router_stats() const override { return router.defined() ? &stats_ : nullptr; }
 
  private:
   ModelConfig c_;
   int64_t window_;
   at::Tensor in_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, post_norm, pre_ff_norm, wg, wu, wd, bg, bu, bd,
       post_ff_norm;
+  at::Tensor router;                         // a sparse block's (ModelConfig::Moe)
+  std::vector<tiling::MlpWeights> experts_;  // and its experts'
+  RouterStats stats_;
 };
 
 class LlamaHead final : public HeadStage {

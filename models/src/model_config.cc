@@ -1,5 +1,6 @@
 #include "strata/models/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -37,68 +38,44 @@ T get_or(const json& j, const char* key, T fallback) {
   }
 }
 
-ModelConfig gpt(const std::string& name, int64_t layers, int64_t hidden, int64_t heads,
-                int64_t vocab = 50257, int64_t positions = 2048) {
-  ModelConfig c;
-  c.arch = Arch::kGpt2;
-  c.name = name;
-  c.vocab_size = vocab;
-  c.hidden = hidden;
-  c.layers = layers;
-  c.heads = c.kv_heads = heads;
-  c.head_dim = hidden / heads;
-  c.intermediate = 4 * hidden;
-  c.max_positions = positions;
-  c.tie_embeddings = true;
-  return c;
-}
-
-ModelConfig llama(const std::string& name, int64_t layers, int64_t hidden, int64_t heads,
-                  int64_t kv_heads, int64_t intermediate, int64_t vocab, bool tied) {
-  ModelConfig c;
-  c.arch = Arch::kLlama;
-  c.name = name;
-  c.vocab_size = vocab;
-  c.hidden = hidden;
-  c.layers = layers;
-  c.heads = heads;
-  c.kv_heads = kv_heads;
-  c.head_dim = hidden / heads;
-  c.intermediate = intermediate;
-  c.max_positions = 8192;
-  c.norm_eps = 1e-5;
-  c.rope_theta = 500000.0;
-  c.tie_embeddings = tied;
-  return c;
-}
-
-const std::map<std::string, ModelConfig>& presets() {
-  static const std::map<std::string, ModelConfig> p = [] {
-    std::map<std::string, ModelConfig> m;
-    auto add = [&](ModelConfig c) { m.emplace(c.name, c); };
-    add(gpt("gpt2", 12, 768, 12, 50257, 1024));
-    add(gpt("gpt2-medium", 24, 1024, 16, 50257, 1024));
-    add(gpt("gpt2-large", 36, 1280, 20, 50257, 1024));
-    add(gpt("gpt2-xl", 48, 1600, 25, 50257, 1024));
-    add(gpt("gpt3-1.3b", 24, 2048, 16));
-    add(gpt("gpt3-2.7b", 32, 2560, 32));
-    add(gpt("gpt3-6.7b", 32, 4096, 32));
-    add(gpt("gpt3-13b", 40, 5120, 40));  // the paper lists 5140 x 40 heads of 128; 5120 divides
-    add(gpt("gpt3-175b", 96, 12288, 96));
-    add(gpt("gpt-1t", 128, 25600, 160));
-    add(gpt("gpt-1.4b", 24, 2048, 16));  // the brief's benchmark shapes
-    add(gpt("gpt-2.8b", 32, 2560, 20));
-    add(llama("llama-1b", 16, 2048, 32, 8, 8192, 128256, true));
-    add(llama("llama-8b", 32, 4096, 32, 8, 14336, 128256, false));
-    add(llama("llama-70b", 80, 8192, 64, 8, 28672, 128256, false));
-    return m;
-  }();
-  return p;
+// The experts of a mixtral or qwen3_moe config.json (ModelConfig::Moe).
+void parse_experts(const json& j, const std::string& source, ModelConfig& c) {
+  const bool mixtral = c.hf_type == "mixtral";
+  // Qwen3-MoE names its count num_experts; transformers 5 writes it back as num_local_experts.
+  c.moe.experts = need<int64_t>(j, mixtral || !j.contains("num_experts") ? "num_local_experts" : "num_experts", source);
+  if (c.moe.experts <= 0) throw bad(source, "the number of experts must be positive");
+  c.moe.top_k = need<int64_t>(j, "num_experts_per_tok", source);
+  if (c.moe.top_k < 1 || c.moe.top_k > c.moe.experts)
+    throw bad(source, "num_experts_per_tok " + std::to_string(c.moe.top_k) + " must be between 1 and the " +
+                          std::to_string(c.moe.experts) + " experts");
+  c.moe.intermediate = mixtral ? c.intermediate : need<int64_t>(j, "moe_intermediate_size", source);
+  c.moe.norm_topk = mixtral || get_or<bool>(j, "norm_topk_prob", false);
+  c.moe.aux_loss_coef = get_or<double>(j, "router_aux_loss_coef", 0.001);
+  c.moe.add_aux_loss = get_or<bool>(j, "output_router_logits", false);
+  if (get_or<double>(j, "router_jitter_noise", 0.0) != 0)
+    throw bad(source, "router_jitter_noise is not supported (Strata's stages are pure functions, recomputed "
+                      "bit for bit): set it to 0");
+  if (mixtral) return;
+  // A Qwen3-MoE layer is dense when listed in mlp_only_layers or off every decoder_sparse_step-th.
+  const int64_t step = get_or<int64_t>(j, "decoder_sparse_step", 1);
+  if (step < 1) throw bad(source, "decoder_sparse_step must be at least 1");
+  std::vector<int64_t> only;
+  if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) only = need<std::vector<int64_t>>(j, "mlp_only_layers", source);
+  for (int64_t i : only)
+    if (i < 0 || i >= c.layers) throw bad(source, "mlp_only_layers names layer " + std::to_string(i) + " of " + std::to_string(c.layers));
+  std::vector<bool> dense;
+  for (int64_t i = 0; i < c.layers; ++i)
+    dense.push_back(std::find(only.begin(), only.end(), i) != only.end() || (i + 1) % step != 0);
+  if (std::find(dense.begin(), dense.end(), true) != dense.end()) c.moe.dense_layers = dense;
 }
 
 }  // namespace
 
-int64_t ModelConfig::block_parameters() const {
+bool ModelConfig::sparse(int64_t layer) const {
+  return moe.enabled() && (moe.dense_layers.empty() || !moe.dense_layers.at(size_t(layer)));
+}
+
+int64_t ModelConfig::block_parameters(int64_t layer) const {
   const int64_t d = hidden, q = heads * head_dim, kv = kv_heads * head_dim, f = intermediate;
   if (arch == Arch::kGpt2) {
     return 2 * 2 * d                    // ln_1, ln_2
@@ -106,11 +83,19 @@ int64_t ModelConfig::block_parameters() const {
            + q * d + d                  // attn c_proj
            + d * f + f + f * d + d;     // mlp
   }
+  const int64_t mlp = sparse(layer) ? moe.experts * (d + 3 * d * moe.intermediate)  // router rows, experts
+                                    : 3 * d * f + (mlp_bias ? 2 * f + d : 0);       // gate, up, down
   return (sandwich_norms ? 4 : 2) * d                            // RMSNorms
          + (qk_norm ? 2 * head_dim : 0)                          // Qwen3's q_norm, k_norm
          + d * (q + 2 * kv) + (attention_bias ? q + 2 * kv : 0)  // q, k, v
          + q * d + (attention_out_bias ? d : 0)                   // o
-         + 3 * d * f + (mlp_bias ? 2 * f + d : 0);                // gate, up, down
+         + mlp;
+}
+
+int64_t ModelConfig::block_parameters() const {
+  int64_t most = 0;
+  for (int64_t i = 0; i < layers; ++i) most = std::max(most, block_parameters(i));
+  return most;
 }
 
 double ModelConfig::Lora::scaling() const {
@@ -128,9 +113,17 @@ bool ModelConfig::Lora::targets(const std::string& module) const {
 }
 
 int64_t ModelConfig::parameters() const {
-  int64_t n = vocab_size * hidden + layers * block_parameters();
+  int64_t n = vocab_size * hidden;
+  for (int64_t i = 0; i < layers; ++i) n += block_parameters(i);
   n += arch == Arch::kGpt2 ? max_positions * hidden + 2 * hidden : hidden;  // wpe + ln_f / norm
   if (!tie_embeddings) n += vocab_size * hidden;
+  return n;
+}
+
+int64_t ModelConfig::active_parameters() const {
+  int64_t n = parameters();
+  for (int64_t i = 0; i < layers; ++i)
+    if (sparse(i)) n -= (moe.experts - moe.top_k) * 3 * hidden * moe.intermediate;
   return n;
 }
 
@@ -151,8 +144,19 @@ void ModelConfig::validate() const {
   req(arch == Arch::kLlama || head_dim * heads == hidden, "GPT-2 needs heads * head_dim == hidden");
   req(intermediate > 0 && max_positions > 0, "intermediate and max_positions must be positive");
   req(arch == Arch::kGpt2 || hf_type == "llama" || hf_type == "mistral" || hf_type == "qwen2" || hf_type == "qwen3" ||
-          hf_type == "gemma" || hf_type == "gemma2",
-      "model type '" + hf_type + "' is not one of llama, mistral, qwen2, qwen3, gemma, gemma2");
+          hf_type == "gemma" || hf_type == "gemma2" || hf_type == "mixtral" || hf_type == "qwen3_moe",
+      "model type '" + hf_type + "' is not one of llama, mistral, qwen2, qwen3, gemma, gemma2, mixtral, qwen3_moe");
+  if (moe.enabled() || hf_type == "mixtral" || hf_type == "qwen3_moe") {
+    req(arch == Arch::kLlama && (hf_type == "mixtral" || hf_type == "qwen3_moe"),
+        "experts exist only for model types mixtral and qwen3_moe");
+    req(moe.experts > 0 && moe.intermediate > 0, "a mixture of experts needs experts and their intermediate size");
+    req(moe.top_k >= 1 && moe.top_k <= moe.experts,
+        "num_experts_per_tok " + std::to_string(moe.top_k) + " must be between 1 and the " +
+            std::to_string(moe.experts) + " experts");
+    req(moe.dense_layers.empty() || int64_t(moe.dense_layers.size()) == layers, "dense_layers must name every layer");
+    req(!mlp_bias, "experts have no biases");
+    req(hf_type != "mixtral" || moe.intermediate == intermediate, "mixtral's experts are intermediate_size wide");
+  }
   req(query_pre_attn_scalar >= 0 && attn_softcap >= 0 && final_softcap >= 0,
       "query_pre_attn_scalar and the soft caps must be >= 0");
   req(sliding_window >= 0, "sliding_window must be >= 0");
@@ -193,11 +197,11 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
       throw bad(source, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported");
     }
   } else if (type == "llama" || type == "mistral" || type == "qwen2" || type == "qwen3" || type == "gemma" ||
-             type == "gemma2") {
+             type == "gemma2" || type == "mixtral" || type == "qwen3_moe") {
     c.arch = Arch::kLlama;
     c.hf_type = type;
     c.gemma = type == "gemma" || type == "gemma2";
-    c.qk_norm = type == "qwen3";
+    c.qk_norm = type == "qwen3" || type == "qwen3_moe";
     c.sandwich_norms = type == "gemma2";
     c.vocab_size = need<int64_t>(j, "vocab_size", source);
     c.hidden = need<int64_t>(j, "hidden_size", source);
@@ -253,17 +257,23 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
     // max_window_layers on, unless layer_types names the sliding layers.
     // Gemma 2's window (4096 by default) is on alternate layers, from layer 0, unless layer_types
     // says otherwise.
+    // Mixtral's window is none when absent; Qwen3-MoE's, with use_sliding_window, is on every layer.
     if (type == "mistral" || type == "gemma2")
       c.sliding_window = !j.contains("sliding_window") ? 4096 : get_or<int64_t>(j, "sliding_window", 0);
-    else if ((type == "qwen2" || type == "qwen3") && get_or<bool>(j, "use_sliding_window", false))
+    else if (type == "mixtral")
       c.sliding_window = get_or<int64_t>(j, "sliding_window", 0);
+    else if ((type == "qwen2" || type == "qwen3" || type == "qwen3_moe") && get_or<bool>(j, "use_sliding_window", false))
+      c.sliding_window = get_or<int64_t>(j, "sliding_window", 0);
+    if (type == "mixtral" || type == "qwen3_moe") parse_experts(j, source, c);
     if (type == "gemma2") {
       c.query_pre_attn_scalar = get_or<double>(j, "query_pre_attn_scalar", 256);
       // null: no cap
       c.attn_softcap = !j.contains("attn_logit_softcapping") ? 50.0 : get_or<double>(j, "attn_logit_softcapping", 0);
       c.final_softcap = !j.contains("final_logit_softcapping") ? 30.0 : get_or<double>(j, "final_logit_softcapping", 0);
     }
-    if (c.sliding_window > 0 && j.contains("layer_types") && j["layer_types"].is_array()) {
+    if (type == "mixtral" || type == "qwen3_moe") {
+      // every layer slides (transformers' Mixtral and Qwen3-MoE have no layer_types)
+    } else if (c.sliding_window > 0 && j.contains("layer_types") && j["layer_types"].is_array()) {
       for (const json& t : j["layer_types"]) {
         const std::string name = t.is_string() ? t.get<std::string>() : "";
         if (name != "sliding_attention" && name != "full_attention")
@@ -277,8 +287,16 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
       for (int64_t i = 0; i < c.layers; ++i) c.sliding_layers.push_back(i >= from);
     }
     if (c.sliding_window < 0) throw bad(source, "sliding_window must be >= 0");
+  } else if (type == "deepseek_v2" || type == "deepseek_v3" || type == "kimi_k2") {
+    throw bad(source, "model_type '" + type + "' (DeepSeek-V3's architecture: multi-head latent attention, shared "
+                      "experts, sigmoid routing with a bias) is not supported yet; the mixtures of experts Strata "
+                      "trains are mixtral and qwen3_moe");
+  } else if (type == "gpt_oss" || type.find("moe") != std::string::npos) {
+    throw bad(source, "model_type '" + type + "' is a mixture of experts Strata does not support yet (mixtral and "
+                      "qwen3_moe are)");
   } else {
-    throw bad(source, "model_type '" + type + "' is not supported (gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2)");
+    throw bad(source, "model_type '" + type +
+                          "' is not supported (gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, mixtral, qwen3_moe)");
   }
   json special = json::object();
   for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
@@ -308,7 +326,8 @@ std::string ModelConfig::to_hf_json(const std::string& dtype) const {
   } else {
     static const std::map<std::string, std::string> architecture = {
         {"llama", "LlamaForCausalLM"}, {"mistral", "MistralForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"},
-        {"qwen3", "Qwen3ForCausalLM"}, {"gemma", "GemmaForCausalLM"}, {"gemma2", "Gemma2ForCausalLM"}};
+        {"qwen3", "Qwen3ForCausalLM"}, {"gemma", "GemmaForCausalLM"}, {"gemma2", "Gemma2ForCausalLM"},
+        {"mixtral", "MixtralForCausalLM"}, {"qwen3_moe", "Qwen3MoeForCausalLM"}};
     j = {{"model_type", hf_type}, {"architectures", {architecture.at(hf_type)}},
          {"vocab_size", vocab_size}, {"hidden_size", hidden}, {"num_hidden_layers", layers},
          {"num_attention_heads", heads}, {"num_key_value_heads", kv_heads},
@@ -316,11 +335,11 @@ std::string ModelConfig::to_hf_json(const std::string& dtype) const {
          {"max_position_embeddings", max_positions}, {"rms_norm_eps", norm_eps},
          {"rope_theta", rope_theta}, {"tie_word_embeddings", tie_embeddings},
          {"mlp_bias", mlp_bias}};
-    if (hf_type == "qwen2" || hf_type == "qwen3") {
-      if (hf_type == "qwen3") j["attention_bias"] = attention_bias;
+    if (hf_type == "qwen2" || hf_type == "qwen3" || hf_type == "qwen3_moe") {
+      if (hf_type != "qwen2") j["attention_bias"] = attention_bias;
       j["use_sliding_window"] = sliding_window > 0;
-      if (sliding_window > 0) {
-        j["sliding_window"] = sliding_window;
+      if (sliding_window > 0) j["sliding_window"] = sliding_window;
+      if (sliding_window > 0 && hf_type != "qwen3_moe") {
         int64_t from = 0;  // older transformers read max_window_layers: the first sliding layer
         while (from < layers && attention_window(from) == 0) ++from;
         j["max_window_layers"] = from;
@@ -328,8 +347,26 @@ std::string ModelConfig::to_hf_json(const std::string& dtype) const {
     } else {
       j["attention_bias"] = attention_bias;
     }
-    if (hf_type == "mistral" || hf_type == "gemma2")
+    if (hf_type == "mistral" || hf_type == "gemma2" || hf_type == "mixtral")
       j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
+    if (moe.enabled()) {
+      j["num_experts_per_tok"] = moe.top_k;
+      j["router_aux_loss_coef"] = moe.aux_loss_coef;
+      j["output_router_logits"] = moe.add_aux_loss;
+      if (hf_type == "mixtral") {
+        j["num_local_experts"] = moe.experts;
+        j["router_jitter_noise"] = 0.0;
+      } else {
+        j["num_experts"] = moe.experts;
+        j["moe_intermediate_size"] = moe.intermediate;
+        j["norm_topk_prob"] = moe.norm_topk;
+        j["decoder_sparse_step"] = 1;
+        json dense = json::array();
+        for (int64_t i = 0; i < layers; ++i)
+          if (!sparse(i)) dense.push_back(i);
+        j["mlp_only_layers"] = dense;
+      }
+    }
     if (hf_type == "gemma2") {
       // transformers' config checks it is an int (it is one in every released Gemma 2)
       j["query_pre_attn_scalar"] = std::floor(query_pre_attn_scalar) == query_pre_attn_scalar
@@ -356,22 +393,6 @@ std::string ModelConfig::to_hf_json(const std::string& dtype) const {
   if (!hf_special_tokens.empty()) j.update(json::parse(hf_special_tokens));
   j["dtype"] = dtype;
   return j.dump(2);
-}
-
-ModelConfig preset(const std::string& name) {
-  auto it = presets().find(name);
-  if (it == presets().end()) {
-    std::string all;
-    for (auto& n : preset_names()) all += (all.empty() ? "" : ", ") + n;
-    throw std::invalid_argument("unknown model preset '" + name + "' (known: " + all + ")");
-  }
-  return it->second;
-}
-
-std::vector<std::string> preset_names() {
-  std::vector<std::string> out;
-  for (auto& [n, c] : presets()) out.push_back(n);
-  return out;
 }
 
 }  // namespace strata::models

@@ -10,7 +10,9 @@ namespace strata::models {
 LayerTiles most_tiles(const ModelConfig& c) {
   LayerTiles t;
   t.attention = c.qk_norm || c.sandwich_norms ? 1 : c.kv_heads;
-  t.mlp = c.sandwich_norms ? 1 : c.intermediate;
+  // A mixture of experts is not cut into tiles yet.
+  if (c.moe.enabled()) t.attention = 1;
+  t.mlp = c.sandwich_norms || c.moe.enabled() ? 1 : c.intermediate;
   t.vocab = c.vocab_size;
   return t;
 }
@@ -30,6 +32,9 @@ void check_tiles(const ModelConfig& c, const LayerTiles& t) {
     throw std::invalid_argument("block tiles: model '" + c.name + "' norms every query and key head with one "
                                 "q_norm and k_norm (Qwen3): its attention is not cut into tiles (MLP and vocabulary "
                                 "tiles are)");
+  if (c.moe.enabled() && !t.blocks_whole())
+    throw std::invalid_argument("block tiles: model '" + c.name + "' is a mixture of experts, whose blocks are not "
+                                "cut into tiles yet (vocabulary tiles are)");
   if (t.attention > most.attention)
     throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention tiles, but model '" + c.name +
                                 "' has " + std::to_string(most.attention) +
@@ -88,7 +93,7 @@ std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiles& t
                 (j == 0 && c.arch == Arch::kGpt2 ? uint64_t(c.max_positions) * d : 0));
   for (int64_t i = 0; i < c.layers; ++i) {
     if (t.blocks_whole()) {
-      n.push_back(uint64_t(c.block_parameters()) + adapter_elements(c, i, BlockPart::kWhole));
+      n.push_back(uint64_t(c.block_parameters(i)) + adapter_elements(c, i, BlockPart::kWhole));
       continue;
     }
     for (int64_t a = 0; a < t.attention; ++a)
@@ -179,6 +184,16 @@ std::vector<StageTensor> block_tensors(const ModelConfig& c, const LayerTiles& t
       s.push_back({p + "mlp.c_fc.bias", f});
       s.push_back({p + "mlp.c_proj.weight", d * f});
       if (first) s.push_back({p + "mlp.c_proj.bias", d});
+    } else if (c.sparse(i)) {
+      add_norm(c, s, p + "post_attention_layernorm");
+      s.push_back({router_name(c, i), uint64_t(c.moe.experts) * d});
+      const uint64_t fe = uint64_t(c.moe.intermediate);
+      for (int64_t e = 0; e < c.moe.experts; ++e) {
+        const ExpertTensors x = expert_tensors(c, i, e);
+        s.push_back({x.gate, fe * d});
+        s.push_back({x.up, fe * d});
+        s.push_back({x.down, d * fe});
+      }
     } else {
       if (first) add_norm(c, s, p + (c.sandwich_norms ? "pre_feedforward_layernorm" : "post_attention_layernorm"));
       s.push_back({p + "mlp.gate_proj.weight", f * d});
@@ -203,6 +218,18 @@ void add_adapter_tensors(const ModelConfig& c, int64_t block, BlockPart part, st
 }
 
 }  // namespace
+
+std::string router_name(const ModelConfig& c, int64_t block) {
+  return block_prefix(c, block) + (c.hf_type == "mixtral" ? "block_sparse_moe" : "mlp") + ".gate.weight";
+}
+
+ExpertTensors expert_tensors(const ModelConfig& c, int64_t block, int64_t expert) {
+  const bool mixtral = c.hf_type == "mixtral";
+  const std::string p = block_prefix(c, block) + (mixtral ? "block_sparse_moe" : "mlp") + ".experts." +
+                        std::to_string(expert) + ".";
+  if (mixtral) return {p + "w1.weight", p + "w3.weight", p + "w2.weight"};
+  return {p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"};
+}
 
 std::vector<std::vector<StageTensor>> stage_tensors(const ModelConfig& c, const LayerTiles& t) {
   check_tiles(c, t);
@@ -354,6 +381,15 @@ std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const La
   for (int64_t i = 0; i < c.layers; ++i) {
     if (t.blocks_whole()) {
       // Gemma 2's two more norms; Qwen3's query and key norms are small beside them, not counted.
+      if (c.sparse(i)) {
+        // A sparse block: each token's top_k copies of its normed input, each expert's MLP over
+        // its tokens (as a dense MLP of top_k x the expert's features), their weighted outputs;
+        // the router's fp32 logits and probabilities and the routing's indices.
+        const uint64_t k = uint64_t(c.moe.top_k), d = uint64_t(c.hidden), E = uint64_t(c.moe.experts);
+        g.push_back(graph_parts(c, e, 1, 2, /*residual=*/true, uint64_t(c.heads), k * uint64_t(c.moe.intermediate)) +
+                    k * (2 * e * d + 8 + 8) + 3 * 4 * E);
+        continue;
+      }
       g.push_back(graph_parts(c, e, 1, c.sandwich_norms ? 4 : 2, /*residual=*/true, uint64_t(c.heads),
                               mlp(uint64_t(c.intermediate))));
       continue;
@@ -377,17 +413,19 @@ uint64_t block_graph_bytes_per_token(const ModelConfig& c, size_t e) {
 ForwardFlops forward_flops_per_token(const ModelConfig& c, int64_t seq_len) {
   const double d = double(c.hidden), f = double(c.intermediate), q = double(c.heads * c.head_dim),
                kv = double(c.kv_heads * c.head_dim), s = double(seq_len);
-  const double mlp = c.arch == Arch::kGpt2 ? 2 * d * f : 3 * d * f;
-  const double linear = d * (q + 2 * kv) + q * d + mlp;     // multiply-adds a token
+  const double dense_mlp = c.arch == Arch::kGpt2 ? 2 * d * f : 3 * d * f;
+  // A sparse block: its router, then top_k experts.
+  const double sparse_mlp = d * double(c.moe.experts) + 3 * d * double(c.moe.intermediate) * double(c.moe.top_k);
   const double attention = 2 * s * q;                       // q.k over s keys, then p.v
   ForwardFlops out;
-  out.blocks = 2 * double(c.layers) * (linear + attention);
+  for (int64_t i = 0; i < c.layers; ++i)  // multiply-adds a token
+    out.blocks += 2 * (d * (q + 2 * kv) + q * d + (c.sparse(i) ? sparse_mlp : dense_mlp) + attention);
   out.head = 2 * d * double(c.vocab_size);
   return out;
 }
 
 double model_flops_per_token(const ModelConfig& c, int64_t seq_len, int64_t frozen) {
-  const double all = double(c.parameters() + adapter_parameters(c));
+  const double all = double(c.active_parameters() + adapter_parameters(c));
   return 6.0 * (all - double(frozen)) + 4.0 * double(frozen) +
          12.0 * double(c.layers) * double(c.hidden) * double(seq_len);
 }

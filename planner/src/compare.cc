@@ -88,7 +88,8 @@ StrataEstimate estimate_strata(const Workload& w, const Cluster& c, const engine
 }
 
 Comparison compare(const Workload& w, const Cluster& c, const engine::EngineConfig& base, bool search_micro_batch) {
-  Comparison cmp{w, c, estimate_strata(w, c, base), best_3d(w, c)};
+  // The 3D model has no expert parallelism yet: a mixture of experts gets no 3D column.
+  Comparison cmp{w, c, estimate_strata(w, c, base), w.model.moe.enabled() ? std::nullopt : best_3d(w, c)};
   if (search_micro_batch) {
     const int64_t share = w.global_batch / c.gpus();
     for (int64_t mb = 1; mb <= share; mb *= 2) {
@@ -102,11 +103,22 @@ Comparison compare(const Workload& w, const Cluster& c, const engine::EngineConf
   return cmp;
 }
 
+namespace {
+
+std::string three_d_absent(const Workload& w) {
+  return w.model.moe.enabled() ? "not modelled: a mixture of experts needs expert parallelism, which the 3D model "
+                                 "does not have yet"
+                               : "nothing fits";
+}
+
+}  // namespace
+
 std::string comparison_table(const Comparison& cmp) {
   const Workload& w = cmp.workload;
   const Cluster& c = cmp.cluster;
   std::ostringstream o;
   o << "strata plan: " << w.model.name << " (" << num(double(w.model.parameters()) / 1e9, "%.2f") << "B parameters, "
+    << (w.model.moe.enabled() ? num(double(w.model.active_parameters()) / 1e9, "%.2f") + "B active, " : "")
     << w.model.layers << " x " << w.model.hidden << "), " << w.global_batch << " x " << w.seq_len
     << " tokens a step, on " << c.nodes << " x " << c.name << " (" << c.gpus() << " " << c.node.gpu.name << ")\n\n";
   const StrataEstimate& s = cmp.strata;
@@ -116,7 +128,7 @@ std::string comparison_table(const Comparison& cmp) {
   o << "| configuration | " << c.gpus() << " ranks, micro-batch " << s.config.micro_batch << " x "
     << s.config.grad_accum << "; " << (s.fits() ? s.state.report : "does not fit") << "; recompute "
     << s.state.tiles.whole_blocks(s.state.choice.recomputed) << " of " << w.model.layers << " blocks, checkpoints "
-    << engine::to_string(s.state.choice.activations) << " | " << (d ? d->config.describe() : "nothing fits") << " |\n";
+    << engine::to_string(s.state.choice.activations) << " | " << (d ? d->config.describe() : three_d_absent(w)) << " |\n";
   o << "| GPU memory per GPU | " << gb(double(s.state.device_bytes())) << " of " << gb(s.device_capacity) << " | "
     << (d ? gb(d->memory()) + " of " + gb(d->capacity) + " (weights " + gb(d->weights) + ", gradients " +
                 gb(d->gradients) + ", optimizer " + gb(d->optimizer) + ", activations " + gb(d->activations) + ")"
@@ -124,7 +136,7 @@ std::string comparison_table(const Comparison& cmp) {
     << " |\n";
   o << "| host RAM per GPU | " << gb(double(s.state.host_state)) << " of " << gb(s.host_capacity) << " | 0 |\n";
   o << "| NVMe per GPU | " << gb(double(s.state.nvme_state)) << " of " << gb(s.nvme_capacity) << " | 0 |\n";
-  o << "| fits | " << (s.fits() ? "yes" : "no: " + s.state.error) << " | " << (d ? "yes" : "no") << " |\n";
+  o << "| fits | " << (s.fits() ? "yes" : "no: " + s.state.error) << " | " << (d ? "yes" : w.model.moe.enabled() ? "-" : "no") << " |\n";
   if (s.fits() || d) {
     o << "| step time | " << (s.fits() ? num(s.time.step) + " s" : "-") << " | " << (d ? num(d->step) + " s" : "-")
       << " |\n";
@@ -195,6 +207,7 @@ std::string comparison_json(const Comparison& cmp) {
   }
   return json{{"model", cmp.workload.model.name},
               {"parameters", cmp.workload.model.parameters()},
+              {"active_parameters", cmp.workload.model.active_parameters()},
               {"cluster", cmp.cluster.name},
               {"gpus", cmp.cluster.gpus()},
               {"strata", strata},

@@ -61,6 +61,14 @@ Work mlp_forward(const models::ModelConfig& m, double sequences, int64_t seq_len
   const double products = (m.arch == models::Arch::kGpt2 ? 2.0 : 3.0) * tokens / per_product;
   const int64_t tiles = std::max<int64_t>(1, sh.mlp_tiles);
   Work w;
+  if (m.moe.enabled()) {
+    // A sparse block (every block priced as one): the router's product, then each expert's three
+    // on its share of the tokens' choices, evenly spread.
+    const double experts = double(m.moe.experts), rows = tokens * double(m.moe.top_k) / experts;
+    w.gemms.push_back({2 * tokens * d * experts, 1});
+    w.gemms.push_back({2 * rows * d * double(m.moe.intermediate) / sh.tp, 3 * experts});
+    return w;
+  }
   for (int64_t j = 0; j < tiles; ++j) {
     const double f_j = double(models::tile_range(m.intermediate, tiles, j).size());
     w.gemms.push_back({2 * per_product * d * f_j / sh.tp, products});

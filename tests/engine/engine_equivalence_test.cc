@@ -150,7 +150,48 @@ TEST(EngineEquivalence, PlanRefusesExactlyTheBudgetsARunRefuses) {
   }
 }
 
+// A mixture of experts (Mixtral's blocks: 5 experts, top-2) with its load-balancing loss: the
+// first block recomputed (its router probabilities' graph rebuilt in the backward), the others
+// kept (held from forward to backward), against plain libtorch adding the loss after the whole
+// model's forward. Three steps: a router initialized at normal(0, 0.02) routes by near-ties,
+// which the two sides' summation orders (1e-7 apart) flip within a few more steps, and one flipped
+// choice sends the trajectories apart.
+json tiny_moe(int64_t layers) {
+  json j = tiny_config(true, layers);
+  j["run"]["steps"] = 3;
+  j["model"] = {{"preset", "mixtral-8x7b"}, {"layers", layers}, {"hidden", 64}, {"heads", 4}, {"kv_heads", 2},
+                {"intermediate", 40}, {"vocab_size", 256}, {"experts", 5}, {"experts_per_token", 2},
+                {"output_router_logits", true}, {"router_aux_loss_coef", 0.05}, {"seed", 7}};
+  return j;
+}
+
+TEST(EngineEquivalence, MixtureOfExpertsWithItsLoadBalancingLossKeptAndRecomputed) {
+  json j = tiny_moe(3);
+  j["placement"] = {{"recompute", 1}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  uint64_t peak = 0;
+  const Trajectory got = run_in_process(tc, UINT64_MAX, &peak);
+  expect_close(got, reference(tc, 1), 1e-5);
+  ASSERT_FALSE(got.steps.empty());
+  const se::StepResult& r = got.steps.back();
+  EXPECT_GT(r.aux_loss, 0.9);  // experts x sum of shares x probabilities: 1 when perfectly balanced
+  ASSERT_EQ(r.expert_shares.size(), 3u);
+  for (const auto& block : r.expert_shares) {
+    ASSERT_EQ(block.size(), 5u);
+    double sum = 0;
+    for (double x : block) sum += x;
+    EXPECT_NEAR(sum, 1.0, 1e-12);
+  }
+}
+
 // --- multi-process ------------------------------------------------------------------------
+
+TEST(EngineEquivalence, TwoRanksMixtureOfExpertsMatchesOneProcess) {
+  TempDir dir;
+  json j = tiny_moe(2);
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  expect_close(run_launched(tc, j, 2, dir), reference(tc, 2), 1e-5);
+}
 
 TEST(EngineEquivalence, TwoRanksOverGlooMatchOneProcess) {
   TempDir dir;

@@ -59,6 +59,24 @@ struct Trajectory {
   std::map<std::string, at::Tensor> params;  // fp32 on the CPU
 };
 
+// A mixture of experts' load-balancing loss after `model`'s forward, with autograd, as
+// transformers' load_balancing_loss_func computes it over every sparse block's router (with C the
+// top-k choices per expert and P the router's probabilities summed over the blocks and tokens, R
+// the tokens routed over the blocks: experts x sum C P / R^2). The python oracle
+// (tests/models/py/moe_oracle.py) checks the engine's against transformers itself.
+inline at::Tensor aux_loss(sm::Decoder& model) {
+  at::Tensor choices, probabilities;
+  double routed = 0;
+  for (size_t b = 0; b < model.num_blocks(); ++b) {
+    const sm::RouterStats* r = model.block(b).router_stats();
+    if (!r) continue;
+    choices = choices.defined() ? choices + r->selections : r->selections;
+    probabilities = probabilities.defined() ? probabilities + r->probability_sum : r->probability_sum;
+    routed += double(r->tokens);
+  }
+  return (choices * probabilities).sum() * (double(choices.size(0)) / (routed * routed));
+}
+
 // Plain libtorch on `device`: the whole model with autograd, gradient accumulation over the
 // global batch in micro-batches of the same size (loss / count backward each), clip_grad_norm_,
 // torch::optim.
@@ -125,9 +143,15 @@ inline Trajectory reference(const se::TrainConfig& tc, int world_size,
       at::Tensor logits = model.forward(rows.narrow(1, 0, e.seq_len));
       at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
                                                rows.narrow(1, 1, e.seq_len).reshape(-1));
+      if (tc.model.moe.enabled() && tc.model.moe.add_aux_loss) loss = loss + tc.model.moe.aux_loss_coef * aux_loss(model);
       (loss / double(micro)).backward();
       loss_sum += loss.item<double>();
     }
+    // An expert no token chose has no gradient; transformers' fused experts give it zeros and
+    // torch's AdamW then still steps it (weight decay, the moments' decay), as the engine does.
+    if (tc.model.moe.enabled())
+      for (at::Tensor& p : ps)
+        if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
     t.grad_norms.push_back(torch::nn::utils::clip_grad_norm_(
         ps, e.clip_grad_norm > 0 ? e.clip_grad_norm : std::numeric_limits<double>::infinity()));
     opt->step();

@@ -4,6 +4,7 @@
 // - resume a save bitwise at the same world size and within 1e-5 at three quarters of it;
 // - load from node-local disks ("nodes" are directories: a rank sees only its node's files, and
 //   half the ranks of the resuming run see none), bitwise;
+// - (16 ranks) train a mixture of experts (with its load-balancing loss) to the same numbers;
 // - (16 ranks) when one rank is killed, every other rank fails on its own within
 //   distributed.timeout_s (60) + 10 s, naming the dead rank.
 // Ranks16.* run in CI (serially: ctest's RUN_SERIAL), Ranks32.* carry the label ranks32 and run
@@ -158,6 +159,18 @@ void killed_rank_fails_every_other(int ranks) {
 }
 
 TEST(Ranks16, TrainLikeOneProcess) { trains_like_one_process(16); }
+// A mixture of experts (Mixtral's blocks: 5 experts, top-2, its load-balancing loss added): each
+// rank's routing enters the loss, the gradients and the experts' shares. Three steps, as
+// engine_equivalence_test.cc's: a few more and a near-tie choice flips between the two sides.
+TEST(Ranks16, MixtureOfExpertsTrainsLikeOneProcess) {
+  TempDir dir;
+  json j = config_for(16, 16, 3);
+  j["model"] = {{"preset", "mixtral-8x7b"}, {"layers", 2}, {"hidden", 64}, {"heads", 4}, {"kv_heads", 2},
+                {"intermediate", 40}, {"vocab_size", 256}, {"experts", 5}, {"experts_per_token", 2},
+                {"output_router_logits", true}, {"router_aux_loss_coef", 0.05}, {"seed", 7}};
+  const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  expect_close(run_launched(tc, j, 16, dir), reference(tc, 16), 1e-5);
+}
 TEST(Ranks16, SaveResumesBitwiseAtSixteenAndWithinTolerance1e5AtTwelve) { save_resumes(16); }
 TEST(Ranks16, NodeLocalLoadAtEightNodesOfTwoAfterFourNodesOfFour) { node_local_load(16); }
 TEST(Ranks16, AKilledRankFailsEveryOtherWithinTheTimeout) { killed_rank_fails_every_other(16); }

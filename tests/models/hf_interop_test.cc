@@ -129,7 +129,7 @@ TEST_P(HfInterop, BlockByBlockRecomputeGivesTheGradientsOfWholeModelAutograd) {
 
 INSTANTIATE_TEST_SUITE_P(Models, HfInterop,
                          ::testing::Values("gpt2", "llama", "llama_tied", "llama3_rope", "qwen2", "mistral",
-                                           "gemma", "qwen3", "gemma2"));
+                                           "gemma", "qwen3", "gemma2", "mixtral", "qwen3_moe"));
 
 // Packed examples (data.pack): a batch of rows each holding several examples, run once with
 // their segments, gives every target's loss and the parameters' gradients that transformers
@@ -149,8 +149,8 @@ TEST_P(HfInterop, PackedExamplesGiveTheLossesAndGradientsOfEachExampleAlone) {
     if (tiled) {  // as far as each family's blocks cut (check_tiles)
       const ModelConfig& c = model->config();
       LayerTiles t;
-      t.attention = c.kv_heads > 1 && !c.qk_norm && !c.sandwich_norms ? 2 : 1;
-      t.mlp = c.sandwich_norms ? 1 : 2;
+      t.attention = c.kv_heads > 1 && !c.qk_norm && !c.sandwich_norms && !c.moe.enabled() ? 2 : 1;
+      t.mlp = c.sandwich_norms || c.moe.enabled() ? 1 : 2;
       t.vocab = 2;
       model->set_tiles(t);
     }

@@ -94,6 +94,7 @@ void StepUses::forward_use(Pass& pass, MicroBatch& mb, size_t s, size_t k) {
   p_.params.acquire(k);
   p_.params.prefetch(k, pass.total);
   if (p_.schedule.is_head(s)) {  // a vocabulary tile of the head: the activation stays as it is
+    if (pass.training) finish_routing(pass, mb);
     const auto mark = compute_mark();
     p_.head_loss.vocab_forward(mb.head, mb.x, mb.targets, s - p_.schedule.first_head(), /*grad=*/pass.training);
     compute_span("forward " + p_.stage_names[s], mark);
@@ -106,6 +107,7 @@ void StepUses::forward_use(Pass& pass, MicroBatch& mb, size_t s, size_t k) {
     KeptGraph& g = kept_graphs_.at(s);
     g.input = mb.x.detach().requires_grad_(true);
     g.output = p_.stages[s]->forward(g.input, mb.layout);
+    if (const models::RouterStats* r = p_.stages[s]->router_stats()) g.probability_sum = r->probability_sum;
     y = g.output.detach();
     p_.params.hold(s);
   } else if (p_.schedule.is_embedding(s) && s > 0) {  // a vocabulary tile adds its rows' lookup
@@ -116,6 +118,7 @@ void StepUses::forward_use(Pass& pass, MicroBatch& mb, size_t s, size_t k) {
     y = p_.stages[s]->forward(mb.x, mb.layout);
   }
   compute_span("forward " + p_.stage_names[s], mark);
+  if (pass.training) note_routing(pass, mb, s);
   Device::Reservation y_res = p_.dev.reserve(uint64_t(y.nbytes()), "activation of unit " + p_.stage_names[s]);
   if (pass.training && checkpointed(s)) p_.activations.put(s, mb.x, mb.x_res);  // stage 0 recomputes from the token ids
   mb.x = y;
@@ -128,6 +131,7 @@ void StepUses::forward_use(Pass& pass, MicroBatch& mb, size_t s, size_t k) {
 void StepUses::head_use(Pass& pass, MicroBatch& mb, size_t head, size_t k) {
   p_.params.acquire(k);
   p_.params.prefetch(k, pass.total);
+  if (pass.training) finish_routing(pass, mb);
   const auto mark = compute_mark();
   at::Tensor loss;
   if (p_.schedule.vocab_tiled()) {
@@ -154,6 +158,34 @@ void StepUses::head_use(Pass& pass, MicroBatch& mb, size_t head, size_t k) {
     if (pass.in_backward && mb.last) p_.reducer.hand_final_gradients(head, p_.updater);
   }
   p_.params.release_after(k, pass.total);
+}
+
+// Sums a sparse block's routing into the micro-batch's (its values only: a kept block's
+// probabilities keep their graph in its KeptGraph, a recomputed one's come again in its backward).
+void StepUses::note_routing(Pass& pass, MicroBatch& mb, size_t s) {
+  const models::RouterStats* r = p_.stages[s]->router_stats();
+  if (!r) return;
+  const at::Tensor choices = r->selections, probs = r->probability_sum.detach();
+  mb.choices = mb.choices.defined() ? mb.choices + choices : choices;
+  mb.probabilities = mb.probabilities.defined() ? mb.probabilities + probs : probs;
+  mb.routed += r->tokens;
+  at::Tensor& step_choices = pass.expert_choices[s];
+  step_choices = step_choices.defined() ? step_choices + choices : choices;
+}
+
+// transformers' load_balancing_loss_func over the micro-batch's sparse blocks: with C_e the
+// top-k choices of expert e and P_e its router probabilities summed over every block and token,
+// and R the tokens routed summed over the blocks, loss = experts x sum_e C_e P_e / R^2. The
+// counts carry no gradient, so the gradient of each block's probability sums is
+// experts x C / R^2 (times the seed), which its backward adds to its output's.
+void StepUses::finish_routing(Pass& pass, MicroBatch& mb) {
+  if (mb.routing_done || !mb.choices.defined()) return;
+  mb.routing_done = true;
+  const double experts = double(mb.choices.size(0)), rows = double(mb.routed);
+  const at::Tensor scaled = mb.choices * (experts / (rows * rows));
+  const at::Tensor aux = (scaled * mb.probabilities).sum().to(at::kDouble);
+  pass.aux_sum = pass.aux_sum.defined() ? pass.aux_sum + aux : aux;
+  if (pass.aux_seed != 0) mb.aux_grad = scaled * pass.aux_seed;
 }
 
 // Head stage s's backward in vocabulary tiles; the first tile's gives the gradient going back.
@@ -203,7 +235,10 @@ void StepUses::backward_through(MicroBatch& mb, size_t s, const at::Tensor& xin)
   if (kept(s)) {
     KeptGraph g = std::move(kept_graphs_.at(s));
     const auto mark = compute_mark();
-    torch::autograd::backward({g.output}, {mb.dy});
+    if (g.probability_sum.defined() && mb.aux_grad.defined())
+      torch::autograd::backward({g.output, g.probability_sum}, {mb.dy, mb.aux_grad});
+    else
+      torch::autograd::backward({g.output}, {mb.dy});
     compute_span("backward " + p_.stage_names[s], mark);
     mb.dy = g.input.grad();
     g = KeptGraph{};  // the graph's memory, then its reservation
@@ -217,7 +252,11 @@ void StepUses::backward_through(MicroBatch& mb, size_t s, const at::Tensor& xin)
     graph_res = p_.dev.reserve(p_.memory.sizes().graph(s), "autograd graph of unit " + p_.stage_names[s] + " (recomputed)");
   const auto mark = compute_mark();
   at::Tensor y = p_.stages[s]->forward(xin, mb.layout);
-  torch::autograd::backward({y}, {mb.dy});
+  const models::RouterStats* routing = p_.stages[s]->router_stats();
+  if (routing && mb.aux_grad.defined())
+    torch::autograd::backward({y, routing->probability_sum}, {mb.dy, mb.aux_grad});
+  else
+    torch::autograd::backward({y}, {mb.dy});
   compute_span("recompute+backward " + p_.stage_names[s], mark);
   y = at::Tensor();
   // An embedding tile's gradient passes on as it came (the tiles' outputs are summed).

@@ -19,6 +19,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -72,6 +73,13 @@ class StepUses {
     bool in_backward = false;  // optimizer.overlap "backward"
     kernels::AdamConfig backward_update;  // in_backward: the update the last micro-batch's head launches
     at::Tensor loss_sum;   // double on the device, summed in micro-batch order
+    // Mixtures of experts: the load-balancing loss's backward seed (its coefficient x the loss
+    // scale, masked: / (micro-batches x ranks); 0: the loss is not added), its value per
+    // micro-batch summed (double on the device), and each sparse stage's expert choices summed
+    // over the micro-batches (fp32 [experts] on the device, by stage).
+    double aux_seed = 0;
+    at::Tensor aux_sum;
+    std::map<size_t, at::Tensor> expert_choices;
   };
 
   explicit StepUses(Parts parts);
@@ -97,6 +105,7 @@ class StepUses {
  private:
   struct KeptGraph {
     at::Tensor input, output;  // input.grad() is the backward's result
+    at::Tensor probability_sum;  // a sparse block's router probabilities (RouterStats), in the graph
     Device::Reservation res;
   };
   struct MicroBatch {
@@ -107,6 +116,12 @@ class StepUses {
     at::Tensor dy;                // the gradient going backward
     bool last = false;            // the step's last micro-batch
     HeadLoss::VocabPass head;     // vocabulary tiles only
+    // Its sparse blocks' routing, summed over them as their forwards run: choices and router
+    // probabilities per expert, tokens routed; after the last, the gradient of the
+    // load-balancing loss (times its seed) with respect to each block's probability sums.
+    at::Tensor choices, probabilities, aux_grad;
+    int64_t routed = 0;
+    bool routing_done = false;
   };
   class Runner;  // the step driver's UseRunner over these bodies
 
@@ -115,6 +130,10 @@ class StepUses {
   void head_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);
   void backward_use(Pass& pass, MicroBatch& mb, size_t stage, size_t k);
   void vocab_head_backward(MicroBatch& mb, size_t stage);
+  // A sparse block's routing after its forward; the micro-batch's load-balancing loss once every
+  // block ran (before the head's backward).
+  void note_routing(Pass& pass, MicroBatch& mb, size_t stage);
+  void finish_routing(Pass& pass, MicroBatch& mb);
   // A stage's backward from its kept graph, or recomputed from its input `xin`.
   void backward_through(MicroBatch& mb, size_t s, const at::Tensor& xin);
   // The next backward uses' checkpoints, brought back while use k runs.

@@ -5,7 +5,8 @@
       DIR/gpt2, DIR/llama (grouped-query attention, untied) and DIR/llama_tied (tied embeddings,
       attention and MLP biases), DIR/llama3_rope (Llama 3 RoPE scaling, head_dim != hidden /
       heads), DIR/qwen2 (a sliding window of 4 on layer 1), DIR/mistral (a sliding window of 5,
-      shorter than the 13 tokens) and DIR/gemma, each with expected.safetensors holding input ids
+      shorter than the 13 tokens), DIR/gemma, DIR/qwen3, DIR/gemma2 and the mixtures of experts
+      DIR/mixtral and DIR/qwen3_moe, each with expected.safetensors holding input ids
       and the logits transformers computes for them (fp32); and packed examples: rows of token
       ids holding several examples (packed_ids, packed_segments), which targets are within an
       example (packed_counted), their losses (packed_losses) and the gradients of the losses'
@@ -21,7 +22,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM,
                           GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+from moe_names import hub_tensors
 
 TOLERANCE = 1e-5
 
@@ -93,6 +97,22 @@ def make(out):
                                                  initializer_range=0.2, query_pre_attn_scalar=24,
                                                  attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
                                                  sliding_window=4, hidden_activation="gelu_pytorch_tanh")),
+        # Mixtures of experts: Mixtral with 5 experts, top-2, GQA and an odd expert width; Qwen3-MoE
+        # with 5 experts, top-3 without renormalizing (norm_topk_prob false), a dense layer (1) among
+        # sparse ones with its own odd width, q/k norms.
+        "mixtral": MixtralForCausalLM(MixtralConfig(vocab_size=61, hidden_size=48, intermediate_size=37,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=2, num_local_experts=5,
+                                                    num_experts_per_tok=2, max_position_embeddings=64,
+                                                    initializer_range=0.2, tie_word_embeddings=False,
+                                                    experts_implementation="eager")),
+        "qwen3_moe": Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=59, hidden_size=48, intermediate_size=45,
+                                                        moe_intermediate_size=19, num_hidden_layers=3,
+                                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                        num_experts=5, num_experts_per_tok=3, norm_topk_prob=False,
+                                                        mlp_only_layers=[1], max_position_embeddings=64,
+                                                        initializer_range=0.2, tie_word_embeddings=False,
+                                                        experts_implementation="eager")),
     }
     for i, (name, model) in enumerate(models.items()):
         perturb(model, 100 + i)
@@ -137,14 +157,16 @@ def packed(model, name, g, rows=((5, 6, 3), (9, 2)), tokens=13):
         grad = p.grad.detach().float()
         if name == "gpt2" and n.endswith(CONV1D):
             grad = grad.t()
-        out["grad/" + n] = grad.contiguous()
+        for hub, g in hub_tensors(model.config.model_type, n, grad):  # experts one tensor each
+            out["grad/" + hub] = g.contiguous()
     model.zero_grad()
     return out
 
 
 def check(model_dir, expected_file):
     exp = load_file(expected_file)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # transformers' experts as a loop over them (its grouped_mm default needs 16-byte strides on a CPU)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager")
     model.eval()
     with torch.no_grad():
         logits = model(exp["ids"]).logits.float()

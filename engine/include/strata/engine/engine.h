@@ -66,6 +66,13 @@ struct StepResult {
   uint64_t tokens = 0;       // global tokens in the step
   uint64_t loss_tokens = 0;  // global targets in the loss (tokens without a mask)
   double model_tflops = 0;   // models::model_flops_per_token x tokens per second, all ranks
+  // A mixture of experts (models::ModelConfig::Moe): the load-balancing loss, the mean over the
+  // global batch's micro-batches of transformers' load_balancing_loss_func for each (in `loss`
+  // times router_aux_loss_coef when the model's config adds it); and by sparse block, then
+  // expert, the share of the block's top-k choices over the global batch the expert received
+  // (1 / experts each when balanced). 0 and empty for a dense model.
+  double aux_loss = 0;
+  std::vector<std::vector<double>> expert_shares;
   StepTimeline timeline;
 };
 

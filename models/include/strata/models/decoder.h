@@ -44,6 +44,17 @@ struct TensorPart {
   std::string name() const;
 };
 
+// What a sparse block's router did in the block's last forward (ModelConfig::Moe), for the
+// load-balancing loss and the routing statistics, per expert: the sum over the tokens of the
+// router's probability (fp32; in the forward's autograd graph when it had one, so that the loss's
+// gradient reaches the router and the block's input through it) and how many of the tokens' top-k
+// choices it was (fp32 counts, no gradient); and the tokens routed.
+struct RouterStats {
+  at::Tensor probability_sum;  // [experts]
+  at::Tensor selections;       // [experts]
+  int64_t tokens = 0;
+};
+
 class Stage : public torch::nn::Module {
  public:
   // The stage on `input` (token ids for an embedding, else hidden states [B, T, ...]) whose
@@ -59,6 +70,9 @@ class Stage : public torch::nn::Module {
   // Runs the stage's MLP (if it has one) over chunks of this many tokens (tiling/chunked_mlp.h);
   // 0: the whole sequence at once.
   void set_mlp_token_chunk(int64_t tokens) { mlp_chunk_ = tokens; }
+  // A sparse block's router statistics of its last forward (valid until the next forward); null
+  // for every other stage.
+  virtual const RouterStats* router_stats() const { return nullptr; }
 
  protected:
   at::Tensor add(const std::string& hf_name, std::vector<int64_t> shape);

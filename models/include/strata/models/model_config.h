@@ -60,6 +60,28 @@ struct ModelConfig {
     int64_t original_max_positions = 8192;
   } llama3_rope;
 
+  // Mixture of experts (model_type mixtral, qwen3_moe), as transformers computes it: a sparse
+  // block's MLP is `experts` gated MLPs of `intermediate` features each; a router (a bias-free
+  // linear layer over the MLP's normed input, softmax in fp32) picks the top_k experts of every
+  // token, whose outputs are summed weighted by their probabilities (renormalized to sum 1 when
+  // norm_topk: always for Mixtral, Qwen3-MoE's norm_topk_prob). A dense block keeps the MLP of
+  // ModelConfig::intermediate features (Qwen3-MoE's mlp_only_layers and decoder_sparse_step).
+  struct Moe {
+    int64_t experts = 0;       // 0: no experts (a dense model)
+    int64_t top_k = 0;         // num_experts_per_tok
+    int64_t intermediate = 0;  // each expert's (Mixtral's intermediate_size, Qwen3-MoE's moe_intermediate_size)
+    bool norm_topk = true;
+    std::vector<bool> dense_layers;  // by layer: true where the block's MLP is dense; empty: none is
+    // The load-balancing loss (transformers' load_balancing_loss_func over the sparse blocks'
+    // routers) is added to the loss times aux_loss_coef when add_aux_loss (config.json's
+    // router_aux_loss_coef, output_router_logits).
+    double aux_loss_coef = 0.001;
+    bool add_aux_loss = false;
+    bool enabled() const { return experts > 0; }
+  } moe;
+  // Whether block `layer`'s MLP is a mixture of experts.
+  bool sparse(int64_t layer) const;
+
   // LoRA adapters (model.lora, or model.adapter_from's adapter_config.json) as PEFT defines them:
   // each linear layer y = W x + b of a block whose module name target_modules selects also adds
   // scaling() * B (A x), with A [r, in] and B [out, r] trainable and the rest frozen. No dropout.
@@ -82,7 +104,12 @@ struct ModelConfig {
 
   // Parameter count (embeddings, blocks, head; tied weights counted once).
   int64_t parameters() const;
+  // Block `layer`'s parameters; without a layer the largest block's (a sparse one where any is).
+  int64_t block_parameters(int64_t layer) const;
   int64_t block_parameters() const;
+  // The parameters one token's forward uses: a sparse block counts top_k of its experts (and its
+  // router); the rest as parameters(). Equal to parameters() for a dense model.
+  int64_t active_parameters() const;
   // Throws std::invalid_argument with the offending field if inconsistent.
   void validate() const;
   // The config.json that transformers reads back for this model; `dtype` is the weights' dtype
@@ -91,14 +118,18 @@ struct ModelConfig {
 };
 
 // Throws std::invalid_argument naming the file and key for unsupported or missing settings
-// (model types other than gpt2, llama, mistral, qwen2, gemma; RoPE scaling other than Llama 3's;
-// activations other than GPT-2's gelu_new, silu, and Gemma's GELU-tanh).
+// (model types other than gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, mixtral, qwen3_moe;
+// other mixtures of experts such as deepseek_v3 and gpt_oss are named as not supported yet;
+// RoPE scaling other than Llama 3's; activations other than GPT-2's gelu_new, silu, and Gemma's
+// GELU-tanh; Mixtral's router_jitter_noise).
 ModelConfig load_hf_config(const std::filesystem::path& config_json);
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source);
 
 // gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-1b, llama-8b, llama-70b, gpt3-1.3b, gpt3-2.7b,
-// gpt3-6.7b, gpt3-13b, gpt3-175b, gpt-1t, and the benchmark shapes gpt-1.4b (24 x 2048) and
-// gpt-2.8b (32 x 2560). Throws std::invalid_argument listing the names if unknown.
+// gpt3-6.7b, gpt3-13b, gpt3-175b, gpt-1t, the benchmark shapes gpt-1.4b (24 x 2048) and
+// gpt-2.8b (32 x 2560), and the mixtures of experts mixtral-8x7b, mixtral-8x22b, qwen3-30b-a3b,
+// qwen3-235b-a22b and kimi-k2-shaped (Kimi K2's sizes with standard attention and no shared
+// expert: docs/PLANNER.md). Throws std::invalid_argument listing the names if unknown.
 ModelConfig preset(const std::string& name);
 std::vector<std::string> preset_names();
 

@@ -78,6 +78,19 @@ struct BlockLinear {
 std::vector<BlockLinear> block_linears(const ModelConfig& c);
 // The block prefix of block i ("model.layers.3.", "transformer.h.3.").
 std::string block_prefix(const ModelConfig& c, int64_t i);
+// A sparse block's router and experts (ModelConfig::Moe) by their Hugging Face names, one tensor
+// per expert and projection as published checkpoints hold them: Mixtral's
+// "model.layers.3.block_sparse_moe.gate.weight" [experts, hidden] and
+// "...block_sparse_moe.experts.5.w1.weight" (gate), w3 (up), w2 (down); Qwen3-MoE's
+// "model.layers.3.mlp.gate.weight" and "...mlp.experts.5.gate_proj.weight", up_proj, down_proj.
+// The gate and up projections are [intermediate, hidden], the down projection [hidden,
+// intermediate]. The decoder registers, and stage_tensors counts, a sparse block's MLP as the
+// router, then each expert's gate, up and down in expert order.
+std::string router_name(const ModelConfig& c, int64_t block);
+struct ExpertTensors {
+  std::string gate, up, down;
+};
+ExpertTensors expert_tensors(const ModelConfig& c, int64_t block, int64_t expert);
 // The adapter tensors of block i, after its other tensors in the stage: for each targeted linear
 // in order, "<module>.lora_A.weight" [r, in] and "<module>.lora_B.weight" [out, r] (full names).
 // With block tiles, the attention's adapters are whole tensors of its first attention tile and the
@@ -170,8 +183,9 @@ std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const La
 uint64_t block_graph_bytes_per_token(const ModelConfig& c, size_t elem_bytes);
 
 // Multiply-add work (2 FLOPs each) of one token's forward through the model with a sequence of
-// `seq_len` tokens: every linear layer, the attention's two products (causal attention computed
-// in full, as the kernels do), and the LM head. The embedding lookup counts nothing.
+// `seq_len` tokens: every linear layer (a sparse block's router and its top_k experts), the
+// attention's two products (causal attention computed in full, as the kernels do), and the LM
+// head. The embedding lookup counts nothing.
 struct ForwardFlops {
   double blocks = 0;  // per token, all blocks together
   double head = 0;    // per token, the LM head
@@ -180,7 +194,8 @@ struct ForwardFlops {
 ForwardFlops forward_flops_per_token(const ModelConfig& c, int64_t seq_len);
 
 // Model FLOPs a token of a training step (what model TFLOPS counts; no recompute): 6 per trainable
-// parameter (forward, input and weight gradients), 4 per frozen one (no weight gradient), plus the
+// parameter the token uses (ModelConfig::active_parameters: a sparse block's top_k experts) for
+// forward, input and weight gradients, 4 per frozen one (no weight gradient), plus the
 // attention's 12 x layers x hidden x seq_len. `frozen`: the frozen parameters (a LoRA run's base:
 // c.parameters(); its adapters, adapter_parameters(c), train). Full fine-tuning: 6 N + attention.
 double model_flops_per_token(const ModelConfig& c, int64_t seq_len, int64_t frozen = 0);
