@@ -13,44 +13,69 @@
 
 namespace strata::models {
 
-at::Tensor moe_mlp(const ModelConfig& c, const at::Tensor& n, const at::Tensor& router,
-                   const std::vector<tiling::MlpWeights>& experts, RouterStats& stats) {
-  const int64_t d = n.size(-1), k = c.moe.top_k, E = c.moe.experts;
-  if (int64_t(experts.size()) != E)
-    throw std::invalid_argument("moe_mlp: " + std::to_string(experts.size()) + " experts' weights for a model of " +
-                                std::to_string(E));
-  const at::Tensor x = n.reshape({-1, d});
-  const int64_t tokens = x.size(0);
-  const at::Tensor probs = at::softmax(detail::dense(x, router), -1, at::kFloat);
-  auto [weight, choice] = probs.topk(k, -1);  // [tokens, k] each, torch.topk's order and ties
-  if (c.moe.norm_topk) weight = weight / weight.sum(-1, /*keepdim=*/true);
+Routing route(const ModelConfig& c, const at::Tensor& logits) {
+  Routing r;
+  r.probabilities = at::softmax(logits, -1, at::kFloat);
+  std::tie(r.weight, r.choice) = r.probabilities.topk(c.moe.top_k, -1);  // torch.topk's order and ties
+  if (c.moe.norm_topk) r.weight = r.weight / r.weight.sum(-1, /*keepdim=*/true);
   // Mixtral multiplies an expert's output by the fp32 weight and rounds the product; Qwen3-MoE
   // rounds the weights to the model's dtype first.
-  if (c.hf_type == "qwen3_moe") weight = weight.to(x.scalar_type());
+  if (c.hf_type == "qwen3_moe") r.weight = r.weight.to(logits.scalar_type());
+  return r;
+}
 
-  const at::Tensor flat = choice.reshape(-1);  // pair p = token p / k, its choice p % k
-  const at::Tensor counts = at::bincount(flat, {}, E);
-  stats.probability_sum = probs.sum(0);
-  stats.selections = counts.to(at::kFloat);
-  stats.tokens = tokens;
+void routing_stats(const ModelConfig& c, const Routing& r, RouterStats& stats) {
+  stats.probability_sum = r.probabilities.sum(0);
+  stats.selections = at::bincount(r.choice.reshape(-1), {}, c.moe.experts).to(at::kFloat);
+  stats.tokens = r.choice.size(0);
+}
 
-  // Dispatch: the pairs sorted by expert, stably (each expert's tokens in token order).
-  const at::Tensor order = std::get<1>(flat.sort(/*stable=*/true, 0, /*descending=*/false));
+at::Tensor experts_mlp(const ModelConfig& c, const at::Tensor& x, const Routing& r,
+                       const std::vector<tiling::MlpWeights>& experts, int64_t first) {
+  const int64_t d = x.size(-1), k = c.moe.top_k, tokens = x.size(0), count_here = int64_t(experts.size());
+  if (first < 0 || count_here < 1 || first + count_here > c.moe.experts)
+    throw std::invalid_argument("experts_mlp: experts [" + std::to_string(first) + ", " +
+                                std::to_string(first + count_here) + ") of a model of " +
+                                std::to_string(c.moe.experts));
+  const at::Tensor flat = r.choice.reshape(-1);  // pair p = token p / k, its choice p % k
+  // The pairs that chose one of these experts, sorted by expert, stably (each expert's tokens in
+  // token order).
+  at::Tensor order, chosen;
+  if (count_here == c.moe.experts) {
+    chosen = flat;
+    order = std::get<1>(flat.sort(/*stable=*/true, 0, /*descending=*/false));
+  } else {
+    const at::Tensor here = (flat.ge(first).logical_and(flat.lt(first + count_here))).nonzero().view(-1);
+    chosen = flat.index_select(0, here);
+    order = here.index_select(0, std::get<1>(chosen.sort(/*stable=*/true, 0, false)));
+  }
+  const at::Tensor counts = at::bincount(chosen - first, {}, count_here).cpu();  // the segments (a device sync on a GPU)
+  const int64_t* count = counts.data_ptr<int64_t>();
   const at::Tensor xs = x.index_select(0, order.div(k, "floor"));
-  const at::Tensor host_counts = counts.cpu();  // the segments' bounds (a device sync on a GPU)
-  const int64_t* count = host_counts.data_ptr<int64_t>();
   std::vector<at::Tensor> ys;
   int64_t begin = 0;
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e < count_here; ++e) {
     if (count[e] == 0) continue;
-    ys.push_back(detail::mlp(c, xs.narrow(0, begin, count[e]), experts.at(size_t(e)), 0));
+    ys.push_back(detail::mlp(c, xs.narrow(0, begin, count[e]), experts[size_t(e)], 0));
     begin += count[e];
   }
+  if (ys.empty()) return at::zeros_like(x);  // no token chose these experts
   at::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys);
-  y = (y * weight.reshape(-1).index_select(0, order).unsqueeze(-1)).to(x.scalar_type());
+  y = (y * r.weight.reshape(-1).index_select(0, order).unsqueeze(-1)).to(x.scalar_type());
   // Combine: back to pair order (each pair written once), then each token's k outputs summed.
   const at::Tensor pairs = at::zeros({tokens * k, d}, y.options()).index_copy(0, order, y);
-  return pairs.view({tokens, k, d}).sum(1).view(n.sizes());
+  return pairs.view({tokens, k, d}).sum(1);
+}
+
+at::Tensor moe_mlp(const ModelConfig& c, const at::Tensor& n, const at::Tensor& router,
+                   const std::vector<tiling::MlpWeights>& experts, RouterStats& stats) {
+  if (int64_t(experts.size()) != c.moe.experts)
+    throw std::invalid_argument("moe_mlp: " + std::to_string(experts.size()) + " experts' weights for a model of " +
+                                std::to_string(c.moe.experts));
+  const at::Tensor x = n.reshape({-1, n.size(-1)});
+  const Routing r = route(c, detail::dense(x, router));
+  routing_stats(c, r, stats);
+  return experts_mlp(c, x, r, experts, 0).view(n.sizes());
 }
 
 }  // namespace strata::models

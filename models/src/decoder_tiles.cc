@@ -1,11 +1,12 @@
 // Block tiles (a block's attention in groups of key/value heads, its MLP in slices of the
-// intermediate dimension) and vocabulary tiles (the embedding's and the LM head's rows), each a
+// intermediate dimension or, a sparse block's, in groups of experts) and vocabulary tiles (the embedding's and the LM head's rows), each a
 // stage of its own (decoder_stages.h; LayerTiles).
 #include "decoder_stages.h"
 
 #include <cmath>
 
 #include "strata/models/model_shapes.h"
+#include "strata/models/moe.h"
 
 namespace strata::models::detail {
 
@@ -175,6 +176,63 @@ class MlpTile final : public Tile {
   at::Tensor wg, wu, wd, bg, bu, bd;
 };
 
+// A sparse block's MLP cut into groups of consecutive experts (ModelConfig::Moe; LayerTiles::mlp).
+// The first tile holds the norm and the router: it norms the block's running sum and computes the
+// router's logits once; every tile routes from those logits (the same choices and weights) and
+// adds its experts' share. Between tiles the activation is [3, ...]: the normed input, the running
+// sum and the router's logits (in the weights' dtype, as transformers computes them) in the first
+// `experts` features of a third plane (check_tiles: experts <= hidden), so a later tile's routing
+// gradient reaches the router through the first tile's backward and no tile shares another's
+// unit; the last tile passes only the sum.
+class ExpertTile final : public Stage {
+ public:
+  ExpertTile(const ModelConfig& c, int64_t block, int64_t index, int64_t count)
+      : c_(c), first_(index == 0), last_(index + 1 == count), experts_(tile_range(c.moe.experts, count, index)) {
+    const int64_t d = c.hidden, f = c.moe.intermediate;
+    if (first_) {
+      norm_w = add(block_prefix(c, block) + "post_attention_layernorm.weight", {d});
+      router = add(router_name(c, block), {c.moe.experts, d});
+    }
+    for (int64_t e = experts_.begin; e < experts_.end; ++e) {
+      const ExpertTensors x = expert_tensors(c, block, e);
+      tiling::MlpWeights w;
+      w.gate = add(x.gate, {f, d});
+      w.up = add(x.up, {f, d});
+      w.down = add(x.down, {d, f});
+      weights_.push_back(w);
+    }
+  }
+
+  at::Tensor forward(const at::Tensor& z, const TokenLayout&) override {
+    const int64_t d = c_.hidden, E = c_.moe.experts;
+    at::Tensor n, sum, logits;
+    if (first_) {
+      sum = z;
+      n = rms_norm(z, norm_w, c_.norm_eps, c_.gemma);
+      logits = dense(n, router);
+    } else {
+      const std::vector<at::Tensor> parts = z.unbind(0);
+      n = parts[0];
+      sum = parts[1];
+      logits = parts[2].narrow(-1, 0, E);
+    }
+    const Routing r = route(c_, logits.reshape({-1, E}));
+    if (first_) routing_stats(c_, r, stats_);
+    sum = sum + experts_mlp(c_, n.reshape({-1, d}), r, weights_, experts_.begin).view(n.sizes());
+    if (last_) return sum;
+    return at::stack({n, sum, E == d ? logits : at::constant_pad_nd(logits, {0, d - E})});
+  }
+  const RouterStats* router_stats() const override { return first_ ? &stats_ : nullptr; }
+
+ private:
+  ModelConfig c_;
+  bool first_, last_;
+  Range experts_;
+  at::Tensor norm_w, router;
+  std::vector<tiling::MlpWeights> weights_;
+  RouterStats stats_;
+};
+
 // ---------------------------------------------------------------- vocabulary tiles
 // The embedding cut into row ranges (LayerTiles::vocab): a tile's forward is the lookup of the
 // token ids in its rows and zero for the others, so that the tiles' sum is the whole lookup
@@ -244,7 +302,8 @@ std::vector<std::shared_ptr<Stage>> make_block_tiles(const ModelConfig& c, int64
     tiles.push_back(std::make_shared<AttentionTile>(c, block, a, t.attention, a ? tiles[0].get() : nullptr));
   const size_t first_mlp = tiles.size();
   for (int64_t m = 0; m < t.mlp; ++m)
-    tiles.push_back(std::make_shared<MlpTile>(c, block, m, t.mlp, m ? tiles[first_mlp].get() : nullptr));
+    if (c.sparse(block)) tiles.push_back(std::make_shared<ExpertTile>(c, block, m, t.mlp));
+    else tiles.push_back(std::make_shared<MlpTile>(c, block, m, t.mlp, m ? tiles[first_mlp].get() : nullptr));
   return tiles;
 }
 

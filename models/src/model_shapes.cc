@@ -10,9 +10,14 @@ namespace strata::models {
 LayerTiles most_tiles(const ModelConfig& c) {
   LayerTiles t;
   t.attention = c.qk_norm || c.sandwich_norms ? 1 : c.kv_heads;
-  // A mixture of experts is not cut into tiles yet.
-  if (c.moe.enabled()) t.attention = 1;
-  t.mlp = c.sandwich_norms || c.moe.enabled() ? 1 : c.intermediate;
+  t.mlp = c.sandwich_norms ? 1 : c.intermediate;
+  // A sparse block's MLP tile is a group of experts (a dense block's of the same model a slice of
+  // its features: every block has as many tiles).
+  if (c.moe.enabled()) {
+    t.mlp = c.moe.experts;
+    for (int64_t i = 0; i < c.layers; ++i)
+      if (!c.sparse(i)) t.mlp = std::min(t.mlp, c.intermediate);
+  }
   t.vocab = c.vocab_size;
   return t;
 }
@@ -32,13 +37,19 @@ void check_tiles(const ModelConfig& c, const LayerTiles& t) {
     throw std::invalid_argument("block tiles: model '" + c.name + "' norms every query and key head with one "
                                 "q_norm and k_norm (Qwen3): its attention is not cut into tiles (MLP and vocabulary "
                                 "tiles are)");
-  if (c.moe.enabled() && !t.blocks_whole())
-    throw std::invalid_argument("block tiles: model '" + c.name + "' is a mixture of experts, whose blocks are not "
-                                "cut into tiles yet (vocabulary tiles are)");
   if (t.attention > most.attention)
     throw std::invalid_argument("block tiles: " + std::to_string(t.attention) + " attention tiles, but model '" + c.name +
                                 "' has " + std::to_string(most.attention) +
                                 " key/value heads (an attention tile is a group of them)");
+  if (t.mlp > 1 && c.moe.enabled() && c.moe.experts > c.hidden)
+    throw std::invalid_argument("block tiles: model '" + c.name + "' has more experts (" +
+                                std::to_string(c.moe.experts) + ") than hidden features (" + std::to_string(c.hidden) +
+                                "): its router's logits do not fit the expert tiles' activation plane");
+  if (t.mlp > most.mlp && c.moe.enabled())
+    throw std::invalid_argument("block tiles: " + std::to_string(t.mlp) + " MLP tiles, but model '" + c.name + "' has " +
+                                std::to_string(c.moe.experts) + " experts a sparse block (an MLP tile is a group of them)" +
+                                (most.mlp < c.moe.experts ? " and " + std::to_string(most.mlp) + " features a dense block"
+                                                          : std::string()));
   if (t.mlp > most.mlp)
     throw std::invalid_argument("block tiles: " + std::to_string(t.mlp) + " MLP tiles, but model '" + c.name + "' has " +
                                 std::to_string(most.mlp) + " intermediate features");
@@ -76,7 +87,10 @@ uint64_t attention_tile_parameters(const ModelConfig& c, const LayerTiles& t, in
                   (c.attention_bias ? q + 2 * kv : 0) + d * q);
 }
 
-uint64_t mlp_tile_parameters(const ModelConfig& c, const LayerTiles& t, int64_t j) {
+uint64_t mlp_tile_parameters(const ModelConfig& c, const LayerTiles& t, int64_t block, int64_t j) {
+  if (c.sparse(block))  // its experts; the first also the norm and the router
+    return uint64_t((j == 0 ? c.hidden + c.moe.experts * c.hidden : 0) +
+                    tile_range(c.moe.experts, t.mlp, j).size() * 3 * c.hidden * c.moe.intermediate);
   const int64_t d = c.hidden, f = tile_range(c.intermediate, t.mlp, j).size();
   if (c.arch == Arch::kGpt2) return uint64_t((j == 0 ? 2 * d + d : 0) + 2 * d * f + f);
   return uint64_t((j == 0 ? d + (c.mlp_bias ? d : 0) : 0) + 3 * d * f + (c.mlp_bias ? 2 * f : 0));
@@ -99,7 +113,7 @@ std::vector<uint64_t> stage_parameters(const ModelConfig& c, const LayerTiles& t
     for (int64_t a = 0; a < t.attention; ++a)
       n.push_back(attention_tile_parameters(c, t, a) + (a == 0 ? adapter_elements(c, i, BlockPart::kAttention) : 0));
     for (int64_t m = 0; m < t.mlp; ++m)
-      n.push_back(mlp_tile_parameters(c, t, m) + (m == 0 ? adapter_elements(c, i, BlockPart::kMlp) : 0));
+      n.push_back(mlp_tile_parameters(c, t, i, m) + (m == 0 ? adapter_elements(c, i, BlockPart::kMlp) : 0));
   }
   for (int64_t j = 0; j < t.vocab; ++j)
     n.push_back((j == 0 ? (c.arch == Arch::kGpt2 ? 2 * d : d) : 0) +
@@ -116,7 +130,8 @@ std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiles&
       continue;
     }
     for (int64_t a = 0; a < t.attention; ++a) w.push_back(a == 0 ? 1 : 2);
-    for (int64_t m = 0; m < t.mlp; ++m) w.push_back(m == 0 ? 1 : 2);
+    // A later expert tile's input also carries the router's logits, in a third plane.
+    for (int64_t m = 0; m < t.mlp; ++m) w.push_back(m == 0 ? 1 : c.sparse(i) ? 3 : 2);
   }
   w.insert(w.end(), size_t(t.vocab), 1);
   return w;
@@ -185,10 +200,13 @@ std::vector<StageTensor> block_tensors(const ModelConfig& c, const LayerTiles& t
       s.push_back({p + "mlp.c_proj.weight", d * f});
       if (first) s.push_back({p + "mlp.c_proj.bias", d});
     } else if (c.sparse(i)) {
-      add_norm(c, s, p + "post_attention_layernorm");
-      s.push_back({router_name(c, i), uint64_t(c.moe.experts) * d});
+      if (first) {
+        add_norm(c, s, p + "post_attention_layernorm");
+        s.push_back({router_name(c, i), uint64_t(c.moe.experts) * d});
+      }
       const uint64_t fe = uint64_t(c.moe.intermediate);
-      for (int64_t e = 0; e < c.moe.experts; ++e) {
+      const Range experts = whole ? Range{0, c.moe.experts} : tile_range(c.moe.experts, t.mlp, m);
+      for (int64_t e = experts.begin; e < experts.end; ++e) {
         const ExpertTensors x = expert_tensors(c, i, e);
         s.push_back({x.gate, fe * d});
         s.push_back({x.up, fe * d});
@@ -398,9 +416,18 @@ std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const La
     for (int64_t a = 0; a < t.attention; ++a)
       g.push_back(graph_parts(c, e, a == 0 ? 1 : 2, a == 0 ? 1 : 0, false,
                               uint64_t(tile_range(c.kv_heads, t.attention, a).size() * rep), 0));
-    for (int64_t m = 0; m < t.mlp; ++m)
+    for (int64_t m = 0; m < t.mlp; ++m) {
+      if (c.sparse(i)) {  // as a whole sparse block's MLP, for its share of the experts
+        const uint64_t k = uint64_t(c.moe.top_k), d = uint64_t(c.hidden), E = uint64_t(c.moe.experts);
+        const uint64_t share = uint64_t(tile_range(c.moe.experts, t.mlp, m).size());
+        g.push_back(graph_parts(c, e, m == 0 ? 1 : 3, m == 0 ? 1 : 0, false, 0,
+                                k * uint64_t(c.moe.intermediate) * share / E + 1) +
+                    k * (2 * e * d + 16) * share / E + 3 * 4 * E + 16 * k);
+        continue;
+      }
       g.push_back(graph_parts(c, e, m == 0 ? 1 : 2, m == 0 ? 1 : 0, false, 0,
                               mlp(uint64_t(tile_range(c.intermediate, t.mlp, m).size()))));
+    }
   }
   g.insert(g.end(), size_t(t.vocab), 0);
   return g;

@@ -184,6 +184,17 @@ TEST(EngineEquivalence, MixtureOfExpertsWithItsLoadBalancingLossKeptAndRecompute
   }
 }
 
+// Its blocks in tiles: attention in 2 groups of key/value heads, experts in 2 groups (3 and 2 of
+// 5), each a unit; the first expert tile routes and carries the router's logits to the second.
+TEST(EngineEquivalence, MixtureOfExpertsInExpertTiles) {
+  json j = tiny_moe(3);
+  j["placement"] = {{"tiling", {{"attention", 2}, {"mlp", 2}}}, {"recompute", 1}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  uint64_t peak = 0;
+  const Trajectory got = run_in_process(tc, UINT64_MAX, &peak);
+  expect_close(got, reference(tc, 1), 1e-5);
+}
+
 // --- multi-process ------------------------------------------------------------------------
 
 TEST(EngineEquivalence, TwoRanksMixtureOfExpertsMatchesOneProcess) {

@@ -149,8 +149,8 @@ TEST_P(HfInterop, PackedExamplesGiveTheLossesAndGradientsOfEachExampleAlone) {
     if (tiled) {  // as far as each family's blocks cut (check_tiles)
       const ModelConfig& c = model->config();
       LayerTiles t;
-      t.attention = c.kv_heads > 1 && !c.qk_norm && !c.sandwich_norms && !c.moe.enabled() ? 2 : 1;
-      t.mlp = c.sandwich_norms || c.moe.enabled() ? 1 : 2;
+      t.attention = c.kv_heads > 1 && !c.qk_norm && !c.sandwich_norms ? 2 : 1;
+      t.mlp = c.sandwich_norms ? 1 : 2;  // a sparse block's: two groups of experts
       t.vocab = 2;
       model->set_tiles(t);
     }

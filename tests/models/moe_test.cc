@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <map>
 
 #include <string>
 
@@ -77,10 +78,17 @@ TEST(MixtureOfExperts, UnsupportedSettingsAreClearErrors) {
   EXPECT_NE(error_of(R"({"model_type": "gpt_oss"})").find("mixture of experts Strata does not support yet"),
             std::string::npos);
   EXPECT_NE(error_of(R"({"model_type": "qwen2_moe"})").find("mixture of experts"), std::string::npos);
-  // Not yet cut into tiles: a clear error, vocabulary tiles still allowed.
+  // Expert tiles are groups of experts: at most one expert a tile (and, with dense blocks, one of
+  // their features).
   const ModelConfig m = parse_hf_config(kMixtral + "}", "config.json");
-  EXPECT_THROW(check_tiles(m, LayerTiles{1, 2, 1}), std::invalid_argument);
-  EXPECT_NO_THROW(check_tiles(m, LayerTiles{1, 1, 3}));
+  EXPECT_NO_THROW(check_tiles(m, LayerTiles{1, 5, 3}));
+  try {
+    check_tiles(m, LayerTiles{1, 6, 1});
+    ADD_FAILURE() << "6 expert tiles of 5 experts";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("has 5 experts a sparse block (an MLP tile is a group of them)"),
+              std::string::npos) << e.what();
+  }
 }
 
 // The planner's shapes are the decoder's: every stage's tensors by name and size, in order, and
@@ -88,7 +96,7 @@ TEST(MixtureOfExperts, UnsupportedSettingsAreClearErrors) {
 TEST(MixtureOfExperts, ShapesAreTheDecodersTensors) {
   for (const std::string& json : {kMixtral + "}", kQwen + "}"}) {
     const ModelConfig c = parse_hf_config(json, "config.json");
-    for (const LayerTiles& t : {LayerTiles{}, LayerTiles{1, 1, 2}}) {
+    for (const LayerTiles& t : {LayerTiles{}, LayerTiles{1, 1, 2}, LayerTiles{1, 2, 1}, LayerTiles{1, 3, 2}}) {
       Decoder m(c, 1, Decoder::Init::kDeferred);
       m.set_tiles(t);
       const auto predicted = stage_tensors(c, t);
@@ -118,6 +126,37 @@ TEST(MixtureOfExperts, ShapesAreTheDecodersTensors) {
   EXPECT_EQ(expert_tensors(m, 1, 4).up, "model.layers.1.block_sparse_moe.experts.4.w3.weight");
   const ModelConfig q = parse_hf_config(kQwen + "}", "config.json");
   EXPECT_EQ(expert_tensors(q, 1, 0).down, "model.layers.1.mlp.experts.0.down_proj.weight");
+}
+
+// Expert tiles compute the whole block: a model cut into groups of experts gives the whole
+// model's logits and every tensor's gradient (uneven groups: 5 experts in 2 and 3 tiles), its
+// router statistics coming from each block's first tile.
+TEST(MixtureOfExperts, ExpertTilesComputeTheWholeBlock) {
+  for (const std::string& json : {kMixtral + "}", kQwen + "}"}) {
+    const ModelConfig c = parse_hf_config(json, "config.json");
+    Decoder whole(c, 11);
+    const at::Tensor ids = at::randint(0, c.vocab_size, {2, 9}, at::kLong);
+    const at::Tensor want = whole.forward(ids);
+    want.pow(2).sum().backward();
+    std::map<std::string, at::Tensor> grads;
+    for (auto& [name, p] : whole.hf_parameters()) grads[name] = p.grad().defined() ? p.grad() : at::zeros_like(p);
+    for (const int64_t tiles : {2, 3}) {
+      Decoder cut(c, 11);
+      cut.set_tiles(LayerTiles{1, tiles, 1});
+      const at::Tensor got = cut.forward(ids);
+      EXPECT_LE(((got - want).norm() / want.norm()).item<double>(), 1e-6) << c.hf_type << " " << tiles;
+      got.pow(2).sum().backward();
+      for (Stage* s : cut.stages()) {
+        const auto params = s->hf_parameters();
+        for (size_t i = 0; i < params.size(); ++i) {
+          const TensorPart& part = s->parts()[i];  // a dense block's MLP tile holds a slice
+          const at::Tensor ref = grads.at(part.tensor).narrow(part.dim, part.begin, part.end - part.begin);
+          const at::Tensor g = params[i].second.grad().defined() ? params[i].second.grad() : at::zeros_like(ref);
+          EXPECT_LE((g - ref).norm().item<double>(), 1e-5 * std::max(1.0, ref.norm().item<double>())) << params[i].first;
+        }
+      }
+    }
+  }
 }
 
 // The presets' total and active parameters against what their publishers state: Mixtral 8x7B

@@ -45,14 +45,20 @@ std::string manifest_message(const fs::path& dir) {
 // Whether the checkpoint's units are this run's. Another cut of the same model's tensors (block
 // tiles, or none, where the save had others) loads through the whole tensors; anything else is
 // another model, and throws. Alike on every rank, before any collective.
-bool same_units_as_saved(const json& m, const Partition& part, const fs::path& dir) {
+bool same_units_as_saved(const json& m, const Partition& part, const models::ModelConfig& mine, const fs::path& dir) {
   const json units = partition_json(part);
   const bool same_units = m["units"] == units;
   const std::vector<ManifestTensor> saved_tensors = manifest_tensors(m["units"], dir.string());
   check_whole_coverage(saved_tensors, dir.string());  // alike on every rank, before any collective
   if (!same_units && whole_tensors(saved_tensors) != whole_tensors(manifest_tensors(units, "this run"))) {
     std::string why = "different number of units";
-    if (m["units"].size() == units.size())
+    // A mixture of experts saved with another expert count: said in those words.
+    const json saved = m.value("model", json::object());
+    const int64_t saved_experts = saved.value("num_local_experts", saved.value("num_experts", int64_t(0)));
+    if (saved_experts != mine.moe.experts && (saved_experts > 0 || mine.moe.enabled()))
+      why = "its model has " + std::to_string(saved_experts) + " experts a sparse block, this run's " +
+            std::to_string(mine.moe.experts);
+    else if (m["units"].size() == units.size())
       for (size_t u = 0; u < units.size(); ++u)
         if (m["units"][u] != units[u]) {
           why = "unit " + units[u]["name"].get<std::string>() + " differs";
@@ -247,7 +253,7 @@ CheckpointMeta load_checkpoint(Engine& engine, Communicator& comm, const fs::pat
   const std::string text = from_rank0(comm, comm.rank() == 0 ? manifest_message(dir) : std::string());
   const json m = parse_manifest(text.substr(1), dir.string() + " (rank 0's manifest.json)");
   const Partition& part = engine.checkpoint_partition();
-  const bool same_units = same_units_as_saved(m, part, dir);
+  const bool same_units = same_units_as_saved(m, part, engine.model_config(), dir);
 
   // Alike on every rank, before any collective: a format 1-2 manifest's chunks are checked to
   // cover every (unit, kind) exactly once (format 3's follow from its shards).

@@ -23,9 +23,17 @@ Cases:
   qwen3-moe-2rank  the same with norm_topk_prob true under `strata launch -n 2`.
   mixtral-frozen   model.trainable: attention, routers, norms, embeddings and head train; the
                    experts are frozen (requires_grad false in transformers).
+  mixtral-tiles-2rank  expert tiles: each block's attention in 2 tiles and its 5 experts in 2
+                   (3 and 2), every tile a unit, under `strata launch -n 2`.
+  mixtral-resume   Strata against itself and transformers: stopped after 2 steps (1 rank, 2 expert
+                   tiles, a checkpoint) and resumed for the third at 1 rank and 2 tiles (bitwise the
+                   straight run: losses and exported weights) and at 2 ranks and 3 tiles (within
+                   1e-5, and against transformers as every case); into a model of 4 experts
+                   refused, saying so.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -84,8 +92,91 @@ def shares(router_logits, top_k):
                            minlength=l.size(-1)).double() for l in router_logits]
 
 
+def run_strata(strata, work, cfg, world, name):
+    """`strata train` on `cfg` at `world` ranks; its stderr, or None (printed) when it failed."""
+    path = os.path.join(work, name + ".json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    cmd = [strata, "train", "--config", path]
+    if world > 1:
+        cmd = [strata, "launch", "-n", str(world), "--"] + cmd
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        print(run.stdout, run.stderr)
+        print(f"FAIL: strata ({name}) exited {run.returncode}")
+        return None
+    return run.stderr
+
+
+def tensors(export):
+    from safetensors import safe_open
+    out = {}
+    for f in os.listdir(export):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(export, f), "pt") as st:
+                out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def resumed(strata, work, cfg):
+    """Stopped after 2 steps (1 rank, 2 expert tiles) and resumed: at 1 rank and 2 tiles bitwise
+    the straight run, at 2 ranks and 3 tiles within 1e-5."""
+    ok = True
+    straight = [json.loads(l)["loss"] for l in open(cfg["run"]["log"]) if "event" not in json.loads(l)]
+    want = tensors(cfg["run"]["export"])
+    first = json.loads(json.dumps(cfg))
+    ck = os.path.join(work, "ckpt")
+    first["run"].update({"steps": 2, "checkpoint_dir": ck, "log": os.path.join(work, "first.jsonl"),
+                         "export": os.path.join(work, "export-first")})
+    first["data"].pop("eval_path")
+    first["data"].pop("eval_every")
+    if run_strata(strata, work, first, 1, "first") is None:
+        return False
+    losses_first = [json.loads(l)["loss"] for l in open(first["run"]["log"]) if "event" not in json.loads(l)]
+    for world, mlp in ((1, 2), (2, 3)):
+        r = json.loads(json.dumps(first))
+        r["batch"]["grad_accum"] = ACCUM // world
+        r["placement"]["tiling"]["mlp"] = mlp
+        own = f"{ck}-{world}"  # each resume from the same checkpoint (a resumed run saves its own)
+        shutil.copytree(ck, own)
+        r["run"].update({"steps": STEPS, "resume": True, "checkpoint_dir": own,
+                         "log": os.path.join(work, f"resumed-{world}.jsonl"),
+                         "export": os.path.join(work, f"export-resumed-{world}")})
+        if run_strata(strata, work, r, world, f"resumed-{world}") is None:
+            return False
+        got = losses_first + [json.loads(l)["loss"] for l in open(r["run"]["log"]) if "event" not in json.loads(l)]
+        b = tensors(r["run"]["export"])
+        print(f"losses straight {straight}, resumed at {world} rank(s) and {mlp} expert tiles {got}")
+        if world == 1:
+            if got != straight or set(b) != set(want) or any(not torch.equal(want[k], b[k]) for k in want):
+                print("FAIL: the run resumed at the same world and cut is not bitwise the straight run")
+                ok = False
+        else:
+            worst = max(float((b[k] - want[k]).norm() / max(want[k].norm(), 1e-30)) for k in want)
+            print(f"weights resumed at 2 ranks and 3 expert tiles: worst relative error {worst:.3g}")
+            if len(got) != len(straight) or any(abs(x - y) > TOL * abs(y) for x, y in zip(got, straight)) or worst > TOL:
+                print("FAIL: the run resumed at 2 ranks and 3 expert tiles differs by more than 1e-5")
+                ok = False
+    # A checkpoint of another expert count is refused, saying so.
+    bad = json.loads(json.dumps(first))
+    bad["model"] = {"preset": "mixtral-8x7b", "layers": 2, "hidden": 48, "heads": 4, "kv_heads": 2, "intermediate": 37,
+                    "vocab_size": 61, "experts": 4, "experts_per_token": 2}
+    own = f"{ck}-bad"
+    shutil.copytree(ck, own)
+    bad["run"].update({"steps": STEPS, "resume": True, "checkpoint_dir": own, "log": os.path.join(work, "bad.jsonl"),
+                       "export": os.path.join(work, "export-bad")})
+    path = os.path.join(work, "bad.json")
+    json.dump(bad, open(path, "w"))
+    run = subprocess.run([strata, "train", "--config", path], capture_output=True, text=True)
+    if run.returncode == 0 or "its model has 5 experts a sparse block, this run's 4" not in run.stderr:
+        print("FAIL: a checkpoint of 5 experts resumed into 4 was not refused saying so:", run.stderr[-400:])
+        ok = False
+    return ok
+
+
 def main():
     strata, work, case = sys.argv[1], sys.argv[2], sys.argv[3]
+    shutil.rmtree(work, ignore_errors=True)  # a resumed run appends to its log
     os.makedirs(work, exist_ok=True)
     vocab = 61
     model = make_model(case, vocab)
@@ -116,15 +207,9 @@ def main():
             if ".experts." in n:
                 p.requires_grad_(False)
                 frozen.append(n)
-    with open(os.path.join(work, "train.json"), "w") as f:
-        json.dump(cfg, f)
-    cmd = [strata, "train", "--config", os.path.join(work, "train.json")]
-    if world > 1:
-        cmd = [strata, "launch", "-n", str(world), "--"] + cmd
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    if run.returncode != 0:
-        print(run.stdout, run.stderr)
-        print(f"FAIL: strata exited {run.returncode}")
+    if case in ("mixtral-tiles-2rank", "mixtral-resume"):
+        cfg["placement"] = {"tiling": {"attention": 2, "mlp": 2}}
+    if run_strata(strata, work, cfg, world, "train") is None:
         return 1
     lines = [json.loads(l) for l in open(cfg["run"]["log"])]
     steps = [l for l in lines if "loss" in l and l.get("event") is None]
@@ -235,6 +320,8 @@ def main():
     if e > TOL:
         print("FAIL: the export's logits differ")
         ok = False
+    if case == "mixtral-resume":
+        ok &= resumed(strata, work, cfg)
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

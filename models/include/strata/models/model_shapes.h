@@ -20,7 +20,8 @@ namespace strata::models {
 // How the model's layers are cut into tile stages (tiling/ and docs/ARCHITECTURE.md "Tiling").
 // A pre-norm block is a residual plus sums of independent contributions, so its attention is cut
 // into groups of key/value heads (each with its query heads: q/k/v rows and o_proj columns) and
-// its MLP into slices of the intermediate dimension (gate/up rows, down columns); 1 x 1 is the
+// its MLP into slices of the intermediate dimension (gate/up rows, down columns), a sparse
+// block's (ModelConfig::Moe) into groups of consecutive experts (its first also the router); 1 x 1 is the
 // block whole, one stage; otherwise `attention` + `mlp` stages (every block alike). The
 // vocabulary is cut into `vocab` row ranges: the embedding into as many stages (each adds the
 // lookup of the tokens in its rows), the LM head into as many (each its rows' logits); a tied
@@ -37,7 +38,8 @@ struct LayerTiles {
   bool operator==(const LayerTiles&) const = default;
 };
 // The most tiles `c` cuts into: attention tiles up to its key/value heads, MLP tiles up to its
-// intermediate features, vocabulary tiles up to its rows; but blocks whose norms take a whole
+// intermediate features (a mixture of experts: its experts, and its dense blocks' features),
+// vocabulary tiles up to its rows; but blocks whose norms take a whole
 // output (Gemma 2's sandwich norms) are not cut, nor an attention whose heads share q/k norms
 // (Qwen3's): a tile adds its share to a running sum, and those would need the sum first.
 LayerTiles most_tiles(const ModelConfig& c);
@@ -157,7 +159,8 @@ UnitShapes unit_shapes(const ModelConfig& c, const LayerTiles& t, const Trainabl
 std::string unit_name(const std::string& stage_name, bool frozen);
 
 // By stage: its input activation in multiples of [tokens, hidden] (1, or 2 for a tile after the
-// first of a block's attention or MLP: its input stacks the normed input and the running sum).
+// first of a block's attention or MLP: its input stacks the normed input and the running sum; 3
+// for an expert tile after the first, whose input also stacks the router's logits, padded to hidden).
 // The embedding's input (token ids) counts as 1, as every output that is not another stage's
 // input (the head's).
 std::vector<uint64_t> stage_input_widths(const ModelConfig& c, const LayerTiles& t = {});

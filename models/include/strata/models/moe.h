@@ -17,15 +17,32 @@
 
 namespace strata::models {
 
-// The MoE MLP of `n` (the MLP's normed input [..., hidden]): the router's logits in the weights'
-// dtype, softmax in fp32, torch.topk, renormalized when norm_topk (Qwen3-MoE then rounds the
-// weights to the model's dtype; Mixtral multiplies in fp32); each (token, choice) pair sorted
-// stably by expert and each expert's tokens run through its gated MLP as one matmul (an expert
-// no token chose is not run: its weights get no gradient); the outputs times their weights put
-// back in pair order and summed per token in choice order (no atomic adds: a recompute is
-// bitwise the forward on every device). `router` [experts, hidden]; `experts[e]` expert e's
-// gate, up and down weights (tiling::MlpWeights, no biases). Writes the router's statistics to
-// `stats`. Throws std::invalid_argument when `experts` does not hold c.moe.experts entries.
+// The router's decision for each token from its logits [tokens, experts] (in the weights' dtype,
+// as transformers computes them): probabilities (softmax in fp32), the top_k choices (torch.topk's
+// order and ties) and their weights (renormalized when norm_topk; Qwen3-MoE's rounded to the
+// logits' dtype). Differentiable in the logits through the weights and probabilities.
+struct Routing {
+  at::Tensor probabilities;  // [tokens, experts] fp32
+  at::Tensor weight;         // [tokens, top_k]
+  at::Tensor choice;         // [tokens, top_k] int64
+};
+Routing route(const ModelConfig& c, const at::Tensor& logits);
+// The router's statistics of `r` (RouterStats), the probabilities' sum in their graph.
+void routing_stats(const ModelConfig& c, const Routing& r, RouterStats& stats);
+// Experts [first, first + experts.size()) of a sparse block's MLP on x [tokens, hidden] under
+// `r`: each (token, choice) pair that chose one of them sorted stably by expert, each expert's
+// tokens through its gated MLP as one matmul (an expert no token chose is not run: its weights get
+// no gradient), the outputs times their weights put back in pair order and summed per token in
+// choice order (no atomic adds: a recompute is bitwise the forward on every device); zero for a
+// token that chose none of them. An expert tile runs its range; the whole MLP all of them.
+// Throws std::invalid_argument for a range outside the model's experts.
+at::Tensor experts_mlp(const ModelConfig& c, const at::Tensor& x, const Routing& r,
+                       const std::vector<tiling::MlpWeights>& experts, int64_t first);
+
+// The whole MoE MLP of `n` (the MLP's normed input [..., hidden]): route() on the router's
+// logits, then experts_mlp() over every expert. `router` [experts, hidden]; `experts[e]` expert
+// e's gate, up and down weights (tiling::MlpWeights, no biases). Writes the router's statistics
+// to `stats`. Throws std::invalid_argument when `experts` does not hold c.moe.experts entries.
 at::Tensor moe_mlp(const ModelConfig& c, const at::Tensor& n, const at::Tensor& router,
                    const std::vector<tiling::MlpWeights>& experts, RouterStats& stats);
 
