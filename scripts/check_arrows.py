@@ -31,6 +31,7 @@ PATH_PARTS = [
     ("models/include/strata/models/decoder.h", "models"),
     ("models/include/strata/models/hf_io.h", "models"),
     ("models/include/strata/models/token_layout.h", "models"),
+    ("models/include/strata/models/moe.h", "models"),
     ("models/src/decoder*", "models"),
     ("models/src/hf_io.cc", "models"),
     ("models/src/token_layout.cc", "models"),
@@ -58,6 +59,7 @@ PATH_PARTS = [
     ("engine/include/strata/engine/shard.h", "layout"),
     # engine: configuration parsing (strata_config).
     ("engine/src/config_parse.cc", "config"),
+    ("engine/src/config_model.cc", "config"),
     ("engine/src/config_lora.cc", "config"),
     ("engine/src/config_section.h", "config"),
     ("engine/include/strata/engine/config_parse.h", "config"),

@@ -92,8 +92,12 @@ const std::map<std::string, ModelConfig>& presets() {
     // Kimi K2 (1.04T parameters, 32B active): 61 blocks of hidden 7168, the first dense (18432
     // features), the others 384 experts of 2048, 8 a token; its multi-head latent attention as
     // standard attention of 64 heads of 128 over 8 key/value heads, no shared expert.
-    add(moe(with_head_dim(llama("kimi-k2-shaped", 61, 7168, 64, 8, 18432, 163840, false), 128), "mixtral", 384, 8, 2048,
-            true, 1));
+    // A planning shape: Qwen3-MoE's layout (an expert width of its own, a dense first block)
+    // without its q/k norms.
+    ModelConfig kimi = moe(with_head_dim(llama("kimi-k2-shaped", 61, 7168, 64, 8, 18432, 163840, false), 128),
+                           "qwen3_moe", 384, 8, 2048, true, 1);
+    kimi.qk_norm = false;
+    add(kimi);
     for (auto& [name, c] : m)
       if (c.moe.enabled() && name != "kimi-k2-shaped") c.rope_theta = 1e6;
     return m;

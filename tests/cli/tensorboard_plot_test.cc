@@ -113,6 +113,28 @@ TEST(TensorBoardWriter, ScalarsReadBackWithTensorBoardWhileTheWriterIsOpen) {
       << slurp(tmp / "check.log");
 }
 
+// Histograms (a mixture of experts' shares per expert): TensorBoard reads each back with its
+// statistics and buckets; a single value (every expert equally chosen) is one bucket.
+TEST(TensorBoardWriter, HistogramsReadBackWithTensorBoard) {
+  if (kPython.empty()) GTEST_SKIP() << "no Python with tensorboard configured (STRATA_PYTHON)";
+  strata::test::TempDir tmp;
+  const fs::path dir = tmp / "tb";
+  json want = json::array();
+  {
+    TensorBoardWriter w(dir);
+    const std::vector<std::vector<double>> sets = {{0.1, 0.25, 0.25, 0.4, 0.0}, {0.2, 0.2, 0.2}, {1, 7, 3, 3, 5, 2.5, 6.25}};
+    for (size_t i = 0; i < sets.size(); ++i) {
+      const int buckets = i == 2 ? 4 : 16;
+      w.histogram("experts/share.sparse_block_0", int64_t(i + 1), sets[i], buckets);
+      want.push_back({{"tag", "experts/share.sparse_block_0"}, {"step", i + 1}, {"values", sets[i]}, {"buckets", buckets}});
+    }
+    EXPECT_THROW(w.histogram("empty", 9, {}), std::invalid_argument);
+  }
+  std::ofstream(tmp / "expected.json") << json{{"histograms", want}}.dump();
+  EXPECT_EQ(run_py("tb_histogram_check.py", dir.string() + " " + (tmp / "expected.json").string(), tmp / "check.log"), 0)
+      << slurp(tmp / "check.log");
+}
+
 // The oracle itself: one flipped data byte must fail TensorBoard's CRC check.
 TEST(TensorBoardWriter, CheckerRejectsACorruptedRecord) {
   if (kPython.empty()) GTEST_SKIP() << "no Python with tensorboard configured (STRATA_PYTHON)";

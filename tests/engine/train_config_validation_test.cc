@@ -197,3 +197,33 @@ TEST(TrainConfig, InitFromRejectsALayersOverride) {
 
 }  // namespace
 }  // namespace strata::engine
+
+namespace strata::engine {
+namespace {
+
+// A mixture of experts' keys reshape a preset's experts and switch its load-balancing loss; each
+// refusal names the key.
+TEST(TrainConfig, MixtureOfExpertsKeys) {
+  const std::string base = R"({"model": {"preset": "mixtral-8x7b", "layers": 2, "hidden": 64, "heads": 4,
+      "kv_heads": 2, "intermediate": 40, "vocab_size": 256, "experts": 5, "experts_per_token": 2)";
+  const TrainConfig tc = parse_train_config(base + R"(, "output_router_logits": true, "router_aux_loss_coef": 0.02}})",
+                                            "test.json");
+  EXPECT_EQ(tc.model.moe.experts, 5);
+  EXPECT_EQ(tc.model.moe.top_k, 2);
+  EXPECT_EQ(tc.model.moe.intermediate, 40);  // Mixtral's experts are model.intermediate wide
+  EXPECT_TRUE(tc.model.moe.add_aux_loss);
+  EXPECT_DOUBLE_EQ(tc.model.moe.aux_loss_coef, 0.02);
+  EXPECT_TRUE(contains(config_error(base + R"(, "experts_per_token": 6}})"), "between 1 and the 5 experts"));
+  EXPECT_TRUE(contains(config_error(base + R"(, "expert_intermediate": 16}})"), "model.expert_intermediate"));
+  EXPECT_TRUE(contains(config_error(base + R"(, "router_aux_loss_coef": -1}})"), "model.router_aux_loss_coef"));
+  EXPECT_TRUE(contains(config_error(R"({"model": {"preset": "llama-1b", "experts": 4}})"),
+                       "applies only to a mixture of experts"));
+  // LoRA: the attention's linears; an expert's projection is no linear layer.
+  EXPECT_NO_THROW(parse_train_config(base + R"(, "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}}})", "t"));
+  const std::string lora_experts = config_error(base + R"(, "lora": {"r": 4, "target_modules": ["w1"]}}})");
+  EXPECT_TRUE(contains(lora_experts, "a sparse block's experts are not linear layers")) << lora_experts;
+  EXPECT_FALSE(contains(lora_experts, "mlp.gate_proj")) << "a Mixtral block has no dense MLP to list";
+}
+
+}  // namespace
+}  // namespace strata::engine

@@ -21,6 +21,10 @@ Cases:
                    vocabulary tiles (the final cap applied tile by tile).
   lora             LoRA (peft, every Llama linear) on the packed batches: losses (1e-6) and the
                    exported adapters (1e-5).
+  mixtral          a mixture of experts (5 experts, top-2) with its load-balancing loss: each
+                   micro-batch's windows (the loader's order) run as one forward with their mask,
+                   and their load_balancing_loss_func over every token of the windows (packed
+                   examples and padding all counted), averaged over the micro-batches.
   resume           14 examples (8 windows), global batch 4: 2 steps, a checkpoint, resumed to 4
                    steps: at 1 rank its losses and exported weights are bitwise the straight
                    run's; at 2 ranks (grad_accum halved) within 1e-5.
@@ -47,6 +51,7 @@ WINDOW = 7  # mistral-window's sliding window
 # Kept lengths 25 (cut from 31), 21, 3, 17, 8, 13, 12: four windows of 25, one with a padding token.
 TRAIN_LENGTHS = [31, 21, 3, 17, 8, 13, 12]
 EVAL_LENGTHS = [12, 30, 25, 7, 18]
+AUX_COEF = 0.05  # mixtral's router_aux_loss_coef
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -66,6 +71,10 @@ def model_for(case, vocab):
                                                  final_logit_softcapping=5.0, sliding_window=WINDOW,
                                                  hidden_activation="gelu_pytorch_tanh"))
         return perturbed(m)  # eager attention: sdpa has no soft cap
+    elif case == "mixtral":
+        m = tf.MixtralForCausalLM(tf.MixtralConfig(**dict(common, intermediate_size=37), num_local_experts=5,
+                                                   num_experts_per_tok=2, output_router_logits=True,
+                                                   router_aux_loss_coef=AUX_COEF, experts_implementation="eager"))
     elif case in ("gpt2", "gpt2-tiles"):
         m = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=4, n_positions=64,
                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -77,12 +86,34 @@ def model_for(case, vocab):
     return m
 
 
+def moe_packed_loss(model, train, bins, step):
+    """A mixture's loss over the step's packed windows as Strata computes it: the cross entropy
+    summed over every window's counted targets / their count, plus the coefficient times each
+    micro-batch's load_balancing_loss_func (every token of its windows) averaged over them."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    from strata_data import global_samples
+    c = model.config
+    order = global_samples(len(bins), 3, step * len(bins), len(bins))
+    batches = [packed_batch(train, [bins[i] for i in order[j:j + MICRO]], SEQ) for j in range(0, len(bins), MICRO)]
+    counted = sum(int((b[3] != -100).sum()) for b in batches)
+    loss = 0.0
+    for inputs, pos, mask, targets in batches:
+        out = model.model(input_ids=inputs, position_ids=pos, attention_mask=mask, output_router_logits=True)
+        logits = model.lm_head(out.last_hidden_state).float()
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                               ignore_index=-100, reduction="sum")
+        aux = load_balancing_loss_func(out.router_logits, c.num_local_experts, c.num_experts_per_tok, None)
+        loss = loss + ce / counted + c.router_aux_loss_coef * aux / len(batches)
+    return loss
+
+
 def export_close(export_dir, model, tol):
-    """Per tensor ||diff|| / ||ref|| of a full export against `model`; the worst, or None if a
-    tensor is missing."""
+    """Per tensor ||diff|| / ||ref|| of a full export against `model` (a mixture's experts in the
+    Hub's layout); the worst, or None if a tensor is missing."""
+    from moe_names import hub_state
     got = read_safetensors(os.path.join(export_dir, "model.safetensors"))
     worst, name = 0.0, ""
-    for n, ref in model.state_dict().items():
+    for n, ref in hub_state(model).items():
         if n == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         if n not in got:
@@ -250,7 +281,7 @@ def main():
     want, want_eval = [], []
     for s in range(STEPS):
         opt.zero_grad()
-        loss = packed_loss(model, batch)
+        loss = moe_packed_loss(model, train, bins, s) if case == "mixtral" else packed_loss(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, CLIP)
         opt.step()
