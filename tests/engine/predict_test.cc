@@ -3,7 +3,9 @@
 // tier, head tiles and device-placed bytes, and the same partition sizes at other world sizes.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -280,6 +282,41 @@ TEST(PredictState, RandomConfigurationsResolveAsTheEngineDoes) {
   }
   std::cout << "  " << built << " built, " << refused << " refused by both, in " << tries << " draws\n";
   EXPECT_GT(built, 0);
+}
+
+// A mixture of experts under a device budget its whole blocks do not fit: "auto" cuts its experts
+// into tiles, and the prediction (no model, no device) is what the engine decides and allocates.
+TEST(PredictState, AMixtureOfExpertsIsCutIntoExpertTilesAsTheEngineCutsIt) {
+  json j = tiny_config(true, 3);
+  j["model"] = {{"preset", "mixtral-8x7b"}, {"layers", 3}, {"hidden", 64}, {"heads", 4}, {"kv_heads", 2},
+                {"intermediate", 96}, {"vocab_size", 256}, {"experts", 8}, {"experts_per_token", 2}, {"seed", 7}};
+  se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+  tc.engine.params = tc.engine.grads = tc.engine.master = tc.engine.moments = se::Placement::kHost;
+  // The largest budget whose prediction cuts the experts (every other choice left to "auto").
+  std::optional<se::StatePrediction> cut;
+  uint64_t budget = 4u << 20;
+  for (; budget > (64u << 10) && !cut; budget -= 32u << 10) {
+    tc.engine.device_budget = budget;
+    const se::StatePrediction p = se::predict_state(tc.engine, tc.model, 1, {budget, 1ull << 50, 1ull << 50, 1});
+    if (p.fits && p.tiles.mlp > 1) cut = p;
+  }
+  ASSERT_TRUE(cut) << "no budget made \"auto\" cut the experts";
+  budget += 32u << 10;
+  EXPECT_LE(cut->tiles.mlp, 8);
+  auto comm = se::Communicator::create(se::DistEnv{}, std::chrono::seconds(30));
+  auto dev = se::Device::create_host(budget);
+  se::Engine eng(std::make_unique<sm::Decoder>(tc.model, tc.init_seed, sm::Decoder::Init::kDeferred), tc.engine,
+                 *comm, *dev);
+  EXPECT_EQ(uint64_t(cut->tiles.mlp), eng.config().mlp_tiles);
+  EXPECT_EQ(uint64_t(cut->tiles.attention), eng.config().attention_tiles);
+  EXPECT_EQ(cut->working_set, eng.memory_model().working_set(eng.working_set_choices()));
+  EXPECT_EQ(cut->device_state, eng.device_state_bytes());
+  // And it trains within that budget.
+  const at::Tensor ids = at::randint(0, 256, {tc.engine.micro_batch * tc.engine.grad_accum, tc.engine.seq_len + 1});
+  const se::StepResult r = eng.train_step(ids);
+  EXPECT_TRUE(std::isfinite(r.loss));
+  EXPECT_LE(eng.memory().device_peak, budget);
+  std::cout << "  " << cut->tiles.mlp << " expert tiles at a budget of " << budget << " B: " << cut->report << "\n";
 }
 
 TEST(PredictState, SaysWhyItDoesNotFit) {
