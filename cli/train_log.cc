@@ -189,6 +189,7 @@ void RunLog::open_log(const Start& start) {
       {"event", "start"},
       {"model", run_.mc.name},
       {"parameters", run_.mc.parameters()},
+      {"active_parameters", run_.mc.active_parameters()},
       {"world_size", run_.comm.world_size()},
       {"launcher", run_.env.launcher},
       {"global_batch", run_.global_batch},
@@ -228,6 +229,7 @@ void RunLog::print_banner(const Start& start, const engine::MemoryReport& m0) co
   const engine::EngineConfig& ec = run_.ec;
   const DataSources& data = run_.data;
   std::cerr << "strata train: " << mc.name << " (" << mc.parameters() / 1e6 << "M parameters, "
+            << (mc.moe.enabled() ? std::to_string(mc.active_parameters() / 1000000) + "M active, " : std::string())
             << mc.layers << " layers), world " << run_.comm.world_size()
             << (run_.env.launcher == "none" ? "" : " (" + run_.env.launcher + ")") << ", global batch "
             << run_.global_batch << " x " << ec.seq_len << " tokens, " << to_string(ec.compute)

@@ -255,12 +255,15 @@ struct Engine::Impl {
   // borrows them.
   std::unique_ptr<runtime::StepUses> uses_run;
 
-  // Model FLOPs (models::model_flops_per_token): frozen units' parameters cost no weight gradient.
+  // Model FLOPs (models::model_flops_per_token): frozen units' parameters cost no weight gradient,
+  // a frozen expert's in the share of tokens that use it.
   double flops_per_token() const {
-    int64_t frozen = 0;
+    double frozen = 0;
     for (size_t u = 0; u < partition->num_units(); ++u)
-      if (partition->unit(u).frozen) frozen += int64_t(partition->unit(u).numel);
-    return models::model_flops_per_token(model->config(), cfg.seq_len, frozen);
+      if (partition->unit(u).frozen)
+        for (const TensorSlot& t : partition->unit(u).tensors)
+          frozen += double(t.numel) * models::active_share(model->config(), t.whole_name());
+    return models::model_flops_per_token(model->config(), cfg.seq_len, int64_t(std::llround(frozen)));
   }
 };
 

@@ -241,6 +241,12 @@ std::string router_name(const ModelConfig& c, int64_t block) {
   return block_prefix(c, block) + (c.hf_type == "mixtral" ? "block_sparse_moe" : "mlp") + ".gate.weight";
 }
 
+double active_share(const ModelConfig& c, const std::string& tensor) {
+  const bool expert = c.moe.enabled() && tensor.find(c.hf_type == "mixtral" ? ".block_sparse_moe.experts." : ".mlp.experts.") !=
+                                              std::string::npos;
+  return expert ? double(c.moe.top_k) / double(c.moe.experts) : 1.0;
+}
+
 ExpertTensors expert_tensors(const ModelConfig& c, int64_t block, int64_t expert) {
   const bool mixtral = c.hf_type == "mixtral";
   const std::string p = block_prefix(c, block) + (mixtral ? "block_sparse_moe" : "mlp") + ".experts." +

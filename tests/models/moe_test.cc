@@ -126,6 +126,17 @@ TEST(MixtureOfExperts, ShapesAreTheDecodersTensors) {
   EXPECT_EQ(expert_tensors(m, 1, 4).up, "model.layers.1.block_sparse_moe.experts.4.w3.weight");
   const ModelConfig q = parse_hf_config(kQwen + "}", "config.json");
   EXPECT_EQ(expert_tensors(q, 1, 0).down, "model.layers.1.mlp.experts.0.down_proj.weight");
+  // A token uses top_k of the experts: each expert tensor counts that share.
+  EXPECT_DOUBLE_EQ(active_share(m, expert_tensors(m, 1, 4).up), 2.0 / 5);
+  EXPECT_DOUBLE_EQ(active_share(m, router_name(m, 1)), 1.0);
+  EXPECT_DOUBLE_EQ(active_share(q, "model.layers.0.mlp.up_proj.weight"), 1.0);
+  // The active parameters are the tensors' counts times their shares.
+  for (const ModelConfig& c : {m, q}) {
+    double active = 0;
+    for (const auto& stage : stage_tensors(c))
+      for (const StageTensor& t : stage) active += double(t.numel) * active_share(c, t.tensor);
+    EXPECT_NEAR(active, double(c.active_parameters()), 1e-6) << c.hf_type;
+  }
 }
 
 // Expert tiles compute the whole block: a model cut into groups of experts gives the whole

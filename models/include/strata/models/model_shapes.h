@@ -89,6 +89,9 @@ std::string block_prefix(const ModelConfig& c, int64_t i);
 // intermediate]. The decoder registers, and stage_tensors counts, a sparse block's MLP as the
 // router, then each expert's gate, up and down in expert order.
 std::string router_name(const ModelConfig& c, int64_t block);
+// The share of a tensor's elements one token's forward uses: top_k / experts for an expert's
+// tensor (a name expert_tensors gives), 1 for every other (the router's included).
+double active_share(const ModelConfig& c, const std::string& tensor);
 struct ExpertTensors {
   std::string gate, up, down;
 };
