@@ -126,6 +126,23 @@ TEST(Planner, EachProductRunsAtTheRateOfItsSize) {
 // FLOPs, each tile's q, k, v, output, up and down products at their own sizes (uneven cuts
 // included), so a curve that punishes small products prices them slower; their memory traffic
 // adds the tiles' residual adds and the stacks that pass (normed input, running sum) on.
+// A mixture of experts' block: its router's product and each expert's three on its even share of
+// the tokens' choices, whose FLOPs are the forward's (models::forward_flops_per_token, top_k
+// experts a token), in products 8 / 2 = 4 times smaller than a dense MLP of top_k x the width.
+TEST(Planner, AMixtureOfExpertsRunsEachExpertOnItsShareOfTheTokens) {
+  const models::ModelConfig m = models::preset("mixtral-8x7b");
+  const double sequences = 4, tokens = sequences * 4096;
+  const Work w = mlp_forward(m, sequences, 4096, ShardOf{});
+  ASSERT_EQ(w.gemms.size(), 2u);
+  EXPECT_DOUBLE_EQ(w.gemms[0].flops, 2 * tokens * 4096 * 8);  // the router
+  EXPECT_DOUBLE_EQ(w.gemms[1].flops, 2 * (tokens * 2 / 8) * 4096 * 14336);
+  EXPECT_DOUBLE_EQ(w.gemms[1].count, 3 * 8);
+  const models::ForwardFlops ff = models::forward_flops_per_token(m, 4096);
+  const double d = 4096, q = 4096, kv = 1024, s = 4096;
+  const double attention = 2 * (d * (q + 2 * kv) + q * d) + 2 * 2 * s * q;
+  EXPECT_NEAR(w.gemm_flops() / tokens, ff.blocks / double(m.layers) - attention, 1e-6 * ff.blocks / double(m.layers));
+}
+
 TEST(Planner, BlockTilesRunTheBlocksFlopsInSmallerProducts) {
   const GpuSpec g = small_products_slow();
   for (const char* preset : {"gpt2", "llama-1b"}) {
