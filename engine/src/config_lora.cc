@@ -53,10 +53,8 @@ void read_lora(Section& s, TrainConfig& c) {
       s.fail("lora", "target_modules \"" + t + "\" names no linear layer of a " + (mc.arch == models::Arch::kGpt2 ? std::string("gpt2") : mc.hf_type) + " block (" +
                          [&] {
                            std::string all;
-                           bool dense = !mc.moe.enabled();
-                           for (int64_t i = 0; i < mc.layers && !dense; ++i) dense = !mc.sparse(i);
                            for (const models::BlockLinear& l : models::block_linears(mc))
-                             if (l.attention || dense) all += (all.empty() ? "" : ", ") + l.module;
+                             if (l.attention || mc.has_dense_blocks()) all += (all.empty() ? "" : ", ") + l.module;
                            return all;
                          }() + ")" +
                          (mc.moe.enabled() ? "; a sparse block's experts are not linear layers, and LoRA on them "

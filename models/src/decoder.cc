@@ -51,6 +51,20 @@ at::Tensor Stage::add_part(const std::string& hf_name, std::vector<int64_t> whol
   return t;
 }
 
+std::vector<tiling::MlpWeights> Stage::add_experts(const ModelConfig& c, int64_t block, Range experts) {
+  const int64_t d = c.hidden, f = c.moe.intermediate;
+  std::vector<tiling::MlpWeights> out;
+  for (int64_t e = experts.begin; e < experts.end; ++e) {
+    const ExpertTensors x = expert_tensors(c, block, e);
+    tiling::MlpWeights w;
+    w.gate = add(x.gate, {f, d});
+    w.up = add(x.up, {f, d});
+    w.down = add(x.down, {d, f});
+    out.push_back(w);
+  }
+  return out;
+}
+
 at::Tensor Stage::lm_head_weight(const ModelConfig& c, const at::Tensor& tied_embedding) {
   if (!c.tie_embeddings) return add("lm_head.weight", {c.vocab_size, c.hidden});
   return register_parameter("tied_embedding", tied_embedding);

@@ -246,15 +246,7 @@ class LlamaBlock final : public Stage {
     if (c.sandwich_norms) pre_ff_norm = add(p + "pre_feedforward_layernorm.weight", {d});
     if (c.sparse(i)) {  // the router, then each expert's gate, up and down
       router = add(router_name(c, i), {c.moe.experts, d});
-      const int64_t fe = c.moe.intermediate;
-      for (int64_t e = 0; e < c.moe.experts; ++e) {
-        const ExpertTensors x = expert_tensors(c, i, e);
-        tiling::MlpWeights w;
-        w.gate = add(x.gate, {fe, d});
-        w.up = add(x.up, {fe, d});
-        w.down = add(x.down, {d, fe});
-        experts_.push_back(w);
-      }
+      experts_ = add_experts(c, i, {0, c.moe.experts});
       add_adapters(c, i);
       return;
     }

@@ -188,19 +188,12 @@ class ExpertTile final : public Stage {
  public:
   ExpertTile(const ModelConfig& c, int64_t block, int64_t index, int64_t count)
       : c_(c), first_(index == 0), last_(index + 1 == count), experts_(tile_range(c.moe.experts, count, index)) {
-    const int64_t d = c.hidden, f = c.moe.intermediate;
+    const int64_t d = c.hidden;
     if (first_) {
       norm_w = add(block_prefix(c, block) + "post_attention_layernorm.weight", {d});
       router = add(router_name(c, block), {c.moe.experts, d});
     }
-    for (int64_t e = experts_.begin; e < experts_.end; ++e) {
-      const ExpertTensors x = expert_tensors(c, block, e);
-      tiling::MlpWeights w;
-      w.gate = add(x.gate, {f, d});
-      w.up = add(x.up, {f, d});
-      w.down = add(x.down, {d, f});
-      weights_.push_back(w);
-    }
+    weights_ = add_experts(c, block, experts_);
   }
 
   at::Tensor forward(const at::Tensor& z, const TokenLayout&) override {

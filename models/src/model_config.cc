@@ -75,6 +75,12 @@ bool ModelConfig::sparse(int64_t layer) const {
   return moe.enabled() && (moe.dense_layers.empty() || !moe.dense_layers.at(size_t(layer)));
 }
 
+bool ModelConfig::has_dense_blocks() const {
+  for (int64_t i = 0; i < layers; ++i)
+    if (!sparse(i)) return true;
+  return false;
+}
+
 int64_t ModelConfig::block_parameters(int64_t layer) const {
   const int64_t d = hidden, q = heads * head_dim, kv = kv_heads * head_dim, f = intermediate;
   if (arch == Arch::kGpt2) {

@@ -31,6 +31,16 @@ uint64_t graph_parts(const ModelConfig& c, uint64_t e, uint64_t input_width, uin
   return b;
 }
 
+// A sparse block's experts [a range of `experts_here`] per token, beside its norms: each token's
+// top_k copies of its normed input, each expert's MLP over its tokens (as a dense MLP of top_k x
+// the expert's features), their weighted outputs, all in the range's share of the choices; and
+// the router's fp32 logits, probabilities and weights with the choices' indices, whole in each.
+uint64_t experts_graph(const ModelConfig& c, uint64_t e, uint64_t experts_here) {
+  const uint64_t k = uint64_t(c.moe.top_k), d = uint64_t(c.hidden), E = uint64_t(c.moe.experts);
+  return e * 4 * (k * uint64_t(c.moe.intermediate) * experts_here / E) + k * (2 * e * d + 16) * experts_here / E +
+         3 * 4 * E;
+}
+
 }  // namespace
 
 std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const LayerTiles& t, size_t elem_bytes,
@@ -43,12 +53,8 @@ std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const La
     if (t.blocks_whole()) {
       // Gemma 2's two more norms; Qwen3's query and key norms are small beside them, not counted.
       if (c.sparse(i)) {
-        // A sparse block: each token's top_k copies of its normed input, each expert's MLP over
-        // its tokens (as a dense MLP of top_k x the expert's features), their weighted outputs;
-        // the router's fp32 logits and probabilities and the routing's indices.
-        const uint64_t k = uint64_t(c.moe.top_k), d = uint64_t(c.hidden), E = uint64_t(c.moe.experts);
-        g.push_back(graph_parts(c, e, 1, 2, /*residual=*/true, uint64_t(c.heads), k * uint64_t(c.moe.intermediate)) +
-                    k * (2 * e * d + 8 + 8) + 3 * 4 * E);
+        g.push_back(graph_parts(c, e, 1, 2, /*residual=*/true, uint64_t(c.heads), 0) +
+                    experts_graph(c, e, uint64_t(c.moe.experts)));
         continue;
       }
       g.push_back(graph_parts(c, e, 1, c.sandwich_norms ? 4 : 2, /*residual=*/true, uint64_t(c.heads),
@@ -60,12 +66,9 @@ std::vector<uint64_t> stage_graph_bytes_per_token(const ModelConfig& c, const La
       g.push_back(graph_parts(c, e, a == 0 ? 1 : 2, a == 0 ? 1 : 0, false,
                               uint64_t(tile_range(c.kv_heads, t.attention, a).size() * rep), 0));
     for (int64_t m = 0; m < t.mlp; ++m) {
-      if (c.sparse(i)) {  // as a whole sparse block's MLP, for its share of the experts
-        const uint64_t k = uint64_t(c.moe.top_k), d = uint64_t(c.hidden), E = uint64_t(c.moe.experts);
-        const uint64_t share = uint64_t(tile_range(c.moe.experts, t.mlp, m).size());
-        g.push_back(graph_parts(c, e, m == 0 ? 1 : 3, m == 0 ? 1 : 0, false, 0,
-                                k * uint64_t(c.moe.intermediate) * share / E + 1) +
-                    k * (2 * e * d + 16) * share / E + 3 * 4 * E + 16 * k);
+      if (c.sparse(i)) {  // an expert tile: its input (3 planes after the first), its experts
+        g.push_back(graph_parts(c, e, m == 0 ? 1 : 3, m == 0 ? 1 : 0, false, 0, 0) +
+                    experts_graph(c, e, uint64_t(tile_range(c.moe.experts, t.mlp, m).size())));
         continue;
       }
       g.push_back(graph_parts(c, e, m == 0 ? 1 : 2, m == 0 ? 1 : 0, false, 0,

@@ -13,11 +13,7 @@ LayerTiles most_tiles(const ModelConfig& c) {
   t.mlp = c.sandwich_norms ? 1 : c.intermediate;
   // A sparse block's MLP tile is a group of experts (a dense block's of the same model a slice of
   // its features: every block has as many tiles).
-  if (c.moe.enabled()) {
-    t.mlp = c.moe.experts;
-    for (int64_t i = 0; i < c.layers; ++i)
-      if (!c.sparse(i)) t.mlp = std::min(t.mlp, c.intermediate);
-  }
+  if (c.moe.enabled()) t.mlp = c.has_dense_blocks() ? std::min(c.moe.experts, c.intermediate) : c.moe.experts;
   t.vocab = c.vocab_size;
   return t;
 }
@@ -237,21 +233,26 @@ void add_adapter_tensors(const ModelConfig& c, int64_t block, BlockPart part, st
 
 }  // namespace
 
+namespace {
+
+// A sparse block's mixture module within the block: the router is its "gate", the experts its
+// "experts.E".
+std::string moe_module(const ModelConfig& c) { return c.hf_type == "mixtral" ? "block_sparse_moe" : "mlp"; }
+
+}  // namespace
+
 std::string router_name(const ModelConfig& c, int64_t block) {
-  return block_prefix(c, block) + (c.hf_type == "mixtral" ? "block_sparse_moe" : "mlp") + ".gate.weight";
+  return block_prefix(c, block) + moe_module(c) + ".gate.weight";
 }
 
 double active_share(const ModelConfig& c, const std::string& tensor) {
-  const bool expert = c.moe.enabled() && tensor.find(c.hf_type == "mixtral" ? ".block_sparse_moe.experts." : ".mlp.experts.") !=
-                                              std::string::npos;
+  const bool expert = c.moe.enabled() && tensor.find("." + moe_module(c) + ".experts.") != std::string::npos;
   return expert ? double(c.moe.top_k) / double(c.moe.experts) : 1.0;
 }
 
 ExpertTensors expert_tensors(const ModelConfig& c, int64_t block, int64_t expert) {
-  const bool mixtral = c.hf_type == "mixtral";
-  const std::string p = block_prefix(c, block) + (mixtral ? "block_sparse_moe" : "mlp") + ".experts." +
-                        std::to_string(expert) + ".";
-  if (mixtral) return {p + "w1.weight", p + "w3.weight", p + "w2.weight"};
+  const std::string p = block_prefix(c, block) + moe_module(c) + ".experts." + std::to_string(expert) + ".";
+  if (c.hf_type == "mixtral") return {p + "w1.weight", p + "w3.weight", p + "w2.weight"};
   return {p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"};
 }
 

@@ -125,9 +125,7 @@ models::LayerTiles leanest_tiling(const EngineConfig& cfg, const models::ModelCo
   // A mixture's sparse blocks cut into as many groups as they have experts (each of any width);
   // its dense blocks, if any, no narrower than 64 features either.
   const models::LayerTiles allowed = models::most_tiles(mc);
-  bool dense_blocks = !mc.moe.enabled();
-  for (int64_t i = 0; i < mc.layers && !dense_blocks; ++i) dense_blocks = !mc.sparse(i);
-  const int64_t mlp = dense_blocks ? std::min(allowed.mlp, mc.intermediate / 64) : allowed.mlp;
+  const int64_t mlp = mc.has_dense_blocks() ? std::min(allowed.mlp, mc.intermediate / 64) : allowed.mlp;
   return {most(cfg.attention_tiles, allowed.attention), most(cfg.mlp_tiles, mlp),
           most(cfg.vocab_tiles, mc.vocab_size / int64_t(layout::kMinTileVocab))};
 }

@@ -34,14 +34,14 @@ Cases:
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from finetune_oracle import perturbed, rel, sft_examples, write_sft  # noqa: E402
+from finetune_oracle import perturbed, rel, sft_batch, sft_examples, write_sft  # noqa: E402
+from lora_oracle import run_strata_output  # noqa: E402
 from moe_names import hub_state  # noqa: E402
 from strata_data import global_samples  # noqa: E402
 
@@ -74,16 +74,10 @@ def make_model(case, vocab):
 
 
 def rows(examples):
-    """Strata's rows of supervised examples: inputs [B, SEQ] (padded with 0) and targets [B, SEQ]
-    (-100 out of the loss)."""
-    ids = np.zeros((len(examples), SEQ + 1), dtype=np.int64)
-    labels = np.full((len(examples), SEQ + 1), -100, dtype=np.int64)
-    for r, (t, m) in enumerate(examples):
-        n = min(len(t), SEQ + 1)
-        ids[r, :n] = t[:n]
-        keep = m[:n] == 1
-        labels[r, :n][keep] = t[:n][keep]
-    return torch.from_numpy(ids[:, :SEQ]), torch.from_numpy(labels[:, 1:])
+    """Strata's rows of supervised examples (finetune_oracle.sft_batch) as the model takes them:
+    inputs [B, SEQ] and their targets [B, SEQ] (-100 out of the loss)."""
+    ids, labels = sft_batch(examples, SEQ)
+    return ids[:, :SEQ], labels[:, 1:]
 
 
 def shares(router_logits, top_k):
@@ -94,18 +88,8 @@ def shares(router_logits, top_k):
 
 def run_strata(strata, work, cfg, world, name):
     """`strata train` on `cfg` at `world` ranks; its stderr, or None (printed) when it failed."""
-    path = os.path.join(work, name + ".json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    cmd = [strata, "train", "--config", path]
-    if world > 1:
-        cmd = [strata, "launch", "-n", str(world), "--"] + cmd
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    if run.returncode != 0:
-        print(run.stdout, run.stderr)
-        print(f"FAIL: strata ({name}) exited {run.returncode}")
-        return None
-    return run.stderr
+    lines, err = run_strata_output(strata, work, cfg, world, name)
+    return None if lines is None else err
 
 
 def tensors(export):
@@ -165,11 +149,9 @@ def resumed(strata, work, cfg):
     shutil.copytree(ck, own)
     bad["run"].update({"steps": STEPS, "resume": True, "checkpoint_dir": own, "log": os.path.join(work, "bad.jsonl"),
                        "export": os.path.join(work, "export-bad")})
-    path = os.path.join(work, "bad.json")
-    json.dump(bad, open(path, "w"))
-    run = subprocess.run([strata, "train", "--config", path], capture_output=True, text=True)
-    if run.returncode == 0 or "its model has 5 experts a sparse block, this run's 4" not in run.stderr:
-        print("FAIL: a checkpoint of 5 experts resumed into 4 was not refused saying so:", run.stderr[-400:])
+    lines, err = run_strata_output(strata, work, bad, 1, "bad", must_pass=False)
+    if lines is not None or "its model has 5 experts a sparse block, this run's 4" not in err:
+        print("FAIL: a checkpoint of 5 experts resumed into 4 was not refused saying so:", err[-400:])
         ok = False
     return ok
 

@@ -78,6 +78,9 @@ class Stage : public torch::nn::Module {
   at::Tensor add(const std::string& hf_name, std::vector<int64_t> shape);
   // A slice [begin, end) along `dim` of the tensor `hf_name` of shape `whole`.
   at::Tensor add_part(const std::string& hf_name, std::vector<int64_t> whole, int64_t dim, int64_t begin, int64_t end);
+  // A sparse block's experts [experts.begin, experts.end) of block `block`, each its gate, up and
+  // down (expert_tensors' names, stage_tensors' order).
+  std::vector<tiling::MlpWeights> add_experts(const ModelConfig& c, int64_t block, Range experts);
   // The LM head's weight: its own "lm_head.weight", or the tied embedding registered as a
   // parameter of this module too (visible to parameters()/to(), not to hf_parameters()).
   at::Tensor lm_head_weight(const ModelConfig& c, const at::Tensor& tied_embedding);

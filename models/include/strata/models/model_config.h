@@ -79,8 +79,10 @@ struct ModelConfig {
     bool add_aux_loss = false;
     bool enabled() const { return experts > 0; }
   } moe;
-  // Whether block `layer`'s MLP is a mixture of experts.
+  // Whether block `layer`'s MLP is a mixture of experts; whether any block's is dense (always
+  // for a dense model).
   bool sparse(int64_t layer) const;
+  bool has_dense_blocks() const;
 
   // LoRA adapters (model.lora, or model.adapter_from's adapter_config.json) as PEFT defines them:
   // each linear layer y = W x + b of a block whose module name target_modules selects also adds
