@@ -46,9 +46,10 @@ StepsDone train_steps(const Run& run, Checkpoints& checkpoints, RunLog& log, Exp
   // Supervised examples: which targets count (engine.h train_step).
   at::Tensor loss_mask;
   if (run.data.train->masked()) loss_mask = at::empty({int64_t(run.loader.local_batch()), run.ec.seq_len}, at::kByte);
-  // Packed examples: which example each input token is of (engine.h train_step).
+  // Packed examples: which example each input token is of; supervised ones: which are padding
+  // (engine.h train_step).
   at::Tensor segments;
-  if (run.data.train->packed()) segments = at::empty({int64_t(run.loader.local_batch()), run.ec.seq_len}, at::kLong);
+  if (run.data.train->packed() || run.data.train->masked()) segments = at::empty({int64_t(run.loader.local_batch()), run.ec.seq_len}, at::kLong);
   StepsDone done;
   done.steps = first_step;
   const engine::LrSchedule schedule = tc.schedule();  // a function of the step: resumes exactly

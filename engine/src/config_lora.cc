@@ -37,17 +37,20 @@ void read_lora(Section& s, TrainConfig& c) {
       };
       if (from.r != mc.lora.r || from.alpha != mc.lora.alpha || from.rslora != mc.lora.rslora ||
           sorted(from.target_modules) != sorted(mc.lora.target_modules) ||
-          sorted(from.modules_to_save) != sorted(mc.lora.modules_to_save))
+          sorted(from.modules_to_save) != sorted(mc.lora.modules_to_save) ||
+          sorted(from.target_parameters) != sorted(mc.lora.target_parameters))
         s.fail("lora", "differs from model.adapter_from's adapter_config.json (r, lora_alpha, use_rslora, "
-                       "target_modules, modules_to_save): give one of them, or the same");
+                       "target_modules, modules_to_save, target_parameters): give one of them, or the same");
     }
   }
   if (!mc.lora.enabled()) return;
-  // Every target must adapt some linear layer of a block.
+  // Every target must adapt some linear layer of a block, every target parameter some sparse
+  // block's expert tensor.
   for (const std::string& t : mc.lora.target_modules) {
     bool hit = false;
     models::ModelConfig one = mc;
     one.lora.target_modules = {t};
+    one.lora.target_parameters = {};
     for (int64_t i = 0; i < mc.layers && !hit; ++i) hit = !models::block_adapters(one, i).empty();
     if (!hit)
       s.fail("lora", "target_modules \"" + t + "\" names no linear layer of a " + (mc.arch == models::Arch::kGpt2 ? std::string("gpt2") : mc.hf_type) + " block (" +
@@ -57,9 +60,43 @@ void read_lora(Section& s, TrainConfig& c) {
                              if (l.attention || mc.has_dense_blocks()) all += (all.empty() ? "" : ", ") + l.module;
                            return all;
                          }() + ")" +
-                         (mc.moe.enabled() ? "; a sparse block's experts are not linear layers, and LoRA on them "
-                                             "(peft's target_parameters) is not supported yet"
+                         (mc.moe.enabled() ? "; a sparse block's experts are no linear layers: adapt them with "
+                                             "target_parameters (\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\")"
                                            : ""));
+  }
+  // PEFT reads an MLP projection's name in a mixture of experts as transformers 4's per-expert
+  // name and adapts the fused experts in its place (rank 2r for gate and up), and "all-linear" the
+  // experts and the router: Strata's reading would differ, so both are refused.
+  if (mc.moe.enabled())
+    for (const std::string& t : mc.lora.target_modules) {
+      models::ModelConfig one = mc;
+      one.lora.target_modules = {t};
+      bool mlp = t == "all-linear";
+      for (const models::BlockLinear& l : models::block_linears(mc))
+        mlp = mlp || (!l.attention && one.lora.targets(models::block_prefix(mc, 0) + l.module));
+      if (mlp)
+        s.fail("lora", "target_modules \"" + t + "\" in a mixture of experts: PEFT takes " +
+                           (t == "all-linear" ? std::string("\"all-linear\" to mean the experts and the router too")
+                                              : "an MLP projection's name for the experts' (transformers 4's name)") +
+                           " and adapts the fused experts instead; name the attention's linears in target_modules "
+                           "and the experts in target_parameters (\"mlp.experts.gate_up_proj\", "
+                           "\"mlp.experts.down_proj\")");
+    }
+  for (const std::string& t : mc.lora.target_parameters) {
+    bool hit = false;
+    for (int64_t i = 0; i < mc.layers && !hit; ++i)
+      if (mc.sparse(i))
+        for (const char* tensor : {models::kExpertGateUp, models::kExpertDown}) {
+          models::ModelConfig::Lora one = mc.lora;
+          one.target_parameters = {t};
+          hit = hit || one.targets_parameter(models::expert_parameter(mc, i, tensor));
+        }
+    if (!hit)
+      s.fail("lora", "target_parameters \"" + t + "\" names no expert tensor of the model" +
+                         (mc.moe.enabled() ? std::string(" (a sparse block's: \"mlp.experts.gate_up_proj\", "
+                                                         "\"mlp.experts.down_proj\", as transformers 5 names them)")
+                                           : std::string(": it has no mixture of experts (target_parameters adapts "
+                                                         "a sparse block's experts)")));
   }
   // The adapters train, and the modules to save whole (their tensors by name).
   c.engine.trainable = models::adapter_patterns();

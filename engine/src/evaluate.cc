@@ -19,11 +19,11 @@ Engine::EvalResult Engine::Impl::evaluate(const at::Tensor& ids, const at::Tenso
   pass.total = runtime::forward_uses(*schedule);
   pass.masked = true;  // a sum over the counted targets; the mean is taken over every rank's below
   pass.head_scale = 1;
-  const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(mask),
-                   segments_on_device = to_device(segments);
+  const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(mask);
   // Waits here are not the next step's: its timeline and the prefetch tuner must not see them.
   const double waited_before = prof.step.wait_params;
-  uses_run->run_forward(pass, ids_on_device, mask_on_device, segments_on_device, micro_batches);
+  uses_run->run_forward(pass, ids_on_device, mask_on_device, segments.defined() ? segments.cpu() : segments,
+                        micro_batches);
   prof.step.wait_params = waited_before;
   const double loss_sum = pass.loss_sum.defined() ? pass.loss_sum.item<double>() : 0.0;
   at::Tensor red = at::tensor({loss_sum, double(mask.ne(0).sum().item<int64_t>())}, at::TensorOptions().dtype(at::kDouble));

@@ -51,10 +51,10 @@ StepResult Engine::Impl::train_step(const at::Tensor& ids, const at::Tensor& los
     pass.aux_seed = moe.aux_loss_coef * loss_scaler.scale() / (pass.masked ? double(A) * comm.world_size() : 1.0);
   pass.in_backward = updates_in_backward();
   if (pass.in_backward) pass.backward_update = adam_config(1.0 / pass.denom);
-  const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(loss_mask),
-                   segments_on_device = to_device(segments);
+  // The segments stay on the host: the layout reads them there (models::TokenLayout), no sync.
+  const at::Tensor ids_on_device = to_device(ids), mask_on_device = to_device(loss_mask);
   if (cfg.profile) uses_run->begin_profile();
-  uses_run->run_step(pass, ids_on_device, mask_on_device, segments_on_device, A);
+  uses_run->run_step(pass, ids_on_device, mask_on_device, segments.defined() ? segments.cpu() : segments, A);
   uses_run->finish_backward();
   // "backward": the device's units (a split optimizer group's first ones, final last) are
   // updated now, on the compute stream, while the updater may still run.

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <tuple>
 
 #include "strata/models/model_shapes.h"
 
@@ -26,7 +27,7 @@ std::string block_prefix(const ModelConfig& c, int64_t i) {
 int64_t adapter_parameters(const ModelConfig& c) {
   int64_t n = 0;
   for (int64_t i = 0; i < c.layers; ++i)
-    for (const AdapterShape& a : block_adapters(c, i)) n += c.lora.r * (a.in + a.out);
+    for (const AdapterShape& a : block_adapters(c, i)) n += a.elements(c.lora.r);
   return n;
 }
 
@@ -39,7 +40,47 @@ std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i, BlockP
     const std::string module = block_prefix(c, i) + l.module;
     if (c.lora.targets(module)) out.push_back({module, l.in, l.out, l.attention});
   }
+  if (part != BlockPart::kAttention && c.sparse(i)) {  // PEFT's order: gate_up_proj, then down_proj
+    const int64_t d = c.hidden, f = c.moe.intermediate;
+    for (const auto& [tensor, in, outs] : {std::tuple{kExpertGateUp, d, 2 * f}, std::tuple{kExpertDown, f, d}}) {
+      const std::string module = expert_parameter(c, i, tensor);
+      if (c.lora.targets_parameter(module)) out.push_back({module, in, outs, false, c.moe.experts});
+    }
+  }
   return out;
+}
+
+std::string expert_parameter(const ModelConfig& c, int64_t i, const char* tensor) {
+  return block_prefix(c, i) + "mlp.experts." + tensor;
+}
+
+std::optional<AdaptedWeight> adapted_weight(const ModelConfig& c, const std::string& weight) {
+  if (!c.lora.enabled() || !weight.ends_with(".weight")) return std::nullopt;
+  const std::string blocks = block_prefix(c, 0).substr(0, block_prefix(c, 0).size() - 2);  // "model.layers."
+  if (!weight.starts_with(blocks)) return std::nullopt;
+  const int64_t i = std::stoll(weight.substr(blocks.size()));
+  if (i < 0 || i >= c.layers) return std::nullopt;
+  const std::string module = weight.substr(0, weight.size() - std::string(".weight").size());
+  if (c.sparse(i) && !c.lora.target_parameters.empty()) {
+    const int64_t f = c.moe.intermediate;
+    for (int64_t e = 0; e < c.moe.experts; ++e) {
+      const ExpertTensors x = expert_tensors(c, i, e);
+      if (weight != x.gate && weight != x.up && weight != x.down) continue;
+      const std::string fused = expert_parameter(c, i, weight == x.down ? kExpertDown : kExpertGateUp);
+      if (!c.lora.targets_parameter(fused)) return std::nullopt;
+      if (weight == x.down) return AdaptedWeight{fused, e, 0, c.hidden};
+      return AdaptedWeight{fused, e, weight == x.gate ? 0 : f, f};
+    }
+  }
+  for (const AdapterShape& a : block_adapters(c, i))
+    if (a.experts == 1 && a.module == module) return AdaptedWeight{module};
+  return std::nullopt;
+}
+
+int64_t adapted_weight_count(const ModelConfig& c, const std::string& module) {
+  if (module.ends_with(std::string(".mlp.experts.") + kExpertGateUp)) return 2 * c.moe.experts;
+  if (module.ends_with(std::string(".mlp.experts.") + kExpertDown)) return c.moe.experts;
+  return 1;
 }
 
 std::string adapter_a_name(const std::string& module) { return module + ".lora_A.weight"; }

@@ -10,6 +10,7 @@
 
 #include "decoder_stages.h"
 #include "strata/models/model_shapes.h"
+#include "strata/models/moe.h"
 
 namespace strata::models {
 
@@ -76,8 +77,8 @@ void Stage::add_adapters(const ModelConfig& c, int64_t block, BlockPart part) {
   const std::string prefix = block_prefix(c, block);
   for (const AdapterShape& a : block_adapters(c, block, part)) {
     tiling::LowRank l;
-    l.a = add(adapter_a_name(a.module), {c.lora.r, a.in});
-    l.b = add(adapter_b_name(a.module), {a.out, c.lora.r});
+    l.a = add(adapter_a_name(a.module), {c.lora.r * a.experts, a.in});
+    l.b = add(adapter_b_name(a.module), {a.out, c.lora.r * a.experts});
     l.scaling = c.lora.scaling();
     adapters_[a.module.substr(prefix.size())] = l;
   }
@@ -113,6 +114,25 @@ tiling::LowRank Stage::adapter_part(const std::string& module, int64_t dim, int6
   if (dim == 0) l.b = l.b.narrow(0, begin, end - begin);
   else l.a = l.a.narrow(1, begin, end - begin);
   return l;
+}
+
+std::vector<tiling::MlpWeights> Stage::adapted_experts(const ModelConfig& c,
+                                                       const std::vector<tiling::MlpWeights>& experts,
+                                                       int64_t first) const {
+  const tiling::LowRank gate_up = adapter(std::string("mlp.experts.") + kExpertGateUp),
+                        down = adapter(std::string("mlp.experts.") + kExpertDown);
+  if (!gate_up.defined() && !down.defined()) return experts;
+  const int64_t E = c.moe.experts, f = c.moe.intermediate;
+  std::vector<tiling::MlpWeights> out = experts;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int64_t e = first + int64_t(i);
+    if (gate_up.defined()) {  // gate and up: one A, the two halves of B
+      out[i].gate_lora = expert_adapter(gate_up, E, e, 0, f);
+      out[i].up_lora = expert_adapter(gate_up, E, e, f, f);
+    }
+    if (down.defined()) out[i].down_lora = expert_adapter(down, E, e, 0, c.hidden);
+  }
+  return out;
 }
 
 Decoder::Decoder(const ModelConfig& config, uint64_t seed, Init init) : config_(config) {

@@ -24,10 +24,18 @@ Routing route(const ModelConfig& c, const at::Tensor& logits) {
   return r;
 }
 
-void routing_stats(const ModelConfig& c, const Routing& r, RouterStats& stats) {
-  stats.probability_sum = r.probabilities.sum(0);
-  stats.selections = at::bincount(r.choice.reshape(-1), {}, c.moe.experts).to(at::kFloat);
-  stats.tokens = r.choice.size(0);
+void routing_stats(const ModelConfig& c, const Routing& r, RouterStats& stats, const at::Tensor& padding) {
+  if (!padding.defined()) {
+    stats.probability_sum = r.probabilities.sum(0);
+    stats.selections = at::bincount(r.choice.reshape(-1), {}, c.moe.experts).to(at::kFloat);
+    stats.tokens = r.choice.size(0);
+    return;
+  }
+  const at::Tensor real = padding.reshape(-1).logical_not().to(r.probabilities.device());
+  stats.probability_sum = (r.probabilities * real.unsqueeze(1).to(at::kFloat)).sum(0);
+  stats.selections = at::bincount(r.choice.index_select(0, real.nonzero().view(-1)).reshape(-1), {}, c.moe.experts)
+                         .to(at::kFloat);
+  stats.tokens = r.choice.size(0) - padding.sum().item<int64_t>();  // the padding is on the host
 }
 
 at::Tensor experts_mlp(const ModelConfig& c, const at::Tensor& x, const Routing& r,
@@ -67,14 +75,23 @@ at::Tensor experts_mlp(const ModelConfig& c, const at::Tensor& x, const Routing&
   return pairs.view({tokens, k, d}).sum(1);
 }
 
+tiling::LowRank expert_adapter(const tiling::LowRank& fused, int64_t experts, int64_t expert, int64_t row_begin,
+                               int64_t rows) {
+  const int64_t r = fused.a.size(0) / experts;
+  tiling::LowRank l = fused;
+  l.a = fused.a.narrow(0, expert * r, r);
+  l.b = fused.b.narrow(0, row_begin, rows).view({rows, r, experts}).select(2, expert);
+  return l;
+}
+
 at::Tensor moe_mlp(const ModelConfig& c, const at::Tensor& n, const at::Tensor& router,
-                   const std::vector<tiling::MlpWeights>& experts, RouterStats& stats) {
+                   const std::vector<tiling::MlpWeights>& experts, RouterStats& stats, const at::Tensor& padding) {
   if (int64_t(experts.size()) != c.moe.experts)
     throw std::invalid_argument("moe_mlp: " + std::to_string(experts.size()) + " experts' weights for a model of " +
                                 std::to_string(c.moe.experts));
   const at::Tensor x = n.reshape({-1, n.size(-1)});
   const Routing r = route(c, detail::dense(x, router));
-  routing_stats(c, r, stats);
+  routing_stats(c, r, stats, padding);
   return experts_mlp(c, x, r, experts, 0).view(n.sizes());
 }
 

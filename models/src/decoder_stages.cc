@@ -274,7 +274,8 @@ class LlamaBlock final : public Stage {
     if (!c_.sandwich_norms) {
       at::Tensor r = x + a;
       const at::Tensor n = rms_norm(r, post_norm, c_.norm_eps, c_.gemma);
-      return r + (router.defined() ? moe_mlp(c_, n, router, experts_, stats_) : mlp(c_, n, w, mlp_chunk_));
+      return r + (router.defined() ? moe_mlp(c_, n, router, adapted_experts(c_, experts_, 0), stats_, layout.padding())
+                                   : mlp(c_, n, w, mlp_chunk_));
     }
     at::Tensor r = x + rms_norm(a, post_norm, c_.norm_eps, c_.gemma);
     at::Tensor m = mlp(c_, rms_norm(r, pre_ff_norm, c_.norm_eps, c_.gemma), w, mlp_chunk_);

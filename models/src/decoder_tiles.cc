@@ -183,10 +183,12 @@ class MlpTile final : public Tile {
 // sum and the router's logits (in the weights' dtype, as transformers computes them) in the first
 // `experts` features of a third plane (check_tiles: experts <= hidden), so a later tile's routing
 // gradient reaches the router through the first tile's backward and no tile shares another's
-// unit; the last tile passes only the sum.
+// unit; the last tile passes only the sum. LoRA on the experts (target_parameters): the fused
+// adapters are whole tensors of the first tile; each tile takes its experts' rows and columns.
 class ExpertTile final : public Stage {
  public:
-  ExpertTile(const ModelConfig& c, int64_t block, int64_t index, int64_t count)
+  // `first`: the block's first expert tile (null for it), which holds the experts' adapters.
+  ExpertTile(const ModelConfig& c, int64_t block, int64_t index, int64_t count, const Stage* first)
       : c_(c), first_(index == 0), last_(index + 1 == count), experts_(tile_range(c.moe.experts, count, index)) {
     const int64_t d = c.hidden;
     if (first_) {
@@ -194,9 +196,11 @@ class ExpertTile final : public Stage {
       router = add(router_name(c, block), {c.moe.experts, d});
     }
     weights_ = add_experts(c, block, experts_);
+    if (first) share_adapters(*first);
+    else add_adapters(c, block, BlockPart::kMlp);
   }
 
-  at::Tensor forward(const at::Tensor& z, const TokenLayout&) override {
+  at::Tensor forward(const at::Tensor& z, const TokenLayout& layout) override {
     const int64_t d = c_.hidden, E = c_.moe.experts;
     at::Tensor n, sum, logits;
     if (first_) {
@@ -210,8 +214,9 @@ class ExpertTile final : public Stage {
       logits = parts[2].narrow(-1, 0, E);
     }
     const Routing r = route(c_, logits.reshape({-1, E}));
-    if (first_) routing_stats(c_, r, stats_);
-    sum = sum + experts_mlp(c_, n.reshape({-1, d}), r, weights_, experts_.begin).view(n.sizes());
+    if (first_) routing_stats(c_, r, stats_, layout.padding());
+    sum = sum + experts_mlp(c_, n.reshape({-1, d}), r, adapted_experts(c_, weights_, experts_.begin), experts_.begin)
+                    .view(n.sizes());
     if (last_) return sum;
     return at::stack({n, sum, E == d ? logits : at::constant_pad_nd(logits, {0, d - E})});
   }
@@ -295,7 +300,8 @@ std::vector<std::shared_ptr<Stage>> make_block_tiles(const ModelConfig& c, int64
     tiles.push_back(std::make_shared<AttentionTile>(c, block, a, t.attention, a ? tiles[0].get() : nullptr));
   const size_t first_mlp = tiles.size();
   for (int64_t m = 0; m < t.mlp; ++m)
-    if (c.sparse(block)) tiles.push_back(std::make_shared<ExpertTile>(c, block, m, t.mlp));
+    if (c.sparse(block))
+      tiles.push_back(std::make_shared<ExpertTile>(c, block, m, t.mlp, m ? tiles[first_mlp].get() : nullptr));
     else tiles.push_back(std::make_shared<MlpTile>(c, block, m, t.mlp, m ? tiles[first_mlp].get() : nullptr));
   return tiles;
 }

@@ -1,5 +1,6 @@
 #include "strata/models/hf_io.h"
 
+#include "strata/models/moe.h"
 #include "strata/models/peft.h"
 #include "strata/models/sharded_safetensors.h"
 
@@ -130,7 +131,7 @@ void check_adapter_tensors(const ModelConfig& c, const SafetensorsCheckpoint& ck
   std::set<std::string> used;
   for (const std::string& name : tensor_names(c)) {
     if (!in_adapter_export(c, name)) continue;
-    const std::string key = peft_key(name);
+    const std::string key = peft_key(c, name);
     if (!ckpt.contains(key))
       throw std::runtime_error(source + ": no " +
                                (is_adapter_tensor(name) ? "adapter tensor" : "tensor of model.lora's modules_to_save") +
@@ -173,7 +174,7 @@ Decoder::TensorSource peft_adapter_source(const ModelConfig& c, const std::files
     if (!in_adapter_export(c, name)) return false;
     const std::string what = is_adapter_tensor(name) ? "the model's adapter (r " + std::to_string(c.lora.r) + ")"
                                                      : std::string("the model");
-    copy_tensor(c, *ckpt, peft_key(name), name, whole, source, what);
+    copy_tensor(c, *ckpt, peft_key(c, name), name, whole, source, what);
     return true;
   };
 }
@@ -367,6 +368,13 @@ void ExportDirectory::commit() {
 
 at::Tensor merged_weight(const at::Tensor& w, const at::Tensor& a, const at::Tensor& b, double scaling) {
   return w.to(at::kFloat) + b.to(at::kFloat).matmul(a.to(at::kFloat)) * scaling;
+}
+
+at::Tensor merged_weight(const ModelConfig& c, const AdaptedWeight& what, const at::Tensor& w, const at::Tensor& a,
+                         const at::Tensor& b) {
+  if (what.expert < 0) return merged_weight(w, a, b, c.lora.scaling());
+  const tiling::LowRank l = expert_adapter({a, b, c.lora.scaling()}, c.moe.experts, what.expert, what.row_begin, what.rows);
+  return merged_weight(w, l.a, l.b, l.scaling);
 }
 
 }  // namespace strata::models

@@ -118,6 +118,13 @@ bool ModelConfig::Lora::targets(const std::string& module) const {
   return false;
 }
 
+bool ModelConfig::Lora::targets_parameter(const std::string& key) const {
+  if (!enabled()) return false;
+  for (const std::string& t : target_parameters)
+    if (key == t || (key.size() > t.size() && key.ends_with(t) && key[key.size() - t.size() - 1] == '.')) return true;
+  return false;
+}
+
 int64_t ModelConfig::parameters() const {
   int64_t n = vocab_size * hidden;
   for (int64_t i = 0; i < layers; ++i) n += block_parameters(i);

@@ -69,7 +69,7 @@ namespace {
 
 uint64_t adapter_elements(const ModelConfig& c, int64_t block, BlockPart part) {
   uint64_t n = 0;
-  for (const AdapterShape& a : block_adapters(c, block, part)) n += uint64_t(c.lora.r * (a.in + a.out));
+  for (const AdapterShape& a : block_adapters(c, block, part)) n += uint64_t(a.elements(c.lora.r));
   return n;
 }
 
@@ -226,8 +226,8 @@ std::vector<StageTensor> block_tensors(const ModelConfig& c, const LayerTiles& t
 
 void add_adapter_tensors(const ModelConfig& c, int64_t block, BlockPart part, std::vector<StageTensor>& s) {
   for (const AdapterShape& a : block_adapters(c, block, part)) {
-    s.push_back({adapter_a_name(a.module), uint64_t(c.lora.r * a.in)});
-    s.push_back({adapter_b_name(a.module), uint64_t(c.lora.r * a.out)});
+    s.push_back({adapter_a_name(a.module), uint64_t(c.lora.r * a.experts * a.in)});
+    s.push_back({adapter_b_name(a.module), uint64_t(c.lora.r * a.experts * a.out)});
   }
 }
 

@@ -72,7 +72,7 @@ void PackedExamples::sample(uint64_t i, int64_t* ids, uint8_t* loss, int64_t* se
     j += len;
   }
   std::fill(ids + j, ids + T + 1, examples_->pad_id());
-  std::fill(seg.begin() + int64_t(j), seg.end(), int64_t(begin_[i + 1] - begin_[i]));
+  std::fill(seg.begin() + int64_t(j), seg.end(), int64_t(-1));  // padding
   if (loss) std::memcpy(loss, flags.data(), T);
   if (segments) std::copy(seg.begin(), seg.begin() + int64_t(T), segments);
 }

@@ -6,6 +6,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "strata/models/model_shapes.h"
+
 namespace strata::models {
 
 ModelConfig::Lora parse_lora_settings(const std::string& json_text, const std::string& source, LoraSettingsFrom from) {
@@ -48,8 +50,7 @@ ModelConfig::Lora parse_lora_settings(const std::string& json_text, const std::s
   if (!empty("alpha_pattern")) throw bad("alpha_pattern", "is set: one lora_alpha for every adapter only");
   if (j.value("bias", std::string("none")) != "none") throw bad("bias", "is not \"none\"");
   if (!empty("layers_to_transform")) throw bad("layers_to_transform", "is set: adapters on every layer only");
-  for (const char* key : {"exclude_modules", "lora_bias", "layer_replication", "target_parameters",
-                          "trainable_token_indices"})
+  for (const char* key : {"exclude_modules", "lora_bias", "layer_replication", "trainable_token_indices"})
     if (!empty(key)) throw bad(key, "is set: not supported");
   // Only the configuration starts adapters; a file's were initialized however they were.
   if (train_config && j.contains("init_lora_weights") && j["init_lora_weights"] != true)
@@ -65,10 +66,19 @@ ModelConfig::Lora parse_lora_settings(const std::string& json_text, const std::s
     if (!j["use_rslora"].is_boolean()) throw bad("use_rslora", "has the wrong type: " + j["use_rslora"].dump());
     l.rslora = j["use_rslora"].get<bool>();
   }
+  if (const auto p = j.find("target_parameters"); p != j.end() && !p->is_null()) {
+    if (!p->is_array() || !std::all_of(p->begin(), p->end(), [](const nlohmann::json& x) { return x.is_string(); }))
+      throw bad("target_parameters", "must be a list of parameter names (\"mlp.experts.gate_up_proj\", "
+                                     "\"mlp.experts.down_proj\")");
+    l.target_parameters = p->get<std::vector<std::string>>();
+  }
   const nlohmann::json* t = j.contains("target_modules") ? &j["target_modules"] : nullptr;
-  if (!t || t->is_null())
-    throw bad("target_modules", "is required (module names such as [\"q_proj\", \"v_proj\"], or \"all-linear\")");
-  if (t->is_string()) {
+  if (!t || t->is_null()) {
+    if (l.target_parameters.empty())
+      throw bad("target_modules", "is required (module names such as [\"q_proj\", \"v_proj\"], or \"all-linear\")");
+  } else if (t->is_array() && t->empty() && !l.target_parameters.empty()) {
+    // the experts alone (target_parameters)
+  } else if (t->is_string()) {
     if (t->get<std::string>() != "all-linear")
       throw bad("target_modules", "is a regular expression: Strata takes a list of module names or \"all-linear\"");
     l.target_modules = {"all-linear"};
@@ -118,9 +128,23 @@ std::string peft_adapter_config_json(const ModelConfig& c, const std::string& ba
   };
   if (l.target_modules == std::vector<std::string>{"all-linear"}) j["target_modules"] = "all-linear";
   else j["target_modules"] = l.target_modules;
+  if (!l.target_parameters.empty()) j["target_parameters"] = l.target_parameters;
   return j.dump(2);
 }
 
-std::string peft_key(const std::string& name) { return "base_model.model." + name; }
+std::string peft_key(const ModelConfig& c, const std::string& name) {
+  const std::string gate_up = std::string(".mlp.experts.") + kExpertGateUp + ".", down = std::string(".mlp.experts.") + kExpertDown + ".";
+  std::string key = name;
+  if (const size_t at = key.find(gate_up); at != std::string::npos) {
+    const std::string experts = key.substr(0, at) + ".mlp.experts";
+    // PEFT wraps the experts module once for each targeted tensor in the order the module
+    // registers them (gate_up_proj, then down_proj), the last wrapper outermost.
+    key = experts + (c.lora.targets_parameter(experts + "." + kExpertDown) ? ".base_layer" : "") +
+          key.substr(at + gate_up.size() - 1);
+  } else if (const size_t at2 = key.find(down); at2 != std::string::npos) {
+    key = key.substr(0, at2) + ".mlp.experts" + key.substr(at2 + down.size() - 1);
+  }
+  return "base_model.model." + key;
+}
 
 }  // namespace strata::models

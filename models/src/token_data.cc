@@ -216,7 +216,8 @@ void SftExamples::sample(uint64_t i, int64_t* ids, uint8_t* loss, int64_t* segme
   std::fill(ids + len, ids + seq_len_ + 1, pad_id_);
   if (loss)
     for (uint64_t j = 0; j < seq_len_; ++j) loss[j] = j + 1 < len ? flags[j] : 0;
-  if (segments) std::fill(segments, segments + seq_len_, int64_t(0));
+  if (segments)  // the example, then padding
+    for (uint64_t j = 0; j < seq_len_; ++j) segments[j] = j < len ? 0 : -1;
 }
 
 uint64_t SftExamples::kept_length(uint64_t e) const {

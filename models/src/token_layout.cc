@@ -11,6 +11,11 @@ TokenLayout::TokenLayout(const at::Tensor& segments) {
   if (segments.dim() != 2 || at::isFloatingType(segments.scalar_type()) || segments.scalar_type() == at::kBool)
     throw std::invalid_argument("TokenLayout: segments must be a 2-d integer tensor [rows, tokens]");
   segments_ = segments.to(at::kLong);
+  if (const at::Tensor pad = segments_.lt(0); (padded_ = pad.sum().item<int64_t>()) > 0) padding_ = pad;
+  if (segments_.max().item<int64_t>() <= 0) {  // one example a row: plain causal attention
+    segments_ = at::Tensor();
+    return;
+  }
   // A token's position is its index minus its example's first index: the running maximum of the
   // indices where a new example starts.
   const int64_t T = segments_.size(1);
@@ -25,7 +30,9 @@ at::Tensor TokenLayout::positions(int64_t tokens, const at::Device& device) cons
   if (tokens != positions_.size(1))
     throw std::invalid_argument("TokenLayout: " + std::to_string(tokens) + " tokens where the layout has " +
                                 std::to_string(positions_.size(1)));
-  return positions_.device() == device ? positions_ : positions_.to(device);
+  if (positions_.device() == device) return positions_;
+  if (!device_positions_.defined() || device_positions_.device() != device) device_positions_ = positions_.to(device);
+  return device_positions_;
 }
 
 at::Tensor TokenLayout::attention_mask(int64_t tokens, int64_t window, const at::Device& device) const {
@@ -50,8 +57,11 @@ at::Tensor TokenLayout::attention_mask(int64_t tokens, int64_t window, const at:
 }
 
 TokenLayout TokenLayout::rows(int64_t begin, int64_t n) const {
-  if (!packed()) return {};
-  return TokenLayout(segments_.narrow(0, begin, n));
+  if (packed()) return TokenLayout(segments_.narrow(0, begin, n));
+  TokenLayout part;
+  if (padding_.defined() && (part.padded_ = padding_.narrow(0, begin, n).sum().item<int64_t>()) > 0)
+    part.padding_ = padding_.narrow(0, begin, n);
+  return part;
 }
 
 at::Tensor segments_from_lengths(const std::vector<std::vector<int64_t>>& lengths, int64_t tokens) {

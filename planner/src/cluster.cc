@@ -240,6 +240,28 @@ Cluster dgx_a100() {
   return c;
 }
 
+Cluster dgx_h100() {
+  Cluster c = dgx_a100();
+  c.name = "dgx-h100";
+  c.source =
+      "NVIDIA DGX H100 datasheet: 8x H100-SXM5-80GB, NVLink 4 (900 GB/s per GPU), 2 TB RAM, 8x 400 Gb/s NDR "
+      "InfiniBand for compute (the 8x 50 GB/s of Megatron-Core's MoE runs), NVMe data drives 8x 3.84 TB; H100 SXM "
+      "datasheet: 989 TFLOPS bf16 dense, 67 TFLOPS fp32, 3.35 TB/s HBM3. Assumed, not measured here: matmul "
+      "efficiency curve, 85% of HBM for memory-bound kernels, 350 GB/s NCCL bus bandwidth in a node (dgx-a100's "
+      "share of NVLink), 50 GB/s PCIe 5.0 each way, 10 Gparam/s CPU Adam (2x Xeon 8480C), 6/3 GB/s per NVMe drive.";
+  GpuSpec& g = c.node.gpu;
+  g.name = "H100-SXM5-80GB";
+  g.memory = 79.2 * kGiB;  // what the project's H100 reports (h100-box)
+  g.peak_flops = 989e12;
+  g.peak_flops_fp32 = 67e12;
+  g.memory_bandwidth = 0.85 * 3.35e12;
+  c.node.cpu_adam_rate = 10e9;
+  c.node.pcie_h2d = c.node.pcie_d2h = 50e9;
+  c.node.intra_bandwidth = 350e9;
+  c.node.inter_bandwidth = 400e9;
+  return c;
+}
+
 Cluster dgx2_v100() {
   Cluster c;
   c.name = "dgx2-v100";
@@ -332,10 +354,11 @@ Cluster h200_box() {
 
 }  // namespace
 
-std::vector<std::string> cluster_presets() { return {"dgx-a100", "dgx2-v100", "h100-box", "h200-box"}; }
+std::vector<std::string> cluster_presets() { return {"dgx-a100", "dgx-h100", "dgx2-v100", "h100-box", "h200-box"}; }
 
 Cluster cluster_preset(const std::string& name) {
   if (name == "dgx-a100") return dgx_a100();
+  if (name == "dgx-h100") return dgx_h100();
   if (name == "dgx2-v100") return dgx2_v100();
   if (name == "h100-box") return h100_box();
   if (name == "h200-box") return h200_box();

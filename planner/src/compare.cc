@@ -88,8 +88,7 @@ StrataEstimate estimate_strata(const Workload& w, const Cluster& c, const engine
 }
 
 Comparison compare(const Workload& w, const Cluster& c, const engine::EngineConfig& base, bool search_micro_batch) {
-  // The 3D model has no expert parallelism yet: a mixture of experts gets no 3D column.
-  Comparison cmp{w, c, estimate_strata(w, c, base), w.model.moe.enabled() ? std::nullopt : best_3d(w, c)};
+  Comparison cmp{w, c, estimate_strata(w, c, base), best_3d(w, c)};
   if (search_micro_batch) {
     const int64_t share = w.global_batch / c.gpus();
     for (int64_t mb = 1; mb <= share; mb *= 2) {
@@ -105,11 +104,7 @@ Comparison compare(const Workload& w, const Cluster& c, const engine::EngineConf
 
 namespace {
 
-std::string three_d_absent(const Workload& w) {
-  return w.model.moe.enabled() ? "not modelled: a mixture of experts needs expert parallelism, which the 3D model "
-                                 "does not have yet"
-                               : "nothing fits";
-}
+std::string three_d_absent(const Workload&) { return "nothing fits"; }
 
 }  // namespace
 

@@ -21,7 +21,11 @@ Work Work::scaled(double f) const {
 
 double activation_bytes_per_token_hidden(const models::ModelConfig& m, int64_t seq_len, const ShardOf& sh) {
   const double t = sh.tp, s = double(seq_len), d = double(m.hidden), a = double(m.heads);
-  return (sh.sequence_parallel || sh.tp == 1 ? 34 / t : 10 + 24 / t) + (sh.flash_attention ? 0 : 5 * a * s / d / t);
+  const double mlp = m.moe.enabled()
+                         ? 4 * double(m.moe.top_k) + 6 * double(m.moe.top_k) * double(m.moe.intermediate) / d - 19
+                         : 0;  // a mixture's MLP in place of the dense one's 19
+  return (sh.sequence_parallel || sh.tp == 1 ? (34 + mlp) / t : 10 + (24 + mlp) / t) +
+         (sh.flash_attention ? 0 : 5 * a * s / d / t);
 }
 
 Work block_forward(const models::ModelConfig& m, double sequences, int64_t seq_len, const ShardOf& sh) {
@@ -62,11 +66,13 @@ Work mlp_forward(const models::ModelConfig& m, double sequences, int64_t seq_len
   const int64_t tiles = std::max<int64_t>(1, sh.mlp_tiles);
   Work w;
   if (m.moe.enabled()) {
-    // A sparse block (every block priced as one): the router's product, then each expert's three
-    // on its share of the tokens' choices, evenly spread.
-    const double experts = double(m.moe.experts), rows = tokens * double(m.moe.top_k) / experts;
-    w.gemms.push_back({2 * tokens * d * experts, 1});
-    w.gemms.push_back({2 * rows * d * double(m.moe.intermediate) / sh.tp, 3 * experts});
+    // A sparse block (every block priced as one): the router's product on this GPU's tokens (a
+    // tensor-parallel rank's share of the sequence), then each of its experts' three on its share
+    // of the choices of the ep GPUs' tokens, evenly spread (experts whole, not tensor-split).
+    const double experts = double(m.moe.experts), local = tokens / sh.tp,
+                 rows = local * sh.ep * double(m.moe.top_k) / experts;
+    w.gemms.push_back({2 * local * d * experts, 1});
+    w.gemms.push_back({2 * rows * d * double(m.moe.intermediate), 3 * experts / sh.ep});
     return w;
   }
   for (int64_t j = 0; j < tiles; ++j) {

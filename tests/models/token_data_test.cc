@@ -255,7 +255,7 @@ TEST(Packing, BestFitDecreasingPlacesEachItemOnceWithinCapacity) {
 }
 
 // Packed windows: the examples one after another, then padding; segments per example (the padding
-// one more); a target counts only within its example and where the mask says so; every example in
+// -1); a target counts only within its example and where the mask says so; every example in
 // exactly one window; the windows the same at any world size, and at any rank's slice.
 TEST(Packing, WindowsHoldWholeExamplesAndNoTargetCrossesFromOneToTheNext) {
   test::TempDir dir;
@@ -289,7 +289,7 @@ TEST(Packing, WindowsHoldWholeExamplesAndNoTargetCrossesFromOneToTheNext) {
   EXPECT_EQ(seg, (std::vector<int64_t>(6, 0)));
   EXPECT_EQ(loss, (std::vector<uint8_t>{1, 1, 1, 1, 1, 1}));
 
-  // Padding: a segment of its own, out of the loss.
+  // Padding: segment -1, out of the loss.
   SftFile g;
   g.ids = {{1, 2, 3, 4}, {5, 6, 7}, {8, 9}};
   g.mask = {{1, 1, 1, 1}, {1, 1, 1}, {1, 1}};
@@ -298,7 +298,7 @@ TEST(Packing, WindowsHoldWholeExamplesAndNoTargetCrossesFromOneToTheNext) {
   ASSERT_EQ(two.size(), 2u);  // 4 + 3; 2 and padding
   two.sample(1, ids.data(), loss.data(), seg.data());
   EXPECT_EQ(ids, (std::vector<int64_t>{8, 9, 0, 0, 0, 0, 0}));
-  EXPECT_EQ(seg, (std::vector<int64_t>{0, 0, 1, 1, 1, 1}));
+  EXPECT_EQ(seg, (std::vector<int64_t>{0, 0, -1, -1, -1, -1}));
   EXPECT_EQ(loss, (std::vector<uint8_t>{1, 0, 0, 0, 0, 0}));
 
   // The loader hands out the same windows whatever the world size: rank r's rows are global

@@ -37,7 +37,8 @@ ExportPlan plan_export(const json& units, const fs::path& dir, const models::Mod
   ExportPlan plan;
   std::map<std::string, uint64_t> filled;
   std::set<std::string> complete;
-  std::map<std::string, size_t> inputs;  // kMerged: adapted weight -> its adapters seen so far
+  std::map<std::string, size_t> inputs;  // kMerged: adapted module -> its adapter tensors seen so far
+  std::set<std::string> merged;          // kMerged: adapted modules whose weights have begun
   std::vector<ManifestTensor> tensors = manifest_tensors(units, dir.string());
   check_whole_coverage(tensors, dir.string());
   for (ManifestTensor& t : tensors) {
@@ -49,17 +50,21 @@ ExportPlan plan_export(const json& units, const fs::path& dir, const models::Mod
     std::vector<int64_t> hf_shape = t.slot.whole_shape();
     ExportItem item{std::move(t), whole};
     if (content == ExportContent::kMerged && adapter) {
-      item.merge_into = models::adapted_module(name) + ".weight";
+      item.merge_into = models::adapted_module(name);
       item.fp32 = true;
-      if (item.t.slot.origin.is_part() || filled.count(item.merge_into))
+      if (item.t.slot.origin.is_part() || merged.count(item.merge_into))
         throw std::runtime_error("export of " + dir.string() + ": adapter " + name +
-                                 " is not whole before the weight it adapts (merging needs it first)");
+                                 " is not whole before the weights it adapts (merging needs it first)");
       ++inputs[item.merge_into];
       plan.items.push_back(std::move(item));
       continue;
     }
-    item.key = content == ExportContent::kAdapter ? models::peft_key(name) : name;
-    item.fp32 = inputs.count(name) > 0;
+    item.key = content == ExportContent::kAdapter ? models::peft_key(mc, name) : name;
+    if (content == ExportContent::kMerged)
+      if (const auto w = models::adapted_weight(mc, name); w && inputs.count(w->module)) {
+        item.fp32 = true;
+        merged.insert(w->module);
+      }
     plan.items.push_back(std::move(item));
     if ((filled[name] += plan.items.back().t.numel) != whole) continue;
     if (models::hf_stores_transposed(mc, name)) std::swap(hf_shape[0], hf_shape[1]);
@@ -70,10 +75,10 @@ ExportPlan plan_export(const json& units, const fs::path& dir, const models::Mod
   for (const auto& [name, n] : filled)
     if (!complete.count(name))
       throw std::runtime_error("checkpoint " + dir.string() + ": the parts of " + name + " do not make it whole");
-  for (const auto& [weight, n] : inputs)
-    if (n != 2 || !filled.count(weight))
-      throw std::runtime_error("export of " + dir.string() + ": " + weight + " has " + std::to_string(n) +
-                               " adapter tensors" + (filled.count(weight) ? "" : " and is not in the model"));
+  for (const auto& [module, n] : inputs)
+    if (n != 2 || !merged.count(module))
+      throw std::runtime_error("export of " + dir.string() + ": " + module + " has " + std::to_string(n) +
+                               " adapter tensors" + (merged.count(module) ? "" : " and no weight in the model"));
   return plan;
 }
 
@@ -128,13 +133,17 @@ void ExportSink::put(size_t item_index, at::Tensor t) {
       assembling_.erase(name);
     }
     if (item.fp32) {  // a merge's weight: its adapters are in
-      const std::string module = name.substr(0, name.size() - std::string(".weight").size());
-      const auto a = adapters_.find(models::adapter_a_name(module)), b = adapters_.find(models::adapter_b_name(module));
+      const std::optional<models::AdaptedWeight> w = models::adapted_weight(mc_, name);
+      const auto a = w ? adapters_.find(models::adapter_a_name(w->module)) : adapters_.end();
+      const auto b = w ? adapters_.find(models::adapter_b_name(w->module)) : adapters_.end();
       if (a == adapters_.end() || b == adapters_.end())
         throw std::runtime_error("export: the adapters of " + name + " did not come before it");
-      t = models::merged_weight(t, a->second, b->second, mc_.lora.scaling()).to(out_type_);
-      adapters_.erase(a);
-      adapters_.erase(b);
+      t = models::merged_weight(mc_, *w, t, a->second, b->second).to(out_type_);
+      // An expert tensor's adapters serve each of its experts' weights: kept until the last.
+      if (++merges_[w->module] == models::adapted_weight_count(mc_, w->module)) {
+        adapters_.erase(a);
+        adapters_.erase(b);
+      }
     }
     if (models::hf_stores_transposed(mc_, name)) t = t.t();
     t = t.contiguous();
@@ -338,17 +347,22 @@ ExportResult export_checkpoint_merged(const fs::path& dir, const fs::path& base_
   if (on_weights_file) writer.on_shard_complete([&](const std::string& file) { on_weights_file(tmp / file); });
   ExportResult result;
   std::map<std::string, at::Tensor>& adapters = trained.adapters;
+  std::map<std::string, int64_t> merges;  // adapted module -> its weights merged so far
   for (const models::SafetensorsWriter::Spec& spec : layout.specs) {
     const std::string& name = spec.name;
     // fp32, Strata's layout: a module saved whole as it trained, the rest the base's.
     const auto saved = trained.saved.find(name);
     at::Tensor w = saved != trained.saved.end() ? saved->second : models::read_hf_tensor(mc, base, name, source);
-    const std::string module = name.substr(0, name.size() - std::string(".weight").size());
-    const auto a = adapters.find(models::adapter_a_name(module)), b = adapters.find(models::adapter_b_name(module));
-    if (name.ends_with(".weight") && a != adapters.end() && b != adapters.end()) {
-      w = models::merged_weight(w, a->second, b->second, mc.lora.scaling());
-      adapters.erase(a);
-      adapters.erase(b);
+    if (const std::optional<models::AdaptedWeight> what = models::adapted_weight(mc, name)) {
+      const auto a = adapters.find(models::adapter_a_name(what->module));
+      const auto b = adapters.find(models::adapter_b_name(what->module));
+      if (a != adapters.end() && b != adapters.end()) {
+        w = models::merged_weight(mc, *what, w, a->second, b->second);
+        if (++merges[what->module] == models::adapted_weight_count(mc, what->module)) {
+          adapters.erase(a);
+          adapters.erase(b);
+        }
+      }
     }
     w = w.to(out_type);
     if (models::hf_stores_transposed(mc, name)) w = w.t();

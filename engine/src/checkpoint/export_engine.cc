@@ -143,16 +143,35 @@ class EngineExporter {
   // No collectives (alike on every rank). Shard s's writer: rank s % world where every rank sees
   // the directory, else rank 0; none when rank 0 could not prepare it (nothing is gathered, the
   // failure is agreed at the commit). A merge's adapter goes to the writer of its weight.
+  // An expert tensor's adapters merge into every expert's weights, which may span shards: those
+  // shards take the writer of the first, so that one writer holds the adapters for all of them.
   void assign_writers() {
-    std::map<std::string, int> writer_of_tensor;
+    std::map<std::string, int> writer_of_tensor, writer_of_module;
+    const auto module_of = [&](const std::string& weight) {
+      const std::optional<models::AdaptedWeight> w =
+          options_.content == ExportContent::kMerged ? models::adapted_weight(mc_, weight) : std::nullopt;
+      return w ? w->module : std::string();
+    };
     mine_.assign(shards_.size(), false);
     for (size_t s = 0; s < shards_.size(); ++s) {
-      const int w = mark_ == 0 ? -1 : shared_ ? int(s % size_t(world_)) : 0;
+      int w = mark_ == 0 ? -1 : shared_ ? int(s % size_t(world_)) : 0;
+      std::string bound;  // the module whose earlier weights fixed this shard's writer
+      for (size_t t : shards_[s])
+        if (const auto m = writer_of_module.find(module_of(plan_.specs[t].name)); m != writer_of_module.end()) {
+          if (!bound.empty() && m->second != w)
+            throw std::runtime_error("export: the weights that " + bound + " and " + m->first +
+                                     " merge into span shards of different writers (a larger shard_bytes avoids it)");
+          w = m->second;
+          bound = m->first;
+        }
       mine_[s] = w == rank_;
-      for (size_t t : shards_[s]) writer_of_tensor[plan_.specs[t].name] = w;
+      for (size_t t : shards_[s]) {
+        writer_of_tensor[plan_.specs[t].name] = w;
+        if (const std::string m = module_of(plan_.specs[t].name); !m.empty()) writer_of_module.emplace(m, w);
+      }
     }
     for (const ExportItem& item : plan_.items)
-      writer_of_item_.push_back(writer_of_tensor.at(item.key.empty() ? item.merge_into : item.key));
+      writer_of_item_.push_back(item.key.empty() ? writer_of_module.at(item.merge_into) : writer_of_tensor.at(item.key));
   }
 
   // No collectives: this rank's writer of its shards (rank 0 also writes the index).

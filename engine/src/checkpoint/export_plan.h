@@ -29,7 +29,7 @@ struct ExportItem {
   ManifestTensor t;
   uint64_t whole_numel;  // elements of the whole tensor it is (a part of)
   std::string key;       // its whole tensor's name in the file ("" : not written, merged into merge_into)
-  std::string merge_into;  // a merge's adapter: the weight it is merged into
+  std::string merge_into;  // a merge's adapter: the module whose weights it is merged into
   bool fp32 = false;       // arrives in fp32 (a merge's adapter or weight), not in the export type
 };
 // What is written: the manifest's tensors in order (items), and the whole tensors the file
@@ -95,7 +95,8 @@ class ExportSink {
   models::ShardedSafetensorsWriter* writer_;
   std::function<void(uint64_t, uint64_t)> progress_;
   std::map<std::string, std::pair<at::Tensor, uint64_t>> assembling_;  // whole name -> (tensor, elements in)
-  std::map<std::string, at::Tensor> adapters_;  // a merge's adapters waiting for their weight, by name
+  std::map<std::string, at::Tensor> adapters_;  // a merge's adapters waiting for their weights, by name
+  std::map<std::string, int64_t> merges_;        // adapted module -> its weights merged so far
   FirstFailure failure_;
   ExportResult result_;
 };

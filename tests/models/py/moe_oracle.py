@@ -6,7 +6,8 @@ Each case makes a tiny Mixtral or Qwen3-MoE with transformers (save_pretrained w
 layout, one tensor per expert and projection), runs `strata train` on supervised examples from it
 for three steps with the load-balancing loss added (output_router_logits, router_aux_loss_coef
 0.05), and trains a transformers copy the same way: each of Strata's micro-batches (the loader's
-order, strata_data.py) run as one forward with output_router_logits, its summed cross entropy over
+order, strata_data.py) run as one forward with output_router_logits and the attention mask of its
+padding (which the load-balancing loss leaves out), its summed cross entropy over
 the global batch's counted targets plus the coefficient times its aux_loss over the micro-batches,
 then clip_grad_norm_ and torch.optim.AdamW (no decay on norms). Compared: each step's loss (cross
 entropy + aux) and aux_loss, the least and most chosen expert's share of its block's choices,
@@ -75,14 +76,17 @@ def make_model(case, vocab):
 
 def rows(examples):
     """Strata's rows of supervised examples (finetune_oracle.sft_batch) as the model takes them:
-    inputs [B, SEQ] and their targets [B, SEQ] (-100 out of the loss)."""
+    inputs [B, SEQ], their targets [B, SEQ] (-100 out of the loss) and the attention mask of the
+    padding after each example (0 there), which keeps it out of the load-balancing loss."""
     ids, labels = sft_batch(examples, SEQ)
-    return ids[:, :SEQ], labels[:, 1:]
+    real = torch.tensor([[1 if j < min(len(t), SEQ + 1) else 0 for j in range(SEQ)] for t, _ in examples])
+    return ids[:, :SEQ], labels[:, 1:], real
 
 
-def shares(router_logits, top_k):
-    """Each sparse block's choices per expert over a forward's tokens (counts)."""
-    return [torch.bincount(torch.topk(torch.softmax(l.float(), -1), top_k, -1).indices.reshape(-1),
+def shares(router_logits, top_k, real):
+    """Each sparse block's choices per expert over a forward's tokens but padding (counts)."""
+    keep = real.reshape(-1).bool()
+    return [torch.bincount(torch.topk(torch.softmax(l.float(), -1), top_k, -1).indices[keep].reshape(-1),
                            minlength=l.size(-1)).double() for l in router_logits]
 
 
@@ -204,25 +208,25 @@ def main():
                             lr=LR, betas=BETAS, eps=EPS)
     top_k = model.config.num_experts_per_tok
     micro_batches = global_batch // MICRO
-    eval_ids, eval_labels = rows(evals)
+    eval_ids, eval_labels, _ = rows(evals)
     ref = []  # per step: loss, aux, least and most share
     ref_evals = []
     before = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n}
     for s in range(STEPS):
         order = global_samples(len(train), SEED, s * global_batch, global_batch)
         batches = [rows([train[i] for i in order[j * MICRO:(j + 1) * MICRO]]) for j in range(micro_batches)]
-        counted = sum(int((labels != -100).sum()) for _, labels in batches)
+        counted = sum(int((labels != -100).sum()) for _, labels, _ in batches)
         opt.zero_grad()
         loss_value, aux_value, choices = 0.0, 0.0, None
-        for ids, labels in batches:
-            out = model(input_ids=ids, output_router_logits=True)
+        for ids, labels, real in batches:
+            out = model(input_ids=ids, attention_mask=real, output_router_logits=True)
             ce = torch.nn.functional.cross_entropy(out.logits.float().reshape(-1, vocab), labels.reshape(-1),
                                                    ignore_index=-100, reduction="sum") / counted
             loss = ce + COEF * out.aux_loss / micro_batches
             loss.backward()
             loss_value += loss.item()
             aux_value += out.aux_loss.item() / micro_batches
-            c = shares(out.router_logits, top_k)
+            c = shares(out.router_logits, top_k, real)
             choices = c if choices is None else [a + b for a, b in zip(choices, c)]
         torch.nn.utils.clip_grad_norm_(trained, CLIP)
         opt.step()

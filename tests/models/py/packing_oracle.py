@@ -23,8 +23,9 @@ Cases:
                    exported adapters (1e-5).
   mixtral          a mixture of experts (5 experts, top-2) with its load-balancing loss: each
                    micro-batch's windows (the loader's order) run as one forward with their mask,
-                   and their load_balancing_loss_func over every token of the windows (packed
-                   examples and padding all counted), averaged over the micro-batches.
+                   and their load_balancing_loss_func over the windows' tokens (packed examples
+                   all counted, the padding after them not: a 2-d attention mask of it),
+                   averaged over the micro-batches.
   resume           14 examples (8 windows), global batch 4: 2 steps, a checkpoint, resumed to 4
                    steps: at 1 rank its losses and exported weights are bitwise the straight
                    run's; at 2 ranks (grad_accum halved) within 1e-5.
@@ -96,13 +97,17 @@ def moe_packed_loss(model, train, bins, step):
     order = global_samples(len(bins), 3, step * len(bins), len(bins))
     batches = [packed_batch(train, [bins[i] for i in order[j:j + MICRO]], SEQ) for j in range(0, len(bins), MICRO)]
     counted = sum(int((b[3] != -100).sum()) for b in batches)
+    # Each window's examples' tokens (1) and the padding after them (0).
+    used = [sum(min(len(train[e][0]), SEQ + 1) for e in bins[i]) for i in order]
+    reals = [torch.tensor([[1 if j < u else 0 for j in range(SEQ)] for u in used[j:j + MICRO]])
+             for j in range(0, len(bins), MICRO)]
     loss = 0.0
-    for inputs, pos, mask, targets in batches:
+    for (inputs, pos, mask, targets), real in zip(batches, reals):
         out = model.model(input_ids=inputs, position_ids=pos, attention_mask=mask, output_router_logits=True)
         logits = model.lm_head(out.last_hidden_state).float()
         ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                                                ignore_index=-100, reduction="sum")
-        aux = load_balancing_loss_func(out.router_logits, c.num_local_experts, c.num_experts_per_tok, None)
+        aux = load_balancing_loss_func(out.router_logits, c.num_local_experts, c.num_experts_per_tok, real)
         loss = loss + ce / counted + c.router_aux_loss_coef * aux / len(batches)
     return loss
 

@@ -109,6 +109,9 @@ class Engine {
   // token belongs to (models::TokenLayout): a token attends only to the earlier tokens of its
   // example, and positions restart at each example. The mask must leave out every target that
   // crosses from one example to the next (the packed data does). Undefined: one sequence a row.
+  // Segment -1 marks padding after a row's examples (supervised rows pass it packed or not): a
+  // mixture of experts leaves it out of its load-balancing loss, as transformers' attention_mask
+  // does; rows holding one example then padding keep plain causal attention.
   StepResult train_step(const at::Tensor& ids, const at::Tensor& loss_mask, const at::Tensor& segments);
   // The forward alone over `ids` (int64 [rows, seq_len + 1], rows a multiple of micro_batch,
   // the same on every rank: a collective) in micro-batches, without autograd and without

@@ -97,6 +97,12 @@ class Stage : public torch::nn::Module {
   // B for an output split (dim 0), columns of A for an input split (dim 1). Undefined where none.
   void share_adapters(const Stage& first);
   tiling::LowRank adapter_part(const std::string& module, int64_t dim, int64_t begin, int64_t end) const;
+  // `experts` (experts [first, first + size) of block `block`) with their adapters of the fused
+  // expert tensors (ModelConfig::Lora::target_parameters) this stage holds or shares, each
+  // expert's rows and columns (models::expert_adapter). Taken at each forward: views of the
+  // adapters as they are then.
+  std::vector<tiling::MlpWeights> adapted_experts(const ModelConfig& c, const std::vector<tiling::MlpWeights>& experts,
+                                                  int64_t first) const;
   std::map<std::string, tiling::LowRank> adapters_;
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::vector<TensorPart> parts_;

@@ -57,6 +57,10 @@ std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir, const M
 // w + scaling * (b a), in fp32 and Strata's [out, in] layout: an adapter merged into the weight it
 // adapts, in the order of PEFT's merge_and_unload (b a first, then scaled, then added).
 at::Tensor merged_weight(const at::Tensor& w, const at::Tensor& a, const at::Tensor& b, double scaling);
+// The same for weight `w` that `what` (adapted_weight) describes, from its module's whole
+// adapters `a`, `b`: an expert's weight takes its expert's share (expert_adapter).
+at::Tensor merged_weight(const ModelConfig& c, const AdaptedWeight& what, const at::Tensor& w, const at::Tensor& a,
+                         const at::Tensor& b);
 // transformers' name of a dtype ("float32", "bfloat16", "float16"), and back (throws
 // std::invalid_argument for another name).
 const char* hf_dtype_name(at::ScalarType t);

@@ -93,11 +93,17 @@ struct ModelConfig {
     bool rslora = false;                       // use_rslora: alpha / sqrt(r), else alpha / r
     std::vector<std::string> target_modules;   // as PEFT matches a list; {"all-linear"}: every block linear
     std::vector<std::string> modules_to_save;  // modules trained whole beside the adapters
+    // PEFT's target_parameters: a sparse block's fused expert tensors ("mlp.experts.gate_up_proj",
+    // "mlp.experts.down_proj" as transformers 5 names them), each expert adapted by its own A and B.
+    std::vector<std::string> target_parameters;
     bool enabled() const { return r > 0; }
     double scaling() const;
     // Whether the block linear `module` ("model.layers.0.self_attn.q_proj") gets an adapter: it
     // is a target, or ends with "." and a target (PEFT's rule for a list), or "all-linear".
     bool targets(const std::string& module) const;
+    // Whether the parameter `key` ("model.layers.0.mlp.experts.gate_up_proj") gets an adapter:
+    // PEFT's rule for target_parameters (the key is an entry or ends with "." and one).
+    bool targets_parameter(const std::string& key) const;
   } lora;
 
   // The config.json's special token ids (bos_token_id, eos_token_id: an id or a list,

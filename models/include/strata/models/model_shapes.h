@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -103,16 +104,32 @@ ExpertTensors expert_tensors(const ModelConfig& c, int64_t block, int64_t expert
 // them (the first tile's trainable unit, as a tied head uses the embedding's), each its rows of B
 // where it splits the output (q, k, v, gate, up; GPT-2's c_attn, c_fc) and its columns of A where
 // it splits the input (o, down; GPT-2's c_proj).
+//
+// A sparse block's experts (ModelConfig::Lora::target_parameters) are adapted as PEFT adapts a
+// fused expert tensor [experts, out, in]: module "model.layers.3.mlp.experts.gate_up_proj"
+// (gate and up stacked, out = 2 x expert intermediate) or "...mlp.experts.down_proj", A
+// [experts x r, in] (expert e's rows e r .. e r + r - 1) and B [out, r x experts] (expert e's
+// column j at j x experts + e), PEFT's layout, so that expert e's update is B_e A_e. The adapters
+// belong to the block's MLP part: a whole sparse block's, or its first expert tile's, every other
+// expert tile using its experts' rows and columns (expert_adapter).
 struct AdapterShape {
   std::string module;   // full name, "model.layers.3.self_attn.q_proj"
   int64_t in = 0, out = 0;
   bool attention = false;  // the attention's (else the MLP's)
+  int64_t experts = 1;     // a fused expert tensor's experts (each its own rank-r adapter)
+  int64_t elements(int64_t r) const { return r * experts * (in + out); }
 };
+inline constexpr const char* kExpertGateUp = "gate_up_proj";
+inline constexpr const char* kExpertDown = "down_proj";
+// The fused expert tensor `tensor` (kExpertGateUp or kExpertDown) of sparse block i as PEFT's
+// target_parameters name it: "model.layers.3.mlp.experts.gate_up_proj" (Mixtral's too).
+std::string expert_parameter(const ModelConfig& c, int64_t i, const char* tensor);
 // Which of a block's adapters: all (a whole block's), the attention's or the MLP's (the first
 // tile of each holds them).
 enum class BlockPart { kWhole, kAttention, kMlp };
 std::vector<AdapterShape> block_adapters(const ModelConfig& c, int64_t i, BlockPart part = BlockPart::kWhole);
-// Elements of every adapter of the model (0 without LoRA): r (in + out) for each adapted linear.
+// Elements of every adapter of the model (0 without LoRA): r (in + out) for each adapted linear,
+// r (in + out) for each expert of an adapted expert tensor.
 int64_t adapter_parameters(const ModelConfig& c);
 // Whether a tensor name is a LoRA adapter's ("...lora_A.weight", "...lora_B.weight").
 bool is_adapter_tensor(const std::string& name);
@@ -130,6 +147,18 @@ std::vector<std::string> adapter_patterns();
 // selects an adapted linear or a module holding one, or the tied embedding); and whether a tensor
 // belongs in the PEFT adapter directory (an adapter or a module to save).
 bool saved_whole(const ModelConfig& c, const std::string& tensor);
+// What LoRA adds to weight `weight` (a whole Hugging Face name, Strata's [out, in] layout): the
+// adapted module (adapter_a_name, adapter_b_name), and for an expert's weight its expert and its
+// rows of the fused output (gate: the first expert-intermediate rows of gate_up_proj, up the
+// next); nothing for a weight without an adapter. And how many weights one module's adapters
+// update (1; an expert tensor's: 2 x experts for gate_up_proj, experts for down_proj).
+struct AdaptedWeight {
+  std::string module;
+  int64_t expert = -1;  // -1: a linear layer's weight (B A whole)
+  int64_t row_begin = 0, rows = 0;
+};
+std::optional<AdaptedWeight> adapted_weight(const ModelConfig& c, const std::string& weight);
+int64_t adapted_weight_count(const ModelConfig& c, const std::string& module);
 std::vector<std::string> saved_whole_tensors(const ModelConfig& c);
 bool in_adapter_export(const ModelConfig& c, const std::string& tensor);
 

@@ -27,8 +27,10 @@ struct Routing {
   at::Tensor choice;         // [tokens, top_k] int64
 };
 Routing route(const ModelConfig& c, const at::Tensor& logits);
-// The router's statistics of `r` (RouterStats), the probabilities' sum in their graph.
-void routing_stats(const ModelConfig& c, const Routing& r, RouterStats& stats);
+// The router's statistics of `r` (RouterStats), the probabilities' sum in their graph, over the
+// tokens that are not `padding` (bool, one per token; undefined: every token), as transformers'
+// load_balancing_loss_func leaves out what its attention_mask does.
+void routing_stats(const ModelConfig& c, const Routing& r, RouterStats& stats, const at::Tensor& padding = {});
 // Experts [first, first + experts.size()) of a sparse block's MLP on x [tokens, hidden] under
 // `r`: each (token, choice) pair that chose one of them sorted stably by expert, each expert's
 // tokens through its gated MLP as one matmul (an expert no token chose is not run: its weights get
@@ -39,11 +41,19 @@ void routing_stats(const ModelConfig& c, const Routing& r, RouterStats& stats);
 at::Tensor experts_mlp(const ModelConfig& c, const at::Tensor& x, const Routing& r,
                        const std::vector<tiling::MlpWeights>& experts, int64_t first);
 
+// Expert `expert`'s adapter in a fused expert tensor's adapter `fused` (A [experts r, in], B
+// [out, r experts], PEFT's layout; model_shapes.h AdapterShape): A's rows [expert r, expert r +
+// r) and B's columns j experts + expert, rows [row_begin, row_begin + rows) of them (gate_up_proj's
+// gate or up half). Views: gradients reach `fused`.
+tiling::LowRank expert_adapter(const tiling::LowRank& fused, int64_t experts, int64_t expert, int64_t row_begin,
+                               int64_t rows);
+
 // The whole MoE MLP of `n` (the MLP's normed input [..., hidden]): route() on the router's
 // logits, then experts_mlp() over every expert. `router` [experts, hidden]; `experts[e]` expert
 // e's gate, up and down weights (tiling::MlpWeights, no biases). Writes the router's statistics
-// to `stats`. Throws std::invalid_argument when `experts` does not hold c.moe.experts entries.
+// to `stats` (without `padding`'s tokens). Throws std::invalid_argument when `experts` does not
+// hold c.moe.experts entries.
 at::Tensor moe_mlp(const ModelConfig& c, const at::Tensor& n, const at::Tensor& router,
-                   const std::vector<tiling::MlpWeights>& experts, RouterStats& stats);
+                   const std::vector<tiling::MlpWeights>& experts, RouterStats& stats, const at::Tensor& padding = {});
 
 }  // namespace strata::models

@@ -35,8 +35,11 @@ ModelConfig::Lora read_peft_adapter_config(const std::filesystem::path& dir);
 // parse_lora_settings reads back as c.lora. `base_model` (base_model_name_or_path) may be "".
 std::string peft_adapter_config_json(const ModelConfig& c, const std::string& base_model);
 
-// The adapter_model.safetensors key of adapter tensor `name` ("model.layers.0.self_attn.q_proj.
+// The adapter_model.safetensors key of tensor `name` of `c` ("model.layers.0.self_attn.q_proj.
 // lora_A.weight" -> "base_model.model.model.layers.0..."), as PEFT saves it (adapter name dropped).
-std::string peft_key(const std::string& name);
+// An expert tensor's adapter is keyed by the module holding the tensor, as PEFT's ParamWrapper
+// nests: "...mlp.experts.lora_A.weight" for down_proj, and for gate_up_proj the same, or
+// "...mlp.experts.base_layer.lora_A.weight" when down_proj's wrapper holds it.
+std::string peft_key(const ModelConfig& c, const std::string& name);
 
 }  // namespace strata::models

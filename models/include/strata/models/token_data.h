@@ -53,7 +53,8 @@ class TokenCorpus {
 
 // Numbered training or evaluation samples: each is seq_len + 1 token ids (inputs and next-token
 // targets), seq_len flags saying which targets count in the loss, and seq_len segment ids saying
-// which example each input token belongs to (packed sources; else 0: one sequence).
+// which example each input token belongs to (packed sources; else 0: one sequence), -1 for
+// padding after a sample's examples (models::TokenLayout: out of the load-balancing loss).
 // Thread safety: implementations are immutable after construction.
 class SampleSource {
  public:
@@ -130,7 +131,7 @@ class SftExamples final : public SampleSource {
 // computes examples rather than padding. The rule (best_fit_decreasing) depends only on the
 // examples' lengths, seq_len and the seed: never on the world size, so a resume at any world size
 // reproduces the windows. A window holds its examples one after another, then padding (`pad_id`,
-// out of the loss, a segment of its own). Segment j of a window is the index of input token j's
+// out of the loss, segment -1). Segment j of a window is the index of input token j's
 // example within it; target j counts when loss_mask of token j + 1 is 1 and tokens j and j + 1
 // are of the same example, so no target crosses from one example into the next.
 // Thread safety: immutable after construction.

@@ -4,7 +4,8 @@
 // one place the stages learn positions and attention masks from (rotary angles, GPT-2's learned
 // positions, the attention of whole blocks and attention tiles alike).
 //
-// Ownership: holds its tensors on the segments' device (shared, not copied, by copies of it).
+// Ownership: holds its tensors on the segments' device (the host, as the engine passes them),
+// with copies on the device that asks for them, kept (shared, not copied, by copies of it).
 // Thread safety: one thread at a time: the attention masks are built on first use and kept for
 // the other blocks of the micro-batch and their recompute.
 #pragma once
@@ -21,11 +22,18 @@ class TokenLayout {
  public:
   TokenLayout() = default;  // every row one sequence, positions 0 .. T-1
   // `segments` [B, T], integer: the example each token belongs to. An example's tokens are
-  // contiguous within its row; ids need only differ between neighbouring examples.
-  // Throws std::invalid_argument for a tensor that is not 2-d and integer.
+  // contiguous within its row; ids need only differ between neighbouring examples. -1 marks
+  // padding after a row's examples: it attends only to padding, and it is what transformers'
+  // attention_mask leaves out of a mixture of experts' load-balancing loss. Segments no greater
+  // than 0 (one example a row, maybe padded) lay the rows out as unpacked ones, their padding
+  // marked. Throws std::invalid_argument for a tensor that is not 2-d and integer.
   explicit TokenLayout(const at::Tensor& segments);
 
   bool packed() const { return segments_.defined(); }
+  // The padding (bool [B, T] on the segments' device, true at padding), undefined where none;
+  // and the tokens that are not padding (B x T where none).
+  const at::Tensor& padding() const { return padding_; }
+  int64_t real_tokens(int64_t rows, int64_t tokens) const { return rows * tokens - padded_; }
   const at::Tensor& segments() const { return segments_; }
   // Each token's index within its example, int64 on `device`: [B, T] when packed, else [1, T].
   at::Tensor positions(int64_t tokens, const at::Device& device) const;
@@ -38,8 +46,10 @@ class TokenLayout {
   TokenLayout rows(int64_t begin, int64_t n) const;
 
  private:
-  at::Tensor segments_, positions_;
+  at::Tensor segments_, positions_, padding_;
+  int64_t padded_ = 0;
   mutable std::vector<std::pair<int64_t, at::Tensor>> masks_;  // by window, for this layout's T
+  mutable at::Tensor device_positions_;
 };
 
 // The segments of rows of `tokens` ids whose examples start at the given offsets: a helper for

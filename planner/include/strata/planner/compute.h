@@ -46,6 +46,9 @@ struct ShardOf {
   bool flash_attention = true;     // fused attention: no score matrix in memory
   double activation_bytes = 2;     // bytes of an activation element
   int64_t mlp_token_chunk = 0;     // the MLP's products over chunks of this many tokens (0: all at once)
+  // A mixture of experts' expert-parallel ways (Megatron-Core's EP, its expert tensor parallelism
+  // 1): each GPU holds experts / ep whole experts and runs the choices of ep GPUs' tokens for them.
+  int ep = 1;
   // A block cut into attention tiles (groups of key/value heads) and MLP tiles (slices of the
   // intermediate dimension), 1 x 1: whole. Tiles run GPT-2's q, k and v as three products, each
   // of its own slice, and pass the normed input and the running sum from tile to tile.
@@ -58,6 +61,9 @@ struct ShardOf {
 // Korthikanti et al.'s activation bytes of one block, per token and hidden unit, with 16-bit
 // activations (table 2): 34 + 5 a s / h, divided by t with sequence parallelism; 10 + 24 / t +
 // 5 a s / (h t) with tensor parallelism alone; the score term only where attention is not fused.
+// A mixture of experts replaces the MLP's 19 (its input, its 4h product and activation, a dropout
+// mask) with its own: each token's copy for each of its top_k experts and their outputs (4 k),
+// their gate and up products and activation (6 k I / h).
 double activation_bytes_per_token_hidden(const models::ModelConfig& m, int64_t seq_len, const ShardOf& shard);
 
 // One block's forward for `sequences` sequences of `seq_len` tokens, this GPU's 1/tp of it.

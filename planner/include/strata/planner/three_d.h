@@ -40,6 +40,18 @@ struct ThreeDConfig {
   // Bytes of a gradient element, held and all-reduced: 4 with fp32 main gradients (bf16 training,
   // Megatron since 2022), 2 with fp16 gradients reduced as they are (fp16 training, Megatron 2021).
   int grad_bytes = 4;
+  // Expert parallelism (a mixture of experts; 1 for a dense model): Megatron-Core's MoE layout,
+  // its attention TP x DP as a dense model's and its experts EP x EDP over the same tp x dp GPUs
+  // of a stage (expert tensor parallelism 1, EDP = tp dp / ep): each GPU holds experts / ep whole
+  // experts, tokens travel to them and back by all-to-all, their gradients reduce over EDP.
+  int ep = 1;
+  // DeepEP's dispatch (Megatron-Core's flex dispatcher): a token crosses the network once to each
+  // node holding one of its experts, then spreads over NVLink; else a plain all-to-all sends one
+  // copy per chosen expert.
+  bool dispatch_per_node = false;
+  // Megatron's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split:
+  // the embedding and the head take a layer's slot each, so layers + 2 split into the stages.
+  bool embedding_and_loss_as_layers = false;
   std::string describe() const;
 };
 
@@ -54,6 +66,7 @@ struct ThreeDEstimate {
   // communication of every micro-batch on the slowest stage), its bubble, point-to-point
   // transfers, the data-parallel gradient reduction, the optimizer step.
   double compute = 0, tp_comm = 0, bubble = 0, pp_comm = 0, dp_comm = 0, optimizer_step = 0;
+  double ep_comm = 0;  // a mixture of experts' all-to-alls (dispatch and combine), not overlapped
   double step = 0;
   double micro_batches = 0;  // per pipeline
   std::string bottleneck;
@@ -63,7 +76,8 @@ ThreeDEstimate estimate_3d(const Workload& w, const Cluster& c, const ThreeDConf
 
 // The fastest configuration on all of the cluster's GPUs that fits: tp up to a node's GPUs,
 // every pp dividing the layers, micro-batches 1-8, interleaving, recompute none / selective /
-// full, with and without the distributed optimizer.
+// full, with and without the distributed optimizer; for a mixture of experts every power-of-two
+// ep dividing the experts and tp x dp.
 struct ThreeDSearch {
   int max_tp = 1 << 30, max_pp = 1 << 30;
   bool sharded_optimizer = true;
