@@ -254,6 +254,10 @@ Cluster dgx_h100() {
   g.memory = 79.2 * kGiB;  // what the project's H100 reports (h100-box)
   g.peak_flops = 989e12;
   g.peak_flops_fp32 = 67e12;
+  // The products' rates measured on this project's H200 (h200-box), whose GH100 compute die and
+  // clocks are the H100 SXM's (only its memory differs), as fractions of the H100's datasheet peak.
+  g.matmul_efficiency = {{6.7e7, 0.007 * 700 / 989}, {5.37e8, 0.05 * 700 / 989}, {4.29e9, 0.35 * 700 / 989},
+                         {3.44e10, 0.87 * 700 / 989}, {2.75e11, 700.0 / 989}};
   g.memory_bandwidth = 0.85 * 3.35e12;
   c.node.cpu_adam_rate = 10e9;
   c.node.pcie_h2d = c.node.pcie_d2h = 50e9;
