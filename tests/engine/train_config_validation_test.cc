@@ -221,8 +221,21 @@ TEST(TrainConfig, MixtureOfExpertsKeys) {
   // LoRA: the attention's linears; an expert's projection is no linear layer.
   EXPECT_NO_THROW(parse_train_config(base + R"(, "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}}})", "t"));
   const std::string lora_experts = config_error(base + R"(, "lora": {"r": 4, "target_modules": ["w1"]}}})");
-  EXPECT_TRUE(contains(lora_experts, "a sparse block's experts are not linear layers")) << lora_experts;
+  EXPECT_TRUE(contains(lora_experts, "experts are no linear layers: adapt them with target_parameters"))
+      << lora_experts;
   EXPECT_FALSE(contains(lora_experts, "mlp.gate_proj")) << "a Mixtral block has no dense MLP to list";
+  // ...but a parameter, as PEFT's target_parameters names the fused expert tensors.
+  EXPECT_NO_THROW(parse_train_config(
+      base + R"(, "lora": {"r": 4, "target_modules": ["q_proj"], "target_parameters": ["mlp.experts.down_proj"]}}})",
+      "t"));
+  EXPECT_TRUE(contains(
+      config_error(base + R"(, "lora": {"r": 4, "target_modules": [], "target_parameters": ["experts.w9"]}}})"),
+      "names no expert tensor of the model"));
+  EXPECT_TRUE(contains(config_error(base + R"(, "lora": {"r": 4, "target_modules": "all-linear"}}})"),
+                       "\"all-linear\" to mean the experts and the router too"));
+  EXPECT_TRUE(contains(config_error(R"({"model": {"preset": "llama-1b", "layers": 2, "lora": {"r": 4,
+      "target_modules": [], "target_parameters": ["mlp.experts.down_proj"]}}})"),
+                       "it has no mixture of experts"));
 }
 
 }  // namespace

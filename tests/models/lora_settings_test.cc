@@ -65,7 +65,7 @@ TEST(LoraSettings, WhatStrataDoesNotComputeIsRefusedAlikeNamingTheKey) {
                                                  {"alpha_pattern", {{"q_proj", 8}}},
                                                  {"bias", "all"},
                                                  {"layers_to_transform", {0, 1}},
-                                                 {"target_parameters", {"experts.gate_up_proj"}},
+                                                 {"target_parameters", "experts.gate_up_proj"},
                                                  {"peft_type", "IA3"},
                                                  {"target_modules", ".*proj"},
                                                  {"target_modules", json::array()},
@@ -114,6 +114,15 @@ TEST(LoraSettings, WhatStrataWritesReadsBack) {
   EXPECT_TRUE(back.rslora);
   EXPECT_EQ(back.target_modules, c.lora.target_modules);
   EXPECT_EQ(back.modules_to_save, c.lora.modules_to_save);
+
+  // The experts alone: PEFT's empty target_modules beside target_parameters.
+  ModelConfig moe = preset("qwen3-30b-a3b");
+  moe.lora.r = 4;
+  moe.lora.target_parameters = {"mlp.experts.down_proj"};
+  const ModelConfig::Lora experts =
+      parse_lora_settings(peft_adapter_config_json(moe, "base"), "written", LoraSettingsFrom::kAdapterConfig);
+  EXPECT_TRUE(experts.target_modules.empty());
+  EXPECT_EQ(experts.target_parameters, moe.lora.target_parameters);
 }
 
 }  // namespace

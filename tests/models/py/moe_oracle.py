@@ -48,7 +48,11 @@ from strata_data import global_samples  # noqa: E402
 
 TOL = 1e-5
 SEQ, MICRO, ACCUM = 24, 2, 2
-LR, WD, BETAS, EPS, CLIP = 3e-3, 0.1, (0.9, 0.95), 1e-8, 1.0
+# AdamW's eps is 1e-6, not torch's 1e-8: Adam's first step moves an element by lr g / (|g| + eps),
+# so where a gradient cancels to near eps (qwen3-moe: one of 2160 elements at 5e-8, the median at
+# 7e-3), fp32 rounding of 1e-8 between two exact implementations moved it by 2e-3. With 1e-6 that
+# sensitivity is a hundred times less and the comparison measures the model, not the rounding.
+LR, WD, BETAS, EPS, CLIP = 3e-3, 0.1, (0.9, 0.95), 1e-6, 1.0
 STEPS, SEED, COEF = 3, 3, 0.05
 
 
@@ -300,11 +304,19 @@ def main():
             if not torch.equal(back.state_dict()[n], model.state_dict()[n]):
                 print(f"FAIL: frozen {n} changed")
                 ok = False
+    # The export computes in transformers what Strata computed with the same weights: its eval
+    # loss equals Strata's last one. Against the reference model (weights within TOL, not equal)
+    # the logits are only near: a token whose top-k choice is a near tie there may pick another
+    # expert, so that bound is looser.
     with torch.no_grad():
-        e = rel(back(input_ids=eval_ids).logits, model(input_ids=eval_ids).logits)
-    print(f"export logits: relative error {e:.3g}")
-    if e > TOL:
-        print("FAIL: the export's logits differ")
+        logits = back(input_ids=eval_ids).logits.float()
+        e = rel(logits, model(input_ids=eval_ids).logits)
+        export_eval = float(torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), eval_labels.reshape(-1),
+                                                              ignore_index=-100))
+    print(f"export: eval loss in transformers {export_eval!r}, Strata's {got_eval[-1] if got_eval else None!r}; "
+          f"logits against the reference: relative error {e:.3g}")
+    if not got_eval or abs(export_eval - got_eval[-1]) > TOL * abs(got_eval[-1]) or e > 1e-3:
+        print("FAIL: the export computes otherwise in transformers")
         ok = False
     if case == "mixtral-resume":
         ok &= resumed(strata, work, cfg)
