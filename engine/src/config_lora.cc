@@ -14,6 +14,14 @@ namespace strata::engine {
 using config_json::json;
 using config_json::Section;
 
+namespace {
+
+// Every target must adapt some linear layer of a block, every target parameter some sparse
+// block's expert tensor; names PEFT would read otherwise in a mixture of experts are refused.
+void check_lora_targets(Section& s, const models::ModelConfig& mc);
+
+}  // namespace
+
 // model.lora and model.adapter_from: PEFT's LoRA settings, given or the adapter's; the tensors
 // that train follow (engine.trainable: the adapters and modules_to_save).
 void read_lora(Section& s, TrainConfig& c) {
@@ -44,8 +52,19 @@ void read_lora(Section& s, TrainConfig& c) {
     }
   }
   if (!mc.lora.enabled()) return;
-  // Every target must adapt some linear layer of a block, every target parameter some sparse
-  // block's expert tensor.
+  check_lora_targets(s, mc);
+  // The adapters train, and the modules to save whole (their tensors by name).
+  c.engine.trainable = models::adapter_patterns();
+  try {
+    for (const std::string& t : models::saved_whole_tensors(mc)) c.engine.trainable.push_back(t);
+  } catch (const std::invalid_argument& ex) {
+    s.fail("lora", ex.what());
+  }
+}
+
+namespace {
+
+void check_lora_targets(Section& s, const models::ModelConfig& mc) {
   for (const std::string& t : mc.lora.target_modules) {
     bool hit = false;
     models::ModelConfig one = mc;
@@ -98,13 +117,8 @@ void read_lora(Section& s, TrainConfig& c) {
                                            : std::string(": it has no mixture of experts (target_parameters adapts "
                                                          "a sparse block's experts)")));
   }
-  // The adapters train, and the modules to save whole (their tensors by name).
-  c.engine.trainable = models::adapter_patterns();
-  try {
-    for (const std::string& t : models::saved_whole_tensors(mc)) c.engine.trainable.push_back(t);
-  } catch (const std::invalid_argument& ex) {
-    s.fail("lora", ex.what());
-  }
 }
+
+}  // namespace
 
 }  // namespace strata::engine
