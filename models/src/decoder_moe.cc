@@ -10,6 +10,7 @@
 
 #include "decoder_stages.h"
 #include "strata/models/moe.h"
+#include "strata/tiling/grouped_mlp.h"
 
 namespace strata::models {
 
@@ -57,18 +58,25 @@ at::Tensor experts_mlp(const ModelConfig& c, const at::Tensor& x, const Routing&
     chosen = flat.index_select(0, here);
     order = here.index_select(0, std::get<1>(chosen.sort(/*stable=*/true, 0, false)));
   }
-  const at::Tensor counts = at::bincount(chosen - first, {}, count_here).cpu();  // the segments (a device sync on a GPU)
-  const int64_t* count = counts.data_ptr<int64_t>();
+  if (chosen.numel() == 0) return at::zeros_like(x);  // no token chose these experts
+  const at::Tensor counts = at::bincount(chosen - first, {}, count_here);  // each expert's rows, in order
   const at::Tensor xs = x.index_select(0, order.div(k, "floor"));
-  std::vector<at::Tensor> ys;
-  int64_t begin = 0;
-  for (int64_t e = 0; e < count_here; ++e) {
-    if (count[e] == 0) continue;
-    ys.push_back(detail::mlp(c, xs.narrow(0, begin, count[e]), experts[size_t(e)], 0));
-    begin += count[e];
+  at::Tensor y;
+  if (tiling::grouped_mlp_supported(xs)) {
+    // One grouped product a projection for all these experts (no device sync for the segments).
+    y = tiling::grouped_mlp(xs, experts, counts.cumsum(0).to(at::kInt), detail::mlp_activation(c));
+  } else {  // expert by expert (CUDA without bf16)
+    const at::Tensor on_host = counts.cpu();  // the segments (a device sync on a GPU)
+    const int64_t* count = on_host.data_ptr<int64_t>();
+    std::vector<at::Tensor> ys;
+    int64_t begin = 0;
+    for (int64_t e = 0; e < count_here; ++e) {
+      if (count[e] == 0) continue;
+      ys.push_back(detail::mlp(c, xs.narrow(0, begin, count[e]), experts[size_t(e)], 0));
+      begin += count[e];
+    }
+    y = ys.size() == 1 ? ys[0] : at::cat(ys);
   }
-  if (ys.empty()) return at::zeros_like(x);  // no token chose these experts
-  at::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys);
   y = (y * r.weight.reshape(-1).index_select(0, order).unsqueeze(-1)).to(x.scalar_type());
   // Combine: back to pair order (each pair written once), then each token's k outputs summed.
   const at::Tensor pairs = at::zeros({tokens * k, d}, y.options()).index_copy(0, order, y);

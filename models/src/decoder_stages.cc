@@ -188,11 +188,15 @@ at::Tensor learned_positions(const at::Tensor& wpe, const TokenLayout& layout, i
 
 // The MLP of `n` (its normed input): with `chunk` > 0 over token chunks (tiling::chunked_mlp: one
 // chunk's intermediates at a time), else whole (tiling::plain_mlp, the same operations).
+tiling::MlpActivation mlp_activation(const ModelConfig& c) {
+  return c.arch == Arch::kGpt2                               ? tiling::MlpActivation::kGeluTanh
+         : c.mlp_activation == ModelConfig::Activation::kSilu ? tiling::MlpActivation::kSilu
+         : c.mlp_activation == ModelConfig::Activation::kGelu ? tiling::MlpActivation::kGelu
+                                                               : tiling::MlpActivation::kGeluTanh;
+}
+
 at::Tensor mlp(const ModelConfig& c, const at::Tensor& n, const tiling::MlpWeights& w, int64_t chunk) {
-  const tiling::MlpActivation act = c.arch == Arch::kGpt2                               ? tiling::MlpActivation::kGeluTanh
-                                    : c.mlp_activation == ModelConfig::Activation::kSilu ? tiling::MlpActivation::kSilu
-                                    : c.mlp_activation == ModelConfig::Activation::kGelu ? tiling::MlpActivation::kGelu
-                                                                                          : tiling::MlpActivation::kGeluTanh;
+  const tiling::MlpActivation act = mlp_activation(c);
   return chunk > 0 ? tiling::chunked_mlp(n, w, act, chunk) : tiling::plain_mlp(n, w, act);
 }
 

@@ -41,6 +41,8 @@ at::Tensor llama_attention(const ModelConfig& c, at::Tensor q, at::Tensor k, at:
 at::Tensor learned_positions(const at::Tensor& wpe, const TokenLayout& layout, int64_t tokens);
 // The MLP of `n` (its normed input), over token chunks of `chunk` (> 0) or whole.
 at::Tensor mlp(const ModelConfig& c, const at::Tensor& n, const tiling::MlpWeights& w, int64_t chunk);
+// The model's MLP activation, as every MLP of it applies it.
+tiling::MlpActivation mlp_activation(const ModelConfig& c);
 
 // Whole stages: block i, the embedding, the head over `tied` (the embedding's token weight).
 std::shared_ptr<Stage> make_block(const ModelConfig& c, int64_t i);

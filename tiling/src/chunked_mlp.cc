@@ -15,14 +15,7 @@ using torch::autograd::variable_list;
 
 std::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; }
 
-at::Tensor activate(const at::Tensor& x, MlpActivation act) {
-  switch (act) {
-    case MlpActivation::kSilu: return at::silu(x);
-    case MlpActivation::kGelu: return at::gelu(x, "none");
-    case MlpActivation::kGeluTanh: return at::gelu(x, "tanh");
-  }
-  throw std::invalid_argument("chunked_mlp: unknown activation");
-}
+at::Tensor activate(const at::Tensor& x, MlpActivation act) { return mlp_activation(x, act); }
 
 // The weights' order in the autograd function's inputs.
 enum { kUp, kUpBias, kGate, kGateBias, kDown, kDownBias, kWeights };
@@ -116,6 +109,15 @@ void check(const at::Tensor& x, const MlpWeights& w) {
 }
 
 }  // namespace
+
+at::Tensor mlp_activation(const at::Tensor& x, MlpActivation act) {
+  switch (act) {
+    case MlpActivation::kSilu: return at::silu(x);
+    case MlpActivation::kGelu: return at::gelu(x, "none");
+    case MlpActivation::kGeluTanh: return at::gelu(x, "tanh");
+  }
+  throw std::invalid_argument("mlp_activation: unknown activation");
+}
 
 at::Tensor chunked_mlp(const at::Tensor& x, const MlpWeights& w, MlpActivation act, int64_t token_chunk) {
   check(x, w);

@@ -43,6 +43,9 @@ struct MlpWeights {
   bool adapted() const { return up_lora.defined() || gate_lora.defined() || down_lora.defined(); }
 };
 
+// The activation of an MLP's up (or gate) projection, as every MLP here applies it.
+at::Tensor mlp_activation(const at::Tensor& x, MlpActivation act);
+
 // The MLP of `x` [..., d] in chunks of `token_chunk` rows of x viewed as [tokens, d] (the last may
 // be shorter; token_chunk >= tokens computes it in one piece, still without keeping
 // intermediates). Differentiable in x and every defined weight. Throws std::invalid_argument on
