@@ -1,0 +1,126 @@
+#include "strata/kernels/quant4.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+
+#include "float_bits.h"
+
+namespace strata::kernels {
+namespace {
+
+// bitsandbytes' tables (functional.get_4bit_type), as fp32.
+constexpr std::array<float, 16> kNf4 = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
+    -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
+    0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f,
+    1.0f};
+// FP4 (1 sign, 2 exponent, 1 mantissa bits, bitsandbytes' scaling). Index 8 is the negative
+// zero, as bitsandbytes' CPU kernel decodes it (its table and its Python fallback for tensors whose
+// last dimension is odd hold +0 there).
+constexpr std::array<float, 16> kFp4 = {
+    0.0f, 0.0052083334885537624f, 0.6666666865348816f, 1.0f, 0.3333333432674408f, 0.5f, 0.1666666716337204f, 0.25f,
+    -0.0f, -0.0052083334885537624f, -0.6666666865348816f, -1.0f, -0.3333333432674408f, -0.5f, -0.1666666716337204f,
+    -0.25f};
+
+// The codes sorted (ties in index order, as torch.argsort gives them for these tables) and the
+// 15 midpoints between neighbours: a value's index is its count of midpoints strictly below it.
+struct Bounds {
+  std::array<uint8_t, 16> order;
+  std::array<float, 15> mid;
+};
+
+Bounds bounds_of(const std::array<float, 16>& code) {
+  Bounds b;
+  std::iota(b.order.begin(), b.order.end(), 0);
+  std::stable_sort(b.order.begin(), b.order.end(), [&](uint8_t i, uint8_t j) { return code[i] < code[j]; });
+  for (int i = 0; i < 15; ++i) b.mid[size_t(i)] = (code[b.order[size_t(i)]] + code[b.order[size_t(i) + 1]]) / 2.0f;
+  return b;
+}
+
+const Bounds& bounds(Quant4 type) {
+  static const Bounds nf4 = bounds_of(kNf4), fp4 = bounds_of(kFp4);
+  return type == Quant4::kNf4 ? nf4 : fp4;
+}
+
+uint8_t index_of(float v, const Bounds& b) {
+  int below = 0;
+  while (below < 15 && b.mid[size_t(below)] < v) ++below;
+  return b.order[size_t(below)];
+}
+
+float load(const void* x, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kF32: return static_cast<const float*>(x)[i];
+    case DType::kBF16: return bits::bf16_to_float(static_cast<const uint16_t*>(x)[i]);
+    case DType::kF16: return bits::fp16_to_float(static_cast<const uint16_t*>(x)[i]);
+  }
+  return 0;
+}
+
+void store(void* out, DType dtype, int64_t i, float v) {
+  switch (dtype) {
+    case DType::kF32: static_cast<float*>(out)[i] = v; return;
+    case DType::kBF16: static_cast<uint16_t*>(out)[i] = bits::float_to_bf16(v); return;
+    case DType::kF16: static_cast<uint16_t*>(out)[i] = bits::float_to_fp16(v); return;
+  }
+}
+
+void check(int64_t n, int64_t blocksize) {
+  if (n < 1) throw std::invalid_argument("quantize_4bit: no elements");
+  if (blocksize < 32 || blocksize > 4096 || (blocksize & (blocksize - 1)) != 0)
+    throw std::invalid_argument("quantize_4bit: blocksize " + std::to_string(blocksize) +
+                                " (bitsandbytes takes 32, 64, 128, 256, 512, 1024, 2048 or 4096)");
+}
+
+}  // namespace
+
+Quant4 quant4_from_string(const std::string& name) {
+  if (name == "nf4") return Quant4::kNf4;
+  if (name == "fp4") return Quant4::kFp4;
+  throw std::invalid_argument("unknown 4-bit quant type \"" + name + "\" (bitsandbytes' \"nf4\" or \"fp4\")");
+}
+
+const char* to_string(Quant4 type) { return type == Quant4::kNf4 ? "nf4" : "fp4"; }
+
+const float* quant4_codes(Quant4 type) { return type == Quant4::kNf4 ? kNf4.data() : kFp4.data(); }
+
+void quantize_4bit(const void* x, DType dtype, int64_t n, Quant4 type, int64_t blocksize, uint8_t* packed,
+                   float* absmax) {
+  check(n, blocksize);
+  const Bounds& b = bounds(type);
+  const float tiny = static_cast<float>(1e-38);  // bitsandbytes' clamp, as fp32 (a subnormal)
+  const uint8_t zero = index_of(0.0f, b);
+  for (int64_t block = 0, begin = 0; begin < n; ++block, begin += blocksize) {
+    const int64_t end = std::min(n, begin + blocksize);
+    float m = 0;
+    for (int64_t i = begin; i < end; ++i) m = std::max(m, std::fabs(load(x, dtype, i)));
+    const float am = std::max(m, tiny);
+    const bool full = end - begin == blocksize;
+    absmax[block] = full ? m : am;  // bitsandbytes keeps the shorter last block's clamped value
+    const float reciprocal = 1.0f / am;
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = full ? load(x, dtype, i) * reciprocal : load(x, dtype, i) / am;
+      const uint8_t q = index_of(std::clamp(v, -1.0f, 1.0f), b);
+      if (i % 2 == 0)
+        packed[i / 2] = uint8_t(q << 4);
+      else
+        packed[i / 2] = uint8_t(packed[i / 2] | q);
+    }
+  }
+  if (n % 2) packed[n / 2] = uint8_t(packed[n / 2] | zero);
+}
+
+void dequantize_4bit(const uint8_t* packed, const float* absmax, int64_t n, Quant4 type, int64_t blocksize,
+                     void* out, DType dtype) {
+  check(n, blocksize);
+  const float* code = quant4_codes(type);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t q = i % 2 == 0 ? uint8_t(packed[i / 2] >> 4) : uint8_t(packed[i / 2] & 0xF);
+    store(out, dtype, i, code[q] * absmax[i / blocksize]);
+  }
+}
+
+}  // namespace strata::kernels
