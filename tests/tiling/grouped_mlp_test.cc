@@ -1,7 +1,7 @@
 // tiling::grouped_mlp against plain_mlp group by group (libtorch's autograd through every
 // intermediate): outputs and every gradient within fp32 rounding, on fresh random inputs of
-// awkward sizes with empty groups, with and without LoRA adapters; bf16 within its rounding; and
-// the weights it refuses.
+// awkward sizes with empty groups, with and without LoRA adapters; bf16 within its rounding; the
+// graph keeps no stacked copy of the weights; and the weights it refuses.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "counting_allocator.h"
 #include "strata/tiling/grouped_mlp.h"
 
 namespace strata::tiling {
@@ -83,6 +84,23 @@ TEST(GroupedMlp, EachGroupIsThePlainMlpOfItsRowsWithItsWeights) {
       }
     }
   }
+}
+
+// The forward's graph holds the groups' own tensors, not their stacked copy: what stays alive
+// after the forward is the output and the intermediates of the rows, well under the weights.
+TEST(GroupedMlp, TheGraphKeepsNoStackedCopyOfTheWeights) {
+  test::CountingAllocator& counting = test::CountingAllocator::install();
+  at::manual_seed(11);
+  const int64_t groups = 16, d = 64, f = 256, rows = 32;
+  const std::vector<MlpWeights> w = random_groups(groups, d, f, 0, at::kFloat);
+  const at::Tensor x = at::randn({rows, d}).requires_grad_(true);
+  const at::Tensor ends = at::arange(1, groups + 1, at::kInt) * int(rows / groups);
+  const int64_t before = counting.live(), weights = groups * 3 * d * f * 4;
+  at::Tensor y = grouped_mlp(x, w, ends, MlpActivation::kSilu);
+  const int64_t kept = counting.live() - before;
+  EXPECT_LT(kept, weights / 4) << "kept " << kept << " bytes after the forward; the weights are " << weights;
+  y.sum().backward();
+  EXPECT_TRUE(w[3].down.grad().defined());
 }
 
 TEST(GroupedMlp, Bf16WithinItsRounding) {

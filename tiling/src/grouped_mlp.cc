@@ -1,6 +1,7 @@
 #include "strata/tiling/grouped_mlp.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <stdexcept>
@@ -8,6 +9,9 @@
 
 namespace strata::tiling {
 namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 [[noreturn]] void fail(const std::string& why) { throw std::invalid_argument("grouped_mlp: " + why); }
 
@@ -22,14 +26,43 @@ at::Tensor padded_columns(const at::Tensor& t, int64_t width) {
   return t.size(-1) == width ? t : at::constant_pad_nd(t, {0, width - t.size(-1)});
 }
 
-// x [rows, in] times each group's [out, in] tensor: the tensors stacked and viewed as
-// [groups, in, out] (column-major within a group, as CUDA's kernel takes them). The output's
-// width is padded too and cut off after: its gradient then reaches the backward's grouped
-// products as a fresh, aligned tensor.
+// x [rows, in] times each group's [out, in] tensor, as one grouped product: the tensors stacked
+// and viewed as [groups, in, out] (column-major within a group, as CUDA's kernel takes them).
+// The stacked copy lives only inside the forward and inside the backward: the graph keeps the
+// groups' own tensors, and the backward stacks them again (the copy is not in the memory model's
+// per-token graph, so it must not outlive the call). Widths are padded as `aligned` says, and the
+// output's gradient is padded before it reaches the backward's products.
+struct GroupedLinear : public torch::autograd::Function<GroupedLinear> {
+  static at::Tensor stacked(at::TensorList w, int64_t in, int64_t out) {
+    return at::constant_pad_nd(at::stack(w), {0, in - w.front().size(1), 0, out - w.front().size(0)});
+  }
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& ends, at::TensorList w) {
+    const int64_t in = aligned(x.size(1), x), out = aligned(w.front().size(0), x);
+    variable_list keep{x, ends};
+    keep.insert(keep.end(), w.begin(), w.end());
+    ctx->save_for_backward(keep);
+    return at::_grouped_mm(padded_columns(x, in), stacked(w, in, out).transpose(1, 2), ends)
+        .narrow(1, 0, w.front().size(0));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& ends = saved[1];
+    const variable_list w(saved.begin() + 2, saved.end());
+    const int64_t rows_in = x.size(1), rows_out = w.front().size(0);
+    const int64_t in = aligned(rows_in, x), out = aligned(rows_out, x);
+    const at::Tensor g = padded_columns(grad_out[0].contiguous(), out).contiguous();
+    // dx = g W (each group's rows by its own weight), dW_g = g_g^T x_g.
+    const at::Tensor dx = at::_grouped_mm(g, stacked(w, in, out), ends).narrow(1, 0, rows_in);
+    const at::Tensor dw = at::_grouped_mm(g.t(), padded_columns(x, in).contiguous(), ends);  // [groups, out, in]
+    variable_list grads{dx, at::Tensor()};
+    for (size_t i = 0; i < w.size(); ++i) grads.push_back(dw[int64_t(i)].narrow(0, 0, rows_out).narrow(1, 0, rows_in));
+    return grads;
+  }
+};
+
 at::Tensor grouped(const at::Tensor& x, const std::vector<at::Tensor>& each, const at::Tensor& ends) {
-  const int64_t in = aligned(x.size(1), x), out = each.front().size(0);
-  const at::Tensor w = at::constant_pad_nd(at::stack(each), {0, in - x.size(1), 0, aligned(out, x) - out});
-  return at::_grouped_mm(padded_columns(x, in), w.transpose(1, 2), ends).narrow(1, 0, out);
+  return GroupedLinear::apply(x, ends, at::TensorList(each));
 }
 
 // One projection of every group: x W_g^T (+ scaling B_g A_g x, PEFT's order of operations).

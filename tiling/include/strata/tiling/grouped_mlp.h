@@ -7,8 +7,9 @@
 // every gradient within fp32 rounding of it (the products' sums run in another order;
 // tests/tiling/grouped_mlp_test.cc).
 //
-// Memory: the groups' weights are stacked ([groups, out, in], a copy of each projection's weights
-// a forward, and of their gradients in the backward), beside the intermediates of all rows. An
+// Memory: each projection stacks the groups' weights ([groups, out, in]) for its product only, in
+// the forward and again in the backward (with their stacked gradients there); the graph keeps
+// the groups' own tensors and the intermediates of all rows. An
 // inner dimension whose rows are not a multiple of 16 bytes (the grouped product's alignment) is
 // padded with zeros (the input's columns and the stacked weights, copies again), and so is the
 // output's width.
