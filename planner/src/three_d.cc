@@ -155,13 +155,14 @@ ThreeDEstimate estimate_3d(const Workload& w, const Cluster& c, const ThreeDConf
     recompute = seconds(scores_only, gpu);
   }
   const double head = 3 * seconds(head_forward(m, b, w.seq_len, shard), gpu);
-  // Tensor parallelism: a ring all-reduce (or reduce-scatter + all-gather) of s b h 16-bit values,
-  // twice in a layer's forward, twice in its backward, twice more in a full recompute.
+  // Tensor parallelism: a ring all-reduce (or reduce-scatter + all-gather) of s b h 16-bit values.
   const bool tp_in_node = k.tp <= gpus_per_node;
   const double tp_bw = tp_in_node ? c.node.intra_bandwidth : c.node.inter_bandwidth / gpus_per_node;
   const double tp_lat = tp_in_node ? c.node.intra_latency : c.node.inter_latency;
-  const double tp_ops = k.recompute == Recompute::kFull ? 6 : 4;
-  const double tp_layer = tp_ops * ring(2 * sbh, k.tp, tp_bw, tp_lat, 2);
+  // Collectives a layer and micro-batch: two in its forward, two in its backward, two more in a
+  // full recompute; the same count for tensor parallelism's all-reduces and experts' all-to-alls.
+  const double layer_collectives = k.recompute == Recompute::kFull ? 6 : 4;
+  const double tp_layer = layer_collectives * ring(2 * sbh, k.tp, tp_bw, tp_lat, 2);
   // A mixture of experts: each layer's tokens (this GPU's share of the sequence) travel to their
   // top_k experts and back (dispatch and combine, 16-bit), in the forward, the backward and a full
   // recompute; the EP group's ranks are consecutive (tensor-parallel first), so a share of each
@@ -179,7 +180,7 @@ ThreeDEstimate estimate_3d(const Workload& w, const Cluster& c, const ThreeDConf
     const double a2a = std::max(tokens * topk * (here - 1) / k.ep * token / c.node.intra_bandwidth,
                                 crossing / (c.node.inter_bandwidth / gpus_per_node)) +
                        (away > 0 ? c.node.inter_latency : c.node.intra_latency);
-    ep_layer = (k.recompute == Recompute::kFull ? 6 : 4) * a2a;
+    ep_layer = layer_collectives * a2a;
   }
   // The slowest stage: the last (its layers and the head), or with the embedding and the loss as
   // layers a middle one (a layer more, no head).

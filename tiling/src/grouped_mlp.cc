@@ -34,7 +34,9 @@ at::Tensor padded_columns(const at::Tensor& t, int64_t width) {
 // output's gradient is padded before it reaches the backward's products.
 struct GroupedLinear : public torch::autograd::Function<GroupedLinear> {
   static at::Tensor stacked(at::TensorList w, int64_t in, int64_t out) {
-    return at::constant_pad_nd(at::stack(w), {0, in - w.front().size(1), 0, out - w.front().size(0)});
+    const at::Tensor all = at::stack(w);  // the one copy where no padding is needed
+    if (in == w.front().size(1) && out == w.front().size(0)) return all;
+    return at::constant_pad_nd(all, {0, in - w.front().size(1), 0, out - w.front().size(0)});
   }
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& ends, at::TensorList w) {
     const int64_t in = aligned(x.size(1), x), out = aligned(w.front().size(0), x);
