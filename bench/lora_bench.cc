@@ -30,6 +30,35 @@ struct Side {
   std::unique_ptr<engine::Engine> eng;
 };
 
+
+// The 4-bit side's seconds against the 16-bit side's (the first line, when there is a baseline),
+// with both sides' bytes moved a step and state bytes.
+nlohmann::json qlora_final_line(const LoraBenchOptions& o, const std::vector<nlohmann::json>& lines,
+                                const std::string& device, unsigned threads) {
+  const nlohmann::json& lora = lines.back();
+  nlohmann::json final_line = {{"metric", "qlora_step_s"},
+                               {"value", lora["step_s"]},
+                               {"baseline", "lora_" + o.compute + "_base_step_s"},
+                               {"baseline_value", o.baseline ? lines.front()["step_s"] : nlohmann::json()},
+                               {"ratio", o.baseline ? nlohmann::json(lora["step_s"].get<double>() /
+                                                                     lines.front()["step_s"].get<double>())
+                                                    : nlohmann::json()},
+                               {"quant_type", o.quant_type},
+                               {"qlora_h2d_bytes_per_step", lora["h2d_bytes_per_step"]},
+                               {"qlora_swap_read_bytes_per_step", lora["swap_read_bytes_per_step"]},
+                               {"qlora_host_state_bytes", lora["host_state_bytes"]},
+                               {"qlora_nvme_state_bytes", lora["nvme_state_bytes"]},
+                               {"device", device},
+                               {"compute", o.compute},
+                               {"threads", threads}};
+  if (o.baseline) {
+    final_line["qlora_step_vs_" + o.compute + "_base"] = final_line["ratio"];
+    for (const char* k : {"h2d_bytes_per_step", "swap_read_bytes_per_step", "host_state_bytes", "nvme_state_bytes"})
+      final_line[std::string(o.compute) + "_base_" + k] = lines.front()[k];
+  }
+  return final_line;
+}
+
 }  // namespace
 
 void run_lora_bench(const LoraBenchOptions& o) {
@@ -62,7 +91,7 @@ void run_lora_bench(const LoraBenchOptions& o) {
   // per engine).
   const auto build = [&](const std::string& name, const models::ModelConfig& c, engine::EngineConfig cfg) {
     for (std::string& d : cfg.nvme_dirs) {
-      d += name == "LoRA" ? "/lora" : "/full";
+      d += "/side" + std::to_string(sides.size());
       std::filesystem::create_directories(d);
     }
     Side s{name, engine::Device::create(o.device, 0, o.budget ? o.budget : UINT64_MAX), nullptr};
@@ -70,12 +99,19 @@ void run_lora_bench(const LoraBenchOptions& o) {
                                              cfg, *comm, *s.dev);
     sides.push_back(std::move(s));
   };
-  if (o.baseline) build("full fine-tune", base, e);
-  build("LoRA", adapted, lora_cfg);
+  models::ModelConfig quantized = adapted;
+  quantized.quantize.load_in_4bit = true;
+  quantized.quantize.quant_type = o.quant_type;
+  const std::string lora_side = o.qlora ? "LoRA, 4-bit base" : "LoRA";
+  if (o.baseline) {
+    if (o.qlora) build("LoRA, " + o.compute + " base", adapted, lora_cfg);
+    else build("full fine-tune", base, e);
+  }
+  build(lora_side, o.qlora ? quantized : adapted, lora_cfg);
   const int64_t tokens = o.batch * o.seq;
   std::cerr << "bench lora: " << base.parameters() / 1e6 << "M parameters (" << o.layers << " x " << o.hidden
             << ", GQA " << o.heads << "/" << o.kv_heads << ", MLP " << o.intermediate << ", vocab " << o.vocab
-            << "), LoRA r " << o.r << " on every block linear (" << models::adapter_parameters(adapted) / 1e6
+            << "), LoRA r " << o.r << (o.qlora ? " over a " + o.quant_type + " base" : "") << " on every block linear (" << models::adapter_parameters(adapted) / 1e6
             << "M adapter parameters), batch " << o.batch << " x " << o.seq << ", " << o.compute << " on "
             << sides.front().dev->description() << ", " << threads << " threads; params " << o.params << ", state "
             << o.state << (o.recompute ? ", recompute" : "") << std::endl;
@@ -85,13 +121,15 @@ void run_lora_bench(const LoraBenchOptions& o) {
   // other side's. Its last update is waited for before the other side starts.
   const at::Tensor ids = at::randint(0, o.vocab, {o.batch, o.seq + 1}, at::kLong);
   std::vector<double> sec;
+  std::vector<engine::StepTimeline> last;
   for (Side& s : sides) {
     s.eng->train_step(ids);
     std::vector<double> t;
     for (unsigned k = 0; k < o.steps; ++k) {
       const auto t0 = std::chrono::steady_clock::now();
-      s.eng->train_step(ids);
+      const engine::StepResult r = s.eng->train_step(ids);
       t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (k + 1 == o.steps) last.push_back(r.timeline);
     }
     const std::shared_future<void> update = s.eng->update_finished();
     if (update.valid()) update.get();
@@ -112,13 +150,19 @@ void run_lora_bench(const LoraBenchOptions& o) {
                            {"host_state_bytes", m.host_state},
                            {"nvme_state_bytes", m.nvme_state},
                            {"host_activation_bytes", m.host_activations},
+                           {"h2d_bytes_per_step", last[i].h2d_bytes},
+                           {"swap_read_bytes_per_step", last[i].nvme_read_bytes},
                            {"parameters", base.parameters()},
-                           {"trainable_parameters", s.name == "LoRA" ? models::adapter_parameters(adapted)
-                                                                     : base.parameters()}};
+                           {"trainable_parameters", s.name.rfind("LoRA", 0) == 0 ? models::adapter_parameters(adapted)
+                                                                                  : base.parameters()}};
     std::cout << line.dump() << std::endl;
     lines.push_back(line);
   }
   const nlohmann::json& lora = lines.back();
+  if (o.qlora) {
+    std::cout << qlora_final_line(o, lines, sides.front().dev->description(), threads).dump() << std::endl;
+    return;
+  }
   nlohmann::json final_line = {{"metric", "lora_step_s"},
                                {"value", lora["step_s"]},
                                {"lora_host_state_bytes", lora["host_state_bytes"]},

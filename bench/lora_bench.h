@@ -31,8 +31,14 @@ struct LoraBenchOptions {
   bool recompute = true;         // every block recomputes its forward in the backward
   bool baseline = true;          // the full fine-tune beside it
   unsigned threads = 0;          // 0: every hardware thread
+  bool qlora = false;            // the 4-bit base beside the 16-bit one instead of LoRA beside full
+  std::string quant_type = "nf4";
 };
 
+// `strata bench qlora` (`qlora` set): the same LoRA step over a 4-bit base (model.quantize,
+// `quant_type`) beside it over the compute dtype's base, same placement, one run; each side also
+// reports the bytes its last step moved (host to device, swap reads). The final line's metric is
+// the 4-bit side's seconds with the 16-bit side's as its baseline.
 void run_lora_bench(const LoraBenchOptions& options);
 
 }  // namespace strata::bench

@@ -416,9 +416,10 @@ int bench_main(const std::vector<std::string>& args) {
   if (args.size() >= 1 && args[0] == "plan") return bench_plan({args.begin() + 1, args.end()});
   if (args.size() >= 1 && args[0] == "scale") return bench_scale({args.begin() + 1, args.end()});
   if (args.size() >= 1 && args[0] == "lora") return bench_lora({args.begin() + 1, args.end()});
+  if (args.size() >= 1 && args[0] == "qlora") return bench_qlora({args.begin() + 1, args.end()});
   if (args.size() >= 1 && args[0] == "sft") return bench_sft({args.begin() + 1, args.end()});
   if (args.size() >= 1 && args[0] == "moe") return bench_moe({args.begin() + 1, args.end()});
-  std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt, train, tiling, plan, scale, lora, sft, moe)\n";
+  std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt, train, tiling, plan, scale, lora, qlora, sft, moe)\n";
   return 2;
 }
 

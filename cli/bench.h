@@ -14,8 +14,10 @@ int bench_main(const std::vector<std::string>& args);
 // $STRATA_PYTHON, else the one the build was configured with, else python3.
 std::string python_interpreter();
 
-// `strata bench lora` and `strata bench sft` (bench_finetune.cc), `strata bench moe` (bench_moe.cc).
-int bench_lora(const std::vector<std::string>& argv);
+// `strata bench lora`, `strata bench qlora` and `strata bench sft` (bench_finetune.cc), `strata bench moe` (bench_moe.cc).
+// quant_type "nf4"/"fp4": `strata bench qlora`'s run (its options parsed by bench_qlora).
+int bench_lora(const std::vector<std::string>& argv, const std::string& quant_type = "");
+int bench_qlora(const std::vector<std::string>& argv);
 int bench_sft(const std::vector<std::string>& argv);
 int bench_moe(const std::vector<std::string>& argv);
 

@@ -1,6 +1,7 @@
 // `strata bench lora` and `strata bench sft`: the fine-tuning benchmarks' command lines
 // (bench/lora_bench.h, bench/sft_bench.h).
 #include <iostream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -42,8 +43,8 @@ full_finetune_step_s as its baseline, and both sides' host state bytes.
   --threads N        threads for libtorch and the kernels (default: all)
 )";
 
-int bench_lora(const std::vector<std::string>& argv) {
-  if (printed_usage(argv, kBenchLoraUsage)) return 0;
+int bench_lora(const std::vector<std::string>& argv, const std::string& quant_type) {
+  if (quant_type.empty() && printed_usage(argv, kBenchLoraUsage)) return 0;
   strata::cli::Args args(argv, {"layers", "hidden", "heads", "kv-heads", "intermediate", "vocab", "seq", "batch", "r",
                                 "steps", "params", "state", "nvme-dirs", "device", "budget", "compute", "threads"},
                          {"no-recompute", "no-baseline"});
@@ -63,8 +64,39 @@ int bench_lora(const std::vector<std::string>& argv) {
   o.recompute = !args.has("no-recompute");
   o.baseline = !args.has("no-baseline");
   o.threads = args.count("threads", o.threads);
+  o.qlora = !quant_type.empty();
+  if (o.qlora) o.quant_type = quant_type;
   strata::bench::run_lora_bench(o);
   return 0;
+}
+
+constexpr const char* kBenchQloraUsage = R"(usage: strata bench qlora [options]
+
+The same LoRA step over a 4-bit base (model.quantize: the blocks' linear weights in NF4 or FP4,
+bitsandbytes' blocks of 64) beside it over the compute dtype's base, one run, the same
+Llama-shaped model (random init) and placement. A JSON line per side (step seconds, tokens/s, model
+TFLOPS, device peak, host and swap state bytes, the bytes its last step moved host to device and
+read from swap), then the final line: qlora_step_s with lora_<compute>_base_step_s as its
+baseline (their ratio also as qlora_step_vs_<compute>_base) and both sides' bytes.
+
+Takes the options of `strata bench lora` (--layers ... --threads; --no-baseline runs the 4-bit
+side alone), and:
+  --quant-type T     nf4 (default) or fp4
+Run it with the base in host memory (--params host, the default) and in swap (--params nvme
+--nvme-dirs D).
+)";
+
+int bench_qlora(const std::vector<std::string>& argv) {
+  if (printed_usage(argv, kBenchQloraUsage)) return 0;
+  std::vector<std::string> rest;
+  std::string quant_type = "nf4";
+  for (size_t i = 0; i < argv.size(); ++i) {
+    if (argv[i] == "--quant-type" && i + 1 < argv.size()) quant_type = argv[++i];
+    else rest.push_back(argv[i]);
+  }
+  if (quant_type != "nf4" && quant_type != "fp4")
+    throw std::invalid_argument("strata bench qlora: --quant-type must be nf4 or fp4, not " + quant_type);
+  return bench_lora(rest, quant_type);
 }
 
 constexpr const char* kBenchSftUsage = R"(usage: strata bench sft [options]

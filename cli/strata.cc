@@ -73,6 +73,8 @@ commands:
                metadata a load reads per rank, gpt-1t saved by 512 and 4096 ranks, beside format 2's
   bench lora   a LoRA step (frozen base, adapters on every block linear) beside the full
                fine-tune's: step time, model TFLOPS, device and host bytes
+  bench qlora  the same LoRA step over a 4-bit (NF4/FP4) base beside the 16-bit base's: step
+               time and the bytes each moves a step
   bench sft    supervised fine-tuning packed beside padded on log-normal chat lengths: real
                tokens a second and packing efficiency
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends

@@ -94,7 +94,8 @@ void fetch_init_model(engine::TrainConfig& tc, const engine::DistEnv& env, engin
 
 // Deferred: the engine initializes (loads) it one unit at a time as it places the state.
 std::unique_ptr<models::Decoder> make_model(const engine::TrainConfig& tc) {
-  if (!tc.init_from.empty()) return models::open_hf_model(tc.init_from, tc.model.lora, tc.adapter_from);
+  if (!tc.init_from.empty())
+    return models::open_hf_model(tc.init_from, tc.model.lora, tc.adapter_from, tc.model.quantize);
   auto m = std::make_unique<models::Decoder>(tc.model, tc.init_seed, models::Decoder::Init::kDeferred);
   if (!tc.adapter_from.empty()) m->set_source(models::peft_adapter_source(m->config(), tc.adapter_from));
   return m;

@@ -221,11 +221,13 @@ Start load_resume_point(const Run& run, const ResumePoint& resume) {
 
 std::string frozen_base_of(const engine::TrainConfig& tc) {
   if (tc.engine.trainable.empty()) return "";
-  if (!tc.init_from.empty()) return models::model_fingerprint(tc.init_from);
-  // A random base: the same shape and seed give the same values.
   const models::ModelConfig& c = tc.model;
-  return "random init of " + c.name + " (" + std::to_string(c.layers) + " layers x " + std::to_string(c.hidden) +
-         ", vocabulary " + std::to_string(c.vocab_size) + "), seed " + std::to_string(tc.init_seed);
+  if (!tc.init_from.empty()) return models::base_fingerprint(models::model_fingerprint(tc.init_from), c.quantize);
+  // A random base: the same shape and seed give the same values.
+  return models::base_fingerprint("random init of " + c.name + " (" + std::to_string(c.layers) + " layers x " +
+                                      std::to_string(c.hidden) + ", vocabulary " + std::to_string(c.vocab_size) +
+                                      "), seed " + std::to_string(tc.init_seed),
+                                  c.quantize);
 }
 
 }  // namespace strata::cli::train

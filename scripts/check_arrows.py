@@ -61,6 +61,7 @@ PATH_PARTS = [
     ("engine/src/config_parse.cc", "config"),
     ("engine/src/config_model.cc", "config"),
     ("engine/src/config_lora.cc", "config"),
+    ("engine/src/config_quantize.cc", "config"),
     ("engine/src/config_section.h", "config"),
     ("engine/include/strata/engine/config_parse.h", "config"),
     # engine: the leaves every other engine part uses: device, collectives, cores, profiler.

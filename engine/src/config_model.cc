@@ -149,6 +149,7 @@ void read_model(Section& s, TrainConfig& c) {
   read_model_shape(s, c);
   read_lora(s, c);
   read_trainable(s, c);
+  read_quantize(s, c);
 }
 
 }  // namespace strata::engine

@@ -269,6 +269,19 @@ void check_run(const TrainConfig& c, const std::string& source) {
                                          "(run.export alone writes the model)");
   if (c.export_merged && c.export_dir.empty())
     throw std::invalid_argument(source + ": run.export_merged writes <run.export>-merged, and run.export is not set");
+  if (c.model.quantize.enabled()) {
+    const char* compute = c.engine.compute == Precision::kFp32   ? "float32"
+                          : c.engine.compute == Precision::kBf16 ? "bfloat16"
+                                                                 : "float16";
+    if (!c.quantize_compute_dtype.empty() && c.quantize_compute_dtype != compute)
+      throw std::invalid_argument(source + ": model.quantize.bnb_4bit_compute_dtype \"" + c.quantize_compute_dtype +
+                                  "\" is not precision.compute (\"" + compute +
+                                  "\"): the 4-bit weights are dequantized into the compute dtype");
+    if (c.export_merged)
+      throw std::invalid_argument(source + ": run.export_merged with a 4-bit base (model.quantize) is not supported "
+                                           "yet; export the adapter (run.export) and merge it into the 16-bit base with "
+                                           "`strata ckpt export --base`");
+  }
   if (c.engine.seq_len > c.model.max_positions && c.model.arch == models::Arch::kGpt2)
     throw std::invalid_argument(source + ": data.seq_len " + std::to_string(c.engine.seq_len) +
                                 " exceeds model.max_positions " +

@@ -106,6 +106,9 @@ struct TrainConfig;
 // config_lora.cc: the model section's `lora` and `adapter_from` into c.model.lora, c.adapter_from
 // and, with LoRA, c.engine.trainable (the adapters alone).
 void read_lora(config_json::Section& s, TrainConfig& c);
+// config_quantize.cc: the model section's `quantize` (bitsandbytes' BitsAndBytesConfig) into
+// c.model.quantize and c.quantize_compute_dtype, after what trains is known.
+void read_quantize(config_json::Section& s, TrainConfig& c);
 // config_model.cc: the model section (the model, its shape, LoRA through read_lora, what trains)
 // into c.model, c.init_from, c.init_seed and c.engine.trainable.
 void read_model(config_json::Section& s, TrainConfig& c);

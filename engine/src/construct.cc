@@ -4,6 +4,7 @@
 // configuration is never changed: `effective` shows what was resolved.
 #include "engine_impl.h"
 #include "strata/engine/cpu_share.h"
+#include "strata/kernels/quant4.h"
 #include "strata/models/trainable.h"
 
 #include <optional>
@@ -98,6 +99,9 @@ Engine::Impl::ModelUnits Engine::Impl::build_units() {
         TensorOrigin origin;
         if (!part.whole()) origin = {part.tensor, part.shape, part.dim, part.begin};
         ts.push_back({name, t.sizes().vec(), std::move(origin)});
+        if (frozen)  // a 4-bit record where model.quantize stores one
+          ts.back().stored = models::stored_tensor(model->config(), part.tensor, uint64_t(t.numel()), true,
+                                                   c10::elementSize(cdt));
         tensors.push_back(t);
         if (frozen) tensors.back().requires_grad_(false);
       }
@@ -166,15 +170,36 @@ void Engine::Impl::allocate_state(std::vector<std::vector<at::Tensor>>& owned, b
   for (size_t u = 0; u < partition->num_units(); ++u) {
     const UnitLayout& L = partition->unit(u);
     model->initialize_through(unit_stage[u]);  // a deferred-init model materializes one unit at a time
-    std::vector<at::Tensor> parts;
-    for (const at::Tensor& t : owned[u]) parts.push_back(t.detach().reshape(-1));
-    if (L.padded_numel() > L.numel) parts.push_back(at::zeros({int64_t(L.padded_numel() - L.numel)}));
-    at::Tensor flat = at::cat(parts);
+    at::Tensor flat = initial_flat(L, owned[u]);
     state->allocate(u, flat.narrow(0, int64_t(L.shard_begin(rank)), int64_t(L.shard_numel)), grads_transient);
     // The model's copy of the unit goes now, not after the last unit.
     runtime::ParameterCoordinator::drop_storage(owned[u], cdt, dev);
     if (cfg.on_unit_placed) cfg.on_unit_placed(u + 1, partition->num_units());
   }
+}
+
+// A unit's initial flat buffer: its tensors back to back, fp32 (a trainable unit's master), or
+// for a frozen unit with 4-bit tensors (model.quantize) in the compute dtype with each 4-bit
+// tensor's record (quantized_base.h) in its slot: the weight as the compute dtype holds it,
+// quantized by bitsandbytes' rule (kernels::quantize_4bit).
+at::Tensor Engine::Impl::initial_flat(const UnitLayout& L, const std::vector<at::Tensor>& tensors) const {
+  const bool records = std::any_of(L.tensors.begin(), L.tensors.end(), [](const TensorSlot& t) { return t.quantized; });
+  at::Tensor flat = at::zeros({int64_t(L.padded_numel())}, at::TensorOptions().dtype(records ? cdt : at::kFloat));
+  const models::QuantizedBase& q = model->config().quantize;
+  for (size_t i = 0; i < L.tensors.size(); ++i) {
+    const TensorSlot& s = L.tensors[i];
+    at::Tensor dst = flat.narrow(0, int64_t(s.offset), int64_t(s.numel));
+    if (!s.quantized) {
+      dst.copy_(tensors[i].detach().reshape(-1));
+      continue;
+    }
+    const at::Tensor w = tensors[i].detach().to(cdt).contiguous();
+    const models::Quant4Record r = models::quant4_record(uint64_t(w.numel()), q);
+    auto* bytes = static_cast<uint8_t*>(dst.data_ptr());
+    kernels::quantize_4bit(w.data_ptr(), Device::kernel_dtype(cdt), w.numel(), kernels::quant4_from_string(q.quant_type),
+                           q.blocksize, bytes + r.absmax_bytes, reinterpret_cast<float*>(bytes));
+  }
+  return flat;
 }
 
 void Engine::Impl::build_update_parts(std::vector<std::vector<runtime::GradientReducer::ParamRef>> stage_params,
@@ -196,6 +221,7 @@ void Engine::Impl::build_gathering(std::vector<std::vector<at::Tensor>> owned) {
   for (size_t u = 0; u < partition->num_units(); ++u) params->adopt(u, std::move(owned[u]));
   params->set_device_state_bytes(base_bytes);
   params->set_depth(choice().prefetch);
+  params->set_4bit(model->config().quantize);
   if (working->prefetch_auto) {
     prefetch_tuner.deepest = working->prefetch_deepest;
     prefetch_tuner.depth = choice().prefetch;

@@ -29,6 +29,7 @@
 
 #include "strata/engine/device.h"
 #include "strata/kernels/cuda_optim.h"
+#include "strata/kernels/cuda_quant4.h"
 
 namespace strata::engine {
 namespace {
@@ -150,6 +151,15 @@ class CudaDevice final : public Device {
     const kernels::DType out = kernel_dtype(out_type);
     kernels::cuda::adam_step(config, ts.data(), ts.size(), kernels::DType::kF32, out,
                              c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(index_)).stream());
+  }
+  void dequantize_4bit(const at::Tensor& packed, const at::Tensor& absmax, kernels::Quant4 type, int64_t blocksize,
+                       const at::Tensor& out) override {
+    TORCH_CHECK(packed.is_cuda() && absmax.is_cuda() && out.is_cuda() && packed.is_contiguous() &&
+                    absmax.is_contiguous() && out.is_contiguous(),
+                "dequantize_4bit: contiguous device tensors");
+    kernels::cuda::dequantize_4bit(packed.const_data_ptr<uint8_t>(), absmax.const_data_ptr<float>(), out.numel(), type,
+                                   blocksize, out.data_ptr(), kernel_dtype(out.scalar_type()),
+                                   c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(index_)).stream());
   }
   std::vector<double> sum_squares(const std::vector<at::Tensor>& xs, const kernels::CpuExec&) override {
     if (xs.empty()) return {};

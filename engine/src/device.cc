@@ -1,4 +1,5 @@
 #include "strata/engine/device.h"
+#include "strata/kernels/quant4.h"
 
 #include <ATen/ops/from_blob.h>
 
@@ -79,6 +80,15 @@ void Device::adam_step(const kernels::AdamConfig& config, const std::vector<Adam
                        t.grad.data_ptr<float>(), kernels::DType::kF32, t.out.data_ptr(), out,
                        size_t(t.master.numel()), exec);
   }
+}
+
+void Device::dequantize_4bit(const at::Tensor& packed, const at::Tensor& absmax, kernels::Quant4 type,
+                             int64_t blocksize, const at::Tensor& out) {
+  TORCH_CHECK(packed.is_contiguous() && absmax.is_contiguous() && out.is_contiguous() &&
+                  packed.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat,
+              "dequantize_4bit: uint8 codes, fp32 absmax and an output, contiguous");
+  kernels::dequantize_4bit(packed.const_data_ptr<uint8_t>(), absmax.const_data_ptr<float>(), out.numel(), type,
+                           blocksize, out.data_ptr(), kernel_dtype(out.scalar_type()));
 }
 
 std::vector<double> Device::sum_squares(const std::vector<at::Tensor>& xs, const kernels::CpuExec& exec) {

@@ -1,7 +1,9 @@
 // The engine's public API over Engine::Impl (engine_impl.h).
 #include "engine_impl.h"
+#include "strata/kernels/quant4.h"
 #include "runtime/step_inputs.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -97,12 +99,30 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
   if (!I.units_where(true).empty()) I.dev.synchronize(I.dev.compute_stream());
   for (size_t u = 0; u < I.partition->num_units(); ++u) {
     const UnitLayout& L = I.partition->unit(u);
-    at::Tensor full = at::empty({int64_t(L.padded_numel())}, at::TensorOptions().dtype(at::kFloat));
-    at::Tensor master = I.host_buffer(L.shard_numel, at::kFloat);  // aligned: swap reads go direct
-    read_state(u, state::kMaster, 0, L.shard_numel, master.data_ptr<float>());
-    I.comm.all_gather(full, master)->wait();
+    // A unit holding 4-bit records (model.quantize) is gathered as its compute copy's bytes, each
+    // record dequantized as a binding does it (then fp32).
+    const bool records = std::any_of(L.tensors.begin(), L.tensors.end(), [](const TensorSlot& t) { return t.quantized; });
+    const at::ScalarType gathered = records ? I.cdt : at::kFloat;
+    at::Tensor full = at::empty({int64_t(L.padded_numel())}, at::TensorOptions().dtype(gathered));
+    at::Tensor mine = I.host_buffer(L.shard_numel, gathered);  // aligned: swap reads go direct
+    if (records) I.state->read(u, state::kCompute, 0, mine).get();
+    else read_state(u, state::kMaster, 0, L.shard_numel, mine.data_ptr<float>());
+    I.comm.all_gather(full, mine)->wait();
     for (const TensorSlot& s : L.tensors) {
-      const at::Tensor part = full.narrow(0, int64_t(s.offset), int64_t(s.numel)).view(s.shape);
+      const at::Tensor slot = full.narrow(0, int64_t(s.offset), int64_t(s.numel));
+      at::Tensor part;
+      if (s.quantized) {
+        const models::QuantizedBase& q = I.model->config().quantize;
+        part = at::empty(s.shape, at::TensorOptions().dtype(I.cdt));
+        const models::Quant4Record r = models::quant4_record(uint64_t(part.numel()), q);
+        const auto* bytes = static_cast<const uint8_t*>(slot.const_data_ptr());
+        kernels::dequantize_4bit(bytes + r.absmax_bytes, reinterpret_cast<const float*>(bytes), part.numel(),
+                                 kernels::quant4_from_string(q.quant_type), q.blocksize, part.data_ptr(),
+                                 Device::kernel_dtype(I.cdt));
+        part = part.to(at::kFloat);
+      } else {
+        part = slot.view(s.shape).to(at::kFloat);
+      }
       if (!s.origin.is_part()) {
         out.emplace_back(s.name, part.clone());
         continue;

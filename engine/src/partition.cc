@@ -48,8 +48,9 @@ Partition::Partition(
     u.world_size = uint64_t(world_size);
     u.frozen = !frozen.empty() && frozen[units_.size()];
     for (const auto& s : specs) {
-      TensorSlot slot{s.name, s.shape, u.numel, s.numel(), s.origin};
-      u.numel += slot.numel;
+      const models::StoredTensor stored = s.stored.numel ? s.stored : models::StoredTensor{s.numel(), 1, false};
+      TensorSlot slot{s.name, s.shape, models::stored_start(u.numel, stored), stored.numel, s.origin, stored.quantized};
+      u.numel = slot.offset + slot.numel;
       if (!index_.emplace(s.name, std::make_pair(units_.size(), u.tensors.size())).second)
         throw std::invalid_argument("tensor " + s.name + " appears twice in the partition");
       u.tensors.push_back(std::move(slot));

@@ -180,9 +180,10 @@ Decoder::TensorSource peft_adapter_source(const ModelConfig& c, const std::files
 }
 
 std::unique_ptr<Decoder> open_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora,
-                                       const std::filesystem::path& adapter_dir) {
+                                       const std::filesystem::path& adapter_dir, const QuantizedBase& quantize) {
   ModelConfig c = load_hf_config(dir / "config.json");
   c.lora = lora;
+  c.quantize = quantize;
   auto model = std::make_unique<Decoder>(c, 0, Decoder::Init::kDeferred);
   Decoder::TensorSource base = hf_model_source(model->config(), dir);
   if (adapter_dir.empty()) {

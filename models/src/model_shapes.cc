@@ -14,6 +14,8 @@ LayerTiles most_tiles(const ModelConfig& c) {
   // A sparse block's MLP tile is a group of experts (a dense block's of the same model a slice of
   // its features: every block has as many tiles).
   if (c.moe.enabled()) t.mlp = c.has_dense_blocks() ? std::min(c.moe.experts, c.intermediate) : c.moe.experts;
+  // A 4-bit tensor is quantized whole, in bitsandbytes' blocks over its flattened elements.
+  if (c.quantize.enabled()) t.attention = t.mlp = 1;
   t.vocab = c.vocab_size;
   return t;
 }
@@ -26,6 +28,9 @@ void check_tiles(const ModelConfig& c, const LayerTiles& t) {
   // block's running sum, and a norm of a whole output needs the sum first; Qwen3's q/k norms
   // would be one tensor needed by every attention tile), else the model's sizes.
   const LayerTiles most = most_tiles(c);
+  if (c.quantize.enabled() && (t.attention > 1 || t.mlp > 1))
+    throw std::invalid_argument("block tiles: a 4-bit base (model.quantize) keeps its blocks whole (each weight is "
+                                "quantized whole, as bitsandbytes does; vocabulary tiles are allowed)");
   if (c.sandwich_norms && (t.attention > most.attention || t.mlp > most.mlp))
     throw std::invalid_argument("block tiles: model '" + c.name + "' norms its attention's and MLP's whole outputs "
                                 "(Gemma 2): its blocks are not cut into tiles (vocabulary tiles are)");
@@ -300,36 +305,44 @@ std::string unit_name(const std::string& stage_name, bool frozen) {
   return frozen ? stage_name + ".frozen" : stage_name;
 }
 
-UnitShapes unit_shapes(const ModelConfig& c, const LayerTiles& t, const TrainableTensors& trainable) {
+UnitShapes unit_shapes(const ModelConfig& c, const LayerTiles& t, const TrainableTensors& trainable,
+                       uint64_t elem_bytes) {
   const StageLayout L = stage_layout(c, t);
   UnitShapes out;
   out.stage_units.resize(L.stages());
   // Per stage: its trainable and frozen elements; where the token rows of an embedding stage went.
   std::vector<size_t> embedding_rows_unit(L.embedding);
-  const auto add_unit = [&](size_t s, uint64_t numel, bool frozen) {
+  const auto add_unit = [&](size_t s, uint64_t numel, bool frozen, uint64_t dequantized) {
     if (numel == 0) return;
     out.stage_units[s].push_back(out.numel.size());
     out.numel.push_back(numel);
+    out.dequantized.push_back(dequantized);
     out.frozen.push_back(frozen);
     out.stage.push_back(s);
   };
   if (trainable.all()) {
     const std::vector<uint64_t> owned = stage_parameters(c, t);
-    for (size_t s = 0; s < owned.size(); ++s) add_unit(s, owned[s], false);
+    for (size_t s = 0; s < owned.size(); ++s) add_unit(s, owned[s], false, 0);
     for (size_t j = 0; j < L.embedding; ++j) embedding_rows_unit[j] = out.stage_units[j].at(0);
   } else {
     const auto tensors = stage_tensors(c, t);
     const std::string rows = token_embedding(c);
     for (size_t s = 0; s < tensors.size(); ++s) {
-      uint64_t live = 0, frozen = 0;
+      uint64_t live = 0, frozen = 0, dequantized = 0;
       bool rows_frozen = false;
       for (const StageTensor& x : tensors[s]) {
         const bool trains = trainable.trainable(x.tensor);
-        (trains ? live : frozen) += x.numel;
+        if (trains) {
+          live += x.numel;
+        } else {  // laid out as Partition lays it (a 4-bit record where c.quantize stores one)
+          const StoredTensor st = stored_tensor(c, x.tensor, x.numel, true, elem_bytes);
+          frozen = stored_start(frozen, st) + st.numel;
+          if (st.quantized) dequantized += x.numel;
+        }
         if (x.tensor == rows) rows_frozen = !trains;
       }
-      add_unit(s, live, false);
-      add_unit(s, frozen, true);
+      add_unit(s, live, false, 0);
+      add_unit(s, frozen, true, dequantized);
       if (s < L.embedding) embedding_rows_unit[s] = out.stage_units[s].at(rows_frozen && live > 0 ? 1 : 0);
     }
   }

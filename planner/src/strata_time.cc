@@ -61,13 +61,18 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   // passes (one pass computes each chunk's gradients with its loss).
   // The frozen share of the weights of the block stages with a backward and of the head: that
   // share of their products has no weight gradient (the backward computes input gradients alone).
+  // (A frozen unit of 4-bit records, model.quantize, weighs its dequantized weights.)
+  const auto weights = [&](size_t u) {
+    const uint64_t q = u < p.dequantized.size() ? p.dequantized[u] : 0;
+    return double(q > 0 ? q : p.unit_numel[u]);
+  };
   const auto frozen_share = [&](bool head_stages) {
     double all = 0, still = 0;
     for (size_t s = 0; s < schedule.num_stages(); ++s)
       if (head_stages ? schedule.is_head(s) : schedule.is_block(s) && schedule.has_backward(s))
         for (size_t u : schedule.units_of(s)) {
-          all += double(p.unit_numel[u]);
-          if (is_frozen(u)) still += double(p.unit_numel[u]);
+          all += weights(u);
+          if (is_frozen(u)) still += weights(u);
         }
     return all > 0 ? still / all : 0.0;
   };

@@ -2,7 +2,7 @@
 
     config_doc_test.py SOURCE_DIR
 
-The keys are those engine/src/config_parse.cc, config_model.cc and config_lora.cc read (`s.read("key", ...)`, `read_bytes`, `read_enum`,
+The keys are those engine/src/config_parse.cc, config_model.cc, config_lora.cc and config_quantize.cc read (`s.read("key", ...)`, `read_bytes`, `read_enum`,
 `get("key")`, by section); each must appear as a table row "| `key` |" in the section of
 docs/CONFIG.md that documents its JSON object ("## `data`", ...). Exit 1 naming what is missing.
 """
@@ -10,7 +10,7 @@ import re
 import sys
 
 src = sys.argv[1]
-code = "".join(open(f"{src}/engine/src/{f}").read() for f in ("config_parse.cc", "config_model.cc", "config_lora.cc"))
+code = "".join(open(f"{src}/engine/src/{f}").read() for f in ("config_parse.cc", "config_model.cc", "config_lora.cc", "config_quantize.cc"))
 doc = open(f"{src}/docs/CONFIG.md").read()
 
 # The parser reads each section in a function `void read_NAME(Section& s, ...)` (or inline in

@@ -27,6 +27,7 @@
 #include "strata/engine/engine.h"
 #include "strata/models/decoder.h"
 #include "strata/models/token_data.h"
+#include "strata/kernels/quant4.h"
 #include "strata/models/trainable.h"
 
 namespace strata::test {
@@ -84,6 +85,25 @@ inline Trajectory reference(const se::TrainConfig& tc, int world_size,
                             c10::Device device = c10::Device(c10::kCPU)) {
   const se::EngineConfig& e = tc.engine;
   sm::Decoder model(tc.model, tc.init_seed);
+  // A 4-bit base (model.quantize): each frozen weight bitsandbytes would quantize computes with
+  // its own dequantization (quantized from fp32: the reference runs in fp32).
+  if (tc.model.quantize.enabled()) {
+    const sm::TrainableTensors trainable(e.trainable);
+    const sm::QuantizedBase& q = tc.model.quantize;
+    const strata::kernels::Quant4 type = strata::kernels::quant4_from_string(q.quant_type);
+    for (auto& [n, p] : model.hf_parameters()) {
+      if (trainable.trainable(n) || !sm::stored_4bit(tc.model, n)) continue;
+      const at::Tensor w = p.detach().contiguous();
+      std::vector<uint8_t> packed(size_t(strata::kernels::quant4_packed_bytes(w.numel())));
+      std::vector<float> absmax(size_t(strata::kernels::quant4_blocks(w.numel(), q.blocksize)));
+      strata::kernels::quantize_4bit(w.const_data_ptr(), strata::kernels::DType::kF32, w.numel(), type, q.blocksize,
+                                     packed.data(), absmax.data());
+      at::Tensor d = at::empty_like(w);
+      strata::kernels::dequantize_4bit(packed.data(), absmax.data(), w.numel(), type, q.blocksize, d.data_ptr(),
+                                       strata::kernels::DType::kF32);
+      p.detach().copy_(d);
+    }
+  }
   std::vector<at::Tensor> ps;
   // model.trainable: the frozen tensors get requires_grad false and stay out of the optimizer
   // and the norm, as a torch user freezes them.

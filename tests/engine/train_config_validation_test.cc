@@ -140,6 +140,56 @@ TEST(TrainConfig, InvalidConfigurationsNameTheFileAndKey) {
   }
 }
 
+// model.quantize (bitsandbytes' BitsAndBytesConfig keys): read as transformers writes them, and
+// refused where a 4-bit base cannot work, naming the key.
+TEST(TrainConfig, AFourBitBaseReadsBitsAndBytesKeysAndRefusesWhatCannotWork) {
+  const std::string lora = R"("lora": {"r": 4, "target_modules": ["q_proj", "down_proj"]})";
+  const auto with = [&](const std::string& quantize, const std::string& more = "", const std::string& model = "llama-1b",
+                        const std::string& lora_part = "") {
+    return R"({"model": {"preset": ")" + model + "\", " + (lora_part.empty() ? lora : lora_part) +
+           R"(, "quantize": )" + quantize + "}" + more + "}";
+  };
+  // BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4").to_dict() (transformers 5), as written.
+  const std::string to_dict =
+      R"({"quant_method": "bitsandbytes", "_load_in_8bit": false, "_load_in_4bit": true, "llm_int8_threshold": 6.0,
+          "llm_int8_skip_modules": null, "llm_int8_enable_fp32_cpu_offload": false, "llm_int8_has_fp16_weight": false,
+          "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": false, "bnb_4bit_compute_dtype": "float32",
+          "bnb_4bit_quant_storage": "uint8", "load_in_4bit": true, "load_in_8bit": false})";
+  const TrainConfig c = parse_train_config(with(to_dict), "test.json");
+  EXPECT_TRUE(c.model.quantize.enabled());
+  EXPECT_EQ(c.model.quantize.quant_type, "fp4");
+  EXPECT_EQ(c.model.quantize.skip_modules, std::vector<std::string>{"lm_head"});
+  EXPECT_TRUE(models::stored_4bit(c.model, "model.layers.3.mlp.down_proj.weight"));
+  EXPECT_FALSE(models::stored_4bit(c.model, "model.layers.3.input_layernorm.weight"));
+  EXPECT_FALSE(models::stored_4bit(c.model, "lm_head.weight"));
+  const TrainConfig skipping = parse_train_config(
+      with(R"({"load_in_4bit": true, "llm_int8_skip_modules": ["lm_head", "layers.1.mlp", "v_proj"]})"), "test.json");
+  EXPECT_FALSE(models::stored_4bit(skipping.model, "model.layers.1.mlp.up_proj.weight"));  // regex to a boundary
+  EXPECT_TRUE(models::stored_4bit(skipping.model, "model.layers.11.mlp.up_proj.weight"));
+  EXPECT_FALSE(models::stored_4bit(skipping.model, "model.layers.11.self_attn.v_proj.weight"));  // a suffix
+  struct Bad {
+    std::string json, names;
+  };
+  const Bad cases[] = {
+      {with(R"({"load_in_4bit": true})", "", "llama-1b", R"("trainable": "all")"), "needs a frozen base"},
+      {with(R"({"load_in_4bit": true, "bnb_4bit_quant_type": "int4"})"), "bnb_4bit_quant_type"},
+      {with(R"({"load_in_4bit": true, "bnb_4bit_use_double_quant": true})"), "bnb_4bit_use_double_quant"},
+      {with(R"({"load_in_4bit": true, "bnb_4bit_quant_storage": "bfloat16"})"), "bnb_4bit_quant_storage"},
+      {with(R"({"load_in_4bit": true, "llm_int8_skip_modules": ["q_proj"]})"), "lm_head"},
+      {with(R"({"load_in_8bit": true})"), "load_in_8bit"},
+      {with(R"({"load_in_4bit": true, "bnb_4bit_compute_dtype": "bfloat16"})"), "bnb_4bit_compute_dtype"},
+      {with(R"({"load_in_4bit": true, "bnb_4bit_quant_typ": "nf4"})"), "model.quantize.bnb_4bit_quant_typ"},
+      {with(R"({"load_in_4bit": true})", "", "gpt2", R"("lora": {"r": 4, "target_modules": ["c_attn"]})"), "Llama family's dense models"},
+      {with(R"({"load_in_4bit": true})", R"(, "run": {"export": "/tmp/x", "export_merged": true})"),
+       "export_merged with a 4-bit base"},
+  };
+  for (const Bad& bad : cases) {
+    SCOPED_TRACE(bad.json);
+    const std::string msg = config_error(bad.json);
+    EXPECT_TRUE(contains(msg, bad.names)) << msg;
+  }
+}
+
 TEST(TrainConfig, InitFromReadsTheDirectoryAndRejectsReshaping) {
   test::TempDir dir;
   models::ModelConfig mc = models::preset("gpt2");

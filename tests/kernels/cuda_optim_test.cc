@@ -1,13 +1,16 @@
-// CUDA kernels against the CPU kernels, bit for bit (label: gpu; skipped without a GPU).
+// CUDA kernels against the CPU kernels, bit for bit (label: gpu; skipped without a GPU): the
+// optimizer's and the 4-bit dequantization.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "strata/kernels/cpu_optim.h"
 #include "strata/kernels/cuda_optim.h"
+#include "strata/kernels/cuda_quant4.h"
 
 namespace strata::kernels {
 namespace {
@@ -124,6 +127,36 @@ TEST_F(CudaKernels, SumSquaresUnscaleAndConvertMatchTheCpuKernels) {
     auto got = download(dy, n);
     EXPECT_EQ(0, std::memcmp(got.data(), y.data(), n * 4));
   }
+}
+
+}  // namespace
+}  // namespace strata::kernels
+
+namespace strata::kernels {
+namespace {
+
+// The 4-bit dequantization (a frozen 4-bit base's binding on a GPU) against the CPU kernel, bitwise:
+// NF4 and FP4, blocks of 64 and 256, fp32/bf16/fp16 outputs, odd counts and partial last blocks.
+TEST_F(CudaKernels, Dequantize4BitMatchesTheCpuKernelBitwise) {
+  for (Quant4 type : {Quant4::kNf4, Quant4::kFp4})
+    for (int64_t block : {64, 256})
+      for (int64_t n : {1, 63, 4979, 1000003}) {
+        const std::vector<float> x = randn(size_t(n), uint64_t(n) * 31 + uint64_t(block), 0.02f);
+        std::vector<uint8_t> packed(size_t(quant4_packed_bytes(n)));
+        std::vector<float> absmax(size_t(quant4_blocks(n, block)));
+        quantize_4bit(x.data(), DType::kF32, n, type, block, packed.data(), absmax.data());
+        const uint8_t* dp = upload(packed);
+        const float* da = upload(absmax);
+        for (DType out : {DType::kF32, DType::kBF16, DType::kF16}) {
+          SCOPED_TRACE(std::string(to_string(type)) + " block " + std::to_string(block) + " n " + std::to_string(n));
+          const size_t bytes = size_t(n) * (out == DType::kF32 ? 4 : 2);
+          std::vector<uint8_t> want(bytes);
+          dequantize_4bit(packed.data(), absmax.data(), n, type, block, want.data(), out);
+          uint8_t* dout = upload(std::vector<uint8_t>(bytes, 0xAB));
+          cuda::dequantize_4bit(dp, da, n, type, block, dout, out, stream_);
+          EXPECT_EQ(download(dout, bytes), want);
+        }
+      }
 }
 
 }  // namespace

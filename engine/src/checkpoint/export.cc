@@ -40,6 +40,14 @@ ExportPlan plan_export(const json& units, const fs::path& dir, const models::Mod
   std::map<std::string, size_t> inputs;  // kMerged: adapted module -> its adapter tensors seen so far
   std::set<std::string> merged;          // kMerged: adapted modules whose weights have begun
   std::vector<ManifestTensor> tensors = manifest_tensors(units, dir.string());
+  // A 4-bit base's weights (model.quantize) are no values an export writes: the adapters go alone.
+  const auto record = [](const ManifestTensor& t) { return t.slot.quantized; };
+  if (std::any_of(tensors.begin(), tensors.end(), record)) {
+    if (content != ExportContent::kAdapter)
+      throw std::invalid_argument("export of " + dir.string() + ": a 4-bit base (model.quantize) exports its adapter "
+                                  "alone; merge it into the 16-bit base with `strata ckpt export --base`");
+    tensors.erase(std::remove_if(tensors.begin(), tensors.end(), record), tensors.end());
+  }
   check_whole_coverage(tensors, dir.string());
   for (ManifestTensor& t : tensors) {
     uint64_t whole = 1;
@@ -333,7 +341,7 @@ ExportResult export_checkpoint_merged(const fs::path& dir, const fs::path& base_
     throw std::invalid_argument("checkpoint " + dir.string() + " has no LoRA adapters: export it without a base");
   const std::string want = m.value("frozen_base", std::string());
   const std::string have = models::model_fingerprint(base_dir);
-  if (have != want)
+  if (!models::trained_on(want, have))
     throw std::invalid_argument("checkpoint " + dir.string() + " trained on the base " + want + ", and " +
                                 base_dir.string() + " is " + have + ": give the base it trained on");
   TrainedTensors trained = read_trained_tensors(dir, m, mc);

@@ -89,6 +89,11 @@ json partition_json(const Partition& part) {
       if (t.origin.is_part())
         j["of"] = {{"name", t.origin.whole}, {"shape", t.origin.whole_shape}, {"dim", t.origin.dim},
                    {"begin", t.origin.begin}};
+      if (t.quantized) {  // a 4-bit record (model.quantize): its own place and elements
+        j["at"] = t.offset;
+        j["stored"] = t.numel;
+        j["quant4"] = true;
+      }
       ts.push_back(std::move(j));
     }
     units.push_back({{"name", u.name}, {"numel", u.numel}, {"tensors", ts}});
@@ -122,9 +127,14 @@ std::vector<ManifestTensor> manifest_tensors(const json& units, const std::strin
           throw std::runtime_error("checkpoint " + where + ": tensor " + m.slot.name + " is not a part of " +
                                    m.slot.origin.whole + " of its shape");
       }
-      m.slot.offset = offset;
+      if (t.value("quant4", false)) {
+        m.offset = t.at("at").get<uint64_t>();
+        m.numel = t.at("stored").get<uint64_t>();
+        m.slot.quantized = true;
+      }
+      m.slot.offset = m.offset;
       m.slot.numel = m.numel;
-      offset += m.numel;
+      offset = m.offset + m.numel;
       out.push_back(std::move(m));
     }
     if (offset != units[u].at("numel").get<uint64_t>())

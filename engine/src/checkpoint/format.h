@@ -86,7 +86,8 @@ json partition_json(const Partition& part);
 
 // The manifest's tensors ("units" as partition_json writes them), in unit order, each with its
 // place in its unit's flat buffer and, for a block tile's part, the whole tensor it is cut from
-// ("of": {"name", "shape", "dim", "begin"}). Throws std::runtime_error naming `where` when a
+// ("of": {"name", "shape", "dim", "begin"}); a 4-bit record of a frozen unit (model.quantize)
+// with its place and elements ("at", "stored", "quant4": slot.quantized). Throws std::runtime_error naming `where` when a
 // unit's tensors do not add up to its size.
 struct ManifestTensor {
   size_t unit = 0;

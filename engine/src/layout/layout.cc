@@ -11,13 +11,16 @@
 
 namespace strata::engine {
 
+uint64_t compute_bytes(const EngineConfig& cfg) { return cfg.compute == Precision::kFp32 ? 4 : 2; }
+
 UnitTable unit_table(const models::ModelConfig& mc, const models::LayerTiles& tiles, int world_size,
-                    const models::TrainableTensors& trainable) {
-  models::UnitShapes shapes = models::unit_shapes(mc, tiles, trainable);
+                    const models::TrainableTensors& trainable, uint64_t compute_bytes) {
+  models::UnitShapes shapes = models::unit_shapes(mc, tiles, trainable, compute_bytes);
   UnitTable out;
   out.tiles = tiles;
   out.stage_units = std::move(shapes.stage_units);
   out.frozen = std::move(shapes.frozen);
+  out.dequantized = std::move(shapes.dequantized);
   // The partition's sizes without building one (no names): this runs for every cut weighed.
   for (const uint64_t numel : shapes.numel) {
     const uint64_t shard = shard_numel_of(numel, world_size, Partition::kDefaultAlignNumel);
@@ -39,9 +42,10 @@ layout::ModelSizes model_sizes(const EngineConfig& cfg, const models::ModelConfi
   sizes.padded_numel = units.padded_numel;
   sizes.shard_numel = units.shard_numel;
   sizes.frozen = units.frozen;
+  sizes.dequantized = units.dequantized;
   sizes.input_widths = units.input_widths;
   sizes.mlp_chunked = cfg.mlp_token_chunk > 0;
-  sizes.compute_bytes = cfg.compute == Precision::kFp32 ? 4 : 2;
+  sizes.compute_bytes = compute_bytes(cfg);
   sizes.reduce_bf16 = cfg.reduce == Precision::kBf16;
   sizes.tokens = uint64_t(cfg.micro_batch * cfg.seq_len);
   sizes.hidden = uint64_t(mc.hidden);
@@ -56,7 +60,7 @@ CutModel cut_model(const EngineConfig& given, const models::ModelConfig& mc, con
                    int64_t mlp_token_chunk, int world_size) {
   EngineConfig cfg = given;
   cfg.mlp_token_chunk = mlp_token_chunk;
-  UnitTable units = unit_table(mc, tiles, world_size, models::TrainableTensors(cfg.trainable));
+  UnitTable units = unit_table(mc, tiles, world_size, models::TrainableTensors(cfg.trainable), compute_bytes(cfg));
   layout::ModelSizes sizes = model_sizes(cfg, mc, units);
   layout::Schedule schedule = units.schedule();
   const size_t transient = transient_gradient_buffers(schedule);

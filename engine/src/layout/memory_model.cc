@@ -74,7 +74,7 @@ uint64_t head_loss_bytes(const ModelSizes& s) {
 uint64_t MemoryModel::head_loss_bytes() const { return layout::head_loss_bytes(sizes_); }
 
 uint64_t MemoryModel::unit_bytes(size_t u) const {
-  return sizes_.padded_numel.at(u) * sizes_.compute_bytes;
+  return (sizes_.padded_numel.at(u) + (sizes_.dequantized.empty() ? 0 : sizes_.dequantized.at(u))) * sizes_.compute_bytes;
 }
 
 uint64_t MemoryModel::use_bytes(const Use& use) const { return stage_bytes_.at(use.stage); }

@@ -40,6 +40,7 @@ StatePrediction predict_state(const EngineConfig& cfg, const models::ModelConfig
     out.padded_numel = c.units.padded_numel;
     out.shard_numel = c.units.shard_numel;
     out.frozen = c.units.frozen;
+    out.dequantized = c.units.dequantized;
     out.compute_bytes = c.sizes.compute_bytes;
     out.graph_bytes = layout::MemoryModel(c.schedule, c.sizes).block_graph_bytes(size_t(cut.tiles.block_stages()));
     out.choice = c.choice;

@@ -1,4 +1,5 @@
 #include "runtime/coordinator.h"
+#include "strata/kernels/quant4.h"
 
 #include <ATen/ops/empty.h>
 
@@ -97,7 +98,18 @@ void ParameterCoordinator::bind(size_t u) {
   const UnitLayout& L = partition_.unit(u);
   for (size_t i = 0; i < L.tensors.size(); ++i) {
     const TensorSlot& s = L.tensors[i];
-    tensors_[u][i].set_data(g.flat.narrow(0, int64_t(s.offset), int64_t(s.numel)).view(s.shape));
+    const at::Tensor slot = g.flat.narrow(0, int64_t(s.offset), int64_t(s.numel));
+    if (!s.quantized) {
+      tensors_[u][i].set_data(slot.view(s.shape));
+      continue;
+    }
+    const at::Tensor w = dev_.empty(s.shape, cdt_, s.name + " dequantized");
+    const models::Quant4Record r = models::quant4_record(uint64_t(w.numel()), quant_);
+    const at::Tensor bytes = slot.view(at::kByte);
+    dev_.dequantize_4bit(bytes.narrow(0, int64_t(r.absmax_bytes), int64_t(r.packed_bytes)),
+                         bytes.narrow(0, 0, int64_t(r.absmax_bytes)).view(at::kFloat),
+                         kernels::quant4_from_string(quant_.quant_type), quant_.blocksize, w);
+    tensors_[u][i].set_data(w);
   }
   g.bound = true;
 }

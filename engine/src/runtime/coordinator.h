@@ -4,7 +4,7 @@
 // shard is uploaded, when it lives off the device (from swap through a host buffer, then the h2d
 // stream), straight into its slice of one flat device buffer, which the all-gather fills around
 // it in place, and the module's tensors of the unit
-// become views of it (bound). Before running use k the engine asks for the units of the next
+// become views of it (bound; a 4-bit record is dequantized into a tensor of its own, set_4bit). Before running use k the engine asks for the units of the next
 // `depth` uses (prefetch); after it, units no use within the next depth + 1 needs go (release_
 // after). Every decision uses only sizes and the schedule (the memory model's working set beside
 // the device-placed state, the gathered units, the kept graphs reserved), never the device's
@@ -39,6 +39,7 @@
 #include "strata/engine/partition.h"
 #include "strata/engine/layout/memory_model.h"
 #include "strata/engine/layout/schedule.h"
+#include "strata/models/quantized_base.h"
 
 namespace strata::engine::runtime {
 
@@ -64,6 +65,11 @@ class ParameterCoordinator {
   void prefetch(size_t k, size_t total);
   void release_after(size_t k, size_t total);
   void release(size_t u);
+
+  // The 4-bit records' settings (model.quantize), for the units whose slots hold records: binding
+  // such a unit dequantizes each record into a tensor of the compute dtype of its own (device
+  // memory the memory model counts with the unit), freed at release.
+  void set_4bit(const models::QuantizedBase& q) { quant_ = q; }
 
   int depth() const { return depth_; }
   void set_depth(int depth) { depth_ = depth; }
@@ -109,6 +115,7 @@ class ParameterCoordinator {
   uint64_t graphs_held_ = 0;    // kept graphs alive now (reserved on the device)
   uint64_t base_bytes_ = 0;
   int depth_ = 1;               // uses gathered ahead (device.prefetch; adapts with "auto")
+  models::QuantizedBase quant_;
 };
 
 }  // namespace strata::engine::runtime

@@ -152,6 +152,9 @@ struct TrainConfig {
   }
   models::ModelConfig model;
   std::string init_from;  // Hugging Face model directory, or empty for random init
+  // model.quantize's bnb_4bit_compute_dtype as given ("float32", "bfloat16", "float16"; "": not
+  // given): it must name precision.compute, the dtype the 4-bit weights are dequantized into.
+  std::string quantize_compute_dtype;
   std::string adapter_from;  // PEFT LoRA adapter directory (model.adapter_from), or empty
   uint64_t init_seed = 0;
   std::string data_path = "/usr/share/common-licenses";

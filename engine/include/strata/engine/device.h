@@ -32,6 +32,10 @@
 #include "strata/engine/bytes.h"
 #include "strata/kernels/cpu_optim.h"
 
+namespace strata::kernels {
+enum class Quant4 : uint8_t;  // kernels/quant4.h
+}  // namespace strata::kernels
+
 namespace strata::engine {
 
 class Stream {
@@ -156,6 +160,12 @@ class Device {
   };
   virtual void adam_step(const kernels::AdamConfig& config, const std::vector<AdamTensors>& units,
                          const kernels::CpuExec& exec);
+  // A 4-bit tensor's dequantization (kernels/quant4.h's rule, bitwise): `packed` (uint8) and
+  // `absmax` (fp32) of a record in a gathered unit, into `out` (its dtype, contiguous, numel
+  // elements), all on the device, on the compute stream. The host device runs
+  // kernels::dequantize_4bit; CUDA kernels::cuda::dequantize_4bit.
+  virtual void dequantize_4bit(const at::Tensor& packed, const at::Tensor& absmax, kernels::Quant4 type,
+                               int64_t blocksize, const at::Tensor& out);
   // The sum of squares of each fp32 device tensor, read back to the host (blocks until done).
   virtual std::vector<double> sum_squares(const std::vector<at::Tensor>& xs, const kernels::CpuExec& exec);
   // dst (host, contiguous) := src (device, contiguous, same dtype and numel); blocking, on a

@@ -9,6 +9,10 @@
 // The map from tensor name to (unit, offset, shape) depends only on the units' tensor lists,
 // the world size and the alignment: every rank computes the same map.
 //
+// A frozen unit's 4-bit tensors (model.quantize) are records of bytes in the flat buffer
+// (models/quantized_base.h): a slot's offset and numel then count the buffer's elements, not the
+// tensor's.
+//
 // Errors: std::invalid_argument for duplicate names, empty units, world_size < 1.
 // Thread safety: immutable after construction.
 #pragma once
@@ -18,6 +22,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "strata/models/quantized_base.h"
 
 namespace strata::engine {
 
@@ -35,6 +41,10 @@ struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
   TensorOrigin origin;
+  // How it is stored (models::stored_tensor): a 4-bit record of a frozen base's weight
+  // (model.quantize) occupies other elements than its own, from an aligned start. numel 0: its
+  // own elements, anywhere.
+  models::StoredTensor stored{};
   uint64_t numel() const;
 };
 
@@ -42,8 +52,9 @@ struct TensorSlot {
   std::string name;
   std::vector<int64_t> shape;
   uint64_t offset = 0;  // elements from the start of the unit's flat buffer
-  uint64_t numel = 0;
+  uint64_t numel = 0;   // elements it occupies there (a 4-bit record's: not the shape's)
   TensorOrigin origin;
+  bool quantized = false;  // a 4-bit record (models/quantized_base.h) of a tensor of `shape`
   // The model tensor it is (a part of), and that tensor's shape.
   const std::string& whole_name() const { return origin.is_part() ? origin.whole : name; }
   const std::vector<int64_t>& whole_shape() const { return origin.is_part() ? origin.whole_shape : shape; }

@@ -48,6 +48,7 @@ struct StatePrediction {
   std::vector<uint64_t> unit_numel, padded_numel, shard_numel;
   std::vector<std::vector<size_t>> stage_units;
   std::vector<char> frozen;   // by unit (model.trainable)
+  std::vector<uint64_t> dequantized;  // by unit: its 4-bit weights' elements (model.quantize; UnitTable)
   uint64_t graph_bytes = 0;   // one kept block's autograd graph a micro-batch (its stages' together)
   uint64_t compute_bytes = 2; // bytes of a compute-copy element
   uint64_t device_bytes() const { return device_state + working_set; }

@@ -50,8 +50,10 @@ Decoder::TensorSource peft_adapter_source(const ModelConfig& config, const std::
 // are initialized, so a consumer that takes it stage by stage (the engine: one unit at a time,
 // each dropped once placed) never holds more than a block of it in fp32 beside the mapped files.
 // With `lora` its adapters are initialized as PEFT does (decoder.h), or from `adapter_dir`'s.
+// `quantize`: the training configuration's 4-bit base (model.quantize; config.json does not say).
 std::unique_ptr<Decoder> open_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora = {},
-                                       const std::filesystem::path& adapter_dir = {});
+                                       const std::filesystem::path& adapter_dir = {},
+                                       const QuantizedBase& quantize = {});
 // The same, every stage loaded now.
 std::unique_ptr<Decoder> load_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora = {});
 // w + scaling * (b a), in fp32 and Strata's [out, in] layout: an adapter merged into the weight it

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "strata/models/quantized_base.h"
+
 namespace strata::models {
 
 enum class Arch { kGpt2, kLlama };
@@ -105,6 +107,9 @@ struct ModelConfig {
     // PEFT's rule for target_parameters (the key is an entry or ends with "." and one).
     bool targets_parameter(const std::string& key) const;
   } lora;
+
+  // A 4-bit frozen base (model.quantize: bitsandbytes' BitsAndBytesConfig; quantized_base.h).
+  QuantizedBase quantize;
 
   // The config.json's special token ids (bos_token_id, eos_token_id: an id or a list,
   // pad_token_id), as a JSON object's text, written back on export unchanged ("" : none).

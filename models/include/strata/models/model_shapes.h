@@ -180,13 +180,17 @@ std::vector<std::string> tensor_names(const ModelConfig& c);
 // only where it has any; every stage uses its own units (trainable first), then for a tied head
 // (tile) the unit holding its embedding (tile)'s token rows, and for a block tile after the first
 // of its attention (MLP) whose part has adapters, the first tile's trainable unit that holds them.
+// A frozen unit's 4-bit tensors (model.quantize) are records in a flat buffer of `elem_bytes`-byte
+// elements (quantized_base.h), their dequantized elements counted apart.
 struct UnitShapes {
-  std::vector<uint64_t> numel;                    // by unit
+  std::vector<uint64_t> numel;                    // by unit: its flat buffer's elements
+  std::vector<uint64_t> dequantized;              // by unit: elements of its 4-bit tensors, dequantized
   std::vector<char> frozen;                       // by unit
   std::vector<size_t> stage;                      // by unit: the stage owning it
   std::vector<std::vector<size_t>> stage_units;   // by stage
 };
-UnitShapes unit_shapes(const ModelConfig& c, const LayerTiles& t, const TrainableTensors& trainable);
+UnitShapes unit_shapes(const ModelConfig& c, const LayerTiles& t, const TrainableTensors& trainable,
+                       uint64_t elem_bytes = 4);
 // A unit's name: its stage's (stage_name), with ".frozen" for a frozen unit.
 std::string unit_name(const std::string& stage_name, bool frozen);
 

@@ -51,6 +51,9 @@ struct ModelSizes {
   std::vector<uint64_t> padded_numel;  // by unit: the gathered buffer's elements
   std::vector<uint64_t> shard_numel;   // by unit: one rank's slice
   std::vector<char> frozen;            // by unit: no gradient buffers (model.trainable); empty: none
+  // By unit: elements of its 4-bit tensors (model.quantize), dequantized beside the gathered
+  // records while it is gathered (counted with them: an upper bound). Empty: none.
+  std::vector<uint64_t> dequantized;
   uint64_t compute_bytes = 4;          // bytes of an element of the compute copies
   bool reduce_bf16 = false;            // gradients reduce-scattered in bf16
   uint64_t tokens = 0;                 // micro_batch * seq_len

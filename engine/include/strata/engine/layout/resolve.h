@@ -180,13 +180,17 @@ struct UnitTable {
   models::LayerTiles tiles;
   std::vector<uint64_t> unit_numel, padded_numel, shard_numel;
   std::vector<char> frozen;  // by unit
+  std::vector<uint64_t> dequantized;  // by unit: its 4-bit tensors' elements (models::UnitShapes)
   std::vector<std::vector<size_t>> stage_units;
   std::vector<uint64_t> input_widths;
   size_t vocab_tiles = 1;  // embedding and head stages
   layout::Schedule schedule() const;
 };
+// Bytes of an element of the compute copies (precision.compute).
+uint64_t compute_bytes(const EngineConfig& cfg);
+// `compute_bytes`: the flat buffers' element (a 4-bit record's elements depend on it).
 UnitTable unit_table(const models::ModelConfig& mc, const models::LayerTiles& tiles, int world_size,
-                    const models::TrainableTensors& trainable = {});
+                    const models::TrainableTensors& trainable = {}, uint64_t compute_bytes = 4);
 
 // Whether `tiles` lets the device run a step within `usable` bytes: the state `cfg` places on
 // the device explicitly plus the largest use's need (construction's budget check: nothing

@@ -1,0 +1,75 @@
+// model.quantize, read for parse_train_config (config_parse.cc): a 4-bit frozen base in
+// bitsandbytes' BitsAndBytesConfig vocabulary (its to_dict() is accepted as written), checked
+// against the model and what trains.
+#include <exception>
+
+#include "config_section.h"
+#include "strata/engine/config.h"
+#include "strata/engine/config_parse.h"
+#include "strata/models/model_shapes.h"
+
+namespace strata::engine {
+
+using config_json::json;
+using config_json::Section;
+
+void read_quantize(Section& s, TrainConfig& c) {
+  const json* v = s.get("quantize");
+  if (!v) return;
+  models::QuantizedBase& q = c.model.quantize;
+  Section k(*v, "model.quantize", s.source());
+  bool load_in_8bit = false, private_4bit = true, private_8bit = false;
+  std::string method = "bitsandbytes", storage = "uint8";
+  k.read("quant_method", method);
+  k.read("load_in_4bit", q.load_in_4bit);
+  k.read("_load_in_4bit", private_4bit);
+  k.read("load_in_8bit", load_in_8bit);
+  k.read("_load_in_8bit", private_8bit);
+  k.read("bnb_4bit_quant_type", q.quant_type);
+  k.read("bnb_4bit_use_double_quant", q.double_quant);
+  k.read("bnb_4bit_compute_dtype", c.quantize_compute_dtype);
+  k.read("bnb_4bit_quant_storage", storage);
+  if (const json* skip = k.get("llm_int8_skip_modules"); skip && !skip->is_null()) {
+    if (!skip->is_array()) k.fail("llm_int8_skip_modules", "must be a list of module names or null");
+    q.skip_modules.clear();
+    for (const json& m : *skip) {
+      if (!m.is_string()) k.fail("llm_int8_skip_modules", "must hold module names, not " + m.dump());
+      q.skip_modules.push_back(m.get<std::string>());
+    }
+  }
+  // 8-bit settings BitsAndBytesConfig.to_dict() writes beside the 4-bit ones; they change nothing here.
+  k.get("llm_int8_threshold");
+  k.get("llm_int8_has_fp16_weight");
+  k.get("llm_int8_enable_fp32_cpu_offload");
+  if (method != "bitsandbytes") k.fail("quant_method", "must be \"bitsandbytes\" (the only quantization Strata loads)");
+  if (load_in_8bit || private_8bit) k.fail("load_in_8bit", "is not supported: Strata's quantized base is 4-bit");
+  if (!q.load_in_4bit) {
+    if (v->size() > 0 && v->contains("load_in_4bit")) return;  // quantization written out and off
+    k.fail("load_in_4bit", "must be true (model.quantize describes a 4-bit base)");
+  }
+  if (!private_4bit) k.fail("_load_in_4bit", "contradicts load_in_4bit");
+  if (q.quant_type != "nf4" && q.quant_type != "fp4")
+    k.fail("bnb_4bit_quant_type", "must be \"nf4\" or \"fp4\", not \"" + q.quant_type + "\"");
+  if (q.double_quant)
+    k.fail("bnb_4bit_use_double_quant", "is not supported yet (the absmax are kept in fp32): set it false");
+  if (storage != "uint8")
+    k.fail("bnb_4bit_quant_storage", "must be \"uint8\" (Strata shards the 4-bit bytes itself), not \"" + storage + "\"");
+  bool keeps_head = false;
+  for (const std::string& m : q.skip_modules) keeps_head = keeps_head || m == "lm_head";
+  if (!keeps_head)
+    k.fail("llm_int8_skip_modules", "must name \"lm_head\": Strata keeps the head in the compute dtype (as "
+                                    "transformers does by default)");
+  const models::ModelConfig& mc = c.model;
+  if (mc.arch == models::Arch::kGpt2 || mc.moe.enabled())
+    k.fail("load_in_4bit", "a 4-bit base is supported for the Llama family's dense models (llama, mistral, qwen2, "
+                           "qwen3, gemma, gemma2), not " + (mc.arch == models::Arch::kGpt2 ? std::string("gpt2") : mc.hf_type));
+  if (c.engine.trainable.empty())
+    k.fail("load_in_4bit", "needs a frozen base: a 4-bit weight cannot train; set model.lora (or model.trainable)");
+  try {
+    q.skips("");  // every pattern a regular expression
+  } catch (const std::exception& ex) {
+    k.fail("llm_int8_skip_modules", ex.what());
+  }
+}
+
+}  // namespace strata::engine
