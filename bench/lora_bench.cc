@@ -109,7 +109,7 @@ void run_lora_bench(const LoraBenchOptions& o) {
   }
   build(lora_side, o.qlora ? quantized : adapted, lora_cfg);
   const int64_t tokens = o.batch * o.seq;
-  std::cerr << "bench lora: " << base.parameters() / 1e6 << "M parameters (" << o.layers << " x " << o.hidden
+  std::cerr << (o.qlora ? "bench qlora: " : "bench lora: ") << base.parameters() / 1e6 << "M parameters (" << o.layers << " x " << o.hidden
             << ", GQA " << o.heads << "/" << o.kv_heads << ", MLP " << o.intermediate << ", vocab " << o.vocab
             << "), LoRA r " << o.r << (o.qlora ? " over a " + o.quant_type + " base" : "") << " on every block linear (" << models::adapter_parameters(adapted) / 1e6
             << "M adapter parameters), batch " << o.batch << " x " << o.seq << ", " << o.compute << " on "

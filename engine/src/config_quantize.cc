@@ -50,8 +50,6 @@ void read_quantize(Section& s, TrainConfig& c) {
   if (!private_4bit) k.fail("_load_in_4bit", "contradicts load_in_4bit");
   if (q.quant_type != "nf4" && q.quant_type != "fp4")
     k.fail("bnb_4bit_quant_type", "must be \"nf4\" or \"fp4\", not \"" + q.quant_type + "\"");
-  if (q.double_quant)
-    k.fail("bnb_4bit_use_double_quant", "is not supported yet (the absmax are kept in fp32): set it false");
   if (storage != "uint8")
     k.fail("bnb_4bit_quant_storage", "must be \"uint8\" (Strata shards the 4-bit bytes itself), not \"" + storage + "\"");
   bool keeps_head = false;

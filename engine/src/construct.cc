@@ -4,8 +4,12 @@
 // configuration is never changed: `effective` shows what was resolved.
 #include "engine_impl.h"
 #include "strata/engine/cpu_share.h"
+#include "runtime/quant4_record.h"
 #include "strata/kernels/quant4.h"
 #include "strata/models/trainable.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mean.h>
 
 #include <optional>
 
@@ -194,10 +198,22 @@ at::Tensor Engine::Impl::initial_flat(const UnitLayout& L, const std::vector<at:
       continue;
     }
     const at::Tensor w = tensors[i].detach().to(cdt).contiguous();
-    const models::Quant4Record r = models::quant4_record(uint64_t(w.numel()), q);
-    auto* bytes = static_cast<uint8_t*>(dst.data_ptr());
-    kernels::quantize_4bit(w.data_ptr(), Device::kernel_dtype(cdt), w.numel(), kernels::quant4_from_string(q.quant_type),
-                           q.blocksize, bytes + r.absmax_bytes, reinterpret_cast<float*>(bytes));
+    const Device::Quant4View v = runtime::quant4_view(dst, uint64_t(w.numel()), q);
+    const kernels::Quant4 type = kernels::quant4_from_string(q.quant_type);
+    const kernels::DType dtype = Device::kernel_dtype(cdt);
+    if (!q.double_quant) {
+      kernels::quantize_4bit(w.data_ptr(), dtype, w.numel(), type, q.blocksize, v.packed.data_ptr<uint8_t>(),
+                             v.absmax.data_ptr<float>());
+      continue;
+    }
+    // Double quantization around the absmax' mean, as bitsandbytes takes it (torch's fp32 mean).
+    at::Tensor absmax = at::empty({v.absmax.numel()}, at::kFloat);
+    kernels::quant4_absmax(w.data_ptr(), dtype, w.numel(), q.blocksize, absmax.data_ptr<float>());
+    const float offset = at::mean(absmax).item<float>();
+    v.offset.fill_(offset);
+    kernels::quantize_4bit_nested(w.data_ptr(), dtype, w.numel(), type, q.blocksize, offset,
+                                  v.packed.data_ptr<uint8_t>(), v.absmax.data_ptr<uint8_t>(),
+                                  v.nested_absmax.data_ptr<float>());
   }
   return flat;
 }

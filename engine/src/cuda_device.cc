@@ -152,14 +152,20 @@ class CudaDevice final : public Device {
     kernels::cuda::adam_step(config, ts.data(), ts.size(), kernels::DType::kF32, out,
                              c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(index_)).stream());
   }
-  void dequantize_4bit(const at::Tensor& packed, const at::Tensor& absmax, kernels::Quant4 type, int64_t blocksize,
-                       const at::Tensor& out) override {
-    TORCH_CHECK(packed.is_cuda() && absmax.is_cuda() && out.is_cuda() && packed.is_contiguous() &&
-                    absmax.is_contiguous() && out.is_contiguous(),
+  void dequantize_4bit(const Quant4View& v, kernels::Quant4 type, int64_t blocksize, const at::Tensor& out) override {
+    TORCH_CHECK(v.packed.is_cuda() && v.absmax.is_cuda() && out.is_cuda() && v.packed.is_contiguous() &&
+                    v.absmax.is_contiguous() && out.is_contiguous(),
                 "dequantize_4bit: contiguous device tensors");
-    kernels::cuda::dequantize_4bit(packed.const_data_ptr<uint8_t>(), absmax.const_data_ptr<float>(), out.numel(), type,
-                                   blocksize, out.data_ptr(), kernel_dtype(out.scalar_type()),
-                                   c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(index_)).stream());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(index_)).stream();
+    at::Tensor absmax = v.absmax;
+    if (v.nested_absmax.defined()) {  // double quantization: the fp32 absmax first
+      absmax = empty({v.absmax.numel()}, at::kFloat, "4-bit absmax");
+      kernels::cuda::dequantize_quant4_absmax(v.absmax.const_data_ptr<uint8_t>(), v.nested_absmax.const_data_ptr<float>(),
+                                              v.offset.const_data_ptr<float>(), v.absmax.numel(),
+                                              absmax.data_ptr<float>(), stream);
+    }
+    kernels::cuda::dequantize_4bit(v.packed.const_data_ptr<uint8_t>(), absmax.const_data_ptr<float>(), out.numel(),
+                                   type, blocksize, out.data_ptr(), kernel_dtype(out.scalar_type()), stream);
   }
   std::vector<double> sum_squares(const std::vector<at::Tensor>& xs, const kernels::CpuExec&) override {
     if (xs.empty()) return {};

@@ -82,13 +82,23 @@ void Device::adam_step(const kernels::AdamConfig& config, const std::vector<Adam
   }
 }
 
-void Device::dequantize_4bit(const at::Tensor& packed, const at::Tensor& absmax, kernels::Quant4 type,
-                             int64_t blocksize, const at::Tensor& out) {
-  TORCH_CHECK(packed.is_contiguous() && absmax.is_contiguous() && out.is_contiguous() &&
-                  packed.scalar_type() == at::kByte && absmax.scalar_type() == at::kFloat,
-              "dequantize_4bit: uint8 codes, fp32 absmax and an output, contiguous");
-  kernels::dequantize_4bit(packed.const_data_ptr<uint8_t>(), absmax.const_data_ptr<float>(), out.numel(), type,
-                           blocksize, out.data_ptr(), kernel_dtype(out.scalar_type()));
+void Device::dequantize_4bit(const Quant4View& v, kernels::Quant4 type, int64_t blocksize, const at::Tensor& out) {
+  dequantize_4bit_on_host(v, type, blocksize, out);
+}
+
+void Device::dequantize_4bit_on_host(const Quant4View& v, kernels::Quant4 type, int64_t blocksize,
+                                     const at::Tensor& out) {
+  const bool nested = v.nested_absmax.defined();
+  TORCH_CHECK(v.packed.is_contiguous() && v.absmax.is_contiguous() && out.is_contiguous() &&
+                  v.packed.scalar_type() == at::kByte && v.absmax.scalar_type() == (nested ? at::kByte : at::kFloat),
+              "dequantize_4bit: uint8 codes, fp32 absmax (uint8 with double quantization) and an output, contiguous");
+  if (nested)
+    kernels::dequantize_4bit_nested(v.packed.const_data_ptr<uint8_t>(), v.absmax.const_data_ptr<uint8_t>(),
+                                    v.nested_absmax.const_data_ptr<float>(), v.offset.const_data_ptr<float>()[0],
+                                    out.numel(), type, blocksize, out.data_ptr(), kernel_dtype(out.scalar_type()));
+  else
+    kernels::dequantize_4bit(v.packed.const_data_ptr<uint8_t>(), v.absmax.const_data_ptr<float>(), out.numel(), type,
+                             blocksize, out.data_ptr(), kernel_dtype(out.scalar_type()));
 }
 
 std::vector<double> Device::sum_squares(const std::vector<at::Tensor>& xs, const kernels::CpuExec& exec) {

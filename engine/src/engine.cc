@@ -1,5 +1,6 @@
 // The engine's public API over Engine::Impl (engine_impl.h).
 #include "engine_impl.h"
+#include "runtime/quant4_record.h"
 #include "strata/kernels/quant4.h"
 #include "runtime/step_inputs.h"
 
@@ -114,11 +115,8 @@ std::vector<std::pair<std::string, at::Tensor>> Engine::gather_parameters() {
       if (s.quantized) {
         const models::QuantizedBase& q = I.model->config().quantize;
         part = at::empty(s.shape, at::TensorOptions().dtype(I.cdt));
-        const models::Quant4Record r = models::quant4_record(uint64_t(part.numel()), q);
-        const auto* bytes = static_cast<const uint8_t*>(slot.const_data_ptr());
-        kernels::dequantize_4bit(bytes + r.absmax_bytes, reinterpret_cast<const float*>(bytes), part.numel(),
-                                 kernels::quant4_from_string(q.quant_type), q.blocksize, part.data_ptr(),
-                                 Device::kernel_dtype(I.cdt));
+        Device::dequantize_4bit_on_host(runtime::quant4_view(slot, uint64_t(part.numel()), q),
+                                        kernels::quant4_from_string(q.quant_type), q.blocksize, part);
         part = part.to(at::kFloat);
       } else {
         part = slot.view(s.shape).to(at::kFloat);

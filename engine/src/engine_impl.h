@@ -263,7 +263,7 @@ struct Engine::Impl {
     for (size_t u = 0; u < partition->num_units(); ++u)
       if (partition->unit(u).frozen)
         for (const TensorSlot& t : partition->unit(u).tensors)
-          frozen += double(t.numel) * models::active_share(model->config(), t.whole_name());
+          frozen += double(t.elements()) * models::active_share(model->config(), t.whole_name());
     return models::model_flops_per_token(model->config(), cfg.seq_len, int64_t(std::llround(frozen)));
   }
 };

@@ -31,7 +31,33 @@ __global__ void dequantize_kernel(const uint8_t* packed, const float* absmax, in
   }
 }
 
+static_assert(kQuant4NestedBlocksize == 256, "the nested blocks of double quantization");
+
+struct Codes8 {
+  float v[256];
+};
+
+__global__ void absmax_kernel(const uint8_t* q, const float* nested, const float* offset, int64_t blocks, Codes8 codes,
+                              float* absmax) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= blocks) return;
+  absmax[i] = __fadd_rn(__fmul_rn(codes.v[q[i]], nested[i / 256]), *offset);
+}
+
 }  // namespace
+
+void dequantize_quant4_absmax(const uint8_t* qabsmax, const float* nested_absmax, const float* offset, int64_t blocks,
+                              float* absmax, cudaStream_t stream) {
+  if (blocks < 1) throw std::invalid_argument("cuda dequantize_quant4_absmax: no blocks");
+  Codes8 codes;
+  for (int k = 0; k < 256; ++k) codes.v[k] = dynamic_map_8bit()[k];
+  constexpr int kThreads = 256;
+  absmax_kernel<<<unsigned((blocks + kThreads - 1) / kThreads), kThreads, 0, stream>>>(qabsmax, nested_absmax, offset,
+                                                                                      blocks, codes, absmax);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("cuda dequantize_quant4_absmax launch: ") + cudaGetErrorString(e));
+}
 
 void dequantize_4bit(const uint8_t* packed, const float* absmax, int64_t n, Quant4 type, int64_t blocksize, void* out,
                      DType dtype, cudaStream_t stream) {

@@ -68,7 +68,8 @@ bool stored_4bit(const ModelConfig& c, const std::string& name) {
 
 Quant4Record quant4_record(uint64_t numel, const QuantizedBase& q) {
   const uint64_t blocks = (numel + uint64_t(q.blocksize) - 1) / uint64_t(q.blocksize);
-  return {blocks * 4, (numel + 1) / 2};
+  if (!q.double_quant) return {0, 0, blocks * 4, (numel + 1) / 2};
+  return {4, (blocks + 255) / 256 * 4, blocks, (numel + 1) / 2};
 }
 
 StoredTensor stored_tensor(const ModelConfig& c, const std::string& whole_name, uint64_t numel, bool frozen,

@@ -95,12 +95,24 @@ inline Trajectory reference(const se::TrainConfig& tc, int world_size,
       if (trainable.trainable(n) || !sm::stored_4bit(tc.model, n)) continue;
       const at::Tensor w = p.detach().contiguous();
       std::vector<uint8_t> packed(size_t(strata::kernels::quant4_packed_bytes(w.numel())));
-      std::vector<float> absmax(size_t(strata::kernels::quant4_blocks(w.numel(), q.blocksize)));
-      strata::kernels::quantize_4bit(w.const_data_ptr(), strata::kernels::DType::kF32, w.numel(), type, q.blocksize,
-                                     packed.data(), absmax.data());
-      at::Tensor d = at::empty_like(w);
-      strata::kernels::dequantize_4bit(packed.data(), absmax.data(), w.numel(), type, q.blocksize, d.data_ptr(),
-                                       strata::kernels::DType::kF32);
+      const int64_t blocks = strata::kernels::quant4_blocks(w.numel(), q.blocksize);
+      at::Tensor absmax = at::empty({blocks}, at::kFloat), d = at::empty_like(w);
+      if (!q.double_quant) {
+        strata::kernels::quantize_4bit(w.const_data_ptr(), strata::kernels::DType::kF32, w.numel(), type, q.blocksize,
+                                       packed.data(), absmax.data_ptr<float>());
+        strata::kernels::dequantize_4bit(packed.data(), absmax.data_ptr<float>(), w.numel(), type, q.blocksize,
+                                         d.data_ptr(), strata::kernels::DType::kF32);
+      } else {  // the absmax to 8 bits around their mean (torch's), as bitsandbytes' compress_statistics
+        strata::kernels::quant4_absmax(w.const_data_ptr(), strata::kernels::DType::kF32, w.numel(), q.blocksize,
+                                       absmax.data_ptr<float>());
+        const float offset = absmax.mean().item<float>();
+        std::vector<uint8_t> qabsmax(static_cast<size_t>(blocks));
+        std::vector<float> nested(size_t(strata::kernels::quant4_nested_blocks(w.numel(), q.blocksize)));
+        strata::kernels::quantize_4bit_nested(w.const_data_ptr(), strata::kernels::DType::kF32, w.numel(), type,
+                                              q.blocksize, offset, packed.data(), qabsmax.data(), nested.data());
+        strata::kernels::dequantize_4bit_nested(packed.data(), qabsmax.data(), nested.data(), offset, w.numel(), type,
+                                                q.blocksize, d.data_ptr(), strata::kernels::DType::kF32);
+      }
       p.detach().copy_(d);
     }
   }

@@ -48,11 +48,12 @@ uint64_t frozen_bytes(const se::TrainConfig& tc) {
 }
 
 TEST(QuantizedBase, LoraOverA4BitBaseMatchesTorchOverItsDequantizedWeightsOnEveryTier) {
-  for (const char* type : {"nf4", "fp4"})
+  for (const std::string type : {"nf4", "fp4", "nf4 double"})
     for (const char* where : {"device", "host", "nvme"}) {
-      SCOPED_TRACE(std::string(type) + ", 4-bit base on " + where);
+      SCOPED_TRACE(type + ", 4-bit base on " + where);
       TempDir swap;
-      json j = qlora_config(type);
+      json j = qlora_config(type.substr(0, 3));
+      j["model"]["quantize"]["bnb_4bit_use_double_quant"] = type.size() > 3;
       j["placement"] = {{"params", where}};
       if (std::string(where) == "nvme") j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
       const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");

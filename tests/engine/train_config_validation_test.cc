@@ -173,7 +173,7 @@ TEST(TrainConfig, AFourBitBaseReadsBitsAndBytesKeysAndRefusesWhatCannotWork) {
   const Bad cases[] = {
       {with(R"({"load_in_4bit": true})", "", "llama-1b", R"("trainable": "all")"), "needs a frozen base"},
       {with(R"({"load_in_4bit": true, "bnb_4bit_quant_type": "int4"})"), "bnb_4bit_quant_type"},
-      {with(R"({"load_in_4bit": true, "bnb_4bit_use_double_quant": true})"), "bnb_4bit_use_double_quant"},
+      {with(R"({"load_in_4bit": true, "bnb_4bit_use_double_quant": 1})"), "bnb_4bit_use_double_quant"},
       {with(R"({"load_in_4bit": true, "bnb_4bit_quant_storage": "bfloat16"})"), "bnb_4bit_quant_storage"},
       {with(R"({"load_in_4bit": true, "llm_int8_skip_modules": ["q_proj"]})"), "lm_head"},
       {with(R"({"load_in_8bit": true})"), "load_in_8bit"},

@@ -1,4 +1,5 @@
 #include "runtime/coordinator.h"
+#include "runtime/quant4_record.h"
 #include "strata/kernels/quant4.h"
 
 #include <ATen/ops/empty.h>
@@ -104,11 +105,8 @@ void ParameterCoordinator::bind(size_t u) {
       continue;
     }
     const at::Tensor w = dev_.empty(s.shape, cdt_, s.name + " dequantized");
-    const models::Quant4Record r = models::quant4_record(uint64_t(w.numel()), quant_);
-    const at::Tensor bytes = slot.view(at::kByte);
-    dev_.dequantize_4bit(bytes.narrow(0, int64_t(r.absmax_bytes), int64_t(r.packed_bytes)),
-                         bytes.narrow(0, 0, int64_t(r.absmax_bytes)).view(at::kFloat),
-                         kernels::quant4_from_string(quant_.quant_type), quant_.blocksize, w);
+    dev_.dequantize_4bit(quant4_view(slot, uint64_t(w.numel()), quant_), kernels::quant4_from_string(quant_.quant_type),
+                         quant_.blocksize, w);
     tensors_[u][i].set_data(w);
   }
   g.bound = true;

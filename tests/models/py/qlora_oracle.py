@@ -25,6 +25,8 @@ Cases:
   llama-nf4        Llama, hidden 56 and intermediate 83 (weights of 1568 to 4648 elements: partial
                    last blocks), NF4, the base on the host, one rank.
   qwen3-fp4        Qwen3 (q/k norms, head_dim 16 beside hidden 45: odd element counts), FP4, one rank.
+  llama-nf4-double the Llama case with double quantization (bnb_4bit_use_double_quant: the absmax
+                   in 8 bits around their mean), the base in NVMe swap.
   qwen2-nf4-2rank  Qwen2 (q/k/v biases kept in fp32) under `strata launch -n 2`, NF4, the 4-bit base
                    in NVMe swap.
 """
@@ -64,11 +66,11 @@ def quant_type(case):
     return "fp4" if "fp4" in case else "nf4"
 
 
-def quantized_base(model_dir, qt):
+def quantized_base(model_dir, qt, double):
     """transformers + bitsandbytes: the 16-bit base loaded in 4 bits, fp32 compute, on the CPU."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=qt, bnb_4bit_compute_dtype=torch.float32,
-                           bnb_4bit_use_double_quant=False)
+                           bnb_4bit_use_double_quant=double)
     return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q, dtype=torch.float32,
                                                 device_map="cpu")
 
@@ -87,6 +89,7 @@ def main():
     get_peft_model(base_model(case, vocab), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0,
                                                        init_lora_weights=False)).save_pretrained(adapter_dir)
     qt = quant_type(case)
+    double = "double" in case
     world = 2 if case.endswith("2rank") else 1
     rng = np.random.default_rng(11)
     train = sft_examples(rng, MICRO * ACCUM * world, vocab, [9, 25, 31, 14, 20, 40, 25, 11])
@@ -95,7 +98,7 @@ def main():
     write_sft(os.path.join(work, "eval.sft"), evals)
     export = os.path.join(work, "export")
     quantize = {"load_in_4bit": True, "bnb_4bit_quant_type": qt, "bnb_4bit_compute_dtype": "float32",
-                "bnb_4bit_use_double_quant": False}
+                "bnb_4bit_use_double_quant": double}
     cfg = {"model": {"init_from": model_dir, "adapter_from": adapter_dir, "quantize": quantize},
            "data": {"seq_len": SEQ, "seed": 3, "path": os.path.join(work, "train.sft"), "format": "sft",
                     "eval_path": os.path.join(work, "eval.sft"), "pack": False},
@@ -105,7 +108,7 @@ def main():
            "device": {"budget": "64MiB"},
            "run": {"steps": STEPS, "progress": False, "log": os.path.join(work, "log.jsonl"),
                    "export": export, "export_overwrite": True, "checkpoint_dir": os.path.join(work, "ckpt")}}
-    if world > 1:
+    if world > 1 or double:
         cfg["placement"] = {"params": "nvme", "grads": "host", "master": "host", "moments": "host"}
         cfg["offload"] = {"nvme_dirs": [os.path.join(work, "swap")]}
         os.makedirs(os.path.join(work, "swap"), exist_ok=True)
@@ -137,7 +140,7 @@ def main():
             ok = False
 
     # The oracle: peft over bitsandbytes' Linear4bit, AdamW and clipping over the adapters.
-    model = PeftModel.from_pretrained(quantized_base(model_dir, qt), adapter_dir, is_trainable=True)
+    model = PeftModel.from_pretrained(quantized_base(model_dir, qt, double), adapter_dir, is_trainable=True)
     linear4 = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     if linear4 != len(TARGETS) * 2:
         print(f"FAIL: the oracle has {linear4} Linear4bit layers, not {len(TARGETS) * 2}")
@@ -181,7 +184,7 @@ def main():
 
     # peft loads the export on a freshly quantized base: Strata's evaluation.
     with torch.no_grad():
-        loaded = PeftModel.from_pretrained(quantized_base(model_dir, qt), export)
+        loaded = PeftModel.from_pretrained(quantized_base(model_dir, qt, double), export)
         # Training mode (no dropout here): in eval mode without gradients, bitsandbytes' CPU
         # Linear4bit repacks its weights for a bf16 inference kernel on AVX512-BF16 machines,
         # another computation than the dequantization the training ran.

@@ -160,12 +160,20 @@ class Device {
   };
   virtual void adam_step(const kernels::AdamConfig& config, const std::vector<AdamTensors>& units,
                          const kernels::CpuExec& exec);
-  // A 4-bit tensor's dequantization (kernels/quant4.h's rule, bitwise): `packed` (uint8) and
-  // `absmax` (fp32) of a record in a gathered unit, into `out` (its dtype, contiguous, numel
-  // elements), all on the device, on the compute stream. The host device runs
-  // kernels::dequantize_4bit; CUDA kernels::cuda::dequantize_4bit.
-  virtual void dequantize_4bit(const at::Tensor& packed, const at::Tensor& absmax, kernels::Quant4 type,
-                               int64_t blocksize, const at::Tensor& out);
+  // A 4-bit tensor's parts (views into a gathered unit's record, models/quantized_base.h).
+  struct Quant4View {
+    at::Tensor packed;         // uint8 [(n + 1) / 2]: the codes
+    at::Tensor absmax;         // fp32 [blocks]; with double quantization uint8 qabsmax [blocks]
+    at::Tensor nested_absmax;  // double quantization: fp32 [(blocks + 255) / 256]; else undefined
+    at::Tensor offset;         // double quantization: fp32 [1]; else undefined
+  };
+  // Its dequantization (kernels/quant4.h's rule, bitwise) into `out` (its dtype, contiguous, n
+  // elements), all on the device, on the compute stream. The host device runs the CPU kernels
+  // (dequantize_4bit_on_host); CUDA kernels::cuda::dequantize_4bit.
+  virtual void dequantize_4bit(const Quant4View& v, kernels::Quant4 type, int64_t blocksize, const at::Tensor& out);
+  // The CPU kernels on host tensors (the host device's dequantize_4bit, and any host copy).
+  static void dequantize_4bit_on_host(const Quant4View& v, kernels::Quant4 type, int64_t blocksize,
+                                      const at::Tensor& out);
   // The sum of squares of each fp32 device tensor, read back to the host (blocks until done).
   virtual std::vector<double> sum_squares(const std::vector<at::Tensor>& xs, const kernels::CpuExec& exec);
   // dst (host, contiguous) := src (device, contiguous, same dtype and numel); blocking, on a

@@ -55,6 +55,12 @@ struct TensorSlot {
   uint64_t numel = 0;   // elements it occupies there (a 4-bit record's: not the shape's)
   TensorOrigin origin;
   bool quantized = false;  // a 4-bit record (models/quantized_base.h) of a tensor of `shape`
+  // The tensor's elements (its shape's; `numel` too unless it is a 4-bit record).
+  uint64_t elements() const {
+    uint64_t n = 1;
+    for (int64_t d : shape) n *= uint64_t(d);
+    return n;
+  }
   // The model tensor it is (a part of), and that tensor's shape.
   const std::string& whole_name() const { return origin.is_part() ? origin.whole : name; }
   const std::vector<int64_t>& whole_shape() const { return origin.is_part() ? origin.whole_shape : shape; }

@@ -14,7 +14,8 @@
 // The record (docs/FORMATS.md "4-bit blocks"): a 4-bit tensor of n elements occupies, in its
 // unit's flat buffer of the compute dtype, a record starting on a 16-byte boundary of the buffer:
 // the absmax of its blocks (fp32, quant4_blocks(n, blocksize) of them), then the packed codes
-// (quant4_packed_bytes(n) bytes), padded to whole elements. Every rank's shard, every tier and the
+// (quant4_packed_bytes(n) bytes), padded to whole elements; with double quantization the offset
+// (fp32) and the nested absmax (fp32, one per 256 blocks) first, and the absmax as uint8 qabsmax. Every rank's shard, every tier and the
 // all-gather move those bytes as they move any compute copy; only the stage's binding dequantizes.
 //
 // Pure functions; thread-safe. Errors: std::invalid_argument naming the setting.
@@ -31,7 +32,7 @@ struct ModelConfig;
 struct QuantizedBase {
   bool load_in_4bit = false;
   std::string quant_type = "nf4";  // bnb_4bit_quant_type: "nf4" or "fp4"
-  bool double_quant = false;       // bnb_4bit_use_double_quant (not supported yet: refused)
+  bool double_quant = false;       // bnb_4bit_use_double_quant: the absmax quantized to 8 bits
   int64_t blocksize = 64;          // bitsandbytes' 4-bit block, as transformers uses it
   // llm_int8_skip_modules: modules kept in the compute dtype (transformers' default: the head).
   std::vector<std::string> skip_modules = {"lm_head"};
@@ -52,10 +53,16 @@ bool trained_on(const std::string& recorded, const std::string& base);
 // bits when frozen (false when c.quantize is not enabled).
 bool stored_4bit(const ModelConfig& c, const std::string& name);
 
-// A 4-bit tensor's record: its bytes, and where its codes begin (the absmax first).
+// A 4-bit tensor's record: its parts' bytes, in this order (fp32 parts first, so each is aligned).
 struct Quant4Record {
-  uint64_t absmax_bytes = 0, packed_bytes = 0;
-  uint64_t bytes() const { return absmax_bytes + packed_bytes; }
+  uint64_t offset_bytes = 0;  // double quantization: the absmax' fp32 mean (bitsandbytes' offset)
+  uint64_t nested_bytes = 0;  // double quantization: the fp32 absmax of each 256 blocks' qabsmax
+  uint64_t absmax_bytes = 0;  // fp32 absmax a block; with double quantization uint8 qabsmax
+  uint64_t packed_bytes = 0;  // the packed codes, two a byte
+  uint64_t nested_at() const { return offset_bytes; }
+  uint64_t absmax_at() const { return offset_bytes + nested_bytes; }
+  uint64_t packed_at() const { return absmax_at() + absmax_bytes; }
+  uint64_t bytes() const { return packed_at() + packed_bytes; }
 };
 Quant4Record quant4_record(uint64_t numel, const QuantizedBase& q);
 
