@@ -189,6 +189,13 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
     throw bad(source, std::string("not valid JSON: ") + e.what());
   }
   const std::string type = need<std::string>(j, "model_type", source);
+  // A checkpoint saved already quantized (bitsandbytes' .absmax / .quant_map beside packed uint8
+  // weights) is not read yet: its 16-bit base with model.quantize gives the same 4-bit weights.
+  if (j.contains("quantization_config") && j["quantization_config"].is_object())
+    throw bad(source, "quantization_config: a pre-quantized checkpoint (" +
+                          j["quantization_config"].value("quant_method", std::string("unknown method")) +
+                          ") is not supported yet; load its 16-bit base with model.quantize (bitsandbytes' "
+                          "BitsAndBytesConfig keys), which quantizes it as bitsandbytes does");
   ModelConfig c;
   c.name = type;
   if (type == "gpt2") {

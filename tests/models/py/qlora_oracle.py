@@ -17,8 +17,9 @@ Compared:
     the 4-bit one was quantized from): transformers' logits of the merged model equal peft's
     merge_and_unload() of the export on the 16-bit base (1e-5);
   - llama-nf4: the run stopped after 2 steps and resumed, its losses bitwise the straight run's;
-  - refusals: a resume with another quantization (the base's fingerprint names it), and
-    run.export_merged with a 4-bit base.
+  - refusals: a resume with another quantization (the base's fingerprint names it),
+    run.export_merged with a 4-bit base, and (llama-nf4) a checkpoint transformers saved in 4 bits
+    (pre-quantized checkpoints are not read yet).
 Exit 0 on agreement, 1 otherwise.
 
 Cases:
@@ -230,6 +231,18 @@ def main():
     if lines is not None or "export_merged with a 4-bit base" not in err:
         print("FAIL: run.export_merged with a 4-bit base was not refused:", err[-300:])
         ok = False
+    if case == "llama-nf4":
+        # A checkpoint saved in 4 bits (transformers + bitsandbytes' save_pretrained) is refused, saying so.
+        prequantized = os.path.join(work, "model-4bit")
+        quantized_base(model_dir, qt, double).save_pretrained(prequantized, safe_serialization=True)
+        pre = json.loads(json.dumps(cfg))
+        pre["model"].update({"init_from": prequantized})
+        pre["run"].update({"log": os.path.join(work, "log-pre.jsonl"), "checkpoint_dir": os.path.join(work, "ckpt-pre")})
+        lines, err = run_strata_output(strata, work, pre, world, "prequantized", must_pass=False)
+        print("a pre-quantized checkpoint:", err.strip().splitlines()[-1:] if err else "")
+        if lines is not None or "pre-quantized checkpoint (bitsandbytes)" not in err:
+            print("FAIL: a pre-quantized checkpoint was not refused saying so")
+            ok = False
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 
