@@ -277,6 +277,9 @@ void check_run(const TrainConfig& c, const std::string& source) {
       throw std::invalid_argument(source + ": model.quantize.bnb_4bit_compute_dtype \"" + c.quantize_compute_dtype +
                                   "\" is not precision.compute (\"" + compute +
                                   "\"): the 4-bit weights are dequantized into the compute dtype");
+    if (!c.export_dir.empty() && !c.model.lora.enabled())
+      throw std::invalid_argument(source + ": run.export with a 4-bit base (model.quantize) and no model.lora: the "
+                                           "frozen 4-bit weights cannot be exported yet (a LoRA run exports its adapter)");
     if (c.export_merged)
       throw std::invalid_argument(source + ": run.export_merged with a 4-bit base (model.quantize) is not supported "
                                            "yet; export the adapter (run.export) and merge it into the 16-bit base with "

@@ -7,6 +7,7 @@
 #include "strata/engine/config.h"
 #include "strata/engine/config_parse.h"
 #include "strata/models/model_shapes.h"
+#include "strata/models/trainable.h"
 
 namespace strata::engine {
 
@@ -68,6 +69,12 @@ void read_quantize(Section& s, TrainConfig& c) {
   } catch (const std::exception& ex) {
     k.fail("llm_int8_skip_modules", ex.what());
   }
+  // Something must be stored in 4 bits: a frozen block linear no skip pattern keeps.
+  const models::TrainableTensors trains(c.engine.trainable);
+  bool any = false;
+  for (const std::string& t : models::tensor_names(mc)) any = any || (!trains.trainable(t) && models::stored_4bit(mc, t));
+  if (!any)
+    k.fail("load_in_4bit", "quantizes nothing: every block linear's weight trains or is in llm_int8_skip_modules");
 }
 
 }  // namespace strata::engine

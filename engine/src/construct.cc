@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mean.h>
 
+#include <cstring>
 #include <optional>
 
 namespace strata::engine {
@@ -185,11 +186,17 @@ void Engine::Impl::allocate_state(std::vector<std::vector<at::Tensor>>& owned, b
 // A unit's initial flat buffer: its tensors back to back, fp32 (a trainable unit's master), or
 // for a frozen unit with 4-bit tensors (model.quantize) in the compute dtype with each 4-bit
 // tensor's record (quantized_base.h) in its slot: the weight as the compute dtype holds it,
-// quantized by bitsandbytes' rule (kernels::quantize_4bit).
-at::Tensor Engine::Impl::initial_flat(const UnitLayout& L, const std::vector<at::Tensor>& tensors) const {
+// quantized by bitsandbytes' rule (kernels::quantize_4bit). Double quantization's offsets (torch's
+// fp32 mean, whose rounding can follow the thread count) are agreed across the ranks first: each
+// rank keeps only its shard of a record, so all must quantize around the same offset.
+at::Tensor Engine::Impl::initial_flat(const UnitLayout& L, const std::vector<at::Tensor>& tensors) {
   const bool records = std::any_of(L.tensors.begin(), L.tensors.end(), [](const TensorSlot& t) { return t.quantized; });
   at::Tensor flat = at::zeros({int64_t(L.padded_numel())}, at::TensorOptions().dtype(records ? cdt : at::kFloat));
   const models::QuantizedBase& q = model->config().quantize;
+  const kernels::Quant4 type = records ? kernels::quant4_from_string(q.quant_type) : kernels::Quant4::kNf4;
+  const kernels::DType dtype = Device::kernel_dtype(cdt);
+  std::vector<at::Tensor> weights(L.tensors.size());
+  std::vector<int64_t> offsets;  // double quantization: each record's offset's bits, slot order
   for (size_t i = 0; i < L.tensors.size(); ++i) {
     const TensorSlot& s = L.tensors[i];
     at::Tensor dst = flat.narrow(0, int64_t(s.offset), int64_t(s.numel));
@@ -197,19 +204,32 @@ at::Tensor Engine::Impl::initial_flat(const UnitLayout& L, const std::vector<at:
       dst.copy_(tensors[i].detach().reshape(-1));
       continue;
     }
-    const at::Tensor w = tensors[i].detach().to(cdt).contiguous();
+    const at::Tensor& w = weights[i] = tensors[i].detach().to(cdt).contiguous();
     const Device::Quant4View v = runtime::quant4_view(dst, uint64_t(w.numel()), q);
-    const kernels::Quant4 type = kernels::quant4_from_string(q.quant_type);
-    const kernels::DType dtype = Device::kernel_dtype(cdt);
     if (!q.double_quant) {
       kernels::quantize_4bit(w.data_ptr(), dtype, w.numel(), type, q.blocksize, v.packed.data_ptr<uint8_t>(),
                              v.absmax.data_ptr<float>());
       continue;
     }
-    // Double quantization around the absmax' mean, as bitsandbytes takes it (torch's fp32 mean).
     at::Tensor absmax = at::empty({v.absmax.numel()}, at::kFloat);
     kernels::quant4_absmax(w.data_ptr(), dtype, w.numel(), q.blocksize, absmax.data_ptr<float>());
-    const float offset = at::mean(absmax).item<float>();
+    uint32_t bits = 0;
+    const float mean = at::mean(absmax).item<float>();  // >= 0: its bits order as its values
+    std::memcpy(&bits, &mean, 4);
+    offsets.push_back(int64_t(bits));
+  }
+  if (offsets.empty()) return flat;
+  if (comm.world_size() > 1) offsets = agreement()(offsets);
+  size_t k = 0;
+  for (size_t i = 0; i < L.tensors.size(); ++i) {
+    if (!L.tensors[i].quantized) continue;
+    const at::Tensor& w = weights[i];
+    const Device::Quant4View v =
+        runtime::quant4_view(flat.narrow(0, int64_t(L.tensors[i].offset), int64_t(L.tensors[i].numel)),
+                             uint64_t(w.numel()), q);
+    const uint32_t bits = uint32_t(offsets[k++]);
+    float offset = 0;
+    std::memcpy(&offset, &bits, 4);
     v.offset.fill_(offset);
     kernels::quantize_4bit_nested(w.data_ptr(), dtype, w.numel(), type, q.blocksize, offset,
                                   v.packed.data_ptr<uint8_t>(), v.absmax.data_ptr<uint8_t>(),

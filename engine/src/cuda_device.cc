@@ -156,7 +156,8 @@ class CudaDevice final : public Device {
     TORCH_CHECK(v.packed.is_cuda() && v.absmax.is_cuda() && out.is_cuda() && v.packed.is_contiguous() &&
                     v.absmax.is_contiguous() && out.is_contiguous(),
                 "dequantize_4bit: contiguous device tensors");
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(index_)).stream();
+    // The compute stream, where Device::empty allocates: the temporary absmax is freed in its order.
+    const cudaStream_t stream = compute_.handle();
     at::Tensor absmax = v.absmax;
     if (v.nested_absmax.defined()) {  // double quantization: the fp32 absmax first
       absmax = empty({v.absmax.numel()}, at::kFloat, "4-bit absmax");

@@ -208,7 +208,12 @@ void Engine::read_state(size_t unit, state::Kind kind, uint64_t begin, uint64_t 
                             " outside unit " + I.partition->unit(unit).name + "'s slice of " + std::to_string(n));
   const at::Tensor out = at::from_blob(dst, {int64_t(numel)}, at::TensorOptions().dtype(at::kFloat));
   if (I.partition->frozen(unit)) {
-    // A frozen unit's weights are its compute copy (nothing else of it exists).
+    // A frozen unit's weights are its compute copy (nothing else of it exists), unless it holds
+    // 4-bit records, whose bytes are no values (gather_parameters dequantizes them).
+    const std::vector<TensorSlot>& slots = I.partition->unit(unit).tensors;
+    if (std::any_of(slots.begin(), slots.end(), [](const TensorSlot& t) { return t.quantized; }))
+      throw std::logic_error("read_state: unit " + I.partition->unit(unit).name +
+                             " holds 4-bit records (model.quantize), not values");
     if (k != state::kMaster)
       throw std::logic_error("read_state: unit " + I.partition->unit(unit).name + " is frozen: it has no " +
                              state::kind_name(k));

@@ -171,7 +171,7 @@ struct Engine::Impl {
   // Each unit's shard of the initial weights into the state store, unit by unit; the model's
   // copy of each goes as soon as its unit is placed.
   void allocate_state(std::vector<std::vector<at::Tensor>>& owned, bool grads_transient);
-  at::Tensor initial_flat(const UnitLayout& L, const std::vector<at::Tensor>& tensors) const;
+  at::Tensor initial_flat(const UnitLayout& L, const std::vector<at::Tensor>& tensors);
   // The updater and the gradient reducer over the allocated state.
   void build_update_parts(std::vector<std::vector<runtime::GradientReducer::ParamRef>> stage_params,
                           bool grads_transient);

@@ -337,7 +337,12 @@ UnitShapes unit_shapes(const ModelConfig& c, const LayerTiles& t, const Trainabl
         } else {  // laid out as Partition lays it (a 4-bit record where c.quantize stores one)
           const StoredTensor st = stored_tensor(c, x.tensor, x.numel, true, elem_bytes);
           frozen = stored_start(frozen, st) + st.numel;
-          if (st.quantized) dequantized += x.numel;
+          // Its dequantized tensor, and with double quantization the fp32 absmax made on the way.
+          if (st.quantized)
+            dequantized += x.numel + (c.quantize.double_quant
+                                          ? ((x.numel + uint64_t(c.quantize.blocksize) - 1) / uint64_t(c.quantize.blocksize) * 4 +
+                                             elem_bytes - 1) / elem_bytes
+                                          : 0);
         }
         if (x.tensor == rows) rows_frozen = !trains;
       }

@@ -17,10 +17,12 @@ bool QuantizedBase::skips(const std::string& module) const {
     try {
       const std::regex re("^(?:" + p + ")(?=\\.|$)");
       if (std::regex_search(module, re)) return true;
-      std::smatch m;
-      if (std::regex_search(module, m, std::regex("^(?:" + p + ")")) && m.length(0) > 0 &&
-          module[size_t(m.length(0)) - 1] == '.')
-        return true;
+      // A match ending just after a "." (Python's lookbehind, which std::regex lacks): any prefix
+      // of the name that ends with a "." and the pattern matches whole.
+      const std::regex whole("(?:" + p + ")");
+      for (size_t k = 1; k <= module.size(); ++k)
+        if (module[k - 1] == '.' && std::regex_match(module.begin(), module.begin() + std::ptrdiff_t(k), whole))
+          return true;
     } catch (const std::regex_error&) {
       throw std::invalid_argument("model.quantize.llm_int8_skip_modules: \"" + p + "\" is not a regular expression");
     }

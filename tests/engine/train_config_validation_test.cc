@@ -168,6 +168,11 @@ TEST(TrainConfig, AFourBitBaseReadsBitsAndBytesKeysAndRefusesWhatCannotWork) {
   EXPECT_FALSE(models::stored_4bit(skipping.model, "model.layers.1.mlp.up_proj.weight"));
   EXPECT_TRUE(models::stored_4bit(skipping.model, "model.layers.11.mlp.up_proj.weight"));
   EXPECT_FALSE(models::stored_4bit(skipping.model, "model.layers.11.self_attn.v_proj.weight"));  // a suffix
+  // A regular expression whose match may end just after a "." (transformers' lookbehind), checked there.
+  const TrainConfig optional = parse_train_config(
+      with(R"({"load_in_4bit": true, "llm_int8_skip_modules": ["lm_head", "model.layers.1.(self_attn)?"]})"), "test.json");
+  EXPECT_FALSE(models::stored_4bit(optional.model, "model.layers.1.mlp.up_proj.weight"));
+  EXPECT_TRUE(models::stored_4bit(optional.model, "model.layers.2.mlp.up_proj.weight"));
   struct Bad {
     std::string json, names;
   };
@@ -183,6 +188,11 @@ TEST(TrainConfig, AFourBitBaseReadsBitsAndBytesKeysAndRefusesWhatCannotWork) {
       {with(R"({"load_in_4bit": true})", "", "gpt2", R"("lora": {"r": 4, "target_modules": ["c_attn"]})"), "Llama family's dense models"},
       {with(R"({"load_in_4bit": true})", R"(, "run": {"export": "/tmp/x", "export_merged": true})"),
        "export_merged with a 4-bit base"},
+      {with(R"({"load_in_4bit": true})", R"(, "run": {"export": "/tmp/x"})", "llama-1b",
+            R"("trainable": ["model.layers.0.*"])"),
+       "no model.lora"},
+      {with(R"({"load_in_4bit": true, "llm_int8_skip_modules": ["lm_head", "model.layers"]})"), "quantizes nothing"},
+      {with(R"({"load_in_4bit": true})", "", "llama-1b", R"("trainable": ["model.layers.*"])"), "quantizes nothing"},
   };
   for (const Bad& bad : cases) {
     SCOPED_TRACE(bad.json);
