@@ -56,7 +56,10 @@ commands:
                      stream the master weights into a Hugging Face model directory
                      (config.json + safetensors, sharded above SIZE, default 5 GB) that transformers loads,
                      with MODEL_DIR's tokenizer files; a non-empty OUT needs --force (its
-                     other files, e.g. a tokenizer, are kept)
+                     other files, e.g. a tokenizer, are kept); a LoRA checkpoint: its PEFT
+                     adapter, and with --base MODEL_DIR the merged model into OUT-merged
+                     (--merge-into dequantized: a 4-bit run's adapters into the 4-bit weights
+                     it trained on, dequantized; base, the default: MODEL_DIR's weights)
   bench io     bandwidth of the NVMe I/O engine beside fio (same file system, block size,
                queue depth), sequential and random, read and write
   bench adam   CPU Adam kernel beside PyTorch's fused AdamW, torch::optim::AdamW and the
@@ -106,31 +109,52 @@ std::filesystem::path checkpoint_arg(const std::string& arg) {
                                  "`latest` that names one");
 }
 
-int ckpt_export(const std::vector<std::string>& argv) {
+// `strata ckpt export`'s arguments; nullopt (said on stderr) when they are not valid.
+struct ExportArgs {
   std::string dtype = "float32", tokenizer_from;
   std::filesystem::path base;  // a LoRA checkpoint's base: the merged model is written too
+  strata::engine::MergeInto into = strata::engine::MergeInto::kBase;  // a 4-bit run's merge
   uint64_t shard_bytes = strata::models::kDefaultShardBytes;  // as run.export_shard_size
   bool force = false;
   std::vector<std::string> pos;
+};
+
+std::optional<ExportArgs> parse_export_args(const std::vector<std::string>& argv) {
+  ExportArgs a;
+  std::string merge_into = "base";
   for (size_t i = 0; i < argv.size(); ++i) {
-    if (argv[i] == "--force") force = true;
-    else if (argv[i] == "--dtype" && i + 1 < argv.size()) dtype = argv[++i];
-    else if (argv[i].starts_with("--dtype=")) dtype = argv[i].substr(8);
-    else if (argv[i] == "--base" && i + 1 < argv.size()) base = argv[++i];
-    else if (argv[i].starts_with("--base=")) base = argv[i].substr(7);
-    else if (argv[i] == "--tokenizer-from" && i + 1 < argv.size()) tokenizer_from = argv[++i];
-    else if (argv[i].starts_with("--tokenizer-from=")) tokenizer_from = argv[i].substr(17);
-    else if (argv[i] == "--shard-size" && i + 1 < argv.size()) shard_bytes = strata::cli::parse_size(argv[++i]);
-    else if (argv[i].starts_with("--shard-size=")) shard_bytes = strata::cli::parse_size(argv[i].substr(13));
+    if (argv[i] == "--force") a.force = true;
+    else if (argv[i] == "--dtype" && i + 1 < argv.size()) a.dtype = argv[++i];
+    else if (argv[i].starts_with("--dtype=")) a.dtype = argv[i].substr(8);
+    else if (argv[i] == "--base" && i + 1 < argv.size()) a.base = argv[++i];
+    else if (argv[i].starts_with("--base=")) a.base = argv[i].substr(7);
+    else if (argv[i] == "--merge-into" && i + 1 < argv.size()) merge_into = argv[++i];
+    else if (argv[i].starts_with("--merge-into=")) merge_into = argv[i].substr(13);
+    else if (argv[i] == "--tokenizer-from" && i + 1 < argv.size()) a.tokenizer_from = argv[++i];
+    else if (argv[i].starts_with("--tokenizer-from=")) a.tokenizer_from = argv[i].substr(17);
+    else if (argv[i] == "--shard-size" && i + 1 < argv.size()) a.shard_bytes = strata::cli::parse_size(argv[++i]);
+    else if (argv[i].starts_with("--shard-size=")) a.shard_bytes = strata::cli::parse_size(argv[i].substr(13));
     else if (argv[i].starts_with("-")) {
       std::cerr << "strata ckpt export: unknown option " << argv[i] << "\n";
-      return 2;
-    } else pos.push_back(argv[i]);
+      return std::nullopt;
+    } else a.pos.push_back(argv[i]);
   }
-  if (pos.size() != 2) {
-    std::cerr << "usage: strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR] [--shard-size SIZE] [--base MODEL_DIR]\n";
-    return 2;
+  if (a.pos.size() != 2) {
+    std::cerr << "usage: strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR] [--shard-size SIZE] [--base MODEL_DIR [--merge-into base|dequantized]]\n";
+    return std::nullopt;
   }
+  a.into = strata::engine::parse_merge_into(merge_into, "--merge-into");
+  if (a.base.empty() && a.into != strata::engine::MergeInto::kBase) {
+    std::cerr << "strata ckpt export: --merge-into needs --base (the model the adapters merge into)\n";
+    return std::nullopt;
+  }
+  return a;
+}
+
+int ckpt_export(const std::vector<std::string>& argv) {
+  const std::optional<ExportArgs> args = parse_export_args(argv);
+  if (!args) return 2;
+  const auto& [dtype, tokenizer_from, base, into, shard_bytes, force, pos] = *args;
   const std::filesystem::path dir = checkpoint_arg(pos[0]);
   // A LoRA checkpoint exports as a PEFT adapter directory; with --base, the merged model as well,
   // into OUT-merged.
@@ -164,11 +188,14 @@ int ckpt_export(const std::vector<std::string>& argv) {
     const auto t1 = std::chrono::steady_clock::now();
     const auto m = strata::engine::export_checkpoint_merged(dir, base, merged, dtype, [&](uint64_t done, uint64_t total) {
       if (tty) std::cerr << "\rmerged " << done * 100 / std::max<uint64_t>(total, 1) << "% (" << done << " / " << total << " bytes)" << std::flush;
-    }, force, tokenizer_from.empty() ? base : std::filesystem::path(tokenizer_from), shard_bytes);
+    }, force, tokenizer_from.empty() ? base : std::filesystem::path(tokenizer_from), shard_bytes, {}, into);
     if (tty) std::cerr << "\n";
     std::cout << "merged " << dir.string() << "'s adapter into " << base.string() << ": " << merged.string() << ", "
               << m.tensors << " tensors, " << m.bytes << " bytes of " << dtype << " in "
-              << std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() << " s\n";
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() << " s"
+              << (m.dequantized ? " (" + std::to_string(m.dequantized) + " weights merged into their dequantized 4-bit values)"
+                                : std::string(" (into the base's 16-bit weights)"))
+              << "\n";
   }
   const auto t0 = std::chrono::steady_clock::now();
   const auto r = strata::engine::export_checkpoint_hf(dir, out, dtype, [&](uint64_t done, uint64_t total) {
@@ -186,7 +213,7 @@ int ckpt_export(const std::vector<std::string>& argv) {
 int ckpt(const std::vector<std::string>& argv) {
   if (!argv.empty() && argv[0] == "export") return ckpt_export({argv.begin() + 1, argv.end()});
   if (argv.size() != 2 || (argv[0] != "inspect" && argv[0] != "verify")) {
-    std::cerr << "usage: strata ckpt inspect|verify DIR\n       strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR] [--shard-size SIZE] [--base MODEL_DIR]\n";
+    std::cerr << "usage: strata ckpt inspect|verify DIR\n       strata ckpt export DIR OUT [--dtype float32|bfloat16|float16] [--force] [--tokenizer-from MODEL_DIR] [--shard-size SIZE] [--base MODEL_DIR [--merge-into base|dequantized]]\n";
     return 2;
   }
   const std::filesystem::path dir = checkpoint_arg(argv[1]);

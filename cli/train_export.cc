@@ -118,7 +118,34 @@ std::filesystem::path Exporter::periodic_dir(int64_t step) const {
 void Exporter::export_model(const std::filesystem::path& dir, bool overwrite) {
   const bool lora = run_.mc.lora.enabled();
   agree([&] { write(dir, overwrite, lora ? engine::ExportContent::kAdapter : engine::ExportContent::kModel); });
-  if (lora && run_.tc.export_merged) agree([&] { write(merged_dir(dir), overwrite, engine::ExportContent::kMerged); });
+  if (!lora || !run_.tc.export_merged) return;
+  if (!run_.mc.quantize.enabled()) {
+    agree([&] { write(merged_dir(dir), overwrite, engine::ExportContent::kMerged); });
+    return;
+  }
+  // A 4-bit base: the engine holds its weights as 4-bit records, so rank 0 merges the adapter
+  // export just written into init_from's weights (as its files hold them, or dequantized).
+  agree([&] {
+    if (run_.lead) write_merged_4bit(dir, overwrite);
+  });
+}
+
+void Exporter::write_merged_4bit(const std::filesystem::path& adapter_dir, bool overwrite) {
+  const engine::TrainConfig& tc = run_.tc;
+  const auto t0 = std::chrono::steady_clock::now();
+  const engine::MergeInto into = engine::parse_merge_into(tc.export_merged_into, "run.export_merged_into");
+  const at::ScalarType compute = run_.ec.compute == engine::Precision::kBf16   ? at::kBFloat16
+                                 : run_.ec.compute == engine::Precision::kFp16 ? at::kHalf
+                                                                               : at::kFloat;
+  const engine::ExportResult done =
+      engine::export_adapter_merged(adapter_dir, run_.mc, compute, tc.init_from, merged_dir(adapter_dir),
+                                    models::hf_dtype_name(type_), into, overwrite, tc.export_shard_bytes);
+  std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: exported the merged model to "
+            << merged_dir(adapter_dir).string() << " (" << models::hf_dtype_name(type_) << ", "
+            << (done.dequantized ? "merged into the dequantized 4-bit weights (" + std::to_string(done.dequantized) +
+                                       " of them)"
+                                 : std::string("merged into the 16-bit base init_from"))
+            << ", " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s)\n";
 }
 
 void Exporter::agree(const std::function<void()>& f) {

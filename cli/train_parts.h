@@ -316,6 +316,9 @@ class Exporter {
 
  private:
   void write(const std::filesystem::path& dir, bool overwrite, engine::ExportContent content);
+  // Rank 0: the adapter export `adapter_dir` merged into init_from (run.export_merged on a 4-bit
+  // base, run.export_merged_into).
+  void write_merged_4bit(const std::filesystem::path& adapter_dir, bool overwrite);
   // Runs `f` (an export) and throws on every rank if it failed on any.
   void agree(const std::function<void()>& f);
   std::filesystem::path periodic_dir(int64_t step) const;

@@ -34,6 +34,8 @@ PATH_PARTS = [
     ("models/include/strata/models/moe.h", "models"),
     ("models/src/decoder*", "models"),
     ("models/src/hf_io.cc", "models"),
+    ("models/include/strata/models/quant4_checkpoint.h", "models"),
+    ("models/src/quant4_checkpoint.cc", "models"),
     ("models/src/token_layout.cc", "models"),
     ("models/*", "formats"),
     ("offload/*", "offload"),

@@ -3,6 +3,8 @@
 // (config_parse.cc).
 #include <algorithm>
 #include <exception>
+#include <fstream>
+#include <sstream>
 
 #include "config_section.h"
 #include "strata/engine/config.h"
@@ -132,16 +134,25 @@ void read_model(Section& s, TrainConfig& c) {
   } else if (!hf_config.empty()) {
     source_key = "hf_config";
   }
+  json saved;  // init_from's quantization_config: a checkpoint saved in 4 bits
   try {
     if (hf_config.empty()) {
       c.model = models::preset(preset_name);
-    } else if (offload::is_object_store_url(c.init_from)) {
-      // A model in a bucket: its config.json read from there (the weights are fetched later).
-      const std::vector<std::byte> text = offload::open_object_store(c.init_from)->get_all("config.json");
-      c.model = models::parse_hf_config(std::string(reinterpret_cast<const char*>(text.data()), text.size()),
-                                        hf_config);
     } else {
-      c.model = models::load_hf_config(hf_config);
+      std::string text;
+      if (offload::is_object_store_url(c.init_from)) {
+        // A model in a bucket: its config.json read from there (the weights are fetched later).
+        const std::vector<std::byte> bytes = offload::open_object_store(c.init_from)->get_all("config.json");
+        text.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      } else {
+        std::ifstream in(hf_config);
+        if (!in) throw std::invalid_argument(hf_config + ": cannot open");
+        std::stringstream ss;
+        ss << in.rdbuf();
+        text = ss.str();
+      }
+      c.model = models::parse_hf_config(text, hf_config);
+      if (!c.init_from.empty()) saved = json::parse(text).value("quantization_config", json());
     }
   } catch (const std::exception& ex) {
     s.fail(source_key, ex.what());
@@ -149,7 +160,7 @@ void read_model(Section& s, TrainConfig& c) {
   read_model_shape(s, c);
   read_lora(s, c);
   read_trainable(s, c);
-  read_quantize(s, c);
+  read_quantize(s, c, saved.is_object() ? &saved : nullptr);
 }
 
 }  // namespace strata::engine

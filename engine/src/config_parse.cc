@@ -226,6 +226,7 @@ void read_run(Section& s, TrainConfig& c) {
       c.export_dtype != "float16")
     s.fail("export_dtype", "must be auto, float32, bfloat16 or float16, not \"" + c.export_dtype + "\"");
   s.read("export_merged", c.export_merged);
+  s.read("export_merged_into", c.export_merged_into);
   s.read_bytes("export_shard_size", c.export_shard_bytes);
   if (c.export_shard_bytes == 0) s.fail("export_shard_size", "must be > 0");
   s.read("tensorboard", c.tensorboard_dir);
@@ -280,11 +281,16 @@ void check_run(const TrainConfig& c, const std::string& source) {
     if (!c.export_dir.empty() && !c.model.lora.enabled())
       throw std::invalid_argument(source + ": run.export with a 4-bit base (model.quantize) and no model.lora: the "
                                            "frozen 4-bit weights cannot be exported yet (a LoRA run exports its adapter)");
-    if (c.export_merged)
-      throw std::invalid_argument(source + ": run.export_merged with a 4-bit base (model.quantize) is not supported "
-                                           "yet; export the adapter (run.export) and merge it into the 16-bit base with "
-                                           "`strata ckpt export --base`");
   }
+  if (c.export_merged && c.model.quantize.enabled() && c.init_from.empty())
+    throw std::invalid_argument(source + ": run.export_merged with a 4-bit base merges into model.init_from's "
+                                         "weights, and model.init_from is not set");
+  if (c.export_merged_into != "base" && c.export_merged_into != "dequantized")
+    throw std::invalid_argument(source + ": run.export_merged_into must be \"base\" or \"dequantized\", not \"" +
+                                c.export_merged_into + "\"");
+  if (c.export_merged_into == "dequantized" && !c.model.quantize.enabled())
+    throw std::invalid_argument(source + ": run.export_merged_into \"dequantized\" merges into a 4-bit base's "
+                                         "dequantized weights, and model.quantize is not set");
   if (c.engine.seq_len > c.model.max_positions && c.model.arch == models::Arch::kGpt2)
     throw std::invalid_argument(source + ": data.seq_len " + std::to_string(c.engine.seq_len) +
                                 " exceeds model.max_positions " +

@@ -107,8 +107,9 @@ struct TrainConfig;
 // and, with LoRA, c.engine.trainable (the adapters alone).
 void read_lora(config_json::Section& s, TrainConfig& c);
 // config_quantize.cc: the model section's `quantize` (bitsandbytes' BitsAndBytesConfig) into
-// c.model.quantize and c.quantize_compute_dtype, after what trains is known.
-void read_quantize(config_json::Section& s, TrainConfig& c);
+// c.model.quantize and c.quantize_compute_dtype, after what trains is known. `saved`: init_from's
+// config.json quantization_config (a checkpoint saved in 4 bits), or null.
+void read_quantize(config_json::Section& s, TrainConfig& c, const config_json::json* saved);
 // config_model.cc: the model section (the model, its shape, LoRA through read_lora, what trains)
 // into c.model, c.init_from, c.init_seed and c.engine.trainable.
 void read_model(config_json::Section& s, TrainConfig& c);

@@ -4,14 +4,13 @@
 // configuration is never changed: `effective` shows what was resolved.
 #include "engine_impl.h"
 #include "strata/engine/cpu_share.h"
-#include "runtime/quant4_record.h"
-#include "strata/kernels/quant4.h"
+#include "strata/models/quant4_checkpoint.h"
 #include "strata/models/trainable.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mean.h>
 
 #include <cstring>
+#include <span>
 #include <optional>
 
 namespace strata::engine {
@@ -181,59 +180,48 @@ void Engine::Impl::allocate_state(std::vector<std::vector<at::Tensor>>& owned, b
     runtime::ParameterCoordinator::drop_storage(owned[u], cdt, dev);
     if (cfg.on_unit_placed) cfg.on_unit_placed(u + 1, partition->num_units());
   }
+  model->set_record_source({});  // every record read: the files unmapped
 }
 
 // A unit's initial flat buffer: its tensors back to back, fp32 (a trainable unit's master), or
 // for a frozen unit with 4-bit tensors (model.quantize) in the compute dtype with each 4-bit
 // tensor's record (quantized_base.h) in its slot: the weight as the compute dtype holds it,
-// quantized by bitsandbytes' rule (kernels::quantize_4bit). Double quantization's offsets (torch's
-// fp32 mean, whose rounding can follow the thread count) are agreed across the ranks first: each
-// rank keeps only its shard of a record, so all must quantize around the same offset.
+// quantized by bitsandbytes' rule (models::quantize_record), or copied from a checkpoint saved in 4
+// bits (Decoder::read_record). Double quantization's offsets (torch's fp32 mean, whose rounding can
+// follow the thread count) are agreed across the ranks first: each rank keeps only its shard of a
+// record, so all must quantize around the same offset.
 at::Tensor Engine::Impl::initial_flat(const UnitLayout& L, const std::vector<at::Tensor>& tensors) {
   const bool records = std::any_of(L.tensors.begin(), L.tensors.end(), [](const TensorSlot& t) { return t.quantized; });
   at::Tensor flat = at::zeros({int64_t(L.padded_numel())}, at::TensorOptions().dtype(records ? cdt : at::kFloat));
   const models::QuantizedBase& q = model->config().quantize;
-  const kernels::Quant4 type = records ? kernels::quant4_from_string(q.quant_type) : kernels::Quant4::kNf4;
-  const kernels::DType dtype = Device::kernel_dtype(cdt);
-  std::vector<at::Tensor> weights(L.tensors.size());
-  std::vector<int64_t> offsets;  // double quantization: each record's offset's bits, slot order
+  const auto record_of = [&](const TensorSlot& s) {
+    const at::Tensor bytes = flat.narrow(0, int64_t(s.offset), int64_t(s.numel)).view(at::kByte);
+    return std::span<std::byte>{static_cast<std::byte*>(bytes.data_ptr()), size_t(bytes.numel())};
+  };
+  std::vector<at::Tensor> weights(L.tensors.size());  // those to quantize, in the compute dtype
+  std::vector<int64_t> offsets;  // each one's offset's bits, slot order (>= 0: the bits order as the values)
   for (size_t i = 0; i < L.tensors.size(); ++i) {
     const TensorSlot& s = L.tensors[i];
-    at::Tensor dst = flat.narrow(0, int64_t(s.offset), int64_t(s.numel));
     if (!s.quantized) {
-      dst.copy_(tensors[i].detach().reshape(-1));
-      continue;
+      flat.narrow(0, int64_t(s.offset), int64_t(s.numel)).copy_(tensors[i].detach().reshape(-1));
+    } else if (model->reads_record(s.whole_name())) {  // saved in 4 bits: the record as the files hold it
+      model->read_record(s.whole_name(), record_of(s));
+    } else {
+      weights[i] = tensors[i].detach().to(cdt).contiguous();
+      const float offset = models::quant4_offset(weights[i], q);
+      uint32_t bits = 0;
+      std::memcpy(&bits, &offset, 4);
+      offsets.push_back(int64_t(bits));
     }
-    const at::Tensor& w = weights[i] = tensors[i].detach().to(cdt).contiguous();
-    const Device::Quant4View v = runtime::quant4_view(dst, uint64_t(w.numel()), q);
-    if (!q.double_quant) {
-      kernels::quantize_4bit(w.data_ptr(), dtype, w.numel(), type, q.blocksize, v.packed.data_ptr<uint8_t>(),
-                             v.absmax.data_ptr<float>());
-      continue;
-    }
-    at::Tensor absmax = at::empty({v.absmax.numel()}, at::kFloat);
-    kernels::quant4_absmax(w.data_ptr(), dtype, w.numel(), q.blocksize, absmax.data_ptr<float>());
-    uint32_t bits = 0;
-    const float mean = at::mean(absmax).item<float>();  // >= 0: its bits order as its values
-    std::memcpy(&bits, &mean, 4);
-    offsets.push_back(int64_t(bits));
   }
-  if (offsets.empty()) return flat;
-  if (comm.world_size() > 1) offsets = agreement()(offsets);
+  if (q.double_quant && comm.world_size() > 1 && !offsets.empty()) offsets = agreement()(offsets);
   size_t k = 0;
   for (size_t i = 0; i < L.tensors.size(); ++i) {
-    if (!L.tensors[i].quantized) continue;
-    const at::Tensor& w = weights[i];
-    const Device::Quant4View v =
-        runtime::quant4_view(flat.narrow(0, int64_t(L.tensors[i].offset), int64_t(L.tensors[i].numel)),
-                             uint64_t(w.numel()), q);
+    if (!weights[i].defined()) continue;
     const uint32_t bits = uint32_t(offsets[k++]);
     float offset = 0;
     std::memcpy(&offset, &bits, 4);
-    v.offset.fill_(offset);
-    kernels::quantize_4bit_nested(w.data_ptr(), dtype, w.numel(), type, q.blocksize, offset,
-                                  v.packed.data_ptr<uint8_t>(), v.absmax.data_ptr<uint8_t>(),
-                                  v.nested_absmax.data_ptr<float>());
+    models::quantize_record(weights[i], q, offset, record_of(L.tensors[i]));
   }
   return flat;
 }

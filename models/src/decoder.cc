@@ -276,6 +276,7 @@ void Decoder::initialize_group(size_t g) {
     for (Stage* st : members)
       for (size_t k = 0; k < st->parts().size(); ++k)
         if (st->parts()[k].tensor == name && st->parts()[k].whole()) whole = st->hf_parameters()[k].second;
+    if (reads_record(name)) continue;  // a 4-bit record: its fp32 storage stays untouched
     // A tensor held in parts is loaded or drawn whole, then cut.
     at::Tensor drawn;
     bool loaded = false;

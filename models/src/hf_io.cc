@@ -2,6 +2,7 @@
 
 #include "strata/models/moe.h"
 #include "strata/models/peft.h"
+#include "strata/models/quant4_checkpoint.h"
 #include "strata/models/sharded_safetensors.h"
 
 #include <fcntl.h>
@@ -72,17 +73,23 @@ std::string hf_key(const ModelConfig& c, const SafetensorsCheckpoint& ckpt, cons
 at::Tensor read_hf_tensor(const ModelConfig& c, const SafetensorsCheckpoint& ckpt, const std::string& name,
                           const std::string& source) {
   const std::string key = hf_key(c, ckpt, name, source);
-  const TensorView v = ckpt.get(key);
-  const at::Tensor src =
-      at::from_blob(const_cast<std::byte*>(v.data.data()), v.info->shape,
-                    at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
-  const at::Tensor f = src.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  at::Tensor f;
+  if (saved_in_4bit(ckpt, key)) {
+    f = dequantize_saved_4bit(ckpt, key, source);
+  } else {
+    const TensorView v = ckpt.get(key);
+    const at::Tensor src =
+        at::from_blob(const_cast<std::byte*>(v.data.data()), v.info->shape,
+                      at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
+    f = src.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  }
   return is_conv1d(c, name) ? f.t().contiguous() : f;
 }
 
 std::vector<int64_t> hf_tensor_shape(const ModelConfig& c, const SafetensorsCheckpoint& ckpt, const std::string& name,
                                      const std::string& source) {
-  return ckpt.get(hf_key(c, ckpt, name, source)).info->shape;
+  const std::string key = hf_key(c, ckpt, name, source);
+  return saved_in_4bit(ckpt, key) ? read_quant4_state(ckpt, key, source).shape : ckpt.get(key).info->shape;
 }
 
 namespace {
@@ -91,16 +98,19 @@ namespace {
 // the model's name of it, `what` how an error names the model's side.
 void copy_tensor(const ModelConfig& c, const SafetensorsCheckpoint& ckpt, const std::string& key,
                  const std::string& tensor, at::Tensor& dst, const std::string& source, const std::string& what) {
-  const TensorView v = ckpt.get(key);
   const bool transpose = is_conv1d(c, tensor);
   std::vector<int64_t> want(dst.sizes().begin(), dst.sizes().end());
   if (transpose) std::swap(want[0], want[1]);
-  if (v.info->shape != want)
-    throw std::runtime_error(source + ": tensor '" + key + "' has shape " + shape_str(v.info->shape) + ", " + what +
+  const bool in_4bit = saved_in_4bit(ckpt, key);  // read as its dequantization
+  const TensorView v = ckpt.get(key);
+  const std::vector<int64_t> has = in_4bit ? read_quant4_state(ckpt, key, source).shape : v.info->shape;
+  if (has != want)
+    throw std::runtime_error(source + ": tensor '" + key + "' has shape " + shape_str(has) + ", " + what +
                              " expects " + shape_str(want));
   at::NoGradGuard no_grad;
-  const at::Tensor src = at::from_blob(const_cast<std::byte*>(v.data.data()), want,
-                                       at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
+  const at::Tensor src = in_4bit ? dequantize_saved_4bit(ckpt, key, source)
+                                 : at::from_blob(const_cast<std::byte*>(v.data.data()), want,
+                                                 at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
   dst.copy_(transpose ? src.t() : src);
 }
 
@@ -113,6 +123,7 @@ void check_model_tensors(const ModelConfig& c, const SafetensorsCheckpoint& ckpt
   std::vector<std::string> unexpected;
   for (const std::string& n : ckpt.names()) {
     if (used.count(n)) continue;
+    if (const std::string w = quant4_statistic_of(n); !w.empty() && used.count(w) && saved_in_4bit(ckpt, w)) continue;
     if (n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias")) continue;  // GPT-2 masks
     if (n == "lm_head.weight" && c.tie_embeddings) continue;
     unexpected.push_back(n);
@@ -155,8 +166,26 @@ void load_hf_weights(Decoder& model, const SafetensorsCheckpoint& ckpt, const st
 }
 
 Decoder::TensorSource hf_model_source(const ModelConfig& c, const std::filesystem::path& dir) {
-  auto ckpt = std::make_shared<const SafetensorsCheckpoint>(dir);
-  const std::string source = dir.string();
+  return hf_model_source(c, std::make_shared<const SafetensorsCheckpoint>(dir), dir.string());
+}
+
+namespace {
+
+// The 4-bit weights a model with c.quantize stores that `ckpt` holds saved in 4 bits, as records.
+Decoder::RecordSource saved_records(const ModelConfig& c, std::shared_ptr<const SafetensorsCheckpoint> ckpt,
+                                    const std::string& source) {
+  Decoder::RecordSource r;
+  r.holds = [c, ckpt](const std::string& name) { return stored_4bit(c, name) && saved_in_4bit(*ckpt, name); };
+  r.read = [c, ckpt, source](const std::string& name, std::span<std::byte> record) {
+    read_quant4_record(*ckpt, name, c.quantize, record, source);
+  };
+  return r;
+}
+
+}  // namespace
+
+Decoder::TensorSource hf_model_source(const ModelConfig& c, std::shared_ptr<const SafetensorsCheckpoint> ckpt,
+                                      const std::string& source) {
   check_model_tensors(c, *ckpt, source);
   return [c, ckpt, source](const std::string& name, at::Tensor& whole) {
     if (is_adapter_tensor(name)) return false;
@@ -185,7 +214,9 @@ std::unique_ptr<Decoder> open_hf_model(const std::filesystem::path& dir, const M
   c.lora = lora;
   c.quantize = quantize;
   auto model = std::make_unique<Decoder>(c, 0, Decoder::Init::kDeferred);
-  Decoder::TensorSource base = hf_model_source(model->config(), dir);
+  auto ckpt = std::make_shared<const SafetensorsCheckpoint>(dir);
+  Decoder::TensorSource base = hf_model_source(model->config(), ckpt, dir.string());
+  if (quantize.enabled()) model->set_record_source(saved_records(model->config(), ckpt, dir.string()));
   if (adapter_dir.empty()) {
     model->set_source(std::move(base));
   } else {

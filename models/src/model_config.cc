@@ -189,13 +189,19 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
     throw bad(source, std::string("not valid JSON: ") + e.what());
   }
   const std::string type = need<std::string>(j, "model_type", source);
-  // A checkpoint saved already quantized (bitsandbytes' .absmax / .quant_map beside packed uint8
-  // weights) is not read yet: its 16-bit base with model.quantize gives the same 4-bit weights.
-  if (j.contains("quantization_config") && j["quantization_config"].is_object())
-    throw bad(source, "quantization_config: a pre-quantized checkpoint (" +
-                          j["quantization_config"].value("quant_method", std::string("unknown method")) +
-                          ") is not supported yet; load its 16-bit base with model.quantize (bitsandbytes' "
-                          "BitsAndBytesConfig keys), which quantizes it as bitsandbytes does");
+  // A checkpoint saved already quantized: bitsandbytes' 4-bit weights are read (their settings by
+  // the training configuration, engine/src/config_quantize.cc; the tensors by
+  // quant4_checkpoint.h); any other quantization is refused here, before a tensor is read.
+  if (j.contains("quantization_config") && j["quantization_config"].is_object()) {
+    const json& q = j["quantization_config"];
+    const std::string method = q.value("quant_method", std::string("unknown method"));
+    const bool four = q.value("load_in_4bit", false) || q.value("_load_in_4bit", false);
+    if (method != "bitsandbytes" || !four)
+      throw bad(source, "quantization_config: a checkpoint saved " +
+                            (method == "bitsandbytes" ? std::string("in 8 bits (bitsandbytes)") : "by " + method) +
+                            " is not supported; Strata reads bitsandbytes' 4-bit checkpoints (load_in_4bit), or a "
+                            "16-bit base quantized at load by model.quantize");
+  }
   ModelConfig c;
   c.name = type;
   if (type == "gpt2") {

@@ -64,6 +64,60 @@ TEST(QuantizedBase, LoraOverA4BitBaseMatchesTorchOverItsDequantizedWeightsOnEver
     }
 }
 
+// bf16 compute (the GPU's case): the records sit in 2-byte elements (8-element aligned) and are
+// quantized from the weights as bf16 holds them; each frozen weight read back after training is
+// bitwise the dequantization (to bf16) of that quantization, the base in swap, with and without
+// double quantization, and the adapters train (the loss falls). (Records cut across ranks' shards:
+// the 2-rank case of tests/models/py/qlora_oracle.py.)
+TEST(QuantizedBase, Bf16ComputeQuantizesFromBf16AndReadsBackItsOwnDequantization) {
+  for (const bool double_quant : {false, true}) {
+    SCOPED_TRACE(double_quant ? "double quantization" : "absmax in fp32");
+    TempDir swap;
+    json j = qlora_config("nf4");
+    j["model"]["quantize"]["bnb_4bit_compute_dtype"] = "bfloat16";
+    j["model"]["quantize"]["bnb_4bit_use_double_quant"] = double_quant;
+    j["precision"] = {{"compute", "bf16"}};
+    j["placement"] = {{"params", "nvme"}};
+    j["offload"] = {{"nvme_dirs", {swap.path().string()}}};
+    const se::TrainConfig tc = se::parse_train_config(j.dump(), "test");
+    uint64_t peak = 0;
+    const Trajectory got = run_in_process(tc, UINT64_MAX, &peak);
+    EXPECT_LT(got.losses.back(), got.losses.front());
+    const sm::QuantizedBase& q = tc.model.quantize;
+    const strata::kernels::Quant4 type = strata::kernels::quant4_from_string(q.quant_type);
+    sm::Decoder initial(tc.model, tc.init_seed);
+    const sm::TrainableTensors trains(tc.engine.trainable);
+    size_t checked = 0;
+    for (auto& [n, p] : initial.hf_parameters()) {
+      if (trains.trainable(n) || !sm::stored_4bit(tc.model, n)) continue;
+      const at::Tensor w = p.detach().to(at::kBFloat16).contiguous();
+      const int64_t blocks = strata::kernels::quant4_blocks(w.numel(), q.blocksize);
+      std::vector<uint8_t> packed(size_t(strata::kernels::quant4_packed_bytes(w.numel())));
+      at::Tensor absmax = at::empty({blocks}, at::kFloat), want = at::empty_like(w);
+      if (!double_quant) {
+        strata::kernels::quantize_4bit(w.const_data_ptr(), strata::kernels::DType::kBF16, w.numel(), type, q.blocksize,
+                                       packed.data(), absmax.data_ptr<float>());
+        strata::kernels::dequantize_4bit(packed.data(), absmax.data_ptr<float>(), w.numel(), type, q.blocksize,
+                                         want.data_ptr(), strata::kernels::DType::kBF16);
+      } else {
+        strata::kernels::quant4_absmax(w.const_data_ptr(), strata::kernels::DType::kBF16, w.numel(), q.blocksize,
+                                       absmax.data_ptr<float>());
+        const float offset = absmax.mean().item<float>();
+        std::vector<uint8_t> qabsmax(static_cast<size_t>(blocks));
+        std::vector<float> nested(size_t(strata::kernels::quant4_nested_blocks(w.numel(), q.blocksize)));
+        strata::kernels::quantize_4bit_nested(w.const_data_ptr(), strata::kernels::DType::kBF16, w.numel(), type,
+                                              q.blocksize, offset, packed.data(), qabsmax.data(), nested.data());
+        strata::kernels::dequantize_4bit_nested(packed.data(), qabsmax.data(), nested.data(), offset, w.numel(), type,
+                                                q.blocksize, want.data_ptr(), strata::kernels::DType::kBF16);
+      }
+      ASSERT_TRUE(got.params.count(n)) << n;
+      EXPECT_TRUE(at::equal(got.params.at(n), want.to(at::kFloat))) << n;
+      ++checked;
+    }
+    EXPECT_EQ(checked, 7u * size_t(tc.model.layers));
+  }
+}
+
 TEST(QuantizedBase, FrozenUnitsHoldTheFourBitBytes) {
   json j = qlora_config("nf4");
   const se::TrainConfig quantized = se::parse_train_config(j.dump(), "test");

@@ -201,6 +201,58 @@ TEST(TrainConfig, AFourBitBaseReadsBitsAndBytesKeysAndRefusesWhatCannotWork) {
   }
 }
 
+// A base saved in 4 bits (config.json's quantization_config, as transformers writes it): its
+// settings become model.quantize's; model.quantize may repeat them, not change them; other
+// quantizations are refused before any tensor is read.
+TEST(TrainConfig, AnInitFromSavedIn4BitsGivesItsQuantizationAndRefusesAnother) {
+  test::TempDir dir;
+  const auto saved_with = [&](const std::string& quantization_config) {
+    nlohmann::json j = nlohmann::json::parse(models::preset("llama-1b").to_hf_json());
+    j["quantization_config"] = nlohmann::json::parse(quantization_config);
+    std::ofstream(dir.path() / "config.json") << j.dump();
+  };
+  const std::string nf4_double =
+      R"({"_load_in_4bit": true, "_load_in_8bit": false, "bnb_4bit_compute_dtype": "float32",
+          "bnb_4bit_quant_storage": "uint8", "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": true,
+          "llm_int8_enable_fp32_cpu_offload": false, "llm_int8_has_fp16_weight": false, "llm_int8_skip_modules": null,
+          "llm_int8_threshold": 6.0, "load_in_4bit": true, "load_in_8bit": false, "quant_method": "bitsandbytes"})";
+  saved_with(nf4_double);
+  const auto config = [&](const std::string& model_more) {
+    return R"({"model": {"init_from": )" + json_string(dir.path().string()) +
+           R"(, "lora": {"r": 4, "target_modules": ["q_proj"]})" + model_more + "}}";
+  };
+  // bnb_4bit_compute_dtype float32 saved, bfloat16 computed: the compute dtype is the run's.
+  const TrainConfig c = parse_train_config(config(""), "test.json");
+  EXPECT_TRUE(c.model.quantize.enabled());
+  EXPECT_EQ(c.model.quantize.quant_type, "nf4");
+  EXPECT_TRUE(c.model.quantize.double_quant);
+  EXPECT_TRUE(models::stored_4bit(c.model, "model.layers.0.mlp.down_proj.weight"));
+  EXPECT_FALSE(models::stored_4bit(c.model, "lm_head.weight"));
+  const TrainConfig repeated = parse_train_config(
+      config(R"(, "quantize": {"load_in_4bit": true, "bnb_4bit_use_double_quant": true})"), "test.json");
+  EXPECT_TRUE(repeated.model.quantize.double_quant);
+  struct Bad {
+    std::string json, names;
+  };
+  const Bad cases[] = {
+      {config(R"(, "quantize": {"load_in_4bit": true, "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": true})"),
+       "differs from init_from's, which is saved in 4 bits (nf4"},
+      {config(R"(, "quantize": {"load_in_4bit": true})"), "bnb_4bit_use_double_quant"},
+      {config(R"(, "quantize": {"load_in_4bit": false})"), "init_from is saved in 4 bits"},
+      {R"({"model": {"init_from": )" + json_string(dir.path().string()) + R"(, "trainable": "all"}})",
+       "needs a frozen base"},
+  };
+  for (const Bad& bad : cases) {
+    SCOPED_TRACE(bad.json);
+    const std::string msg = config_error(bad.json);
+    EXPECT_TRUE(contains(msg, bad.names)) << msg;
+  }
+  saved_with(R"({"quant_method": "bitsandbytes", "load_in_8bit": true, "_load_in_8bit": true})");
+  EXPECT_TRUE(contains(config_error(config("")), "saved in 8 bits (bitsandbytes) is not supported"));
+  saved_with(R"({"quant_method": "gptq", "bits": 4})");
+  EXPECT_TRUE(contains(config_error(config("")), "saved by gptq is not supported"));
+}
+
 TEST(TrainConfig, InitFromReadsTheDirectoryAndRejectsReshaping) {
   test::TempDir dir;
   models::ModelConfig mc = models::preset("gpt2");

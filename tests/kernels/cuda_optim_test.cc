@@ -159,5 +159,30 @@ TEST_F(CudaKernels, Dequantize4BitMatchesTheCpuKernelBitwise) {
       }
 }
 
+// Double quantization's absmax back on the GPU against the CPU kernel, bitwise (200, 512 and 778
+// 4-bit blocks: a partial nested block of 256, two whole ones, a partial fourth).
+TEST_F(CudaKernels, DoubleQuantizedAbsmaxMatchesTheCpuKernelBitwise) {
+  for (int64_t n : {64 * 200, 64 * 512, 64 * 777 + 5}) {
+    const std::vector<float> x = randn(size_t(n), uint64_t(n), 0.03f);
+    const int64_t blocks = quant4_blocks(n, 64);
+    std::vector<float> absmax(static_cast<size_t>(blocks));
+    quant4_absmax(x.data(), DType::kF32, n, 64, absmax.data());
+    double sum = 0;
+    for (float a : absmax) sum += a;
+    const float offset = float(sum / double(blocks));
+    std::vector<uint8_t> packed(size_t(quant4_packed_bytes(n))), qabsmax(static_cast<size_t>(blocks));
+    std::vector<float> nested(size_t(quant4_nested_blocks(n, 64)));
+    quantize_4bit_nested(x.data(), DType::kF32, n, Quant4::kNf4, 64, offset, packed.data(), qabsmax.data(),
+                         nested.data());
+    std::vector<float> want(static_cast<size_t>(blocks));
+    dequantize_quant4_absmax(qabsmax.data(), nested.data(), offset, blocks, want.data());
+    float* dout = upload(std::vector<float>(size_t(blocks), 0.0f));
+    cuda::dequantize_quant4_absmax(upload(qabsmax), upload(nested), upload(std::vector<float>{offset}), blocks, dout,
+                                   stream_);
+    const std::vector<float> got = download(dout, size_t(blocks));
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0) << n;
+  }
+}
+
 }  // namespace
 }  // namespace strata::kernels

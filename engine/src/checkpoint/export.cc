@@ -14,6 +14,7 @@
 #include "checkpoint/chunk_reader.h"
 #include "checkpoint/export_plan.h"
 #include "checkpoint/format.h"
+#include "checkpoint/tensor_reader.h"
 #include "strata/engine/checkpoint.h"
 #include "strata/models/hf_io.h"
 #include "strata/models/model_config.h"
@@ -172,64 +173,13 @@ void ExportSink::finish() {
 
 using namespace ckpt;
 
-namespace {
-
-// A manifest's model: its config.json, with the LoRA settings it trained with.
-models::ModelConfig manifest_model(const json& m, const fs::path& dir) {
+models::ModelConfig ckpt::manifest_model(const json& m, const fs::path& dir) {
   const std::string source = (dir / "manifest.json").string();
   models::ModelConfig mc = models::parse_hf_config(m["model"].dump(), source);
   if (m.contains("lora")) mc.lora = models::parse_lora_settings(m["lora"].dump(), source + " (\"lora\")", models::LoraSettingsFrom::kAdapterConfig);
   return mc;
 }
 
-
-// Each tensor from the chunks it overlaps, a window of them read at a time; the last chunk read
-// is kept, as it may straddle into the next tensor. Tensors are read in manifest order.
-class TensorReader {
- public:
-  TensorReader(ChunkReader& reader, const ChunkCatalog& catalog) : reader_(reader), catalog_(catalog) {}
-
-  // The tensor's elements, flat.
-  at::Tensor read(const ManifestTensor& it) {
-    at::Tensor full = at::empty({int64_t(it.numel)}, at::TensorOptions().dtype(at::kFloat));
-    const uint64_t lo = it.offset, hi = it.offset + it.numel;
-    const auto place = [&](const Loaded& l) {
-      const uint64_t b = l.chunk.begin, e = l.chunk.end();
-      const uint64_t from = std::max(b, lo), to = std::min(e, hi);
-      full.narrow(0, int64_t(from - lo), int64_t(to - from)).copy_(l.data.narrow(0, int64_t(from - b), int64_t(to - from)));
-    };
-    const std::vector<Chunk> need = catalog_.overlapping(it.unit, /*kind=master*/ 0, lo, hi);
-    for (size_t i = 0; i < need.size(); i += kWindow) {
-      std::vector<Loaded> window;
-      std::vector<ChunkReader::Request> batch;
-      for (size_t j = i; j < std::min(need.size(), i + kWindow); ++j) {
-        if (kept_.data.defined() && kept_.chunk == need[j]) {
-          place(kept_);
-          continue;
-        }
-        Loaded l{need[j], aligned_floats(int64_t(need[j].numel))};
-        batch.push_back({l.chunk, l.data.data_ptr<float>()});
-        window.push_back(std::move(l));
-      }
-      reader_.read(batch, kWindow);
-      for (const Loaded& l : window) place(l);
-      if (!window.empty()) kept_ = std::move(window.back());
-    }
-    return full;
-  }
-
- private:
-  static constexpr size_t kWindow = 16;  // chunks in flight: 64 MiB
-  struct Loaded {
-    Chunk chunk;
-    at::Tensor data;
-  };
-  ChunkReader& reader_;
-  const ChunkCatalog& catalog_;
-  Loaded kept_;
-};
-
-}  // namespace
 
 ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, const std::string& dtype,
                                   const std::function<void(uint64_t, uint64_t)>& progress, bool overwrite,
@@ -270,122 +220,6 @@ ExportResult export_checkpoint_hf(const fs::path& dir, const fs::path& out_arg, 
   result.files = finish_export_directory(tmp, content, mc, models::hf_dtype_name(out_type), writer.shards(), "");
   if (!tokenizer_from.empty() && content == ExportContent::kModel)
     result.tokenizer_files = models::copy_tokenizer_files(tokenizer_from, tmp);
-  out.commit();
-  return result;
-}
-
-namespace {
-
-// A LoRA checkpoint's trained tensors, whole (each assembled from its parts where a tile holds a
-// part): its adapters, and the modules it saved whole. Small beside the base.
-struct TrainedTensors {
-  std::map<std::string, at::Tensor> adapters, saved;
-};
-
-TrainedTensors read_trained_tensors(const fs::path& dir, const json& m, const models::ModelConfig& mc) {
-  ChunkCatalog catalog(dir, m);
-  const ExportPlan plan = plan_export(m["units"], dir, mc, models::StDType::kF32, ExportContent::kAdapter);
-  ChunkReader reader(dir, catalog);
-  TensorReader tensors(reader, catalog);
-  TrainedTensors out;
-  for (const ExportItem& item : plan.items) {
-    const TensorSlot& slot = item.t.slot;
-    at::Tensor t = tensors.read(item.t).view(slot.shape);
-    std::map<std::string, at::Tensor>& into = models::is_adapter_tensor(slot.whole_name()) ? out.adapters : out.saved;
-    if (!slot.origin.is_part()) {
-      into[slot.whole_name()] = t;
-      continue;
-    }
-    at::Tensor& whole = into[slot.whole_name()];
-    if (!whole.defined()) whole = at::empty(slot.origin.whole_shape, t.options());
-    whole.narrow(slot.origin.dim, slot.origin.begin, slot.shape[size_t(slot.origin.dim)]).copy_(t);
-  }
-  return out;
-}
-
-// The merged model's tensors in the order a run's merged export writes them (its units: each
-// stage's trainable tensors, then its frozen base tensors, in stage order), declared in `st_type`.
-struct MergedLayout {
-  std::vector<models::SafetensorsWriter::Spec> specs;
-  uint64_t total = 0;  // bytes
-};
-
-MergedLayout merged_layout(const models::ModelConfig& mc, const models::SafetensorsCheckpoint& base,
-                           const std::string& source, models::StDType st_type) {
-  MergedLayout out;
-  for (const auto& stage : models::stage_tensors(mc))
-    for (const bool trains : {true, false})
-      for (const models::StageTensor& x : stage) {
-        if (models::is_adapter_tensor(x.tensor) || models::saved_whole(mc, x.tensor) != trains) continue;
-        const std::vector<int64_t> shape = models::hf_tensor_shape(mc, base, x.tensor, source);
-        out.specs.push_back({x.tensor, st_type, shape});
-        uint64_t numel = 1;
-        for (int64_t d : shape) numel *= uint64_t(d);
-        out.total += numel * models::st_dtype_bytes(st_type);
-      }
-  return out;
-}
-
-}  // namespace
-
-ExportResult export_checkpoint_merged(const fs::path& dir, const fs::path& base_dir, const fs::path& out_arg,
-                                      const std::string& dtype, const std::function<void(uint64_t, uint64_t)>& progress,
-                                      bool overwrite, const fs::path& tokenizer_from, uint64_t shard_bytes,
-                                      const std::function<void(const fs::path&)>& on_weights_file) {
-  fs::path out_dir = out_arg.lexically_normal();
-  if (!out_dir.has_filename()) out_dir = out_dir.parent_path();
-  const at::ScalarType out_type = models::parse_export_dtype(dtype);
-  const json m = read_manifest(dir);
-  const models::ModelConfig mc = manifest_model(m, dir);
-  if (!mc.lora.enabled())
-    throw std::invalid_argument("checkpoint " + dir.string() + " has no LoRA adapters: export it without a base");
-  const std::string want = m.value("frozen_base", std::string());
-  const std::string have = models::model_fingerprint(base_dir);
-  if (!models::trained_on(want, have))
-    throw std::invalid_argument("checkpoint " + dir.string() + " trained on the base " + want + ", and " +
-                                base_dir.string() + " is " + have + ": give the base it trained on");
-  TrainedTensors trained = read_trained_tensors(dir, m, mc);
-  const models::SafetensorsCheckpoint base(base_dir);
-  const std::string source = base_dir.string();
-  const MergedLayout layout = merged_layout(mc, base, source, st_type_of(out_type));
-
-  models::ExportDirectory out(out_dir, overwrite, "pass --force to replace its config.json and model.safetensors");
-  const fs::path& tmp = out.tmp();
-  models::ShardedSafetensorsWriter writer(tmp, layout.specs, shard_bytes, {{"format", "pt"}});
-  if (on_weights_file) writer.on_shard_complete([&](const std::string& file) { on_weights_file(tmp / file); });
-  ExportResult result;
-  std::map<std::string, at::Tensor>& adapters = trained.adapters;
-  std::map<std::string, int64_t> merges;  // adapted module -> its weights merged so far
-  for (const models::SafetensorsWriter::Spec& spec : layout.specs) {
-    const std::string& name = spec.name;
-    // fp32, Strata's layout: a module saved whole as it trained, the rest the base's.
-    const auto saved = trained.saved.find(name);
-    at::Tensor w = saved != trained.saved.end() ? saved->second : models::read_hf_tensor(mc, base, name, source);
-    if (const std::optional<models::AdaptedWeight> what = models::adapted_weight(mc, name)) {
-      const auto a = adapters.find(models::adapter_a_name(what->module));
-      const auto b = adapters.find(models::adapter_b_name(what->module));
-      if (a != adapters.end() && b != adapters.end()) {
-        w = models::merged_weight(mc, *what, w, a->second, b->second);
-        if (++merges[what->module] == models::adapted_weight_count(mc, what->module)) {
-          adapters.erase(a);
-          adapters.erase(b);
-        }
-      }
-    }
-    w = w.to(out_type);
-    if (models::hf_stores_transposed(mc, name)) w = w.t();
-    w = w.contiguous();
-    writer.write(name, {static_cast<const std::byte*>(w.data_ptr()), w.nbytes()});
-    ++result.tensors;
-    result.bytes += w.nbytes();
-    if (progress) progress(result.bytes, layout.total);
-  }
-  if (!adapters.empty())
-    throw std::runtime_error("checkpoint " + dir.string() + ": adapter " + adapters.begin()->first +
-                             " adapts no weight of the model");
-  writer.finish();
-  result.files = finish_export_directory(tmp, ExportContent::kMerged, mc, dtype, writer.shards(), "");
-  if (!tokenizer_from.empty()) result.tokenizer_files = models::copy_tokenizer_files(tokenizer_from, tmp);
   out.commit();
   return result;
 }

@@ -251,6 +251,34 @@ json read_manifest(const fs::path& dir) {
   return parse_manifest(read_text(manifest_path), manifest_path.string());
 }
 
+json quantization_json(const models::QuantizedBase& q, at::ScalarType compute) {
+  return {{"load_in_4bit", true},
+          {"bnb_4bit_quant_type", q.quant_type},
+          {"bnb_4bit_use_double_quant", q.double_quant},
+          {"bnb_4bit_blocksize", q.blocksize},
+          {"llm_int8_skip_modules", q.skip_modules},
+          {"bnb_4bit_compute_dtype", compute == at::kBFloat16 ? "bfloat16" : compute == at::kHalf ? "float16" : "float32"}};
+}
+
+std::optional<ManifestQuantization> manifest_quantization(const json& m, const fs::path& dir) {
+  if (!m.contains("quantize")) return std::nullopt;
+  try {
+    const json& j = m.at("quantize");
+    ManifestQuantization out;
+    out.q.load_in_4bit = j.at("load_in_4bit").get<bool>();
+    out.q.quant_type = j.at("bnb_4bit_quant_type").get<std::string>();
+    out.q.double_quant = j.at("bnb_4bit_use_double_quant").get<bool>();
+    out.q.blocksize = j.at("bnb_4bit_blocksize").get<int64_t>();
+    out.q.skip_modules = j.at("llm_int8_skip_modules").get<std::vector<std::string>>();
+    const std::string c = j.at("bnb_4bit_compute_dtype").get<std::string>();
+    out.compute = c == "bfloat16" ? at::kBFloat16 : c == "float16" ? at::kHalf : at::kFloat;
+    return out;
+  } catch (const json::exception& e) {
+    throw std::runtime_error((dir / "manifest.json").string() + ": \"quantize\" is not a 4-bit base's settings: " +
+                             e.what());
+  }
+}
+
 CheckpointMeta checkpoint_meta(const json& m, const fs::path& dir) {
   CheckpointMeta meta;
   try {

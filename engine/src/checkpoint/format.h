@@ -27,6 +27,7 @@
 
 #include "strata/engine/partition.h"
 #include "strata/engine/placement.h"
+#include "strata/models/quantized_base.h"
 #include "strata/offload/object_store.h"
 
 namespace strata::engine {
@@ -131,6 +132,16 @@ inline std::string stored_manifest_key(const std::string& name) { return name + 
 // The manifest of checkpoint `name` in an object store: nullopt when it is not there (never
 // committed, or not visible yet); throws like read_manifest for one that is not a manifest.
 std::optional<json> read_stored_manifest(offload::ObjectStore& store, const std::string& name);
+// A 4-bit base's quantization as a manifest records it ("quantize": BitsAndBytesConfig's keys,
+// bnb_4bit_compute_dtype the run's compute dtype), and back: what a merge into the dequantized
+// weights repeats. manifest_quantization: nullopt for a manifest without one (a 16-bit base, or
+// saved before it was recorded).
+json quantization_json(const models::QuantizedBase& q, at::ScalarType compute);
+struct ManifestQuantization {
+  models::QuantizedBase q;
+  at::ScalarType compute = at::kFloat;
+};
+std::optional<ManifestQuantization> manifest_quantization(const json& manifest, const fs::path& dir);
 // The training position a manifest records (`dir` names the checkpoint in errors).
 CheckpointMeta checkpoint_meta(const json& manifest, const fs::path& dir);
 // Parses and checks a manifest's text (`where` names it in errors).

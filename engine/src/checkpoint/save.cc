@@ -148,6 +148,12 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
                                   "fingerprint of the base they come from (CheckpointMeta::frozen_base)");
     snap.manifest["frozen_base"] = meta.frozen_base;
   }
+  // A 4-bit base's settings: what a merge into its dequantized weights repeats.
+  if (engine.model_config().quantize.enabled())
+    snap.manifest["quantize"] = quantization_json(
+        engine.model_config().quantize, engine.config().compute == Precision::kBf16   ? at::kBFloat16
+                                        : engine.config().compute == Precision::kFp16 ? at::kHalf
+                                                                                      : at::kFloat);
   // What a LoRA checkpoint exports as an adapter directory and resumes only with.
   if (engine.model_config().lora.enabled())
     snap.manifest["lora"] = json::parse(models::peft_adapter_config_json(engine.model_config(), ""));

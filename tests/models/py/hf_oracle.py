@@ -12,6 +12,13 @@
       example (packed_counted), their losses (packed_losses) and the gradients of the losses'
       sum (grad/<name>, in Strata's layout) as transformers gives them running each example
       alone, unpadded.
+  hf_oracle.py make4bit DIR
+      Saves models in 4 bits as transformers + bitsandbytes do (save_pretrained of a model loaded
+      with BitsAndBytesConfig(load_in_4bit=True), fp32 compute): DIR/llama_nf4_double (NF4, double
+      quantization, odd widths: partial last blocks) and DIR/qwen3_fp4 (FP4, q/k norms), each with
+      expected.safetensors holding input ids and the logits the 4-bit model computes for them
+      (bitsandbytes' Linear4bit on the CPU; in training mode, where it dequantizes: in eval mode
+      without gradients it may repack the weights for a bf16 kernel).
   hf_oracle.py check MODEL_DIR EXPECTED
       Loads MODEL_DIR with transformers, computes logits for EXPECTED's ids and compares them with
       EXPECTED's logits; exits 1 if the relative error (max |diff| / max |logits|) exceeds 1e-5.
@@ -126,6 +133,38 @@ def make(out):
         save_file({"ids": ids, "logits": logits, **packed(model, name, g)}, f"{d}/expected.safetensors")
 
 
+def make4bit(out):
+    import tempfile
+    from transformers import BitsAndBytesConfig
+    made = {
+        "llama_nf4_double": (LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=56, intermediate_size=83,
+                                                          num_hidden_layers=2, num_attention_heads=4,
+                                                          num_key_value_heads=2, max_position_embeddings=64,
+                                                          initializer_range=0.2, tie_word_embeddings=False)),
+                             "nf4", True),
+        "qwen3_fp4": (Qwen3ForCausalLM(Qwen3Config(vocab_size=59, hidden_size=45, intermediate_size=70, head_dim=16,
+                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   max_position_embeddings=64, initializer_range=0.2,
+                                                   tie_word_embeddings=False)),
+                      "fp4", False),
+    }
+    for i, (name, (model, qt, double)) in enumerate(made.items()):
+        perturb(model, 200 + i)
+        with tempfile.TemporaryDirectory() as base:
+            model.save_pretrained(base, safe_serialization=True)
+            q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=qt, bnb_4bit_use_double_quant=double,
+                                   bnb_4bit_compute_dtype=torch.float32)
+            m4 = AutoModelForCausalLM.from_pretrained(base, quantization_config=q, dtype=torch.float32, device_map="cpu")
+        d = f"{out}/{name}"
+        m4.save_pretrained(d, safe_serialization=True)
+        g = torch.Generator().manual_seed(30 + i)
+        ids = torch.randint(0, m4.config.vocab_size, (2, 13), generator=g)
+        m4.train()  # no dropout in these models; see the usage above
+        with torch.no_grad():
+            logits = m4(ids).logits.float().contiguous()
+        save_file({"ids": ids, "logits": logits}, f"{d}/expected.safetensors")
+
+
 # GPT-2's Conv1D weights are [in, out]; Strata's layout (and its gradients) [out, in].
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -178,6 +217,8 @@ def check(model_dir, expected_file):
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "make":
         make(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "make4bit":
+        make4bit(sys.argv[2])
     elif len(sys.argv) == 4 and sys.argv[1] == "check":
         sys.exit(check(sys.argv[2], sys.argv[3]))
     else:

@@ -17,9 +17,13 @@ Compared:
     the 4-bit one was quantized from): transformers' logits of the merged model equal peft's
     merge_and_unload() of the export on the 16-bit base (1e-5);
   - llama-nf4: the run stopped after 2 steps and resumed, its losses bitwise the straight run's;
-  - refusals: a resume with another quantization (the base's fingerprint names it),
-    run.export_merged with a 4-bit base, and (llama-nf4) a checkpoint transformers saved in 4 bits
-    (pre-quantized checkpoints are not read yet).
+  - the same run from the base transformers saved in 4 bits (prequantized(): losses and adapters
+    bitwise, evaluation against peft on transformers' load of it, the merge into its dequantized
+    weights by `strata ckpt export --base`);
+  - run.export_merged with run.export_merged_into "dequantized" and `strata ckpt export --base
+    --merge-into dequantized`: logits equal to peft's merge into transformers' dequantize() of the
+    4-bit base (1e-5);
+  - refusals: a resume with another quantization (the base's fingerprint names it).
 Exit 0 on agreement, 1 otherwise.
 
 Cases:
@@ -74,6 +78,107 @@ def quantized_base(model_dir, qt, double):
                            bnb_4bit_use_double_quant=double)
     return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q, dtype=torch.float32,
                                                 device_map="cpu")
+
+
+def merged_into_dequantized(strata, work, qt, double, cfg, world, export, eval_ids):
+    """run.export_merged with run.export_merged_into "dequantized", and `strata ckpt export --base
+    --merge-into dequantized` of the checkpoint: the adapters merged into the 4-bit weights the run
+    trained on, dequantized; the oracle is peft's merge into transformers' dequantize() of the base
+    quantized by bitsandbytes."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    model_dir = cfg["model"]["init_from"]
+    run_cfg = json.loads(json.dumps(cfg))
+    run_export = os.path.join(work, "export-dq")
+    run_cfg["run"].update({"export_merged": True, "export_merged_into": "dequantized", "export": run_export,
+                           "log": os.path.join(work, "log-dq.jsonl"), "checkpoint_dir": os.path.join(work, "ckpt-dq")})
+    lines, stderr = run_strata_output(strata, work, run_cfg, world, "export-merged-dequantized")
+    if lines is None:
+        return False
+    said = [l for l in stderr.splitlines() if "merged model" in l]
+    print(said[-1] if said else "(no line about the merged model)")
+    ok = bool(said) and "merged into the dequantized 4-bit weights" in said[-1]
+    if not ok:
+        print("FAIL: the run's log does not say it merged into the dequantized 4-bit weights")
+    out = os.path.join(work, "ckpt-export-dq")
+    run = subprocess.run([strata, "ckpt", "export", os.path.join(work, "ckpt-dq"), out, "--base", model_dir,
+                          "--merge-into", "dequantized"], capture_output=True, text=True)
+    print(run.stdout.strip())
+    if run.returncode != 0:
+        print(run.stderr)
+        print("FAIL: strata ckpt export --merge-into dequantized failed")
+        return False
+    with torch.no_grad():
+        ref = PeftModel.from_pretrained(quantized_base(model_dir, qt, double).dequantize(), export).merge_and_unload()
+        want = ref.float()(input_ids=eval_ids).logits
+        for merged_dir in (run_export + "-merged", out + "-merged"):
+            merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+            e = rel(merged(input_ids=eval_ids).logits, want)
+            print(f"{merged_dir}: logits vs peft's merge into the dequantized 4-bit base {e:.3g}")
+            if e > 1e-5:
+                print("FAIL: the merge into the dequantized 4-bit weights differs")
+                ok = False
+    return ok
+
+
+def prequantized(strata, work, case, cfg, world, got, export, eval_ids, eval_labels):
+    """The same run from the base transformers saved in 4 bits (save_pretrained of the quantized
+    model; config.json's quantization_config gives model.quantize, left out here): its losses and
+    adapters bitwise the run that quantized the 16-bit base at load; peft on transformers' load of
+    that checkpoint evaluates Strata's export as Strata does; `strata ckpt export --base` of it
+    merges into the dequantized 4-bit weights, as peft's merge into transformers' dequantize()."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    model_dir = cfg["model"]["init_from"]
+    saved = os.path.join(work, "model-4bit")
+    quantized_base(model_dir, quant_type(case), "double" in case).save_pretrained(saved, safe_serialization=True)
+    pre = json.loads(json.dumps(cfg))
+    pre["model"].pop("quantize")
+    pre["model"]["init_from"] = saved
+    pre_export = os.path.join(work, "export-pre")
+    pre["run"].update({"log": os.path.join(work, "log-pre.jsonl"), "checkpoint_dir": os.path.join(work, "ckpt-pre"),
+                       "export": pre_export})
+    lines, stderr = run_strata_output(strata, work, pre, world, "prequantized")
+    if lines is None:
+        return False
+    ok = True
+    pre_got = [l["loss"] for l in lines if "event" not in l]
+    pre_eval = [l["eval_loss"] for l in lines if l.get("event") == "eval"]
+    print("losses from the checkpoint saved in 4 bits", pre_got)
+    if pre_got != got:
+        print("FAIL: the run from the checkpoint saved in 4 bits is not bitwise the run that quantized at load")
+        ok = False
+    a = read_safetensors(os.path.join(export, "adapter_model.safetensors"))
+    b = read_safetensors(os.path.join(pre_export, "adapter_model.safetensors"))
+    if sorted(a) != sorted(b) or any(not torch.equal(a[k], b[k]) for k in a):
+        print("FAIL: the adapters trained on the checkpoint saved in 4 bits differ from those quantized at load")
+        ok = False
+    with torch.no_grad():
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, device_map="cpu"), pre_export)
+        loaded.train()  # bitsandbytes dequantizes in training mode (see main)
+        peft_eval = mean_loss(loaded, eval_ids, eval_labels).item()
+    print(f"evaluation: strata {pre_eval}, peft on transformers' load of the 4-bit checkpoint {peft_eval:.9g}")
+    if not pre_eval or abs(pre_eval[-1] - peft_eval) > 1e-6 * abs(peft_eval):
+        print("FAIL: transformers' load of the 4-bit checkpoint does not evaluate Strata's export as Strata does")
+        ok = False
+    out = os.path.join(work, "ckpt-export-pre")
+    run = subprocess.run([strata, "ckpt", "export", os.path.join(work, "ckpt-pre"), out, "--base", saved],
+                         capture_output=True, text=True)
+    print(run.stdout.strip())
+    if run.returncode != 0 or "merged into their dequantized 4-bit values" not in run.stdout:
+        print(run.stderr)
+        print("FAIL: strata ckpt export --base of the 4-bit checkpoint failed or did not say it dequantized")
+        return False
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out + "-merged", dtype=torch.float32)
+        ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, device_map="cpu").dequantize(),
+                                        pre_export).merge_and_unload().float()
+        e = rel(merged(input_ids=eval_ids).logits, ref(input_ids=eval_ids).logits)
+    print(f"merged into the dequantized 4-bit weights: logits vs peft's merge into transformers' dequantize() {e:.3g}")
+    if e > 1e-5:
+        print("FAIL: the merge into the dequantized 4-bit weights differs")
+        ok = False
+    return ok
 
 
 def main():
@@ -225,24 +330,8 @@ def main():
     if lines is not None or "in 4 bits" not in err:
         print("FAIL: a resume with another quantization was not refused naming the 4-bit base")
         ok = False
-    merged_cfg = json.loads(json.dumps(cfg))
-    merged_cfg["run"]["export_merged"] = True
-    lines, err = run_strata_output(strata, work, merged_cfg, world, "export-merged", must_pass=False)
-    if lines is not None or "export_merged with a 4-bit base" not in err:
-        print("FAIL: run.export_merged with a 4-bit base was not refused:", err[-300:])
-        ok = False
-    if case == "llama-nf4":
-        # A checkpoint saved in 4 bits (transformers + bitsandbytes' save_pretrained) is refused, saying so.
-        prequantized = os.path.join(work, "model-4bit")
-        quantized_base(model_dir, qt, double).save_pretrained(prequantized, safe_serialization=True)
-        pre = json.loads(json.dumps(cfg))
-        pre["model"].update({"init_from": prequantized})
-        pre["run"].update({"log": os.path.join(work, "log-pre.jsonl"), "checkpoint_dir": os.path.join(work, "ckpt-pre")})
-        lines, err = run_strata_output(strata, work, pre, world, "prequantized", must_pass=False)
-        print("a pre-quantized checkpoint:", err.strip().splitlines()[-1:] if err else "")
-        if lines is not None or "pre-quantized checkpoint (bitsandbytes)" not in err:
-            print("FAIL: a pre-quantized checkpoint was not refused saying so")
-            ok = False
+    ok = merged_into_dequantized(strata, work, qt, double, cfg, world, export, eval_ids) and ok
+    ok = prequantized(strata, work, case, cfg, world, got, export, eval_ids, eval_labels) and ok
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -150,6 +150,8 @@ std::string describe_checkpoint(const std::filesystem::path& checkpoint_dir);
 struct ExportResult {
   uint64_t tensors = 0;  // written by this process (export_engine_hf: by this rank)
   uint64_t bytes = 0;    // tensor bytes written, likewise
+  // export_checkpoint_merged: the base's weights saved in 4 bits, merged into their dequantization.
+  uint64_t dequantized = 0;
   std::vector<std::string> tokenizer_files;  // copied in from `tokenizer_from`
   // The weights files of the whole export (shards, then the index when there is one), whichever
   // rank wrote them; known on every rank.
@@ -183,12 +185,32 @@ ExportResult export_checkpoint_hf(const std::filesystem::path& checkpoint_dir,
 // tensor by tensor in the order a run's merged export writes them (the files are the same when
 // the run computed in the base's precision or finer and did not tile the vocabulary). Holds
 // the adapters and one base tensor. Throws std::invalid_argument for a checkpoint without LoRA.
+//
+// What a run on a 4-bit base (model.quantize) merges into: kBase, the base's weights as its files
+// hold them (a 16-bit base: its own, the better choice for quality; a base saved in 4 bits: their
+// dequantization); kDequantized, the 4-bit weights the run trained on, dequantized (a 16-bit base
+// quantized again as the run quantized it at load, with the manifest's "quantize": what peft's
+// merge on the 4-bit model adds to before bitsandbytes quantizes it again). kDequantized for a
+// checkpoint that did not train on a 4-bit base is refused. ExportResult::dequantized counts the
+// weights merged into a dequantization.
+enum class MergeInto { kBase, kDequantized };
+// "base" / "dequantized" (run.export_merged_into, `strata ckpt export --merge-into`);
+// std::invalid_argument naming `what` otherwise.
+MergeInto parse_merge_into(const std::string& name, const std::string& what);
 ExportResult export_checkpoint_merged(const std::filesystem::path& checkpoint_dir, const std::filesystem::path& base_dir,
                                       const std::filesystem::path& out_dir, const std::string& dtype,
                                       const std::function<void(uint64_t, uint64_t)>& progress = {},
                                       bool overwrite = false, const std::filesystem::path& tokenizer_from = {},
                                       uint64_t shard_bytes = models::kDefaultShardBytes,
-                                      const std::function<void(const std::filesystem::path&)>& on_weights_file = {});
+                                      const std::function<void(const std::filesystem::path&)>& on_weights_file = {},
+                                      MergeInto into = MergeInto::kBase);
+// The same from a run's PEFT adapter export `adapter_dir` of model `mc` (run.export_merged on a
+// 4-bit base, whose merge reads the base's files rather than the engine's 4-bit records), which
+// trained on `base_dir` computing in `compute`.
+ExportResult export_adapter_merged(const std::filesystem::path& adapter_dir, const models::ModelConfig& mc,
+                                   at::ScalarType compute, const std::filesystem::path& base_dir,
+                                   const std::filesystem::path& out_dir, const std::string& dtype, MergeInto into,
+                                   bool overwrite, uint64_t shard_bytes);
 
 // Collective: the engine's weights now (fp32 masters) as a Hugging Face model directory, as
 // export_checkpoint_hf writes a checkpoint's, streamed: tensor by tensor in unit order, the files

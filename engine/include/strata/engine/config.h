@@ -182,6 +182,7 @@ struct TrainConfig {
   // directory (adapter_config.json + adapter_model.safetensors) instead.
   std::string export_dir;
   bool export_merged = false;  // LoRA: also the merged model (base + scaled B A) in <export_dir>-merged
+  std::string export_merged_into = "base";  // a 4-bit base: "base" (init_from's weights) or "dequantized"
   bool export_overwrite = false;  // a non-empty export_dir is replaced (its other files kept)
   int64_t export_every = 0;  // also every N steps, into <export_dir>-step-N; 0: only at the end
   std::string export_dtype = "auto";  // float32, bfloat16, float16; auto: bf16 compute -> bfloat16

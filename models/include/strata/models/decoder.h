@@ -19,6 +19,7 @@
 
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -156,6 +157,18 @@ class Decoder {
   using TensorSource = std::function<bool(const std::string& name, at::Tensor& whole)>;
   void set_source(TensorSource source) { source_ = std::move(source); }
 
+  // A base saved in 4 bits (quant4_checkpoint.h): the weights it holds as 4-bit records, whole
+  // tensors by name. Initialization leaves such a tensor's fp32 storage untouched (it is never
+  // read: the consumer, the engine, stores the record); `read` fills the record (quant4_record's
+  // layout, bytes() bytes) from the files. Cleared by set_record_source({}) once read.
+  struct RecordSource {
+    std::function<bool(const std::string& name)> holds;
+    std::function<void(const std::string& name, std::span<std::byte> record)> read;
+  };
+  void set_record_source(RecordSource records) { records_ = std::move(records); }
+  bool reads_record(const std::string& name) const { return records_.holds && records_.holds(name); }
+  void read_record(const std::string& name, std::span<std::byte> record) const { records_.read(name, record); }
+
   const ModelConfig& config() const { return config_; }
   // The embedding whole (throws std::logic_error when the vocabulary is tiled).
   Stage& embedding();
@@ -223,6 +236,7 @@ class Decoder {
   // with adapters loaded (adapter_from) or drawn, and drawn adapters the same over a loaded base.
   at::Generator init_gen_, adapter_gen_;
   TensorSource source_;
+  RecordSource records_;
   size_t initialized_ = 0;  // stage groups [0, initialized_) hold their initial values
 };
 

@@ -45,12 +45,16 @@ std::vector<int64_t> hf_tensor_shape(const ModelConfig& config, const Safetensor
 // Made, each checks the names: a tensor missing there, or one there the model does not take;
 // a tensor's shape is checked when it loads. std::runtime_error naming the file and tensor.
 Decoder::TensorSource hf_model_source(const ModelConfig& config, const std::filesystem::path& dir);
+Decoder::TensorSource hf_model_source(const ModelConfig& config, std::shared_ptr<const SafetensorsCheckpoint> checkpoint,
+                                      const std::string& source);
 Decoder::TensorSource peft_adapter_source(const ModelConfig& config, const std::filesystem::path& dir);
 // The model in `dir` (config.json + weights) with Init::kDeferred: its weights load as its stages
 // are initialized, so a consumer that takes it stage by stage (the engine: one unit at a time,
 // each dropped once placed) never holds more than a block of it in fp32 beside the mapped files.
 // With `lora` its adapters are initialized as PEFT does (decoder.h), or from `adapter_dir`'s.
-// `quantize`: the training configuration's 4-bit base (model.quantize; config.json does not say).
+// `quantize`: the training configuration's 4-bit base (model.quantize). A weight saved in 4 bits
+// (quant4_checkpoint.h) reads as its fp32 dequantization, or, where `quantize` stores it in 4 bits,
+// as its record (Decoder::set_record_source: copied, not quantized again).
 std::unique_ptr<Decoder> open_hf_model(const std::filesystem::path& dir, const ModelConfig::Lora& lora = {},
                                        const std::filesystem::path& adapter_dir = {},
                                        const QuantizedBase& quantize = {});
