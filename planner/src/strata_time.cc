@@ -115,7 +115,7 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
     if (g == Placement::kNvme && !p.placement.grads_transient) nvme_w += shard_n * 4, nvme_r += shard_n * 4;
   }
   // The engine's own passes over device memory beside the model's kernels, each byte read or
-  // written: on one rank, a gathered unit whose shard is on the device copied into its buffer
+  // written (the dequantization of a 4-bit base's weights among them): on one rank, a gathered unit whose shard is on the device copied into its buffer
   // (the all-gather is that copy; on more, the collective's bytes are counted above); each
   // unit's gradient copied out of autograd's tensor into its fp32 buffer (zeros only where no
   // gradient came; on one rank that buffer is the reduced shard) and, kept on the device, added
@@ -124,6 +124,9 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
   for (size_t u = 0; u < units; ++u) {
     const double padded = double(p.padded_numel[u]), shard_n = double(p.shard_numel[u]);
     if (tier(u, 0) == Placement::kDevice && w == 1) local += uses_of[u] * (shard_n + padded) * cb;
+    // A 4-bit base (model.quantize): each gather dequantizes the unit's 4-bit weights, reading
+    // their records (about 4.5 bits an element: codes and absmax) and writing the compute dtype.
+    if (u < p.dequantized.size()) local += uses_of[u] * double(p.dequantized[u]) * (cb + 9.0 / 16);
     if (is_frozen(u)) continue;
     local += padded * (cb + 4);
     if (tier(u, 1) == Placement::kDevice) local += shard_n * 12;

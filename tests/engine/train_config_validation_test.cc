@@ -219,7 +219,8 @@ TEST(TrainConfig, AnInitFromSavedIn4BitsGivesItsQuantizationAndRefusesAnother) {
   saved_with(nf4_double);
   const auto config = [&](const std::string& model_more) {
     return R"({"model": {"init_from": )" + json_string(dir.path().string()) +
-           R"(, "lora": {"r": 4, "target_modules": ["q_proj"]})" + model_more + "}}";
+           R"(, "lora": {"r": 4, "target_modules": ["q_proj"]})" + model_more +
+           R"(}, "data": {"path": "tokens.bin", "format": "uint16"}})";
   };
   // bnb_4bit_compute_dtype float32 saved, bfloat16 computed: the compute dtype is the run's.
   const TrainConfig c = parse_train_config(config(""), "test.json");
@@ -239,7 +240,8 @@ TEST(TrainConfig, AnInitFromSavedIn4BitsGivesItsQuantizationAndRefusesAnother) {
        "differs from init_from's, which is saved in 4 bits (nf4"},
       {config(R"(, "quantize": {"load_in_4bit": true})"), "bnb_4bit_use_double_quant"},
       {config(R"(, "quantize": {"load_in_4bit": false})"), "init_from is saved in 4 bits"},
-      {R"({"model": {"init_from": )" + json_string(dir.path().string()) + R"(, "trainable": "all"}})",
+      {R"({"model": {"init_from": )" + json_string(dir.path().string()) +
+           R"(, "trainable": "all"}, "data": {"path": "tokens.bin", "format": "uint16"}})",
        "needs a frozen base"},
   };
   for (const Bad& bad : cases) {
