@@ -190,6 +190,18 @@ void Engine::Impl::allocate_state(std::vector<std::vector<at::Tensor>>& owned, b
 // bits (Decoder::read_record). Double quantization's offsets (torch's fp32 mean, whose rounding can
 // follow the thread count) are agreed across the ranks first: each rank keeps only its shard of a
 // record, so all must quantize around the same offset.
+// A tensor of `numel` elements that the model reads as a 4-bit record (a checkpoint saved in 4
+// bits; Decoder::RecordSource), dequantized in fp32: the model left its own storage untouched.
+at::Tensor Engine::Impl::saved_dequantized(const std::string& name, uint64_t numel) {
+  const models::QuantizedBase& q = model->config().quantize;
+  at::Tensor record = at::zeros({int64_t(models::quant4_record(numel, q).bytes())}, at::kByte);
+  const std::span<std::byte> bytes{static_cast<std::byte*>(record.data_ptr()), size_t(record.numel())};
+  model->read_record(name, bytes);
+  at::Tensor out = at::empty({int64_t(numel)}, at::kFloat);
+  models::dequantize_record(bytes, q, out);
+  return out;
+}
+
 at::Tensor Engine::Impl::initial_flat(const UnitLayout& L, const std::vector<at::Tensor>& tensors) {
   const bool records = std::any_of(L.tensors.begin(), L.tensors.end(), [](const TensorSlot& t) { return t.quantized; });
   at::Tensor flat = at::zeros({int64_t(L.padded_numel())}, at::TensorOptions().dtype(records ? cdt : at::kFloat));
@@ -202,7 +214,10 @@ at::Tensor Engine::Impl::initial_flat(const UnitLayout& L, const std::vector<at:
   std::vector<int64_t> offsets;  // each one's offset's bits, slot order (>= 0: the bits order as the values)
   for (size_t i = 0; i < L.tensors.size(); ++i) {
     const TensorSlot& s = L.tensors[i];
-    if (!s.quantized) {
+    if (!s.quantized && model->reads_record(s.whole_name())) {
+      // Saved in 4 bits, but this run trains it (or keeps it in 16 bits): its dequantization.
+      flat.narrow(0, int64_t(s.offset), int64_t(s.numel)).copy_(saved_dequantized(s.whole_name(), s.numel));
+    } else if (!s.quantized) {
       flat.narrow(0, int64_t(s.offset), int64_t(s.numel)).copy_(tensors[i].detach().reshape(-1));
     } else if (model->reads_record(s.whole_name())) {  // saved in 4 bits: the record as the files hold it
       model->read_record(s.whole_name(), record_of(s));

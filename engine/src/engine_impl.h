@@ -172,6 +172,7 @@ struct Engine::Impl {
   // copy of each goes as soon as its unit is placed.
   void allocate_state(std::vector<std::vector<at::Tensor>>& owned, bool grads_transient);
   at::Tensor initial_flat(const UnitLayout& L, const std::vector<at::Tensor>& tensors);
+  at::Tensor saved_dequantized(const std::string& name, uint64_t numel);
   // The updater and the gradient reducer over the allocated state.
   void build_update_parts(std::vector<std::vector<runtime::GradientReducer::ParamRef>> stage_params,
                           bool grads_transient);

@@ -125,8 +125,10 @@ def prequantized(strata, work, case, cfg, world, got, export, eval_ids, eval_lab
     """The same run from the base transformers saved in 4 bits (save_pretrained of the quantized
     model; config.json's quantization_config gives model.quantize, left out here): its losses and
     adapters bitwise the run that quantized the 16-bit base at load; peft on transformers' load of
-    that checkpoint evaluates Strata's export as Strata does; `strata ckpt export --base` of it
-    merges into the dequantized 4-bit weights, as peft's merge into transformers' dequantize()."""
+    that checkpoint evaluates Strata's export as Strata does; a block linear trained whole
+    (modules_to_save) starts from bitsandbytes' dequantization of its 4-bit weight; `strata ckpt
+    export --base` of it merges into the dequantized 4-bit weights, as peft's merge into
+    transformers' dequantize()."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     model_dir = cfg["model"]["init_from"]
@@ -160,6 +162,33 @@ def prequantized(strata, work, case, cfg, world, got, export, eval_ids, eval_lab
     print(f"evaluation: strata {pre_eval}, peft on transformers' load of the 4-bit checkpoint {peft_eval:.9g}")
     if not pre_eval or abs(pre_eval[-1] - peft_eval) > 1e-6 * abs(peft_eval):
         print("FAIL: transformers' load of the 4-bit checkpoint does not evaluate Strata's export as Strata does")
+        ok = False
+    # A module the run trains (modules_to_save) that the checkpoint saved in 4 bits starts from its
+    # dequantization: no step taken, the exported tensor is bitsandbytes' dequantize of it.
+    still = json.loads(json.dumps(pre))
+    still["model"].pop("adapter_from")
+    still["model"]["lora"] = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "modules_to_save": ["down_proj"]}
+    still_export = os.path.join(work, "export-pre-saved")
+    still["run"].update({"steps": 0, "log": os.path.join(work, "log-pre-saved.jsonl"), "export": still_export,
+                         "checkpoint_dir": os.path.join(work, "ckpt-pre-saved")})
+    still["data"].pop("eval_path")
+    if run_strata_output(strata, work, still, world, "prequantized-modules-to-save")[0] is None:
+        return False
+    exported = read_safetensors(os.path.join(still_export, "adapter_model.safetensors"))
+    with torch.no_grad():
+        dequantized = dict(AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, device_map="cpu")
+                           .dequantize().named_parameters())
+    checked = 0
+    for key, t in exported.items():
+        if key.endswith("mlp.down_proj.weight"):
+            name = key[len("base_model.model."):]
+            checked += 1
+            if not torch.equal(t, dequantized[name].detach()):
+                print(f"FAIL: {key}, trained from the 4-bit checkpoint, does not start from its dequantization")
+                ok = False
+    print(f"modules_to_save from the 4-bit checkpoint: {checked} tensors start from bitsandbytes' dequantization")
+    if checked == 0:
+        print("FAIL: no down_proj exported as modules_to_save")
         ok = False
     out = os.path.join(work, "ckpt-export-pre")
     run = subprocess.run([strata, "ckpt", "export", os.path.join(work, "ckpt-pre"), out, "--base", saved],
