@@ -37,6 +37,19 @@ uint64_t peak_rss_bytes() {
   return 0;
 }
 
+// A 4-bit base's line of the banner: its settings, and whether init_from holds it saved in 4 bits
+// (read as saved) or in 16 bits (quantized at load). "" without one.
+std::string quantized_base_line(const engine::TrainConfig& tc, const models::ModelConfig& mc) {
+  if (!mc.quantize.enabled()) return "";
+  bool saved = false;
+  if (std::ifstream in(std::filesystem::path(tc.init_from) / "config.json"); !tc.init_from.empty() && in) {
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    saved = j.is_object() && j.contains("quantization_config");
+  }
+  return "\n  base: in 4 bits (" + mc.quantize.describe() + "), " +
+         (saved ? "read as init_from saved it" : "quantized at load");
+}
+
 // A mixture of experts' least and most chosen expert over its sparse blocks, as shares of their
 // block's choices (StepResult::expert_shares).
 std::pair<double, double> expert_share_range(const engine::StepResult& r) {
@@ -233,7 +246,7 @@ void RunLog::print_banner(const Start& start, const engine::MemoryReport& m0) co
             << mc.layers << " layers), world " << run_.comm.world_size()
             << (run_.env.launcher == "none" ? "" : " (" + run_.env.launcher + ")") << ", global batch "
             << run_.global_batch << " x " << ec.seq_len << " tokens, " << to_string(ec.compute)
-            << " compute\n  " << run_.eng.placement_report() << "\n  device: " << run_.device.description() << ", budget "
+            << " compute" << quantized_base_line(run_.tc, mc) << "\n  " << run_.eng.placement_report() << "\n  device: " << run_.device.description() << ", budget "
             << (ec.device_budget == UINT64_MAX ? "unlimited" : format_bytes(ec.device_budget))
             << ", " << format_bytes(m0.device_used) << " of state on it; host state "
             << format_bytes(m0.host_state) << ", NVMe state " << format_bytes(m0.nvme_state)
