@@ -1,8 +1,10 @@
 #include "strata/engine/layout/schedule.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace strata::engine::layout {
 
@@ -34,15 +36,17 @@ Schedule::Schedule(std::vector<std::vector<size_t>> stage_units, size_t num_unit
   // Trainable units used by several stages hold a gradient from the backward of their highest
   // stage to that of their lowest: the most of them open at once over the backward (a tied
   // embedding is open throughout; a block tile's adapters over their part's tiles only).
+  // Each is open over the stages [last_use_stage_, first_use]: the most intervals over one stage,
+  // by a sweep over their ends (O(stages + units): the planner builds thousands of schedules of
+  // thousands of units).
   std::vector<size_t> first_use(num_units, 0);
   for (size_t s = 0; s < n; ++s)
     for (size_t u : stage_units_[s]) first_use[u] = std::max(first_use[u], s);
-  for (size_t s = 0; s < n; ++s) {
-    size_t open = 0;
-    for (size_t u = 0; u < num_units; ++u)
-      open += stages_using[u] > 1 && (frozen.empty() || !frozen[u]) && last_use_stage_[u] <= s && s <= first_use[u];
-    shared_units_ = std::max(shared_units_, open);
-  }
+  std::vector<int64_t> opened(n + 1, 0);
+  for (size_t u = 0; u < num_units; ++u)
+    if (stages_using[u] > 1 && (frozen.empty() || !frozen[u])) ++opened[last_use_stage_[u]], --opened[first_use[u] + 1];
+  int64_t open = 0;
+  for (size_t s = 0; s < n; ++s) shared_units_ = std::max(shared_units_, size_t(open += opened[s]));
   for (size_t s = 0; s + 1 < n; ++s) uses_.push_back({s, Use::kForward});
   uses_.push_back({n - 1, Use::kHead});
   const auto learns = [&](size_t s) {
