@@ -6,7 +6,8 @@
 #
 # Usage: scripts/setup.sh [--no-build] [--target NAME]...
 #   --target: build only these CMake targets and what they need (scripts/run-main.sh builds the
-#             `strata` program alone); default: everything, the test suite's included.
+#             `strata` program alone), without the packages only the tests use (fio, the S3
+#             server's, iproute2); default: everything, the test suite's included.
 # Environment: STRATA_CACHE, STRATA_BUILD_DIR (default build), STRATA_JOBS (default nproc).
 set -euo pipefail
 build=1 targets=() names=()
@@ -28,9 +29,13 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 # --- Debian packages -------------------------------------------------------------------------
 debs=(build-essential cmake ninja-build ccache pkg-config git
       liburing-dev nlohmann-json3-dev libboost-dev libgtest-dev libgmock-dev libgloo-dev
-      libpng-dev zlib1g-dev fio python3 python3-venv libssl-dev curl openssl
-      ceph-mon ceph-osd ceph-common radosgw  # the S3 server the tests start
-      iproute2)                              # `ip netns`: the two-host test's namespaces
+      libpng-dev zlib1g-dev python3 python3-venv libssl-dev curl openssl)
+# What only the test suite and the benchmarks use, installed when everything is built (no
+# --target): scripts/run-main.sh, which builds `strata` alone, does not wait for them.
+test_debs=(fio                                    # the I/O benchmarks' and tests' baseline
+           ceph-mon ceph-osd ceph-common radosgw  # the S3 server the tests start
+           iproute2)                              # `ip netns`: the two-host test's namespaces
+((${#targets[@]})) || debs+=("${test_debs[@]}")
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
