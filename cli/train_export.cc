@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "object_paths.h"
+#include "strata/engine/precision_dtype.h"
 #include "strata/models/hf_io.h"
 #include "strata/models/model_shapes.h"
 #include "strata/models/peft.h"
@@ -134,11 +135,8 @@ void Exporter::write_merged_4bit(const std::filesystem::path& adapter_dir, bool 
   const engine::TrainConfig& tc = run_.tc;
   const auto t0 = std::chrono::steady_clock::now();
   const engine::MergeInto into = engine::parse_merge_into(tc.export_merged_into, "run.export_merged_into");
-  const at::ScalarType compute = run_.ec.compute == engine::Precision::kBf16   ? at::kBFloat16
-                                 : run_.ec.compute == engine::Precision::kFp16 ? at::kHalf
-                                                                               : at::kFloat;
   const engine::ExportResult done =
-      engine::export_adapter_merged(adapter_dir, run_.mc, compute, tc.init_from, merged_dir(adapter_dir),
+      engine::export_adapter_merged(adapter_dir, run_.mc, engine::scalar_type(run_.ec.compute), tc.init_from, merged_dir(adapter_dir),
                                     models::hf_dtype_name(type_), into, overwrite, tc.export_shard_bytes);
   std::cerr << (tc.progress && isatty(STDERR_FILENO) ? "\r\033[K" : "") << "strata train: exported the merged model to "
             << merged_dir(adapter_dir).string() << " (" << models::hf_dtype_name(type_) << ", "

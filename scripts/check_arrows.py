@@ -76,6 +76,7 @@ PATH_PARTS = [
     ("engine/src/cpu_share.cc", "device"),
     ("engine/src/profiler.h", "device"),
     ("engine/include/strata/engine/device.h", "device"),
+    ("engine/include/strata/engine/precision_dtype.h", "device"),
     ("engine/include/strata/engine/comm.h", "device"),
     ("engine/include/strata/engine/cpu_share.h", "device"),
     ("engine/include/strata/engine/timeline.h", "device"),

@@ -60,6 +60,7 @@
 #include "runtime/update_policy.h"
 #include "runtime/updater.h"
 #include "profiler.h"
+#include "strata/engine/precision_dtype.h"
 #include "state/chunk_ring.h"
 #include "state/hold_gate.h"
 #include "state/host_memory.h"
@@ -67,16 +68,6 @@
 
 namespace strata::engine {
 
-
-
-inline at::ScalarType scalar_type(Precision p) {
-  switch (p) {
-    case Precision::kFp32: return at::kFloat;
-    case Precision::kBf16: return at::kBFloat16;
-    case Precision::kFp16: return at::kHalf;
-  }
-  return at::kFloat;
-}
 
 // The state kinds of a unit's shard (state/state_store.h).
 using state::kMaster;

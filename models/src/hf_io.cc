@@ -101,16 +101,15 @@ void copy_tensor(const ModelConfig& c, const SafetensorsCheckpoint& ckpt, const 
   const bool transpose = is_conv1d(c, tensor);
   std::vector<int64_t> want(dst.sizes().begin(), dst.sizes().end());
   if (transpose) std::swap(want[0], want[1]);
-  const bool in_4bit = saved_in_4bit(ckpt, key);  // read as its dequantization
-  const TensorView v = ckpt.get(key);
-  const std::vector<int64_t> has = in_4bit ? read_quant4_state(ckpt, key, source).shape : v.info->shape;
-  if (has != want)
-    throw std::runtime_error(source + ": tensor '" + key + "' has shape " + shape_str(has) + ", " + what +
-                             " expects " + shape_str(want));
   at::NoGradGuard no_grad;
-  const at::Tensor src = in_4bit ? dequantize_saved_4bit(ckpt, key, source)
-                                 : at::from_blob(const_cast<std::byte*>(v.data.data()), want,
-                                                 at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
+  const TensorView v = ckpt.get(key);
+  const at::Tensor src = saved_in_4bit(ckpt, key)  // read as its dequantization
+                             ? dequantize_saved_4bit(ckpt, key, source)
+                             : at::from_blob(const_cast<std::byte*>(v.data.data()), v.info->shape,
+                                             at::TensorOptions().dtype(to_aten(v.info->dtype, source + ": tensor '" + key + "'")));
+  if (src.sizes() != at::IntArrayRef(want))
+    throw std::runtime_error(source + ": tensor '" + key + "' has shape " + shape_str(src.sizes()) + ", " + what +
+                             " expects " + shape_str(want));
   dst.copy_(transpose ? src.t() : src);
 }
 

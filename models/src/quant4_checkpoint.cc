@@ -110,6 +110,30 @@ SavedQuant4 read_quant4_state(const SafetensorsCheckpoint& ckpt, const std::stri
   return out;
 }
 
+namespace {
+
+// The record of weight `key`, whose quant_state `s` read_quant4_state has checked, into `record`.
+void copy_record(const SafetensorsCheckpoint& ckpt, const std::string& key, const SavedQuant4& s,
+                 std::span<std::byte> record) {
+  uint64_t n = 1;
+  for (int64_t d : s.shape) n *= uint64_t(d);
+  const Quant4Record r = quant4_record(n, s.settings);
+  if (record.size() < r.bytes())
+    throw std::logic_error("read_quant4_record: a record of " + std::to_string(record.size()) + " bytes for " +
+                           std::to_string(r.bytes()));
+  const auto copy = [&](uint64_t at, const std::string& k, uint64_t bytes) {
+    std::memcpy(record.data() + at, ckpt.get(k).data.data(), bytes);
+  };
+  if (s.settings.double_quant) {
+    std::memcpy(record.data(), &s.offset, sizeof(float));
+    copy(r.nested_at(), key + ".nested_absmax", r.nested_bytes);
+  }
+  copy(r.absmax_at(), key + ".absmax", r.absmax_bytes);
+  copy(r.packed_at(), key, r.packed_bytes);
+}
+
+}  // namespace
+
 void read_quant4_record(const SafetensorsCheckpoint& ckpt, const std::string& key, const QuantizedBase& q,
                         std::span<std::byte> record, const std::string& source) {
   const SavedQuant4 s = read_quant4_state(ckpt, key, source);
@@ -117,22 +141,7 @@ void read_quant4_record(const SafetensorsCheckpoint& ckpt, const std::string& ke
       s.settings.blocksize != q.blocksize)
     throw std::runtime_error(source + ": tensor '" + key + "' is saved in " + s.settings.describe() +
                              ", the run's model.quantize is " + q.describe());
-  uint64_t n = 1;
-  for (int64_t d : s.shape) n *= uint64_t(d);
-  const Quant4Record r = quant4_record(n, q);
-  if (record.size() < r.bytes())
-    throw std::logic_error("read_quant4_record: a record of " + std::to_string(record.size()) + " bytes for " +
-                           std::to_string(r.bytes()));
-  const auto copy = [&](uint64_t at, const std::string& k, uint64_t bytes) {
-    const TensorView v = ckpt.get(k);
-    std::memcpy(record.data() + at, v.data.data(), bytes);
-  };
-  if (q.double_quant) {
-    std::memcpy(record.data(), &s.offset, sizeof(float));
-    copy(r.nested_at(), key + ".nested_absmax", r.nested_bytes);
-  }
-  copy(r.absmax_at(), key + ".absmax", r.absmax_bytes);
-  copy(r.packed_at(), key, r.packed_bytes);
+  copy_record(ckpt, key, s, record);
 }
 
 at::Tensor dequantize_saved_4bit(const SafetensorsCheckpoint& ckpt, const std::string& key, const std::string& source) {
@@ -141,8 +150,7 @@ at::Tensor dequantize_saved_4bit(const SafetensorsCheckpoint& ckpt, const std::s
   for (int64_t d : s.shape) n *= d;
   // Copied into a record first: a safetensors file does not align its tensors' bytes.
   at::Tensor record = at::empty({int64_t(quant4_record(uint64_t(n), s.settings).bytes())}, at::kByte);
-  read_quant4_record(ckpt, key, s.settings, {static_cast<std::byte*>(record.data_ptr()), size_t(record.numel())},
-                     source);
+  copy_record(ckpt, key, s, {static_cast<std::byte*>(record.data_ptr()), size_t(record.numel())});
   at::Tensor out = at::empty(s.shape, at::kFloat);
   dequantize_record({static_cast<const std::byte*>(record.const_data_ptr()), size_t(record.numel())}, s.settings, out);
   return out;

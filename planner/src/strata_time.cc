@@ -6,6 +6,7 @@
 #include "strata/engine/layout/resolve.h"
 #include "strata/engine/layout/schedule.h"
 #include "strata/models/model_shapes.h"
+#include "strata/models/quantized_base.h"
 #include "strata/models/trainable.h"
 #include "strata/planner/compute.h"
 
@@ -125,8 +126,10 @@ StrataTime strata_step_time(const engine::StatePrediction& p, const engine::Engi
     const double padded = double(p.padded_numel[u]), shard_n = double(p.shard_numel[u]);
     if (tier(u, 0) == Placement::kDevice && w == 1) local += uses_of[u] * (shard_n + padded) * cb;
     // A 4-bit base (model.quantize): each gather dequantizes the unit's 4-bit weights, reading
-    // their records (about 4.5 bits an element: codes and absmax) and writing the compute dtype.
-    if (u < p.dequantized.size()) local += uses_of[u] * double(p.dequantized[u]) * (cb + 9.0 / 16);
+    // their records (codes and absmax, as one record of all its 4-bit elements) and writing the
+    // compute dtype.
+    if (u < p.dequantized.size() && p.dequantized[u] > 0)
+      local += uses_of[u] * (double(p.dequantized[u]) * cb + double(models::quant4_record(p.dequantized[u], m.quantize).bytes()));
     if (is_frozen(u)) continue;
     local += padded * (cb + 4);
     if (tier(u, 1) == Placement::kDevice) local += shard_n * 12;

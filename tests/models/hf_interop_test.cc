@@ -9,10 +9,14 @@
 #include <map>
 
 #include "strata/models/hf_io.h"
+#include "hf_expected.h"
 #include "test_util.h"
 
 namespace strata::models {
 namespace {
+
+using test_oracle::expected;
+using test_oracle::relative_error;
 
 const std::string kPython = STRATA_PYTHON;
 const std::string kOracle = std::string(STRATA_TEST_PY_DIR) + "/hf_oracle.py";
@@ -41,16 +45,6 @@ class HfInterop : public ::testing::TestWithParam<std::string> {
 test::TempDir* HfInterop::dir_ = nullptr;
 bool HfInterop::made_ = false;
 
-double relative_error(const at::Tensor& got, const at::Tensor& want) {
-  return ((got - want).abs().max() / want.abs().max()).item<double>();
-}
-
-at::Tensor expected(const std::filesystem::path& dir, const std::string& name) {
-  SafetensorsFile f(dir / "expected.safetensors");
-  const TensorView v = f.get(name);
-  const auto dtype = v.info->dtype == StDType::kI64 ? at::kLong : at::kFloat;
-  return at::from_blob(const_cast<std::byte*>(v.data.data()), v.info->shape, dtype).clone();
-}
 
 TEST_P(HfInterop, TransformersCheckpointLoadsWithTheSameLogitsAndExportRoundTrips) {
   auto model = load_hf_model(model_dir());

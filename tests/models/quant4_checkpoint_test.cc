@@ -11,10 +11,14 @@
 
 #include "strata/models/hf_io.h"
 #include "strata/models/quant4_checkpoint.h"
+#include "hf_expected.h"
 #include "test_util.h"
 
 namespace strata::models {
 namespace {
+
+using test_oracle::expected;
+using test_oracle::relative_error;
 
 const std::string kPython = STRATA_PYTHON;
 const std::string kOracle = std::string(STRATA_TEST_PY_DIR) + "/hf_oracle.py";
@@ -56,16 +60,6 @@ class SavedIn4Bits : public ::testing::TestWithParam<std::string> {
 test::TempDir* SavedIn4Bits::dir_ = nullptr;
 bool SavedIn4Bits::made_ = false;
 
-at::Tensor expected(const std::filesystem::path& dir, const std::string& name) {
-  SafetensorsFile f(dir / "expected.safetensors");
-  const TensorView v = f.get(name);
-  const auto dtype = v.info->dtype == StDType::kI64 ? at::kLong : at::kFloat;
-  return at::from_blob(const_cast<std::byte*>(v.data.data()), v.info->shape, dtype).clone();
-}
-
-double relative_error(const at::Tensor& got, const at::Tensor& want) {
-  return ((got - want).abs().max() / want.abs().max()).item<double>();
-}
 
 // `from`'s model.safetensors into `to` (its config.json copied), each tensor through `edit`
 // (which may drop it by returning false, or change its bytes).
@@ -114,9 +108,9 @@ TEST_P(SavedIn4Bits, RecordsHoldTheSavedBytesAndDequantizeAsTheFp32Read) {
   ASSERT_TRUE(saved_in_4bit(ckpt, w));
   EXPECT_FALSE(saved_in_4bit(ckpt, "lm_head.weight"));  // transformers keeps the head
   const SavedQuant4 s = read_quant4_state(ckpt, w, "test");
-  const std::vector<int64_t> shape = {s.shape[0], s.shape[1]};
-  EXPECT_EQ(shape[1], GetParam() == "qwen3_fp4" ? 70 : 83);  // [hidden, intermediate]
-  const uint64_t n = uint64_t(shape[0] * shape[1]);
+  ASSERT_EQ(s.shape.size(), 2u);
+  EXPECT_EQ(s.shape[1], GetParam() == "qwen3_fp4" ? 70 : 83);  // [hidden, intermediate]
+  const uint64_t n = uint64_t(s.shape[0] * s.shape[1]);
   const Quant4Record r = quant4_record(n, s.settings);
   std::vector<std::byte> record(r.bytes());
   read_quant4_record(ckpt, w, s.settings, record, "test");
@@ -131,8 +125,13 @@ TEST_P(SavedIn4Bits, RecordsHoldTheSavedBytesAndDequantizeAsTheFp32Read) {
                              "is saved in " + s.settings.describe()));
   // The fp32 read is the dequantization, the model's weight.
   auto model = load_hf_model(model_dir());
+  size_t found = 0;
   for (auto& [name, p] : model->hf_parameters())
-    if (name == w) EXPECT_TRUE(at::equal(p, dequantize_saved_4bit(ckpt, w, "test")));
+    if (name == w) {
+      EXPECT_TRUE(at::equal(p, dequantize_saved_4bit(ckpt, w, "test")));
+      ++found;
+    }
+  EXPECT_EQ(found, 1u);
 }
 
 TEST_P(SavedIn4Bits, AMissingStatisticOrAnotherCodeTableIsRefusedNamingTheTensor) {

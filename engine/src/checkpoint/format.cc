@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "strata/engine/checkpoint.h"
+#include "strata/models/hf_io.h"
 #include "strata/offload/file.h"
 
 namespace strata::engine {
@@ -257,7 +258,7 @@ json quantization_json(const models::QuantizedBase& q, at::ScalarType compute) {
           {"bnb_4bit_use_double_quant", q.double_quant},
           {"bnb_4bit_blocksize", q.blocksize},
           {"llm_int8_skip_modules", q.skip_modules},
-          {"bnb_4bit_compute_dtype", compute == at::kBFloat16 ? "bfloat16" : compute == at::kHalf ? "float16" : "float32"}};
+          {"bnb_4bit_compute_dtype", models::hf_dtype_name(compute)}};
 }
 
 std::optional<ManifestQuantization> manifest_quantization(const json& m, const fs::path& dir) {
@@ -270,10 +271,9 @@ std::optional<ManifestQuantization> manifest_quantization(const json& m, const f
     out.q.double_quant = j.at("bnb_4bit_use_double_quant").get<bool>();
     out.q.blocksize = j.at("bnb_4bit_blocksize").get<int64_t>();
     out.q.skip_modules = j.at("llm_int8_skip_modules").get<std::vector<std::string>>();
-    const std::string c = j.at("bnb_4bit_compute_dtype").get<std::string>();
-    out.compute = c == "bfloat16" ? at::kBFloat16 : c == "float16" ? at::kHalf : at::kFloat;
+    out.compute = models::parse_export_dtype(j.at("bnb_4bit_compute_dtype").get<std::string>());
     return out;
-  } catch (const json::exception& e) {
+  } catch (const std::exception& e) {
     throw std::runtime_error((dir / "manifest.json").string() + ": \"quantize\" is not a 4-bit base's settings: " +
                              e.what());
   }

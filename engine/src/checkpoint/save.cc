@@ -24,6 +24,7 @@
 #include "checkpoint/format.h"
 #include "checkpoint/staging.h"
 #include "strata/engine/checkpoint.h"
+#include "strata/engine/precision_dtype.h"
 #include "strata/models/model_config.h"
 #include "strata/models/peft.h"
 #include "strata/offload/crc32c.h"
@@ -150,10 +151,7 @@ Snapshot take_snapshot(Engine& engine, Communicator& comm, const fs::path& root,
   }
   // A 4-bit base's settings: what a merge into its dequantized weights repeats.
   if (engine.model_config().quantize.enabled())
-    snap.manifest["quantize"] = quantization_json(
-        engine.model_config().quantize, engine.config().compute == Precision::kBf16   ? at::kBFloat16
-                                        : engine.config().compute == Precision::kFp16 ? at::kHalf
-                                                                                      : at::kFloat);
+    snap.manifest["quantize"] = quantization_json(engine.model_config().quantize, scalar_type(engine.config().compute));
   // What a LoRA checkpoint exports as an adapter directory and resumes only with.
   if (engine.model_config().lora.enabled())
     snap.manifest["lora"] = json::parse(models::peft_adapter_config_json(engine.model_config(), ""));

@@ -149,6 +149,22 @@ def run_strata_output(strata, work, cfg, world, name, must_pass=True):
     return [json.loads(l) for l in open(cfg["run"]["log"])], run.stderr
 
 
+def train_steps(model, ids, labels):
+    """STEPS steps of the oracle's training: AdamW and clip_grad_norm_ over the parameters that
+    require gradients, the masked mean loss of the one batch; the losses before each update."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = mean_loss(model, ids, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def rel(a, b):
     return float((a.float() - b.float()).norm() / max(float(b.float().norm()), 1e-30))
 
@@ -255,18 +271,9 @@ def main():
                 ok = False
 
     # The oracle: peft's model, AdamW and clipping over the parameters that require gradients.
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     ids, labels = sft_batch(train)
     eval_ids, eval_labels = sft_batch(evals)
-    want = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = mean_loss(model, ids, labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
-        opt.step()
-        want.append(loss.item())
+    want = train_steps(model, ids, labels)
     print("losses strata", got, "peft", want)
     if len(got) != STEPS or any(abs(a - b) > 1e-6 * abs(b) for a, b in zip(got, want)):
         print("FAIL: training losses differ")

@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from finetune_oracle import mean_loss, perturbed, sft_batch, sft_examples, write_sft  # noqa: E402
 from lora_oracle import (ACCUM, BETAS, CLIP, EPS, LR, MICRO, SEQ, STEPS, TARGETS, WD,  # noqa: E402
-                         peft_saved_key, read_safetensors, rel, run_strata, run_strata_output)
+                         peft_saved_key, read_safetensors, rel, run_strata, run_strata_output, train_steps)
 
 
 def base_model(case, vocab):
@@ -281,18 +281,9 @@ def main():
         print(f"FAIL: the oracle has {linear4} Linear4bit layers, not {len(TARGETS) * 2}")
         ok = False
     model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     ids, labels = sft_batch(train)
     eval_ids, eval_labels = sft_batch(evals)
-    want = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = mean_loss(model, ids, labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
-        opt.step()
-        want.append(loss.item())
+    want = train_steps(model, ids, labels)
     print("losses strata", got, "peft + bitsandbytes", want)
     if len(got) != STEPS or any(abs(a - b) > 1e-6 * abs(b) for a, b in zip(got, want)):
         print("FAIL: training losses differ")
