@@ -165,7 +165,7 @@ TEST(Checkpoint, SigintWithoutACheckpointDirectoryAndASecondSigterm) {
   // early in the next step) and the second once the first has been taken and a second has
   // passed: the step the stop waits for is still running then.
   json slow = tiny_llama(1000000);
-  slow["batch"]["grad_accum"] = 256;
+  slow["batch"]["grad_accum"] = 1024;
   std::ofstream(cfg) << slow.dump(2);
   const auto log2 = dir / "slow.jsonl";
   pid = spawn_train({"train", "--config", cfg.string(), "--log", log2.string()}, dir / "err2.txt");
