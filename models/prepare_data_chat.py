@@ -1,17 +1,21 @@
-"""`strata data prepare --chat` (see prepare_data.py): JSONL conversations checked line by line,
-formatted by the tokenizer's chat template (or plainly without one) into ids and a loss mask, and
-written as one safetensors file of supervised fine-tuning examples."""
+"""`strata data prepare --chat` (see prepare_data.py): conversations read record by record
+(prepare_data_sources.py, in any schema prepare_data_schema.py knows), formatted by the
+tokenizer's chat template (or plainly without one) into ids and a loss mask in worker processes
+(prepare_data_parallel.py), and streamed into one safetensors file of supervised fine-tuning
+examples (prepare_data_write.py)."""
+import itertools
 import json
 import os
 import re
-import sys
-import time
 from array import array
 
-from prepare_data_io import commit, fail, input_files, load_tokenizer
+from prepare_data_io import commit, fail, load_tokenizer
+from prepare_data_parallel import Progress, in_worker, ordered
+from prepare_data_schema import Schema
+from prepare_data_sources import records
+from prepare_data_write import SftWriter
 
-
-ROLES = ("system", "user", "assistant")
+BATCH = 64  # records a worker formats at once
 
 
 def tokenizer_config(path):
@@ -43,50 +47,6 @@ def first_line(e):
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
-def parse_example(line, where):
-    """The messages of one JSONL line, [{"role", "content"}, ...], checked."""
-    try:
-        obj = json.loads(line)
-    except ValueError as e:
-        fail(f"{where}: not JSON ({getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')})")
-    if not isinstance(obj, dict):
-        fail(f"{where}: not a JSON object but {type(obj).__name__}")
-
-    def text(value, what):
-        if not isinstance(value, str):
-            fail(f"{where}: {what} must be a string, not {type(value).__name__}")
-        if not value:
-            fail(f"{where}: {what} is empty")
-        return value
-
-    if "messages" in obj:
-        if "prompt" in obj or "response" in obj:
-            fail(f'{where}: has both "messages" and "prompt"/"response" (one form per line)')
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            fail(f'{where}: "messages" must be a non-empty list of messages')
-        out = []
-        for i, m in enumerate(msgs, 1):
-            if not isinstance(m, dict):
-                fail(f"{where}: message {i} is not an object but {type(m).__name__}")
-            for key in ("role", "content"):
-                if key not in m:
-                    fail(f'{where}: message {i} has no "{key}"')
-            if m["role"] not in ROLES:
-                fail(f"{where}: message {i} has role {json.dumps(m['role'])} (system, user or assistant)")
-            out.append({"role": m["role"], "content": text(m["content"], f'message {i} ({m["role"]}) "content"')})
-        if not any(m["role"] == "assistant" for m in out):
-            fail(f"{where}: no assistant message (nothing to learn)")
-        return out
-    if "prompt" in obj or "response" in obj:
-        for key in ("prompt", "response"):
-            if key not in obj:
-                fail(f'{where}: has no "{key}"')
-        return [{"role": "user", "content": text(obj["prompt"], '"prompt"')},
-                {"role": "assistant", "content": text(obj["response"], '"response"')}]
-    fail(f'{where}: needs "messages", or "prompt" and "response"')
-
-
 class TemplateFormat:
     """Examples through the tokenizer's chat template (transformers' apply_chat_template)."""
 
@@ -111,9 +71,12 @@ class TemplateFormat:
         except Exception as e:  # noqa: BLE001 (templates raise what they like, e.g. on role order)
             fail(f"{where}: the chat template rejects the conversation ({first_line(e)})")
 
+    def turn_tokens(self, text):
+        return len(self.hf.encode(text, add_special_tokens=False))
+
     def example(self, msgs, where):
         for i, m in enumerate(msgs, 1):
-            if m["role"] == "assistant" and not self.hf.encode(m["content"], add_special_tokens=False):
+            if m["role"] == "assistant" and not self.turn_tokens(m["content"]):
                 fail(f"{where}: message {i} (assistant) tokenizes to no tokens")
         if self.generation:
             out = self.render(msgs, where, return_assistant_tokens_mask=True)
@@ -156,6 +119,9 @@ class PlainFormat:
         self.why = "--no-template formats" if has_template else f"tokenizer {path} has no chat template, which formats"
         self.name = "plain"
 
+    def turn_tokens(self, text):
+        return len(self.tok.encode(text, add_special_tokens=False).ids)
+
     def example(self, msgs, where):
         if [m["role"] for m in msgs] != ["user", "assistant"]:
             fail(f"{where}: {len(msgs)} messages ({', '.join(m['role'] for m in msgs)}) need a chat template: "
@@ -168,94 +134,106 @@ class PlainFormat:
         return head + response + [self.eos], [0] * len(head) + [1] * (len(response) + 1)
 
 
-def prepare_chat(a):
-    try:
-        import numpy as np
-        from safetensors.numpy import save_file
-    except ImportError as e:
-        fail(f"a Python package is missing ({e}): run with Strata's environment "
-             "(scripts/setup.sh creates it; `strata data prepare --chat` uses numpy and safetensors)")
-    template = has_chat_template(a.tokenizer)
-    fmt = TemplateFormat(a.tokenizer) if template and not a.no_template else PlainFormat(a.tokenizer, template)
-    if fmt.vocab > 1 << 31:
-        fail(f"a vocabulary of {fmt.vocab} ids does not fit int32")
-    files = input_files(a.inputs)
-    total = sum(os.path.getsize(f) for f in files)
 
-    tokens, mask, offsets = array("i"), array("B"), array("q", [0])
-    if tokens.itemsize != 4 or offsets.itemsize != 8:
-        fail("this Python has no int32/int64 array type")
-    tty = sys.stderr.isatty()
-    done_bytes, loss_tokens, longest, over, t0, shown = 0, 0, 0, 0, time.monotonic(), False
-    last = t0
-    for path in files:
-        with open(path, "rb") as f:
-            for number, raw in enumerate(f, 1):
-                done_bytes += len(raw)
-                where = f"{path}:{number}"
-                try:
-                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    fail(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)")
-                if not line.strip():
-                    continue
-                ids, m = fmt.example(parse_example(line, where), where)
-                if not any(m[1:]):  # target j is token j + 1: a first token in the loss is no target
-                    fail(f"{where}: no token is in the loss (the assistant turns give no target)")
-                tokens.extend(ids)
-                mask.extend(m)
-                offsets.append(len(tokens))
-                loss_tokens += sum(m)
-                longest = max(longest, len(ids))
-                over += a.max_tokens is not None and len(ids) > a.max_tokens
-                now = time.monotonic()
-                if now - last > (0.2 if tty else 10.0):
-                    last, shown = now, True
-                    msg = (f"prepared {done_bytes * 100 // max(total, 1)}% ({len(offsets) - 1} examples, "
-                           f"{len(tokens)} tokens, {loss_tokens} in the loss)")
-                    print(("\r" + msg) if tty else msg, end="" if tty else "\n", file=sys.stderr, flush=True)
-    if tty and shown:
-        print(file=sys.stderr)
-    examples = len(offsets) - 1
-    if examples == 0:
-        fail("the inputs hold no examples")
-    if max(tokens) >= fmt.vocab:
-        fail(f"token id {max(tokens)} is outside the tokenizer's vocabulary of {fmt.vocab}")
 
-    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
-    tmp = a.output + ".tmp"
+class ChatWorker:
+    """What a worker process holds: the formatting, the schema and the limits."""
+
+    def __init__(self, tokenizer, no_template, schema, column, max_tokens):
+        template = has_chat_template(tokenizer)
+        self.fmt = TemplateFormat(tokenizer) if template and not no_template else PlainFormat(tokenizer, template)
+        self.schema = Schema(schema, column, chat=True)
+        self.max_tokens = max_tokens
+
+
+def describe(worker):
+    return worker.fmt.name, worker.fmt.vocab
+
+
+def format_batch(w, batch):
+    """A batch of (FILE:ROW, record) -> the examples' ids (int32 bytes), mask (uint8 bytes),
+    lengths, loss tokens, longest and the count longer than --max-tokens."""
+    tokens, mask, lengths, loss, longest, over = array("i"), array("B"), [], 0, 0, 0
+    for where, rec in batch:
+        msgs = w.schema.messages(rec, where)
+        if w.max_tokens is not None:
+            for i, m in enumerate(msgs, 1):
+                n = w.fmt.turn_tokens(m["content"])
+                if n > w.max_tokens:
+                    fail(f"{where}: message {i} ({m['role']}) is {n} tokens, longer than --max-tokens {w.max_tokens}")
+        ids, m = w.fmt.example(msgs, where)
+        if not any(m[1:]):  # target j is token j + 1: a first token in the loss is no target
+            fail(f"{where}: no token is in the loss (the assistant turns give no target)")
+        if max(ids) >= w.fmt.vocab or min(ids) < 0:
+            fail(f"{where}: token id {max(ids)} is outside the tokenizer's vocabulary of {w.fmt.vocab}")
+        tokens.extend(ids)
+        mask.extend(m)
+        lengths.append(len(ids))
+        loss += sum(m)
+        longest = max(longest, len(ids))
+        over += w.max_tokens is not None and len(ids) > w.max_tokens
+    return tokens.tobytes(), mask.tobytes(), lengths, loss, longest, over
+
+
+def batches(files, progress):
+    """Batches of (FILE:ROW, record) over every input, in order, with the bytes read so far."""
+    done = 0
+    for path, kind in files:
+        it = ((f"{path}:{row}", rec, at) for row, rec, at in records(path, kind))
+        while True:
+            chunk = list(itertools.islice(it, BATCH))
+            if not chunk:
+                break
+            progress["bytes"] = done + chunk[-1][2]
+            yield [(where, rec) for where, rec, _ in chunk]
+        done += os.path.getsize(path)
+
+
+def prepare_chat(a, files):
+    setup = (ChatWorker, (a.tokenizer, a.no_template, a.schema, a.column, a.max_tokens))
+    name, vocab = in_worker(describe, *setup) if a.workers > 1 else describe(ChatWorker(*setup[1]))
+    if vocab > 1 << 31:
+        fail(f"a vocabulary of {vocab} ids does not fit int32")
+    total = sum(os.path.getsize(f) for f, _ in files)
+    writer = SftWriter(a.output)
+    progress, read = Progress("prepared", total), {"bytes": 0}
+    examples = tokens = loss_tokens = longest = over = 0
     try:
-        save_file({"tokens": np.frombuffer(tokens, dtype=np.int32),
-                   "loss_mask": np.frombuffer(mask, dtype=np.uint8),
-                   "offsets": np.frombuffer(offsets, dtype=np.int64)},
-                  tmp, metadata={"format": "strata-sft-1", "tokenizer": os.path.abspath(a.tokenizer),
-                                 "examples": str(examples)})
-        with open(tmp, "rb+") as out:
-            os.fsync(out.fileno())
+        for t, m, lengths, loss, top, n_over in ordered(format_batch, batches(files, read), a.workers, *setup):
+            writer.add(t, m, lengths)
+            examples += len(lengths)
+            tokens += len(m)
+            loss_tokens, longest, over = loss_tokens + loss, max(longest, top), over + n_over
+            progress.update(read["bytes"], examples, f"{tokens} tokens, {loss_tokens} in the loss")
+        progress.close()
+        if examples == 0:
+            fail("the inputs hold no examples")
+        writer.finish({"format": "strata-sft-1", "tokenizer": os.path.abspath(a.tokenizer), "examples": str(examples)})
     except BaseException:  # failed or interrupted: no partial file stays behind
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        writer.abandon()
         raise
     meta = {
         "format": "sft",
         "examples": examples,
-        "tokens": len(tokens),
+        "tokens": tokens,
         "loss_tokens": loss_tokens,
         "longest_example": longest,
-        "vocab_size": fmt.vocab,
-        "formatting": fmt.name,
+        "vocab_size": vocab,
+        "formatting": name,
         "tokenizer": os.path.abspath(a.tokenizer),
-        "inputs": [os.path.abspath(f) for f in files],
+        "inputs": [os.path.abspath(f) for f, _ in files],
         "text_bytes": total,
+        "workers": a.workers,
     }
     if a.max_tokens is not None:
         meta["max_tokens"] = a.max_tokens
         meta["longer_than_max_tokens"] = over
-    commit(tmp, a.output, meta)
-    s = time.monotonic() - t0
-    print(f"wrote {a.output}: {examples} examples, {len(tokens)} tokens ({loss_tokens} in the loss, longest example "
-          f"{longest}) with the {fmt.name} formatting from {len(files)} file(s), {total} bytes, in {s:.1f} s")
+    commit(writer.tmp, a.output, meta)
+    s = progress.seconds()
+    print(f"wrote {a.output}: {examples} examples, {tokens} tokens ({loss_tokens} in the loss, longest example "
+          f"{longest}) with the {name} formatting from {len(files)} file(s), {total} bytes, in {s:.1f} s "
+          f"({examples / max(s, 1e-9):.0f} examples/s, {a.workers} worker(s))")
     if a.max_tokens is not None:
         print(f"{over} of {examples} examples are longer than --max-tokens {a.max_tokens} tokens (kept whole here; "
               "training cuts an example at data.seq_len + 1 tokens)")
-    print(f'config: "data": {{"path": "{a.output}", "format": "sft"}} (model.vocab_size >= {fmt.vocab})')
+    print(f'config: "data": {{"path": "{a.output}", "format": "sft"}} (model.vocab_size >= {vocab})')

@@ -1,12 +1,21 @@
 """Shared by `strata data prepare` (prepare_data.py) and its --chat path (prepare_data_chat.py):
-the error exit, the tokenizer loader, the input readers and the commit of a finished output."""
+the error type, the tokenizer loader, the text-file reader and the commit of a finished output."""
 import json
 import os
 import sys
 
 
+class PrepareError(Exception):
+    """A bad input or setting, reported as one line naming what failed (exit 1). Raised rather
+    than exiting so that it crosses from a tokenizing worker process to the main one."""
+
+
 def fail(msg):
-    print(f"strata data prepare: error: {msg}", file=sys.stderr)
+    raise PrepareError(msg)
+
+
+def report(error):
+    print(f"strata data prepare: error: {error}", file=sys.stderr)
     sys.exit(1)
 
 
@@ -67,20 +76,6 @@ def load_tokenizer(path):
     tok.no_truncation()
     tok.no_padding()
     return tok, hf.eos_token_id, len(hf)
-
-
-def input_files(paths):
-    files = []
-    for p in paths:
-        if os.path.isdir(p):
-            for root, dirs, names in os.walk(p):
-                dirs.sort()
-                files += [os.path.join(root, n) for n in sorted(names) if os.path.isfile(os.path.join(root, n))]
-        elif os.path.isfile(p):
-            files.append(p)
-        else:
-            fail(f"input {p}: no such file or directory")
-    return files
 
 
 def utf8_boundary(data):

@@ -321,11 +321,13 @@ bad = os.path.join(work, "bad.jsonl")
 cases = [
     (plain_dir, ['{"prompt": "a", "response": "b"}', '{"prompt": "a", "response": '], "bad.jsonl:2: not JSON"),
     (plain_dir, ['[1, 2]'], "bad.jsonl:1: not a JSON object"),
-    (plain_dir, ['{"prompt": "a"}'], 'bad.jsonl:1: has no "response"'),
-    (plain_dir, ['{"text": "a"}'], 'bad.jsonl:1: needs "messages", or "prompt" and "response"'),
+    (plain_dir, ['{"prompt": "a"}'], 'bad.jsonl:1: no schema fits its columns (prompt)'),
+    (plain_dir, ['{"text": "a"}'], 'bad.jsonl:1: no schema fits its columns (text)'),
     (plain_dir, ['', '{"messages": [{"role": "user", "content": "a"}]}'], "bad.jsonl:2: no assistant message"),
     (chat_dir, ['{"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}'],
-     'bad.jsonl:1: message 2 has role "tool" (system, user or assistant)'),
+     'bad.jsonl:1: message 2 (tool) follows a user message: the roles must alternate'),
+    (chat_dir, ['{"messages": [{"role": "user", "content": "a"}, {"role": "narrator", "content": "b"}]}'],
+     'bad.jsonl:1: message 2 has role "narrator": expected one of system, user, assistant, tool'),
     (chat_dir, ['{"messages": [{"role": "user", "content": [{"type": "text"}]}, {"role": "assistant", "content": "b"}]}'],
      'bad.jsonl:1: message 1 (user) "content" must be a string, not list'),
     (chat_dir, ['{"prompt": "a", "response": ""}'], 'bad.jsonl:1: "response" is empty'),
@@ -343,7 +345,7 @@ for tok_path, lines, want in cases:
     r = run("--chat", "--tokenizer", tok_path, "--output", sft, bad)
     check(r.returncode == 1 and want in r.stderr and r.stderr.strip().count("\n") == 0,
           f"error {want!r} (got {r.returncode}: {r.stderr.strip()[-300:]})")
-check(open(sft, "rb").read() == before and not os.path.exists(sft + ".tmp"),
+check(open(sft, "rb").read() == before and not [n for n in os.listdir(work) if ".tmp" in n],
       "failed --chat runs leave the earlier file and no temporary")
 r = run("--chat", "--no-eos", "--tokenizer", chat_dir, "--output", sft, chats)
 check(r.returncode == 1 and "--no-eos does not apply to --chat" in r.stderr, "--no-eos is refused with --chat")

@@ -1,0 +1,192 @@
+"""The inputs of `strata data prepare` (see prepare_data.py): which files a path names (a file, a
+directory, a `datasets` save_to_disk directory, a Hugging Face dataset snapshot with its splits),
+their records (parquet, arrow, JSON arrays, JSONL; whole text files), and the schemas records
+come in, turned into one form: the messages of a conversation, or a document's text.
+
+Every record is named `FILE:ROW` (JSONL: the line) in errors. Nothing here tokenizes."""
+import json
+import os
+import re
+
+from prepare_data_io import PrepareError, fail
+
+# datasets' split keywords: a file or directory named by one of these belongs to that split.
+SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
+               "val": "validation", "dev": "validation", "test": "test", "testing": "test", "eval": "test",
+               "evaluation": "test"}
+SHARD = re.compile(r"^(.+?)-\d{5}-of-\d{5}$")  # the Hub's data/{split}-00000-of-00003.parquet
+METADATA = {"dataset_info.json", "state.json", "dataset_dict.json", "README.md", "dataset_infos.json"}
+DATASET_KINDS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json"}
+
+
+def split_name(rel):
+    """The split a file belongs to from its path relative to the dataset's root (None: none)."""
+    parts = rel.split(os.sep)
+    stem = parts[-1].split(".")[0]
+    m = SHARD.match(stem)
+    if m:
+        return m.group(1)
+    for part in parts[:-1] + [stem]:
+        if part.lower() in SPLIT_WORDS:
+            return part
+        head = re.split(r"[-_]", part)[0].lower()
+        if head in SPLIT_WORDS and part != parts[-1]:
+            return part  # a directory such as train_sft/
+        tail = re.split(r"[-_]", stem)[-1].lower()
+        if part == stem and tail in SPLIT_WORDS:
+            return tail  # alpaca_train.json
+    return None
+
+
+def same_split(a, b):
+    return a == b or SPLIT_WORDS.get(a.lower(), a.lower()) == SPLIT_WORDS.get(b.lower(), b.lower())
+
+
+def kind_of(path, chat):
+    """How a file is read: a dataset file (parquet, arrow, json, jsonl) or, without --chat, a
+    whole text file ("text"). With --chat another extension is read as JSONL."""
+    ext = os.path.splitext(path)[1].lower()
+    return DATASET_KINDS.get(ext, "jsonl" if chat else "text")
+
+
+def walk(root):
+    out = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        for n in sorted(names):
+            p = os.path.join(d, n)
+            if not n.startswith(".") and n not in METADATA and os.path.isfile(p):
+                out.append(p)
+    return out
+
+
+def saved_dataset_files(path, split, explicit_split):
+    """The arrow files of a `datasets` save_to_disk directory (a Dataset, or a DatasetDict's split)."""
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        with open(os.path.join(path, "dataset_dict.json")) as f:
+            splits = json.load(f).get("splits", [])
+        chosen = [s for s in splits if same_split(s, split)]
+        if not chosen:
+            fail(f"input {path}: a datasets DatasetDict without the split {split!r} (it has {', '.join(splits)}); "
+                 "give --split")
+        path = os.path.join(path, chosen[0])
+    elif explicit_split:
+        fail(f"input {path}: a saved datasets Dataset has no splits (--split {split} does not apply)")
+    with open(os.path.join(path, "state.json")) as f:
+        files = [os.path.join(path, e["filename"]) for e in json.load(f).get("_data_files", [])]
+    if not files:
+        fail(f"input {path}: its state.json lists no arrow files")
+    return files
+
+
+def input_files(paths, chat, split=None):
+    """(file, kind) for every input, in order: a directory's files in name order, only those of
+    `split` (default "train") where its files are named by split; a save_to_disk directory's
+    arrow files. Errors name the input."""
+    explicit = split is not None
+    split = split or "train"
+    out = []
+    for p in paths:
+        if os.path.isdir(p):
+            if os.path.isfile(os.path.join(p, "state.json")) or os.path.isfile(os.path.join(p, "dataset_dict.json")):
+                out += [(f, "arrow") for f in saved_dataset_files(p, split, explicit)]
+                continue
+            files = walk(p)
+            named = {f: split_name(os.path.relpath(f, p)) for f in files}
+            if any(named.values()):
+                found = sorted({s for s in named.values() if s})
+                files = [f for f in files if named[f] and same_split(named[f], split)]
+                if not files:
+                    fail(f"input {p}: no files of the split {split!r} (its files are named for the splits "
+                         f"{', '.join(found)}); give --split")
+            elif explicit and split != "train":
+                fail(f"input {p}: its files are not named by split (--split {split} names none of them)")
+            if not files:
+                fail(f"input {p}: an empty directory")
+            out += [(f, kind_of(f, chat)) for f in files]
+        elif os.path.isfile(p):
+            out.append((p, kind_of(p, chat)))
+        else:
+            fail(f"input {p}: no such file or directory")
+    return out
+
+
+def row_count(path, kind):
+    """Rows of a parquet or arrow file from its metadata (None for other kinds)."""
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+        if kind == "arrow":
+            return sum(b.num_rows for b in arrow_batches(path))
+    except PrepareError:
+        raise
+    except Exception as e:  # noqa: BLE001 (pyarrow raises several kinds on a corrupt file)
+        fail(f"input {path}: not a readable {kind} file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    return None
+
+
+def arrow_batches(path):
+    import pyarrow as pa
+
+    with open(path, "rb") as f:  # datasets writes the IPC stream format; the file format is read too
+        magic = f.read(6)
+    if magic == b"ARROW1":
+        reader = pa.ipc.open_file(path)
+        return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    return list(pa.ipc.open_stream(pa.memory_map(path)))
+
+
+def records(path, kind):
+    """(row, record) of a dataset file, row counted from 1 (JSONL: the line number), and the
+    bytes of the file read so far (for progress)."""
+    size = os.path.getsize(path)
+    if kind in ("parquet", "arrow"):
+        total = row_count(path, kind) or 1
+        try:
+            if kind == "parquet":
+                import pyarrow.parquet as pq
+
+                batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+            else:
+                batches = arrow_batches(path)
+            row = 0
+            for b in batches:
+                for rec in b.to_pylist():
+                    row += 1
+                    yield row, rec, size * row // total
+        except PrepareError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            fail(f"input {path}: not a readable {kind} file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        return
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if kind == "json" and head.startswith(b"["):
+        try:
+            with open(path, encoding="utf-8-sig") as f:
+                rows = json.load(f)
+        except UnicodeDecodeError as e:
+            fail(f"input {path}: not UTF-8 text ({e.reason} at byte {e.start})")
+        except ValueError as e:
+            fail(f"input {path}: not a JSON array ({getattr(e, 'msg', e)} at line {getattr(e, 'lineno', '?')})")
+        for i, rec in enumerate(rows, 1):
+            yield i, rec, size * i // max(len(rows), 1)
+        return
+    done = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            done += len(raw)
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                fail(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)")
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                fail(f"{where}: not JSON ({getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')})")
+            yield number, rec, done
