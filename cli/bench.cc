@@ -419,7 +419,9 @@ int bench_main(const std::vector<std::string>& args) {
   if (args.size() >= 1 && args[0] == "qlora") return bench_qlora({args.begin() + 1, args.end()});
   if (args.size() >= 1 && args[0] == "sft") return bench_sft({args.begin() + 1, args.end()});
   if (args.size() >= 1 && args[0] == "moe") return bench_moe({args.begin() + 1, args.end()});
-  std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt, train, tiling, plan, scale, lora, qlora, sft, moe)\n";
+  if (args.size() >= 1 && args[0] == "pack") return bench_pack({args.begin() + 1, args.end()});
+  std::cerr << "strata bench: expected a benchmark name (io, adam, step, ckpt, train, tiling, plan, scale, lora, qlora, sft, moe, "
+               "pack)\n";
   return 2;
 }
 

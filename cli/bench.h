@@ -20,5 +20,7 @@ int bench_lora(const std::vector<std::string>& argv, const std::string& quant_ty
 int bench_qlora(const std::vector<std::string>& argv);
 int bench_sft(const std::vector<std::string>& argv);
 int bench_moe(const std::vector<std::string>& argv);
+// `strata bench pack` (bench_data.cc).
+int bench_pack(const std::vector<std::string>& argv);
 
 }  // namespace strata::cli

@@ -43,9 +43,11 @@ commands:
   data prepare --tokenizer MODEL_DIR --output FILE.bin INPUTS...
                tokenize text files with a Hugging Face tokenizer into the token file
                `strata train` reads (data.format uint16/uint32; models/prepare_data.py)
-  data prepare --chat --tokenizer MODEL_DIR --output FILE.sft CHATS.jsonl...
-               prompt/response or chat-message JSONL into supervised examples with the
-               tokenizer's chat template, loss on the responses only (data.format sft)
+  data prepare --chat --tokenizer MODEL_DIR --output FILE.sft DATASET...
+               conversations (parquet, arrow, JSON/JSONL, a datasets or Hub dataset
+               directory; messages, ShareGPT, Alpaca, prompt/response) into supervised
+               examples with the tokenizer's chat template, loss on every assistant turn
+               (data.format sft); --workers N processes, --split, --schema, --column
   plot LOG.jsonl -o OUT.png
                a PNG of a run's log: loss and eval loss, learning rate, tokens/s, memory
   ckpt inspect DIR   summary of a checkpoint (DIR: a checkpoint, or a root with `latest`; or
@@ -80,6 +82,8 @@ commands:
                time and the bytes each moves a step
   bench sft    supervised fine-tuning packed beside padded on log-normal chat lengths: real
                tokens a second and packing efficiency
+  bench pack   the packing rule over millions of example lengths beside its previous method:
+               seconds, peak memory, the same windows
   version      versions of strata and libtorch, CUDA, CPU kernel ISA, I/O backends
   help         this text
 

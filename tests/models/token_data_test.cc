@@ -10,6 +10,7 @@
 
 #include "strata/models/safetensors.h"
 #include "strata/models/token_data.h"
+#include "../../bench/pack_baseline.h"
 #include "test_util.h"
 
 namespace strata::models {
@@ -252,6 +253,24 @@ TEST(Packing, BestFitDecreasingPlacesEachItemOnceWithinCapacity) {
     EXPECT_EQ(best_fit_decreasing(lengths, capacity, trial).order, b.order);  // deterministic
   }
   EXPECT_THROW(best_fit_decreasing({3, 11}, 10, 0), std::invalid_argument);
+}
+
+// The rule at scale against its previous method (a multimap of open bins, bench/pack_baseline.h):
+// the same bins for lengths with many ties (small capacities, many equal rooms), one-token items,
+// items the size of a bin, and 200 thousand chat-like lengths.
+TEST(Packing, BestFitDecreasingMakesThePreviousMethodsBins) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 40; ++trial) {
+    const uint64_t capacity = trial < 10 ? 1 + rng() % 8 : trial < 30 ? 9 + rng() % 200 : 60 + rng() % 9000;
+    std::vector<uint64_t> lengths(trial < 30 ? rng() % 3000 : 200000);
+    for (auto& l : lengths) l = trial % 3 == 0 ? capacity - rng() % std::min<uint64_t>(capacity, 3) : 1 + rng() % capacity;
+    const Bins now = best_fit_decreasing(lengths, capacity, trial), before =
+        strata::bench::best_fit_decreasing_multimap(lengths, capacity, trial);
+    ASSERT_EQ(now.begin, before.begin) << "trial " << trial << " capacity " << capacity;
+    ASSERT_EQ(now.order, before.order) << "trial " << trial;
+  }
+  EXPECT_TRUE(best_fit_decreasing({}, 5, 0).order.empty());
+  EXPECT_EQ(best_fit_decreasing({}, 5, 0).begin, (std::vector<uint64_t>{0}));
 }
 
 // Packed windows: the examples one after another, then padding; segments per example (the padding
