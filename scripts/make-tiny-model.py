@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Makes a tiny Hugging Face Llama model directory for the README's quick start and its test: a
-byte-level BPE tokenizer trained on configs/finetune-chats.jsonl with a ChatML chat template, and
+byte-level BPE tokenizer trained on configs/finetune-chats with a ChatML chat template, and
 a randomly initialized 2-layer LlamaForCausalLM (about 0.3M parameters), saved with
 save_pretrained as a downloaded model would be (config.json, model.safetensors,
 generation_config.json, tokenizer files). It stands in for a real model: with one, skip this.
@@ -35,7 +35,7 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
-    ap.add_argument("--chats", default=os.path.join(here, "..", "configs", "finetune-chats.jsonl"))
+    ap.add_argument("--chats", default=os.path.join(here, "..", "configs", "finetune-chats", "data", "train-00000-of-00001.jsonl"))
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     try:
