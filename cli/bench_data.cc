@@ -21,11 +21,15 @@ check that both make the same windows. Final JSON line (pack_seconds, the first 
   --seq-len N          windows of N + 1 tokens (default 4096)
   --seed N             the lengths' and ties' seed (default 0)
   --rounds N           timed runs of each method (default 3)
+  --file-examples N    also write a synthetic sft file of N examples (up to 4 x seq-len tokens)
+                       and load and pack it as strata train does: seconds and peak memory
+                       (default 0: not)
+  --dir DIR            where that file goes (default /tmp/strata-bench-pack; removed after)
 )";
 
 int bench_pack(const std::vector<std::string>& argv) {
   if (printed_usage(argv, kBenchPackUsage)) return 0;
-  strata::cli::Args args(argv, {"examples", "seq-len", "seed", "rounds"}, {});
+  strata::cli::Args args(argv, {"examples", "seq-len", "seed", "rounds", "file-examples", "dir"}, {});
   strata::bench::PackBenchOptions o;
   if (args.has("examples")) {
     o.examples.clear();
@@ -49,6 +53,8 @@ int bench_pack(const std::vector<std::string>& argv) {
   o.seq_len = args.size("seq-len", o.seq_len);
   o.seed = args.size("seed", o.seed);
   o.rounds = args.count("rounds", o.rounds);
+  o.file_examples = args.size("file-examples", o.file_examples);
+  o.dir = args.get("dir", o.dir);
   strata::bench::run_pack_bench(o);
   return 0;
 }

@@ -239,6 +239,9 @@ def main():
         prepare_chat(a, files) if a.chat else prepare_tokens(a, files)
     except PrepareError as e:
         report(e)
+    except KeyboardInterrupt:
+        print("\nstrata data prepare: interrupted; no output written (an earlier one is kept)", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

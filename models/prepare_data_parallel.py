@@ -5,27 +5,67 @@ order given. With one worker it runs here; with more, in that many processes (fo
 running setup(*setup_args) once: the tokenizer is loaded in each worker, never before the fork,
 as Hugging Face tokenizers ask), at most 4 batches a worker in flight, so that memory stays a few
 batches whatever the input's size (multiprocessing's imap would read the whole input ahead).
-The results are the same whatever the number of workers. An exception raised by work (a
-PrepareError naming a bad record) is raised here, in order, after the batches before it.
+The results are the same whatever the number of workers. An exception raised by work or by a
+worker's setup (a PrepareError naming a bad record, a tokenizer that does not load) is raised
+here, in order, after the batches before it; a worker that dies fails the run.
 
 `Progress` prints a line with the fraction done, examples/s and the time left: every 0.2 s on a
 terminal (one line rewritten), every 10 s otherwise."""
 import collections
 import multiprocessing
 import os
+import signal
 import sys
 import time
+
+from prepare_data_io import fail
 
 _state = {}
 
 
 def _setup(setup, args):
+    # Ctrl-C is the main process's to handle (it removes the partial output and ends the pool).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core a worker: the workers are the parallelism
-    _state["value"] = setup(*args)
+    try:
+        _state["value"] = setup(*args)
+    except Exception as e:  # noqa: BLE001 (kept, and raised by the first task: a pool cannot report it)
+        _state["error"] = e
 
 
 def _run(work, batch):
+    if "error" in _state:
+        raise _state["error"]
     return work(_state["value"], batch)
+
+
+def _call(state, fn):
+    return fn(state)
+
+
+class _Pool:
+    """Forked worker processes; a worker that dies (killed, out of memory) fails the run."""
+
+    def __init__(self, workers, setup, setup_args):
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.ex = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                      initializer=_setup, initargs=(setup, setup_args))
+
+    def submit(self, work, batch):
+        return self.ex.submit(_run, work, batch)
+
+    @staticmethod
+    def result(future):
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            fail("a tokenizing worker process died (killed, or out of memory?): give fewer --workers")
+
+    def close(self):
+        self.ex.shutdown(wait=True, cancel_futures=True)
 
 
 def ordered(work, batches, workers, setup, setup_args=()):
@@ -35,27 +75,27 @@ def ordered(work, batches, workers, setup, setup_args=()):
         for b in batches:
             yield work(state, b)
         return
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(workers, initializer=_setup, initargs=(setup, setup_args)) as pool:
+    pool = _Pool(workers, setup, setup_args)
+    try:
         pending = collections.deque()
         for b in batches:
-            pending.append(pool.apply_async(_run, (work, b)))
+            pending.append(pool.submit(work, b))
             if len(pending) >= 4 * workers:
-                yield pending.popleft().get()
+                yield pool.result(pending.popleft())
         while pending:
-            yield pending.popleft().get()
-
-
-def _call(state, fn):
-    return fn(state)
+            yield pool.result(pending.popleft())
+    finally:
+        pool.close()
 
 
 def in_worker(fn, setup, setup_args=()):
     """fn(state) (fn a module-level function) computed in a forked process, so that this one never
     loads the tokenizer before it forks the workers."""
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(1, initializer=_setup, initargs=(setup, setup_args)) as pool:
-        return pool.apply(_run, (_call, fn))
+    pool = _Pool(1, setup, setup_args)
+    try:
+        return pool.result(pool.submit(_call, fn))
+    finally:
+        pool.close()
 
 
 def default_workers():

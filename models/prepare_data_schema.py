@@ -7,12 +7,12 @@ a conversation's messages [{"role", "content"}, ...] (--chat), or a document's t
                    an optional "system" column put first
   alpaca           "instruction", optional "input" (joined to the instruction by a newline when not
                    empty), "output"; optional "system" and "history" ([[prompt, response], ...],
-                   the turns before)
+                   the turns before); Dolly's "context" and "response" for "input" and "output"
   prompt-response  "prompt" and "response" (or "completion"): strings, or TRL's conversational
                    prompt-completion (lists of messages)
   text             "text": a document (without --chat)
 
-Detected from a record's columns when exactly one schema fits; --schema chooses, --column names
+An empty system prompt is dropped. Detected from a record's columns when exactly one schema fits; --schema chooses, --column names
 the column of a messages, sharegpt or text schema. Errors name FILE:ROW."""
 import json
 
@@ -38,7 +38,7 @@ def candidates(rec, chat):
         conv = rec.get("conversations")
         if "conversations" in rec:
             out.append(("messages", "conversations") if is_list_of(conv, ("role",)) else ("sharegpt", "conversations"))
-        if "instruction" in rec and "output" in rec:
+        if "instruction" in rec and ("output" in rec or "response" in rec):
             out.append(("alpaca", None))
         if "prompt" in rec and ("response" in rec or "completion" in rec):
             out.append(("prompt-response", None))
@@ -90,6 +90,8 @@ class Schema:
         """A document's text ("" for an empty one, which the caller skips)."""
         schema, column = self.resolve(rec, where)
         value = rec.get(column)
+        if value is None:
+            return ""  # a null text (parquet) is an empty document
         if not isinstance(value, str):
             fail(f'{where}: "{column}" must be a string, not {type(value).__name__}')
         return value
@@ -135,17 +137,21 @@ def message_list(value, where, column, role_key, content_key, roles):
         if m.get("tool_calls"):
             fail(f"{where}: message {i} has tool_calls: function calls are not supported")
         role = roles[m[role_key]]
+        if role == "system" and m[content_key] == "":
+            continue  # an empty system prompt (common in Orca-style data) is no system prompt
         out.append({"role": role, "content": string(m[content_key], where, f'message {i} ({role}) "{content_key}"')})
     return out
 
 
 def alpaca(rec, where):
+    """Alpaca's columns, or Dolly's: "context" for "input", "response" for "output"."""
     instruction = string(rec.get("instruction"), where, '"instruction"')
-    extra = rec.get("input")
+    extra_key = "input" if "input" in rec else "context"
+    extra = rec.get(extra_key)
     if extra is not None and not isinstance(extra, str):
-        fail(f'{where}: "input" must be a string, not {type(extra).__name__}')
+        fail(f'{where}: "{extra_key}" must be a string, not {type(extra).__name__}')
     msgs = []
-    if rec.get("system"):
+    if rec.get("system"):  # an empty or null system column is no system prompt
         msgs.append({"role": "system", "content": string(rec["system"], where, '"system"')})
     history = rec.get("history") or []
     if not isinstance(history, list):
@@ -155,8 +161,9 @@ def alpaca(rec, where):
             fail(f'{where}: "history" entry {k} is not a [prompt, response] pair')
         msgs += [{"role": "user", "content": string(pair[0], where, f'"history" entry {k} prompt')},
                  {"role": "assistant", "content": string(pair[1], where, f'"history" entry {k} response')}]
+    out_key = "output" if "output" in rec else "response"
     msgs += [{"role": "user", "content": instruction + ("\n" + extra if extra else "")},
-             {"role": "assistant", "content": string(rec.get("output"), where, '"output"')}]
+             {"role": "assistant", "content": string(rec.get(out_key), where, f'"{out_key}"')}]
     return msgs
 
 

@@ -14,27 +14,32 @@ from prepare_data_io import PrepareError, fail
 SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
                "val": "validation", "dev": "validation", "test": "test", "testing": "test", "eval": "test",
                "evaluation": "test"}
-SHARD = re.compile(r"^(.+?)-\d{5}-of-\d{5}$")  # the Hub's data/{split}-00000-of-00003.parquet
+# The Hub's data/{split}-00000-of-00003.parquet, with the hash older uploads appended.
+SHARD = re.compile(r"^(.+?)-\d{5}-of-\d{5}(?:-[0-9a-f]+)?$")
+NOISE = re.compile(r"^(\d+|of|[0-9a-f]{8,})$")  # shard numbers and hashes in a file name
 METADATA = {"dataset_info.json", "state.json", "dataset_dict.json", "README.md", "dataset_infos.json"}
 DATASET_KINDS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json"}
 
 
 def split_name(rel):
-    """The split a file belongs to from its path relative to the dataset's root (None: none)."""
+    """The split a file belongs to from its path relative to the dataset's root (None: none):
+    a Hub shard's prefix (train_sft-00000-of-00003); a directory named by a split keyword
+    (train/), or starting with one (train_sft/); a file whose name, shard numbers and hashes
+    aside, is a split keyword or ends with one (train.jsonl, train-0001.parquet, alpaca_dev.json;
+    not eval_results.json)."""
     parts = rel.split(os.sep)
     stem = parts[-1].split(".")[0]
     m = SHARD.match(stem)
     if m:
         return m.group(1)
-    for part in parts[:-1] + [stem]:
-        if part.lower() in SPLIT_WORDS:
-            return part
-        head = re.split(r"[-_]", part)[0].lower()
-        if head in SPLIT_WORDS and part != parts[-1]:
-            return part  # a directory such as train_sft/
-        tail = re.split(r"[-_]", stem)[-1].lower()
-        if part == stem and tail in SPLIT_WORDS:
-            return tail  # alpaca_train.json
+    for d in parts[:-1]:
+        if d.lower() in SPLIT_WORDS:
+            return d
+        if re.split(r"[-_]", d)[0].lower() in SPLIT_WORDS:
+            return d
+    words = [w for w in re.split(r"[-_. ]", stem.lower()) if w and not NOISE.match(w)]
+    if words and words[-1] in SPLIT_WORDS:
+        return words[-1]
     return None
 
 
@@ -80,9 +85,9 @@ def saved_dataset_files(path, split, explicit_split):
 
 
 def input_files(paths, chat, split=None):
-    """(file, kind) for every input, in order: a directory's files in name order, only those of
-    `split` (default "train") where its files are named by split; a save_to_disk directory's
-    arrow files. Errors name the input."""
+    """(file, kind) for every input, in order: a directory's files in name order (with chat, only its
+    dataset files where it has some; only those of `split`, default "train", where they are named by
+    split); a save_to_disk directory's arrow files. Errors name the input."""
     explicit = split is not None
     split = split or "train"
     out = []
@@ -92,13 +97,23 @@ def input_files(paths, chat, split=None):
                 out += [(f, "arrow") for f in saved_dataset_files(p, split, explicit)]
                 continue
             files = walk(p)
-            named = {f: split_name(os.path.relpath(f, p)) for f in files}
+            datasets = [f for f in files if os.path.splitext(f)[1].lower() in DATASET_KINDS]
+            if chat and datasets:
+                files = datasets  # beside dataset files, others (a LICENSE, a loading script) are not data
+            # Splits are read from dataset files' names only: a text corpus is read whole.
+            named = {f: split_name(os.path.relpath(f, p)) if f in datasets else None for f in files}
             if any(named.values()):
                 found = sorted({s for s in named.values() if s})
-                files = [f for f in files if named[f] and same_split(named[f], split)]
-                if not files:
+                files = [f for f in files if f not in datasets or (named[f] and same_split(named[f], split))]
+                chosen = [f for f in files if f in datasets]
+                if not chosen:
                     fail(f"input {p}: no files of the split {split!r} (its files are named for the splits "
                          f"{', '.join(found)}); give --split")
+                dirs = sorted({os.path.relpath(os.path.dirname(f), p) for f in chosen})
+                if len(dirs) > 1:
+                    fail(f"input {p}: the split {split!r} has files in several directories ({', '.join(dirs[:6])}"
+                         f"{', ...' if len(dirs) > 6 else ''}): the dataset's configurations; give one of them as "
+                         "the input")
             elif explicit and split != "train":
                 fail(f"input {p}: its files are not named by split (--split {split} names none of them)")
             if not files:

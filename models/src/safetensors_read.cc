@@ -107,6 +107,15 @@ SafetensorsFile::~SafetensorsFile() {
 
 bool SafetensorsFile::contains(const std::string& name) const { return index_.count(name) != 0; }
 
+void SafetensorsFile::release(const std::byte* begin, size_t bytes) const {
+  const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = std::max(uintptr_t(begin), uintptr_t(map_)), hi = std::min(uintptr_t(begin) + bytes,
+                                                                                  uintptr_t(map_) + map_bytes_);
+  const uintptr_t first = (lo + page - 1) / page * page, last = hi / page * page;
+  // A private mapping never written: dropping its pages loses nothing (they are the file's).
+  if (map_ != nullptr && last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
 TensorView SafetensorsFile::get(const std::string& name) const {
   const auto it = index_.find(name);
   if (it == index_.end()) {

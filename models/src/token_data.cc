@@ -193,7 +193,14 @@ SftExamples::SftExamples(const std::filesystem::path& path, uint64_t seq_len, ui
       for (int64_t i = b + int64_t(seq_len_) + 1; i < x; ++i) truncated_loss_ += data_->mask[i] != 0;
     }
   }
+  // One pass over every token and mask byte; what it has read is let go every 16 Mi tokens, so
+  // that the process does not hold the file (the samples read back the few they need).
+  constexpr uint64_t kReleaseEvery = 16ull << 20;
   for (uint64_t i = 0; i < n; ++i) {
+    if (i % kReleaseEvery == 0 && i > 0) {
+      f.release(data_->tokens + (i - kReleaseEvery) * sizeof(int32_t), kReleaseEvery * sizeof(int32_t));
+      f.release(reinterpret_cast<const std::byte*>(data_->mask + i - kReleaseEvery), kReleaseEvery);
+    }
     const int32_t id = data_->token(i);
     if (id < 0 || (vocab_size > 0 && uint64_t(id) >= vocab_size))
       throw fail("token " + std::to_string(i) + " has id " + std::to_string(id) + ", outside the vocabulary of " +
@@ -202,6 +209,8 @@ SftExamples::SftExamples(const std::filesystem::path& path, uint64_t seq_len, ui
     if (m > 1) throw fail("loss_mask[" + std::to_string(i) + "] is " + std::to_string(m) + " (0 or 1)");
     in_loss += m;
   }
+  f.release(data_->tokens, n * sizeof(int32_t));
+  f.release(reinterpret_cast<const std::byte*>(data_->mask), n);
   if (in_loss == 0) throw fail("no token is in the loss (every loss_mask entry is 0)");
   if (pad_id_ < 0 || (vocab_size > 0 && uint64_t(pad_id_) >= vocab_size))
     throw fail("padding id " + std::to_string(pad_id_) + " is outside the vocabulary");

@@ -39,7 +39,7 @@ def check(cond, what):
 
 def run(*args):
     env = dict(os.environ, STRATA_PYTHON=sys.executable)
-    return subprocess.run([strata, "data", "prepare", *args], capture_output=True, text=True, env=env)
+    return subprocess.run([strata, "data", "prepare", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 def leftovers():
@@ -149,13 +149,28 @@ with open(os.path.join(snapshot, "README.md"), "w") as f:
     f.write("---\nconfigs:\n- config_name: default\n---\n# a dataset\n")
 with open(os.path.join(snapshot, ".gitattributes"), "w") as f:
     f.write("*.parquet filter=lfs\n")
+with open(os.path.join(snapshot, "LICENSE"), "w") as f:  # not data: the snapshot's dataset files are
+    f.write("Permission is hereby granted\n")
 half = len(convs) // 2
-for k, part in enumerate((convs[:half], convs[half:])):
+for k, part in enumerate((convs[:half], convs[half:])):  # named as older uploads are: a hash after the count
     Dataset.from_list([{"messages": c, "source": "x"} for c in part]).to_parquet(
-        os.path.join(snapshot, "data", f"train-0000{k}-of-00002.parquet"))
+        os.path.join(snapshot, "data", f"train-0000{k}-of-00002-{'a09b74b3ef9c3b56' if k else '0123abcd4567ef89'}.parquet"))
 Dataset.from_list([{"messages": c, "source": "x"} for c in test_convs]).to_parquet(
     os.path.join(snapshot, "data", "test-00000-of-00001.parquet"))
 inputs["snapshot"] = snapshot
+# UltraChat 200k's layout and columns: splits train_sft / test_sft, "prompt" beside "messages".
+ultra = os.path.join(work, "in", "ultrachat")
+os.makedirs(os.path.join(ultra, "data"))
+for split, rows in (("train_sft", convs), ("test_sft", test_convs)):
+    Dataset.from_list([{"prompt": c[1 if c[0]["role"] == "system" else 0]["content"], "prompt_id": str(i), "messages": c}
+                       for i, c in enumerate(rows)]).to_parquet(
+        os.path.join(ultra, "data", f"{split}-00000-of-00001-5e4c1ee6ab2a1b0c.parquet"))
+inputs["ultrachat --split train_sft"] = ultra
+# ShareGPT with an empty system turn (as Orca-style data has): no system prompt.
+inputs["sharegpt-empty-system.jsonl"] = write_jsonl(
+    os.path.join(work, "in", "sharegpt-empty-system.jsonl"),
+    [{"conversations": ([] if c[0]["role"] == "system" else [{"from": "system", "value": ""}]) + sharegpt(c)["conversations"]}
+     for c in convs])
 
 # Every format and schema -> the same bytes.
 reference = os.path.join(work, "out", "reference.sft")
@@ -164,8 +179,9 @@ check(r.returncode == 0, f"messages.jsonl prepares (got {r.returncode}: {r.stder
 ref_bytes = open(reference, "rb").read() if r.returncode == 0 else b""
 for name, path in inputs.items():
     workers = "3" if name in ("messages.jsonl", "sharegpt.parquet", "snapshot") else "1"
-    out = os.path.join(work, "out", name + ".sft")
-    r = run("--chat", "--workers", workers, "--tokenizer", gen_tpl, "--output", out, path)
+    out = os.path.join(work, "out", name.split(" ")[0] + ".sft")
+    split = ["--split", name.split(" ")[-1]] if "--split" in name else []
+    r = run("--chat", "--workers", workers, "--tokenizer", gen_tpl, "--output", out, *split, path)
     same = r.returncode == 0 and open(out, "rb").read() == ref_bytes
     check(same, f"{name} with {workers} worker(s) gives the reference bytes (got {r.returncode}: {r.stderr.strip()[-400:]})")
 check(r.returncode == 0 and "examples/s" in r.stdout, f"the summary gives examples/s ({r.stdout.strip()[-200:]})")
@@ -222,6 +238,8 @@ forms = {"prompt-response": [{"prompt": c[0]["content"], "response": c[1]["conte
          "conversational": [{"prompt": c[:1], "completion": c[1:]} for c in single],
          "alpaca-input": [{"instruction": c[0]["content"].split(" ")[0], "input": " ".join(c[0]["content"].split(" ")[1:]),
                            "output": c[1]["content"]} for c in single]}
+forms["dolly"] = [{"instruction": f["instruction"], "context": f["input"], "response": f["output"], "category": "qa"}
+                  for f in forms["alpaca-input"]]
 base = os.path.join(work, "out", "single.sft")
 run("--chat", "--tokenizer", gen_tpl, "--output", base,
     write_jsonl(os.path.join(work, "in", "single.jsonl"), [{"messages": c} for c in single]))
@@ -232,7 +250,7 @@ run("--chat", "--tokenizer", gen_tpl, "--output", alp_ref, write_jsonl(os.path.j
 for name, rows in forms.items():
     out = os.path.join(work, "out", name + ".sft")
     r = run("--chat", "--tokenizer", gen_tpl, "--output", out, write_jsonl(os.path.join(work, "in", name + ".jsonl"), rows))
-    want = alp_ref if name == "alpaca-input" else base
+    want = alp_ref if name in ("alpaca-input", "dolly") else base
     check(r.returncode == 0 and open(out, "rb").read() == open(want, "rb").read(),
           f"{name} gives the messages' bytes ({r.stderr.strip()[-300:]})")
 
@@ -249,11 +267,22 @@ for path, extra in (("text.parquet", []), ("text.jsonl", ["--column", "content"]
     check(ids == want and "1 empty records skipped" in r.stdout,
           f"{path}: each record's ids and eos, the empty record skipped ({r.returncode}: {r.stderr.strip()[-300:]})")
 
+# A text corpus directory is read whole, whatever its files are called.
+corpus_dir = os.path.join(work, "in", "corpus")
+os.makedirs(corpus_dir)
+for name, t in (("a.txt", texts[0]), ("test-driven.md", texts[1]), ("train.txt", texts[2])):
+    with open(os.path.join(corpus_dir, name), "w") as f:
+        f.write(t)
+r = run("--tokenizer", plain_tpl, "--output", os.path.join(work, "out", "corpus.bin"), corpus_dir)
+ids = np.fromfile(os.path.join(work, "out", "corpus.bin"), dtype=np.uint16).tolist() if r.returncode == 0 else []
+check(ids == [i for t in (texts[0], texts[1], texts[2]) for i in tok.encode(t, add_special_tokens=False).ids + [eos]],
+      f"a corpus directory's text files are all read, split-like names or not ({r.stderr.strip()[-300:]})")
+
 # Bad input: one line naming the file and row; the earlier output stays, nothing half-written.
 before = open(reference, "rb").read()
 Dataset.from_list([{"question": "a", "answer": "b"}]).to_parquet(os.path.join(work, "in", "columns.parquet"))
 shard = os.path.join(work, "in", "corrupt.parquet")
-data = open(os.path.join(snapshot, "data", "train-00001-of-00002.parquet"), "rb").read()
+data = open(os.path.join(snapshot, "data", "train-00001-of-00002-a09b74b3ef9c3b56.parquet"), "rb").read()
 with open(shard, "wb") as f:
     f.write(data[:len(data) // 2])
 long_turn = [{"messages": [{"role": "user", "content": " ".join(words[:400])}, {"role": "assistant", "content": "yes"}]}]
@@ -269,15 +298,41 @@ cases = [
     ([shard], [], "corrupt.parquet: not a readable parquet file"),
     ([write_jsonl(os.path.join(work, "in", "ambiguous.jsonl"), [{"messages": convs[0], "instruction": "a", "output": "b"}])],
      [], "ambiguous.jsonl:1: its columns (messages, instruction, output) fit more than one schema (messages, alpaca)"),
+    ([write_jsonl(os.path.join(work, "in", "empty.jsonl"), [sharegpt(c) for c in convs[:5]] +
+                  [{"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": ""}]}])],
+     [], 'empty.jsonl:6: message 2 (assistant) "value" is empty'),
     ([write_jsonl(os.path.join(work, "in", "function.jsonl"),
                   [{"conversations": [{"from": "human", "value": "a"}, {"from": "function_call", "value": "{}"}]}])],
      [], 'function.jsonl:1: message 2 has from "function_call" (function calls are not supported)'),
 ]
-for paths, extra, want in cases:
+configs = os.path.join(work, "in", "configs")  # a Hub dataset with configurations (gsm8k's main/, socratic/)
+for c in ("main", "socratic"):
+    os.makedirs(os.path.join(configs, c))
+    Dataset.from_list([{"messages": convs[0]}]).to_parquet(os.path.join(configs, c, "train-00000-of-00001.parquet"))
+cases.append(([configs], [], "the split 'train' has files in several directories (main, socratic)"))
+empty_tok = os.path.join(work, "no-tokenizer")
+os.makedirs(empty_tok)
+for paths, extra, want in cases + [([inputs["messages.jsonl"]], ["--tokenizer", empty_tok], f"tokenizer {empty_tok}: ")]:
     for workers in ("1", "2"):
-        r = run("--chat", "--workers", workers, "--tokenizer", gen_tpl, "--output", reference, *extra, *paths)
+        tokenizer = [] if "--tokenizer" in extra else ["--tokenizer", gen_tpl]
+        r = run("--chat", "--workers", workers, *tokenizer, "--output", reference, *extra, *paths)
         check(r.returncode == 1 and want in r.stderr and r.stderr.strip().count("\n") == 0,
               f"error {want!r} with {workers} worker(s) (got {r.returncode}: {r.stderr.strip()[-400:]})")
+# Ctrl-C in the middle: exit 130, the partial output removed, the earlier one kept.
+many = write_jsonl(os.path.join(work, "in", "many.jsonl"), [{"messages": c} for c in convs * 40])
+p = subprocess.Popen([strata, "data", "prepare", "--chat", "--workers", "2", "--tokenizer", plain_tpl, "--output",
+                      reference, many], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     env=dict(os.environ, STRATA_PYTHON=sys.executable))
+import time  # noqa: E402
+
+deadline = time.monotonic() + 60
+while not os.path.exists(reference + ".tmp.tokens") and time.monotonic() < deadline and p.poll() is None:
+    time.sleep(0.05)
+time.sleep(2)  # the workers are tokenizing
+p.send_signal(2)
+out, err = p.communicate(timeout=60)
+check(p.returncode == 130 and "interrupted; no output written" in err,
+      f"Ctrl-C stops the run, saying so (got {p.returncode}: {err.strip()[-300:]})")
 check(open(reference, "rb").read() == before and not leftovers(),
       f"failed runs leave the earlier file and no temporary ({leftovers()})")
 

@@ -73,6 +73,11 @@ class SafetensorsFile {
   bool contains(const std::string& name) const;
   // Throws SafetensorsError naming the file if absent.
   TensorView get(const std::string& name) const;
+  // Lets the kernel drop the mapped pages wholly inside [begin, begin + bytes) (a range of this
+  // file's mapping) from this process's memory; a later read faults them in again from the file.
+  // For a reader passing once over a large tensor, so that its resident memory does not grow with
+  // the file. No effect outside the mapping.
+  void release(const std::byte* begin, size_t bytes) const;
 
  private:
   std::filesystem::path path_;

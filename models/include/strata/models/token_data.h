@@ -158,7 +158,7 @@ class PackedExamples final : public SampleSource {
 // `seed`; each into the open bin it leaves least room in (among equals the oldest), else a new
 // bin. Returns the items bin by bin (`order`) and where each bin starts in it (`begin`, one more
 // entry than bins). O(n + capacity) time and 5 words an item, whatever the number of bins (a
-// multimap of open bins, the method it replaced, stays in cli/bench_data.cc as the baseline).
+// multimap of open bins, the method it replaced, stays in bench/pack_baseline.h as the baseline).
 struct Bins {
   std::vector<uint64_t> order, begin;
 };
