@@ -23,13 +23,17 @@
 #include <cerrno>
 #include <cctype>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -66,6 +70,65 @@ class LocalComm final : public Communicator {
   void all_reduce(const at::Tensor&, ReduceOp) override {}
   void broadcast(const at::Tensor&, int) override {}
   void barrier() override {}
+};
+
+// One thread running posted tasks in the order posted; each post's future holds its task's
+// exception. The destructor runs what is queued, then joins.
+class TaskThread {
+ public:
+  TaskThread() : thread_([this] { run(); }) {}
+  ~TaskThread() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  std::shared_future<void> post(std::function<void()> task) {
+    auto done = std::make_shared<std::promise<void>>();
+    std::shared_future<void> future = done->get_future().share();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back([done, task = std::move(task)] {
+        try {
+          task();
+          done->set_value();
+        } catch (...) {
+          done->set_exception(std::current_exception());
+        }
+      });
+    }
+    cv_.notify_one();
+    return future;
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the rest exists
+};
+
+// A collective running on a TaskThread: wait() blocks until it ends and rethrows its CommError.
+struct Posted final : Communicator::Work {
+  explicit Posted(std::shared_future<void> done) : done(std::move(done)) {}
+  void wait() override { done.get(); }
+  std::shared_future<void> done;
 };
 
 // Gloo for CPU tensors and, when asked for, NCCL for CUDA tensors (its unique id travels through
@@ -112,6 +175,7 @@ class GlooComm final : public Communicator {
       nodes_ = node_layout(node_keys(*peers_), env.rank);
       const bool flat = store_->get("strata/flat_reduce") == std::vector<uint8_t>{uint8_t('1')};
       if (nodes_.two_steps() && !flat) {
+        node_thread_ = std::make_unique<TaskThread>();
         node_pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(
             c10::make_intrusive<c10d::PrefixStore>("gloo-node-" + std::to_string(nodes_.node), store_), nodes_.local,
             nodes_.per_node, pg_opts);
@@ -208,7 +272,10 @@ class GlooComm final : public Communicator {
     // the flat bytes off a node, no saving with 2 ranks a node.
     const bool half = in.scalar_type() == at::kBFloat16 || in.scalar_type() == at::kHalf;
     if (nodes_.two_steps() && (!half || nodes_.per_node > 2)) {
-      const auto on = [&](c10d::ProcessGroupGloo& group, const char* what) {
+      // On the node thread, in the order issued on every rank: its all-to-alls go through
+      // node_pg_ and place_pg_ alone, so the caller goes on (and issues on pg_) meanwhile, as a
+      // flat reduce-scatter's Gloo work lets it. The tensors stay alive in the task until it ends.
+      const auto on = [this](c10d::ProcessGroupGloo& group, const char* what) {
         return [&group, what, this](const at::Tensor& recv, const at::Tensor& send) {
           guarded(what, false, [&] {
             at::Tensor r = recv, i = send;
@@ -217,9 +284,10 @@ class GlooComm final : public Communicator {
           })->wait();
         };
       };
-      reduce_scatter_by_node(out, in, nodes_, kSliceBytes, on(*node_pg_, "reduce_scatter (inside the node)"),
-                             on(*place_pg_, "reduce_scatter (across the nodes)"));
-      return std::make_unique<LocalComm::Done>();
+      return std::make_unique<Posted>(node_thread_->post([this, on, out, in] {
+        reduce_scatter_by_node(out, in, nodes_, kSliceBytes, on(*node_pg_, "reduce_scatter (inside the node)"),
+                               on(*place_pg_, "reduce_scatter (across the nodes)"));
+      }));
     }
     if (uint64_t(in.numel()) * uint64_t(in.element_size()) <= kSliceBytes) {
       at::Tensor recv = at::empty_like(in);
@@ -304,8 +372,9 @@ class GlooComm final : public Communicator {
   c10::intrusive_ptr<c10d::TCPStore> store_;
   std::shared_ptr<const std::vector<Peer>> peers_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
-  NodeLayout nodes_;  // two_steps(): node_pg_ and place_pg_ exist
+  NodeLayout nodes_;  // two_steps(): node_pg_, place_pg_ and node_thread_ exist
   c10::intrusive_ptr<c10d::ProcessGroupGloo> node_pg_, place_pg_;
+  std::unique_ptr<TaskThread> node_thread_;  // after the groups: it ends (its tasks done) before them
   c10::intrusive_ptr<c10d::Backend> nccl_;
 };
 
