@@ -183,7 +183,15 @@ SftExamples::SftExamples(const std::filesystem::path& path, uint64_t seq_len, ui
   const auto offset = [&](uint64_t e) { return data_->offset(e); };
   if (offset(0) != 0 || offset(examples_) != int64_t(n))
     throw fail("\"offsets\" must run from 0 to the token count " + std::to_string(n));
-  uint64_t in_loss = 0;
+  // The passes below read the file once; what they have read is let go every 16 Mi tokens, so
+  // that the process does not hold the file (the samples read back the few they need). The
+  // kernel maps up to 64 KiB around each page a read faults in, so even the scattered reads of
+  // the cut examples' masks would map most of the mask.
+  constexpr uint64_t kReleaseEvery = 16ull << 20;
+  const auto release_mask = [&](uint64_t from, uint64_t to) {
+    f.release(reinterpret_cast<const std::byte*>(data_->mask + from), to - from);
+  };
+  uint64_t in_loss = 0, mask_released = 0;
   for (uint64_t e = 0; e < examples_; ++e) {
     const int64_t b = offset(e), x = offset(e + 1);
     if (x <= b) throw fail("example " + std::to_string(e) + " is empty (offsets must increase)");
@@ -192,14 +200,16 @@ SftExamples::SftExamples(const std::filesystem::path& path, uint64_t seq_len, ui
       ++truncated_;
       for (int64_t i = b + int64_t(seq_len_) + 1; i < x; ++i) truncated_loss_ += data_->mask[i] != 0;
     }
+    if (uint64_t(x) - mask_released >= kReleaseEvery) {
+      release_mask(mask_released, uint64_t(x));
+      mask_released = uint64_t(x);
+    }
   }
-  // One pass over every token and mask byte; what it has read is let go every 16 Mi tokens, so
-  // that the process does not hold the file (the samples read back the few they need).
-  constexpr uint64_t kReleaseEvery = 16ull << 20;
+  release_mask(0, n);
   for (uint64_t i = 0; i < n; ++i) {
     if (i % kReleaseEvery == 0 && i > 0) {
       f.release(data_->tokens + (i - kReleaseEvery) * sizeof(int32_t), kReleaseEvery * sizeof(int32_t));
-      f.release(reinterpret_cast<const std::byte*>(data_->mask + i - kReleaseEvery), kReleaseEvery);
+      release_mask(i - kReleaseEvery, i);
     }
     const int32_t id = data_->token(i);
     if (id < 0 || (vocab_size > 0 && uint64_t(id) >= vocab_size))
@@ -210,7 +220,7 @@ SftExamples::SftExamples(const std::filesystem::path& path, uint64_t seq_len, ui
     in_loss += m;
   }
   f.release(data_->tokens, n * sizeof(int32_t));
-  f.release(reinterpret_cast<const std::byte*>(data_->mask), n);
+  release_mask(0, n);
   if (in_loss == 0) throw fail("no token is in the loss (every loss_mask entry is 0)");
   if (pad_id_ < 0 || (vocab_size > 0 && uint64_t(pad_id_) >= vocab_size))
     throw fail("padding id " + std::to_string(pad_id_) + " is outside the vocabulary");

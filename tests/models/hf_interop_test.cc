@@ -21,7 +21,7 @@ using test_oracle::relative_error;
 const std::string kPython = STRATA_PYTHON;
 const std::string kOracle = std::string(STRATA_TEST_PY_DIR) + "/hf_oracle.py";
 
-int run(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()); }
+using test_oracle::run;
 
 class HfInterop : public ::testing::TestWithParam<std::string> {
  protected:
