@@ -15,10 +15,12 @@
 #include <functional>
 #include <iostream>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 
 #include "pack_baseline.h"
+#include "strata/models/safetensors.h"
 #include "strata/models/token_data.h"
 #include "timing.h"
 
@@ -95,48 +97,36 @@ Side measure(const Method& method, uint64_t n, const PackBenchOptions& o) {
 double mib(uint64_t kib) { return double(kib) / 1024.0; }
 
 // A file as `strata data prepare --chat` writes it (offsets, tokens, loss_mask), the examples of
-// the chat-like lengths, the second half of each in the loss; written a piece at a time.
+// the chat-like lengths, the second half of each in the loss; streamed example by example.
 std::filesystem::path write_sft_file(const PackBenchOptions& o) {
   const std::vector<uint64_t> lengths = synthetic_lengths(o.file_examples, 4 * (o.seq_len + 1), o.seed + 7);
-  uint64_t n = 0;
-  for (uint64_t l : lengths) n += l;
-  const uint64_t e = lengths.size();
-  char header[512];
-  int len = std::snprintf(header, sizeof header,
-                          "{\"__metadata__\":{\"format\":\"strata-sft-1\",\"examples\":\"%llu\"},"
-                          "\"offsets\":{\"dtype\":\"I64\",\"shape\":[%llu],\"data_offsets\":[0,%llu]},"
-                          "\"tokens\":{\"dtype\":\"I32\",\"shape\":[%llu],\"data_offsets\":[%llu,%llu]},"
-                          "\"loss_mask\":{\"dtype\":\"U8\",\"shape\":[%llu],\"data_offsets\":[%llu,%llu]}}",
-                          (unsigned long long)e, (unsigned long long)(e + 1), (unsigned long long)(8 * (e + 1)),
-                          (unsigned long long)n, (unsigned long long)(8 * (e + 1)),
-                          (unsigned long long)(8 * (e + 1) + 4 * n), (unsigned long long)n,
-                          (unsigned long long)(8 * (e + 1) + 4 * n), (unsigned long long)(8 * (e + 1) + 5 * n));
-  std::string h(header, size_t(len));
-  h.append((8 - h.size() % 8) % 8, ' ');
+  int64_t n = 0;
+  for (uint64_t l : lengths) n += int64_t(l);
+  const int64_t e = int64_t(lengths.size());
   std::filesystem::create_directories(o.dir);
   const std::filesystem::path path = std::filesystem::path(o.dir) / "synthetic.sft";
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  const uint64_t hlen = h.size();
-  f.write(reinterpret_cast<const char*>(&hlen), 8).write(h.data(), std::streamsize(h.size()));
-  int64_t at = 0;
-  f.write(reinterpret_cast<const char*>(&at), 8);
-  for (uint64_t l : lengths) f.write(reinterpret_cast<const char*>(&(at += int64_t(l))), 8);
+  models::SafetensorsWriter out(path,
+                                {{"offsets", models::StDType::kI64, {e + 1}},
+                                 {"tokens", models::StDType::kI32, {n}},
+                                 {"loss_mask", models::StDType::kU8, {n}}},
+                                {{"format", "strata-sft-1"}, {"examples", std::to_string(e)}});
+  const auto bytes = [](const auto& v) { return std::as_bytes(std::span(v.data(), v.size())); };
+  std::vector<int64_t> offsets = {0};
+  for (uint64_t l : lengths) offsets.push_back(offsets.back() + int64_t(l));
+  out.append(bytes(offsets));
   std::vector<int32_t> ids;
-  std::vector<uint8_t> mask;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (uint64_t l : lengths) {
-      if (pass == 0) {
-        ids.resize(l);
-        for (uint64_t j = 0; j < l; ++j) ids[j] = int32_t((j * 7 + l) % 1000);
-        f.write(reinterpret_cast<const char*>(ids.data()), std::streamsize(4 * l));
-      } else {
-        mask.assign(l, 0);
-        std::fill(mask.begin() + int64_t(l / 2), mask.end(), uint8_t(1));
-        f.write(reinterpret_cast<const char*>(mask.data()), std::streamsize(l));
-      }
-    }
+  for (uint64_t l : lengths) {
+    ids.resize(l);
+    for (uint64_t j = 0; j < l; ++j) ids[j] = int32_t((j * 7 + l) % 1000);
+    out.append(bytes(ids));
   }
-  if (!f.flush()) throw std::runtime_error("bench pack: cannot write " + path.string());
+  std::vector<uint8_t> mask;
+  for (uint64_t l : lengths) {
+    mask.assign(l, 0);
+    std::fill(mask.begin() + int64_t(l / 2), mask.end(), uint8_t(1));
+    out.append(bytes(mask));
+  }
+  out.finish();
   return path;
 }
 

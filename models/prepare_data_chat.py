@@ -10,7 +10,7 @@ import re
 from array import array
 
 from prepare_data_io import commit, fail, load_tokenizer
-from prepare_data_parallel import Progress, in_worker, ordered
+from prepare_data_parallel import Progress, ordered
 from prepare_data_schema import Schema
 from prepare_data_sources import records
 from prepare_data_write import SftWriter
@@ -142,17 +142,16 @@ class ChatWorker:
     def __init__(self, tokenizer, no_template, schema, column, max_tokens):
         template = has_chat_template(tokenizer)
         self.fmt = TemplateFormat(tokenizer) if template and not no_template else PlainFormat(tokenizer, template)
+        if self.fmt.vocab > 1 << 31:
+            fail(f"a vocabulary of {self.fmt.vocab} ids does not fit int32")
         self.schema = Schema(schema, column, chat=True)
         self.max_tokens = max_tokens
 
 
-def describe(worker):
-    return worker.fmt.name, worker.fmt.vocab
-
-
 def format_batch(w, batch):
     """A batch of (FILE:ROW, record) -> the examples' ids (int32 bytes), mask (uint8 bytes),
-    lengths, loss tokens, longest and the count longer than --max-tokens."""
+    lengths, loss tokens, longest, the count longer than --max-tokens, and the formatting's name
+    and vocabulary size (what the summary reports)."""
     tokens, mask, lengths, loss, longest, over = array("i"), array("B"), [], 0, 0, 0
     for where, rec in batch:
         msgs = w.schema.messages(rec, where)
@@ -172,7 +171,7 @@ def format_batch(w, batch):
         loss += sum(m)
         longest = max(longest, len(ids))
         over += w.max_tokens is not None and len(ids) > w.max_tokens
-    return tokens.tobytes(), mask.tobytes(), lengths, loss, longest, over
+    return tokens.tobytes(), mask.tobytes(), lengths, loss, longest, over, w.fmt.name, w.fmt.vocab
 
 
 def batches(files, progress):
@@ -191,15 +190,13 @@ def batches(files, progress):
 
 def prepare_chat(a, files):
     setup = (ChatWorker, (a.tokenizer, a.no_template, a.schema, a.column, a.max_tokens))
-    name, vocab = in_worker(describe, *setup) if a.workers > 1 else describe(ChatWorker(*setup[1]))
-    if vocab > 1 << 31:
-        fail(f"a vocabulary of {vocab} ids does not fit int32")
     total = sum(os.path.getsize(f) for f, _ in files)
     writer = SftWriter(a.output)
     progress, read = Progress("prepared", total), {"bytes": 0}
     examples = tokens = loss_tokens = longest = over = 0
     try:
-        for t, m, lengths, loss, top, n_over in ordered(format_batch, batches(files, read), a.workers, *setup):
+        for t, m, lengths, loss, top, n_over, name, vocab in ordered(format_batch, batches(files, read), a.workers,
+                                                                      *setup):
             writer.add(t, m, lengths)
             examples += len(lengths)
             tokens += len(m)

@@ -39,10 +39,6 @@ def _run(work, batch):
     return work(_state["value"], batch)
 
 
-def _call(state, fn):
-    return fn(state)
-
-
 class _Pool:
     """Forked worker processes; a worker that dies (killed, out of memory) fails the run."""
 
@@ -84,16 +80,6 @@ def ordered(work, batches, workers, setup, setup_args=()):
                 yield pool.result(pending.popleft())
         while pending:
             yield pool.result(pending.popleft())
-    finally:
-        pool.close()
-
-
-def in_worker(fn, setup, setup_args=()):
-    """fn(state) (fn a module-level function) computed in a forked process, so that this one never
-    loads the tokenizer before it forks the workers."""
-    pool = _Pool(1, setup, setup_args)
-    try:
-        return pool.result(pool.submit(_call, fn))
     finally:
         pool.close()
 

@@ -126,22 +126,6 @@ def input_files(paths, chat, split=None):
     return out
 
 
-def row_count(path, kind):
-    """Rows of a parquet or arrow file from its metadata (None for other kinds)."""
-    try:
-        if kind == "parquet":
-            import pyarrow.parquet as pq
-
-            return pq.ParquetFile(path).metadata.num_rows
-        if kind == "arrow":
-            return sum(b.num_rows for b in arrow_batches(path))
-    except PrepareError:
-        raise
-    except Exception as e:  # noqa: BLE001 (pyarrow raises several kinds on a corrupt file)
-        fail(f"input {path}: not a readable {kind} file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-    return None
-
-
 def arrow_batches(path):
     import pyarrow as pa
 
@@ -158,15 +142,16 @@ def records(path, kind):
     bytes of the file read so far (for progress)."""
     size = os.path.getsize(path)
     if kind in ("parquet", "arrow"):
-        total = row_count(path, kind) or 1
-        try:
+        try:  # one reader a file: its row count (metadata) and then its rows
             if kind == "parquet":
                 import pyarrow.parquet as pq
 
-                batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+                reader = pq.ParquetFile(path)
+                total, batches = reader.metadata.num_rows, reader.iter_batches(batch_size=1024)
             else:
                 batches = arrow_batches(path)
-            row = 0
+                total = sum(b.num_rows for b in batches)
+            total, row = max(total, 1), 0
             for b in batches:
                 for rec in b.to_pylist():
                     row += 1
